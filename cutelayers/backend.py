@@ -1,0 +1,70 @@
+"""Backend choice: which implementation a kernel call lowers to.
+
+The choice is made when lowering, per platform:
+
+* lowering for CUDA emits the CuTe kernel (``cute``) or the jnp reference (``reference``);
+* lowering for any other platform always emits the jnp reference.
+
+``auto`` (the default) picks kernels on CUDA GPUs of compute capability 9.x and the reference
+elsewhere, and logs once which one runs and why. ``cute`` insists on kernels and raises where they
+cannot run. ``reference`` always lowers the jnp reference.
+
+Set it with the ``CUTELAYERS_BACKEND`` environment variable or, for a region of code, with
+:func:`use_backend`. The setting is part of JAX's jit cache key, so a function jitted under one
+backend is re-traced, not silently reused, under another.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Iterator
+
+from jax._src import config as _jax_config
+
+BACKENDS = ("auto", "cute", "reference")
+
+logger = logging.getLogger("cutelayers")
+
+_env = os.environ.get("CUTELAYERS_BACKEND", "auto") or "auto"
+if _env not in BACKENDS:
+    raise ValueError(
+        f"CUTELAYERS_BACKEND={_env!r} is not a backend; allowed: {', '.join(BACKENDS)}"
+    )
+
+# A JAX config state rather than a plain context variable: JAX then keys its jit and trace caches
+# on it, so switching backends can never reuse an executable lowered for the other one.
+_backend_state = _jax_config.enum_state(
+    name="cutelayers_backend",
+    enum_values=list(BACKENDS),
+    default=_env,
+    help="cutelayers backend: auto, cute or reference.",
+    include_in_jit_key=True,
+    include_in_trace_context=True,
+)
+
+
+def current_backend() -> str:
+    """The backend in force here: ``"auto"``, ``"cute"`` or ``"reference"``."""
+    return _backend_state.value
+
+
+def use_backend(name: str) -> Iterator[None]:
+    """Context manager that sets the backend for code traced inside it.
+
+    >>> with cutelayers.use_backend("reference"):
+    ...     y = jax.jit(f)(x)
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {name!r}")
+    return _backend_state(name)
+
+
+_logged: set[tuple[str, str]] = set()
+
+
+def log_once(backend: str, why: str) -> None:
+    """Log which implementation runs and why, once per distinct (backend, reason)."""
+    if (backend, why) not in _logged:
+        _logged.add((backend, why))
+        logger.warning("cutelayers: running the %s path (%s)", backend, why)

@@ -1,0 +1,94 @@
+"""GPU benchmarks: ``python -m cutelayers.bench reduce [--rows R --n N ...]``.
+
+Every table states its floor first: the HBM copy bandwidth measured in the same run (a read+write
+elementwise pass over a large buffer), then each op's minimum bytes over its time, as % of that
+copy bandwidth, next to XLA's own version timed in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+import cutelayers as cl
+
+
+def time_fn(fn, *args, iters: int = 20, repeats: int = 7) -> float:
+    """Median seconds per call of a jitted ``fn``: batches of async calls, synchronized per batch."""
+    jax.block_until_ready(fn(*args))  # compile + warm up
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / iters)
+    return statistics.median(samples)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Bytes/s of a read+write elementwise pass (the practical HBM ceiling for row kernels)."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    t = time_fn(jax.jit(lambda x: x + 1.0), x)
+    return 2 * nbytes / t
+
+
+def bench_reduce(rows: int, ns: list[int], dtype) -> list[dict]:
+    bw = copy_bandwidth()
+    print(f"# device: {jax.devices()[0].device_kind}; copy bandwidth {bw / 1e12:.3f} TB/s (read+write)")
+    key = jax.random.key(0)
+    results = []
+    for n in ns:
+        x = jax.random.normal(key, (rows, n), jnp.float32).astype(dtype)
+        nbytes = x.size * x.dtype.itemsize + rows * x.dtype.itemsize
+        floor = nbytes / bw
+        for name, ours, xla in (
+            ("reduce_sum", cl.ops.reduce_sum, lambda x: jnp.sum(x, -1, dtype=jnp.float32).astype(x.dtype)),
+            ("reduce_max", cl.ops.reduce_max, lambda x: jnp.max(x, -1)),
+        ):
+            with cl.use_backend("cute"):
+                f = jax.jit(ours)
+                t = time_fn(f, x)
+            t_xla = time_fn(jax.jit(xla), x)
+            results.append(dict(op=name, rows=rows, n=n, dtype=jnp.dtype(dtype).name, us=t * 1e6,
+                                gbs=nbytes / t / 1e9, pct=100 * floor / t, xla_us=t_xla * 1e6,
+                                speedup=t_xla / t, floor_us=floor * 1e6))
+    return results
+
+
+def print_table(results: list[dict]) -> None:
+    print("| op | rows x N | dtype | floor us | time us | GB/s | % copy BW | XLA us | XLA/ours |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['op']} | {r['rows']} x {r['n']} | {r['dtype']} | {r['floor_us']:.1f} | {r['us']:.1f} | "
+              f"{r['gbs']:.0f} | {r['pct']:.1f} | {r['xla_us']:.1f} | {r['speedup']:.2f} |")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cutelayers.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="suite", required=True)
+    red = sub.add_parser("reduce", help="row reductions vs XLA")
+    red.add_argument("--rows", type=int, default=32768, help="rows M (default 32768)")
+    red.add_argument("--n", type=int, nargs="+", default=[4096], help="feature sizes N (default 4096)")
+    red.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    args = parser.parse_args(argv)
+    try:
+        jax.devices("cuda")
+    except RuntimeError:
+        print("cutelayers.bench needs a CUDA GPU; none is visible.", file=sys.stderr)
+        return 2
+    if args.suite == "reduce":
+        print_table(bench_reduce(args.rows, args.n, jnp.dtype(args.dtype)))
+    print("# cache:", {k: (v.compiles, v.hits, round(v.compile_seconds, 2)) for k, v in cl.cache_info().items()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Row reductions: building blocks shared by every row kernel, and the row-reduce kernel family.
+
+Layout: a CTA owns ``rows_per_cta`` rows; each row is covered by ``threads_per_row`` consecutive
+threads (so a row's threads share a warp, or whole warps). A thread loads ``vec`` contiguous
+elements per access (128-bit when the row length allows it) and ``unroll`` such accesses per step,
+all issued before any is used, then the CTA walks the row in steps of
+``threads_per_row * vec * unroll`` elements. Partial sums are kept in fp32 per thread, reduced
+across the row's lanes with butterfly shuffles and across its warps through shared memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, const_expr
+
+WARP = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class RowConfig:
+    """How a row kernel maps threads to a row: see the module docstring."""
+
+    threads_per_row: int
+    num_threads: int
+    unroll: int
+
+    @property
+    def rows_per_cta(self) -> int:
+        return self.num_threads // self.threads_per_row
+
+    @property
+    def warps_per_row(self) -> int:
+        return max(self.threads_per_row // WARP, 1)
+
+
+def vector_width(n: int, elem_bits: int) -> int:
+    """Elements per access: 128 bits where ``n`` keeps every row start aligned, else less."""
+    vec = 128 // elem_bits
+    while vec > 1 and n % vec:
+        vec //= 2
+    return vec
+
+
+def row_config(n: int, elem_bits: int) -> RowConfig:
+    """The heuristic config table for a row of ``n`` elements (see docs/benchmarks.md)."""
+    vec = vector_width(n, elem_bits)
+    chunks = math.ceil(n / vec)  # accesses needed to cover the row once
+    if chunks <= 64:
+        tpr = 1 << max(int(math.ceil(math.log2(max(chunks, 1)))), 0)
+        tpr = min(max(tpr, 4), 32)
+        return RowConfig(threads_per_row=tpr, num_threads=128, unroll=1)
+    if chunks <= 512:
+        return RowConfig(threads_per_row=32, num_threads=128, unroll=2)
+    if chunks <= 4096:
+        return RowConfig(threads_per_row=128, num_threads=256, unroll=4)
+    return RowConfig(threads_per_row=256, num_threads=256, unroll=4)
+
+
+@cute.jit
+def warp_reduce(val, op: cutlass.Constexpr, group: cutlass.Constexpr):
+    """Butterfly reduction over ``group`` consecutive lanes (a power of two <= 32)."""
+    offset = group // 2
+    while const_expr(offset > 0):
+        val = op(val, cute.arch.shuffle_sync_bfly(val, offset=offset))
+        offset = offset // 2
+    return val
+
+
+@cute.jit
+def row_allreduce(val, op: cutlass.Constexpr, init, config: cutlass.Constexpr, buffer):
+    """Reduce ``val`` over the threads of a row; every thread of the row gets the result.
+
+    ``buffer`` is a shared-memory tensor of shape (rows_per_cta, warps_per_row), used only when a
+    row spans several warps.
+    """
+    val = warp_reduce(val, op, min(config.threads_per_row, WARP))
+    if const_expr(config.warps_per_row > 1):
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        row = warp // config.warps_per_row
+        if lane == 0:
+            buffer[row, warp % config.warps_per_row] = val
+        cute.arch.barrier()
+        val = init
+        if lane < config.warps_per_row:
+            val = buffer[row, lane]
+        val = warp_reduce(val, op, WARP)
+    return val
+
+
+def row_tv_layout(config: RowConfig, vec: int):
+    """(tiler, thread-value layout) for one step over ``rows_per_cta`` rows.
+
+    Thread t handles row ``t // threads_per_row`` and, inside it, the ``vec``-wide chunk
+    ``t % threads_per_row`` of every ``threads_per_row * vec`` elements, ``unroll`` times.
+    """
+    tpr, rpc, unroll = config.threads_per_row, config.rows_per_cta, config.unroll
+    tiler = (rpc, tpr * vec * unroll)
+    tv = cute.make_layout(
+        ((tpr, rpc), (vec, unroll)),
+        stride=((vec * rpc, 1), (rpc, tpr * vec * rpc)),
+    )
+    return tiler, tv
+
+
+def nan_max(a, b):
+    return cute.arch.fmax(a, b, nan=True)  # IEEE maximum: NaN propagates, as jnp.max does
+
+
+class RowReduceKernel:
+    """out[r] = scale * reduce(x[r, :]) for ``op`` in {"sum", "max"}; fp32 accumulation.
+
+    ``x``: (M, n) with M symbolic; ``out``: (M,) in any float dtype.
+    """
+
+    def __init__(self, n: int, op: str, scale: float, elem_bits: int, config: RowConfig | None = None):
+        if op not in ("sum", "max"):
+            raise ValueError(f"op must be 'sum' or 'max'; got {op!r}")
+        self.n, self.op, self.scale = n, op, scale
+        self.vec = vector_width(n, elem_bits)
+        self.config = config or row_config(n, elem_bits)
+        self.tile_n = self.config.threads_per_row * self.vec * self.config.unroll
+        self.num_steps = math.ceil(n / self.tile_n)
+
+    @cute.jit
+    def __call__(self, stream, x: cute.Tensor, out: cute.Tensor):
+        config = self.config
+        tiler, tv = row_tv_layout(config, self.vec)
+        atom = cute.make_copy_atom(
+            cute.nvgpu.CopyUniversalOp(), x.element_type, num_bits_per_copy=x.element_type.width * self.vec
+        )
+        tiled_copy = cute.make_tiled_copy(atom, tv, tiler)
+        smem_bytes = config.rows_per_cta * config.warps_per_row * 4
+        self.kernel(x, out, tiled_copy, tiler).launch(
+            grid=[cute.ceil_div(x.shape[0], config.rows_per_cta), 1, 1],
+            block=[config.num_threads, 1, 1],
+            smem=smem_bytes,
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, x: cute.Tensor, out: cute.Tensor, tiled_copy: cute.TiledCopy, tiler: cutlass.Constexpr):
+        config = self.config
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        smem = cutlass.utils.SmemAllocator()
+        buffer = smem.allocate_tensor(
+            Float32, cute.make_layout((config.rows_per_cta, config.warps_per_row), stride=(config.warps_per_row, 1)), byte_alignment=4
+        )
+        is_sum = const_expr(self.op == "sum")
+        init = Float32(0.0) if is_sum else -Float32.inf
+        combine = operator.add if is_sum else nan_max
+
+        thr = tiled_copy.get_slice(tidx)
+        tXgX = thr.partition_S(cute.local_tile(x, tiler, (bidx, None)))
+        tXcX = thr.partition_S(cute.local_tile(cute.make_identity_tensor(x.shape), tiler, (bidx, None)))
+        frag = cute.make_fragment_like(tXgX[None, None, None, 0])
+        row = tXcX[0][0]
+        acc = init
+        if row < x.shape[0]:
+            for step in cutlass.range(self.num_steps, unroll=1):
+                if const_expr(self.n % self.tile_n == 0):
+                    cute.copy(tiled_copy, tXgX[None, None, None, step], frag)
+                else:
+                    coords = tXcX[None, None, None, step]
+                    pred = cute.make_rmem_tensor(
+                        cute.make_layout((cute.size(frag, mode=[0, 1]), cute.size(frag, mode=[1]), cute.size(frag, mode=[2])),
+                                         stride=(cute.size(frag, mode=[2]), 0, 1)),
+                        cutlass.Boolean,
+                    )
+                    for v in cutlass.range_constexpr(cute.size(pred, mode=[0])):
+                        for k in cutlass.range_constexpr(cute.size(pred, mode=[2])):
+                            pred[v, 0, k] = cute.elem_less(coords[(0, v), 0, k][1], self.n)
+                    frag.fill(0.0 if is_sum else -math.inf)
+                    cute.copy(tiled_copy, tXgX[None, None, None, step], frag, pred=pred)
+                vals = frag.load().to(Float32)
+                if const_expr(is_sum):
+                    acc = acc + vals.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+                else:
+                    for i in cutlass.range_constexpr(cute.size(frag)):
+                        acc = nan_max(acc, vals[i])
+        acc = row_allreduce(acc, combine, init, config, buffer)
+        if row < x.shape[0]:
+            if tidx % config.threads_per_row == 0:
+                out[row] = (acc * self.scale).to(out.element_type) if is_sum else acc.to(out.element_type)

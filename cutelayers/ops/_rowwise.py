@@ -1,0 +1,78 @@
+"""Shared plumbing of row-wise ops: argument checks, (rows, features) views, vmap folding."""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import jax
+import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
+
+from cutelayers.runtime.placement import check_arrays
+from cutelayers.runtime.primitive import KernelFamily, kernel_call
+from cutelayers.runtime.tensors import FLOAT_DTYPES
+
+
+def check_float_array(op: str, name: str, x, min_rank: int = 1) -> jax.Array:
+    """Validate a floating-point operand; returns it as a JAX array (or tracer)."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{op}: argument {name!r} must be an array; got {type(x).__name__}")
+    dtype = jnp.dtype(x.dtype)
+    if dtype not in FLOAT_DTYPES:
+        allowed = ", ".join(d.name for d in FLOAT_DTYPES)
+        raise TypeError(f"{op}: argument {name!r} has dtype {dtype.name}; allowed: {allowed}")
+    if len(x.shape) < min_rank:
+        raise ValueError(
+            f"{op}: argument {name!r} has rank {len(x.shape)} (shape {tuple(x.shape)}); "
+            f"it needs rank >= {min_rank}"
+        )
+    if min_rank and x.shape[-1] < 1:
+        raise ValueError(f"{op}: argument {name!r} has an empty last axis (shape {tuple(x.shape)})")
+    check_arrays({name: x}, op)
+    return jnp.asarray(x)
+
+
+def normalize_axis(op: str, axis, ndim: int) -> int:
+    try:
+        axis = operator.index(axis)
+    except TypeError:
+        raise TypeError(f"{op}: argument 'axis' must be an int; got {axis!r}") from None
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{op}: axis {axis} is out of range for an array of rank {ndim}")
+    return axis % ndim
+
+
+def call_on_rows(family: KernelFamily, x: jax.Array, *params: jax.Array) -> tuple[jax.Array, ...]:
+    """Run ``family`` on x viewed as (rows, features); results get x's leading shape back.
+
+    Each result of the kernel is (rows, ...); an empty row count skips the launch.
+    """
+    lead, n = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, n)
+    if rows.shape[0] == 0:
+        outs = [jnp.zeros(o.shape, o.dtype) for o in family.out_avals((rows, *params))]
+    else:
+        outs = kernel_call(family, rows, *params)
+    return tuple(o.reshape(*lead, *o.shape[1:]) for o in outs)
+
+
+def row_batched(fn):
+    """Wrap ``fn(*row_args)`` -- each arg with any leading shape -- in a ``custom_vmap``.
+
+    The rule moves the batch dim to the front and calls the wrapped function again, so batch dims
+    fold into rows: one kernel launch under any number of nested vmaps. An unbatched argument
+    next to batched ones is broadcast first (rows must line up).
+    """
+    batched_fn = custom_vmap(fn)
+
+    @batched_fn.def_vmap
+    def rule(axis_size, in_batched, *args):
+        args = [
+            a if b else jnp.broadcast_to(a, (axis_size, *a.shape))
+            for a, b in zip(args, in_batched)
+        ]
+        out = batched_fn(*args)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return functools.wraps(fn)(batched_fn)

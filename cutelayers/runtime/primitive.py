@@ -1,0 +1,227 @@
+"""The kernel-call primitive: one JAX primitive for every CuTe kernel.
+
+Abstract evaluation comes from the kernel family's output contract. Lowering is per platform:
+
+* ``cuda``: compile the family's ``@cute.jit`` launcher once per compile key (see
+  :mod:`cutelayers.runtime.cache`), register it as an XLA FFI target through TVM-FFI
+  (``jax_tvm_ffi.register_ffi_target``) and emit a custom call to it -- unless the backend says to
+  run the reference;
+* any other platform: the family's jnp reference, lowered with ``mlir.lower_fun``.
+
+Why TVM-FFI rather than ``cutlass.jax.cutlass_call``: the TVM-FFI function takes XLA's buffers and
+stream directly (no per-call Python, no extra descriptor marshalling), is CUDA-graph capturable, and
+lets us compile with our own fake tensors (symbolic row count, 16-byte alignment) and our own
+compile-once cache, whose statistics we report.
+
+The raw primitive has no JVP, transpose or batching rule on purpose: differentiation and vmap
+belong to the ops (``custom_vjp`` + ``custom_vmap``), which pick the right backward kernels and fold
+batch dims into rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+from typing import Any, Hashable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax._src import dispatch
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from cutelayers import backend as _backend
+from cutelayers.runtime import placement
+from cutelayers.runtime.cache import COMPILE_CACHE
+from cutelayers.runtime.tensors import fake_tensor
+
+
+class KernelFamily:
+    """One family of CuTe kernels, as the kernel-call primitive sees it.
+
+    Subclasses are small frozen descriptions (hashable: they are primitive parameters) that give
+
+    * ``name`` -- kernel name for cache statistics and FFI target names;
+    * ``arg_names`` -- operand names, for error messages;
+    * ``out_avals(avals)`` -- the output contract (``jax.ShapeDtypeStruct`` per result);
+    * ``reference(*arrays)`` -- the jnp implementation (non-CUDA platforms, reference backend);
+    * ``launcher(avals, out_avals)`` -- the ``@cute.jit`` callable
+      ``launcher(stream, *inputs, *outputs)`` for these dtypes and static dims;
+    * ``dynamic_dims(aval)`` -- which dims of an operand/result are symbolic (default: the leading
+      one, the row count; everything else is static and part of the compile key).
+    """
+
+    name: str = "kernel"
+    arg_names: tuple[str, ...] = ()
+    graph_safe: bool = True
+
+    def out_avals(self, avals: Sequence[jax.core.ShapedArray]) -> tuple[jax.ShapeDtypeStruct, ...]:
+        raise NotImplementedError
+
+    def reference(self, *arrays):
+        raise NotImplementedError
+
+    def launcher(self, avals, out_avals):
+        raise NotImplementedError
+
+    def dynamic_dims(self, aval) -> tuple[bool, ...]:
+        return tuple(i == 0 for i in range(len(aval.shape)))
+
+    def static_key(self, avals, out_avals) -> Hashable:
+        """Everything that decides a recompile: dtypes, static dims, the family's own fields."""
+        def describe(a):
+            dyn = self.dynamic_dims(a)
+            return (jnp.dtype(a.dtype).name, tuple(None if d else s for s, d in zip(a.shape, dyn)))
+
+        return (self, tuple(map(describe, avals)), tuple(map(describe, out_avals)))
+
+
+def _versions() -> tuple[str, ...]:
+    def v(dist):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "none"
+
+    return (v("cutelayers"), v("nvidia-cutlass-dsl"), v("jax"), v("apache-tvm-ffi"))
+
+
+@functools.cache
+def library_versions() -> tuple[str, ...]:
+    """(cutelayers, nvidia-cutlass-dsl, jax, apache-tvm-ffi) versions; part of every compile key."""
+    return _versions()
+
+
+def target_arch() -> tuple[str | None, str]:
+    """The GPU architecture kernels are built for, and where that answer came from.
+
+    A visible CUDA device decides; without one, ``CUTE_DSL_ARCH`` (e.g. ``sm_90a``) allows
+    compiling for a GPU this machine does not have.
+    """
+    import os
+
+    try:
+        gpus = jax.devices("cuda")
+    except RuntimeError:
+        gpus = []
+    if gpus:
+        cc = getattr(gpus[0], "compute_capability", None)
+        if cc:
+            major, minor = str(cc).split(".")
+            return f"sm_{major}{minor}{'a' if major == '9' else ''}", f"{gpus[0].device_kind}, compute capability {cc}"
+    arch = os.environ.get("CUTE_DSL_ARCH")
+    if arch:
+        return arch, f"no CUDA device visible; CUTE_DSL_ARCH={arch}"
+    return None, "no CUDA device visible and CUTE_DSL_ARCH unset"
+
+
+def _kernels_supported(arch: str | None) -> bool:
+    return arch is not None and arch.startswith("sm_9")
+
+
+def choose_path(op: str) -> str:
+    """``"cute"`` or ``"reference"`` for a call lowered for CUDA, per the backend rules."""
+    choice = _backend.current_backend()
+    if choice == "reference":
+        _backend.log_once("reference", "CUTELAYERS_BACKEND/use_backend says 'reference'")
+        return "reference"
+    arch, why = target_arch()
+    if _kernels_supported(arch):
+        _backend.log_once("CuTe kernel", f"{why}")
+        return "cute"
+    if choice == "cute":
+        raise RuntimeError(
+            f"{op}: backend 'cute' needs a Hopper GPU (compute capability 9.x) but the target is "
+            f"{arch or 'unknown'} ({why}). Use backend 'auto' or 'reference', or set "
+            "CUTE_DSL_ARCH=sm_90a to compile for a GPU this machine does not have."
+        )
+    _backend.log_once("reference", f"kernels need compute capability 9.x; {why}")
+    return "reference"
+
+
+def _compile(family: KernelFamily, avals, out_avals, target: str):
+    """Compile ``family``'s launcher against fake tensors and register it as FFI target."""
+    import cutlass.cute as cute
+    import jax_tvm_ffi
+    from cutlass.cute.runtime import make_fake_stream
+
+    symbols: dict[int, Any] = {}
+    fakes = [fake_tensor(a.dtype, a.shape, family.dynamic_dims(a), symbols) for a in (*avals, *out_avals)]
+    compiled = cute.compile(
+        family.launcher(avals, out_avals),
+        make_fake_stream(use_tvm_ffi_env_stream=True),  # XLA's stream, passed through TVM-FFI
+        *fakes,
+        options="--enable-tvm-ffi",
+    )
+    function = compiled.__tvm_ffi_object__() if hasattr(compiled, "__tvm_ffi_object__") else compiled
+    jax_tvm_ffi.register_ffi_target(
+        target, function, ["args", "rets"], platform="gpu", allow_cuda_graph=family.graph_safe
+    )
+    return target, compiled  # keep `compiled` alive: it owns the loaded code
+
+
+def ffi_target_for(family: KernelFamily, avals, out_avals) -> str:
+    """The FFI target name of the compiled kernel for these avals, compiling it at most once."""
+    arch, _ = target_arch()
+    key = (family.static_key(avals, out_avals), arch, library_versions())
+    digest = hashlib.sha256(repr((key, COMPILE_CACHE.generation)).encode()).hexdigest()[:16]
+    target = f"cutelayers_{family.name}_{digest}"
+    name, _ = COMPILE_CACHE.get_or_compile(
+        family.name, key, lambda: _compile(family, avals, out_avals, target)
+    )
+    return name
+
+
+# --- the primitive -------------------------------------------------------------------------------
+
+kernel_call_p = Primitive("cutelayers_kernel_call")
+kernel_call_p.multiple_results = True
+kernel_call_p.def_impl(functools.partial(dispatch.apply_primitive, kernel_call_p))
+
+
+def kernel_call(family: KernelFamily, *arrays) -> tuple[jax.Array, ...]:
+    """Call ``family``'s kernel on ``arrays``; returns the tuple of results."""
+    return tuple(kernel_call_p.bind(*arrays, family=family))
+
+
+@kernel_call_p.def_abstract_eval
+def _abstract_eval(*avals, family: KernelFamily):
+    return [jax.core.ShapedArray(o.shape, o.dtype) for o in family.out_avals(avals)]
+
+
+def _reference_lowering(ctx, *args, family: KernelFamily):
+    return mlir.lower_fun(lambda *a: tuple(family.reference(*a)), multiple_results=True)(ctx, *args)
+
+
+def _cuda_lowering(ctx, *args, family: KernelFamily):
+    if choose_path(family.name) == "reference":
+        return _reference_lowering(ctx, *args, family=family)
+    placement.check_lowering_context(ctx, family.name, family.arg_names)
+    target = ffi_target_for(family, ctx.avals_in, ctx.avals_out)
+    return jax.ffi.ffi_lowering(target)(ctx, *args)
+
+
+def _other_platform_lowering(ctx, *args, family: KernelFamily):
+    platforms = ", ".join(ctx.module_context.platforms)
+    _backend.log_once("reference", f"lowering for {platforms}: CuTe kernels run only on CUDA")
+    return _reference_lowering(ctx, *args, family=family)
+
+
+mlir.register_lowering(kernel_call_p, _other_platform_lowering)
+mlir.register_lowering(kernel_call_p, _cuda_lowering, platform="cuda")
+
+
+def _no_transform(kind: str):
+    def rule(*args, family: KernelFamily, **kwargs):
+        raise NotImplementedError(
+            f"{kind} of the raw kernel call for {family.name!r} is not defined. Use the cutelayers "
+            "op that wraps it (it carries jax.custom_vjp and jax.custom_batching.custom_vmap rules)."
+        )
+
+    return rule
+
+
+ad.primitive_jvps[kernel_call_p] = _no_transform("JVP (differentiation)")
+ad.primitive_transposes[kernel_call_p] = _no_transform("Transposition")
+batching.primitive_batchers[kernel_call_p] = _no_transform("Batching (vmap)")
