@@ -148,7 +148,7 @@ class RowReduceKernel:
         config = self.config
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         buffer = smem.allocate_tensor(
             Float32, cute.make_layout((config.rows_per_cta, config.warps_per_row), stride=(config.warps_per_row, 1)), byte_alignment=4
         )

@@ -187,7 +187,14 @@ def kernel_call(family: KernelFamily, *arrays) -> tuple[jax.Array, ...]:
 
 @kernel_call_p.def_abstract_eval
 def _abstract_eval(*avals, family: KernelFamily):
-    return [jax.core.ShapedArray(o.shape, o.dtype) for o in family.out_avals(avals)]
+    # Inside shard_map, results vary over the same manual mesh axes as the row operand (always
+    # first): `update` carries that type over, whatever this JAX version calls it.
+    row = avals[0]
+    return [
+        row.update(shape=o.shape, dtype=o.dtype, weak_type=False,
+                   sharding=row.sharding.update(spec=jax.sharding.PartitionSpec(*[None] * len(o.shape))))
+        for o in family.out_avals(avals)
+    ]
 
 
 def _reference_lowering(ctx, *args, family: KernelFamily):
