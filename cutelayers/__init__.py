@@ -4,11 +4,13 @@ Public surface:
 
 * :mod:`cutelayers.ops` -- differentiable ops (``reduce_sum``, ``reduce_mean``, ``reduce_max``, ...);
 * :func:`use_backend`, :func:`current_backend` -- choose kernels or the jnp reference;
-* :func:`cache_info`, :func:`clear_cache` -- the compile-once cache and its statistics.
+* :func:`cache_info`, :func:`clear_cache` -- the compile-once cache and its statistics;
+* :func:`cute_call`, :func:`custom_op`, :func:`rowwise_vmap` -- bring your own CuTe kernel.
 """
 
 from cutelayers import ops
 from cutelayers.backend import BACKENDS, current_backend, use_backend
+from cutelayers.cute_call import cute_call, custom_op, rowwise_vmap
 from cutelayers.runtime.cache import KernelStats, cache_info, clear_cache
 
 __version__ = "0.1.0"
@@ -19,6 +21,9 @@ __all__ = [
     "cache_info",
     "clear_cache",
     "current_backend",
+    "cute_call",
+    "custom_op",
     "ops",
+    "rowwise_vmap",
     "use_backend",
 ]

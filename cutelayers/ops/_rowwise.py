@@ -57,22 +57,41 @@ def call_on_rows(family: KernelFamily, x: jax.Array, *params: jax.Array) -> tupl
     return tuple(o.reshape(*lead, *o.shape[1:]) for o in outs)
 
 
-def row_batched(fn):
-    """Wrap ``fn(*row_args)`` -- each arg with any leading shape -- in a ``custom_vmap``.
+def row_batched(fn, shared: tuple[int, ...] = ()):
+    """Wrap ``fn(*args)`` in a ``custom_vmap`` that folds batch dims into rows.
 
-    The rule moves the batch dim to the front and calls the wrapped function again, so batch dims
-    fold into rows: one kernel launch under any number of nested vmaps. An unbatched argument
-    next to batched ones is broadcast first (rows must line up).
+    Every positional argument not listed in ``shared`` is row-wise: a pytree of arrays with any
+    leading shape, rows lined up across arguments. The rule moves each batch dim to the front and
+    calls the wrapped function again, so nested vmaps become one kernel launch over more rows; an
+    unbatched row-wise argument next to batched ones is broadcast first.
+
+    ``shared`` arguments (parameters such as a scale vector) are the same for every row. When one
+    of them is batched (a per-example parameter) rows can no longer share it, and the rule falls
+    back to ``jax.lax.map`` over the batch: correct, one launch per example.
     """
     batched_fn = custom_vmap(fn)
 
     @batched_fn.def_vmap
     def rule(axis_size, in_batched, *args):
-        args = [
-            a if b else jnp.broadcast_to(a, (axis_size, *a.shape))
-            for a, b in zip(args, in_batched)
-        ]
-        out = batched_fn(*args)
+        shared_batched = any(
+            any(jax.tree.leaves(in_batched[i])) for i in shared if i < len(args)
+        )
+        if shared_batched:
+            def one(example):
+                return batched_fn(*example)
+
+            example_args = [
+                jax.tree.map(lambda a, b: a if b else jnp.broadcast_to(a, (axis_size, *a.shape)), arg, bat)
+                for arg, bat in zip(args, in_batched)
+            ]
+            out = jax.lax.map(one, tuple(example_args))
+        else:
+            args = [
+                arg if i in shared else jax.tree.map(
+                    lambda a, b: a if b else jnp.broadcast_to(a, (axis_size, *a.shape)), arg, bat)
+                for i, (arg, bat) in enumerate(zip(args, in_batched))
+            ]
+            out = batched_fn(*args)
         return out, jax.tree.map(lambda _: True, out)
 
     return functools.wraps(fn)(batched_fn)

@@ -68,13 +68,38 @@ class KernelFamily:
     def dynamic_dims(self, aval) -> tuple[bool, ...]:
         return tuple(i == 0 for i in range(len(aval.shape)))
 
-    def static_key(self, avals, out_avals) -> Hashable:
-        """Everything that decides a recompile: dtypes, static dims, the family's own fields."""
-        def describe(a):
-            dyn = self.dynamic_dims(a)
-            return (jnp.dtype(a.dtype).name, tuple(None if d else s for s, d in zip(a.shape, dyn)))
+    def dynamic_dims_at(self, position: int, aval) -> tuple[bool, ...]:
+        """Dynamic dims of operand/result ``position`` (results follow operands)."""
+        return self.dynamic_dims(aval)
 
-        return (self, tuple(map(describe, avals)), tuple(map(describe, out_avals)))
+    def modes_at(self, position: int):
+        """The mode order the kernel sees for operand/result ``position`` (None: as stored)."""
+        return None
+
+    def compile_kwargs(self) -> dict:
+        """Constexpr keyword arguments passed to ``cute.compile`` with the launcher."""
+        return {}
+
+    def operand_output_aliases(self) -> dict[int, int] | None:
+        """{operand index: result index} for results written in place of an operand."""
+        return None
+
+    def static_key(self, avals, out_avals) -> Hashable:
+        """Everything that decides a recompile: dtypes, static dims, which dynamic dims are equal
+        (they share one symbol), the family's own fields. Never the dynamic sizes themselves."""
+        classes: dict[int, int] = {}
+
+        def describe(position, a):
+            dyn = self.dynamic_dims_at(position, a)
+            dims = tuple(("dyn", classes.setdefault(s, len(classes))) if d else s for s, d in zip(a.shape, dyn))
+            return (jnp.dtype(a.dtype).name, dims)
+
+        every = (*avals, *out_avals)
+        return (self.identity(), tuple(describe(i, a) for i, a in enumerate(every)))
+
+    def identity(self) -> Hashable:
+        """What identifies the kernel in the compile key (the family itself by default)."""
+        return self
 
 
 def _versions() -> tuple[str, ...]:
@@ -147,12 +172,16 @@ def _compile(family: KernelFamily, avals, out_avals, target: str):
     from cutlass.cute.runtime import make_fake_stream
 
     symbols: dict[int, Any] = {}
-    fakes = [fake_tensor(a.dtype, a.shape, family.dynamic_dims(a), symbols) for a in (*avals, *out_avals)]
+    fakes = [
+        fake_tensor(a.dtype, a.shape, family.dynamic_dims_at(i, a), symbols, family.modes_at(i))
+        for i, a in enumerate((*avals, *out_avals))
+    ]
     compiled = cute.compile(
         family.launcher(avals, out_avals),
         make_fake_stream(use_tvm_ffi_env_stream=True),  # XLA's stream, passed through TVM-FFI
         *fakes,
         options="--enable-tvm-ffi",
+        **family.compile_kwargs(),
     )
     function = compiled.__tvm_ffi_object__() if hasattr(compiled, "__tvm_ffi_object__") else compiled
     jax_tvm_ffi.register_ffi_target(
@@ -206,7 +235,9 @@ def _cuda_lowering(ctx, *args, family: KernelFamily):
         return _reference_lowering(ctx, *args, family=family)
     placement.check_lowering_context(ctx, family.name, family.arg_names)
     target = ffi_target_for(family, ctx.avals_in, ctx.avals_out)
-    return jax.ffi.ffi_lowering(target)(ctx, *args)
+    aliases = family.operand_output_aliases()
+    lowering = jax.ffi.ffi_lowering(target, **({"operand_output_aliases": aliases} if aliases else {}))
+    return lowering(ctx, *args)
 
 
 def _other_platform_lowering(ctx, *args, family: KernelFamily):

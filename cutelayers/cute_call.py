@@ -1,0 +1,296 @@
+"""Bring your own kernel: call a user-written CuTe DSL launcher from JAX.
+
+``cute_call`` gives user kernels the machinery the layers use: the kernel-call primitive, the
+compile-once cache (statistics under ``name`` in :func:`cutelayers.cache_info`), placement checks,
+per-platform lowering, and helpers for differentiation (:func:`custom_op`) and batching
+(:func:`rowwise_vmap`).
+
+Signature rules. The launcher is a ``@cute.jit`` function
+``launcher(stream, *inputs, *outputs, **constexpr)``:
+
+* ``inputs`` are the call's positional arguments, pytrees flattened in order; ``outputs`` are the
+  leaves of ``out_shape`` in order, minus those written in place of an input
+  (``input_output_aliases``);
+* ``constexpr`` values are the keyword arguments given to :func:`cute_call` (Python values, never
+  arrays); they are compile-time constants and part of the compile key;
+* ``stream`` is XLA's stream for the call.
+
+Dynamic vs static dims. Each dim a kernel sees is either static (a compile-time constant, part of
+the compile key) or dynamic (``cute.sym_int``: one compile serves every size). By default the
+leading dim of every array is dynamic and the rest static, so one compile serves every batch size.
+Dynamic dims that are equal at a call share one symbol (the kernel may rely on that); a call where
+they differ compiles separately.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable, Hashable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from cutelayers.ops._rowwise import row_batched
+from cutelayers.runtime.placement import check_arrays
+from cutelayers.runtime.primitive import KernelFamily, kernel_call
+from cutelayers.runtime.tensors import cutlass_dtype
+
+__all__ = ["cute_call", "custom_op", "rowwise_vmap"]
+
+
+@dataclasses.dataclass(frozen=True)
+class UserKernel(KernelFamily):
+    """A user launcher with its call plan; a hashable primitive parameter."""
+
+    user_launcher: Callable
+    kernel_name: str
+    out_structs: tuple[tuple[tuple[int, ...], str], ...]
+    out_tree: Any
+    in_tree: Any
+    dynamic: tuple[tuple[int, ...], ...]  # per operand, then per result
+    modes: tuple[tuple[int, ...] | None, ...]
+    aliases: tuple[tuple[int, int], ...]
+    constexpr: tuple[tuple[str, Hashable], ...]
+    compile_key: Hashable | None
+    user_reference: Callable | None
+    graph_safe: bool = True
+
+    @property
+    def name(self) -> str:
+        return self.kernel_name
+
+    @property
+    def arg_names(self) -> tuple[str, ...]:
+        return tuple(f"input[{i}]" for i in range(self.in_tree.num_leaves))
+
+    def identity(self):
+        # Result shapes enter the key through out_avals (dynamic dims masked), not through here;
+        # the reference never shapes the kernel; a user compile_key stands for the launcher.
+        plan = dataclasses.replace(self, out_structs=None, user_reference=None)
+        if self.compile_key is None:
+            return plan
+        return (self.compile_key, dataclasses.replace(plan, user_launcher=None))
+
+    def out_avals(self, avals):
+        return tuple(jax.ShapeDtypeStruct(s, d) for s, d in self.out_structs)
+
+    def dynamic_dims_at(self, position, aval):
+        return tuple(axis in self.dynamic[position] for axis in range(len(aval.shape)))
+
+    def modes_at(self, position):
+        return self.modes[position]
+
+    def operand_output_aliases(self):
+        return dict(self.aliases) or None
+
+    def compile_kwargs(self):
+        n_in = self.in_tree.num_leaves
+        aliased = {o for _, o in self.aliases}
+        kept = tuple(o for o in range(len(self.out_structs)) if o not in aliased)
+        return {"launcher": self.user_launcher, "plan": (n_in, kept, self.constexpr)}
+
+    def launcher(self, avals, out_avals):
+        from cutelayers.kernels.user import call_user_launcher
+
+        return call_user_launcher
+
+    def reference(self, *arrays):
+        if self.user_reference is None:
+            raise NotImplementedError(
+                f"cute_call {self.kernel_name!r} has no reference implementation, so it only lowers "
+                "for CUDA with a Hopper target. Pass reference=fn (jnp, same inputs and outputs) to "
+                "run it on other platforms and under the 'reference' backend."
+            )
+        inputs = jax.tree.unflatten(self.in_tree, arrays)
+        outs = self.user_reference(*inputs, **dict(self.constexpr))
+        flat, tree = jax.tree.flatten(outs)
+        if tree != self.out_tree:
+            raise ValueError(f"reference of {self.kernel_name!r} returned structure {tree}; out_shape is {self.out_tree}")
+        return tuple(flat)
+
+
+def _positional_tensor_params(launcher) -> int | None:
+    """How many tensors the launcher takes after ``stream`` (None: it takes *args)."""
+    try:
+        params = list(inspect.signature(launcher).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) - 1
+
+
+def _check_modes(kind: str, modes, ranks: Sequence[int]):
+    if modes is None:
+        return (None,) * len(ranks)
+    modes = tuple(modes)
+    if len(modes) != len(ranks):
+        raise ValueError(f"{kind}_modes has {len(modes)} entries; there are {len(ranks)} {kind} arrays")
+    out = []
+    for i, (m, rank) in enumerate(zip(modes, ranks)):
+        if m is not None:
+            m = tuple(int(a) for a in m)
+            if sorted(m) != list(range(rank)):
+                raise ValueError(
+                    f"{kind}_modes[{i}] = {m} is not a permutation of the dims of a rank-{rank} array "
+                    f"(expected an ordering of {tuple(range(rank))})"
+                )
+        out.append(m)
+    return tuple(out)
+
+
+def _dynamic_spec(dynamic_dims, ranks: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """Normalize ``dynamic_dims``: one tuple for every array, or one tuple per array."""
+    if dynamic_dims is ... or dynamic_dims is None:
+        dynamic_dims = (0,)
+    dynamic_dims = tuple(dynamic_dims)
+    per_array = dynamic_dims and all(isinstance(d, (tuple, list)) for d in dynamic_dims)
+    spec = tuple(tuple(d) for d in dynamic_dims) if per_array else (dynamic_dims,) * len(ranks)
+    if len(spec) != len(ranks):
+        raise ValueError(f"dynamic_dims has {len(spec)} entries; there are {len(ranks)} arrays (inputs then outputs)")
+    for i, (dims, rank) in enumerate(zip(spec, ranks)):
+        for d in dims:
+            if not isinstance(d, int) or not -rank <= d < max(rank, 1):
+                raise ValueError(f"dynamic_dims entry {i} names dim {d!r}, but that array has rank {rank}")
+    return tuple(tuple(sorted({d % rank for d in dims})) if rank else () for dims, rank in zip(spec, ranks))
+
+
+def cute_call(
+    launcher: Callable,
+    *,
+    out_shape,
+    input_output_aliases: dict[int, int] | None = None,
+    dynamic_dims=...,
+    input_modes=None,
+    output_modes=None,
+    compile_key: Hashable | None = None,
+    name: str | None = None,
+    reference: Callable | None = None,
+    graph_safe: bool = True,
+    **constexpr,
+) -> Callable:
+    """Make a JAX-callable from a CuTe DSL launcher (see the module docstring for the rules).
+
+    Args:
+      launcher: ``@cute.jit`` function ``launcher(stream, *inputs, *outputs, **constexpr)``.
+      out_shape: pytree of ``jax.ShapeDtypeStruct`` (or objects with ``shape`` and ``dtype``).
+      input_output_aliases: ``{input leaf index: output leaf index}``; that output is written in
+        place of the input (pass it donated, e.g. ``jax.jit(..., donate_argnums=...)``, or XLA
+        copies it first). The launcher does not receive aliased outputs.
+      dynamic_dims: dims that are symbolic: one tuple for every array (default ``(0,)``, the
+        leading dim), or one tuple per array, inputs then outputs (``()`` for fully static).
+      input_modes, output_modes: per array, ``None`` or the order in which the kernel sees its
+        dims (e.g. ``(1, 0)`` to see a row-major (M, K) array as (K, M)).
+      compile_key: a hashable that identifies the launcher (instead of the function object), so
+        re-created launchers share compiled kernels.
+      name: kernel name in cache statistics and profiles (default: the launcher's name).
+      reference: optional jnp function with the kernel's inputs/outputs (and the constexpr
+        keywords); used on non-CUDA platforms and under the 'reference' backend.
+      graph_safe: whether the kernel may be captured in CUDA graphs.
+      **constexpr: compile-time constants passed to the launcher as keywords.
+
+    Returns:
+      ``f(*inputs)`` returning a pytree shaped like ``out_shape``. Differentiate it with
+      :func:`custom_op`; vmap it with :func:`rowwise_vmap` (or :func:`custom_op`'s ``rowwise``).
+    """
+    if not callable(launcher):
+        raise TypeError(f"cute_call: launcher must be a @cute.jit function; got {type(launcher).__name__}")
+    for key, value in constexpr.items():
+        if any(isinstance(leaf, (jax.Array, jax.core.Tracer)) or hasattr(leaf, "__jax_array__")
+               for leaf in jax.tree.leaves(value)):
+            raise TypeError(
+                f"cute_call: keyword {key!r} holds a JAX array. Keywords are compile-time constants; "
+                "pass arrays positionally to the returned function."
+            )
+        try:
+            hash(value)
+        except TypeError:
+            raise TypeError(f"cute_call: keyword {key!r} = {value!r} is not hashable; constexpr values must be") from None
+    out_leaves, out_tree = jax.tree.flatten(out_shape)
+    for i, leaf in enumerate(out_leaves):
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+            raise TypeError(f"cute_call: out_shape leaf {i} is {leaf!r}; expected jax.ShapeDtypeStruct")
+        cutlass_dtype(leaf.dtype)  # raises for dtypes CuTe cannot take
+    out_structs = tuple((tuple(int(d) for d in leaf.shape), jnp.dtype(leaf.dtype).name) for leaf in out_leaves)
+    kernel_name = name or getattr(launcher, "__name__", "cute_call")
+    aliases = tuple(sorted((int(i), int(o)) for i, o in (input_output_aliases or {}).items()))
+    expected_tensors = _positional_tensor_params(launcher)
+
+    def call(*inputs):
+        flat, in_tree = jax.tree.flatten(inputs)
+        for i, x in enumerate(flat):
+            if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+                raise TypeError(f"{kernel_name}: input leaf {i} is {type(x).__name__}; expected an array")
+            try:
+                cutlass_dtype(x.dtype)
+            except TypeError as e:
+                raise TypeError(f"{kernel_name}: input leaf {i}: {e}") from None
+        check_arrays({f"input[{i}]": x for i, x in enumerate(flat)}, kernel_name)
+        n_kept = len(out_leaves) - len(aliases)
+        if expected_tensors is not None and expected_tensors != len(flat) + n_kept:
+            raise TypeError(
+                f"{kernel_name}: the launcher takes {expected_tensors} tensors after stream, but the "
+                f"call passes {len(flat)} input(s) and {n_kept} output(s) (launcher(stream, *inputs, "
+                "*outputs, **constexpr); outputs aliased to inputs are not passed)"
+            )
+        for i, o in aliases:
+            if i >= len(flat) or o >= len(out_leaves):
+                raise ValueError(f"{kernel_name}: input_output_aliases {i}: {o} is out of range "
+                                 f"({len(flat)} inputs, {len(out_leaves)} outputs)")
+            want, have = out_structs[o], (tuple(flat[i].shape), jnp.dtype(flat[i].dtype).name)
+            if want != have:
+                raise ValueError(f"{kernel_name}: input {i} (shape/dtype {have}) is aliased to output {o}, "
+                                 f"which out_shape declares as {want}")
+        ranks = [len(x.shape) for x in flat] + [len(s) for s, _ in out_structs]
+        family = UserKernel(
+            user_launcher=launcher, kernel_name=kernel_name, out_structs=out_structs, out_tree=out_tree,
+            in_tree=in_tree, dynamic=_dynamic_spec(dynamic_dims, ranks),
+            modes=_check_modes("input", input_modes, ranks[: len(flat)])
+            + _check_modes("output", output_modes, ranks[len(flat):]),
+            aliases=aliases, constexpr=tuple(sorted(constexpr.items())), compile_key=compile_key,
+            user_reference=reference, graph_safe=graph_safe,
+        )
+        with jax.named_scope(kernel_name):
+            outs = kernel_call(family, *flat)
+        return jax.tree.unflatten(out_tree, outs)
+
+    return call
+
+
+def rowwise_vmap(fn: Callable, *, shared: tuple[int, ...] = ()) -> Callable:
+    """Make ``fn`` vmappable by folding batch dims into rows (one launch under nested vmaps).
+
+    Every positional argument of ``fn`` not in ``shared`` must be row-wise: arrays (or pytrees of
+    arrays) whose leading dims are rows, lined up across arguments, with outputs row-wise too.
+    A batched ``shared`` argument (per-example parameters) falls back to ``jax.lax.map``.
+    """
+    return row_batched(fn, shared=tuple(shared))
+
+
+def custom_op(forward: Callable, backward: Callable, *, rowwise: bool = False):
+    """Turn a forward and a backward kernel call into a differentiable (and vmappable) op.
+
+    Args:
+      forward: ``forward(*args) -> (outputs, residuals)``; residuals are a pytree of arrays.
+      backward: ``backward(residuals, cotangents) -> tuple`` of cotangents, one per arg.
+      rowwise: wrap both in :func:`rowwise_vmap`; every arg, output, residual and cotangent must
+        then be row-wise. (Ops with shared parameters combine :func:`rowwise_vmap` with
+        ``shared=`` and ``jax.custom_vjp`` directly, as ``cutelayers.ops`` does.)
+
+    Returns:
+      ``op(*args) -> outputs`` with ``jax.custom_vjp`` rules (and ``custom_vmap`` if rowwise).
+    """
+    fwd = rowwise_vmap(forward) if rowwise else forward
+    bwd = rowwise_vmap(backward) if rowwise else backward
+
+    @jax.custom_vjp
+    def op(*args):
+        return fwd(*args)[0]
+
+    def op_bwd(residuals, cotangents):
+        return tuple(bwd(residuals, cotangents))
+
+    op.defvjp(fwd, op_bwd)
+    return op

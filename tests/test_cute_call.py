@@ -1,0 +1,166 @@
+"""cutelayers.cute_call: user kernels through the same primitive, cache and checks as the layers."""
+
+import os
+import sys
+
+import cutlass
+import cutlass.cute as cute
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cutelayers as cl
+from numerics import random
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import custom_kernel as ck  # noqa: E402
+
+
+@cute.kernel
+def _add_kernel(x: cute.Tensor, y: cute.Tensor, amount: cutlass.Constexpr):
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    i = bidx * 128 + tidx
+    if i < x.shape[0]:
+        y[i] = x[i] + amount
+
+
+@cute.jit
+def add_launcher(stream, x: cute.Tensor, y: cute.Tensor, *, amount: cutlass.Constexpr = 1.0):
+    _add_kernel(x, y, amount).launch(grid=[cute.ceil_div(x.shape[0], 128), 1, 1], block=[128, 1, 1], stream=stream)
+
+
+@cute.jit
+def add_in_place_launcher(stream, x: cute.Tensor, *, amount: cutlass.Constexpr = 1.0):
+    _add_kernel(x, x, amount).launch(grid=[cute.ceil_div(x.shape[0], 128), 1, 1], block=[128, 1, 1], stream=stream)
+
+
+def add(x, amount=1.0, **kw):
+    return cl.cute_call(add_launcher, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), name="add",
+                        reference=lambda x, amount: x + amount, amount=amount, **kw)(x)
+
+
+def lower_cuda(f, *avals):
+    return jax.jit(f).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    cl.clear_cache()
+    jax.clear_caches()
+
+
+def test_reference_runs_off_gpu_and_kernel_lowers_for_cuda():
+    x = jnp.arange(5.0)
+    np.testing.assert_allclose(jax.jit(lambda x: add(x, 2.5))(x), x + 2.5)
+    hlo = lower_cuda(lambda x: add(x, 2.5), jax.ShapeDtypeStruct((300,), jnp.float32))
+    assert "custom_call @cutelayers_add_" in hlo
+    lower_cuda(lambda x: add(x, 2.5), jax.ShapeDtypeStruct((7,), jnp.float32))  # new size: no compile
+    lower_cuda(lambda x: add(x, 4.0), jax.ShapeDtypeStruct((7,), jnp.float32))  # new constexpr: compile
+    assert cl.cache_info()["add"].compiles == 2
+
+
+def test_compile_key_shares_compiles_between_launcher_objects():
+    def make():
+        @cute.jit
+        def launcher(stream, x: cute.Tensor, y: cute.Tensor):
+            _add_kernel(x, y, 1.0).launch(grid=[cute.ceil_div(x.shape[0], 128), 1, 1], block=[128, 1, 1], stream=stream)
+        return launcher
+
+    aval = jax.ShapeDtypeStruct((64,), jnp.float32)
+    for _ in range(3):
+        f = cl.cute_call(make(), out_shape=aval, name="keyed", compile_key="add-one-v1")
+        lower_cuda(f, aval)
+    assert cl.cache_info()["keyed"].compiles == 1
+    f = cl.cute_call(make(), out_shape=aval, name="unkeyed")
+    g = cl.cute_call(make(), out_shape=aval, name="unkeyed")
+    lower_cuda(f, aval), lower_cuda(g, aval)
+    assert cl.cache_info()["unkeyed"].compiles == 2  # two launcher objects, no key: two kernels
+
+
+def test_aliases_lower_to_output_operand_aliases():
+    f = cl.cute_call(add_in_place_launcher, out_shape=jax.ShapeDtypeStruct((256,), jnp.float32),
+                     input_output_aliases={0: 0}, name="add_in_place")
+    hlo = lower_cuda(f, jax.ShapeDtypeStruct((256,), jnp.float32))
+    assert "output_operand_aliases" in hlo
+
+
+def test_pytree_inputs_outputs_and_modes():
+    @cute.jit
+    def launcher(stream, a: cute.Tensor, b: cute.Tensor, out_t: cute.Tensor, out_s: cute.Tensor):
+        pass  # compile-only: the structure and the mode view are what is tested
+
+    inputs = {"a": jax.ShapeDtypeStruct((32, 16), jnp.bfloat16), "b": jax.ShapeDtypeStruct((32,), jnp.float32)}
+    out_shape = (jax.ShapeDtypeStruct((32, 16), jnp.bfloat16), {"s": jax.ShapeDtypeStruct((32,), jnp.float32)})
+    f = cl.cute_call(launcher, out_shape=out_shape, input_modes=[(1, 0), None], output_modes=[(1, 0), None],
+                     dynamic_dims=[(0,), (0,), (0,), ()], name="tree")
+    lowered = jax.jit(f).trace(inputs).lower(lowering_platforms=("cuda",))
+    out_tree = jax.tree.structure(lowered.out_info)
+    assert out_tree == jax.tree.structure(out_shape)
+    assert cl.cache_info()["tree"].compiles == 1
+
+
+def test_misuse_errors():
+    x = jnp.ones((8,), jnp.float32)
+    aval = jax.ShapeDtypeStruct((8,), jnp.float32)
+    with pytest.raises(TypeError, match=r"keyword 'amount' holds a JAX array"):
+        cl.cute_call(add_launcher, out_shape=aval, amount=jnp.float32(1.0))
+    with pytest.raises(TypeError, match=r"keyword 'amount' holds a JAX array"):
+        cl.cute_call(add_launcher, out_shape=aval, amount={"a": jnp.ones(2)})
+    with pytest.raises(TypeError, match="not hashable"):
+        cl.cute_call(add_launcher, out_shape=aval, amount=[1.0])
+    with pytest.raises(TypeError, match=r"takes 2 tensors after stream, but the call passes 2 input\(s\) and 1 output"):
+        cl.cute_call(add_launcher, out_shape=aval)(x, x)
+    with pytest.raises(TypeError, match="input leaf 0: dtype complex64 has no CuTe DSL equivalent"):
+        cl.cute_call(add_launcher, out_shape=aval)(jnp.ones((8,), jnp.complex64))
+    with pytest.raises(TypeError, match="out_shape leaf 0"):
+        cl.cute_call(add_launcher, out_shape=[(8,)])
+    with pytest.raises(ValueError, match=r"input_modes\[0\] = \(0, 1\) is not a permutation of the dims of a rank-1"):
+        cl.cute_call(add_launcher, out_shape=aval, input_modes=[(0, 1)])(x)
+    with pytest.raises(ValueError, match="input_modes has 2 entries; there are 1 input arrays"):
+        cl.cute_call(add_launcher, out_shape=aval, input_modes=[None, None])(x)
+    with pytest.raises(ValueError, match=r"input 0 \(shape/dtype \(\(8,\), 'float32'\)\) is aliased to output 0, which out_shape declares as \(\(4,\), 'float32'\)"):
+        cl.cute_call(add_in_place_launcher, out_shape=jax.ShapeDtypeStruct((4,), jnp.float32),
+                     input_output_aliases={0: 0})(x)
+    with pytest.raises(ValueError, match="dynamic_dims entry 0 names dim 3"):
+        cl.cute_call(add_launcher, out_shape=aval, dynamic_dims=(3,))(x)
+    with pytest.raises(NotImplementedError, match="has no reference implementation"):
+        cl.cute_call(add_launcher, out_shape=aval)(x)  # CPU, no reference given
+    with pytest.raises(NotImplementedError, match="Use the cutelayers op"):
+        jax.grad(lambda x: add(x).sum())(x)
+    with pytest.raises(NotImplementedError, match="Batching"):
+        jax.vmap(add)(jnp.ones((2, 8)))
+
+
+def test_example_custom_op_grads_and_vmap(rng):
+    ck.main()  # values, grads, nested vmap vs jnp (reference lowering here)
+    x = random(rng, (3, 50), jnp.float32)
+    s = random(rng, (3,), jnp.float32)
+    hlo = lower_cuda(jax.grad(lambda x, s: jnp.sum(jax.vmap(ck.row_scale)(x[None], s[None]) ** 2), (0, 1)), x, s)
+    assert hlo.count("custom_call @cutelayers_row_scale_") >= 2  # forward and dx
+
+
+@pytest.mark.gpu
+def test_example_on_gpu(rng):
+    with cl.use_backend("cute"):
+        ck.main()
+        x = random(rng, (5, 7, 1000), jnp.bfloat16)
+        s = random(rng, (5, 7), jnp.bfloat16)
+        np.testing.assert_allclose(np.asarray(ck.row_scale(x, s), np.float32),
+                                   np.asarray(x, np.float32) * np.asarray(s, np.float32)[..., None], rtol=1e-2, atol=1e-2)
+        for dyn in [(0,), ()]:
+            y = jax.jit(lambda x: add(x, 3.0, dynamic_dims=dyn))(jnp.arange(1000.0))
+            np.testing.assert_allclose(y, np.arange(1000.0) + 3.0)
+
+
+@pytest.mark.gpu
+def test_in_place_alias_writes_in_place_gpu():
+    f = cl.cute_call(add_in_place_launcher, out_shape=jax.ShapeDtypeStruct((4096,), jnp.float32),
+                     input_output_aliases={0: 0}, name="add_in_place", amount=2.0)
+    x = jnp.arange(4096.0)
+    pointer = x.unsafe_buffer_pointer()
+    with cl.use_backend("cute"):
+        y = jax.jit(f, donate_argnums=0)(x)
+    np.testing.assert_allclose(y, np.arange(4096.0) + 2.0)
+    assert y.unsafe_buffer_pointer() == pointer  # the kernel wrote into the donated input buffer
