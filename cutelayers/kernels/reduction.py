@@ -167,15 +167,7 @@ class RowReduceKernel:
                 if const_expr(self.n % self.tile_n == 0):
                     cute.copy(tiled_copy, tXgX[None, None, None, step], frag)
                 else:
-                    coords = tXcX[None, None, None, step]
-                    pred = cute.make_rmem_tensor(
-                        cute.make_layout((cute.size(frag, mode=[0, 1]), cute.size(frag, mode=[1]), cute.size(frag, mode=[2])),
-                                         stride=(cute.size(frag, mode=[2]), 0, 1)),
-                        cutlass.Boolean,
-                    )
-                    for v in cutlass.range_constexpr(cute.size(pred, mode=[0])):
-                        for k in cutlass.range_constexpr(cute.size(pred, mode=[2])):
-                            pred[v, 0, k] = cute.elem_less(coords[(0, v), 0, k][1], self.n)
+                    pred = column_predicate(tXcX[None, None, None, step], self.n)
                     frag.fill(0.0 if is_sum else -math.inf)
                     cute.copy(tiled_copy, tXgX[None, None, None, step], frag, pred=pred)
                 vals = frag.load().to(Float32)
@@ -188,3 +180,159 @@ class RowReduceKernel:
         if row < x.shape[0]:
             if tidx % config.threads_per_row == 0:
                 out[row] = (acc * self.scale).to(out.element_type) if is_sum else acc.to(out.element_type)
+
+
+# --- row operands: the shared machinery of every row kernel --------------------------------------
+
+MAX_THREADS_PER_ROW = 512  # 1024-thread CTAs would cap a thread at 64 registers
+
+
+@dataclasses.dataclass(frozen=True)
+class RowGeometry:
+    """A row config plus the step geometry for rows of ``n`` elements."""
+
+    row: RowConfig
+    n: int
+    vec: int
+
+    @property
+    def tile_n(self) -> int:
+        return self.row.threads_per_row * self.vec * self.row.unroll
+
+    @property
+    def num_steps(self) -> int:
+        return math.ceil(self.n / self.tile_n)
+
+    @property
+    def resident(self) -> bool:
+        """The whole row is one step: it stays in registers."""
+        return self.num_steps == 1
+
+    @property
+    def ragged(self) -> bool:
+        """The last step is partial: loads and stores need column predicates."""
+        return self.n % self.tile_n != 0
+
+
+def row_geometry(n: int, elem_bits: int, values_per_thread: int) -> RowGeometry:
+    """The config table of register-resident row kernels.
+
+    The smallest ``threads_per_row`` (4 .. 512) for which a thread holds at most
+    ``values_per_thread`` elements of the row in one step; rows that still do not fit are streamed
+    in steps of ``512 * values_per_thread`` elements. ``elem_bits`` is the widest element among
+    the row-shaped operands (it bounds the vector width).
+    """
+    vec = vector_width(n, elem_bits)
+    chunks = math.ceil(n / vec)
+    max_unroll = max(values_per_thread // vec, 1)
+    tpr = 4
+    while tpr < MAX_THREADS_PER_ROW and math.ceil(chunks / tpr) > max_unroll:
+        tpr *= 2
+    unroll = min(math.ceil(chunks / tpr), max_unroll)
+    return RowGeometry(RowConfig(threads_per_row=tpr, num_threads=max(128, tpr), unroll=unroll), n, vec)
+
+
+def row_tiled_copy(dtype, geometry: RowGeometry):
+    """A tiled copy of ``geometry``'s layout for ``dtype``: 128-bit accesses at most, so a wider
+    dtype than the one that set ``vec`` splits a vector in two; flat value order stays the same,
+    so fragments of different dtypes line up after a reshape."""
+    tiler, tv = row_tv_layout(geometry.row, geometry.vec)
+    bits = min(dtype.width * geometry.vec, 128)
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
+    return cute.make_tiled_copy(atom, tv, tiler)
+
+
+@cute.jit
+def column_predicate(coords, n: cutlass.Constexpr):
+    """Per-access ``column < n`` for one step of a partitioned identity tensor."""
+    pred = cute.make_rmem_tensor(
+        cute.make_layout(
+            (cute.size(coords, mode=[0, 1]), cute.size(coords, mode=[1]), cute.size(coords, mode=[2])),
+            stride=(cute.size(coords, mode=[2]), 0, 1),
+        ),
+        cutlass.Boolean,
+    )
+    for v in cutlass.range_constexpr(cute.size(pred, mode=[0])):
+        for k in cutlass.range_constexpr(cute.size(pred, mode=[2])):
+            pred[v, 0, k] = cute.elem_less(coords[(0, v), 0, k][1], n)
+    return pred
+
+
+@cute.jit
+def column_mask(coords, frag, n: cutlass.Constexpr):
+    """Per-element ``column < n`` as a Boolean TensorSSA shaped like ``frag``."""
+    mask = cute.make_rmem_tensor(frag.layout, cutlass.Boolean)
+    for i in cutlass.range_constexpr(cute.size(frag)):
+        mask[i] = cute.elem_less(coords[i][1], n)
+    return mask.load()
+
+
+@dataclasses.dataclass(frozen=True)
+class RowOperand:
+    """A row-shaped (or row-broadcast) operand partitioned for one thread, a step at a time.
+
+    Frozen on purpose: the DSL carries mutable Python objects used in a dynamic loop or branch as
+    loop state (and fails); frozen dataclasses are treated as read-only.
+    """
+
+    copy: object
+    src: object  # (values, 1, 1, steps) view of the tensor
+    coords: object  # the same view of its coordinates
+    frag: object  # registers for one step
+    geometry: RowGeometry
+
+
+def row_operand(tensor, tiled_copy, coords, geometry: RowGeometry, tile_coord, thread) -> RowOperand:
+    thr = tiled_copy.get_slice(thread)
+    tiler = (geometry.row.rows_per_cta, geometry.tile_n)
+    src = thr.partition_S(cute.local_tile(tensor, tiler, tile_coord))
+    return RowOperand(
+        copy=tiled_copy,
+        src=src,
+        coords=thr.partition_S(cute.local_tile(coords, tiler, tile_coord)),
+        frag=cute.make_fragment_like(src[None, None, None, 0]),
+        geometry=geometry,
+    )
+
+
+@cute.jit
+def load_step(op: RowOperand, step):
+    """Load ``step`` into ``op.frag`` (columns past N read as 0); returns fp32 values."""
+    geometry = op.geometry
+    if const_expr(geometry.ragged):
+        op.frag.fill(0.0)
+        pred = column_predicate(op.coords[None, None, None, step], geometry.n)
+        cute.copy(op.copy, op.src[None, None, None, step], op.frag, pred=pred)
+    else:
+        cute.copy(op.copy, op.src[None, None, None, step], op.frag)
+    return op.frag.load().to(Float32)
+
+
+@cute.jit
+def store_step(op: RowOperand, step, values):
+    """Store fp32 ``values`` (flat order of the row fragment) to ``step`` of ``op``'s tensor."""
+    geometry = op.geometry
+    op.frag.store(values.reshape(op.frag.shape).to(op.frag.element_type))
+    if const_expr(geometry.ragged):
+        pred = column_predicate(op.coords[None, None, None, step], geometry.n)
+        cute.copy(op.copy, op.frag, op.src[None, None, None, step], pred=pred)
+    else:
+        cute.copy(op.copy, op.frag, op.src[None, None, None, step])
+
+
+def shared_buffers(geometry: RowGeometry, count: int):
+    """``count`` shared buffers for :func:`row_allreduce` (distinct ones so that back-to-back
+    reductions need no barrier between them)."""
+    smem = cutlass.memory.SmemAllocator()
+    layout = cute.make_layout((geometry.row.rows_per_cta, geometry.row.warps_per_row),
+                              stride=(geometry.row.warps_per_row, 1))
+    return [smem.allocate_tensor(Float32, layout, byte_alignment=4) for _ in range(count)]
+
+
+def shared_buffer_bytes(geometry: RowGeometry, count: int) -> int:
+    return count * geometry.row.rows_per_cta * geometry.row.warps_per_row * 4
+
+
+def row_sum(values):
+    """Sum of a thread's fp32 values."""
+    return values.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)

@@ -1,5 +1,17 @@
 """Differentiable, vmappable cutelayers ops (custom_vjp + custom_vmap over CuTe kernels)."""
 
+from cutelayers.ops.norm import layer_norm, rms_norm
 from cutelayers.ops.reduce import reduce_max, reduce_mean, reduce_sum
+from cutelayers.ops.softmax import log_softmax, logsumexp, softmax, softmax_cross_entropy
 
-__all__ = ["reduce_max", "reduce_mean", "reduce_sum"]
+__all__ = [
+    "layer_norm",
+    "log_softmax",
+    "logsumexp",
+    "reduce_max",
+    "reduce_mean",
+    "reduce_sum",
+    "rms_norm",
+    "softmax",
+    "softmax_cross_entropy",
+]

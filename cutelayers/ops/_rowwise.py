@@ -43,17 +43,20 @@ def normalize_axis(op: str, axis, ndim: int) -> int:
     return axis % ndim
 
 
-def call_on_rows(family: KernelFamily, x: jax.Array, *params: jax.Array) -> tuple[jax.Array, ...]:
-    """Run ``family`` on x viewed as (rows, features); results get x's leading shape back.
+def call_on_rows(family: KernelFamily, *row_args: jax.Array, params: tuple = ()) -> tuple[jax.Array, ...]:
+    """Run ``family`` on row-wise arrays viewed as (rows, ...), then restore the leading shape.
 
-    Each result of the kernel is (rows, ...); an empty row count skips the launch.
+    The first argument's leading dims (all but the last) are the rows; every row-wise argument
+    has those leading dims plus its own trailing ones (x (..., N), labels (...)). ``params`` pass
+    through unchanged. Each result of the kernel is (rows, ...); zero rows skip the launch.
     """
-    lead, n = x.shape[:-1], x.shape[-1]
-    rows = x.reshape(-1, n)
-    if rows.shape[0] == 0:
-        outs = [jnp.zeros(o.shape, o.dtype) for o in family.out_avals((rows, *params))]
+    lead = row_args[0].shape[:-1]
+    rows = tuple(a.reshape(-1, *a.shape[len(lead):]) for a in row_args)
+    operands = (*rows, *params)
+    if rows[0].shape[0] == 0:
+        outs = [jnp.zeros(o.shape, o.dtype) for o in family.out_avals(operands)]
     else:
-        outs = kernel_call(family, rows, *params)
+        outs = kernel_call(family, *operands)
     return tuple(o.reshape(*lead, *o.shape[1:]) for o in outs)
 
 

@@ -1,0 +1,78 @@
+"""GPU benchmark of layer_norm / rms_norm against XLA's compiled jnp formula.
+
+``bench_norms(ns, dtype)`` times, for each N, x of (M, N) with M chosen so that x is 256 MiB:
+
+* ``fwd``: y from x, scale (and bias); minimum bytes = read x + write y;
+* ``fwd+bwd``: y, then dx, dscale (and dbias) from x and dy; minimum bytes = 5 |x| (x read by
+  both passes, y and dx written, dy read; parameters and row statistics are negligible).
+
+Parameters have x's dtype, so every row operand moves in 128-bit vectors. Results carry the same
+keys as :func:`cutelayers.bench.bench_reduce`'s, plus ``pass``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import cutelayers as cl
+from cutelayers.bench import copy_bandwidth, time_fn
+from cutelayers.ops.norm import layer_norm, rms_norm
+
+X_BYTES = 256 << 20
+DEFAULT_NS = [1024, 4096, 8192, 16384, 65536]
+
+
+def _plain(center: bool):
+    """The jnp formula XLA compiles itself (fp32 statistics, output in x's dtype)."""
+
+    def norm(x, scale, bias=None):
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, -1, keepdims=True) if center else 0.0
+        y = (x32 - mean) * jax.lax.rsqrt(jnp.mean(jnp.square(x32 - mean), -1, keepdims=True) + 1e-6)
+        y = y * scale.astype(jnp.float32)
+        if bias is not None:
+            y = y + bias.astype(jnp.float32)
+        return y.astype(x.dtype)
+
+    return norm
+
+
+def _fwd_bwd(f):
+    def run(dy, *args):
+        y, vjp = jax.vjp(f, *args)
+        return y, vjp(dy)
+
+    return run
+
+
+def bench_norms(ns: list[int] | None = None, dtype=jnp.bfloat16) -> list[dict]:
+    """Time layer_norm and rms_norm (fwd, fwd+bwd) for each N in ``ns``; one dict per row."""
+    ns = ns or DEFAULT_NS
+    dtype = jnp.dtype(dtype)
+    bw = copy_bandwidth()
+    print(f"# device: {jax.devices()[0].device_kind}; copy bandwidth {bw / 1e12:.3f} TB/s (read+write)")
+    key = jax.random.key(0)
+    results = []
+    for n in ns:
+        rows = max(X_BYTES // (n * dtype.itemsize), 1)
+        kx, kd, ks = jax.random.split(jax.random.fold_in(key, n), 3)
+        x = jax.random.normal(kx, (rows, n), jnp.float32).astype(dtype)
+        dy = jax.random.normal(kd, (rows, n), jnp.float32).astype(dtype)
+        scale = (1.0 + 0.1 * jax.random.normal(ks, (n,), jnp.float32)).astype(dtype)
+        bias = jnp.zeros((n,), dtype)
+        x_bytes = x.size * dtype.itemsize
+        for name, ours, xla, params in (
+            ("layer_norm", layer_norm, _plain(True), (scale, bias)),
+            ("rms_norm", rms_norm, _plain(False), (scale,)),
+        ):
+            for pass_, nbytes, make in (("fwd", 2 * x_bytes, lambda f: f), ("fwd+bwd", 5 * x_bytes, _fwd_bwd)):
+                args = (x, *params) if pass_ == "fwd" else (dy, x, *params)
+                with cl.use_backend("cute"):
+                    t = time_fn(jax.jit(make(ours)), *args)
+                t_xla = time_fn(jax.jit(make(xla)), *args)
+                floor = nbytes / bw
+                results.append(dict(op=name, rows=rows, n=n, dtype=dtype.name, us=t * 1e6,
+                                    gbs=nbytes / t / 1e9, pct=100 * floor / t, xla_us=t_xla * 1e6,
+                                    speedup=t_xla / t, floor_us=floor * 1e6, **{"pass": pass_}))
+    return results

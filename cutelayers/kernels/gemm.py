@@ -1,0 +1,408 @@
+"""Hopper GEMM with a fused epilogue (CuTe DSL, sm_90a).
+
+The kernel computes, for every batch index ``l``::
+
+    z[m, n, l]   = sum_k a[m, k, l] * b[n, k, l]  (+ bias[n])            fp32 accumulation
+    c[m, n, l]   = act(z[m, n, l])  (+ residual[m, n, l])                  stored in c's dtype
+    preact       = z                                                       stored only if asked
+
+``a`` is (M, K, L) and ``b`` (N, K, L); each may be K-major or M/N-major (a transposed view of a
+row-major buffer: the op passes ``modes`` to the primitive instead of transposing), which is how
+one kernel serves the forward (x @ W), dX = dZ @ Wᵀ and dW = Xᵀ @ dZ.
+
+Structure (one CTA per output tile, ``consumer_warpgroups`` warpgroups of 128 threads):
+
+* mainloop: warp 0 issues TMA loads of (tile_m, tile_k) slices of A and (tile_n, tile_k) slices
+  of B into a ``stages``-deep ring of swizzled shared-memory buffers; full/empty mbarriers
+  (``PipelineTmaAsync``) hand buffers between TMA and the warpgroup MMAs. Each warpgroup owns
+  ``tile_m / consumer_warpgroups`` rows of the tile and issues ``wgmma`` on the buffer in front of
+  it while the next ones are in flight, keeping one wgmma batch outstanding. TMA zero-fills reads
+  past M / K, so tails need no predication in the mainloop.
+* epilogue: bias, activation and residual are applied to the fp32 accumulators in registers (the
+  MMA partition of an identity tensor gives every accumulator its (row, column)); results go to
+  shared memory through ``stmatrix`` and out with TMA stores, which clip rows / columns past the
+  tensor, so any M works. The pre-activation, when asked for, goes out first through the same
+  path.
+
+CTAs are rasterized in groups of ``GROUP_M`` tile rows so CTAs running together share B tiles
+and A tiles in L2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+ACTIVATIONS = ("none", "relu", "gelu", "gelu_exact", "silu", "sigmoid", "tanh", "leaky_relu", "hardswish")
+
+WARPGROUP = 128
+SMEM_CAPACITY = 227 * 1024  # sm_90 dynamic shared memory per CTA
+EPI_STAGES = 4  # epilogue smem buffers in flight to TMA stores
+GROUP_M = 8  # tile rows per rasterization group
+LEAKY_SLOPE = 0.01  # jax.nn.leaky_relu's default
+GELU_TANH_SCALE = math.sqrt(2.0 / math.pi)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """Tile shape, warpgroups and pipeline depth of one kernel instance.
+
+    ``consumer_warpgroups`` split ``tile_m`` (each owns tile_m / groups rows, at most 64 rows x
+    tile_n columns of accumulators per 128 threads keeps the accumulator in registers).
+    """
+
+    tile_m: int
+    tile_n: int
+    consumer_warpgroups: int
+    stages: int
+    tile_k: int = 64
+
+    @property
+    def threads(self) -> int:
+        return WARPGROUP * self.consumer_warpgroups
+
+    def smem_bytes(self, elem_bytes: int) -> int:
+        per_stage = (self.tile_m + self.tile_n) * self.tile_k * elem_bytes
+        return self.stages * per_stage + 1024  # + mbarriers and alignment
+
+
+# Shape classes -> config. "small_m": decode-like row counts, where 128-row tiles would be mostly
+# padding; "wide": large outputs, where a 128x256 tile halves the operand traffic per FLOP.
+CONFIGS = {
+    "small_m": GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1, stages=6),
+    "default": GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=1, stages=5),
+    "wide": GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, stages=4),
+}
+
+
+def config_class(m: int, n: int) -> str:
+    """The config table key for an (m, n) output: see ``CONFIGS``.
+
+    ``m`` is the concrete row count at trace time; the kernel itself keeps M symbolic, so rows
+    within one class share a compile.
+    """
+    if m <= 64:
+        return "small_m"
+    if m >= 2048 and n >= 2048:
+        return "wide"
+    return "default"
+
+
+@dataclasses.dataclass(frozen=True)
+class Epilogue:
+    """What the epilogue does after the fp32 accumulation (see the module docstring)."""
+
+    activation: str = "none"
+    has_bias: bool = False
+    has_residual: bool = False
+    store_preact: bool = False
+
+    def __post_init__(self):
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}; got {self.activation!r}")
+
+
+@cute.jit
+def apply_activation(x: Float32, name: cutlass.Constexpr) -> Float32:
+    """act(x) in fp32, the formulas of the matching jax.nn function."""
+    y = x
+    if const_expr(name == "relu"):
+        y = cute.arch.fmax(x, Float32(0.0), nan=True)
+    elif const_expr(name == "gelu"):
+        inner = GELU_TANH_SCALE * (x + 0.044715 * x * x * x)
+        y = 0.5 * x * (1.0 + cute.math.tanh(inner))
+    elif const_expr(name == "gelu_exact"):
+        y = 0.5 * x * (1.0 + cute.math.erf(x * (1.0 / math.sqrt(2.0))))
+    elif const_expr(name == "silu"):
+        y = x / (1.0 + cute.math.exp(-x))
+    elif const_expr(name == "sigmoid"):
+        y = 1.0 / (1.0 + cute.math.exp(-x))
+    elif const_expr(name == "tanh"):
+        y = cute.math.tanh(x)
+    elif const_expr(name == "leaky_relu"):
+        # max(x, slope * x) is x for x >= 0 and slope * x below, as slope < 1.
+        y = cute.arch.fmax(x, LEAKY_SLOPE * x, nan=True)
+    elif const_expr(name == "hardswish"):
+        relu6 = cute.arch.fmin(cute.arch.fmax(x + 3.0, Float32(0.0)), Float32(6.0))
+        y = x * relu6 * (1.0 / 6.0)
+    return y
+
+
+class HopperGemmKernel:
+    """C = epilogue(A @ Bᵀ) on Hopper: TMA + mbarrier pipeline + wgmma, fp32 accumulation.
+
+    Launcher ``(stream, a, b, [bias], [residual], c, [preact])``, which optional tensors are
+    present being fixed by ``epilogue``:
+
+    * a: (M, K, L), b: (N, K, L): bfloat16 or float16 (same dtype), any one of the two modes
+      M/N or K contiguous; M and K may be symbolic, every contiguous extent a multiple of 8;
+    * bias: (N,) in c's dtype; residual, c, preact: (M, N, L), N contiguous, c's dtype.
+    """
+
+    def __init__(self, config: GemmConfig, epilogue: Epilogue):
+        self.config, self.epilogue = config, epilogue
+        self.tile_mnk = (config.tile_m, config.tile_n, config.tile_k)
+        if config.tile_m % (64 * config.consumer_warpgroups):
+            raise ValueError("tile_m must be a multiple of 64 rows per consumer warpgroup (wgmma's M)")
+        if config.tile_n not in (64, 128, 256):
+            raise ValueError("tile_n must be 64, 128 or 256")
+
+    @cute.jit
+    def __call__(self, stream, *tensors):
+        epilogue, config = self.epilogue, self.config
+        rest = list(tensors)
+        a = rest.pop(0)
+        b = rest.pop(0)
+        bias = rest.pop(0) if const_expr(epilogue.has_bias) else None
+        residual = rest.pop(0) if const_expr(epilogue.has_residual) else None
+        c = rest.pop(0)
+        preact = rest.pop(0) if const_expr(epilogue.store_preact) else None
+
+        self.a_dtype, self.b_dtype, self.c_dtype = a.element_type, b.element_type, c.element_type
+        a_layout = LayoutEnum.from_tensor(a)
+        b_layout = LayoutEnum.from_tensor(b)
+        c_layout = LayoutEnum.from_tensor(c)
+        tiled_mma = sm90.make_trivial_tiled_mma(
+            a.element_type, b.element_type, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
+            Float32, (config.consumer_warpgroups, 1, 1), tiler_mn=(64, config.tile_n),
+        )
+        a_smem = sm90.make_smem_layout_a(a_layout, self.tile_mnk, a.element_type, config.stages)
+        b_smem = sm90.make_smem_layout_b(b_layout, self.tile_mnk, b.element_type, config.stages)
+        epi_tile = sm90.compute_tile_shape_or_override(
+            self.tile_mnk, c.element_type, is_cooperative=config.consumer_warpgroups > 1
+        )
+        epi_smem = sm90.make_smem_layout_epi(c.element_type, c_layout, epi_tile, EPI_STAGES)
+
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        store = cpasync.CopyBulkTensorTileS2GOp()
+        tma_a, tma_tensor_a = cpasync.make_tiled_tma_atom(
+            load, a, cute.slice_(a_smem, (None, None, 0)), (config.tile_m, config.tile_k))
+        tma_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
+            load, b, cute.slice_(b_smem, (None, None, 0)), (config.tile_n, config.tile_k))
+        epi_smem_one = cute.slice_(epi_smem, (None, None, 0))
+        tma_c, tma_tensor_c = cpasync.make_tiled_tma_atom(store, c, epi_smem_one, epi_tile)
+        tma_z, tma_tensor_z = None, None
+        if const_expr(epilogue.store_preact):
+            tma_z, tma_tensor_z = cpasync.make_tiled_tma_atom(store, preact, epi_smem_one, epi_tile)
+
+        @cute.struct
+        class SharedStorage:
+            barriers: cute.struct.MemRange[cutlass.Int64, config.stages * 2]
+            sa: cute.struct.Align[cute.struct.MemRange[a.element_type, cute.cosize(a_smem)], 1024]
+            sb: cute.struct.Align[cute.struct.MemRange[b.element_type, cute.cosize(b_smem)], 1024]
+
+        self.shared_storage = SharedStorage
+        tiles_m = cute.ceil_div(c.shape[0], config.tile_m)
+        tiles_n = cute.ceil_div(c.shape[1], config.tile_n)
+        self.kernel(
+            tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, tma_c, tma_tensor_c, tma_z, tma_tensor_z,
+            bias, residual, a_smem, b_smem, epi_smem, epi_tile, tiles_m, tiles_n,
+        ).launch(
+            grid=[tiles_m * tiles_n, 1, c.shape[2]],
+            block=[config.threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+        )
+
+    @cute.jit
+    def tile_coords(self, tile: Int32, tiles_m: Int32, tiles_n: Int32):
+        """(tile row, tile column) of linear CTA index ``tile``, grouped ``GROUP_M`` rows at a time:
+        consecutive CTAs walk down a group's rows before moving one column right."""
+        per_group = GROUP_M * tiles_n
+        first_m = (tile // per_group) * GROUP_M
+        rows_here = cutlass.min(tiles_m - first_m, GROUP_M)
+        in_group = tile % per_group
+        return first_m + in_group % rows_here, in_group // rows_here
+
+    @cute.kernel
+    def kernel(
+        self,
+        tiled_mma: cute.TiledMma,
+        tma_a: cute.CopyAtom,
+        tma_tensor_a: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        tma_tensor_b: cute.Tensor,
+        tma_c: cute.CopyAtom,
+        tma_tensor_c: cute.Tensor,
+        tma_z,
+        tma_tensor_z,
+        bias,
+        residual,
+        a_smem: cute.ComposedLayout,
+        b_smem: cute.ComposedLayout,
+        epi_smem: cute.ComposedLayout,
+        epi_tile: cutlass.Constexpr,
+        tiles_m: Int32,
+        tiles_n: Int32,
+    ):
+        config, epilogue = self.config, self.epilogue
+        tidx, _, _ = cute.arch.thread_idx()
+        tile, _, batch = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+        tile_m, tile_n = self.tile_coords(tile, tiles_m, tiles_n)
+        tile_coord = (tile_m, tile_n, None, batch)
+
+        # --- shared memory and the load pipeline ----------------------------------------------
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        sa = storage.sa.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        sb = storage.sb.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        stage_bytes = cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem, (None, None, 0))) + \
+            cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem, (None, None, 0)))
+        loads = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.barriers.data_ptr(),
+            num_stages=config.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, config.threads),
+            tx_count=stage_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            enable_multicast_signaling=True,
+        )
+
+        # (tile, tile_k, k tiles) views of this CTA's A rows and B columns, split for TMA.
+        ga = cute.local_tile(tma_tensor_a, self.tile_mnk, tile_coord, proj=(1, None, 1))
+        gb = cute.local_tile(tma_tensor_b, self.tile_mnk, tile_coord, proj=(None, 1, 1))
+        tsa, tga = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sa, 0, 2), cute.group_modes(ga, 0, 2))
+        tsb, tgb = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sb, 0, 2), cute.group_modes(gb, 0, 2))
+        k_tiles = cute.size(ga, mode=[2])
+
+        # --- per-warpgroup MMA fragments -------------------------------------------------------
+        group = cute.arch.make_warp_uniform(tidx // WARPGROUP)
+        thr_mma = tiled_mma.get_slice(cute.make_layout(config.consumer_warpgroups, stride=WARPGROUP)(group))
+        frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))
+        frag_b = tiled_mma.make_fragment_B(thr_mma.partition_B(sb))
+        tile_coords_c = thr_mma.partition_C(cute.make_identity_tensor((config.tile_m, config.tile_n)))
+        acc = cute.make_rmem_tensor(tile_coords_c.shape, Float32)
+        k_blocks = cute.size(frag_a, mode=[2])
+
+        producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, config.stages)
+        consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, config.stages)
+        released = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, config.stages)
+
+        # Fill the ring before the first MMA.
+        if warp == 0:
+            for _ in cutlass.range(cutlass.min(config.stages, k_tiles), unroll=1):
+                self.issue_loads(loads, producer, tma_a, tga, tsa, tma_b, tgb, tsb)
+                producer.advance()
+
+        # --- mainloop: MMA on stage k while stages k+1.. load; one wgmma batch in flight --------
+        # Accumulate from zero rather than switching ACCUMULATE off for the first k tile: the
+        # flag is fixed when the loop body is traced, so it cannot differ between iterations.
+        acc.fill(0.0)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        for k in cutlass.range(k_tiles, unroll=1):
+            loads.consumer_wait(consumer)
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(k_blocks):
+                stage = (None, None, kb, consumer.index)
+                cute.gemm(tiled_mma, acc, frag_a[stage], frag_b[stage], acc)
+            warpgroup.commit_group()
+            consumer.advance()
+            if k > 0:
+                # The batch before this one has finished reading its stage: hand it back to TMA.
+                warpgroup.wait_group(1)
+                loads.consumer_release(released)
+                released.advance()
+                if warp == 0 and producer.count < k_tiles:
+                    self.issue_loads(loads, producer, tma_a, tga, tsa, tma_b, tgb, tsb)
+                    producer.advance()
+        warpgroup.wait_group(0)
+        # Every warpgroup is done reading A's buffers, which the epilogue reuses.
+        cute.arch.barrier(barrier_id=1, number_of_threads=config.threads)
+
+        # --- epilogue --------------------------------------------------------------------------
+        m0 = tile_m * config.tile_m
+        n0 = tile_n * config.tile_n
+        if const_expr(epilogue.has_bias):
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                col = n0 + tile_coords_c[i][1]
+                if col < bias.shape[0]:
+                    acc[i] = acc[i] + bias[col].to(Float32)
+
+        sc = cute.make_tensor(cute.recast_ptr(sa.iterator, epi_smem.inner, dtype=self.c_dtype), epi_smem.outer)
+        stores = pipeline.PipelineTmaStore.create(
+            num_stages=EPI_STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, config.threads),
+        )
+        copy_r2s = cute.make_tiled_copy_S(
+            sm90.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.c_dtype, Float32),
+            cute.make_tiled_copy_C_atom(
+                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.c_dtype), tiled_mma
+            ),
+        )
+        buffer_base = 0
+        if const_expr(epilogue.store_preact):
+            self.store_tile(acc, copy_r2s, sc, tma_z, tma_tensor_z, tile_coord, epi_tile, stores, tidx, warp, 0)
+            buffer_base = self.epi_tiles(epi_tile)
+
+        if const_expr(epilogue.activation != "none" or epilogue.has_residual):
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                value = apply_activation(acc[i], epilogue.activation)
+                if const_expr(epilogue.has_residual):
+                    row = m0 + tile_coords_c[i][0]
+                    col = n0 + tile_coords_c[i][1]
+                    if row < residual.shape[0] and col < residual.shape[1]:
+                        value = value + residual[row, col, batch].to(Float32)
+                acc[i] = value
+        self.store_tile(acc, copy_r2s, sc, tma_c, tma_tensor_c, tile_coord, epi_tile, stores, tidx, warp, buffer_base)
+        if warp == 0:
+            stores.producer_tail()
+
+    def epi_tiles(self, epi_tile) -> int:
+        return (self.config.tile_m // epi_tile[0]) * (self.config.tile_n // epi_tile[1])
+
+    @cute.jit
+    def issue_loads(self, loads, producer, tma_a, tga, tsa, tma_b, tgb, tsb):
+        """Wait for stage ``producer.index`` to be free, then TMA k tile ``producer.count`` of A
+        and B into it; the stage's full barrier counts the bytes."""
+        loads.producer_acquire(producer)
+        barrier = loads.producer_get_barrier(producer)
+        cute.copy(tma_a, tga[(None, producer.count)], tsa[(None, producer.index)], tma_bar_ptr=barrier)
+        cute.copy(tma_b, tgb[(None, producer.count)], tsb[(None, producer.index)], tma_bar_ptr=barrier)
+        loads.producer_commit(producer)
+
+    @cute.jit
+    def store_tile(self, acc, copy_r2s, sc, tma_out, tma_tensor_out, tile_coord, epi_tile: cutlass.Constexpr,
+                   stores, tidx, warp, buffer_base: cutlass.Constexpr):
+        """Write the fp32 accumulators ``acc`` to ``tma_tensor_out``'s tile ``tile_coord`` in its
+        dtype: registers -> smem (stmatrix) -> global (TMA store), one epilogue tile at a time
+        through ``EPI_STAGES`` rotating smem buffers. TMA clips what lies past the tensor."""
+        config = self.config
+        thr_r2s = copy_r2s.get_slice(tidx)
+        r2s_dst = thr_r2s.partition_D(sc)
+        acc_view = copy_r2s.retile(acc)
+        part_layout = cute.make_layout(cute.shape(thr_r2s.partition_S(sc))[:3])
+        part = cute.make_rmem_tensor(part_layout, Float32)
+        part_out = cute.make_rmem_tensor(part_layout, self.c_dtype)
+
+        g_tile = cute.local_tile(tma_tensor_out, self.tile_mnk, tile_coord, proj=(1, 1, None))
+        g_epi = cute.zipped_divide(g_tile, epi_tile)
+        s_tma, g_tma = cpasync.tma_partition(
+            tma_out, 0, cute.make_layout(1), cute.group_modes(sc, 0, 2), g_epi
+        )
+        epi_grid = g_epi.shape[1]
+        epi_order = cute.make_layout(epi_grid, stride=(epi_grid[1], 1))
+        for e in cutlass.range_constexpr(self.epi_tiles(epi_tile)):
+            for v in cutlass.range_constexpr(cute.size(part)):
+                part[v] = acc_view[e * cute.size(part) + v]
+            part_out.store(part.load().to(self.c_dtype))
+            buffer = (buffer_base + e) % EPI_STAGES
+            cute.copy(copy_r2s, part_out, r2s_dst[(None, None, None, buffer)])
+            # Make the smem writes visible to the TMA (async proxy), then let one warp send them.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=1, number_of_threads=config.threads)
+            if warp == 0:
+                cute.copy(tma_out, s_tma[(None, buffer)], g_tma[(None, epi_order.get_hier_coord(e))])
+                stores.producer_commit()
+                stores.producer_acquire()
+            cute.arch.barrier(barrier_id=1, number_of_threads=config.threads)

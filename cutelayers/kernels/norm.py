@@ -1,0 +1,350 @@
+"""LayerNorm / RMSNorm row kernels (forward and backward), built on :mod:`.reduction`.
+
+Both kernels use the row layout of :mod:`cutelayers.kernels.reduction`: ``threads_per_row``
+threads own a row, each thread ``vec`` contiguous elements (128-bit where N allows) ``unroll``
+times per step of ``threads_per_row * vec * unroll`` columns. The config table
+(:func:`norm_config`) picks the smallest ``threads_per_row`` (<= 512) for which the whole row is
+one step, i.e. stays in registers between the statistics and the normalize pass -- one HBM read
+of x. Larger rows stream: the forward reads x twice (statistics, then normalize), the backward
+reads x and dy twice.
+
+Statistics are fp32. LayerNorm's variance never uses E[x^2] - E[x]^2 (which cancels for inputs
+such as 1000 + N(0, 1)): a register-resident row takes the mean first and then the mean of
+(x - mean)^2 from registers; a streamed row keeps a per-thread (count, mean, M2) that each step's
+own two-pass statistics are merged into (Chan et al.'s pairwise update), and the row combines
+them as M2 = sum(M2_t + n_t (mean_t - mean)^2), a sum of non-negative terms.
+
+Tensors as the launchers take them (M is the symbolic row count):
+
+* forward: ``x (M, N)``, [``scale (N,)``], [``bias (N,)``] -> ``y (M, N)``, [``mean (M, 1)``],
+  ``rstd (M, 1)`` -- mean only for LayerNorm (``center``), fp32 statistics;
+* backward: ``x (M, N)``, ``dy (M, N)``, [``mean (M, 1)``], ``rstd (M, 1)``, [``scale (N,)``]
+  -> ``dx (M, N)``, [``dscale_partial (P*N,)``], [``dbias_partial (P*N,)``]: fp32 partial sums
+  of dscale / dbias, one row of N per (CTA, row slot) of a fixed persistent grid, summed by the
+  caller (deterministic, no atomics). Partials exist only for register-resident rows.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, const_expr
+
+from cutelayers.kernels.reduction import (
+    RowGeometry,
+    column_mask,
+    load_step,
+    row_allreduce,
+    row_geometry,
+    row_operand,
+    row_sum,
+    row_tiled_copy,
+    shared_buffers,
+    store_step,
+)
+
+# fp32 values a thread holds per row step: the forward keeps x; the backward keeps x, dy and the
+# dscale/dbias accumulators, so it gets fewer.
+FORWARD_VALUES_PER_THREAD = 32
+BACKWARD_VALUES_PER_THREAD = 16
+# The persistent backward grid: Hopper parts have 132 SMs (H100 SXM, H200); fewer SMs only means
+# a tail wave. Fixed so that the partials' shape is known without a device.
+HOPPER_SMS = 132
+THREADS_PER_SM = 1024  # resident threads per SM the backward grid aims for
+
+
+def forward_config(n: int, elem_bits: int) -> RowGeometry:
+    """Config of the forward kernel (x in registers)."""
+    return row_geometry(n, elem_bits, FORWARD_VALUES_PER_THREAD)
+
+
+def backward_config(n: int, elem_bits: int) -> RowGeometry:
+    """Config of the backward kernel (x, dy and two accumulators in registers)."""
+    return row_geometry(n, elem_bits, BACKWARD_VALUES_PER_THREAD)
+
+
+def backward_grid(config: RowGeometry) -> int:
+    """CTAs of the persistent backward grid (register-resident rows only)."""
+    return HOPPER_SMS * max(THREADS_PER_SM // config.row.num_threads, 1)
+
+
+def partial_rows(config: RowGeometry) -> int:
+    """Rows P of the backward's dscale/dbias partials: one per (CTA, row slot)."""
+    return backward_grid(config) * config.row.rows_per_cta
+
+
+def _broadcast_rows(vector, config: RowGeometry):
+    """A (N,) parameter viewed as (rows_per_cta, N) with row stride 0."""
+    return cute.make_tensor(vector.iterator, cute.make_layout((config.row.rows_per_cta, config.n), stride=(0, 1)))
+
+
+class NormForwardKernel:
+    """y = (x - mean) * rstd * scale + bias (``center``) or y = x * rstd * scale (RMSNorm).
+
+    Launcher ``(stream, x, [scale], [bias], y, [mean], rstd)``; which optional tensors are present
+    is fixed at construction (``has_scale``, ``has_bias``, ``center``).
+    """
+
+    def __init__(self, config: RowGeometry, *, center: bool, has_scale: bool, has_bias: bool, epsilon: float):
+        self.config, self.center, self.has_scale, self.has_bias = config, center, has_scale, has_bias
+        self.epsilon = epsilon
+
+    @cute.jit
+    def __call__(self, stream, *tensors):
+        rest = list(tensors)
+        x = rest.pop(0)
+        scale = rest.pop(0) if const_expr(self.has_scale) else None
+        bias = rest.pop(0) if const_expr(self.has_bias) else None
+        y = rest.pop(0)
+        mean = rest.pop(0) if const_expr(self.center) else None
+        rstd = rest.pop(0)
+        config = self.config
+        self.kernel(
+            x, scale, bias, y, mean, rstd,
+            row_tiled_copy(x.element_type, config),
+            row_tiled_copy(scale.element_type, config) if const_expr(self.has_scale) else None,
+            row_tiled_copy(bias.element_type, config) if const_expr(self.has_bias) else None,
+            row_tiled_copy(y.element_type, config),
+        ).launch(
+            grid=[cute.ceil_div(x.shape[0], config.row.rows_per_cta), 1, 1],
+            block=[config.row.num_threads, 1, 1],
+            smem=2 * config.row.rows_per_cta * config.row.warps_per_row * 4,
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, x, scale, bias, y, mean, rstd, copy_x, copy_scale, copy_bias, copy_y):
+        config = self.config
+        n = config.n
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        buffers = shared_buffers(config, 2)
+        coords = cute.make_identity_tensor(x.shape)
+        opx = row_operand(x, copy_x, coords, config, (bidx, None), tidx)
+        opy = row_operand(y, copy_y, coords, config, (bidx, None), tidx)
+        pcoords = cute.make_identity_tensor((config.row.rows_per_cta, n))
+        ops = row_operand(_broadcast_rows(scale, config), copy_scale, pcoords, config, (0, None), tidx) if const_expr(self.has_scale) else None
+        opb = row_operand(_broadcast_rows(bias, config), copy_bias, pcoords, config, (0, None), tidx) if const_expr(self.has_bias) else None
+        row = opx.coords[0][0]
+        valid_row = row < x.shape[0]
+        opx.frag.fill(0.0)
+
+        # --- statistics ------------------------------------------------------------------------
+        row_mean = Float32(0.0)
+        if const_expr(config.resident):
+            if valid_row:
+                load_step(opx, 0)
+            vals = opx.frag.load().to(Float32)
+            if const_expr(self.center):
+                row_mean = row_allreduce(row_sum(vals), operator.add, Float32(0.0), config.row, buffers[0]) / n
+                dev = vals - row_mean
+                if const_expr(config.ragged):
+                    dev = cute.where(column_mask(opx.coords[None, None, None, 0], opx.frag, n), dev, Float32(0.0))
+                sq = row_sum(dev * dev)
+            else:
+                sq = row_sum(vals * vals)
+            var = row_allreduce(sq, operator.add, Float32(0.0), config.row, buffers[1]) / n
+        elif const_expr(self.center):
+            count = Float32(0.0)
+            t_mean = Float32(0.0)
+            t_m2 = Float32(0.0)
+            for step in cutlass.range(config.num_steps, unroll=1):
+                if valid_row:
+                    load_step(opx, step)
+                vals = opx.frag.load().to(Float32)
+                if const_expr(config.ragged):
+                    mask = column_mask(opx.coords[None, None, None, step], opx.frag, n)
+                    s_count = row_sum(cute.where(mask, cute.full_like(vals, 1.0), Float32(0.0)))
+                else:
+                    s_count = Float32(cute.size(opx.frag))
+                s_mean = row_sum(vals) / cute.arch.fmax(s_count, Float32(1.0))
+                dev = vals - s_mean
+                if const_expr(config.ragged):
+                    dev = cute.where(mask, dev, Float32(0.0))
+                s_m2 = row_sum(dev * dev)
+                new_count = count + s_count
+                delta = s_mean - t_mean
+                weight = s_count / cute.arch.fmax(new_count, Float32(1.0))
+                t_mean = t_mean + delta * weight
+                t_m2 = t_m2 + s_m2 + delta * delta * count * weight
+                count = new_count
+            row_mean = row_allreduce(t_mean * count, operator.add, Float32(0.0), config.row, buffers[0]) / n
+            spread = t_mean - row_mean
+            var = row_allreduce(t_m2 + count * spread * spread, operator.add, Float32(0.0), config.row, buffers[1]) / n
+        else:
+            sq = Float32(0.0)
+            for step in cutlass.range(config.num_steps, unroll=1):
+                if valid_row:
+                    load_step(opx, step)
+                vals = opx.frag.load().to(Float32)
+                sq = sq + row_sum(vals * vals)
+            var = row_allreduce(sq, operator.add, Float32(0.0), config.row, buffers[0]) / n
+        row_rstd = cute.math.rsqrt(var + self.epsilon)
+
+        if valid_row and tidx % config.row.threads_per_row == 0:
+            rstd[row, 0] = row_rstd
+            if const_expr(self.center):
+                mean[row, 0] = row_mean
+        # --- normalize -----------------------------------------------------------------------
+        for step in cutlass.range(config.num_steps, unroll=1):
+            if valid_row:
+                self.normalize_step(opx, ops, opb, opy, step, row_mean, row_rstd)
+
+    @cute.jit
+    def normalize_step(self, opx, ops, opb, opy, step, row_mean, row_rstd):
+        if const_expr(not self.config.resident):
+            load_step(opx, step)
+        vals = opx.frag.load().to(Float32)
+        out = (vals - row_mean) * row_rstd if const_expr(self.center) else vals * row_rstd
+        if const_expr(self.has_scale):
+            out = out * load_step(ops, step).reshape(out.shape)
+        if const_expr(self.has_bias):
+            out = out + load_step(opb, step).reshape(out.shape)
+        store_step(opy, step, out)
+
+
+class NormBackwardKernel:
+    """dx (and dscale/dbias partials) of :class:`NormForwardKernel`.
+
+    With g = dy * scale and xhat = (x - mean) * rstd (x * rstd without ``center``):
+    dx = rstd * (g - xhat * mean(g * xhat) - mean(g)), the last term only with ``center``;
+    dscale = sum_rows dy * xhat, dbias = sum_rows dy (as per-CTA partials, ``partials=True``).
+
+    Launcher ``(stream, x, dy, [mean], rstd, [scale], dx, [dscale_partial], [dbias_partial])``.
+    """
+
+    def __init__(self, config: RowGeometry, *, center: bool, has_scale: bool, want_dscale: bool, want_dbias: bool):
+        if (want_dscale or want_dbias) and not config.resident:
+            raise ValueError("dscale/dbias partials need a register-resident row")
+        self.config, self.center, self.has_scale = config, center, has_scale
+        self.want_dscale, self.want_dbias = want_dscale, want_dbias
+        self.persistent = want_dscale or want_dbias
+
+    @cute.jit
+    def __call__(self, stream, *tensors):
+        rest = list(tensors)
+        x = rest.pop(0)
+        dy = rest.pop(0)
+        mean = rest.pop(0) if const_expr(self.center) else None
+        rstd = rest.pop(0)
+        scale = rest.pop(0) if const_expr(self.has_scale) else None
+        dx = rest.pop(0)
+        dscale = rest.pop(0) if const_expr(self.want_dscale) else None
+        dbias = rest.pop(0) if const_expr(self.want_dbias) else None
+        config = self.config
+        groups = cute.ceil_div(x.shape[0], config.row.rows_per_cta)
+        grid = backward_grid(config) if const_expr(self.persistent) else groups
+        partials = (partial_rows(config), config.n)
+        self.kernel(
+            x, dy, mean, rstd, scale, dx,
+            cute.make_tensor(dscale.iterator, cute.make_layout(partials, stride=(config.n, 1))) if const_expr(self.want_dscale) else None,
+            cute.make_tensor(dbias.iterator, cute.make_layout(partials, stride=(config.n, 1))) if const_expr(self.want_dbias) else None,
+            row_tiled_copy(x.element_type, config),
+            row_tiled_copy(dy.element_type, config),
+            row_tiled_copy(scale.element_type, config) if const_expr(self.has_scale) else None,
+            row_tiled_copy(dx.element_type, config),
+            row_tiled_copy(Float32, config),
+        ).launch(
+            grid=[grid, 1, 1],
+            block=[config.row.num_threads, 1, 1],
+            smem=2 * config.row.rows_per_cta * config.row.warps_per_row * 4,
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, x, dy, mean, rstd, scale, dx, dscale, dbias, copy_x, copy_dy, copy_scale, copy_dx, copy_partial):
+        config = self.config
+        n = config.n
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        buffers = shared_buffers(config, 2)
+        coords = cute.make_identity_tensor(x.shape)
+        pcoords = cute.make_identity_tensor((config.row.rows_per_cta, n))
+        ops = row_operand(_broadcast_rows(scale, config), copy_scale, pcoords, config, (0, None), tidx) if const_expr(self.has_scale) else None
+        if const_expr(self.has_scale and config.resident):
+            load_step(ops, 0)  # the same columns for every row this thread visits
+        # Accumulators of dscale / dbias over this thread's rows, in the flat order of x's fragment.
+        probe = row_operand(x, copy_x, coords, config, (0, None), tidx)
+        acc_scale = cute.make_rmem_tensor(probe.frag.layout, Float32)
+        acc_bias = cute.make_rmem_tensor(probe.frag.layout, Float32)
+        acc_scale.fill(0.0)
+        acc_bias.fill(0.0)
+        groups = cute.ceil_div(x.shape[0], config.row.rows_per_cta)
+
+        for group in cutlass.range(bidx, groups, gdim, unroll=1):
+            self.backward_rows(x, dy, mean, rstd, dx, ops, acc_scale, acc_bias, copy_x, copy_dy, copy_dx,
+                               coords, buffers, group, tidx)
+
+        if const_expr(self.persistent):
+            pcoords_all = cute.make_identity_tensor((partial_rows(config), n))
+            if const_expr(self.want_dscale):
+                store_step(row_operand(dscale, copy_partial, pcoords_all, config, (bidx, None), tidx), 0, acc_scale.load())
+            if const_expr(self.want_dbias):
+                store_step(row_operand(dbias, copy_partial, pcoords_all, config, (bidx, None), tidx), 0, acc_bias.load())
+
+    @cute.jit
+    def backward_rows(self, x, dy, mean, rstd, dx, ops, acc_scale, acc_bias, copy_x, copy_dy, copy_dx,
+                      coords, buffers, group, tidx):
+        """dx of the ``rows_per_cta`` rows of ``group``; adds their dscale/dbias terms to the
+        accumulators."""
+        config = self.config
+        n = config.n
+        opx = row_operand(x, copy_x, coords, config, (group, None), tidx)
+        opg = row_operand(dy, copy_dy, coords, config, (group, None), tidx)
+        opd = row_operand(dx, copy_dx, coords, config, (group, None), tidx)
+        row = opx.coords[0][0]
+        valid_row = row < x.shape[0]
+        opx.frag.fill(0.0)
+        opg.frag.fill(0.0)
+        row_mean = Float32(0.0)
+        row_rstd = Float32(0.0)
+        if valid_row:
+            row_rstd = rstd[row, 0]
+            if const_expr(self.center):
+                row_mean = mean[row, 0]
+        # mean(g * xhat) and mean(g) over the row; padding has dy = 0, so it adds nothing.
+        dot = Float32(0.0)
+        g_sum = Float32(0.0)
+        for step in cutlass.range(config.num_steps, unroll=1):
+            if valid_row:
+                load_step(opx, step)
+                load_step(opg, step)
+                if const_expr(self.has_scale and not config.resident):
+                    load_step(ops, step)
+            xhat = (opx.frag.load().to(Float32) - row_mean) * row_rstd
+            g = opg.frag.load().to(Float32)
+            if const_expr(self.has_scale):
+                g = g * ops.frag.load().to(Float32).reshape(g.shape)
+            dot = dot + row_sum(g * xhat)
+            if const_expr(self.center):
+                g_sum = g_sum + row_sum(g)
+        c_dot = row_allreduce(dot, operator.add, Float32(0.0), config.row, buffers[0]) / n
+        c_sum = Float32(0.0)
+        if const_expr(self.center):
+            c_sum = row_allreduce(g_sum, operator.add, Float32(0.0), config.row, buffers[1]) / n
+        elif const_expr(config.row.warps_per_row > 1):
+            cute.arch.barrier()  # the next row's reduction reuses buffers[0]
+        for step in cutlass.range(config.num_steps, unroll=1):
+            if valid_row:
+                self.dx_step(opx, opg, ops, opd, acc_scale, acc_bias, step, row_mean, row_rstd, c_dot, c_sum)
+
+    @cute.jit
+    def dx_step(self, opx, opg, ops, opd, acc_scale, acc_bias, step, row_mean, row_rstd, c_dot, c_sum):
+        if const_expr(not self.config.resident):
+            load_step(opx, step)
+            load_step(opg, step)
+            if const_expr(self.has_scale):
+                load_step(ops, step)
+        xhat = (opx.frag.load().to(Float32) - row_mean) * row_rstd
+        dyv = opg.frag.load().to(Float32)
+        g = dyv
+        if const_expr(self.has_scale):
+            g = g * ops.frag.load().to(Float32).reshape(g.shape)
+        store_step(opd, step, (g - xhat * c_dot - c_sum) * row_rstd)
+        if const_expr(self.want_dscale):
+            acc_scale.store(acc_scale.load() + dyv * xhat)
+        if const_expr(self.want_dbias):
+            acc_bias.store(acc_bias.load() + dyv)

@@ -1,0 +1,424 @@
+"""LayerNorm and RMSNorm over the last axis: ``layer_norm``, ``rms_norm``.
+
+Forward: one CuTe kernel writes y and the fp32 row statistics (mean for LayerNorm, rstd = 1 /
+sqrt(var + epsilon)) that the backward reuses. Backward: one CuTe kernel writes dx and, for rows
+that fit in registers, per-CTA fp32 partial sums of dscale / dbias, which the op adds up with
+``jnp.sum`` (a (P, N) -> (N,) reduction, P a few hundred: small next to x, deterministic). For rows
+too long to stay in registers (see :mod:`cutelayers.kernels.norm`) the kernel writes dx only and
+dscale / dbias are an XLA reduction that reads x and dy once more.
+
+vmap: a batched x with shared scale / bias folds the batch into rows (one launch). Per-example
+scale / bias cannot share one kernel launch; they fall back to ``jax.vmap`` of the jnp reference,
+which computes the same decomposition. Under vmap the backward keeps dscale / dbias per example
+(``vmap(grad(...))`` over a shared scale asks for exactly that), so the batched backward runs the
+dx kernel on folded rows and reduces dscale / dbias per example with XLA.
+
+The reference (``forward_reference`` / ``backward_reference``) is what runs off CUDA and under the
+``reference`` backend; it implements the kernels' decomposition (same residuals), so CPU tests of
+the op check the backward formulas the kernels implement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
+
+from cutelayers.ops._rowwise import check_float_array
+from cutelayers.runtime.primitive import KernelFamily, kernel_call
+from cutelayers.runtime.tensors import FLOAT_DTYPES
+
+
+def _bits(*dtypes) -> int:
+    return max(jnp.dtype(d).itemsize * 8 for d in dtypes)
+
+
+class _RowsFamily(KernelFamily):
+    """Operand convention of the norm kernels: rank-2 arrays are per-row (rows, ...) with a
+    symbolic row count; rank-1 arrays (scale, bias, flat partials) are fully static."""
+
+    def dynamic_dims(self, aval) -> tuple[bool, ...]:
+        return tuple(len(aval.shape) == 2 and i == 0 for i in range(len(aval.shape)))
+
+
+@dataclasses.dataclass(frozen=True)
+class NormForward(_RowsFamily):
+    """Kernel family: y (M, N), [mean (M, 1)], rstd (M, 1) from x (M, N), [scale (N,)], [bias (N,)].
+
+    ``center``: LayerNorm (subtract the mean) rather than RMSNorm. ``out_dtype``: y's dtype name.
+    """
+
+    center: bool
+    has_scale: bool
+    has_bias: bool
+    epsilon: float
+    out_dtype: str
+
+    @property
+    def name(self) -> str:
+        return "layer_norm_fwd" if self.center else "rms_norm_fwd"
+
+    @property
+    def arg_names(self) -> tuple[str, ...]:
+        return ("x",) + ("scale",) * self.has_scale + ("bias",) * self.has_bias
+
+    def out_avals(self, avals):
+        m, n = avals[0].shape
+        stat = jax.ShapeDtypeStruct((m, 1), jnp.float32)
+        return (jax.ShapeDtypeStruct((m, n), jnp.dtype(self.out_dtype)),) + (stat,) * self.center + (stat,)
+
+    def reference(self, x, *params):
+        scale, bias = _split_params(params, self.has_scale, self.has_bias)
+        y, mean, rstd = forward_reference(x, scale, bias, center=self.center, epsilon=self.epsilon,
+                                          out_dtype=self.out_dtype)
+        return (y,) + (mean[:, None],) * self.center + (rstd[:, None],)
+
+    def launcher(self, avals, out_avals):
+        from cutelayers.kernels.norm import NormForwardKernel, forward_config
+
+        config = forward_config(avals[0].shape[1], _bits(*(a.dtype for a in (*avals, out_avals[0]))))
+        return NormForwardKernel(config, center=self.center, has_scale=self.has_scale,
+                                 has_bias=self.has_bias, epsilon=self.epsilon)
+
+
+@dataclasses.dataclass(frozen=True)
+class NormBackward(_RowsFamily):
+    """Kernel family: dx (M, N), [dscale_partial (P*N,)], [dbias_partial (P*N,)] from x (M, N),
+    dy (M, N), [mean (M, 1)], rstd (M, 1), [scale (N,)].
+
+    Partials are fp32; their row sum (over P) is dscale / dbias. P comes from the kernel's config
+    table (:func:`cutelayers.kernels.norm.partial_rows`), so it is fixed per (N, dtypes).
+    """
+
+    center: bool
+    has_scale: bool
+    want_dscale: bool
+    want_dbias: bool
+
+    @property
+    def name(self) -> str:
+        return "layer_norm_bwd" if self.center else "rms_norm_bwd"
+
+    @property
+    def arg_names(self) -> tuple[str, ...]:
+        return ("x", "dy") + ("mean",) * self.center + ("rstd",) + ("scale",) * self.has_scale
+
+    def out_avals(self, avals):
+        x = avals[0]
+        partial = jax.ShapeDtypeStruct((self.partial_rows(avals) * x.shape[1],), jnp.float32)
+        return (jax.ShapeDtypeStruct(x.shape, x.dtype),) + (partial,) * (self.want_dscale + self.want_dbias)
+
+    def partial_rows(self, avals) -> int:
+        if not (self.want_dscale or self.want_dbias):
+            return 0
+        from cutelayers.kernels.norm import backward_config, partial_rows
+
+        return partial_rows(backward_config(avals[0].shape[1], _backward_bits(avals, self.has_scale)))
+
+    def reference(self, x, dy, *rest):
+        rest = list(rest)
+        mean = rest.pop(0)[:, 0] if self.center else None
+        rstd = rest.pop(0)[:, 0]
+        scale = rest.pop(0) if self.has_scale else None
+        dx, dscale, dbias = backward_reference(x, dy, mean, rstd, scale)
+        p = self.partial_rows((x, dy))
+        # The whole sum in the first partial row: summing over P gives the same result.
+        pad = lambda v: jnp.zeros((p, x.shape[1]), jnp.float32).at[0].set(v).reshape(-1)
+        return (dx,) + tuple(pad(v) for v, want in ((dscale, self.want_dscale), (dbias, self.want_dbias)) if want)
+
+    def launcher(self, avals, out_avals):
+        from cutelayers.kernels.norm import NormBackwardKernel, backward_config
+
+        config = backward_config(avals[0].shape[1], _backward_bits(avals, self.has_scale))
+        return NormBackwardKernel(config, center=self.center, has_scale=self.has_scale,
+                                  want_dscale=self.want_dscale, want_dbias=self.want_dbias)
+
+
+def _backward_bits(avals, has_scale: bool) -> int:
+    # x, dy and scale are the row-shaped operands whose loads share one vector width (dx has x's
+    # dtype); the (M, 1) statistics are read one value per row.
+    return _bits(avals[0].dtype, avals[1].dtype, *((avals[-1].dtype,) if has_scale else ()))
+
+
+def _split_params(params, has_scale: bool, has_bias: bool):
+    params = list(params)
+    scale = params.pop(0) if has_scale else None
+    bias = params.pop(0) if has_bias else None
+    return scale, bias
+
+
+# --- jnp reference: the kernels' decomposition --------------------------------------------------
+
+def forward_reference(x, scale, bias, *, center: bool, epsilon: float, out_dtype):
+    """y, mean, rstd over the last axis, statistics in fp32 (two-pass variance).
+
+    Shapes: x (..., N), scale/bias (N,) or None -> y (..., N) in ``out_dtype``, mean and rstd
+    (...,) fp32 (mean is zeros for RMSNorm).
+    """
+    x32 = x.astype(jnp.float32)
+    if center:
+        mean = jnp.mean(x32, axis=-1)
+        var = jnp.mean(jnp.square(x32 - mean[..., None]), axis=-1)
+    else:
+        mean = jnp.zeros(x.shape[:-1], jnp.float32)
+        var = jnp.mean(jnp.square(x32), axis=-1)
+    rstd = jax.lax.rsqrt(var + jnp.float32(epsilon))
+    y = (x32 - mean[..., None]) * rstd[..., None]
+    if scale is not None:
+        y = y * scale.astype(jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(out_dtype), mean, rstd
+
+
+def _xhat(x, mean, rstd):
+    x32 = x.astype(jnp.float32)
+    if mean is not None:
+        x32 = x32 - mean[..., None]
+    return x32 * rstd[..., None]
+
+
+def backward_reference(x, dy, mean, rstd, scale):
+    """dx, dscale, dbias of :func:`forward_reference` (``mean=None``: RMSNorm).
+
+    Shapes: x, dy (..., N); mean, rstd (...,) fp32; scale (N,) or None -> dx (..., N) in x's
+    dtype, dscale and dbias (N,) fp32 summed over all leading axes.
+    """
+    xhat = _xhat(x, mean, rstd)
+    dy32 = dy.astype(jnp.float32)
+    g = dy32 * scale.astype(jnp.float32) if scale is not None else dy32
+    n = x.shape[-1]
+    inner = xhat * (jnp.sum(g * xhat, axis=-1, keepdims=True) / n)
+    if mean is not None:
+        inner = inner + jnp.sum(g, axis=-1, keepdims=True) / n
+    dx = ((g - inner) * rstd[..., None]).astype(x.dtype)
+    lead = tuple(range(x.ndim - 1))
+    return dx, jnp.sum(dy32 * xhat, axis=lead), jnp.sum(dy32, axis=lead)
+
+
+# --- kernel calls on (rows, N) views ------------------------------------------------------------
+
+def _call_rows(family: KernelFamily, args):
+    """``family`` on already (rows, ...)-shaped ``args``; an empty row count skips the launch."""
+    if args[0].shape[0] == 0:
+        return tuple(jnp.zeros(o.shape, o.dtype) for o in family.out_avals(args))
+    return kernel_call(family, *args)
+
+
+def _backward_args(args, center: bool):
+    """(x, dy, [mean], rstd, [scale]) with x, dy as (rows, N) and statistics as (rows, 1)."""
+    n = args[0].shape[-1]
+    stats = 3 if center else 2
+    return ([a.reshape(-1, n) for a in args[:2]] + [a.reshape(-1, 1) for a in args[2:stats + 1]]
+            + list(args[stats + 1:]))
+
+
+def _forward_core(center: bool, has_scale: bool, has_bias: bool, epsilon: float, out_dtype: str):
+    """custom_vmap'd ``(x, *params) -> (y, mean, rstd)`` for LayerNorm, ``(y, rstd)`` for RMSNorm;
+    y is (..., N), the statistics (...,) fp32."""
+    family = NormForward(center, has_scale, has_bias, epsilon, out_dtype)
+
+    def unbatched(x, *params):
+        outs = _call_rows(family, (x.reshape(-1, x.shape[-1]), *params))
+        lead = x.shape[:-1]
+        return (outs[0].reshape(x.shape),) + tuple(o.reshape(lead) for o in outs[1:])
+
+    def reference(x, *params):
+        scale, bias = _split_params(params, has_scale, has_bias)
+        y, mean, rstd = forward_reference(x, scale, bias, center=center, epsilon=epsilon, out_dtype=out_dtype)
+        return (y, mean, rstd) if center else (y, rstd)
+
+    core = custom_vmap(unbatched)
+
+    @core.def_vmap
+    def rule(axis_size, in_batched, x, *params):
+        x_batched, *params_batched = in_batched
+        if any(params_batched):
+            # Per-example parameters: one launch takes one set, so vmap the jnp reference.
+            axes = [0 if b else None for b in in_batched]
+            out = jax.vmap(reference, in_axes=axes, axis_size=axis_size)(x, *params)
+        else:
+            out = core(x, *params)  # batch dim in front: it folds into the rows
+        return out, tuple(True for _ in out)
+
+    return core
+
+
+def _batch_rows(args, in_batched, axis_size: int, has_scale: bool):
+    """Give every per-row operand (all but a trailing shared scale) the batch dim in front."""
+    per_row = len(args) - has_scale
+    return [a if b or i >= per_row else jnp.broadcast_to(a, (axis_size, *a.shape))
+            for i, (a, b) in enumerate(zip(args, in_batched))]
+
+
+def _backward_core(center: bool, has_scale: bool, has_bias: bool, bits: int):
+    """custom_vmap'd ``(x, dy, [mean], rstd, [scale]) -> (dx, [dscale], [dbias])`` (fp32 dparams)."""
+
+    def split(args):
+        args = list(args)
+        x, dy = args.pop(0), args.pop(0)
+        mean = args.pop(0) if center else None
+        rstd = args.pop(0)
+        scale = args.pop(0) if has_scale else None
+        return x, dy, mean, rstd, scale
+
+    dx_only = _dx_core(center, has_scale)
+
+    def unbatched(*args):
+        x, dy, mean, rstd, scale = split(args)
+        from cutelayers.kernels.norm import backward_config
+
+        if not backward_config(x.shape[-1], bits).resident:
+            # Rows too long for register accumulators: dx from the kernel, dscale/dbias from XLA.
+            dx = dx_only(*args)
+            _, dscale, dbias = backward_reference(x, dy, mean, rstd, None)
+            return (dx,) + (dscale,) * has_scale + (dbias,) * has_bias
+        family = NormBackward(center, has_scale, has_scale, has_bias)
+        dx, *partials = _call_rows(family, _backward_args(args, center))
+        n = x.shape[-1]
+        return (dx.reshape(x.shape),) + tuple(jnp.sum(p.reshape(-1, n), axis=0) for p in partials)
+
+    core = custom_vmap(unbatched)
+
+    @core.def_vmap
+    def rule(axis_size, in_batched, *args):
+        if has_scale and in_batched[-1]:
+            axes = [0 if b else None for b in in_batched]
+
+            def reference(*a):
+                x, dy, mean, rstd, scale = split(a)
+                dx, dscale, dbias = backward_reference(x, dy, mean, rstd, scale)
+                return (dx,) + (dscale,) * has_scale + (dbias,) * has_bias
+
+            out = jax.vmap(reference, in_axes=axes, axis_size=axis_size)(*args)
+            return out, tuple(True for _ in out)
+        args = _batch_rows(args, in_batched, axis_size, has_scale)
+        x, dy, mean, rstd, scale = split(args)
+        dx = dx_only(*args)
+        # dscale / dbias per example (batch axis 0): grad(vmap) sums them, vmap(grad) keeps them.
+        xhat = _xhat(x, mean, rstd)
+        dy32 = dy.astype(jnp.float32)
+        lead = tuple(range(1, x.ndim - 1))
+        out = (dx,) + (jnp.sum(dy32 * xhat, axis=lead),) * has_scale + (jnp.sum(dy32, axis=lead),) * has_bias
+        return out, tuple(True for _ in out)
+
+    return core
+
+
+def _dx_core(center: bool, has_scale: bool):
+    """custom_vmap'd dx-only backward; batched rows fold (shared scale) like the forward."""
+    family = NormBackward(center, has_scale, False, False)
+
+    def unbatched(*args):
+        return _call_rows(family, _backward_args(args, center))[0].reshape(args[0].shape)
+
+    core = custom_vmap(unbatched)
+
+    @core.def_vmap
+    def rule(axis_size, in_batched, *args):
+        if has_scale and in_batched[-1]:  # per-example scale (reached only under nested vmaps)
+            def reference(*a):
+                mean = a[2] if center else None
+                return backward_reference(a[0], a[1], mean, a[-2], a[-1])[0]
+
+            axes = [0 if b else None for b in in_batched]
+            return jax.vmap(reference, in_axes=axes, axis_size=axis_size)(*args), True
+        args = _batch_rows(args, in_batched, axis_size, has_scale)
+        return core(*args), True
+
+    return core
+
+
+@functools.cache
+def _norm_fn(center: bool, has_scale: bool, has_bias: bool, epsilon: float, out_dtype: str, bwd_bits: int):
+    forward = _forward_core(center, has_scale, has_bias, epsilon, out_dtype)
+    backward = _backward_core(center, has_scale, has_bias, bwd_bits)
+
+    @jax.custom_vjp
+    def norm(x, *params):
+        return forward(x, *params)[0]
+
+    def fwd(x, *params):
+        y, *stats = forward(x, *params)
+        return y, (x, stats, params)
+
+    def bwd(res, dy):
+        x, stats, params = res
+        scale, _ = _split_params(params, has_scale, has_bias)
+        dx, *dparams = backward(x, dy, *stats, *((scale,) if has_scale else ()))
+        return (dx, *(d.astype(p.dtype) for d, p in zip(dparams, params)))
+
+    norm.defvjp(fwd, bwd)
+    return norm
+
+
+def _check(op: str, x, scale, bias, epsilon, dtype):
+    x = check_float_array(op, "x", x)
+    n = x.shape[-1]
+    params = {}
+    for name, p in (("scale", scale), ("bias", bias)):
+        if p is None:
+            continue
+        p = check_float_array(op, name, p, min_rank=0)
+        if tuple(p.shape) != (n,):
+            raise ValueError(f"{op}: argument {name!r} has shape {tuple(p.shape)}; expected ({n},), "
+                             "the size of x's last axis")
+        params[name] = p
+    try:
+        epsilon = float(epsilon)
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        raise TypeError(f"{op}: argument 'epsilon' must be a Python float; got {epsilon!r}") from None
+    if not epsilon >= 0.0:
+        raise ValueError(f"{op}: argument 'epsilon' must be >= 0; got {epsilon}")
+    out_dtype = x.dtype if dtype is None else jnp.dtype(dtype)
+    if out_dtype not in FLOAT_DTYPES:
+        allowed = ", ".join(d.name for d in FLOAT_DTYPES)
+        raise TypeError(f"{op}: argument 'dtype' is {out_dtype.name}; allowed: {allowed}")
+    return x, params, epsilon, out_dtype
+
+
+def _norm(op: str, center: bool, x, scale, bias, epsilon, dtype):
+    x, params, epsilon, out_dtype = _check(op, x, scale, bias, epsilon, dtype)
+    has_scale, has_bias = "scale" in params, "bias" in params
+    # dy has the output's dtype; x, dy and scale share the backward's vector width.
+    bwd_bits = _bits(x.dtype, out_dtype, *((params["scale"].dtype,) if has_scale else ()))
+    fn = _norm_fn(center, has_scale, has_bias, epsilon, out_dtype.name, bwd_bits)
+    return fn(x, *params.values())
+
+
+def layer_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | None = None, *,
+               epsilon: float = 1e-6, dtype=None) -> jax.Array:
+    """LayerNorm over the last axis: ``(x - mean) / sqrt(var + epsilon) * scale + bias``.
+
+    Args:
+      x: (..., N), N >= 1, bfloat16, float16 or float32.
+      scale: (N,) or None (no scaling), any of those dtypes.
+      bias: (N,) or None (no shift), any of those dtypes.
+      epsilon: added to the variance (a Python float >= 0).
+      dtype: the result's dtype; None means x's dtype.
+
+    Returns:
+      (..., N) in ``dtype``. Mean and variance are computed in float32 (two-pass, so large-mean
+      inputs keep their precision); gradients flow to x, scale and bias, in their dtypes.
+    """
+    return _norm("layer_norm", True, x, scale, bias, epsilon, dtype)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | None = None, *,
+             epsilon: float = 1e-6, dtype=None) -> jax.Array:
+    """RMSNorm over the last axis: ``x / sqrt(mean(x^2) + epsilon) * scale + bias``.
+
+    Args:
+      x: (..., N), N >= 1, bfloat16, float16 or float32.
+      scale: (N,) or None (no scaling), any of those dtypes.
+      bias: (N,) or None (the usual RMSNorm has none; Equinox's has one).
+      epsilon: added to the mean square (a Python float >= 0).
+      dtype: the result's dtype; None means x's dtype.
+
+    Returns:
+      (..., N) in ``dtype``; statistics in float32; gradients flow to x, scale and bias.
+    """
+    return _norm("rms_norm", False, x, scale, bias, epsilon, dtype)

@@ -1,0 +1,325 @@
+"""Softmax family over the last axis: ``softmax``, ``log_softmax``, ``logsumexp`` and
+``softmax_cross_entropy`` -- CuTe kernels forward and backward, jnp references that follow the
+same decomposition (the same residuals), custom_vjp + custom_vmap.
+
+Decomposition (all statistics fp32):
+
+* softmax:      y = exp(x - lse);              dx = y * (dy - sum(dy * y))
+* log_softmax:  y = x - lse;                   dx = dy - exp(y) * sum(dy)
+* logsumexp:    lse = max + log(sum(exp(x - max)));   dx = dlse * exp(x - lse)
+* cross-entropy with integer labels, smoothing a, z-loss z, V classes:
+  loss = lse - (1 - a) x[label] - (a / V) sum(x) + z lse^2;
+  dx = dloss * (exp(x - lse) (1 + 2 z lse) - (1 - a) onehot(label) - a / V).
+  Rows whose label is ``ignore_index`` give loss 0 and gradient 0; any other label outside
+  [0, V) gives a NaN loss and NaN gradient for that row (checked eagerly when labels are concrete).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cutelayers.ops._rowwise import call_on_rows, check_float_array, row_batched
+from cutelayers.runtime.primitive import KernelFamily
+
+F32 = jnp.float32
+
+
+def _bits(aval) -> int:
+    return jnp.dtype(aval.dtype).itemsize * 8
+
+
+# --- kernel families -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SoftmaxForward(KernelFamily):
+    """y = softmax(x) or log_softmax(x) per row; y in x's dtype, lse (M,) fp32 for the backward."""
+
+    log: bool
+    arg_names = ("x",)
+
+    @property
+    def name(self):
+        return "log_softmax_fwd" if self.log else "softmax_fwd"
+
+    def out_avals(self, avals):
+        (x,) = avals
+        return (jax.ShapeDtypeStruct(x.shape, x.dtype),)
+
+    def reference(self, x):
+        lse = _lse(x)
+        x32 = x.astype(F32)
+        y = x32 - lse[:, None] if self.log else jnp.exp(x32 - lse[:, None])
+        return (y.astype(x.dtype),)
+
+    def launcher(self, avals, out_avals):
+        from cutelayers.kernels.softmax import SoftmaxForwardKernel
+
+        return SoftmaxForwardKernel(avals[0].shape[1], _bits(avals[0]), log=self.log)
+
+
+@dataclasses.dataclass(frozen=True)
+class SoftmaxBackward(KernelFamily):
+    """dx from (y, dy): see the module docstring."""
+
+    log: bool
+    arg_names = ("y", "dy")
+
+    @property
+    def name(self):
+        return "log_softmax_bwd" if self.log else "softmax_bwd"
+
+    def out_avals(self, avals):
+        return (jax.ShapeDtypeStruct(avals[1].shape, avals[1].dtype),)
+
+    def reference(self, y, dy):
+        y32, g = y.astype(F32), dy.astype(F32)
+        if self.log:
+            dx = g - jnp.exp(y32) * jnp.sum(g, -1, keepdims=True)
+        else:
+            dx = y32 * (g - jnp.sum(g * y32, -1, keepdims=True))
+        return (dx.astype(dy.dtype),)
+
+    def launcher(self, avals, out_avals):
+        from cutelayers.kernels.softmax import SoftmaxBackwardKernel
+
+        return SoftmaxBackwardKernel(avals[0].shape[1], max(_bits(avals[0]), _bits(avals[1])), log=self.log)
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossEntropyForward(KernelFamily):
+    """Per-row lse (fp32), and with labels the per-row loss (fp32): one streaming read of x."""
+
+    with_labels: bool
+    ignore_index: int | None = None
+    smoothing: float = 0.0
+    z_loss: float = 0.0
+
+    @property
+    def name(self):
+        return "cross_entropy_fwd" if self.with_labels else "logsumexp"
+
+    @property
+    def arg_names(self):
+        return ("logits", "labels") if self.with_labels else ("x",)
+
+    def out_avals(self, avals):
+        m = avals[0].shape[:1]
+        lse = jax.ShapeDtypeStruct(m, F32)
+        return (lse, jax.ShapeDtypeStruct(m, F32)) if self.with_labels else (lse,)
+
+    def reference(self, x, labels=None):
+        lse = _lse(x)
+        if not self.with_labels:
+            return (lse,)
+        return lse, _ce_loss(x, labels, lse, self)
+
+    def launcher(self, avals, out_avals):
+        from cutelayers.kernels.softmax import CrossEntropyForwardKernel
+
+        return CrossEntropyForwardKernel(avals[0].shape[1], _bits(avals[0]), self.with_labels,
+                                         self.ignore_index, self.smoothing, self.z_loss)
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossEntropyBackward(KernelFamily):
+    """dlogits from (logits, labels, lse, dloss) in one pass (no reduction)."""
+
+    ignore_index: int | None = None
+    smoothing: float = 0.0
+    z_loss: float = 0.0
+    arg_names = ("logits", "labels", "lse", "dloss")
+
+    @property
+    def name(self):
+        return "cross_entropy_bwd"
+
+    def out_avals(self, avals):
+        return (jax.ShapeDtypeStruct(avals[0].shape, avals[0].dtype),)
+
+    def reference(self, x, labels, lse, dloss):
+        return (_ce_grad(x, labels, lse, dloss, self).astype(x.dtype),)
+
+    def launcher(self, avals, out_avals):
+        from cutelayers.kernels.softmax import CrossEntropyBackwardKernel
+
+        return CrossEntropyBackwardKernel(avals[0].shape[1], _bits(avals[0]), self.ignore_index,
+                                          self.smoothing, self.z_loss)
+
+
+# --- jnp references (the same decomposition as the kernels) -------------------------------------
+
+
+def _lse(x):
+    x32 = x.astype(F32)
+    m = jnp.max(x32, axis=-1)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # all -inf rows: lse = -inf, not NaN
+    return m + jnp.log(jnp.sum(jnp.exp(x32 - m[:, None]), axis=-1))
+
+
+def _label_masks(labels, v, cfg):
+    ignored = labels == cfg.ignore_index if cfg.ignore_index is not None else jnp.zeros(labels.shape, bool)
+    valid = (labels >= 0) & (labels < v)
+    return ignored, valid
+
+
+def _ce_loss(x, labels, lse, cfg):
+    v = x.shape[-1]
+    x32 = x.astype(F32)
+    ignored, valid = _label_masks(labels, v, cfg)
+    picked = jnp.take_along_axis(x32, jnp.clip(labels, 0, v - 1)[:, None], axis=-1)[:, 0]
+    loss = lse - (1.0 - cfg.smoothing) * picked - (cfg.smoothing / v) * jnp.sum(x32, -1) + cfg.z_loss * lse**2
+    return jnp.where(ignored, 0.0, jnp.where(valid, loss, jnp.nan))
+
+
+def _ce_grad(x, labels, lse, dloss, cfg):
+    v = x.shape[-1]
+    ignored, valid = _label_masks(labels, v, cfg)
+    p = jnp.exp(x.astype(F32) - lse[:, None])
+    onehot = jnp.arange(v)[None, :] == labels[:, None]
+    d = p * (1.0 + 2.0 * cfg.z_loss * lse[:, None]) - (1.0 - cfg.smoothing) * onehot - cfg.smoothing / v
+    d = d * dloss[:, None]
+    return jnp.where(ignored[:, None], 0.0, jnp.where(valid[:, None], d, jnp.nan))
+
+
+# --- ops -----------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _softmax_fn(log: bool):
+    forward = row_batched(lambda x: call_on_rows(SoftmaxForward(log), x)[0])
+    backward = row_batched(lambda y, g: call_on_rows(SoftmaxBackward(log), y, g)[0])
+
+    @jax.custom_vjp
+    def op(x):
+        return forward(x)
+
+    def fwd(x):
+        y = forward(x)
+        return y, y
+
+    def bwd(y, g):
+        return (backward(y, g.astype(y.dtype)),)
+
+    op.defvjp(fwd, bwd)
+    return op
+
+
+def softmax(x: jax.Array) -> jax.Array:
+    """Softmax over the last axis.
+
+    Args:
+      x: (..., N), N >= 1, bfloat16, float16 or float32.
+
+    Returns:
+      (..., N) in x's dtype; statistics in float32 (as ``jax.nn.softmax`` on x).
+    """
+    return _softmax_fn(False)(check_float_array("softmax", "x", x))
+
+
+def log_softmax(x: jax.Array) -> jax.Array:
+    """Log-softmax over the last axis; shapes and dtypes as :func:`softmax`."""
+    return _softmax_fn(True)(check_float_array("log_softmax", "x", x))
+
+
+@functools.cache
+def _logsumexp_fn():
+    family = CrossEntropyForward(with_labels=False)
+    forward = row_batched(lambda x: call_on_rows(family, x)[0])
+
+    @jax.custom_vjp
+    def op(x):
+        return forward(x).astype(x.dtype)
+
+    def fwd(x):
+        lse = forward(x)
+        return lse.astype(x.dtype), (x, lse)
+
+    def bwd(res, g):
+        x, lse = res
+        # one elementwise pass that XLA fuses into its consumer
+        return ((g.astype(F32)[..., None] * jnp.exp(x.astype(F32) - lse[..., None])).astype(x.dtype),)
+
+    op.defvjp(fwd, bwd)
+    return op
+
+
+def logsumexp(x: jax.Array) -> jax.Array:
+    """log(sum(exp(x))) over the last axis, computed stably in float32 in one pass over x.
+
+    Args:
+      x: (..., N), N >= 1, bfloat16, float16 or float32.
+
+    Returns:
+      (...,) in x's dtype (as ``jax.nn.logsumexp``); rows of all -inf give -inf.
+    """
+    return _logsumexp_fn()(check_float_array("logsumexp", "x", x))
+
+
+@functools.cache
+def _cross_entropy_fn(ignore_index, smoothing, z_loss):
+    cfg = dict(ignore_index=ignore_index, smoothing=smoothing, z_loss=z_loss)
+    forward = row_batched(lambda x, labels: call_on_rows(CrossEntropyForward(True, **cfg), x, labels))
+    backward = row_batched(
+        lambda x, labels, lse, g: call_on_rows(CrossEntropyBackward(**cfg), x, labels, lse, g)[0])
+
+    @jax.custom_vjp
+    def op(logits, labels):
+        return forward(logits, labels)[1]
+
+    def fwd(logits, labels):
+        lse, loss = forward(logits, labels)
+        return loss, (logits, labels, lse)
+
+    def bwd(res, g):
+        logits, labels, lse = res
+        return backward(logits, labels, lse, g.astype(F32)), None
+
+    op.defvjp(fwd, bwd)
+    return op
+
+
+def softmax_cross_entropy(logits: jax.Array, labels: jax.Array, *, ignore_index: int | None = None,
+                          label_smoothing: float = 0.0, z_loss: float = 0.0) -> jax.Array:
+    """Cross-entropy of integer labels, per row, over the last axis of ``logits``.
+
+    Args:
+      logits: (..., V), V >= 1, bfloat16, float16 or float32.
+      labels: (...,) integers in [0, V); rows equal to ``ignore_index`` give loss 0 and gradient 0.
+      ignore_index: label value of rows to ignore (e.g. -100 or a padding id), or None.
+      label_smoothing: a in [0, 1): targets (1 - a) onehot + a / V, as ``optax.smooth_labels``.
+      z_loss: coefficient of the auxiliary z-loss z * logsumexp(logits)^2 added per row.
+
+    Returns:
+      (...,) float32 losses. Gradients flow to ``logits`` only (labels are integers).
+    """
+    op = "softmax_cross_entropy"
+    logits = check_float_array(op, "logits", logits)
+    if not hasattr(labels, "dtype") or not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise TypeError(f"{op}: argument 'labels' must be an integer array; got "
+                        f"{getattr(labels, 'dtype', type(labels).__name__)}")
+    if tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"{op}: argument 'labels' has shape {tuple(labels.shape)}; expected "
+                         f"{tuple(logits.shape[:-1])} (logits' shape without the class axis)")
+    if not 0.0 <= float(label_smoothing) < 1.0:
+        raise ValueError(f"{op}: label_smoothing must be in [0, 1); got {label_smoothing}")
+    if float(z_loss) < 0.0:
+        raise ValueError(f"{op}: z_loss must be >= 0; got {z_loss}")
+    if ignore_index is not None:
+        ignore_index = int(ignore_index)
+    v = logits.shape[-1]
+    if not isinstance(labels, jax.core.Tracer):
+        lab = np.asarray(labels)
+        bad = (lab < 0) | (lab >= v)
+        if ignore_index is not None:
+            bad &= lab != ignore_index
+        if bad.any():
+            raise ValueError(f"{op}: argument 'labels' holds {int(bad.sum())} value(s) outside [0, {v}) "
+                             f"(e.g. {int(lab[bad].ravel()[0])}) that are not ignore_index={ignore_index}")
+    labels = jnp.asarray(labels).astype(jnp.int32)
+    return _cross_entropy_fn(ignore_index, float(label_smoothing), float(z_loss))(logits, labels)

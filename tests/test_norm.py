@@ -1,0 +1,296 @@
+"""layer_norm / rms_norm: values, gradients, vmap/jit/grad, errors, CUDA lowering.
+
+CPU runs the reference lowering of the same ops (same decomposition and residuals as the kernels),
+so the custom_vjp/custom_vmap plumbing and the backward formulas are checked against jax.grad of
+the plain jnp formula; `gpu` tests run the CuTe kernels; the lowering test compiles them on CPU.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cutelayers as cl
+from cutelayers.ops.norm import layer_norm, rms_norm
+from numerics import assert_close, random
+
+DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
+OPS = {"layer_norm": (layer_norm, True), "rms_norm": (rms_norm, False)}
+# (N, leading shape): large N with few rows keeps CPU time modest.
+SHAPES = [(1, (3, 5)), (3, ()), (64, (3, 5)), (1000, (1,)), (1024, (3, 5)), (4095, (2,)),
+          (8192, (2,)), (50257, ()), (65536, (1,))]
+
+
+def ref64(x, scale=None, bias=None, *, center=True, epsilon=1e-6):
+    """The float64 numpy reference."""
+    x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    mean = x.mean(-1, keepdims=True) if center else 0.0
+    y = (x - mean) / np.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + epsilon)
+    if scale is not None:
+        y = y * np.asarray(jnp.asarray(scale, jnp.float32), np.float64)
+    if bias is not None:
+        y = y + np.asarray(jnp.asarray(bias, jnp.float32), np.float64)
+    return y
+
+
+def plain(x, scale=None, bias=None, *, center=True, epsilon=1e-6):
+    """The plain jnp formula (fp32), differentiated by jax.grad for the gradient checks."""
+    x = x.astype(jnp.float32)
+    mean = jnp.mean(x, -1, keepdims=True) if center else 0.0
+    y = (x - mean) * jax.lax.rsqrt(jnp.mean(jnp.square(x - mean), -1, keepdims=True) + epsilon)
+    if scale is not None:
+        y = y * scale.astype(jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y
+
+
+def _params(rng, n, dtype, with_scale, with_bias):
+    scale = random(rng, (n,), dtype) if with_scale else None
+    bias = random(rng, (n,), dtype) if with_bias else None
+    return scale, bias
+
+
+def _check_values(op, x, scale, bias, epsilon=1e-6, tol_scale=1.0, **kw):
+    fn, center = OPS[op]
+    if not center and bias is None:
+        out = fn(x, scale, epsilon=epsilon, **kw)
+    else:
+        out = fn(x, scale, bias, epsilon=epsilon, **kw)
+    assert out.shape == x.shape
+    assert out.dtype == jnp.dtype(kw.get("dtype") or x.dtype)
+    assert_close(out, ref64(x, scale, bias, center=center, epsilon=epsilon), out.dtype, scale=tol_scale)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,lead", SHAPES)
+def test_values_reference(op, dtype, n, lead, rng):
+    x = random(rng, (*lead, n), dtype)
+    for with_scale, with_bias in ((True, True), (False, False)):
+        scale, bias = _params(rng, n, jnp.float32, with_scale, with_bias and op == "layer_norm")
+        _check_values(op, x, scale, bias)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("epsilon", [0.0, 1e-6, 1e-5, 0.1])
+def test_epsilon_and_param_dtypes(op, epsilon, rng):
+    x = random(rng, (4, 100), jnp.bfloat16)
+    scale, bias = _params(rng, 100, jnp.bfloat16, True, True)
+    _check_values(op, x, scale, bias, epsilon=epsilon)
+    _check_values(op, x, scale, None, epsilon=epsilon, dtype=jnp.float32)
+    _check_values(op, x, None, bias, epsilon=epsilon, dtype=jnp.float16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_large_mean_inputs(dtype, rng):
+    """x = 1000 + N(0, 1): E[x^2] - E[x]^2 would lose every digit in fp32; two-pass keeps them.
+
+    The input itself carries |x| * eps of rounding, i.e. ~1000 eps relative to its spread, which
+    bounds any method; the tolerance allows that and nothing like cancellation (errors ~ 1).
+    """
+    x = random(rng, (8, 4096), jnp.float32, loc=1000.0).astype(dtype)
+    tol = {"bfloat16": 1.0, "float16": 1.0, "float32": 20.0}[jnp.dtype(dtype).name]
+    _check_values("layer_norm", x, None, None, tol_scale=tol)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("with_scale,with_bias", [(True, True), (True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("n", [1, 37, 1024])
+def test_grad_matches_jnp(op, with_scale, with_bias, n, rng):
+    fn, center = OPS[op]
+    x = random(rng, (3, 4, n), jnp.float32, loc=2.0)
+    scale, bias = _params(rng, n, jnp.float32, with_scale, with_bias)
+    w = random(rng, (3, 4, n), jnp.float32)
+
+    def loss(f):
+        return lambda x, s, b: jnp.sum(f(x, s, b) * w)
+
+    ours = lambda x, s, b: fn(x, s, b, epsilon=1e-5)
+    ref = lambda x, s, b: plain(x, s, b, center=center, epsilon=1e-5)
+    g = jax.grad(loss(ours), argnums=(0, 1, 2))(x, scale, bias)
+    g_ref = jax.grad(loss(ref), argnums=(0, 1, 2))(x, scale, bias)
+    for a, b in zip(g, g_ref):
+        if b is None:
+            assert a is None
+        else:
+            assert a.dtype == b.dtype
+            # N = 1: dx is an epsilon-sized difference of O(1) terms; compare on that scale.
+            np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6 + 2e-5 * float(jnp.max(jnp.abs(b))))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_param_grad_dtypes(dtype, rng):
+    x = random(rng, (6, 64), jnp.bfloat16)
+    scale, bias = _params(rng, 64, dtype, True, True)
+    g = jax.grad(lambda x, s, b: jnp.sum(layer_norm(x, s, b, dtype=jnp.float32) ** 2), argnums=(0, 1, 2))(x, scale, bias)
+    assert [a.dtype for a in g] == [jnp.dtype(jnp.bfloat16), jnp.dtype(dtype), jnp.dtype(dtype)]
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_vmap_jit_grad_compositions(op, rng):
+    fn, center = OPS[op]
+    x = random(rng, (2, 3, 4, 50), jnp.float32)
+    scale, bias = _params(rng, 50, jnp.float32, True, True)
+    ours = lambda x, s=scale, b=bias: fn(x, s, b)
+    ref = lambda x, s=scale, b=bias: plain(x, s, b, center=center)
+
+    def loss(f):
+        return lambda x, s, b: jnp.sum(jnp.sin(f(x, s, b)))
+
+    kw = dict(rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(jax.vmap(jax.vmap(ours))(x), ref(x), **kw)
+    np.testing.assert_allclose(jax.vmap(ours, in_axes=2, out_axes=2)(x), ref(x), **kw)
+    args = (x, scale, bias)
+    shared = (0, None, None)
+    g = jax.jit(jax.grad(loss(jax.vmap(fn, in_axes=shared)), argnums=(0, 1, 2)))(*args)
+    g_ref = jax.grad(loss(lambda x, s, b: plain(x, s, b, center=center)), argnums=(0, 1, 2))(*args)
+    for a, b in zip(g, g_ref):
+        np.testing.assert_allclose(a, b, **kw)
+    # vmap(grad): per-example gradients, also of the shared scale and bias
+    g = jax.vmap(jax.grad(loss(fn), argnums=(0, 1, 2)), in_axes=shared)(*args)
+    g_ref = jax.vmap(jax.grad(loss(lambda x, s, b: plain(x, s, b, center=center)), argnums=(0, 1, 2)), in_axes=shared)(*args)
+    for a, b in zip(g, g_ref):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, **kw)
+    # grad(jit(vmap(vmap)))
+    g = jax.grad(jax.jit(loss(jax.vmap(jax.vmap(fn, in_axes=shared), in_axes=shared))), argnums=(0, 1))(*args)
+    for a, b in zip(g, g_ref[:2]):
+        np.testing.assert_allclose(a, b.sum(0) if a.ndim == 1 else b, **kw)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_per_example_params_under_vmap(op, rng):
+    fn, center = OPS[op]
+    x = random(rng, (3, 5, 40), jnp.float32)
+    scales = random(rng, (3, 40), jnp.float32)
+    biases = random(rng, (3, 40), jnp.float32)
+    out = jax.vmap(fn)(x, scales, biases)
+    np.testing.assert_allclose(out, ref64(x, scales[:, None], biases[:, None], center=center), rtol=1e-5, atol=1e-5)
+
+    def loss(f):
+        return lambda x, s, b: jnp.sum(jnp.cos(jax.vmap(f)(x, s, b)))
+
+    g = jax.jit(jax.grad(loss(fn), argnums=(0, 1, 2)))(x, scales, biases)
+    g_ref = jax.grad(loss(lambda x, s, b: plain(x, s, b, center=center)), argnums=(0, 1, 2))(x, scales, biases)
+    for a, b in zip(g, g_ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # batched scale, shared bias; and nested vmap with the scale batched only on the outer one
+    np.testing.assert_allclose(jax.vmap(fn, in_axes=(0, 0, None))(x, scales, biases[0]),
+                               ref64(x, scales[:, None], biases[0], center=center), rtol=1e-5, atol=1e-5)
+    nested = jax.vmap(lambda xs, s: jax.vmap(lambda r: fn(r, s))(xs))(x, scales)
+    np.testing.assert_allclose(nested, ref64(x, scales[:, None], center=center), rtol=1e-5, atol=1e-5)
+
+
+def test_empty_rows_and_output_dtype(rng):
+    assert layer_norm(jnp.ones((0, 5))).shape == (0, 5)
+    g = jax.grad(lambda s: jnp.sum(layer_norm(jnp.ones((0, 5)), s)))(jnp.ones(5))
+    np.testing.assert_array_equal(g, 0.0)
+    x = random(rng, (4, 16), jnp.bfloat16)
+    assert layer_norm(x).dtype == jnp.bfloat16
+    assert rms_norm(x, dtype=jnp.float32).dtype == jnp.float32
+
+
+def test_bad_inputs_name_the_argument():
+    x = jnp.ones((3, 4))
+    with pytest.raises(TypeError, match="'x' has dtype int32"):
+        layer_norm(jnp.ones((3, 4), jnp.int32))
+    with pytest.raises(ValueError, match="'x' has rank 0"):
+        rms_norm(jnp.float32(1.0))
+    with pytest.raises(ValueError, match="empty last axis"):
+        layer_norm(jnp.ones((3, 0)))
+    with pytest.raises(ValueError, match=r"'scale' has shape \(5,\); expected \(4,\)"):
+        layer_norm(x, jnp.ones(5))
+    with pytest.raises(ValueError, match=r"'bias' has shape \(1, 4\); expected \(4,\)"):
+        layer_norm(x, None, jnp.ones((1, 4)))
+    with pytest.raises(TypeError, match="'scale' has dtype int32"):
+        rms_norm(x, jnp.ones(4, jnp.int32))
+    with pytest.raises(TypeError, match="'bias' must be an array"):
+        layer_norm(x, None, [0.0] * 4)
+    with pytest.raises(TypeError, match="'dtype' is int8"):
+        layer_norm(x, dtype=jnp.int8)
+    with pytest.raises(ValueError, match="'epsilon' must be >= 0"):
+        rms_norm(x, epsilon=-1.0)
+    with pytest.raises(TypeError, match="'epsilon' must be a Python float"):
+        jax.jit(lambda e: rms_norm(x, epsilon=e))(1e-6)
+
+
+# --- CUDA lowering on CPU: compiles every kernel variant ----------------------------------------
+
+LOWERING_CASES = [
+    # (op, N, x dtype, param dtype, out dtype, scale, bias)
+    ("layer_norm", 1, "float16", "float16", None, False, False),
+    ("layer_norm", 1000, "bfloat16", "float32", None, True, True),
+    ("layer_norm", 4095, "float32", "bfloat16", "bfloat16", False, True),
+    ("layer_norm", 8192, "bfloat16", "bfloat16", "float32", True, False),
+    ("layer_norm", 50257, "bfloat16", "float32", None, True, True),
+    ("layer_norm", 65536, "float32", "float32", None, True, True),
+    ("rms_norm", 3, "float32", "float32", None, True, False),
+    ("rms_norm", 1024, "bfloat16", "float32", None, True, False),
+    ("rms_norm", 4096, "float16", "float16", None, False, False),
+    ("rms_norm", 16384, "bfloat16", "bfloat16", None, True, True),
+    ("rms_norm", 262144, "bfloat16", "float32", None, True, False),
+]
+
+
+@pytest.mark.parametrize("op,n,xdt,pdt,odt,with_scale,with_bias", LOWERING_CASES)
+def test_lowers_for_cuda_and_compiles_kernels(op, n, xdt, pdt, odt, with_scale, with_bias):
+    fn, _ = OPS[op]
+    x = jax.ShapeDtypeStruct((6, n), jnp.dtype(xdt))
+    p = jax.ShapeDtypeStruct((n,), jnp.dtype(pdt))
+
+    def f(x, s, b):
+        y = fn(x, s if with_scale else None, b if with_bias else None, dtype=odt)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    with cl.use_backend("cute"):
+        lowered = jax.jit(jax.grad(f, argnums=(0, 1, 2))).trace(x, p, p).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert f"custom_call @cutelayers_{op}_fwd_" in text
+    assert f"custom_call @cutelayers_{op}_bwd_" in text
+
+
+# --- on the GPU: the CuTe kernels themselves ----------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 3, 64, 1000, 1024, 4095, 8192, 50257, 65536, 262144])
+def test_kernel_values_and_grads_gpu(op, dtype, n, rng):
+    fn, center = OPS[op]
+    lead = (37,) if n <= 65536 else (3,)
+    x = random(rng, (*lead, n), dtype, loc=2.0)
+    for pdt, with_scale, with_bias in ((jnp.float32, True, True), (dtype, True, False), (dtype, False, False)):
+        scale, bias = _params(rng, n, pdt, with_scale, with_bias)
+        w = random(rng, x.shape, jnp.float32)
+
+        def loss(x, s, b):
+            return jnp.sum(fn(x, s, b).astype(jnp.float32) * w)
+
+        with cl.use_backend("cute"):
+            _check_values(op, x, scale, bias)
+            g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, scale, bias)
+        with cl.use_backend("reference"):
+            g_ref = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, scale, bias)
+        for a, b in zip(g, g_ref):
+            if b is not None:
+                # N = 1 gradients are ~epsilon-sized differences: compare against their scale.
+                assert_close(a, np.asarray(jnp.asarray(b, jnp.float32)), a.dtype, scale=10.0 if n > 1 else 1e4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+def test_kernel_vmap_and_large_mean_gpu(op, rng):
+    fn, center = OPS[op]
+    x = random(rng, (4, 33, 1000), jnp.float32, loc=1000.0)
+    scale, bias = _params(rng, 1000, jnp.float32, True, True)
+    with cl.use_backend("cute"):
+        out = jax.vmap(lambda x: fn(x, scale, bias))(x)
+        g = jax.jit(jax.grad(lambda x, s: jnp.sum(jnp.sin(jax.vmap(fn, in_axes=(0, None))(x, s))), argnums=(0, 1)))(x, scale)
+    # |x| ~ 1000 carries ~1e-4 rounding relative to its spread in fp32, whatever the method; the
+    # two paths sum in different orders, so they agree to that level, not to 1e-5.
+    assert_close(out, ref64(x, scale, bias, center=center), jnp.float32, scale=20.0)
+    with cl.use_backend("reference"):
+        g_ref = jax.jit(jax.grad(lambda x, s: jnp.sum(jnp.sin(fn(x, s))), argnums=(0, 1)))(x, scale)
+    for a, b in zip(g, g_ref):
+        assert_close(a, np.asarray(b), jnp.float32, scale=100.0)

@@ -1,0 +1,186 @@
+"""softmax, log_softmax, logsumexp, softmax_cross_entropy: values and grads vs float64 references,
+ignore_index / label smoothing / z-loss, vmap/jit/grad compositions, errors; `gpu` runs kernels."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import cutelayers as cl
+from numerics import assert_close, random
+
+DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
+
+
+def np_lse(x):
+    m = x.max(-1, keepdims=True)
+    return (m + np.log(np.exp(x - m).sum(-1, keepdims=True)))[..., 0]
+
+
+def np_ce(x, labels, ignore_index=None, smoothing=0.0, z=0.0):
+    """float64 reference: per-row loss and dlogits for dloss = 1."""
+    v = x.shape[-1]
+    lse = np_lse(x)
+    onehot = np.eye(v)[np.clip(labels, 0, v - 1)]
+    target = (1 - smoothing) * onehot + smoothing / v
+    loss = lse - (target * x).sum(-1) + z * lse**2
+    p = np.exp(x - lse[..., None])
+    grad = p * (1 + 2 * z * lse[..., None]) - target
+    if ignore_index is not None:
+        ign = labels == ignore_index
+        loss = np.where(ign, 0.0, loss)
+        grad = np.where(ign[..., None], 0.0, grad)
+    return loss, grad
+
+
+def check_softmax(rng, shape, dtype, log):
+    x = random(rng, shape, dtype) * 3
+    x64 = np.asarray(x, np.float64)
+    op = cl.ops.log_softmax if log else cl.ops.softmax
+    y = op(x)
+    assert y.dtype == x.dtype
+    ref = x64 - np_lse(x64)[..., None] if log else np.exp(x64 - np_lse(x64)[..., None])
+    assert_close(y, ref, dtype, scale=2.0)
+    # gradient of sum(w * y): softmax: y*(w - sum(w*y)); log_softmax: w - p*sum(w)
+    w = random(rng, shape, jnp.float32)
+    g = jax.grad(lambda x: jnp.sum(w * op(x).astype(jnp.float32)))(x)
+    w64, p = np.asarray(w, np.float64), np.exp(x64 - np_lse(x64)[..., None])
+    g_ref = w64 - p * w64.sum(-1, keepdims=True) if log else p * (w64 - (w64 * p).sum(-1, keepdims=True))
+    assert_close(g, g_ref, dtype, scale=3.0)
+
+
+def check_ce(rng, rows, v, dtype, **cfg):
+    x = random(rng, (*rows, v), dtype) * 2
+    labels = jnp.asarray(rng.integers(0, v, rows), jnp.int32)
+    if cfg.get("ignore_index") is not None and labels.size > 1:
+        labels = labels.at[(0,) * len(rows)].set(cfg["ignore_index"])
+    kw = dict(ignore_index=cfg.get("ignore_index"), label_smoothing=cfg.get("smoothing", 0.0), z_loss=cfg.get("z", 0.0))
+    loss = cl.ops.softmax_cross_entropy(x, labels, **kw)
+    dloss = random(rng, rows, jnp.float32)
+    g = jax.grad(lambda x: jnp.sum(dloss * cl.ops.softmax_cross_entropy(x, labels, **kw)))(x)
+    loss_ref, g_ref = np_ce(np.asarray(x, np.float64), np.asarray(labels), **cfg)
+    assert loss.dtype == jnp.float32
+    assert_close(loss, loss_ref, jnp.float32, scale=100.0)  # fp32 statistics of a low-precision input
+    assert_close(g, g_ref * np.asarray(dloss, np.float64)[..., None], dtype, scale=2.0)
+
+
+@pytest.mark.parametrize("log", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1,), (2,), (7, 1000), (2, 3, 333)])
+def test_softmax_reference(log, dtype, shape, rng):
+    check_softmax(rng, shape, dtype, log)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1,), (7, 1000), (3, 5, 17)])
+def test_logsumexp_reference(dtype, shape, rng):
+    x = random(rng, shape, dtype) * 4
+    out = cl.ops.logsumexp(x)
+    assert out.dtype == x.dtype
+    assert_close(out, np_lse(np.asarray(x, np.float64)), dtype)
+    g = jax.grad(lambda x: jnp.sum(cl.ops.logsumexp(x.astype(jnp.float32))))(x)
+    np.testing.assert_allclose(g, jax.grad(lambda x: jnp.sum(jax.nn.logsumexp(x.astype(jnp.float32), -1)))(x), rtol=1e-5, atol=1e-6)
+
+
+def test_logsumexp_all_minus_inf_row():
+    x = jnp.array([[-jnp.inf, -jnp.inf], [0.0, 0.0]])
+    out = cl.ops.logsumexp(x)
+    assert out[0] == -jnp.inf and np.isclose(out[1], np.log(2))
+
+
+@pytest.mark.parametrize("cfg", [{}, {"ignore_index": 0}, {"smoothing": 0.1}, {"z": 1e-3},
+                                 {"ignore_index": -100, "smoothing": 0.2, "z": 1e-2}])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,v", [((1,), 2), ((7,), 1000), ((2, 3), 32000)])
+def test_cross_entropy_reference(cfg, dtype, rows, v, rng):
+    check_ce(rng, rows, v, dtype, **cfg)
+
+
+def test_cross_entropy_matches_optax(rng):
+    x = random(rng, (4, 6, 50), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 50, (4, 6)))
+    np.testing.assert_allclose(cl.ops.softmax_cross_entropy(x, labels),
+                               optax.softmax_cross_entropy_with_integer_labels(x, labels), rtol=1e-5, atol=1e-6)
+
+
+def test_compositions(rng):
+    x = random(rng, (2, 3, 4, 64), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 64, (2, 3, 4)), jnp.int32)
+
+    def ce_sum(x):
+        return jnp.sum(jax.vmap(jax.vmap(cl.ops.softmax_cross_entropy))(x, labels))
+
+    def ref_sum(x):
+        return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(x, labels))
+
+    np.testing.assert_allclose(jax.jit(jax.grad(ce_sum))(x), jax.grad(ref_sum)(x), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(jax.vmap(jax.grad(lambda x, l: jnp.sum(cl.ops.softmax_cross_entropy(x, l))))(x, labels),
+                               jax.vmap(jax.grad(lambda x, l: jnp.sum(optax.softmax_cross_entropy_with_integer_labels(x, l))))(x, labels),
+                               rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(jax.vmap(cl.ops.softmax, in_axes=2, out_axes=2)(x), jax.nn.softmax(x), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(jax.jit(jax.grad(lambda x: jnp.sum(jax.vmap(cl.ops.log_softmax)(x) ** 2)))(x),
+                               jax.grad(lambda x: jnp.sum(jax.nn.log_softmax(x) ** 2))(x), rtol=1e-5, atol=1e-4)
+
+
+def test_cross_entropy_errors():
+    x = jnp.ones((4, 10))
+    with pytest.raises(TypeError, match="'labels' must be an integer array"):
+        cl.ops.softmax_cross_entropy(x, jnp.ones((4,)))
+    with pytest.raises(ValueError, match=r"'labels' has shape \(3,\); expected \(4,\)"):
+        cl.ops.softmax_cross_entropy(x, jnp.zeros((3,), jnp.int32))
+    with pytest.raises(ValueError, match=r"'labels' holds 1 value\(s\) outside \[0, 10\) \(e.g. 10\)"):
+        cl.ops.softmax_cross_entropy(x, jnp.array([0, 1, 10, 2]))
+    with pytest.raises(ValueError, match="label_smoothing must be in"):
+        cl.ops.softmax_cross_entropy(x, jnp.zeros((4,), jnp.int32), label_smoothing=1.0)
+    with pytest.raises(TypeError, match="'logits' has dtype int32"):
+        cl.ops.softmax_cross_entropy(jnp.ones((4, 10), jnp.int32), jnp.zeros((4,), jnp.int32))
+    # ignore_index may lie outside [0, V); other out-of-range labels under jit give NaN rows
+    out = cl.ops.softmax_cross_entropy(x, jnp.array([0, -100, 1, 2]), ignore_index=-100)
+    assert out[1] == 0.0
+    out = jax.jit(cl.ops.softmax_cross_entropy)(x, jnp.array([0, 11, 1, 2]))
+    assert np.isnan(out[1]) and np.isfinite(out[0])
+
+
+def test_cuda_lowering_compiles_every_kernel():
+    cl.clear_cache()
+    jax.clear_caches()
+    for v, dtype in [(1000, jnp.bfloat16), (4096, jnp.float32), (131072, jnp.bfloat16), (7, jnp.float16)]:
+        x = jax.ShapeDtypeStruct((8, v), dtype)
+        lab = jax.ShapeDtypeStruct((8,), jnp.int32)
+        fns = [
+            jax.grad(lambda x: jnp.sum(cl.ops.softmax(x).astype(jnp.float32) ** 2)),
+            jax.grad(lambda x: jnp.sum(cl.ops.log_softmax(x).astype(jnp.float32) ** 2)),
+            lambda x: cl.ops.logsumexp(x),
+        ]
+        for f in fns:
+            jax.jit(f).trace(x).lower(lowering_platforms=("cuda",))
+        ce = jax.grad(lambda x, l: jnp.sum(cl.ops.softmax_cross_entropy(x, l, ignore_index=-1, label_smoothing=0.1, z_loss=1e-4)))
+        hlo = jax.jit(ce).trace(x, lab).lower(lowering_platforms=("cuda",)).as_text()
+        assert "cutelayers_cross_entropy_fwd" in hlo and "cutelayers_cross_entropy_bwd" in hlo
+    names = set(cl.cache_info())
+    assert {"softmax_fwd", "softmax_bwd", "log_softmax_fwd", "log_softmax_bwd", "logsumexp",
+            "cross_entropy_fwd", "cross_entropy_bwd"} <= names
+
+
+# --- GPU -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("log", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 7, 1000, 4096, 32000, 50257, 131072, 262144])
+def test_softmax_gpu(log, dtype, n, rng):
+    with cl.use_backend("cute"):
+        check_softmax(rng, (3, n), dtype, log)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,v", [((1,), 2), ((7,), 1000), ((4096,), 1000), ((2, 3), 32000), ((7,), 50257), ((3,), 131072)])
+@pytest.mark.parametrize("cfg", [{}, {"ignore_index": -100, "smoothing": 0.1, "z": 1e-3}])
+def test_cross_entropy_gpu(cfg, dtype, rows, v, rng):
+    with cl.use_backend("cute"):
+        check_ce(rng, rows, v, dtype, **cfg)
+        x = random(rng, (*rows, v), dtype)
+        assert_close(cl.ops.logsumexp(x), np_lse(np.asarray(x, np.float64)), dtype)
