@@ -39,15 +39,29 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / t
 
 
-def bench_reduce(rows: int, ns: list[int], dtype) -> list[dict]:
+def result_row(op: str, shape: tuple[int, int], dtype, nbytes: int, t: float, t_xla: float, bw: float,
+               **extra) -> dict:
+    """One table row: times, effective GB/s over the minimum bytes, % of copy BW, ratio vs XLA."""
+    floor = nbytes / bw
+    return dict(op=op, rows=shape[0], n=shape[1], dtype=jnp.dtype(dtype).name, us=t * 1e6,
+                gbs=nbytes / t / 1e9, pct=100 * floor / t, xla_us=t_xla * 1e6, speedup=t_xla / t,
+                floor_us=floor * 1e6, **extra)
+
+
+def measured_bandwidth() -> float:
+    """The copy bandwidth, measured now and printed as the table's floor."""
     bw = copy_bandwidth()
     print(f"# device: {jax.devices()[0].device_kind}; copy bandwidth {bw / 1e12:.3f} TB/s (read+write)")
+    return bw
+
+
+def bench_reduce(rows: int, ns: list[int], dtype) -> list[dict]:
+    bw = measured_bandwidth()
     key = jax.random.key(0)
     results = []
     for n in ns:
         x = jax.random.normal(key, (rows, n), jnp.float32).astype(dtype)
         nbytes = x.size * x.dtype.itemsize + rows * x.dtype.itemsize
-        floor = nbytes / bw
         for name, ours, xla in (
             ("reduce_sum", cl.ops.reduce_sum, lambda x: jnp.sum(x, -1, dtype=jnp.float32).astype(x.dtype)),
             ("reduce_max", cl.ops.reduce_max, lambda x: jnp.max(x, -1)),
@@ -56,18 +70,16 @@ def bench_reduce(rows: int, ns: list[int], dtype) -> list[dict]:
                 f = jax.jit(ours)
                 t = time_fn(f, x)
             t_xla = time_fn(jax.jit(xla), x)
-            results.append(dict(op=name, rows=rows, n=n, dtype=jnp.dtype(dtype).name, us=t * 1e6,
-                                gbs=nbytes / t / 1e9, pct=100 * floor / t, xla_us=t_xla * 1e6,
-                                speedup=t_xla / t, floor_us=floor * 1e6))
+            results.append(result_row(name, x.shape, dtype, nbytes, t, t_xla, bw))
     return results
 
 
 def print_table(results: list[dict]) -> None:
-    print("| op | rows x N | dtype | floor us | time us | GB/s | % copy BW | XLA us | XLA/ours |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| op | pass | rows x N | dtype | floor us | time us | GB/s | % copy BW | XLA us | XLA/ours |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['op']} | {r['rows']} x {r['n']} | {r['dtype']} | {r['floor_us']:.1f} | {r['us']:.1f} | "
-              f"{r['gbs']:.0f} | {r['pct']:.1f} | {r['xla_us']:.1f} | {r['speedup']:.2f} |")
+        print(f"| {r['op']} | {r.get('pass', 'fwd')} | {r['rows']} x {r['n']} | {r['dtype']} | {r['floor_us']:.1f} | "
+              f"{r['us']:.1f} | {r['gbs']:.0f} | {r['pct']:.1f} | {r['xla_us']:.1f} | {r['speedup']:.2f} |")
 
 
 def main(argv=None) -> int:
@@ -78,6 +90,12 @@ def main(argv=None) -> int:
     red.add_argument("--rows", type=int, default=32768, help="rows M (default 32768)")
     red.add_argument("--n", type=int, nargs="+", default=[4096], help="feature sizes N (default 4096)")
     red.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    norms = sub.add_parser("norms", help="layer_norm / rms_norm fwd and fwd+bwd vs XLA (x = 256 MiB)")
+    norms.add_argument("--n", type=int, nargs="+", default=[1024, 4096, 8192, 16384, 65536])
+    norms.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    soft = sub.add_parser("softmax", help="softmax fwd/bwd and cross-entropy fwd+bwd vs XLA/optax")
+    soft.add_argument("--n", type=int, nargs="+", default=[4096, 32768, 131072])
+    soft.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     args = parser.parse_args(argv)
     try:
         jax.devices("cuda")
@@ -86,6 +104,14 @@ def main(argv=None) -> int:
         return 2
     if args.suite == "reduce":
         print_table(bench_reduce(args.rows, args.n, jnp.dtype(args.dtype)))
+    elif args.suite == "norms":
+        from cutelayers.bench_norms import bench_norms
+
+        print_table(bench_norms(args.n, jnp.dtype(args.dtype)))
+    elif args.suite == "softmax":
+        from cutelayers.bench_softmax import bench_softmax
+
+        print_table(bench_softmax(args.n, jnp.dtype(args.dtype)))
     print("# cache:", {k: (v.compiles, v.hits, round(v.compile_seconds, 2)) for k, v in cl.cache_info().items()})
     return 0
 

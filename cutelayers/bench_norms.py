@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 import cutelayers as cl
-from cutelayers.bench import copy_bandwidth, time_fn
+from cutelayers.bench import measured_bandwidth, result_row, time_fn
 from cutelayers.ops.norm import layer_norm, rms_norm
 
 X_BYTES = 256 << 20
@@ -50,8 +50,7 @@ def bench_norms(ns: list[int] | None = None, dtype=jnp.bfloat16) -> list[dict]:
     """Time layer_norm and rms_norm (fwd, fwd+bwd) for each N in ``ns``; one dict per row."""
     ns = ns or DEFAULT_NS
     dtype = jnp.dtype(dtype)
-    bw = copy_bandwidth()
-    print(f"# device: {jax.devices()[0].device_kind}; copy bandwidth {bw / 1e12:.3f} TB/s (read+write)")
+    bw = measured_bandwidth()
     key = jax.random.key(0)
     results = []
     for n in ns:
@@ -60,7 +59,7 @@ def bench_norms(ns: list[int] | None = None, dtype=jnp.bfloat16) -> list[dict]:
         x = jax.random.normal(kx, (rows, n), jnp.float32).astype(dtype)
         dy = jax.random.normal(kd, (rows, n), jnp.float32).astype(dtype)
         scale = (1.0 + 0.1 * jax.random.normal(ks, (n,), jnp.float32)).astype(dtype)
-        bias = jnp.zeros((n,), dtype)
+        bias = (0.1 * jax.random.normal(jax.random.fold_in(ks, 1), (n,), jnp.float32)).astype(dtype)
         x_bytes = x.size * dtype.itemsize
         for name, ours, xla, params in (
             ("layer_norm", layer_norm, _plain(True), (scale, bias)),
@@ -71,8 +70,5 @@ def bench_norms(ns: list[int] | None = None, dtype=jnp.bfloat16) -> list[dict]:
                 with cl.use_backend("cute"):
                     t = time_fn(jax.jit(make(ours)), *args)
                 t_xla = time_fn(jax.jit(make(xla)), *args)
-                floor = nbytes / bw
-                results.append(dict(op=name, rows=rows, n=n, dtype=dtype.name, us=t * 1e6,
-                                    gbs=nbytes / t / 1e9, pct=100 * floor / t, xla_us=t_xla * 1e6,
-                                    speedup=t_xla / t, floor_us=floor * 1e6, **{"pass": pass_}))
+                results.append(result_row(name, x.shape, dtype, nbytes, t, t_xla, bw, **{"pass": pass_}))
     return results

@@ -1,0 +1,56 @@
+"""GPU benchmark of softmax / log-softmax and cross-entropy against XLA and optax.
+
+* softmax ``fwd``: y from x; minimum bytes = read x + write y (32768 rows);
+* softmax ``bwd``: dx from (y, dy); minimum bytes = read y, dy + write dx (32768 rows);
+* cross-entropy ``fwd+bwd``: loss and dlogits from (logits, labels); counted as 2 |logits|
+  (read once, write dlogits once), the figure the issue compares against (8192 rows).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import cutelayers as cl
+from cutelayers.bench import measured_bandwidth, result_row, time_fn
+
+SOFTMAX_ROWS = 32768
+CE_ROWS = 8192
+
+
+def _vjp_only(f, x):
+    """The backward alone: dx from (y, dy) with y = f(x) computed once outside the timing."""
+    _, vjp = jax.vjp(f, x)
+    return jax.jit(lambda dy: vjp(dy)[0])
+
+
+def bench_softmax(ns: list[int], dtype=jnp.bfloat16) -> list[dict]:
+    dtype = jnp.dtype(dtype)
+    bw = measured_bandwidth()
+    key = jax.random.key(0)
+    results = []
+    for n in ns:
+        kx, kd, kl = jax.random.split(jax.random.fold_in(key, n), 3)
+        x = (2 * jax.random.normal(kx, (SOFTMAX_ROWS, n), jnp.float32)).astype(dtype)
+        dy = jax.random.normal(kd, x.shape, jnp.float32).astype(dtype)
+        x_bytes = x.size * dtype.itemsize
+        with cl.use_backend("cute"):
+            t = time_fn(jax.jit(cl.ops.softmax), x)
+            t_bwd = time_fn(_vjp_only(cl.ops.softmax, x), dy)
+        results.append(result_row("softmax", x.shape, dtype, 2 * x_bytes, t, time_fn(jax.jit(jax.nn.softmax), x), bw))
+        results.append(result_row("softmax", x.shape, dtype, 3 * x_bytes, t_bwd,
+                                  time_fn(_vjp_only(jax.nn.softmax, x), dy), bw, **{"pass": "bwd"}))
+        del x, dy
+        logits = (2 * jax.random.normal(kx, (CE_ROWS, n), jnp.float32)).astype(dtype)
+        labels = jax.random.randint(kl, (CE_ROWS,), 0, n)
+
+        def ce(f):
+            return jax.jit(jax.value_and_grad(lambda x: jnp.mean(f(x, labels))))
+
+        with cl.use_backend("cute"):
+            t = time_fn(ce(cl.ops.softmax_cross_entropy), logits)
+        t_xla = time_fn(ce(optax.softmax_cross_entropy_with_integer_labels), logits)
+        results.append(result_row("cross_entropy", logits.shape, dtype, 2 * logits.size * dtype.itemsize,
+                                  t, t_xla, bw, **{"pass": "fwd+bwd"}))
+    return results

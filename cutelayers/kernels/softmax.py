@@ -1,0 +1,302 @@
+"""Softmax-family row kernels: softmax / log-softmax forward and backward, logsumexp and
+cross-entropy forward (one streaming read), cross-entropy backward (one read, one write).
+
+Built on the row core of :mod:`.reduction`. The logsumexp of a row is computed online: each thread
+keeps (running max, the finite shift ``c`` used so far, s = sum exp(x - c)) and rescales ``s``
+when the max grows, so a row streamed in several steps is still read once; rows that fit
+(:func:`.reduction.row_geometry`) stay in registers, and softmax then writes y without a second
+read. Shifts are the max when it is finite and 0 otherwise, so rows of -inf give lse = -inf,
+rows holding +inf give +inf and NaN propagates -- the same rule as ``jax.nn.logsumexp``.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from cutelayers.kernels.reduction import (
+    RowGeometry,
+    column_mask,
+    load_step,
+    nan_max,
+    row_allreduce,
+    row_geometry,
+    row_operand,
+    row_sum,
+    row_tiled_copy,
+    shared_buffer_bytes,
+    shared_buffers,
+    store_step,
+)
+
+LOG2E = math.log2(math.e)
+# fp32 values per thread per step: one row operand forward, two in the backward.
+FORWARD_VALUES_PER_THREAD = 32
+BACKWARD_VALUES_PER_THREAD = 16
+
+
+@cute.jit
+def finite_shift(m):
+    """``m`` if finite, else 0 (inf - inf and NaN - NaN are not 0)."""
+    shift = m
+    if m - m != Float32(0.0):
+        shift = Float32(0.0)
+    return shift
+
+
+@cute.jit
+def exp(values):
+    return cute.math.exp2(values * LOG2E, fastmath=True)
+
+
+@cute.jit
+def online_lse_step(vals, size: cutlass.Constexpr, mx, c, s):
+    """Fold one step's values (masked columns already -inf) into a thread's (max, shift, sum)."""
+    local = -Float32.inf
+    for i in cutlass.range_constexpr(size):
+        local = nan_max(local, vals[i])
+    mx = nan_max(mx, local)
+    shift = finite_shift(mx)
+    s = s * exp(c - shift) + row_sum(exp(vals - shift))
+    return mx, shift, s
+
+
+@cute.jit
+def row_lse(mx, c, s, geometry: cutlass.Constexpr, max_buffer, sum_buffer):
+    """Combine the threads' online states into the row's logsumexp (every thread gets it)."""
+    row_max = row_allreduce(mx, nan_max, -Float32.inf, geometry.row, max_buffer)
+    shift = finite_shift(row_max)
+    total = row_allreduce(s * exp(c - shift), operator.add, Float32(0.0), geometry.row, sum_buffer)
+    return shift + cute.math.log(total, fastmath=True)
+
+
+def _launch(kernel, geometry: RowGeometry, rows, stream, buffers: int):
+    kernel.launch(
+        grid=[cute.ceil_div(rows, geometry.row.rows_per_cta), 1, 1],
+        block=[geometry.row.num_threads, 1, 1],
+        smem=shared_buffer_bytes(geometry, buffers),
+        stream=stream,
+    )
+
+
+@cute.jit
+def masked(op, step, vals, fill):
+    """``vals`` with columns past N replaced by ``fill`` (only for ragged geometries)."""
+    if const_expr(op.geometry.ragged):
+        vals = cute.where(column_mask(op.coords[None, None, None, step], op.frag, op.geometry.n), vals, Float32(fill))
+    return vals
+
+
+@cute.jit
+def label_mask(op, step, label):
+    """Per-element ``column == label`` for this thread's step fragment."""
+    mask = cute.make_rmem_tensor(op.frag.layout, cutlass.Boolean)
+    coords = op.coords[None, None, None, step]
+    for i in cutlass.range_constexpr(cute.size(op.frag)):
+        mask[i] = coords[i][1] == label
+    return mask.load()
+
+
+class SoftmaxForwardKernel:
+    """y = exp(x - lse) (softmax) or x - lse (log-softmax). Launcher ``(stream, x, y)``."""
+
+    def __init__(self, n: int, elem_bits: int, *, log: bool):
+        self.geometry = row_geometry(n, elem_bits, FORWARD_VALUES_PER_THREAD)
+        self.log = log
+
+    @cute.jit
+    def __call__(self, stream, x: cute.Tensor, y: cute.Tensor):
+        g = self.geometry
+        kernel = self.kernel(x, y, row_tiled_copy(x.element_type, g), row_tiled_copy(y.element_type, g))
+        _launch(kernel, g, x.shape[0], stream, 2)
+
+    @cute.kernel
+    def kernel(self, x, y, copy_x, copy_y):
+        g = self.geometry
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        buffers = shared_buffers(g, 2)
+        coords = cute.make_identity_tensor(x.shape)
+        opx = row_operand(x, copy_x, coords, g, (bidx, None), tidx)
+        opy = row_operand(y, copy_y, coords, g, (bidx, None), tidx)
+        valid_row = opx.coords[0][0] < x.shape[0]
+        opx.frag.fill(0.0)
+        mx, c, s = -Float32.inf, Float32(0.0), Float32(0.0)
+        for step in cutlass.range(g.num_steps, unroll=1):
+            if valid_row:
+                load_step(opx, step)
+            vals = masked(opx, step, opx.frag.load().to(Float32), -math.inf)
+            mx, c, s = online_lse_step(vals, cute.size(opx.frag), mx, c, s)
+        lse = row_lse(mx, c, s, g, buffers[0], buffers[1])
+        for step in cutlass.range(g.num_steps, unroll=1):
+            if valid_row:
+                if const_expr(not g.resident):
+                    load_step(opx, step)
+                vals = opx.frag.load().to(Float32)
+                store_step(opy, step, vals - lse if const_expr(self.log) else exp(vals - lse))
+
+
+class SoftmaxBackwardKernel:
+    """dx = y (dy - sum(dy y)) (softmax) or dy - exp(y) sum(dy) (log-softmax).
+    Launcher ``(stream, y, dy, dx)``."""
+
+    def __init__(self, n: int, elem_bits: int, *, log: bool):
+        self.geometry = row_geometry(n, elem_bits, BACKWARD_VALUES_PER_THREAD)
+        self.log = log
+
+    @cute.jit
+    def __call__(self, stream, y: cute.Tensor, dy: cute.Tensor, dx: cute.Tensor):
+        g = self.geometry
+        kernel = self.kernel(y, dy, dx, row_tiled_copy(y.element_type, g), row_tiled_copy(dy.element_type, g),
+                             row_tiled_copy(dx.element_type, g))
+        _launch(kernel, g, y.shape[0], stream, 1)
+
+    @cute.kernel
+    def kernel(self, y, dy, dx, copy_y, copy_dy, copy_dx):
+        g = self.geometry
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        buffers = shared_buffers(g, 1)
+        coords = cute.make_identity_tensor(y.shape)
+        opy = row_operand(y, copy_y, coords, g, (bidx, None), tidx)
+        opg = row_operand(dy, copy_dy, coords, g, (bidx, None), tidx)
+        opd = row_operand(dx, copy_dx, coords, g, (bidx, None), tidx)
+        valid_row = opy.coords[0][0] < y.shape[0]
+        opy.frag.fill(0.0)
+        opg.frag.fill(0.0)
+        acc = Float32(0.0)
+        for step in cutlass.range(g.num_steps, unroll=1):
+            if valid_row:
+                load_step(opy, step)
+                load_step(opg, step)
+            grad = opg.frag.load().to(Float32)
+            if const_expr(self.log):
+                acc = acc + row_sum(grad)
+            else:
+                acc = acc + row_sum(grad * opy.frag.load().to(Float32).reshape(grad.shape))
+        dot = row_allreduce(acc, operator.add, Float32(0.0), g.row, buffers[0])
+        for step in cutlass.range(g.num_steps, unroll=1):
+            if valid_row:
+                if const_expr(not g.resident):
+                    load_step(opy, step)
+                    load_step(opg, step)
+                grad = opg.frag.load().to(Float32)
+                out = opy.frag.load().to(Float32).reshape(grad.shape)
+                if const_expr(self.log):
+                    out = grad - exp(out) * dot
+                else:
+                    out = out * (grad - dot)
+                store_step(opd, step, out)
+
+
+class CrossEntropyForwardKernel:
+    """Per row: lse, and with labels the loss lse - (1-a) x[label] - (a/V) sum(x) + z lse^2
+    (0 for ``ignore_index``, NaN for other labels outside [0, V)). One read of x.
+    Launcher ``(stream, x, [labels], lse, [loss])``."""
+
+    def __init__(self, n: int, elem_bits: int, with_labels: bool, ignore_index, smoothing: float, z_loss: float):
+        self.geometry = row_geometry(n, elem_bits, FORWARD_VALUES_PER_THREAD)
+        self.with_labels, self.ignore_index = with_labels, ignore_index
+        self.smoothing, self.z_loss = smoothing, z_loss
+
+    @cute.jit
+    def __call__(self, stream, *tensors):
+        g = self.geometry
+        if const_expr(self.with_labels):
+            x, labels, lse, loss = tensors
+        else:
+            x, lse = tensors
+            labels, loss = None, None
+        kernel = self.kernel(x, labels, lse, loss, row_tiled_copy(x.element_type, g))
+        _launch(kernel, g, x.shape[0], stream, 4 if const_expr(self.with_labels) else 2)
+
+    @cute.kernel
+    def kernel(self, x, labels, lse_out, loss_out, copy_x):
+        g = self.geometry
+        n = g.n
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        buffers = shared_buffers(g, 4 if const_expr(self.with_labels) else 2)
+        opx = row_operand(x, copy_x, cute.make_identity_tensor(x.shape), g, (bidx, None), tidx)
+        row = opx.coords[0][0]
+        valid_row = row < x.shape[0]
+        label = Int32(-1)
+        if const_expr(self.with_labels):
+            if valid_row:
+                label = labels[row]
+        opx.frag.fill(0.0)
+        mx, c, s = -Float32.inf, Float32(0.0), Float32(0.0)
+        total, picked = Float32(0.0), Float32(0.0)
+        for step in cutlass.range(g.num_steps, unroll=1):
+            if valid_row:
+                load_step(opx, step)
+            vals = opx.frag.load().to(Float32)  # columns past N hold 0
+            if const_expr(self.with_labels):
+                total = total + row_sum(vals)
+                picked = picked + row_sum(cute.where(label_mask(opx, step, label), vals, Float32(0.0)))
+            vals = masked(opx, step, vals, -math.inf)
+            mx, c, s = online_lse_step(vals, cute.size(opx.frag), mx, c, s)
+        lse = row_lse(mx, c, s, g, buffers[0], buffers[1])
+        if const_expr(self.with_labels):
+            total = row_allreduce(total, operator.add, Float32(0.0), g.row, buffers[2])
+            picked = row_allreduce(picked, operator.add, Float32(0.0), g.row, buffers[3])
+        if valid_row and tidx % g.row.threads_per_row == 0:
+            lse_out[row] = lse
+            if const_expr(self.with_labels):
+                loss = lse - (1.0 - self.smoothing) * picked - (self.smoothing / n) * total + self.z_loss * lse * lse
+                if label < 0:
+                    loss = Float32(math.nan)
+                if label >= n:
+                    loss = Float32(math.nan)
+                if const_expr(self.ignore_index is not None):
+                    if label == self.ignore_index:
+                        loss = Float32(0.0)
+                loss_out[row] = loss
+
+
+class CrossEntropyBackwardKernel:
+    """dx = dloss (exp(x - lse)(1 + 2 z lse) - (1-a) onehot(label) - a/V): one read of x, one write
+    of dx, no reduction. Launcher ``(stream, x, labels, lse, dloss, dx)``."""
+
+    def __init__(self, n: int, elem_bits: int, ignore_index, smoothing: float, z_loss: float):
+        self.geometry = row_geometry(n, elem_bits, FORWARD_VALUES_PER_THREAD)
+        self.ignore_index, self.smoothing, self.z_loss = ignore_index, smoothing, z_loss
+
+    @cute.jit
+    def __call__(self, stream, x, labels, lse, dloss, dx):
+        g = self.geometry
+        kernel = self.kernel(x, labels, lse, dloss, dx, row_tiled_copy(x.element_type, g),
+                             row_tiled_copy(dx.element_type, g))
+        _launch(kernel, g, x.shape[0], stream, 0)
+
+    @cute.kernel
+    def kernel(self, x, labels, lse_in, dloss, dx, copy_x, copy_dx):
+        g = self.geometry
+        n = g.n
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        coords = cute.make_identity_tensor(x.shape)
+        opx = row_operand(x, copy_x, coords, g, (bidx, None), tidx)
+        opd = row_operand(dx, copy_dx, coords, g, (bidx, None), tidx)
+        row = opx.coords[0][0]
+        if row < x.shape[0]:
+            label = labels[row]
+            lse = lse_in[row]
+            scale = dloss[row]
+            if label < 0:
+                scale = Float32(math.nan)
+            if label >= n:
+                scale = Float32(math.nan)
+            if const_expr(self.ignore_index is not None):
+                if label == self.ignore_index:
+                    scale = Float32(0.0)
+            prob_coef = 1.0 + 2.0 * self.z_loss * lse
+            for step in cutlass.range(g.num_steps, unroll=1):
+                vals = load_step(opx, step)
+                d = exp(vals - lse) * prob_coef - self.smoothing / n
+                d = cute.where(label_mask(opx, step, label), d - (1.0 - self.smoothing), d)
+                store_step(opd, step, d * scale)
