@@ -47,7 +47,9 @@ def check_softmax(rng, shape, dtype, log):
     g = jax.grad(lambda x: jnp.sum(w * op(x).astype(jnp.float32)))(x)
     w64, p = np.asarray(w, np.float64), np.exp(x64 - np_lse(x64)[..., None])
     g_ref = w64 - p * w64.sum(-1, keepdims=True) if log else p * (w64 - (w64 * p).sum(-1, keepdims=True))
-    assert_close(g, g_ref, dtype, scale=3.0)
+    # the gradient is a difference of terms; measure its error against their size
+    terms = np.abs(w64) + p * np.abs(w64.sum(-1, keepdims=True)) if log else p * (np.abs(w64) + np.abs((w64 * p).sum(-1, keepdims=True)))
+    assert_close(g, g_ref, dtype, scale=3.0, scale_ref=terms)
 
 
 def check_ce(rng, rows, v, dtype, **cfg):
@@ -61,7 +63,9 @@ def check_ce(rng, rows, v, dtype, **cfg):
     g = jax.grad(lambda x: jnp.sum(dloss * cl.ops.softmax_cross_entropy(x, labels, **kw)))(x)
     loss_ref, g_ref = np_ce(np.asarray(x, np.float64), np.asarray(labels), **cfg)
     assert loss.dtype == jnp.float32
-    assert_close(loss, loss_ref, jnp.float32, scale=100.0)  # fp32 statistics of a low-precision input
+    # fp32 statistics; a confident row's loss cancels to ~0, so measure against lse's magnitude
+    lse_ref = np_lse(np.asarray(x, np.float64))
+    assert_close(loss, loss_ref, jnp.float32, scale=10.0, scale_ref=np.abs(loss_ref) + np.abs(lse_ref))
     assert_close(g, g_ref * np.asarray(dloss, np.float64)[..., None], dtype, scale=2.0)
 
 
@@ -79,8 +83,9 @@ def test_logsumexp_reference(dtype, shape, rng):
     out = cl.ops.logsumexp(x)
     assert out.dtype == x.dtype
     assert_close(out, np_lse(np.asarray(x, np.float64)), dtype)
-    g = jax.grad(lambda x: jnp.sum(cl.ops.logsumexp(x.astype(jnp.float32))))(x)
-    np.testing.assert_allclose(g, jax.grad(lambda x: jnp.sum(jax.nn.logsumexp(x.astype(jnp.float32), -1)))(x), rtol=1e-5, atol=1e-6)
+    g = jax.grad(lambda x: jnp.sum(cl.ops.logsumexp(x.astype(jnp.float32))))(x)  # in x's dtype
+    x64 = np.asarray(x, np.float64)
+    assert_close(g, np.exp(x64 - np_lse(x64)[..., None]), dtype)
 
 
 def test_logsumexp_all_minus_inf_row():

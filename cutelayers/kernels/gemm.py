@@ -254,7 +254,7 @@ class HopperGemmKernel:
         tile_coord = (tile_m, tile_n, None, batch)
 
         # --- shared memory and the load pipeline ----------------------------------------------
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         sa = storage.sa.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sb = storage.sb.get_tensor(b_smem.outer, swizzle=b_smem.inner)
         stage_bytes = cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem, (None, None, 0))) + \
@@ -324,7 +324,7 @@ class HopperGemmKernel:
         m0 = tile_m * config.tile_m
         n0 = tile_n * config.tile_n
         if const_expr(epilogue.has_bias):
-            for i in cutlass.range_constexpr(cute.size(acc)):
+            for i in cutlass.range(cute.size(acc), unroll_full=True):
                 col = n0 + tile_coords_c[i][1]
                 if col < bias.shape[0]:
                     acc[i] = acc[i] + bias[col].to(Float32)
@@ -346,7 +346,7 @@ class HopperGemmKernel:
             buffer_base = self.epi_tiles(epi_tile)
 
         if const_expr(epilogue.activation != "none" or epilogue.has_residual):
-            for i in cutlass.range_constexpr(cute.size(acc)):
+            for i in cutlass.range(cute.size(acc), unroll_full=True):
                 value = apply_activation(acc[i], epilogue.activation)
                 if const_expr(epilogue.has_residual):
                     row = m0 + tile_coords_c[i][0]

@@ -1,10 +1,12 @@
 """Differentiable, vmappable cutelayers ops (custom_vjp + custom_vmap over CuTe kernels)."""
 
+from cutelayers.ops.linear import fused_linear
 from cutelayers.ops.norm import layer_norm, rms_norm
 from cutelayers.ops.reduce import reduce_max, reduce_mean, reduce_sum
 from cutelayers.ops.softmax import log_softmax, logsumexp, softmax, softmax_cross_entropy
 
 __all__ = [
+    "fused_linear",
     "layer_norm",
     "log_softmax",
     "logsumexp",

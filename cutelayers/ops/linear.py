@@ -1,0 +1,437 @@
+"""Fused dense layer: ``fused_linear(x, kernel, bias, activation=..., residual=...)``.
+
+    y = act(x @ kernel + bias) + residual
+
+Forward: one CuTe GEMM (:mod:`cutelayers.kernels.gemm`) with bias, activation and residual in its
+epilogue. Under differentiation (the custom_vjp forward) the same kernel also stores the
+pre-activation ``z = x @ kernel + bias`` when the activation is not ``none``; the plain forward
+never writes it.
+
+Backward, from the saved (x, kernel, z):
+
+* ``dz = dy * act'(z)``: one elementwise jnp pass (XLA fuses it with the ``db`` column sum);
+* ``dx = dz @ kernelᵀ``: the GEMM kernel reading the (K, N) kernel as stored (K-major B operand);
+* ``dkernel = xᵀ @ dz``: the GEMM kernel on transposed *views* of x and dz (M-major A and B
+  operands through the primitive's ``modes``), contracting over the rows; no transpose is
+  materialised;
+* ``dbias = sum(dz)`` over rows, ``dresidual = dy``.
+
+When the kernels run: bfloat16 / float16 operands with K and N multiples of 8 (TMA needs 16-byte
+row strides). Otherwise -- float32, or K / N not multiples of 8 -- the op runs its jnp reference,
+the same decomposition with XLA GEMMs, and logs once why.
+
+vmap: batch dims of x / residual fold into rows (one launch) while kernel / bias are shared;
+per-example kernel or bias falls back to ``jax.lax.map`` (one launch per example). Under vmap the
+backward computes dkernel per example, as ``vmap(grad(...))`` asks, with one batched launch (the
+batch is the kernel's L mode); ``grad(vmap(...))`` then sums those in XLA, so for a vmapped model
+prefer calling ``fused_linear`` on the whole batch (any leading shape works) to avoid the (B, K, N)
+intermediate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
+
+from cutelayers import backend as _backend
+from cutelayers.ops._rowwise import check_float_array, row_batched
+from cutelayers.runtime.primitive import KernelFamily, kernel_call
+
+# Activation names and their fp32 jnp definitions (the kernel epilogue implements the same
+# formulas). "gelu" is jax.nn.gelu's default tanh approximation.
+ACTIVATION_FUNCTIONS = {
+    "none": lambda z: z,
+    "relu": jax.nn.relu,
+    "gelu": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu_exact": functools.partial(jax.nn.gelu, approximate=False),
+    "silu": jax.nn.silu,
+    "sigmoid": jax.nn.sigmoid,
+    "tanh": jnp.tanh,
+    "leaky_relu": jax.nn.leaky_relu,
+    "hardswish": jax.nn.hard_swish,
+}
+
+# jax.nn / jnp function objects recognised as a fusable activation.
+_KNOWN_FUNCTIONS = (
+    (jax.nn.relu, "relu"),
+    (jax.nn.gelu, "gelu"),
+    (jax.nn.silu, "silu"),
+    (jax.nn.swish, "silu"),
+    (jax.nn.sigmoid, "sigmoid"),
+    (jnp.tanh, "tanh"),
+    (jax.nn.tanh, "tanh"),
+    (jax.nn.leaky_relu, "leaky_relu"),
+    (jax.nn.hard_swish, "hardswish"),
+    (jax.nn.hard_silu, "hardswish"),
+)
+
+KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+ALIGN_ELEMENTS = 8  # K and N multiples of 8: 16-byte row strides for TMA
+
+
+def resolve_activation(activation) -> tuple[str, object]:
+    """(fused activation name, unfused callable or None) for ``fused_linear``'s argument.
+
+    A name or a recognised jax.nn function fuses into the kernel; any other callable runs after
+    the kernel (the kernel then computes x @ kernel + bias only).
+    """
+    if activation is None:
+        return "none", None
+    if isinstance(activation, str):
+        if activation not in ACTIVATION_FUNCTIONS:
+            raise ValueError(
+                f"fused_linear: unknown activation {activation!r}; allowed: None, "
+                f"{', '.join(repr(a) for a in ACTIVATION_FUNCTIONS if a != 'none')} or a callable"
+            )
+        return activation, None
+    if isinstance(activation, functools.partial) and activation.func is jax.nn.gelu and not activation.args:
+        if set(activation.keywords) <= {"approximate"}:
+            return ("gelu" if activation.keywords.get("approximate", True) else "gelu_exact"), None
+    for fn, name in _KNOWN_FUNCTIONS:
+        if activation is fn:
+            return name, None
+    if callable(activation):
+        return "none", activation
+    raise TypeError(f"fused_linear: 'activation' must be None, a name or a callable; got {activation!r}")
+
+
+# --- kernel families ------------------------------------------------------------------------------
+#
+# Every GEMM operand reaches the kernel as a rank-3 (L, rows, features) array; ``modes`` present
+# it in the kernel's (M|N, K, L) order without copying. Forward and dx use L = 1 (a static dim);
+# dkernel uses L for the vmap batch.
+
+_ROWS = (1, 2, 0)  # (1, M, F) -> (M, F, 1): rows M, features F contiguous
+_WEIGHT_AS_N_K = (2, 1, 0)  # (1, K, N) -> (N, K, 1): kernel as the forward's B, N contiguous
+_TRANSPOSED = (2, 1, 0)  # (L, M, F) -> (F, M, L): the rows become the contraction
+
+
+class _GemmFamily(KernelFamily):
+    """Shared plumbing: operand kinds decide modes and symbolic dims."""
+
+    def kinds(self) -> tuple[str, ...]:
+        """Kind of every operand and result: rows / weight / vector / batched / batched_out."""
+        raise NotImplementedError
+
+    def dynamic_dims_at(self, position, aval):
+        kind = self.kinds()[position]
+        return {
+            "rows": (False, True, False),  # (1, M, F): M symbolic
+            "weight": (False,) * len(aval.shape),
+            "vector": (False,),
+            "batched": (True, True, False),  # (L, M, F)
+            "batched_out": (True, False, False),  # (L, K, N)
+        }[kind]
+
+    def launcher(self, avals, out_avals):
+        from cutelayers.kernels.gemm import CONFIGS, HopperGemmKernel
+
+        return HopperGemmKernel(CONFIGS[self.config], self.epilogue())
+
+    def epilogue(self):
+        from cutelayers.kernels.gemm import Epilogue
+
+        return Epilogue()
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearForward(_GemmFamily):
+    """Kernel family: y (1, M, N) [, z (1, M, N)] from x (1, M, K), kernel (1, K, N)
+    [, bias (N,)] [, residual (1, M, N)]; all one dtype (bfloat16 / float16)."""
+
+    activation: str
+    has_bias: bool
+    has_residual: bool
+    store_preact: bool
+    config: str
+
+    name = "linear_fwd"
+
+    @property
+    def arg_names(self):
+        return ("x", "kernel") + ("bias",) * self.has_bias + ("residual",) * self.has_residual
+
+    def kinds(self):
+        return (("rows", "weight") + ("vector",) * self.has_bias + ("rows",) * self.has_residual
+                + ("rows",) * (1 + self.store_preact))
+
+    def modes_at(self, position):
+        return {"rows": _ROWS, "weight": _WEIGHT_AS_N_K, "vector": None}[self.kinds()[position]]
+
+    def epilogue(self):
+        from cutelayers.kernels.gemm import Epilogue
+
+        return Epilogue(self.activation, self.has_bias, self.has_residual, self.store_preact)
+
+    def out_avals(self, avals):
+        x, w = avals[0], avals[1]
+        out = jax.ShapeDtypeStruct((1, x.shape[1], w.shape[2]), x.dtype)
+        return (out,) * (1 + self.store_preact)
+
+    def reference(self, x, w, *rest):
+        rest = list(rest)
+        bias = rest.pop(0) if self.has_bias else None
+        residual = rest.pop(0)[0] if self.has_residual else None
+        y, z = forward_reference(x[0], w[0], bias, residual, self.activation)
+        return (y[None],) + ((z[None],) if self.store_preact else ())
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearInputGrad(_GemmFamily):
+    """Kernel family: dx (1, M, K) = dz (1, M, N) @ kernelᵀ, kernel (1, K, N) read as stored."""
+
+    config: str
+
+    name = "linear_dx"
+    arg_names = ("dz", "kernel")
+
+    def kinds(self):
+        return ("rows", "weight", "rows")
+
+    def modes_at(self, position):
+        return _ROWS  # the kernel's (K, N) rows are the GEMM's N, its contiguous N the contraction
+
+    def out_avals(self, avals):
+        dz, w = avals
+        return (jax.ShapeDtypeStruct((1, dz.shape[1], w.shape[1]), dz.dtype),)
+
+    def reference(self, dz, w):
+        return (_matmul(dz[0], w[0].T).astype(dz.dtype)[None],)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearWeightGrad(_GemmFamily):
+    """Kernel family: dkernel (L, K, N) = x (L, M, K)ᵀ @ dz (L, M, N) per batch index l."""
+
+    config: str
+
+    name = "linear_dkernel"
+    arg_names = ("x", "dz")
+
+    def kinds(self):
+        return ("batched", "batched", "batched_out")
+
+    def modes_at(self, position):
+        return _TRANSPOSED if position < 2 else _ROWS
+
+    def out_avals(self, avals):
+        x, dz = avals
+        return (jax.ShapeDtypeStruct((x.shape[0], x.shape[2], dz.shape[2]), x.dtype),)
+
+    def reference(self, x, dz):
+        dw = jnp.einsum("lmk,lmn->lkn", x, dz, preferred_element_type=jnp.float32)
+        return (dw.astype(x.dtype),)
+
+
+# --- jnp reference: the kernels' decomposition -----------------------------------------------------
+
+def _matmul(a, b):
+    return jnp.matmul(a, b, preferred_element_type=jnp.float32)
+
+
+def forward_reference(x, kernel, bias, residual, activation: str):
+    """(y, z) for x (..., K), kernel (K, N), bias (N,) | None, residual (..., N) | None.
+
+    z = x @ kernel + bias accumulated in fp32; y = act(z) + residual computed in fp32; both
+    returned in x's dtype (z is what the backward saves).
+    """
+    z = _matmul(x, kernel)
+    if bias is not None:
+        z = z + bias.astype(jnp.float32)
+    y = ACTIVATION_FUNCTIONS[activation](z)
+    if residual is not None:
+        y = y + residual.astype(jnp.float32)
+    return y.astype(x.dtype), z.astype(x.dtype)
+
+
+def preact_grad(z, dy, activation: str):
+    """dz = dy * act'(z) in fp32, z and dy (..., N) in any float dtype."""
+    dy = dy.astype(jnp.float32)
+    if activation == "none":
+        return dy
+    _, vjp = jax.vjp(ACTIVATION_FUNCTIONS[activation], z.astype(jnp.float32))
+    return vjp(dy)[0]
+
+
+# --- kernel calls on (rows, features) arrays -------------------------------------------------------
+
+def _config(m: int, n: int) -> str:
+    from cutelayers.kernels.gemm import config_class
+
+    return config_class(m, n)
+
+
+def _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kernels):
+    """y [, z] for x (..., K): one kernel launch on x's rows (or the jnp reference)."""
+    lead, n = x.shape[:-1], kernel.shape[1]
+    if not use_kernels:
+        y, z = forward_reference(x, kernel, bias, residual, activation)
+        return (y, z) if store_preact else (y,)
+    rows = x.reshape(1, -1, x.shape[-1])
+    m = rows.shape[1]
+    if m == 0:
+        return (jnp.zeros((*lead, n), x.dtype),) * (1 + store_preact)
+    family = LinearForward(activation, bias is not None, residual is not None, store_preact, _config(m, n))
+    operands = [rows, kernel[None]]
+    if bias is not None:
+        operands.append(bias)
+    if residual is not None:
+        operands.append(residual.reshape(1, m, n))
+    return tuple(o.reshape(*lead, n) for o in kernel_call(family, *operands))
+
+
+def _input_grad_rows(dz, kernel, use_kernels):
+    """dx (..., K) = dz (..., N) @ kernelᵀ."""
+    lead, k = dz.shape[:-1], kernel.shape[0]
+    if not use_kernels:
+        return _matmul(dz, kernel.T).astype(dz.dtype)
+    rows = dz.reshape(1, -1, dz.shape[-1])
+    if rows.shape[1] == 0:
+        return jnp.zeros((*lead, k), dz.dtype)
+    (dx,) = kernel_call(LinearInputGrad(_config(rows.shape[1], k)), rows, kernel[None])
+    return dx.reshape(*lead, k)
+
+
+def _weight_grad_batched(x, dz, use_kernels):
+    """dkernel (L, K, N) from x (L, ..., K), dz (L, ..., N): one launch, L the kernel's batch."""
+    x = x.reshape(x.shape[0], -1, x.shape[-1])
+    dz = dz.reshape(dz.shape[0], -1, dz.shape[-1])
+    if not use_kernels or x.shape[1] == 0:
+        return jnp.einsum("lmk,lmn->lkn", x, dz, preferred_element_type=jnp.float32).astype(x.dtype)
+    (dw,) = kernel_call(LinearWeightGrad(_config(x.shape[2], dz.shape[2])), x, dz)
+    return dw
+
+
+@functools.cache
+def _weight_grad_fn(use_kernels: bool):
+    """dkernel of batch-leading (L, ..., K) x and (L, ..., N) dz, vmappable: a vmap adds its batch
+    to L (the kernel's batch mode), so per-example dkernel is still one launch."""
+
+    @custom_vmap
+    def weight_grad(x, dz):
+        return _weight_grad_batched(x, dz, use_kernels)
+
+    @weight_grad.def_vmap
+    def rule(axis_size, in_batched, x, dz):
+        x, dz = (a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip((x, dz), in_batched))
+        out = weight_grad(x.reshape(-1, *x.shape[2:]), dz.reshape(-1, *dz.shape[2:]))
+        return out.reshape(axis_size, -1, *out.shape[1:]), True
+
+    return weight_grad
+
+
+@functools.cache
+def _linear_fn(activation: str, has_bias: bool, has_residual: bool, use_kernels: bool):
+    """The differentiable op for one static configuration; args (x, kernel, bias, residual)."""
+
+    def forward(store_preact):
+        def fn(x, kernel, bias, residual):
+            return _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kernels)
+
+        return row_batched(fn, shared=(1, 2))
+
+    plain, saving = forward(False), forward(True)
+    input_grad = row_batched(lambda dz, kernel: _input_grad_rows(dz, kernel, use_kernels), shared=(1,))
+    weight_grad = _weight_grad_fn(use_kernels)
+    needs_preact = activation != "none"
+
+    @jax.custom_vjp
+    def linear(x, kernel, bias, residual):
+        return plain(x, kernel, bias, residual)[0]
+
+    def fwd(x, kernel, bias, residual):
+        if needs_preact:
+            y, z = saving(x, kernel, bias, residual)
+        else:
+            (y,), z = plain(x, kernel, bias, residual), None
+        return y, (x, kernel, z, bias)
+
+    def bwd(res, dy):
+        x, kernel, z, bias = res
+        dz32 = preact_grad(z, dy, activation)
+        dz = dz32.astype(x.dtype)
+        dx = input_grad(dz, kernel)
+        dkernel = weight_grad(x[None], dz[None])[0]
+        dbias = None
+        if has_bias:
+            dbias = jnp.sum(dz32.reshape(-1, dz32.shape[-1]), axis=0).astype(bias.dtype)
+        return dx, dkernel, dbias, dy if has_residual else None
+
+    linear.defvjp(fwd, bwd)
+    return linear
+
+
+# --- the op ------------------------------------------------------------------------------------------
+
+def _check_same_dtype(name, a, x):
+    if a.dtype != x.dtype:
+        raise TypeError(
+            f"fused_linear: argument {name!r} has dtype {jnp.dtype(a.dtype).name} but 'x' has "
+            f"{jnp.dtype(x.dtype).name}; they must match (cast before calling)"
+        )
+
+
+def kernels_apply(x_dtype, k: int, n: int) -> tuple[bool, str]:
+    """Whether the CuTe kernels handle these dtypes / sizes, and if not, why."""
+    if jnp.dtype(x_dtype) not in KERNEL_DTYPES:
+        return False, f"dtype {jnp.dtype(x_dtype).name} runs as XLA GEMMs; kernels take bfloat16/float16"
+    if k % ALIGN_ELEMENTS or n % ALIGN_ELEMENTS:
+        return False, f"K={k}, N={n}: kernels need K and N multiples of {ALIGN_ELEMENTS}"
+    return True, ""
+
+
+def fused_linear(x, kernel, bias=None, *, activation=None, residual=None) -> jax.Array:
+    """``act(x @ kernel + bias) + residual`` in one fused GEMM, differentiable and vmappable.
+
+    Args:
+      x: (..., K), any leading shape (flattened to rows), dtype bfloat16, float16 or float32.
+      kernel: (K, N) as in ``flax.linen.Dense``, x's dtype.
+      bias: (N,) in x's dtype, or None.
+      activation: None; one of 'relu', 'gelu' (tanh approximation, jax.nn.gelu's default),
+        'gelu_exact', 'silu', 'sigmoid', 'tanh', 'leaky_relu' (slope 0.01), 'hardswish'; or the
+        matching function (jax.nn.relu, jax.nn.gelu, jax.nn.silu / swish, jax.nn.sigmoid,
+        jnp.tanh, jax.nn.leaky_relu, jax.nn.hard_swish). Any other callable is applied to
+        ``x @ kernel + bias`` after the kernel, unfused, before the residual is added.
+      residual: (..., N) matching x's leading shape, x's dtype, or None.
+
+    Returns:
+      (..., N) in x's dtype; accumulation and the epilogue run in float32.
+
+    bfloat16 / float16 with K and N multiples of 8 run the CuTe kernels on Hopper; float32 and
+    other sizes run the same decomposition as XLA GEMMs (logged once).
+    """
+    op = "fused_linear"
+    x = check_float_array(op, "x", x)
+    kernel = check_float_array(op, "kernel", kernel)
+    if kernel.ndim != 2:
+        raise ValueError(f"{op}: argument 'kernel' must have rank 2 (K, N); got shape {tuple(kernel.shape)}")
+    k, n = kernel.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"{op}: argument 'x' has {x.shape[-1]} features (shape {tuple(x.shape)}) but "
+                         f"'kernel' expects K={k} (shape {tuple(kernel.shape)})")
+    _check_same_dtype("kernel", kernel, x)
+    if bias is not None:
+        bias = check_float_array(op, "bias", bias)
+        if tuple(bias.shape) != (n,):
+            raise ValueError(f"{op}: argument 'bias' must have shape ({n},); got {tuple(bias.shape)}")
+        _check_same_dtype("bias", bias, x)
+    if residual is not None:
+        residual = check_float_array(op, "residual", residual)
+        if tuple(residual.shape) != (*x.shape[:-1], n):
+            raise ValueError(f"{op}: argument 'residual' must have shape {(*x.shape[:-1], n)}; "
+                             f"got {tuple(residual.shape)}")
+        _check_same_dtype("residual", residual, x)
+    fused, unfused = resolve_activation(activation)
+
+    use_kernels, why = kernels_apply(x.dtype, k, n)
+    if not use_kernels:
+        _backend.log_once("reference", f"{op}: {why}")
+    if unfused is None:
+        return _linear_fn(fused, bias is not None, residual is not None, use_kernels)(x, kernel, bias, residual)
+    z = _linear_fn("none", bias is not None, False, use_kernels)(x, kernel, bias, None)
+    y = unfused(z)
+    return y if residual is None else (y + residual).astype(x.dtype)

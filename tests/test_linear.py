@@ -1,0 +1,364 @@
+"""fused_linear: values, gradients, vmap/jit/grad, activation resolution, errors, CUDA lowering.
+
+CPU runs the reference lowering of the same op (so the custom_vjp / custom_vmap plumbing and the
+backward decomposition are checked against jax.grad of plain jnp); the lowering tests compile the
+CuTe kernels for sm_90a without a GPU; `gpu` tests run the kernels.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cutelayers as cl
+from cutelayers.kernels.gemm import CONFIGS, config_class
+from cutelayers.ops.linear import ACTIVATION_FUNCTIONS, fused_linear, kernels_apply, resolve_activation
+from numerics import assert_close, random
+
+ACTS = list(ACTIVATION_FUNCTIONS)  # "none" first, then every fused activation
+DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def plain(x, kernel, bias=None, residual=None, activation="none", saved_dtype=None):
+    """act(x @ kernel + bias) + residual in float32 with full-precision matmul.
+
+    ``saved_dtype``: evaluate act' at z rounded to that dtype, as the op's backward does with the z
+    it saved (z keeps its unrounded gradient path). Without it, bf16 rounding that lands z exactly
+    on a kink (hardswish at +-3) would make the comparison depend on where jax.grad puts ties.
+    """
+    f32 = lambda a: None if a is None else jnp.asarray(a, jnp.float32)
+    z = jnp.matmul(f32(x), f32(kernel), precision=HIGHEST)
+    if bias is not None:
+        z = z + f32(bias)
+    if saved_dtype is not None:
+        z = z + jax.lax.stop_gradient(z.astype(saved_dtype).astype(jnp.float32) - z)
+    y = ACTIVATION_FUNCTIONS[activation](z)
+    return y if residual is None else y + f32(residual)
+
+
+def operands(rng, lead, k, n, dtype, bias=True, residual=True):
+    x = random(rng, (*lead, k), dtype)
+    kernel = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
+    b = random(rng, (n,), dtype) if bias else None
+    r = random(rng, (*lead, n), dtype) if residual else None
+    return x, kernel, b, r
+
+
+def check_values(rng, lead, k, n, dtype, activation, bias=True, residual=True):
+    x, kernel, b, r = operands(rng, lead, k, n, dtype, bias, residual)
+    out = fused_linear(x, kernel, b, activation=None if activation == "none" else activation, residual=r)
+    assert out.dtype == jnp.dtype(dtype) and out.shape == (*lead, n)
+    assert_close(out, plain(x, kernel, b, r, activation), dtype, scale=2.0)
+
+
+def check_grads(rng, lead, k, n, dtype, activation, scale=2.0):
+    """Gradients of sum(sin(y)) w.r.t. x, kernel, bias, residual against the float32 formula."""
+    x, kernel, b, r = operands(rng, lead, k, n, dtype)
+    act = None if activation == "none" else activation
+
+    def loss(x, kernel, b, r):
+        return jnp.sum(jnp.sin(fused_linear(x, kernel, b, activation=act, residual=r).astype(jnp.float32)))
+
+    def loss_ref(x, kernel, b, r):
+        return jnp.sum(jnp.sin(plain(x, kernel, b, r, activation, saved_dtype=dtype)))
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, kernel, b, r)
+    f32 = [jnp.asarray(a, jnp.float32) for a in (x, kernel, b, r)]
+    refs = jax.grad(loss_ref, argnums=(0, 1, 2, 3))(*f32)
+    for name, g, ref, primal in zip(("x", "kernel", "bias", "residual"), grads, refs, (x, kernel, b, r)):
+        assert g.dtype == primal.dtype and g.shape == primal.shape, name
+        assert_close(g, ref, dtype, scale=scale)
+
+
+# --- values and gradients through the reference lowering (CPU) ---------------------------------------
+
+SHAPES = [  # (leading shape, K, N): M in {1, 7, 128, 1000}; K/N = 100, 36 take the jnp fallback
+    ((1,), 64, 64),
+    ((7,), 128, 64),
+    ((2, 64), 64, 128),
+    ((1000,), 128, 1000),
+    ((7,), 1000, 128),
+    ((3, 5), 100, 36),
+]
+
+
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_values_reference(activation, dtype, rng):
+    for lead, k, n in SHAPES:
+        check_values(rng, lead, k, n, dtype, activation)
+
+
+@pytest.mark.parametrize("bias,residual", [(False, False), (True, False), (False, True)])
+def test_optional_operands(bias, residual, rng):
+    check_values(rng, (9,), 64, 128, jnp.bfloat16, "gelu", bias=bias, residual=residual)
+
+
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grads_reference(activation, dtype, rng):
+    for lead, k, n in [((7,), 64, 128), ((2, 64), 128, 64), ((3, 5), 100, 36)]:
+        check_grads(rng, lead, k, n, dtype, activation)
+
+
+@pytest.mark.parametrize("activation", ACTS)
+def test_backward_formulas_exact_in_float32(activation, rng):
+    # float32 saves z unrounded, so the decomposition must match jax.grad to float32 precision.
+    x, kernel, b, r = operands(rng, (4, 6), 64, 32, jnp.float32)
+    act = None if activation == "none" else activation
+    with jax.default_matmul_precision("highest"):
+        ours = jax.grad(lambda *a: jnp.sum(jnp.cos(fused_linear(*a[:3], activation=act, residual=a[3]))),
+                        argnums=(0, 1, 2, 3))(x, kernel, b, r)
+        ref = jax.grad(lambda *a: jnp.sum(jnp.cos(plain(*a, activation))), argnums=(0, 1, 2, 3))(x, kernel, b, r)
+    for g, gr in zip(ours, ref):
+        np.testing.assert_allclose(g, gr, rtol=2e-5, atol=2e-5)
+
+
+def test_leading_shapes_and_empty_rows(rng):
+    check_values(rng, (), 64, 64, jnp.bfloat16, "relu")  # x of rank 1
+    check_values(rng, (2, 3, 4), 64, 64, jnp.float16, "silu")
+    x = jnp.zeros((0, 3, 64), jnp.bfloat16)
+    w = jnp.ones((64, 16), jnp.bfloat16)
+    assert fused_linear(x, w, activation="gelu").shape == (0, 3, 16)
+    g = jax.grad(lambda w: jnp.sum(fused_linear(x, w, activation="gelu").astype(jnp.float32)))(w)
+    assert g.shape == w.shape and not np.any(np.asarray(g, np.float32))
+
+
+# --- activation argument ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fn,name", [
+    (jax.nn.relu, "relu"), (jax.nn.gelu, "gelu"), (functools.partial(jax.nn.gelu, approximate=False), "gelu_exact"),
+    (jax.nn.silu, "silu"), (jax.nn.swish, "silu"), (jax.nn.sigmoid, "sigmoid"), (jnp.tanh, "tanh"),
+    (jax.nn.tanh, "tanh"), (jax.nn.leaky_relu, "leaky_relu"), (jax.nn.hard_swish, "hardswish"),
+])
+def test_jax_functions_fuse(fn, name, rng):
+    assert resolve_activation(fn) == (name, None)
+    x, kernel, b, r = operands(rng, (5,), 64, 64, jnp.bfloat16)
+    np.testing.assert_array_equal(fused_linear(x, kernel, b, activation=fn, residual=r),
+                                  fused_linear(x, kernel, b, activation=name, residual=r))
+
+
+def test_other_callable_runs_unfused_before_the_residual(rng):
+    x, kernel, b, r = operands(rng, (6,), 64, 32, jnp.float32)
+    fn = lambda z: jnp.sin(z) * 2
+    assert resolve_activation(fn) == ("none", fn)
+    out = fused_linear(x, kernel, b, activation=fn, residual=r)
+    ref = fn(jnp.matmul(x, kernel, precision=HIGHEST) + b) + r
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    g = jax.grad(lambda k: jnp.sum(fused_linear(x, k, b, activation=fn, residual=r)))(kernel)
+    g_ref = jax.grad(lambda k: jnp.sum(fn(jnp.matmul(x, k, precision=HIGHEST) + b) + r))(kernel)
+    np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_kernel_eligibility():
+    assert kernels_apply(jnp.bfloat16, 64, 4096) == (True, "")
+    assert kernels_apply(jnp.float16, 1000, 8) == (True, "")
+    assert not kernels_apply(jnp.float32, 64, 64)[0]
+    assert "multiples of 8" in kernels_apply(jnp.bfloat16, 100, 64)[1]
+
+
+# --- vmap / jit / grad compositions --------------------------------------------------------------------
+
+def test_vmap_jit_grad_compositions(rng):
+    x, kernel, b, r = operands(rng, (3, 4, 5), 64, 32, jnp.float32)
+
+    def ours(x, kernel, b, r):
+        return fused_linear(x, kernel, b, activation="gelu", residual=r)
+
+    def ref(x, kernel, b, r):
+        return plain(x, kernel, b, r, "gelu")
+
+    tol = dict(rtol=1e-4, atol=1e-4)
+    shared = (0, None, None, 0)
+    with jax.default_matmul_precision("highest"):
+        # nested vmap (folded into rows), including a non-leading axis
+        np.testing.assert_allclose(jax.vmap(jax.vmap(ours, shared), shared)(x, kernel, b, r), ref(x, kernel, b, r), **tol)
+        np.testing.assert_allclose(jax.vmap(ours, (1, None, None, 1), 1)(x, kernel, b, r), ref(x, kernel, b, r), **tol)
+        # per-example kernel / bias: lax.map fallback
+        kernels = jnp.stack([kernel, 2 * kernel, -kernel])
+        np.testing.assert_allclose(jax.vmap(ours, (0, 0, None, 0))(x, kernels, b, r),
+                                   jax.vmap(ref, (0, 0, None, 0))(x, kernels, b, r), **tol)
+
+        def loss(f):
+            return lambda x, kernel, b, r: jnp.sum(jnp.sin(f(x, kernel, b, r)))
+
+        args = (0, 1, 2, 3)
+        # grad(vmap): per-example dkernel summed; jit(grad(vmap(vmap)))
+        for got in (jax.grad(loss(jax.vmap(ours, shared)), args)(x, kernel, b, r),
+                    jax.jit(jax.grad(loss(jax.vmap(jax.vmap(ours, shared), shared)), args))(x, kernel, b, r)):
+            for g, gr in zip(got, jax.grad(loss(ref), args)(x, kernel, b, r)):
+                np.testing.assert_allclose(g, gr, **tol)
+        # vmap(grad): per-example gradients of the shared kernel and bias
+        per_example = jax.vmap(jax.grad(loss(ours), (1, 2)), shared)(x, kernel, b, r)
+        per_example_ref = jax.vmap(jax.grad(loss(ref), (1, 2)), shared)(x, kernel, b, r)
+        for g, gr in zip(per_example, per_example_ref):
+            assert g.shape[0] == 3
+            np.testing.assert_allclose(g, gr, **tol)
+        # vmap(vmap(grad)) of the kernel: nested batches fold into the dkernel launch's batch
+        nested = jax.vmap(jax.vmap(jax.grad(loss(ours), 1), shared), shared)(x, kernel, b, r)
+        nested_ref = jax.vmap(jax.vmap(jax.grad(loss(ref), 1), shared), shared)(x, kernel, b, r)
+        np.testing.assert_allclose(nested, nested_ref, **tol)
+
+
+# --- errors ------------------------------------------------------------------------------------------
+
+def test_bad_inputs_name_the_argument():
+    x = jnp.ones((4, 64), jnp.bfloat16)
+    w = jnp.ones((64, 32), jnp.bfloat16)
+    with pytest.raises(TypeError, match="'kernel' has dtype float32 but 'x' has bfloat16"):
+        fused_linear(x, w.astype(jnp.float32))
+    with pytest.raises(TypeError, match="'x' has dtype int32"):
+        fused_linear(jnp.ones((4, 64), jnp.int32), w)
+    with pytest.raises(ValueError, match="'kernel' must have rank 2"):
+        fused_linear(x, jnp.ones((64,), jnp.bfloat16))
+    with pytest.raises(ValueError, match="'x' has 64 features .* 'kernel' expects K=32"):
+        fused_linear(x, jnp.ones((32, 64), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"'bias' must have shape \(32,\); got \(64,\)"):
+        fused_linear(x, w, jnp.ones((64,), jnp.bfloat16))
+    with pytest.raises(TypeError, match="'bias' has dtype float32"):
+        fused_linear(x, w, jnp.ones((32,), jnp.float32))
+    with pytest.raises(ValueError, match=r"'residual' must have shape \(4, 32\); got \(4, 64\)"):
+        fused_linear(x, w, residual=jnp.ones((4, 64), jnp.bfloat16))
+    with pytest.raises(TypeError, match="'residual' has dtype float16"):
+        fused_linear(x, w, residual=jnp.ones((4, 32), jnp.float16))
+    with pytest.raises(ValueError, match="unknown activation 'swishy'"):
+        fused_linear(x, w, activation="swishy")
+    with pytest.raises(TypeError, match="'activation' must be None, a name or a callable"):
+        fused_linear(x, w, activation=3)
+    with pytest.raises(ValueError, match="'x' has rank 0"):
+        fused_linear(jnp.bfloat16(1.0), w)
+
+
+# --- CUDA lowering on CPU: every kernel variant compiles for sm_90a ------------------------------------
+
+def lower_cuda(f, *avals):
+    return jax.jit(f).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def kernel_targets(hlo: str) -> list[str]:
+    """Kernel names of the custom calls, in order (the target name less its hash)."""
+    return [line.split("@cutelayers_")[1].split("(")[0].rsplit("_", 1)[0]
+            for line in hlo.splitlines() if "stablehlo.custom_call @cutelayers_" in line]
+
+
+# (rows, K, N) picking each config class
+CLASS_SHAPES = {"small_m": (48, 256, 512), "default": (1000, 256, 512), "wide": (4096, 512, 2048)}
+
+
+def test_class_shapes_pick_their_config():
+    assert set(CLASS_SHAPES) == set(CONFIGS)
+    for name, (m, _, n) in CLASS_SHAPES.items():
+        assert config_class(m, n) == name
+
+
+def _lower_fwd_and_bwd(config, activation, dtype=jnp.bfloat16):
+    m, k, n = CLASS_SHAPES[config]
+    S = jax.ShapeDtypeStruct
+    avals = (S((m, k), dtype), S((k, n), dtype), S((n,), dtype), S((m, n), dtype))
+    act = None if activation == "none" else activation
+
+    def fwd(x, w, b, r):
+        return fused_linear(x, w, b, activation=act, residual=r)
+
+    def loss(x, w, b, r):  # not linear in y, so the forward stays live
+        return jnp.sum(jnp.square(fwd(x, w, b, r).astype(jnp.float32)))
+
+    assert kernel_targets(lower_cuda(fwd, *avals)) == ["linear_fwd"]
+    assert kernel_targets(lower_cuda(jax.grad(loss, (0, 1, 2, 3)), *avals)) == ["linear_fwd", "linear_dx", "linear_dkernel"]
+
+
+@pytest.fixture
+def fresh_cache():
+    cl.clear_cache()
+    jax.clear_caches()
+    yield
+    cl.clear_cache()
+
+
+@pytest.mark.parametrize("activation", ACTS)
+def test_lowering_every_activation(activation, fresh_cache):
+    # Each activation compiles its plain and z-saving forward in one config class (cycling
+    # through the classes), plus dx / dkernel.
+    config = list(CONFIGS)[ACTS.index(activation) % len(CONFIGS)]
+    _lower_fwd_and_bwd(config, activation)
+    info = cl.cache_info()
+    assert info["linear_fwd"].compiles == (1 if activation == "none" else 2)
+    assert info["linear_dx"].compiles == 1 and info["linear_dkernel"].compiles == 1
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_lowering_every_config(config, fresh_cache):
+    _lower_fwd_and_bwd(config, "gelu", jnp.float16)
+
+
+def test_lowering_compiles_once_across_row_counts_and_batches(fresh_cache):
+    S = jax.ShapeDtypeStruct
+
+    def loss(x, w, b):
+        return jnp.sum(jax.vmap(lambda x: fused_linear(x, w, b, activation="relu"))(x).astype(jnp.float32))
+
+    grad = jax.grad(loss, (0, 1, 2))
+    for batch, rows in ((2, 300), (3, 500), (5, 129)):  # all "default" class
+        lower_cuda(grad, S((batch, rows, 128), jnp.bfloat16), S((128, 256), jnp.bfloat16), S((256,), jnp.bfloat16))
+    info = cl.cache_info()
+    assert info["linear_fwd"].compiles == 1 and info["linear_dx"].compiles == 1
+    assert info["linear_dkernel"].compiles == 1
+
+
+def test_lowering_vmapped_weight_grad_is_one_batched_launch(fresh_cache):
+    S = jax.ShapeDtypeStruct
+    per_example = jax.vmap(jax.grad(lambda x, w: jnp.sum(fused_linear(x, w, activation="silu").astype(jnp.float32)), 1),
+                           (0, None))
+    hlo = lower_cuda(per_example, S((6, 100, 64), jnp.bfloat16), S((64, 128), jnp.bfloat16))
+    calls = [line for line in hlo.splitlines() if "@cutelayers_linear_dkernel" in line]
+    assert len(calls) == 1 and "tensor<6x64x128xbf16>" in calls[0]
+
+
+def test_fallback_sizes_lower_no_kernel(fresh_cache):
+    S = jax.ShapeDtypeStruct
+    hlo = lower_cuda(lambda x, w: fused_linear(x, w, activation="gelu"), S((8, 100), jnp.bfloat16), S((100, 64), jnp.bfloat16))
+    assert kernel_targets(hlo) == [] and "dot_general" in hlo
+
+
+# --- on the GPU: the CuTe kernels themselves ------------------------------------------------------------
+
+GPU_M = [1, 7, 128, 1000, 8192]
+GPU_KN = [(64, 64), (64, 128), (128, 4096), (4096, 128), (4096, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_kernel_values_gpu(activation, dtype, rng):
+    with cl.use_backend("cute"):
+        for m in GPU_M:
+            for k, n in GPU_KN:
+                check_values(rng, (m,), k, n, dtype, activation)
+        check_values(rng, (3, 37), 128, 64, dtype, activation, bias=False, residual=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_kernel_grads_gpu(activation, dtype, rng):
+    with cl.use_backend("cute"):
+        for m in GPU_M:
+            for k, n in [(64, 128), (128, 64), (4096, 4096)] if m == 8192 else GPU_KN:
+                check_grads(rng, (m,), k, n, dtype, activation, scale=3.0)
+
+
+@pytest.mark.gpu
+def test_kernel_vmap_and_per_example_grads_gpu(rng):
+    x, kernel, b, r = operands(rng, (4, 300), 128, 256, jnp.bfloat16)
+    with cl.use_backend("cute"):
+        out = jax.vmap(lambda x, r: fused_linear(x, kernel, b, activation="gelu", residual=r))(x, r)
+        per_example = jax.jit(jax.vmap(
+            jax.grad(lambda x, k: jnp.sum(fused_linear(x, k, activation="gelu").astype(jnp.float32)), 1),
+            (0, None)))(x, kernel)
+    assert_close(out, plain(x, kernel, b, r, "gelu"), jnp.bfloat16, scale=2.0)
+    ref = jax.vmap(jax.grad(lambda x, k: jnp.sum(plain(x, k, activation="gelu")), 1), (0, None))(
+        x.astype(jnp.float32), kernel.astype(jnp.float32))
+    assert_close(per_example, ref, jnp.bfloat16, scale=2.0)
