@@ -84,16 +84,15 @@ class UserKernel(KernelFamily):
     def operand_output_aliases(self):
         return dict(self.aliases) or None
 
-    def compile_kwargs(self):
-        n_in = self.in_tree.num_leaves
+    def kept_outputs(self, n_outputs):
         aliased = {o for _, o in self.aliases}
-        kept = tuple(o for o in range(len(self.out_structs)) if o not in aliased)
-        return {"launcher": self.user_launcher, "plan": (n_in, kept, self.constexpr)}
+        return tuple(o for o in range(n_outputs) if o not in aliased)
+
+    def constexpr_items(self):
+        return self.constexpr
 
     def launcher(self, avals, out_avals):
-        from cutelayers.kernels.user import call_user_launcher
-
-        return call_user_launcher
+        return self.user_launcher
 
     def reference(self, *arrays):
         if self.user_reference is None:

@@ -164,3 +164,38 @@ def test_in_place_alias_writes_in_place_gpu():
         y = jax.jit(f, donate_argnums=0)(x)
     np.testing.assert_allclose(y, np.arange(4096.0) + 2.0)
     assert y.unsafe_buffer_pointer() == pointer  # the kernel wrote into the donated input buffer
+
+
+@cute.kernel
+def _copy_rows_kernel(src: cute.Tensor, dst: cute.Tensor):
+    tidx, _, _ = cute.arch.thread_idx()
+    row, _, _ = cute.arch.block_idx()
+    for col in cutlass.range(tidx, src.shape[1], 128):
+        dst[row, col] = src[row, col]
+
+
+@cute.jit
+def copy_rows_launcher(stream, src: cute.Tensor, dst: cute.Tensor):
+    """dst[r, c] = src[r, c]: with input_modes=(1, 0), src is x seen as x.T (no copy)."""
+    _copy_rows_kernel(src, dst).launch(grid=[dst.shape[0], 1, 1], block=[128, 1, 1], stream=stream)
+
+
+def transpose_call(x):
+    return cl.cute_call(copy_rows_launcher, out_shape=jax.ShapeDtypeStruct(x.shape[::-1], x.dtype),
+                        input_modes=[(1, 0)], dynamic_dims=[(0,), (1,)], name="transpose_view",
+                        reference=lambda x: x.T)(x)
+
+
+def test_mode_view_reference_and_lowering():
+    x = jnp.arange(12.0).reshape(3, 4)
+    np.testing.assert_allclose(transpose_call(x), x.T)
+    hlo = lower_cuda(transpose_call, jax.ShapeDtypeStruct((64, 48), jnp.float32))
+    assert "custom_call @cutelayers_transpose_view_" in hlo
+
+
+@pytest.mark.gpu
+def test_mode_view_gpu(rng):
+    with cl.use_backend("cute"):
+        for rows in (5, 300):
+            x = random(rng, (rows, 48), jnp.bfloat16)
+            np.testing.assert_array_equal(np.asarray(jax.jit(transpose_call)(x), np.float32), np.asarray(x, np.float32).T)

@@ -76,9 +76,13 @@ class KernelFamily:
         """The mode order the kernel sees for operand/result ``position`` (None: as stored)."""
         return None
 
-    def compile_kwargs(self) -> dict:
-        """Constexpr keyword arguments passed to ``cute.compile`` with the launcher."""
-        return {}
+    def kept_outputs(self, n_outputs: int) -> tuple[int, ...]:
+        """Indices of the results the launcher receives (the others are written in place)."""
+        return tuple(range(n_outputs))
+
+    def constexpr_items(self) -> tuple[tuple[str, Hashable], ...]:
+        """Compile-time keyword arguments passed to the launcher."""
+        return ()
 
     def operand_output_aliases(self) -> dict[int, int] | None:
         """{operand index: result index} for results written in place of an operand."""
@@ -171,17 +175,26 @@ def _compile(family: KernelFamily, avals, out_avals, target: str):
     import jax_tvm_ffi
     from cutlass.cute.runtime import make_fake_stream
 
+    from cutelayers.kernels.launch import call_launcher
+
     symbols: dict[int, Any] = {}
-    fakes = [
-        fake_tensor(a.dtype, a.shape, family.dynamic_dims_at(i, a), symbols, family.modes_at(i))
-        for i, a in enumerate((*avals, *out_avals))
-    ]
+    every = (*avals, *out_avals)
+    # Fake tensors as XLA stores the buffers (what TVM-FFI checks at each call); the launch shim
+    # applies mode orders, drops outputs written in place and passes compile-time keywords.
+    fakes = [fake_tensor(a.dtype, a.shape, family.dynamic_dims_at(i, a), symbols) for i, a in enumerate(every)]
+    plan = (
+        tuple(family.modes_at(i) for i in range(len(every))),
+        len(avals),
+        family.kept_outputs(len(out_avals)),
+        family.constexpr_items(),
+    )
     compiled = cute.compile(
-        family.launcher(avals, out_avals),
+        call_launcher,
         make_fake_stream(use_tvm_ffi_env_stream=True),  # XLA's stream, passed through TVM-FFI
         *fakes,
+        launcher=family.launcher(avals, out_avals),
+        plan=plan,
         options="--enable-tvm-ffi",
-        **family.compile_kwargs(),
     )
     function = compiled.__tvm_ffi_object__() if hasattr(compiled, "__tvm_ffi_object__") else compiled
     jax_tvm_ffi.register_ffi_target(

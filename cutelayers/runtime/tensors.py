@@ -36,25 +36,18 @@ def cutlass_dtype(dtype):
     return table[name]
 
 
-def fake_tensor(dtype, shape: Sequence[int], dynamic: Sequence[bool], symbols: dict, modes=None):
+def fake_tensor(dtype, shape: Sequence[int], dynamic: Sequence[bool], symbols: dict):
     """A fake tensor for ``cute.compile`` describing a row-major buffer of ``shape``.
 
     Dims flagged in ``dynamic`` become symbolic (``cute.sym_int``). ``symbols`` maps a concrete
     size to its SymInt, so dynamic dims that are equal now share one symbol (the compile key
-    records that equality pattern). ``modes`` (a permutation) is the order in which the kernel sees
-    the dims, e.g. ``(1, 0)`` shows a row-major (M, K) buffer as (K, M) with strides (1, K).
+    records that equality pattern).
     """
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor
 
-    ndim = len(shape)
-    modes = tuple(range(ndim)) if modes is None else tuple(modes)
-    dims = [
-        symbols.setdefault(int(shape[axis]), cute.sym_int()) if dynamic[axis] else int(shape[axis])
-        for axis in modes
-    ]
-    # Row-major: the buffer's last dim is fastest, wherever the kernel's view puts it.
-    order = tuple(ndim - 1 - axis for axis in modes)
-    return make_fake_compact_tensor(
-        cutlass_dtype(dtype), tuple(dims), stride_order=order, assumed_align=BUFFER_ALIGN_BYTES
+    dims = tuple(
+        symbols.setdefault(int(size), cute.sym_int()) if dyn else int(size) for size, dyn in zip(shape, dynamic)
     )
+    order = tuple(reversed(range(len(dims))))  # last dim fastest: row-major
+    return make_fake_compact_tensor(cutlass_dtype(dtype), dims, stride_order=order, assumed_align=BUFFER_ALIGN_BYTES)
