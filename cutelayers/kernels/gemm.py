@@ -281,7 +281,9 @@ class HopperGemmKernel:
         thr_mma = tiled_mma.get_slice(cute.make_layout(config.consumer_warpgroups, stride=WARPGROUP)(group))
         frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))
         frag_b = tiled_mma.make_fragment_B(thr_mma.partition_B(sb))
-        tile_coords_c = thr_mma.partition_C(cute.make_identity_tensor((config.tile_m, config.tile_n)))
+        # wgmma operands are per warpgroup, but each thread holds its own accumulators: their
+        # coordinates (for bias and residual) come from the thread's own slice.
+        tile_coords_c = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((config.tile_m, config.tile_n)))
         acc = cute.make_rmem_tensor(tile_coords_c.shape, Float32)
         k_blocks = cute.size(frag_a, mode=[2])
 
