@@ -96,6 +96,12 @@ def main(argv=None) -> int:
     soft = sub.add_parser("softmax", help="softmax fwd/bwd and cross-entropy fwd+bwd vs XLA/optax")
     soft.add_argument("--n", type=int, nargs="+", default=[4096, 32768, 131072])
     soft.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    from cutelayers.bench_gemm import SHAPES, parse_shape
+
+    gemm = sub.add_parser("gemm", help="fused_linear (Hopper GEMM + epilogue) TFLOP/s vs XLA")
+    gemm.add_argument("--shapes", type=parse_shape, nargs="+", default=SHAPES, help="MxKxN ... (default: the issue's five)")
+    gemm.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    gemm.add_argument("--activation", default="gelu", help="fused activation name (default gelu)")
     args = parser.parse_args(argv)
     try:
         jax.devices("cuda")
@@ -112,6 +118,12 @@ def main(argv=None) -> int:
         from cutelayers.bench_softmax import bench_softmax
 
         print_table(bench_softmax(args.n, jnp.dtype(args.dtype)))
+    elif args.suite == "gemm":
+        from cutelayers import bench_gemm
+
+        print(f"# device: {jax.devices()[0].device_kind}")
+        bench_gemm.print_table(bench_gemm.bench_gemm(args.shapes, jnp.dtype(args.dtype), args.activation))
+        print(bench_gemm.SASS_HINT)
     print("# cache:", {k: (v.compiles, v.hits, round(v.compile_seconds, 2)) for k, v in cl.cache_info().items()})
     return 0
 

@@ -1,4 +1,4 @@
-"""GEMM benchmark: ``python -m cutelayers.bench_gemm [--shapes MxKxN ...] [--dtype bfloat16]``.
+"""GEMM benchmark: ``python -m cutelayers.bench gemm [--shapes MxKxN ...] [--dtype bfloat16]``.
 
 For each M x K x N, bf16 and activation gelu by default: TFLOP/s of ``fused_linear`` forward
 (2MNK flops) and forward + backward (6MNK: y, dx, dkernel), next to XLA's ``gelu(x @ w + b)`` and
@@ -6,9 +6,6 @@ its VJP, and a plain XLA matmul, all timed in the same process.
 """
 
 from __future__ import annotations
-
-import argparse
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +18,7 @@ SHAPES = [(8192, 4096, 4096), (8192, 4096, 16384), (8192, 16384, 4096), (4096, 1
 
 SASS_HINT = """\
 # To confirm the kernels issue HGMMA (warpgroup MMA) instructions, dump their cubin and SASS:
-#   CUTE_DSL_KEEP=ptx,cubin,sass CUTE_DSL_DUMP_DIR=/tmp/cute_dump python -m cutelayers.bench_gemm --shapes 4096x1024x4096
+#   CUTE_DSL_KEEP=ptx,cubin,sass CUTE_DSL_DUMP_DIR=/tmp/cute_dump python -m cutelayers.bench gemm --shapes 4096x1024x4096
 #   grep -c HGMMA /tmp/cute_dump/*linear*.sass      # or: cuobjdump -sass /tmp/cute_dump/<kernel>.sm_90a.cubin | grep HGMMA
 # (sass needs nvdisasm >= 12.9: a CUDA toolkit on CUDA_HOME, or pip install 'nvidia-cutlass-dsl[sass]').
 # Kernels compile once per process; clear the DSL's disk cache (CUTE_DSL_NO_CACHE=1) so the dump happens."""
@@ -80,29 +77,7 @@ def print_table(results: list[dict]) -> None:
               f"{r['train_vs_xla']:.2f} |")
 
 
-def _shape(text: str) -> tuple[int, int, int]:
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """'MxKxN' -> (M, K, N)."""
     m, k, n = (int(v) for v in text.lower().split("x"))
     return m, k, n
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cutelayers.bench_gemm", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", type=_shape, nargs="+", default=SHAPES, help="MxKxN ... (default: the issue's five)")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
-    parser.add_argument("--activation", choices=[a for a in ACTIVATION_FUNCTIONS], default="gelu")
-    args = parser.parse_args(argv)
-    try:
-        jax.devices("cuda")
-    except RuntimeError:
-        print("cutelayers.bench_gemm needs a CUDA GPU; none is visible.", file=sys.stderr)
-        return 2
-    print(f"# device: {jax.devices()[0].device_kind}")
-    print_table(bench_gemm(args.shapes, jnp.dtype(args.dtype), args.activation))
-    print("# cache:", {k: (v.compiles, v.hits, round(v.compile_seconds, 2)) for k, v in cl.cache_info().items()})
-    print(SASS_HINT)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
