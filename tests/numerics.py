@@ -1,5 +1,6 @@
 """Dtype-aware comparison helpers shared by the tests."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -27,3 +28,26 @@ def assert_close(out, ref, dtype, scale: float = 1.0, scale_ref=None):
 def random(rng, shape, dtype, loc=0.0):
     """Fresh normal inputs (never zeros), rounded to ``dtype``."""
     return jnp.asarray(rng.standard_normal(shape) + loc, dtype)
+
+
+def same_tree(a, b):
+    """Same leaves at the same key paths, with the same shapes and dtypes (the container classes
+    may differ: Equinox modules are their own pytree node types)."""
+    la, lb = jax.tree.leaves_with_path(a), jax.tree.leaves_with_path(b)
+    assert [jax.tree_util.keystr(p) for p, _ in la] == [jax.tree_util.keystr(p) for p, _ in lb]
+    for (_, u), (_, v) in zip(la, lb):
+        assert u.shape == v.shape and u.dtype == v.dtype
+
+
+def assert_matches(out, ref, tol_dtype=None, scale=2.0):
+    """``out`` has ``ref``'s shape and dtype and agrees within the tolerance of ``tol_dtype``
+    (default: ``ref``'s dtype) times ``scale``."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape, (out.dtype, ref.dtype, out.shape, ref.shape)
+    assert_close(out, np.asarray(jnp.asarray(ref, jnp.float32)), tol_dtype or ref.dtype, scale=scale)
+
+
+def assert_trees_match(got, ref, tol_dtype=None, scale=5.0):
+    """Pytrees (e.g. gradients) with the same structure, shapes and dtypes and matching leaves."""
+    same_tree(got, ref)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        assert_matches(a, b, tol_dtype, scale)

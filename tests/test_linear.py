@@ -153,6 +153,15 @@ def test_other_callable_runs_unfused_before_the_residual(rng):
     np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-4)
 
 
+def test_precision_reaches_every_xla_gemm():
+    # float32 runs as XLA GEMMs: forward, dx and dkernel all take the requested precision
+    x, kernel, b = jnp.ones((4, 16)), jnp.ones((16, 8)), jnp.ones((8,))
+    loss = lambda x, k, b: jnp.sum(fused_linear(x, k, b, activation="gelu", precision="highest") ** 2)
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(x, kernel, b))  # nested jaxprs included
+    assert jaxpr.count("dot_general[") == 3
+    assert jaxpr.count("precision=(Precision.HIGHEST, Precision.HIGHEST)") == 3
+
+
 def test_kernel_eligibility():
     assert kernels_apply(jnp.bfloat16, 64, 4096) == (True, "")
     assert kernels_apply(jnp.float16, 1000, 8) == (True, "")

@@ -18,21 +18,7 @@ import cutelayers as cl
 from cutelayers import equinox as cl_eqx
 from cutelayers.flax import linen as cl_linen
 from cutelayers.flax import nnx as cl_nnx
-from numerics import assert_close, random
-
-
-def _same_tree(a, b):
-    """Same leaves at the same key paths, with the same shapes and dtypes (the container classes
-    may differ: Equinox modules are their own pytree node types)."""
-    la, lb = jax.tree.leaves_with_path(a), jax.tree.leaves_with_path(b)
-    assert [jax.tree_util.keystr(p) for p, _ in la] == [jax.tree_util.keystr(p) for p, _ in lb]
-    for (_, u), (_, v) in zip(la, lb):
-        assert u.shape == v.shape and u.dtype == v.dtype
-
-
-def _close(out, ref, tol_dtype=None):
-    assert out.dtype == ref.dtype and out.shape == ref.shape
-    assert_close(out, np.asarray(jnp.asarray(ref, jnp.float32)), tol_dtype or ref.dtype, scale=2.0)
+from numerics import assert_close, assert_matches, random, same_tree
 
 
 # --- linen ---------------------------------------------------------------------------------------
@@ -56,16 +42,16 @@ def test_linen_drop_in(name, kwargs, xdtype, rng):
     stock, ours = getattr(nn, name)(**kwargs), getattr(cl_linen, name)(**kwargs)
     x = random(rng, (2, 5, 48), xdtype, loc=0.5)
     variables = stock.init(jax.random.key(0), x)
-    _same_tree(variables, ours.init(jax.random.key(0), x))
+    same_tree(variables, ours.init(jax.random.key(0), x))
     # force_float32_reductions=False: Flax computes in x's dtype, we in float32 (more precise).
     tol_dtype = None if kwargs.get("force_float32_reductions", True) else xdtype
-    _close(ours.apply(variables, x), stock.apply(variables, x), tol_dtype)
+    assert_matches(ours.apply(variables, x), stock.apply(variables, x), tol_dtype)
 
     def loss(m):
         return lambda v, x: jnp.sum(jnp.sin(m.apply(v, x).astype(jnp.float32)))
 
     g, g_ref = (jax.grad(loss(m), argnums=(0, 1))(variables, x) for m in (ours, stock))
-    _same_tree(g, g_ref)
+    same_tree(g, g_ref)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
         assert_close(a, np.asarray(jnp.asarray(b, jnp.float32)), tol_dtype or a.dtype, scale=5.0)
 
@@ -103,16 +89,16 @@ def test_nnx_drop_in(name, kwargs, xdtype, rng):
     stock = getattr(nnx, name)(48, rngs=nnx.Rngs(0), **kwargs)
     ours = getattr(cl_nnx, name)(48, rngs=nnx.Rngs(1), **kwargs)
     state = nnx.state(stock, nnx.Param)
-    _same_tree(state, nnx.state(ours, nnx.Param))
+    same_tree(state, nnx.state(ours, nnx.Param))
     nnx.update(ours, state)  # load the stock module's parameters
     x = random(rng, (3, 7, 48), xdtype, loc=0.5)
-    _close(ours(x), stock(x))
+    assert_matches(ours(x), stock(x))
 
     def loss(m, x):
         return jnp.sum(jnp.sin(m(x).astype(jnp.float32)))
 
     g, g_ref = nnx.grad(loss)(ours, x), nnx.grad(loss)(stock, x)
-    _same_tree(g, g_ref)
+    same_tree(g, g_ref)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
         assert_close(a, np.asarray(jnp.asarray(b, jnp.float32)), a.dtype, scale=5.0)
 
@@ -143,7 +129,7 @@ EQX_CASES = [
 def test_equinox_drop_in(name, shape, kwargs, xdtype, rng):
     stock = getattr(eqx.nn, name)(shape, **kwargs)
     ours = getattr(cl_eqx, name)(shape, **kwargs)
-    _same_tree(stock, ours)
+    same_tree(stock, ours)
     # a stock checkpoint (perturbed arrays) loads into ours with Equinox's own serialisation
     leaves = [a + random(rng, a.shape, jnp.float32).astype(a.dtype) for a in jax.tree.leaves(stock)]
     stock = jax.tree.unflatten(jax.tree.structure(stock), leaves)
@@ -154,16 +140,16 @@ def test_equinox_drop_in(name, shape, kwargs, xdtype, rng):
     for a, b in zip(jax.tree.leaves(ours), leaves):
         np.testing.assert_array_equal(a, b)
     x = random(rng, (5, *ours.shape), xdtype, loc=0.5)
-    _close(jax.vmap(ours)(x), jax.vmap(stock)(x))
+    assert_matches(jax.vmap(ours)(x), jax.vmap(stock)(x))
     out, state = ours(x[0], "state")
     assert state == "state"
-    _close(out, stock(x[0]))
+    assert_matches(out, stock(x[0]))
 
     def loss(m, x):
         return jnp.sum(jnp.sin(jax.vmap(m)(x).astype(jnp.float32)))
 
     g, g_ref = (eqx.filter_jit(eqx.filter_grad(loss))(m, x) for m in (ours, stock))
-    _same_tree(g, g_ref)
+    same_tree(g, g_ref)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
         assert_close(a, np.asarray(jnp.asarray(b, jnp.float32)), a.dtype, scale=5.0)
 
@@ -179,8 +165,8 @@ def test_modules_on_kernels_gpu(rng):
     with cl.use_backend("cute"):
         stock, ours = nn.LayerNorm(), cl_linen.LayerNorm()
         v = stock.init(jax.random.key(0), x)
-        _close(jax.jit(ours.apply)(v, x), stock.apply(v, x))
+        assert_matches(jax.jit(ours.apply)(v, x), stock.apply(v, x))
         e_stock, e_ours = eqx.nn.RMSNorm(1024), cl_eqx.RMSNorm(1024)
-        _close(jax.jit(jax.vmap(jax.vmap(e_ours)))(x), jax.vmap(jax.vmap(e_stock))(x))
+        assert_matches(jax.jit(jax.vmap(jax.vmap(e_ours)))(x), jax.vmap(jax.vmap(e_stock))(x))
         n_stock, n_ours = nnx.RMSNorm(1024, rngs=nnx.Rngs(0)), cl_nnx.RMSNorm(1024, rngs=nnx.Rngs(0))
-        _close(nnx.jit(lambda m, x: m(x))(n_ours, x), n_stock(x))
+        assert_matches(nnx.jit(lambda m, x: m(x))(n_ours, x), n_stock(x))

@@ -1,5 +1,7 @@
-"""Training loops (optax) for the models in :mod:`models`.
+"""Training loop (optax) for the models in :mod:`models`: ``python -m training.train --help``.
 
-Empty for now: the training job lands once the models exist; until then the main job is
-``python -m cutelayers`` (a short demo).
+* :mod:`training.data`: the shipped public-domain corpus, byte-level tokens, deterministic
+  batches, train / eval split.
+* :mod:`training.train`: the command line and :func:`training.train.train`.
+* :mod:`training.checkpoint`: Orbax checkpoints of (params, optimizer state, step).
 """

@@ -31,3 +31,17 @@ def check_supported(module: str, x, *, reduction_axes: Any, feature_axes: Any, a
         )
     if mask is not None:
         raise NotImplementedError(f"{module}: mask is not supported; use flax's own module for masked statistics.")
+
+
+def check_dense_supported(module: str, **options: Any) -> None:
+    """Raise for the options of Flax's Dense / Linear that the fused GEMM cannot honour.
+
+    ``options`` maps each such option's name to the caller's value, or to None where the caller
+    left Flax's default (or chose a value the GEMM honours anyway).
+    """
+    for name, value in options.items():
+        if value is not None:
+            raise NotImplementedError(
+                f"{module}: {name}={value!r} is not supported: cutelayers computes the product with its "
+                f"own fused GEMM kernel. Use flax's own module for a custom {name}."
+            )

@@ -1,15 +1,19 @@
 """Differentiable, vmappable cutelayers ops (custom_vjp + custom_vmap over CuTe kernels)."""
 
 from cutelayers.ops.linear import fused_linear
+from cutelayers.ops.lm_head import linear_cross_entropy
 from cutelayers.ops.norm import layer_norm, rms_norm
+from cutelayers.ops.pool import masked_mean_pool
 from cutelayers.ops.reduce import reduce_max, reduce_mean, reduce_sum
 from cutelayers.ops.softmax import log_softmax, logsumexp, softmax, softmax_cross_entropy
 
 __all__ = [
     "fused_linear",
     "layer_norm",
+    "linear_cross_entropy",
     "log_softmax",
     "logsumexp",
+    "masked_mean_pool",
     "reduce_max",
     "reduce_mean",
     "reduce_sum",

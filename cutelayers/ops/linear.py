@@ -18,7 +18,9 @@ Backward, from the saved (x, kernel, z):
 
 When the kernels run: bfloat16 / float16 operands with K and N multiples of 8 (TMA needs 16-byte
 row strides). Otherwise -- float32, or K / N not multiples of 8 -- the op runs its jnp reference,
-the same decomposition with XLA GEMMs, and logs once why.
+the same decomposition with XLA GEMMs, and logs once why. ``precision`` (as in ``jax.lax.dot``)
+applies to those XLA GEMMs; the kernels multiply bfloat16 / float16 exactly and accumulate in
+float32, at least as precise as any ``precision`` asks.
 
 vmap: batch dims of x / residual fold into rows (one launch) while kernel / bias are shared;
 per-example kernel or bias falls back to ``jax.lax.map`` (one launch per example). Under vmap the
@@ -223,23 +225,28 @@ class LinearWeightGrad(_GemmFamily):
         return (jax.ShapeDtypeStruct((x.shape[0], x.shape[2], dz.shape[2]), x.dtype),)
 
     def reference(self, x, dz):
-        dw = jnp.einsum("lmk,lmn->lkn", x, dz, preferred_element_type=jnp.float32)
-        return (dw.astype(x.dtype),)
+        return (_weight_grad_einsum(x, dz),)
 
 
 # --- jnp reference: the kernels' decomposition -----------------------------------------------------
 
-def _matmul(a, b):
-    return jnp.matmul(a, b, preferred_element_type=jnp.float32)
+def _matmul(a, b, precision=None):
+    return jnp.matmul(a, b, precision=precision, preferred_element_type=jnp.float32)
 
 
-def forward_reference(x, kernel, bias, residual, activation: str):
+def _weight_grad_einsum(x, dz, precision=None):
+    """dkernel (L, K, N) = x (L, M, K)ᵀ @ dz (L, M, N), accumulated in fp32, in x's dtype."""
+    return jnp.einsum("lmk,lmn->lkn", x, dz, precision=precision,
+                      preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def forward_reference(x, kernel, bias, residual, activation: str, precision=None):
     """(y, z) for x (..., K), kernel (K, N), bias (N,) | None, residual (..., N) | None.
 
     z = x @ kernel + bias accumulated in fp32; y = act(z) + residual computed in fp32; both
     returned in x's dtype (z is what the backward saves).
     """
-    z = _matmul(x, kernel)
+    z = _matmul(x, kernel, precision)
     if bias is not None:
         z = z + bias.astype(jnp.float32)
     y = ACTIVATION_FUNCTIONS[activation](z)
@@ -265,11 +272,11 @@ def _config(m: int, n: int) -> str:
     return config_class(m, n)
 
 
-def _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kernels):
+def _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kernels, precision):
     """y [, z] for x (..., K): one kernel launch on x's rows (or the jnp reference)."""
     lead, n = x.shape[:-1], kernel.shape[1]
     if not use_kernels:
-        y, z = forward_reference(x, kernel, bias, residual, activation)
+        y, z = forward_reference(x, kernel, bias, residual, activation, precision)
         return (y, z) if store_preact else (y,)
     rows = x.reshape(1, -1, x.shape[-1])
     m = rows.shape[1]
@@ -284,11 +291,11 @@ def _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kerne
     return tuple(o.reshape(*lead, n) for o in kernel_call(family, *operands))
 
 
-def _input_grad_rows(dz, kernel, use_kernels):
+def _input_grad_rows(dz, kernel, use_kernels, precision):
     """dx (..., K) = dz (..., N) @ kernelᵀ."""
     lead, k = dz.shape[:-1], kernel.shape[0]
     if not use_kernels:
-        return _matmul(dz, kernel.T).astype(dz.dtype)
+        return _matmul(dz, kernel.T, precision).astype(dz.dtype)
     rows = dz.reshape(1, -1, dz.shape[-1])
     if rows.shape[1] == 0:
         return jnp.zeros((*lead, k), dz.dtype)
@@ -296,24 +303,32 @@ def _input_grad_rows(dz, kernel, use_kernels):
     return dx.reshape(*lead, k)
 
 
-def _weight_grad_batched(x, dz, use_kernels):
+def _weight_grad_batched(x, dz, use_kernels, precision):
     """dkernel (L, K, N) from x (L, ..., K), dz (L, ..., N): one launch, L the kernel's batch."""
     x = x.reshape(x.shape[0], -1, x.shape[-1])
     dz = dz.reshape(dz.shape[0], -1, dz.shape[-1])
     if not use_kernels or x.shape[1] == 0:
-        return jnp.einsum("lmk,lmn->lkn", x, dz, preferred_element_type=jnp.float32).astype(x.dtype)
+        return _weight_grad_einsum(x, dz, precision)
     (dw,) = kernel_call(LinearWeightGrad(_config(x.shape[2], dz.shape[2])), x, dz)
     return dw
 
 
 @functools.cache
-def _weight_grad_fn(use_kernels: bool):
+def input_grad_fn(use_kernels: bool, precision=None):
+    """``dx = input_grad(dz, kernel)``: dz (..., N) @ kernel (K, N)ᵀ -> (..., K) in dz's dtype,
+    vmappable (batch dims of dz fold into rows). Shared with :mod:`cutelayers.ops.lm_head`."""
+    return row_batched(lambda dz, kernel: _input_grad_rows(dz, kernel, use_kernels, precision), shared=(1,))
+
+
+@functools.cache
+def weight_grad_fn(use_kernels: bool, precision=None):
     """dkernel of batch-leading (L, ..., K) x and (L, ..., N) dz, vmappable: a vmap adds its batch
-    to L (the kernel's batch mode), so per-example dkernel is still one launch."""
+    to L (the kernel's batch mode), so per-example dkernel is still one launch. Shared with
+    :mod:`cutelayers.ops.lm_head`."""
 
     @custom_vmap
     def weight_grad(x, dz):
-        return _weight_grad_batched(x, dz, use_kernels)
+        return _weight_grad_batched(x, dz, use_kernels, precision)
 
     @weight_grad.def_vmap
     def rule(axis_size, in_batched, x, dz):
@@ -325,18 +340,18 @@ def _weight_grad_fn(use_kernels: bool):
 
 
 @functools.cache
-def _linear_fn(activation: str, has_bias: bool, has_residual: bool, use_kernels: bool):
+def _linear_fn(activation: str, has_bias: bool, has_residual: bool, use_kernels: bool, precision):
     """The differentiable op for one static configuration; args (x, kernel, bias, residual)."""
 
     def forward(store_preact):
         def fn(x, kernel, bias, residual):
-            return _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kernels)
+            return _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kernels, precision)
 
         return row_batched(fn, shared=(1, 2))
 
     plain, saving = forward(False), forward(True)
-    input_grad = row_batched(lambda dz, kernel: _input_grad_rows(dz, kernel, use_kernels), shared=(1,))
-    weight_grad = _weight_grad_fn(use_kernels)
+    input_grad = input_grad_fn(use_kernels, precision)
+    weight_grad = weight_grad_fn(use_kernels, precision)
     needs_preact = activation != "none"
 
     @jax.custom_vjp
@@ -367,12 +382,37 @@ def _linear_fn(activation: str, has_bias: bool, has_residual: bool, use_kernels:
 
 # --- the op ------------------------------------------------------------------------------------------
 
-def _check_same_dtype(name, a, x):
+def _check_same_dtype(op, name, a, x_name, x):
     if a.dtype != x.dtype:
         raise TypeError(
-            f"fused_linear: argument {name!r} has dtype {jnp.dtype(a.dtype).name} but 'x' has "
+            f"{op}: argument {name!r} has dtype {jnp.dtype(a.dtype).name} but {x_name!r} has "
             f"{jnp.dtype(x.dtype).name}; they must match (cast before calling)"
         )
+
+
+def check_linear_operands(op: str, x_name: str, x, kernel, bias):
+    """Validate x (..., K), kernel (K, N), bias (N,) | None of one float dtype; returns them as
+    arrays. Shared by :func:`fused_linear` and :func:`cutelayers.ops.linear_cross_entropy`."""
+    x = check_float_array(op, x_name, x)
+    kernel = check_float_array(op, "kernel", kernel)
+    if kernel.ndim != 2:
+        raise ValueError(f"{op}: argument 'kernel' must have rank 2 (K, N); got shape {tuple(kernel.shape)}")
+    k, n = kernel.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"{op}: argument {x_name!r} has {x.shape[-1]} features (shape {tuple(x.shape)}) "
+                         f"but 'kernel' expects K={k} (shape {tuple(kernel.shape)})")
+    _check_same_dtype(op, "kernel", kernel, x_name, x)
+    if bias is not None:
+        bias = check_float_array(op, "bias", bias)
+        if tuple(bias.shape) != (n,):
+            raise ValueError(f"{op}: argument 'bias' must have shape ({n},); got {tuple(bias.shape)}")
+        _check_same_dtype(op, "bias", bias, x_name, x)
+    return x, kernel, bias
+
+
+def _hashable_precision(precision):
+    """``precision`` as a hashable static key (a list pair becomes a tuple); JAX validates it."""
+    return tuple(precision) if isinstance(precision, list) else precision
 
 
 def kernels_apply(x_dtype, k: int, n: int) -> tuple[bool, str]:
@@ -384,7 +424,7 @@ def kernels_apply(x_dtype, k: int, n: int) -> tuple[bool, str]:
     return True, ""
 
 
-def fused_linear(x, kernel, bias=None, *, activation=None, residual=None) -> jax.Array:
+def fused_linear(x, kernel, bias=None, *, activation=None, residual=None, precision=None) -> jax.Array:
     """``act(x @ kernel + bias) + residual`` in one fused GEMM, differentiable and vmappable.
 
     Args:
@@ -397,6 +437,8 @@ def fused_linear(x, kernel, bias=None, *, activation=None, residual=None) -> jax
         jnp.tanh, jax.nn.leaky_relu, jax.nn.hard_swish). Any other callable is applied to
         ``x @ kernel + bias`` after the kernel, unfused, before the residual is added.
       residual: (..., N) matching x's leading shape, x's dtype, or None.
+      precision: as ``jax.lax.dot``'s, for the XLA GEMMs of the jnp path (float32, unaligned
+        sizes), forward and backward; the kernels are exact in their products (see above).
 
     Returns:
       (..., N) in x's dtype; accumulation and the epilogue run in float32.
@@ -405,33 +447,23 @@ def fused_linear(x, kernel, bias=None, *, activation=None, residual=None) -> jax
     other sizes run the same decomposition as XLA GEMMs (logged once).
     """
     op = "fused_linear"
-    x = check_float_array(op, "x", x)
-    kernel = check_float_array(op, "kernel", kernel)
-    if kernel.ndim != 2:
-        raise ValueError(f"{op}: argument 'kernel' must have rank 2 (K, N); got shape {tuple(kernel.shape)}")
+    x, kernel, bias = check_linear_operands(op, "x", x, kernel, bias)
     k, n = kernel.shape
-    if x.shape[-1] != k:
-        raise ValueError(f"{op}: argument 'x' has {x.shape[-1]} features (shape {tuple(x.shape)}) but "
-                         f"'kernel' expects K={k} (shape {tuple(kernel.shape)})")
-    _check_same_dtype("kernel", kernel, x)
-    if bias is not None:
-        bias = check_float_array(op, "bias", bias)
-        if tuple(bias.shape) != (n,):
-            raise ValueError(f"{op}: argument 'bias' must have shape ({n},); got {tuple(bias.shape)}")
-        _check_same_dtype("bias", bias, x)
     if residual is not None:
         residual = check_float_array(op, "residual", residual)
         if tuple(residual.shape) != (*x.shape[:-1], n):
             raise ValueError(f"{op}: argument 'residual' must have shape {(*x.shape[:-1], n)}; "
                              f"got {tuple(residual.shape)}")
-        _check_same_dtype("residual", residual, x)
+        _check_same_dtype(op, "residual", residual, "x", x)
     fused, unfused = resolve_activation(activation)
+    precision = _hashable_precision(precision)
 
     use_kernels, why = kernels_apply(x.dtype, k, n)
     if not use_kernels:
         _backend.log_once("reference", f"{op}: {why}")
+    has_bias = bias is not None
     if unfused is None:
-        return _linear_fn(fused, bias is not None, residual is not None, use_kernels)(x, kernel, bias, residual)
-    z = _linear_fn("none", bias is not None, False, use_kernels)(x, kernel, bias, None)
+        return _linear_fn(fused, has_bias, residual is not None, use_kernels, precision)(x, kernel, bias, residual)
+    z = _linear_fn("none", has_bias, False, use_kernels, precision)(x, kernel, bias, None)
     y = unfused(z)
     return y if residual is None else (y + residual).astype(x.dtype)

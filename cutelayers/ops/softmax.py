@@ -262,11 +262,23 @@ def logsumexp(x: jax.Array) -> jax.Array:
 
 
 @functools.cache
-def _cross_entropy_fn(ignore_index, smoothing, z_loss):
+def cross_entropy_kernels(ignore_index, smoothing=0.0, z_loss=0.0):
+    """The cross-entropy kernel calls, vmappable, without a custom_vjp (shared with
+    :mod:`cutelayers.ops.lm_head`, which differentiates them itself):
+
+    * ``forward(logits (..., V), labels (...)) -> (lse, loss)``, both (...) float32;
+    * ``backward(logits, labels, lse, dloss (...) float32) -> dlogits`` in logits' dtype.
+    """
     cfg = dict(ignore_index=ignore_index, smoothing=smoothing, z_loss=z_loss)
     forward = row_batched(lambda x, labels: call_on_rows(CrossEntropyForward(True, **cfg), x, labels))
     backward = row_batched(
         lambda x, labels, lse, g: call_on_rows(CrossEntropyBackward(**cfg), x, labels, lse, g)[0])
+    return forward, backward
+
+
+@functools.cache
+def _cross_entropy_fn(ignore_index, smoothing, z_loss):
+    forward, backward = cross_entropy_kernels(ignore_index, smoothing, z_loss)
 
     @jax.custom_vjp
     def op(logits, labels):
@@ -300,19 +312,31 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array, *, ignore_index:
     """
     op = "softmax_cross_entropy"
     logits = check_float_array(op, "logits", logits)
-    if not hasattr(labels, "dtype") or not jnp.issubdtype(labels.dtype, jnp.integer):
-        raise TypeError(f"{op}: argument 'labels' must be an integer array; got "
-                        f"{getattr(labels, 'dtype', type(labels).__name__)}")
-    if tuple(labels.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"{op}: argument 'labels' has shape {tuple(labels.shape)}; expected "
-                         f"{tuple(logits.shape[:-1])} (logits' shape without the class axis)")
+    labels, ignore_index = check_labels(op, labels, ignore_index, logits.shape[:-1], logits.shape[-1],
+                                        "logits' shape without the class axis")
     if not 0.0 <= float(label_smoothing) < 1.0:
         raise ValueError(f"{op}: label_smoothing must be in [0, 1); got {label_smoothing}")
     if float(z_loss) < 0.0:
         raise ValueError(f"{op}: z_loss must be >= 0; got {z_loss}")
+    return _cross_entropy_fn(ignore_index, float(label_smoothing), float(z_loss))(logits, labels)
+
+
+def check_labels(op: str, labels, ignore_index, shape: tuple, v: int, shape_source: str):
+    """Validate integer class labels of ``shape`` for ``v`` classes; returns (labels as int32,
+    ignore_index as int | None).
+
+    Concrete labels are checked eagerly: a value outside [0, v) other than ``ignore_index``
+    raises. Traced labels cannot be checked; such rows give NaN losses and gradients.
+    ``shape_source`` says where ``shape`` comes from, for the error message.
+    """
+    if not hasattr(labels, "dtype") or not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise TypeError(f"{op}: argument 'labels' must be an integer array; got "
+                        f"{getattr(labels, 'dtype', type(labels).__name__)}")
+    if tuple(labels.shape) != tuple(shape):
+        raise ValueError(f"{op}: argument 'labels' has shape {tuple(labels.shape)}; expected "
+                         f"{tuple(shape)} ({shape_source})")
     if ignore_index is not None:
         ignore_index = int(ignore_index)
-    v = logits.shape[-1]
     if not isinstance(labels, jax.core.Tracer):
         lab = np.asarray(labels)
         bad = (lab < 0) | (lab >= v)
@@ -321,5 +345,4 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array, *, ignore_index:
         if bad.any():
             raise ValueError(f"{op}: argument 'labels' holds {int(bad.sum())} value(s) outside [0, {v}) "
                              f"(e.g. {int(lab[bad].ravel()[0])}) that are not ignore_index={ignore_index}")
-    labels = jnp.asarray(labels).astype(jnp.int32)
-    return _cross_entropy_fn(ignore_index, float(label_smoothing), float(z_loss))(logits, labels)
+    return jnp.asarray(labels).astype(jnp.int32), ignore_index

@@ -1,0 +1,102 @@
+"""What the three GPT implementations share: the attention core, the functional view the training
+loop uses, and moving parameters between a model and its stock twin.
+
+Each framework file (``nnx_gpt``, ``linen_gpt``, ``equinox_gpt``) builds its model from its own
+framework's modules and exposes ``init(config, key, *, stock=False) -> Functional``:
+
+* ``params`` -- the parameters, a pytree of float32 arrays (an ``nnx.State``, a linen params dict,
+  or the array leaves of the Equinox model);
+* ``loss(params, inputs, targets)`` -- mean next-token cross-entropy, a pure function (jit it);
+* ``model`` -- the framework object itself.
+
+``stock=True`` builds the twin from the framework's own layers (Dense / Linear / LayerNorm, and a
+Dense / Linear head with ``optax`` cross-entropy where ours has cutelayers' ``LMHead``) with the
+same parameter tree: the same key paths,
+shapes and dtypes, so a checkpoint of one loads into the other (:func:`transfer_params`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from models.configs import GPTConfig
+
+FRAMEWORKS = ("nnx", "linen", "equinox")
+
+
+@dataclasses.dataclass(frozen=True)
+class Functional:
+    """A model as (parameters, pure loss function); see the module docstring."""
+
+    params: Any
+    loss: Callable[[Any, jax.Array, jax.Array], jax.Array]
+    model: Any
+    config: GPTConfig
+    stock: bool
+
+
+def load(framework: str):
+    """The module implementing ``framework`` ('nnx', 'linen' or 'equinox')."""
+    if framework not in FRAMEWORKS:
+        raise ValueError(f"unknown framework {framework!r}; choose from {', '.join(FRAMEWORKS)}")
+    return importlib.import_module(f"models.{framework}_gpt")
+
+
+def init(framework: str, config: GPTConfig, key: jax.Array, *, stock: bool = False,
+         abstract: bool = False) -> Functional:
+    """Build the GPT of ``framework`` (cutelayers layers, or the stock twin) and its parameters
+    (``abstract``: their shapes and dtypes only, as ``jax.ShapeDtypeStruct``; nothing computed)."""
+    return load(framework).init(config, key, stock=stock, abstract=abstract)
+
+
+def causal_attention(qkv: jax.Array, n_heads: int) -> jax.Array:
+    """Causal multi-head self-attention core.
+
+    ``qkv``: (..., T, 3 * d) -- queries, keys and values side by side, as one fused projection
+    writes them. Returns (..., T, d) in qkv's dtype. ``jax.nn.dot_product_attention`` picks
+    cuDNN's fused attention on GPUs where it applies and XLA elsewhere.
+    """
+    *lead, t, three_d = qkv.shape
+    d = three_d // 3
+    q, k, v = jnp.split(qkv.reshape(*lead, t, 3, n_heads, d // n_heads), 3, axis=-3)
+    q, k, v = (a.squeeze(-3) for a in (q, k, v))  # (..., T, H, Dh)
+    if len(lead) > 1:  # dot_product_attention takes (B, T, H, Dh) or (T, H, Dh)
+        q, k, v = (a.reshape(-1, *a.shape[-3:]) for a in (q, k, v))
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return out.reshape(*lead, t, d)
+
+
+def positions(seq_len: int, config: GPTConfig) -> jax.Array:
+    """Position ids 0..seq_len-1, after checking they fit the position table."""
+    if seq_len > config.seq_len:
+        raise ValueError(f"sequence length {seq_len} exceeds the model's position table "
+                         f"(config.seq_len={config.seq_len})")
+    return jnp.arange(seq_len)
+
+
+def tree_signature(params) -> list[tuple[str, tuple[int, ...], str]]:
+    """(key path, shape, dtype) of every leaf: what must agree for a checkpoint to move."""
+    return [(jax.tree_util.keystr(p), tuple(v.shape), jnp.dtype(v.dtype).name)
+            for p, v in jax.tree.leaves_with_path(params)]
+
+
+def transfer_params(src, like):
+    """``src``'s arrays in ``like``'s pytree structure (e.g. stock Equinox parameters into the
+    cutelayers model, whose module classes differ). Raises if paths, shapes or dtypes differ."""
+    a, b = tree_signature(src), tree_signature(like)
+    if a != b:
+        diff = next(((x, y) for x, y in zip(a, b) if x != y), (len(a), len(b)))
+        raise ValueError(f"parameter trees differ (first difference: {diff[0]} vs {diff[1]})")
+    return jax.tree.unflatten(jax.tree.structure(like), jax.tree.leaves(src))
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """The stock twins' loss: mean ``optax.softmax_cross_entropy_with_integer_labels`` of float32
+    logits (the cutelayers models use ``LMHead``: linear + cross-entropy without the logits)."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()

@@ -1,0 +1,86 @@
+"""Model configurations shared by the three GPT implementations (nnx, linen, equinox).
+
+``GPTConfig`` is the only thing the framework files share besides :mod:`models.common`; the
+presets:
+
+* ``tiny``   -- CPU: seconds per hundred steps; the default of ``python -m training.train``.
+* ``small``  -- one Hopper GPU: ~25M parameters, bfloat16 compute, sequence 512.
+* ``deep24`` -- 24 identical blocks of a small width, bfloat16: the compile-once demonstration
+  (every distinct kernel compiles once however deep the model; ``tests/test_models.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """A decoder-only transformer: token + learned position embeddings, ``n_layers`` pre-norm
+    blocks (LayerNorm -> causal self-attention -> residual; LayerNorm -> MLP with GELU ->
+    residual), a final LayerNorm and an untied LM head trained with cross-entropy.
+
+    ``dtype`` is the compute dtype (activations and the matmul operands); parameters are always
+    float32. The CuTe GEMM kernels take bfloat16 / float16 operands, so GPU configs use bfloat16;
+    float32 runs the same decomposition as XLA GEMMs (and is what the CPU config uses).
+    """
+
+    vocab_size: int = 256
+    seq_len: int = 64  # maximum sequence length: rows of the position table
+    n_layers: int = 2
+    d_model: int = 64
+    n_heads: int = 4
+    mlp_ratio: int = 4
+    dtype: str = "float32"
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        for name in ("vocab_size", "seq_len", "n_layers", "d_model", "n_heads", "mlp_ratio"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive integer; got {value!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"GPTConfig: d_model={self.d_model} must be a multiple of "
+                             f"n_heads={self.n_heads}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"GPTConfig.dtype must be 'float32', 'bfloat16' or 'float16'; "
+                             f"got {self.dtype!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def d_mlp(self) -> int:
+        return self.mlp_ratio * self.d_model
+
+    @property
+    def compute_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    @property
+    def proj_init_std(self) -> float:
+        """GPT-2's scaled init for the two projections that write into the residual stream."""
+        return self.init_std / (2 * self.n_layers) ** 0.5
+
+    def num_params(self) -> int:
+        d, v, t, f = self.d_model, self.vocab_size, self.seq_len, self.d_mlp
+        block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
+        return v * d + t * d + self.n_layers * block + 2 * d + d * v
+
+
+CONFIGS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(),
+    "small": GPTConfig(seq_len=512, n_layers=8, d_model=512, n_heads=8, dtype="bfloat16"),
+    "deep24": GPTConfig(seq_len=128, n_layers=24, d_model=128, n_heads=4, dtype="bfloat16"),
+}
+
+
+def get_config(name: str, **overrides) -> GPTConfig:
+    """The preset ``name`` (``tiny``, ``small``, ``deep24``) with optional field overrides."""
+    if name not in CONFIGS:
+        raise ValueError(f"unknown model config {name!r}; choose from {', '.join(CONFIGS)}")
+    return dataclasses.replace(CONFIGS[name], **overrides)

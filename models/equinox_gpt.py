@@ -1,0 +1,179 @@
+"""GPT (decoder-only transformer) in Equinox, built from cutelayers layers -- or, with
+``stock=True``, from Equinox's own layers with the same parameter tree.
+
+    x = wte(tokens) + wpe(positions)
+    per block:  x = attn_out(attention(qkv(ln1(x))), residual=x)      # fused residual add
+                x = mlp_out(mlp_in(ln2(x)), residual=x)               # mlp_in: fused GELU
+    loss = head(ln_f(x), targets)                # LMHead: linear + cross-entropy, no logits
+
+Leaves (float32): ``wte.weight``, ``wpe.weight``, ``blocks[i].{ln1,ln2}.{weight,bias}``,
+``blocks[i].{qkv,attn_out,mlp_in,mlp_out}.{weight,bias}`` (weights (out, in) as in
+``eqx.nn.Linear``), ``ln_f.{weight,bias}``, ``head.weight`` (vocab, d_model) -- in both twins.
+
+Two choices the framework forces:
+
+* Batching. ``model(inputs, targets)`` takes (seq,) or (batch, seq) tokens and runs every linear
+  layer on all rows at once (one GEMM forward, one GEMM for the weight gradient). Calling the
+  layers under ``jax.vmap`` instead, the usual Equinox style, would make the backward of a shared
+  weight compute per-example weight gradients, (rows, in, out), and sum them. The norms are
+  called under ``jax.vmap`` as usual (their batching rule folds rows into one kernel launch).
+* Mixed precision. Equinox layers compute in the promoted dtype of input and parameters, so
+  :func:`init`'s loss casts the float32 parameters to the compute dtype before the forward pass
+  (the usual Equinox recipe); gradients flow back to the float32 parameters through the cast.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from cutelayers import equinox as cl_eqx
+from cutelayers.ops import fused_linear
+from models.common import Functional, causal_attention, cross_entropy, positions
+from models.configs import GPTConfig
+
+
+class _Linear(cl_eqx.Linear):
+    """cutelayers' Linear on rows ``x`` (..., in_features), plus ``residual=``:
+    ``act(x @ weight.T + bias) + residual`` in one GEMM."""
+
+    def __call__(self, x, residual=None, *, key=None):
+        dtype = jnp.result_type(*(a for a in (x, self.weight, self.bias) if a is not None))
+        bias = self.bias.astype(dtype) if self.bias is not None else None
+        return fused_linear(x.astype(dtype), self.weight.T.astype(dtype), bias, activation=self.activation,
+                            residual=None if residual is None else residual.astype(dtype))
+
+
+class _StockLinear(eqx.nn.Linear):
+    """Equinox's Linear with the same call as :class:`_Linear`: vmapped over the rows of x,
+    activation and residual unfused."""
+
+    activation: Any = eqx.field(static=True)
+
+    def __init__(self, *args, activation=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.activation = activation
+
+    def __call__(self, x, residual=None, *, key=None):
+        rows = x.reshape(-1, x.shape[-1])
+        y = jax.vmap(lambda r: eqx.nn.Linear.__call__(self, r))(rows).reshape(*x.shape[:-1], -1)
+        if self.activation is not None:
+            y = getattr(jax.nn, self.activation)(y)
+        return y if residual is None else residual + y
+
+
+class _StockHead(_StockLinear):
+    """Equinox's Linear as an LM head with the call of cutelayers' LMHead: ``head(h, targets)`` ->
+    mean cross-entropy (optax, on materialised float32 logits)."""
+
+    def __call__(self, h, targets, *, key=None):
+        return cross_entropy(super().__call__(h), targets)
+
+
+def _layers(stock: bool):
+    """(LayerNorm, Linear, LM head) classes of the stock twin or of the cutelayers model."""
+    if stock:
+        return eqx.nn.LayerNorm, _StockLinear, _StockHead
+    return cl_eqx.LayerNorm, _Linear, cl_eqx.LMHead
+
+
+def _linear(Linear, n_in, n_out, std, key, **kwargs):
+    """A Linear with GPT-2's init: weight ~ N(0, std^2), bias zero."""
+    init_key, key = jax.random.split(key)
+    layer = Linear(n_in, n_out, key=init_key, **kwargs)
+    weight = std * jax.random.normal(key, layer.weight.shape, layer.weight.dtype)
+    layer = eqx.tree_at(lambda l: l.weight, layer, weight)
+    if layer.bias is not None:
+        layer = eqx.tree_at(lambda l: l.bias, layer, jnp.zeros_like(layer.bias))
+    return layer
+
+
+def _on_rows(layer, x):
+    """Apply a per-example layer (a norm) to every row of x (..., features) with one vmap."""
+    return jax.vmap(layer)(x.reshape(-1, x.shape[-1])).reshape(x.shape)
+
+
+class Block(eqx.Module):
+    """Pre-norm transformer block: causal self-attention and a GELU MLP, each with a residual."""
+
+    ln1: eqx.Module
+    qkv: eqx.Module
+    attn_out: eqx.Module
+    ln2: eqx.Module
+    mlp_in: eqx.Module
+    mlp_out: eqx.Module
+    n_heads: int = eqx.field(static=True)
+
+    def __init__(self, config: GPTConfig, *, stock: bool, key: jax.Array):
+        LayerNorm, Linear, _ = _layers(stock)
+        d, std, proj_std = config.d_model, config.init_std, config.proj_init_std
+        k = jax.random.split(key, 4)
+        self.n_heads = config.n_heads
+        self.ln1 = LayerNorm(d, eps=config.norm_eps)
+        self.qkv = _linear(Linear, d, 3 * d, std, k[0])
+        self.attn_out = _linear(Linear, d, d, proj_std, k[1])
+        self.ln2 = LayerNorm(d, eps=config.norm_eps)
+        self.mlp_in = _linear(Linear, d, config.d_mlp, std, k[2], activation="gelu")
+        self.mlp_out = _linear(Linear, config.d_mlp, d, proj_std, k[3])
+
+    def __call__(self, x):
+        x = self.attn_out(causal_attention(self.qkv(_on_rows(self.ln1, x)), self.n_heads), residual=x)
+        return self.mlp_out(self.mlp_in(_on_rows(self.ln2, x)), residual=x)
+
+
+class GPT(eqx.Module):
+    """``GPT(config, stock=False, key=...)``; ``model(inputs, targets)`` -> mean loss (float32).
+
+    ``inputs`` / ``targets``: (seq,) or (batch, seq) integer token ids, seq <= config.seq_len.
+    """
+
+    wte: eqx.nn.Embedding
+    wpe: eqx.nn.Embedding
+    blocks: list
+    ln_f: eqx.Module
+    head: eqx.Module
+    config: GPTConfig = eqx.field(static=True)
+    stock: bool = eqx.field(static=True)
+
+    def __init__(self, config: GPTConfig, *, stock: bool = False, key: jax.Array):
+        LayerNorm, _, Head = _layers(stock)
+        d, std = config.d_model, config.init_std
+        k_wte, k_wpe, k_head, *k_blocks = jax.random.split(key, 3 + config.n_layers)
+        self.config, self.stock = config, stock
+        self.wte = eqx.nn.Embedding(weight=std * jax.random.normal(k_wte, (config.vocab_size, d)))
+        self.wpe = eqx.nn.Embedding(weight=std * jax.random.normal(k_wpe, (config.seq_len, d)))
+        self.blocks = [Block(config, stock=stock, key=k) for k in k_blocks]
+        self.ln_f = LayerNorm(d, eps=config.norm_eps)
+        self.head = _linear(Head, d, config.vocab_size, std, k_head, use_bias=False)
+
+    def __call__(self, inputs, targets):
+        x = self.wte.weight[inputs] + self.wpe.weight[positions(inputs.shape[-1], self.config)]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(_on_rows(self.ln_f, x), targets)
+
+
+def _is_float_leaf(x) -> bool:
+    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def init(config: GPTConfig, key: jax.Array, *, stock: bool = False, abstract: bool = False) -> Functional:
+    """Build the model; returns its functional view (params: the model's float arrays, the rest
+    of the model -- None there -- static). ``abstract``: shapes only (``jax.ShapeDtypeStruct``
+    leaves), nothing computed."""
+    model = (eqx.filter_eval_shape if abstract else lambda f, *a, **k: f(*a, **k))(
+        GPT, config, stock=stock, key=key)
+    params, static = eqx.partition(model, _is_float_leaf)
+    dtype = config.compute_dtype
+
+    def loss(params, inputs, targets):
+        params = jax.tree.map(lambda p: p.astype(dtype), params)  # mixed precision: see module docstring
+        return eqx.combine(params, static)(inputs, targets)
+
+    return Functional(params=params, loss=loss, model=model, config=config, stock=stock)
+
+
+__all__ = ["GPT", "Block", "init"]

@@ -1,0 +1,131 @@
+"""GPT (decoder-only transformer) in Flax linen, built from cutelayers layers -- or, with
+``stock=True``, from linen's own layers with the same parameter tree.
+
+    x = wte(tokens) + wpe(positions)
+    per block:  x = attn_out(attention(qkv(ln1(x))), residual=x)      # fused residual add
+                x = mlp_out(mlp_in(ln2(x)), residual=x)               # mlp_in: fused GELU
+    loss = head(ln_f(x), targets)                # LMHead: linear + cross-entropy, no logits
+
+Parameters (float32), ``params`` collection: ``wte.embedding``, ``wpe.embedding``,
+``blocks_{i}.{ln1,ln2}.{scale,bias}``, ``blocks_{i}.{qkv,attn_out,mlp_in,mlp_out}.{kernel,bias}``,
+``ln_f.{scale,bias}``, ``head.kernel`` -- the names linen's ``Embed`` / ``LayerNorm`` / ``Dense``
+use, in both twins.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from cutelayers.flax import linen as cl_linen
+from cutelayers.ops import fused_linear
+from models.common import Functional, causal_attention, cross_entropy, positions
+from models.configs import GPTConfig
+
+
+class _Dense(cl_linen.Dense):
+    """cutelayers' Dense, plus ``residual=``: ``act(x @ kernel + bias) + residual`` in one GEMM."""
+
+    @nn.compact
+    def __call__(self, inputs, residual=None):
+        if residual is None:
+            return super().__call__(inputs)
+        kernel = self.param("kernel", self.kernel_init, (inputs.shape[-1], self.features), self.param_dtype)
+        bias = None
+        if self.use_bias:
+            bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+        inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        return fused_linear(inputs, kernel, bias, activation=self.activation, precision=self.precision,
+                            residual=residual.astype(inputs.dtype))
+
+
+class _StockDense(nn.Dense):
+    """linen's Dense with the same call as :class:`_Dense`: activation and residual unfused."""
+
+    activation: Any = None
+
+    @nn.compact
+    def __call__(self, inputs, residual=None):
+        y = super().__call__(inputs)
+        if self.activation is not None:
+            y = getattr(jax.nn, self.activation)(y)
+        return y if residual is None else residual + y
+
+
+class _StockHead(nn.Dense):
+    """linen's Dense as an LM head with the call of cutelayers' LMHead: ``head(h, targets)`` ->
+    mean cross-entropy (optax, on materialised float32 logits)."""
+
+    @nn.compact
+    def __call__(self, h, targets):
+        return cross_entropy(super().__call__(h), targets)
+
+
+def _layers(stock: bool):
+    """(LayerNorm, Dense, LM head) classes of the stock twin or of the cutelayers model."""
+    if stock:
+        return nn.LayerNorm, _StockDense, _StockHead
+    return cl_linen.LayerNorm, _Dense, cl_linen.LMHead
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention and a GELU MLP, each with a residual."""
+
+    config: GPTConfig
+    stock: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        LayerNorm, Dense, _ = _layers(self.stock)
+        d, dt = cfg.d_model, cfg.compute_dtype
+        init, proj_init = nn.initializers.normal(cfg.init_std), nn.initializers.normal(cfg.proj_init_std)
+        h = LayerNorm(epsilon=cfg.norm_eps, dtype=dt, name="ln1")(x)
+        a = causal_attention(Dense(3 * d, dtype=dt, kernel_init=init, name="qkv")(h), cfg.n_heads)
+        x = Dense(d, dtype=dt, kernel_init=proj_init, name="attn_out")(a, residual=x)
+        h = LayerNorm(epsilon=cfg.norm_eps, dtype=dt, name="ln2")(x)
+        u = Dense(cfg.d_mlp, dtype=dt, kernel_init=init, activation="gelu", name="mlp_in")(h)
+        return Dense(d, dtype=dt, kernel_init=proj_init, name="mlp_out")(u, residual=x)
+
+
+class GPT(nn.Module):
+    """``GPT(config, stock=False)``; ``model.apply({"params": p}, inputs, targets)`` -> mean loss.
+
+    ``inputs`` / ``targets``: (batch, seq) integer token ids, seq <= config.seq_len.
+    """
+
+    config: GPTConfig
+    stock: bool = False
+
+    @nn.compact
+    def __call__(self, inputs, targets):
+        cfg = self.config
+        LayerNorm, _, Head = _layers(self.stock)
+        dt, init = cfg.compute_dtype, nn.initializers.normal(cfg.init_std)
+        x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dt, embedding_init=init, name="wte")(inputs)
+        x = x + nn.Embed(cfg.seq_len, cfg.d_model, dtype=dt, embedding_init=init, name="wpe")(
+            positions(inputs.shape[-1], cfg))
+        for i in range(cfg.n_layers):
+            x = Block(cfg, self.stock, name=f"blocks_{i}")(x)
+        h = LayerNorm(epsilon=cfg.norm_eps, dtype=dt, name="ln_f")(x)
+        return Head(cfg.vocab_size, use_bias=False, dtype=dt, kernel_init=init, name="head")(h, targets)
+
+
+def init(config: GPTConfig, key: jax.Array, *, stock: bool = False, abstract: bool = False) -> Functional:
+    """Build the model; returns its functional view (params: the ``params`` collection).
+    ``abstract``: shapes only (``jax.ShapeDtypeStruct`` leaves), nothing computed."""
+    model = GPT(config, stock=stock)
+    dummy = jax.ShapeDtypeStruct((1, min(8, config.seq_len)), jnp.int32)
+    init_params = lambda k: model.lazy_init(k, dummy, dummy)["params"]  # noqa: E731  (no forward pass)
+    params = jax.eval_shape(init_params, key) if abstract else jax.jit(init_params)(key)
+
+    def loss(params, inputs, targets):
+        return model.apply({"params": params}, inputs, targets)
+
+    return Functional(params=params, loss=loss, model=model, config=config, stock=stock)
+
+
+__all__ = ["GPT", "Block", "init"]

@@ -1,0 +1,125 @@
+"""GPT (decoder-only transformer) in Flax NNX, built from cutelayers layers -- or, with
+``stock=True``, from NNX's own layers with the same parameter tree.
+
+    x = wte(tokens) + wpe(positions)
+    per block:  x = attn_out(attention(qkv(ln1(x))), residual=x)      # fused residual add
+                x = mlp_out(mlp_in(ln2(x)), residual=x)               # mlp_in: fused GELU
+    loss = head(ln_f(x), targets)                # LMHead: linear + cross-entropy, no logits
+
+Parameters (float32): ``wte.embedding``, ``wpe.embedding``, ``blocks[i].{ln1,ln2}.{scale,bias}``,
+``blocks[i].{qkv,attn_out,mlp_in,mlp_out}.{kernel,bias}``, ``ln_f.{scale,bias}``,
+``head.kernel`` -- the names NNX's ``Embed`` / ``LayerNorm`` / ``Linear`` use, in both twins.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from cutelayers.flax import nnx as cl_nnx
+from cutelayers.ops import fused_linear
+from models.common import Functional, causal_attention, cross_entropy, positions
+from models.configs import GPTConfig
+
+
+class _Linear(cl_nnx.Linear):
+    """cutelayers' Linear, plus ``residual=``: ``act(x @ kernel + bias) + residual`` in one GEMM."""
+
+    def __call__(self, inputs, residual=None):
+        if residual is None:
+            return super().__call__(inputs)
+        inputs, kernel, bias = self.promote_dtype(
+            (inputs, self.kernel[...], self.bias[...] if self.bias is not None else None), dtype=self.dtype)
+        return fused_linear(inputs, kernel, bias, activation=self.activation, precision=self.precision,
+                            residual=residual.astype(inputs.dtype))
+
+
+class _StockLinear(nnx.Linear):
+    """NNX's Linear with the same call as :class:`_Linear`: activation and residual unfused."""
+
+    def __init__(self, *args, activation=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.activation = activation
+
+    def __call__(self, inputs, residual=None):
+        y = super().__call__(inputs)
+        if self.activation is not None:
+            y = getattr(jax.nn, self.activation)(y)
+        return y if residual is None else residual + y
+
+
+class _StockHead(nnx.Linear):
+    """NNX's Linear as an LM head with the call of cutelayers' LMHead: ``head(h, targets)`` -> mean
+    cross-entropy (optax, on materialised float32 logits)."""
+
+    def __call__(self, h, targets):
+        return cross_entropy(super().__call__(h), targets)
+
+
+def _layers(stock: bool):
+    """(LayerNorm, Linear, LM head) classes of the stock twin or of the cutelayers model."""
+    if stock:
+        return nnx.LayerNorm, _StockLinear, _StockHead
+    return cl_nnx.LayerNorm, _Linear, cl_nnx.LMHead
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: causal self-attention and a GELU MLP, each with a residual."""
+
+    def __init__(self, config: GPTConfig, *, stock: bool, rngs: nnx.Rngs):
+        LayerNorm, Linear, _ = _layers(stock)
+        d, dt = config.d_model, config.compute_dtype
+        init = nnx.initializers.normal(config.init_std)
+        proj_init = nnx.initializers.normal(config.proj_init_std)
+        norm = dict(epsilon=config.norm_eps, dtype=dt, rngs=rngs)
+        self.n_heads = config.n_heads
+        self.ln1 = LayerNorm(d, **norm)
+        self.qkv = Linear(d, 3 * d, dtype=dt, kernel_init=init, rngs=rngs)
+        self.attn_out = Linear(d, d, dtype=dt, kernel_init=proj_init, rngs=rngs)
+        self.ln2 = LayerNorm(d, **norm)
+        self.mlp_in = Linear(d, config.d_mlp, dtype=dt, kernel_init=init, activation="gelu", rngs=rngs)
+        self.mlp_out = Linear(config.d_mlp, d, dtype=dt, kernel_init=proj_init, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.attn_out(causal_attention(self.qkv(self.ln1(x)), self.n_heads), residual=x)
+        return self.mlp_out(self.mlp_in(self.ln2(x)), residual=x)
+
+
+class GPT(nnx.Module):
+    """``GPT(config, stock=False, rngs=...)``; ``model(inputs, targets)`` -> mean loss (float32).
+
+    ``inputs`` / ``targets``: (batch, seq) integer token ids, seq <= config.seq_len.
+    """
+
+    def __init__(self, config: GPTConfig, *, stock: bool = False, rngs: nnx.Rngs):
+        LayerNorm, _, Head = _layers(stock)
+        dt, init = config.compute_dtype, nnx.initializers.normal(config.init_std)
+        self.config = config
+        self.wte = nnx.Embed(config.vocab_size, config.d_model, dtype=dt, embedding_init=init, rngs=rngs)
+        self.wpe = nnx.Embed(config.seq_len, config.d_model, dtype=dt, embedding_init=init, rngs=rngs)
+        self.blocks = nnx.List([Block(config, stock=stock, rngs=rngs) for _ in range(config.n_layers)])
+        self.ln_f = LayerNorm(config.d_model, epsilon=config.norm_eps, dtype=dt, rngs=rngs)
+        self.head = Head(config.d_model, config.vocab_size, use_bias=False, dtype=dt, kernel_init=init,
+                         rngs=rngs)
+
+    def __call__(self, inputs, targets):
+        x = self.wte(inputs) + self.wpe(positions(inputs.shape[-1], self.config))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x), targets)
+
+
+def init(config: GPTConfig, key: jax.Array, *, stock: bool = False, abstract: bool = False) -> Functional:
+    """Build the model; returns its functional view (params: the ``nnx.State`` of its Params).
+    ``abstract``: shapes only (``jax.ShapeDtypeStruct`` leaves), nothing computed."""
+    make = lambda: GPT(config, stock=stock, rngs=nnx.Rngs(params=key))  # noqa: E731
+    model = nnx.eval_shape(make) if abstract else make()
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def loss(params, inputs, targets):
+        return nnx.merge(graphdef, params)(inputs, targets)
+
+    return Functional(params=params, loss=loss, model=model, config=config, stock=stock)
+
+
+__all__ = ["GPT", "Block", "init"]

@@ -1,0 +1,408 @@
+"""LM head and pooling: ``linear_cross_entropy`` and ``masked_mean_pool`` (values, gradients,
+vmap/jit/grad, memory: no (tokens, vocab) array, CUDA lowering), and the ``LMHead`` /
+``MeanPoolClassifier`` modules of Flax linen, NNX and Equinox against the stock layers they
+compose.
+"""
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from cutelayers import equinox as cl_eqx
+from cutelayers.flax import linen as cl_linen
+from cutelayers.flax import nnx as cl_nnx
+from cutelayers.ops import linear_cross_entropy, masked_mean_pool
+from cutelayers.ops.lm_head import chunk_layout
+from numerics import assert_close, assert_matches, assert_trees_match, random, same_tree
+from test_linear import kernel_targets, lower_cuda
+
+F32 = jnp.float32
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def reference_loss(logits, labels, ignore_index=None, reduction="mean"):
+    """optax's per-token cross-entropy in float32, ignored tokens zeroed, then reduced."""
+    ignored = labels == ignore_index if ignore_index is not None else jnp.zeros(labels.shape, bool)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(F32), jnp.where(ignored, 0, labels))
+    losses = jnp.where(ignored, 0.0, losses)
+    if reduction == "none":
+        return losses
+    if reduction == "sum":
+        return jnp.sum(losses)
+    return jnp.sum(losses) / jnp.maximum(jnp.sum(~ignored), 1)
+
+
+def head_operands(rng, lead, hidden, vocab, dtype, ignore_index=None):
+    h = random(rng, (*lead, hidden), dtype)
+    kernel = jnp.asarray(rng.standard_normal((hidden, vocab)) / np.sqrt(hidden), dtype)
+    bias = random(rng, (vocab,), dtype)
+    labels = rng.integers(0, vocab, lead)
+    if ignore_index is not None:
+        labels = np.where(rng.random(lead) < 0.3, ignore_index, labels)
+    return h, kernel, bias, jnp.asarray(labels, jnp.int32)
+
+
+def f32_logits(h, kernel, bias):
+    logits = jnp.matmul(h.astype(F32), kernel.astype(F32), precision=HIGHEST)
+    return logits if bias is None else logits + bias.astype(F32)
+
+
+# --- linear_cross_entropy --------------------------------------------------------------------------
+
+CASES = [  # (leading shape, H, V, chunk_size, with bias, ignore_index)
+    ((37,), 16, 40, 10, True, None),      # 4 chunks of 10 rows: 3 padded
+    ((3, 21), 24, 64, None, False, -100),  # default chunk: one chunk
+    ((2, 3, 5), 8, 33, 1, True, 0),       # one row per chunk; ignore a valid class
+    ((1,), 32, 16, 7, False, None),       # chunk larger than the tokens
+]
+
+
+@pytest.mark.parametrize("lead,hidden,vocab,chunk,with_bias,ignore_index", CASES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_values_and_grads_match_optax(lead, hidden, vocab, chunk, with_bias, ignore_index, reduction, rng):
+    h, kernel, bias, labels = head_operands(rng, lead, hidden, vocab, F32, ignore_index)
+    bias = bias if with_bias else None
+
+    def ours(h, kernel, bias):
+        return linear_cross_entropy(h, kernel, labels, bias=bias, ignore_index=ignore_index,
+                                    reduction=reduction, chunk_size=chunk)
+
+    def ref(h, kernel, bias):
+        return reference_loss(f32_logits(h, kernel, bias), labels, ignore_index, reduction)
+
+    def scalar(f):  # a loss of every per-token value, so "none" checks each token's gradient
+        return lambda *a: jnp.sum(jnp.sin(f(*a)))
+
+    with jax.default_matmul_precision("highest"):
+        out = ours(h, kernel, bias)
+        assert out.dtype == F32 and out.shape == (lead if reduction == "none" else ())
+        np.testing.assert_allclose(out, ref(h, kernel, bias), rtol=1e-5, atol=1e-6)
+        args = (0, 1, 2) if with_bias else (0, 1)
+        grads = jax.jit(jax.grad(scalar(ours), args))(h, kernel, bias)
+        for g, g_ref in zip(grads, jax.grad(scalar(ref), args)(h, kernel, bias)):
+            np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_through_the_kernel_path(dtype, rng):
+    # H and V multiples of 8: on CPU the kernels' reference lowering runs, chunk by chunk
+    h, kernel, bias, labels = head_operands(rng, (4, 50), 64, 256, dtype, ignore_index=-1)
+
+    def ours(h, kernel, bias):
+        return linear_cross_entropy(h, kernel, labels, bias=bias, ignore_index=-1, chunk_size=64)
+
+    def ref(h, kernel, bias):
+        return reference_loss(f32_logits(h, kernel, bias), labels, -1)
+
+    assert_close(ours(h, kernel, bias), ref(h, kernel, bias), dtype)
+    grads = jax.jit(jax.grad(ours, (0, 1, 2)))(h, kernel, bias)
+    refs = jax.grad(ref, (0, 1, 2))(*(a.astype(F32) for a in (h, kernel, bias)))
+    for g, g_ref, primal in zip(grads, refs, (h, kernel, bias)):
+        assert g.dtype == primal.dtype and g.shape == primal.shape
+        assert_close(g, g_ref, dtype, scale=2.0)
+
+
+def test_vmap_jit_grad_compositions(rng):
+    h, kernel, bias, labels = head_operands(rng, (3, 4, 9), 16, 24, F32, ignore_index=-100)
+
+    def ours(h, labels, kernel, bias):
+        return linear_cross_entropy(h, kernel, labels, bias=bias, ignore_index=-100, chunk_size=5)
+
+    def ref(h, labels, kernel, bias):
+        return reference_loss(f32_logits(h, kernel, bias), labels, -100)
+
+    tol = dict(rtol=1e-4, atol=1e-6)
+    shared = (0, 0, None, None)
+    args = (h, labels, kernel, bias)
+    with jax.default_matmul_precision("highest"):
+        # nested vmap: a mean per example
+        np.testing.assert_allclose(jax.vmap(jax.vmap(ours, shared), shared)(*args),
+                                   jax.vmap(jax.vmap(ref, shared), shared)(*args), **tol)
+        # per-example kernels
+        kernels = jnp.stack([kernel, -kernel, 2 * kernel])
+        np.testing.assert_allclose(jax.vmap(ours, (0, 0, 0, None))(h, labels, kernels, bias),
+                                   jax.vmap(ref, (0, 0, 0, None))(h, labels, kernels, bias), **tol)
+        # jit(grad(vmap)): summed over examples
+        total = lambda f: lambda *a: jnp.sum(jax.vmap(f, shared)(*a))
+        for g, g_ref in zip(jax.jit(jax.grad(total(ours), (0, 2, 3)))(*args), jax.grad(total(ref), (0, 2, 3))(*args)):
+            np.testing.assert_allclose(g, g_ref, **tol)
+        # vmap(grad): per-example gradients of the shared kernel and bias
+        per_example = jax.vmap(jax.grad(ours, (2, 3)), shared)(*args)
+        for g, g_ref in zip(per_example, jax.vmap(jax.grad(ref, (2, 3)), shared)(*args)):
+            assert g.shape[0] == 3
+            np.testing.assert_allclose(g, g_ref, **tol)
+
+
+def test_no_tokens_by_vocab_array(rng):
+    tokens, hidden, vocab, chunk = 2048, 64, 512, 256
+    S = jax.ShapeDtypeStruct
+    avals = (S((2, tokens // 2, hidden), F32), S((hidden, vocab), F32), S((vocab,), F32), S((2, tokens // 2), jnp.int32))
+
+    def loss(h, kernel, bias, labels):
+        return linear_cross_entropy(h, kernel, labels, bias=bias, chunk_size=chunk)
+
+    def naive(h, kernel, bias, labels):
+        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(h @ kernel + bias, labels))
+
+    def hlo(f):
+        return jax.jit(jax.value_and_grad(f, (0, 1, 2))).trace(*avals).lower().as_text()
+
+    assert f"{tokens // 2}x{vocab}x" in hlo(naive)  # what the string looks like when it is there
+    text = hlo(loss)
+    assert f"{chunk}x{vocab}xf32" in text
+    assert f"{tokens}x{vocab}x" not in text and f"{tokens // 2}x{vocab}x" not in text
+
+
+def test_lowers_to_the_kernels_for_cuda():
+    tokens, hidden, vocab, chunk = 4096, 128, 1024, 512
+    S = jax.ShapeDtypeStruct
+    avals = (S((tokens, hidden), jnp.bfloat16), S((hidden, vocab), jnp.bfloat16), S((tokens,), jnp.int32))
+
+    def loss(h, kernel, labels):
+        return linear_cross_entropy(h, kernel, labels, ignore_index=-100, chunk_size=chunk)
+
+    text = lower_cuda(jax.value_and_grad(loss, (0, 1)), *avals)
+    assert sorted(set(kernel_targets(text))) == [
+        "cross_entropy_bwd", "cross_entropy_fwd", "linear_dkernel", "linear_dx", "linear_fwd"]
+    assert f"{tokens}x{vocab}x" not in text
+
+
+def test_chunk_layout():
+    assert chunk_layout(10_000, 50_000, None) == (8, 1250)  # <= 1342 rows of 50k float32 logits
+    assert chunk_layout(37, 40, 10) == (4, 10)
+    assert chunk_layout(41, 40, 10) == (5, 9)  # equal chunks: 4 padded rows, not 9
+    assert chunk_layout(5, 2**30, None) == (5, 1)
+
+
+def test_empty_and_fully_ignored(rng):
+    h, kernel, bias, _ = head_operands(rng, (0, 4), 8, 16, F32)
+    labels = jnp.zeros((0, 4), jnp.int32)
+    assert linear_cross_entropy(h, kernel, labels, bias=bias) == 0.0
+    assert linear_cross_entropy(h, kernel, labels, reduction="none").shape == (0, 4)
+    g = jax.grad(lambda k: linear_cross_entropy(h, k, labels))(kernel)
+    assert g.shape == kernel.shape and not np.any(g)
+    h, kernel, bias, _ = head_operands(rng, (6,), 8, 16, F32)
+    labels = jnp.full((6,), -1)
+    assert linear_cross_entropy(h, kernel, labels, ignore_index=-1) == 0.0
+    g = jax.grad(lambda k: linear_cross_entropy(h, k, labels, ignore_index=-1))(kernel)
+    assert not np.any(g)
+
+
+def test_linear_cross_entropy_errors():
+    h, kernel, labels = jnp.ones((4, 8)), jnp.ones((8, 10)), jnp.zeros((4,), jnp.int32)
+    with pytest.raises(ValueError, match="reduction must be one of 'mean', 'sum', 'none'; got 'avg'"):
+        linear_cross_entropy(h, kernel, labels, reduction="avg")
+    with pytest.raises(ValueError, match=r"'labels' has shape \(3,\); expected \(4,\) \(h's shape"):
+        linear_cross_entropy(h, kernel, labels[:3])
+    with pytest.raises(ValueError, match=r"'labels' holds 1 value\(s\) outside \[0, 10\)"):
+        linear_cross_entropy(h, kernel, jnp.array([0, 1, 10, 2]))
+    with pytest.raises(TypeError, match="'kernel' has dtype bfloat16 but 'h' has float32"):
+        linear_cross_entropy(h, kernel.astype(jnp.bfloat16), labels)
+    with pytest.raises(ValueError, match="'h' has 8 features .* 'kernel' expects K=10"):
+        linear_cross_entropy(h, kernel.T, labels)
+    with pytest.raises(ValueError, match=r"'bias' must have shape \(10,\)"):
+        linear_cross_entropy(h, kernel, labels, bias=jnp.ones((8,)))
+    with pytest.raises(ValueError, match="chunk_size must be >= 1"):
+        linear_cross_entropy(h, kernel, labels, chunk_size=0)
+    with pytest.raises(TypeError, match="chunk_size must be an int"):
+        linear_cross_entropy(h, kernel, labels, chunk_size=2.5)
+    # under jit out-of-range labels cannot be checked: NaN for that token
+    out = jax.jit(lambda l: linear_cross_entropy(h, kernel, l, reduction="none"))(jnp.array([0, 11, 1, 2]))
+    assert np.isnan(out[1]) and np.all(np.isfinite(np.asarray(out)[[0, 2, 3]]))
+
+
+# --- masked_mean_pool ------------------------------------------------------------------------------
+
+def reference_pool(x, mask):
+    keep = np.asarray(mask != 0, np.float64)[..., None]
+    total = np.sum(np.asarray(x, np.float64) * keep, axis=-2)
+    return total / np.maximum(np.sum(keep, axis=-2), 1.0)
+
+
+@pytest.mark.parametrize("mask_dtype", [bool, jnp.int32, F32])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, F32])
+def test_masked_mean_pool_values_and_grads(mask_dtype, dtype, rng):
+    for lead in [(), (3,), (2, 4)]:
+        x = random(rng, (*lead, 7, 5), dtype)
+        mask = rng.random((*lead, 7)) < 0.5
+        if lead:
+            mask[(0,) * len(lead)] = False  # a row that keeps nothing pools to 0
+        mask = jnp.asarray(mask, mask_dtype)
+        out = masked_mean_pool(x, mask)
+        assert out.dtype == x.dtype and out.shape == (*lead, 5)
+        assert_close(out, reference_pool(x, mask), dtype, scale_ref=np.asarray(x, np.float64))
+        if lead:
+            assert not np.any(out[(0,) * len(lead)])
+
+        cot = random(rng, out.shape, F32)
+        dx = jax.grad(lambda x: jnp.sum(masked_mean_pool(x, mask).astype(F32) * cot))(x)
+        dx_ref = jax.grad(lambda x: jnp.sum(jnp.asarray(reference_pool_jnp(x, mask)) * cot))(x.astype(F32))
+        assert dx.dtype == x.dtype
+        assert_close(dx, dx_ref, dtype)
+
+
+def reference_pool_jnp(x, mask):
+    keep = (mask != 0).astype(F32)[..., None]
+    return jnp.sum(x * keep, axis=-2) / jnp.maximum(jnp.sum(keep, axis=-2), 1.0)
+
+
+def test_masked_mean_pool_vmap_and_errors(rng):
+    x = random(rng, (4, 6, 3), F32)
+    mask = jnp.asarray(rng.random((4, 6)) < 0.5)
+    np.testing.assert_allclose(jax.vmap(masked_mean_pool)(x, mask), masked_mean_pool(x, mask), rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(jax.vmap(jax.grad(lambda x, m: jnp.sum(masked_mean_pool(x, m)))))(x, mask),
+                               jax.grad(lambda x: jnp.sum(masked_mean_pool(x, mask)))(x), rtol=1e-6)
+    with pytest.raises(ValueError, match=r"'mask' has shape \(4, 5\); expected \(4, 6\)"):
+        masked_mean_pool(x, mask[:, :5])
+    with pytest.raises(ValueError, match="'x' has rank 1"):
+        masked_mean_pool(x[0, 0], mask[0, :3])
+    with pytest.raises(TypeError, match="'mask' must be an array"):
+        masked_mean_pool(x, [[True] * 6] * 4)
+
+
+# --- LMHead modules --------------------------------------------------------------------------------
+
+def test_linen_lm_head(rng):
+    h, _, _, labels = head_operands(rng, (2, 9), 32, 48, jnp.bfloat16, ignore_index=-100)
+    head = cl_linen.LMHead(48, ignore_index=-100, bias_init=nn.initializers.normal(1.0), chunk_size=8)
+    stock = nn.Dense(48, bias_init=nn.initializers.normal(1.0))
+    variables = head.init(jax.random.key(0), h, labels)
+    stock_variables = stock.init(jax.random.key(0), h)
+    same_tree(variables, stock_variables)  # a Dense head's checkpoint loads unchanged
+    for a, b in zip(jax.tree.leaves(variables), jax.tree.leaves(stock_variables)):
+        np.testing.assert_array_equal(a, b)
+
+    def ref(v, h):
+        return reference_loss(stock.apply(v, h), labels, -100)
+
+    loss = lambda v, h: head.apply(v, h, labels)
+    assert_matches(loss(variables, h), ref(variables, h), F32, scale=1.0)
+    assert_trees_match(jax.jit(jax.grad(loss, (0, 1)))(variables, h), jax.grad(ref, (0, 1))(variables, h), F32)
+    none = cl_linen.LMHead(48, reduction="none").apply(variables, h, jnp.where(labels < 0, 0, labels))
+    assert none.shape == labels.shape and none.dtype == F32
+
+
+def test_linen_lm_head_tied(rng):
+    h, _, _, labels = head_operands(rng, (2, 9), 32, 48, F32)
+    embed = nn.Embed(48, 32)
+    table = embed.init(jax.random.key(1), labels)["params"]["embedding"]
+    head = cl_linen.LMHead(48, tie_embedding=True, reduction="sum")
+    variables = head.init(jax.random.key(0), h, labels, embedding=table)
+    assert set(variables["params"]) == {"bias"}  # no kernel of its own
+
+    def ours(v, table):
+        return head.apply(v, h, labels, embedding=table)
+
+    def ref(v, table):
+        return reference_loss(h @ table.T + v["params"]["bias"], labels, reduction="sum")
+
+    with jax.default_matmul_precision("highest"):
+        np.testing.assert_allclose(ours(variables, table), ref(variables, table), rtol=1e-5)
+        for g, g_ref in zip(jax.grad(ours, (0, 1))(variables, table), jax.grad(ref, (0, 1))(variables, table)):
+            assert_trees_match(g, g_ref, F32)
+    with pytest.raises(ValueError, match="tie_embedding=True needs the embedding table"):
+        head.apply(variables, h, labels)
+    with pytest.raises(ValueError, match="got an embedding table but tie_embedding=False"):
+        cl_linen.LMHead(48).init(jax.random.key(0), h, labels, embedding=table)
+    with pytest.raises(ValueError, match=r"embedding has shape \(32, 48\); expected \(vocab_size, hidden\)"):
+        head.apply(variables, h, labels, embedding=table.T)
+
+
+def test_nnx_lm_head(rng):
+    h, _, _, labels = head_operands(rng, (3, 5), 32, 40, F32, ignore_index=-100)
+    kwargs = dict(bias_init=nnx.initializers.normal(1.0), param_dtype=jnp.bfloat16)
+    head = cl_nnx.LMHead(32, 40, ignore_index=-100, chunk_size=4, rngs=nnx.Rngs(0), **kwargs)
+    stock = nnx.Linear(32, 40, rngs=nnx.Rngs(0), **kwargs)
+    state = nnx.state(stock, nnx.Param)
+    same_tree(state, nnx.state(head, nnx.Param))
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(nnx.state(head, nnx.Param))):
+        np.testing.assert_array_equal(a, b)  # equal Rngs draw equal parameters
+
+    def ref(m, h):
+        return reference_loss(m(h), labels, -100)
+
+    assert_matches(head(h, labels), ref(stock, h), jnp.bfloat16, scale=1.0)
+    grads = nnx.jit(nnx.grad(lambda m, h: m(h, labels), argnums=(0, 1)))(head, h)
+    assert_trees_match(grads, nnx.grad(ref, argnums=(0, 1))(stock, h), jnp.bfloat16)
+
+    tied = cl_nnx.LMHead(32, 40, tie_embedding=True, use_bias=False, rngs=nnx.Rngs(0))
+    assert tied.kernel is None and tied.bias is None
+    embed = nnx.Embed(40, 32, rngs=nnx.Rngs(2))
+    with jax.default_matmul_precision("highest"):
+        np.testing.assert_allclose(tied(h, jnp.where(labels < 0, 1, labels), embedding=embed.embedding[...]),
+                                   reference_loss(embed.attend(h), jnp.where(labels < 0, 1, labels)), rtol=1e-5)
+
+
+def test_equinox_lm_head(rng):
+    h, _, _, labels = head_operands(rng, (3, 5), 32, 40, F32, ignore_index=-100)
+    head = cl_eqx.LMHead(32, 40, ignore_index=-100, chunk_size=6, key=jax.random.key(4))
+    stock = eqx.nn.Linear(32, 40, key=jax.random.key(4))
+    same_tree(stock, head)  # a Linear head's checkpoint loads unchanged
+    for a, b in zip(jax.tree.leaves(stock), jax.tree.leaves(head)):
+        np.testing.assert_array_equal(a, b)
+
+    def ref(m, h):
+        return reference_loss(jax.vmap(jax.vmap(m))(h), labels, -100)
+
+    with jax.default_matmul_precision("highest"):
+        np.testing.assert_allclose(head(h, labels), ref(stock, h), rtol=1e-5)
+        grads = eqx.filter_jit(eqx.filter_grad(lambda m, h: m(h, labels)))(head, h)
+        assert_trees_match(grads, eqx.filter_grad(ref)(stock, h), F32)
+
+        tied = cl_eqx.LMHead(32, 40, tie_embedding=True, reduction="none", key=jax.random.key(4))
+        assert tied.weight is None
+        embed = eqx.nn.Embedding(40, 32, key=jax.random.key(5))
+        ok = jnp.where(labels < 0, 3, labels)
+        np.testing.assert_allclose(tied(h, ok, embedding=embed.weight),
+                                   reference_loss(h @ embed.weight.T + tied.bias, ok, reduction="none"), rtol=1e-5)
+
+
+# --- MeanPoolClassifier modules ----------------------------------------------------------------------
+
+def pooled_operands(rng, lead, dtype):
+    x = random(rng, (*lead, 10, 16), dtype)
+    mask = rng.random((*lead, 10)) < 0.6
+    mask[..., 0] = True
+    return x, jnp.asarray(mask)
+
+
+def test_linen_mean_pool_classifier(rng):
+    x, mask = pooled_operands(rng, (3,), jnp.bfloat16)
+    model = cl_linen.MeanPoolClassifier(5, bias_init=nn.initializers.normal(1.0))
+    variables = model.init(jax.random.key(0), x, mask)
+    assert jax.tree.map(jnp.shape, variables) == {"params": {"head": {"kernel": (16, 5), "bias": (5,)}}}
+    pooled = reference_pool_jnp(x.astype(F32), mask).astype(jnp.bfloat16)
+    ref = lambda v, x: nn.Dense(5).apply({"params": v["params"]["head"]}, reference_pool_jnp(x, mask))
+    assert_matches(model.apply(variables, x, mask), nn.Dense(5).apply({"params": variables["params"]["head"]}, pooled))
+    grads = jax.grad(lambda v, x: jnp.sum(jnp.sin(model.apply(v, x, mask))), (0, 1))(variables, x)
+    grads_ref = jax.grad(lambda v, x: jnp.sum(jnp.sin(ref(v, x))), (0, 1))(variables, x.astype(F32))
+    assert_trees_match(grads[0], grads_ref[0], jnp.bfloat16)
+    assert_close(grads[1], grads_ref[1], jnp.bfloat16)
+
+
+def test_nnx_mean_pool_classifier(rng):
+    x, mask = pooled_operands(rng, (2, 3), F32)
+    model = cl_nnx.MeanPoolClassifier(16, 5, bias_init=nnx.initializers.normal(1.0), rngs=nnx.Rngs(0))
+    stock = nnx.Linear(16, 5, bias_init=nnx.initializers.normal(1.0), rngs=nnx.Rngs(0))
+    same_tree(nnx.state(model.head, nnx.Param), nnx.state(stock, nnx.Param))
+    with jax.default_matmul_precision("highest"):
+        np.testing.assert_allclose(nnx.jit(lambda m, x: m(x, mask))(model, x), stock(reference_pool_jnp(x, mask)),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_equinox_mean_pool_classifier(rng):
+    x, mask = pooled_operands(rng, (4,), F32)
+    model = cl_eqx.MeanPoolClassifier(16, 5, key=jax.random.key(0))
+    stock = eqx.nn.Linear(16, 5, key=jax.random.key(0))
+    same_tree(model.head, stock)
+    with jax.default_matmul_precision("highest"):
+        np.testing.assert_allclose(jax.vmap(model)(x, mask), jax.vmap(stock)(reference_pool_jnp(x, mask)),
+                                   rtol=1e-5, atol=1e-6)
+        grads = eqx.filter_grad(lambda m: jnp.sum(jnp.sin(jax.vmap(m)(x, mask))))(model)
+        grads_ref = eqx.filter_grad(lambda m: jnp.sum(jnp.sin(jax.vmap(m)(reference_pool_jnp(x, mask)))))(stock)
+        assert_trees_match(grads.head, grads_ref, F32)

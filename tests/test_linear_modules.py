@@ -1,0 +1,205 @@
+"""Flax linen ``Dense``, NNX ``Linear`` and Equinox ``Linear``: drop-in compatibility with the stock
+modules, the fused ``activation``, unsupported options, and the CUDA lowering of a module.
+
+Checkpoint compatibility: the stock module's parameters load into ours (same pytree paths,
+shapes, dtypes; equal seeds draw equal parameters) and outputs and gradients agree within the
+result dtype's tolerance.
+"""
+
+import io
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from cutelayers import equinox as cl_eqx
+from cutelayers.flax import linen as cl_linen
+from cutelayers.flax import nnx as cl_nnx
+from numerics import assert_matches, assert_trees_match, random, same_tree
+from test_linear import kernel_targets, lower_cuda
+
+HIGHEST = jax.lax.Precision.HIGHEST
+NORMAL = nn.initializers.normal(1.0)  # a non-zero bias, so that the bias path is compared
+LEADING = [(), (7,), (2, 5, 3)]
+
+
+def assert_equal_leaves(a, b):
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(u, v)
+
+
+def sin_sum(y):
+    return jnp.sum(jnp.sin(y.astype(jnp.float32)))
+
+
+# --- linen ---------------------------------------------------------------------------------------
+
+LINEN_CASES = [
+    {},
+    dict(use_bias=False),
+    dict(bias_init=NORMAL, param_dtype=jnp.bfloat16),
+    dict(bias_init=NORMAL, dtype=jnp.bfloat16),
+    dict(bias_init=NORMAL, dtype=jnp.float16, param_dtype=jnp.bfloat16),
+    dict(bias_init=NORMAL, precision=HIGHEST, kernel_init=nn.initializers.xavier_uniform()),
+]
+
+
+@pytest.mark.parametrize("kwargs", LINEN_CASES)
+@pytest.mark.parametrize("xdtype", [jnp.bfloat16, jnp.float32])
+def test_linen_dense_drop_in(kwargs, xdtype, rng):
+    stock, ours = nn.Dense(24, **kwargs), cl_linen.Dense(24, **kwargs)
+    for lead in LEADING:
+        x = random(rng, (*lead, 48), xdtype)
+        variables = stock.init(jax.random.key(0), x)
+        ours_init = ours.init(jax.random.key(0), x)
+        same_tree(variables, ours_init)
+        assert_equal_leaves(variables, ours_init)
+        ref = stock.apply(variables, x)
+        assert_matches(ours.apply(variables, x), ref)
+
+        def loss(m):
+            return lambda v, x: sin_sum(m.apply(v, x))
+
+        # gradients are as precise as the compute dtype (the output's), whatever their own dtype
+        grads = jax.jit(jax.grad(loss(ours), argnums=(0, 1)))(variables, x)
+        assert_trees_match(grads, jax.grad(loss(stock), argnums=(0, 1))(variables, x), ref.dtype)
+
+
+@pytest.mark.parametrize("activation,stock_fn", [("gelu", nn.gelu), (jax.nn.relu, nn.relu), (jnp.sin, jnp.sin)])
+def test_linen_dense_activation(activation, stock_fn, rng):
+    x = random(rng, (4, 9, 32), jnp.bfloat16)
+    dense = cl_linen.Dense(16, param_dtype=jnp.bfloat16, bias_init=NORMAL, activation=activation)
+    variables = dense.init(jax.random.key(1), x)
+    ref = stock_fn(nn.Dense(16, param_dtype=jnp.bfloat16).apply(variables, x).astype(jnp.float32))
+    assert_matches(dense.apply(variables, x), ref.astype(jnp.bfloat16))
+
+
+def test_linen_dense_unsupported_options_raise():
+    x = jnp.ones((2, 8))
+    with pytest.raises(NotImplementedError, match="Dense: dot_general=.* is not supported"):
+        cl_linen.Dense(4, dot_general=jax.lax.dot_general).init(jax.random.key(0), x)
+    with pytest.raises(NotImplementedError, match="dot_general_cls"):
+        cl_linen.Dense(4, dot_general_cls=object).init(jax.random.key(0), x)
+
+
+def test_linen_dense_lowers_to_the_gemm_kernels_for_cuda():
+    S = jax.ShapeDtypeStruct
+    dense = cl_linen.Dense(256, dtype=jnp.bfloat16, activation="gelu")
+    x = S((4, 100, 128), jnp.bfloat16)
+    variables = jax.eval_shape(dense.init, jax.random.key(0), x)
+
+    def loss(v, x):  # not linear in the output, so the forward stays live
+        return jnp.sum(jnp.square(dense.apply(v, x).astype(jnp.float32)))
+
+    assert kernel_targets(lower_cuda(dense.apply, variables, x)) == ["linear_fwd"]
+    assert kernel_targets(lower_cuda(jax.grad(loss, (0, 1)), variables, x)) == [
+        "linear_fwd", "linear_dx", "linear_dkernel"]
+
+
+# --- nnx -----------------------------------------------------------------------------------------
+
+NNX_CASES = [
+    {},
+    dict(use_bias=False),
+    dict(bias_init=NORMAL, param_dtype=jnp.bfloat16),
+    dict(bias_init=NORMAL, dtype=jnp.bfloat16, preferred_element_type=jnp.bfloat16),
+    dict(bias_init=NORMAL, precision=HIGHEST, kernel_metadata=dict(note="checkpointed")),
+]
+
+
+@pytest.mark.parametrize("kwargs", NNX_CASES)
+@pytest.mark.parametrize("xdtype", [jnp.bfloat16, jnp.float32])
+def test_nnx_linear_drop_in(kwargs, xdtype, rng):
+    stock = nnx.Linear(48, 24, rngs=nnx.Rngs(0), **kwargs)
+    # equal Rngs draw equal parameters ...
+    assert_equal_leaves(nnx.state(stock, nnx.Param),
+                 nnx.state(cl_nnx.Linear(48, 24, rngs=nnx.Rngs(0), **kwargs), nnx.Param))
+    # ... and the stock module's parameters load into ours
+    ours = cl_nnx.Linear(48, 24, rngs=nnx.Rngs(1), **kwargs)
+    state = nnx.state(stock, nnx.Param)
+    same_tree(state, nnx.state(ours, nnx.Param))
+    nnx.update(ours, state)
+    assert ours.kernel.get_metadata() == stock.kernel.get_metadata()
+    for lead in LEADING:
+        x = random(rng, (*lead, 48), xdtype)
+        ref = stock(x)
+        assert_matches(ours(x), ref)
+
+        def loss(m, x):
+            return sin_sum(m(x))
+
+        grads = nnx.grad(loss, argnums=(0, 1))(ours, x)
+        assert_trees_match(grads, nnx.grad(loss, argnums=(0, 1))(stock, x), ref.dtype)
+
+
+def test_nnx_linear_activation_and_jit(rng):
+    x = random(rng, (3, 5, 32), jnp.float32)
+    ours = cl_nnx.Linear(32, 16, activation=jax.nn.silu, bias_init=NORMAL, rngs=nnx.Rngs(0))
+    stock = nnx.Linear(32, 16, bias_init=NORMAL, rngs=nnx.Rngs(0))
+    assert_matches(nnx.jit(lambda m, x: m(x))(ours, x), jax.nn.silu(stock(x)))
+
+
+def test_nnx_linear_unsupported_options_raise():
+    x = jnp.ones((2, 8))
+    with pytest.raises(NotImplementedError, match="Linear: dot_general=.* is not supported"):
+        cl_nnx.Linear(8, 4, dot_general=jnp.einsum, rngs=nnx.Rngs(0))(x)
+    with pytest.raises(NotImplementedError, match="out_sharding"):
+        cl_nnx.Linear(8, 4, rngs=nnx.Rngs(0))(x, out_sharding=("data", None))
+    with pytest.raises(NotImplementedError, match="preferred_element_type"):
+        cl_nnx.Linear(8, 4, dtype=jnp.bfloat16, preferred_element_type=jnp.float32, rngs=nnx.Rngs(0))(x)
+
+
+# --- equinox -------------------------------------------------------------------------------------
+
+EQX_CASES = [
+    (48, 24, {}),
+    (48, 24, dict(use_bias=False)),
+    (48, 24, dict(dtype=jnp.bfloat16)),
+    ("scalar", 24, {}),
+    (48, "scalar", {}),
+    ("scalar", "scalar", dict(dtype=jnp.bfloat16)),
+]
+
+
+@pytest.mark.parametrize("n_in,n_out,kwargs", EQX_CASES)
+@pytest.mark.parametrize("xdtype", [jnp.bfloat16, jnp.float32])
+def test_equinox_linear_drop_in(n_in, n_out, kwargs, xdtype, rng):
+    stock = eqx.nn.Linear(n_in, n_out, **kwargs, key=jax.random.key(3))
+    ours = cl_eqx.Linear(n_in, n_out, **kwargs, key=jax.random.key(3))
+    same_tree(stock, ours)
+    assert_equal_leaves(stock, ours)  # equal keys draw equal arrays
+    # a stock checkpoint (perturbed arrays) loads into ours with Equinox's own serialisation
+    leaves = [a + random(rng, a.shape, jnp.float32).astype(a.dtype) for a in jax.tree.leaves(stock)]
+    stock = jax.tree.unflatten(jax.tree.structure(stock), leaves)
+    buffer = io.BytesIO()
+    eqx.tree_serialise_leaves(buffer, stock)
+    buffer.seek(0)
+    ours = eqx.tree_deserialise_leaves(buffer, ours)
+    assert_equal_leaves(stock, ours)
+
+    x_shape = () if n_in == "scalar" else (n_in,)
+    x = random(rng, (4, 3, *x_shape), xdtype)
+    ref = jax.vmap(jax.vmap(stock))(x)
+    assert_matches(jax.vmap(jax.vmap(ours))(x), ref)
+    assert_matches(ours(x[0, 0]), stock(x[0, 0]))
+
+    def loss(m, x):
+        return sin_sum(jax.vmap(jax.vmap(m))(x))
+
+    grads = eqx.filter_jit(eqx.filter_grad(loss))(ours, x)
+    assert_trees_match(grads, eqx.filter_grad(loss)(stock, x), ref.dtype)
+
+
+def test_equinox_linear_activation_and_shape_check(rng):
+    ours = cl_eqx.Linear(32, 16, activation="tanh", key=jax.random.key(0))
+    stock = eqx.nn.Linear(32, 16, key=jax.random.key(0))
+    x = random(rng, (6, 32), jnp.float32)
+    assert_matches(jax.vmap(ours)(x), jnp.tanh(jax.vmap(stock)(x)))
+    with pytest.raises(ValueError, match=r"Linear: x must have shape \(32,\)"):
+        ours(x)
+    with pytest.raises(ValueError, match=r"x must have shape \(\)"):
+        cl_eqx.Linear("scalar", 4, key=jax.random.key(0))(jnp.ones((1,)))

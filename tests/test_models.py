@@ -1,0 +1,157 @@
+"""The GPT models (models/): forward / backward per framework on CPU, the stock twins (same
+parameter tree, parameters move across, same loss), and the compile-once property of a 24-block
+model lowered for CUDA on this machine (CUTE_DSL_ARCH=sm_90a, set by conftest)."""
+
+import dataclasses
+import math
+import re
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cutelayers as cl
+from models import common
+from models.configs import CONFIGS, GPTConfig, get_config
+from numerics import assert_close
+
+FRAMEWORKS = common.FRAMEWORKS
+
+
+def tokens(seed, shape, vocab=256):
+    x = jax.random.randint(jax.random.key(seed), shape, 0, vocab)
+    return x, jnp.roll(x, -1, axis=-1)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return get_config("tiny")
+
+
+# --- configs -----------------------------------------------------------------------------------
+
+def test_configs():
+    assert set(CONFIGS) == {"tiny", "small", "deep24"}
+    assert CONFIGS["deep24"].n_layers == 24
+    assert 20e6 <= CONFIGS["small"].num_params() <= 50e6
+    assert CONFIGS["tiny"].num_params() < 1e6
+    with pytest.raises(ValueError, match="multiple of n_heads"):
+        GPTConfig(d_model=65, n_heads=4)
+    with pytest.raises(ValueError, match="dtype"):
+        GPTConfig(dtype="int8")
+    with pytest.raises(ValueError, match="unknown model config 'huge'"):
+        get_config("huge")
+    with pytest.raises(ValueError, match="unknown framework 'torch'"):
+        common.load("torch")
+
+
+# --- each framework's model and its stock twin -----------------------------------------------------
+
+def perturbed(params, seed=5, scale=0.05):
+    """Parameters moved off their init (norm scales / biases away from 1 / 0); numpy noise (cheap
+    on CPU: no per-shape random-number kernels to compile)."""
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda p: p + jnp.asarray(scale * rng.standard_normal(p.shape), p.dtype), params)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_forward_backward_and_stock_twin(framework, tiny):
+    stock = common.init(framework, tiny, jax.random.key(0), stock=True)
+    ours = common.init(framework, tiny, jax.random.key(1), abstract=True)  # only its tree is needed
+    assert sum(int(np.prod(p.shape)) for p in jax.tree.leaves(stock.params)) == tiny.num_params()
+    # the same parameter tree: key paths, shapes, dtypes
+    assert common.tree_signature(stock.params) == common.tree_signature(ours.params)
+    # train-ish stock parameters, loaded into ours: the same loss and gradients
+    stock_params = perturbed(stock.params)
+    loaded = common.transfer_params(stock_params, ours.params)
+    x, y = tokens(4, (2, 48))
+    ref, ref_grads = jax.jit(jax.value_and_grad(stock.loss))(stock_params, x, y)
+    out, out_grads = jax.jit(jax.value_and_grad(ours.loss))(loaded, x, y)
+    assert out.dtype == jnp.float32 and out.shape == ()
+    assert abs(float(out) - math.log(256)) < 0.5  # small weights: near-uniform predictions
+    assert jax.tree.structure(out_grads) == jax.tree.structure(ours.params)
+    for path, g in jax.tree.leaves_with_path(out_grads):
+        assert np.all(np.isfinite(g)) and float(jnp.max(jnp.abs(g))) > 0, jax.tree_util.keystr(path)
+    assert_close(out, ref, jnp.float32, scale=2.0)
+    flat = lambda t: jnp.concatenate([g.ravel() for g in jax.tree.leaves(t)])  # noqa: E731
+    assert_close(flat(out_grads), flat(ref_grads), jnp.float32, scale=50.0)
+    with pytest.raises(ValueError, match="exceeds the model's position table"):
+        jax.eval_shape(ours.loss, ours.params, *tokens(2, (1, tiny.seq_len + 1)))
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_stock_twin_bfloat16(framework, tiny):
+    cfg = dataclasses.replace(tiny, dtype="bfloat16")
+    stock = common.init(framework, cfg, jax.random.key(0), stock=True)
+    ours = common.init(framework, cfg, jax.random.key(1), abstract=True)
+    params = perturbed(stock.params)
+    x, y = tokens(6, (2, 48))
+    ref = jax.jit(stock.loss)(params, x, y)
+    out = jax.jit(ours.loss)(common.transfer_params(params, ours.params), x, y)
+    assert out.dtype == jnp.float32
+    assert_close(out, ref, jnp.bfloat16)
+
+
+def test_equinox_takes_one_sequence_or_a_batch(tiny):
+    model = common.init("equinox", tiny, jax.random.key(0))
+    x, y = tokens(3, (2, 16))
+    loss = jax.jit(model.loss)
+    singles = jnp.stack([loss(model.params, x[i], y[i]) for i in range(2)])
+    assert_close(loss(model.params, x, y), jnp.mean(singles), jnp.float32, scale=10)
+
+
+def test_transfer_params_rejects_other_trees(tiny):
+    a = common.init("linen", tiny, jax.random.key(0), abstract=True).params
+    b = common.init("linen", dataclasses.replace(tiny, n_layers=1), jax.random.key(0), abstract=True).params
+    with pytest.raises(ValueError, match="parameter trees differ"):
+        common.transfer_params(a, b)
+
+
+# --- compile once: 24 blocks lowered for CUDA --------------------------------------------------------
+
+def kernel_calls(hlo: str) -> list[str]:
+    """FFI targets of the cutelayers custom calls, one entry per call."""
+    return re.findall(r"stablehlo\.custom_call @(cutelayers_\w+?)\(", hlo)
+
+
+def kernel_name(target: str) -> str:
+    return re.sub(r"^cutelayers_|_[0-9a-f]{16}$", "", target)
+
+
+def test_deep24_compiles_each_kernel_once():
+    cfg = get_config("deep24", seq_len=32)
+    assert cfg.n_layers == 24 and cfg.dtype == "bfloat16"
+    batch = jax.ShapeDtypeStruct((2, cfg.seq_len), jnp.int32)
+    cl.clear_cache()
+    jax.clear_caches()
+    targets: set[str] = set()
+    try:
+        for framework in FRAMEWORKS:  # the three lower to (mostly) the same kernels: shared cache
+            model = common.init(framework, cfg, jax.random.key(0), abstract=True)
+            hlo = (jax.jit(jax.value_and_grad(model.loss)).trace(model.params, batch, batch)
+                   .lower(lowering_platforms=("cuda",)).as_text())
+            calls = kernel_calls(hlo)
+            per_name = Counter(map(kernel_name, calls))
+            n, blocks = cfg.n_layers, cfg.n_layers
+            # two LayerNorms per block + the final one, forward and backward
+            assert per_name["layer_norm_fwd"] == per_name["layer_norm_bwd"] == 2 * blocks + 1, framework
+            # four projections per block (+ the LM head's GEMMs), forward, dx and dkernel
+            for name in ("linear_fwd", "linear_dx", "linear_dkernel"):
+                assert per_name[name] >= 4 * n, (framework, name, per_name)
+            assert per_name["cross_entropy_fwd"] >= 1 and per_name["cross_entropy_bwd"] >= 1
+            # one norm kernel per direction serves all 49 norms
+            distinct = Counter(kernel_name(t) for t in set(calls))
+            assert distinct["layer_norm_fwd"] == distinct["layer_norm_bwd"] == 1, framework
+            # the other kernels: one per distinct projection shape, not per block
+            assert sum(distinct.values()) <= 20, (framework, distinct)
+            targets |= set(calls)
+        # every distinct kernel (name + static key) was compiled exactly once, over all three
+        # frameworks and 3 x 24 blocks; every other use was a cache hit
+        info = cl.cache_info()
+        expected = Counter(kernel_name(t) for t in targets)
+        assert {name: stats.compiles for name, stats in info.items()} == dict(expected)
+        assert sum(stats.hits for stats in info.values()) > 0  # linen / equinox reused nnx's kernels
+    finally:
+        cl.clear_cache()

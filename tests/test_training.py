@@ -1,0 +1,168 @@
+"""The training job (training/): data, a few steps per framework, checkpoints and resume, the
+command line and the metrics file. All on CPU with the tiny config and short sequences."""
+
+import io
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import cutelayers as cl
+from models import common
+from models.configs import get_config
+from numerics import assert_close
+from training import data as data_mod
+from training.checkpoint import Checkpointer
+from training.train import build_parser, main, parse_args, train
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = ["--batch-size", "8", "--seq-len", "32", "--eval-batches", "2", "--warmup", "5", "--lr", "1e-2"]
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    cl.clear_cache()  # cache_info() then describes this test's run only
+    yield
+
+
+def run(argv):
+    """train() on parsed argv; returns (Result, printed text)."""
+    out = io.StringIO()
+    result = train(parse_args(argv), out=out)
+    return result, out.getvalue()
+
+
+def assert_same_params(a, b):
+    assert common.tree_signature(a) == common.tree_signature(b)
+    for (path, u), v in zip(jax.tree.leaves_with_path(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v), err_msg=jax.tree_util.keystr(path))
+
+
+# --- data ----------------------------------------------------------------------------------------
+
+def test_corpus_and_batches():
+    text = data_mod.CORPUS_PATH.read_text()
+    assert 40_000 < len(text.encode()) <= 200_000 and "Alice" in text
+    assert data_mod.decode(data_mod.encode("Down the Rabbit-Hole")) == "Down the Rabbit-Hole"
+    d = data_mod.TextData.load()
+    assert len(d.eval) >= 2048 and len(d.train) + len(d.eval) == len(data_mod.load_corpus())
+    x, y = d.train_batch(7, 4, 32, seed=3)
+    assert x.shape == y.shape == (4, 32) and x.dtype == np.int32
+    np.testing.assert_array_equal(x[:, 1:], y[:, :-1])  # targets are the next tokens
+    x2, _ = d.train_batch(7, 4, 32, seed=3)
+    np.testing.assert_array_equal(x, x2)  # a pure function of (seed, step)
+    assert not np.array_equal(x, d.train_batch(8, 4, 32, seed=3)[0])
+    evals = d.eval_batches(4, 32, max_batches=3)
+    assert len(evals) == 3 and all(b[0].shape == (4, 32) for b in evals)
+    with pytest.raises(ValueError, match="too long"):
+        d.check_seq_len(10**6)
+
+
+# --- a few steps per framework -------------------------------------------------------------------
+
+@pytest.mark.parametrize("framework", common.FRAMEWORKS)
+def test_a_few_steps_reduce_the_loss(framework, tmp_path):
+    metrics, png = tmp_path / "m.jsonl", tmp_path / "loss.png"
+    result, text = run(["--model", framework, "--steps", "25", "--log-every", "5", "--eval-every", "0",
+                        "--metrics-file", str(metrics), "--plot", str(png), *FAST])
+    assert result.steps_run == 25 and result.final_step == 25
+    assert result.start_loss > 5.0 and result.end_loss < result.start_loss - 1.0, text
+    assert result.eval_losses[-1][1] < result.eval_losses[0][1] - 1.0, text
+    # on CPU the reference path runs, and the report says so
+    assert result.backend == "auto" and result.kernel_calls == 0
+    assert "jnp reference" in text and "cutelayers.cache_info(): {}" in text and "tokens/s" in text
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows if r["split"] == "train"] == [5, 10, 15, 20, 25]
+    assert [r["step"] for r in rows if r["split"] == "eval"] == [0, 25]
+    keys = {"loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s"}
+    assert all(keys <= set(r) for r in rows if r["split"] == "train")
+    try:  # the loss curve is written, or skipped with a message without matplotlib
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in text and not png.exists()
+    else:
+        assert png.exists() and png.stat().st_size > 0
+
+
+# --- checkpoints -----------------------------------------------------------------------------------
+
+def test_checkpoint_round_trip_and_exact_resume(tmp_path):
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    base = ["--model", "nnx", "--steps", "12", "--eval-every", "4", "--log-every", "4",
+            "--checkpoint-dir", str(ckpt), "--metrics-file", str(metrics), *FAST]
+    full, _ = run(base)  # checkpoints at steps 8 and 12 are kept
+    assert Checkpointer(ckpt).latest_step() == 12
+    # restore -> exactly the final parameters
+    like = common.init("nnx", get_config("tiny"), jax.random.key(1), abstract=True)
+    state, meta = Checkpointer(ckpt).restore({"params": like.params, "opt_state": full.opt_state,
+                                              "step": np.zeros((), np.int32)})
+    assert int(state["step"]) == 12 and meta["model"] == "nnx" and meta["stock"] is False
+    assert_same_params(state["params"], full.params)
+    # drop the last checkpoint, resume from step 8: steps 9..12 again, bit for bit
+    shutil.rmtree(ckpt / "12")
+    resumed, text = run([*base, "--resume"])
+    assert "resumed from" in text and "at step 8" in text
+    assert resumed.steps_run == 4 and resumed.final_step == 12
+    assert_same_params(resumed.params, full.params)
+    # the metrics file was appended to, and every line is JSON
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows if r["split"] == "train"] == [4, 8, 12, 12]
+    # nothing left to do
+    again, text = run([*base, "--resume"])
+    assert again.steps_run == 0 and "nothing to do" in text
+
+
+def test_stock_checkpoint_continues_in_the_cutelayers_model(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    base = ["--model", "equinox", "--eval-every", "0", "--log-every", "2", "--checkpoint-dir", str(ckpt),
+            *FAST]
+    stock, _ = run([*base, "--steps", "8", "--stock"])
+    ours, text = run([*base, "--steps", "10", "--resume"])
+    assert "at step 8 (written by the stock model)" in text
+    assert ours.steps_run == 2
+    # the restored state carries on where the stock model stopped (no jump back to ~5.5)
+    assert ours.start_loss < stock.eval_losses[0][1] - 1.0
+    assert_close(ours.eval_losses[0][1], stock.eval_losses[-1][1], "float32", scale=10)
+
+
+# --- command line ----------------------------------------------------------------------------------
+
+def test_help_documents_every_flag():
+    proc = subprocess.run([sys.executable, "-m", "training.train", "--help"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for action in build_parser()._actions:
+        for flag in action.option_strings:
+            assert flag in proc.stdout
+        assert action.help, action.option_strings
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "torch"], "argument --model: invalid choice: 'torch'"),
+    (["--config", "huge"], "argument --config: invalid choice: 'huge'"),
+    (["--backend", "triton"], "argument --backend: invalid choice"),
+    (["--steps", "0"], "argument --steps: must be >= 1; got 0"),
+    (["--steps", "ten"], "argument --steps: must be an integer; got 'ten'"),
+    (["--lr", "-1"], "argument --lr: must be a positive finite number"),
+    (["--batch-size", "0"], "argument --batch-size: must be >= 1"),
+    (["--seq-len", "65"], "argument --seq-len: 65 exceeds the tiny config's position table"),
+    (["--steps", "10", "--warmup", "10"], "argument --warmup: 10 warmup steps must be fewer than --steps=10"),
+    (["--resume"], "argument --resume: needs --checkpoint-dir"),
+    (["--plot", "curve.jpg"], "argument --plot: expected a .png file name"),
+    (["--weight-decay", "-0.1"], "argument --weight-decay: must be a finite number >= 0"),
+])
+def test_bad_flags_are_clear_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cute_backend_without_a_gpu_is_a_clear_error(capsys):
+    assert main(["--backend", "cute", "--steps", "8", *FAST]) == 2
+    assert "--backend cute needs a Hopper GPU" in capsys.readouterr().err
