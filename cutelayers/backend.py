@@ -60,11 +60,16 @@ def use_backend(name: str) -> Iterator[None]:
     return _backend_state(name)
 
 
-_logged: set[tuple[str, str]] = set()
+_logged: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """Log ``message`` as a warning the first time it occurs in this process."""
+    if message not in _logged:
+        _logged.add(message)
+        logger.warning("cutelayers: %s", message)
 
 
 def log_once(backend: str, why: str) -> None:
     """Log which implementation runs and why, once per distinct (backend, reason)."""
-    if (backend, why) not in _logged:
-        _logged.add((backend, why))
-        logger.warning("cutelayers: running the %s path (%s)", backend, why)
+    warn_once(f"running the {backend} path ({why})")

@@ -124,7 +124,7 @@ def main(argv=None) -> int:
         print(f"# device: {jax.devices()[0].device_kind}")
         bench_gemm.print_table(bench_gemm.bench_gemm(args.shapes, jnp.dtype(args.dtype), args.activation))
         print(bench_gemm.SASS_HINT)
-    print("# cache:", {k: (v.compiles, v.hits, round(v.compile_seconds, 2)) for k, v in cl.cache_info().items()})
+    print("# cache:", {k: (v.compiles, v.memory_hits, v.disk_hits, round(v.compile_seconds, 2)) for k, v in cl.cache_info().items()})
     return 0
 
 

@@ -72,6 +72,14 @@ class UserKernel(KernelFamily):
             return plan
         return (self.compile_key, dataclasses.replace(plan, user_launcher=None))
 
+    def source_files(self):
+        # Editing the launcher's module invalidates its disk cache entries.
+        try:
+            path = inspect.getsourcefile(inspect.unwrap(self.user_launcher))
+        except TypeError:  # no Python source (a builtin or C-extension callable)
+            path = None
+        return (path,) if path else ()
+
     def out_avals(self, avals):
         return tuple(jax.ShapeDtypeStruct(s, d) for s, d in self.out_structs)
 
@@ -183,7 +191,9 @@ def cute_call(
       input_modes, output_modes: per array, ``None`` or the order in which the kernel sees its
         dims (e.g. ``(1, 0)`` to see a row-major (M, K) array as (K, M)).
       compile_key: a hashable that identifies the launcher (instead of the function object), so
-        re-created launchers share compiled kernels.
+        re-created launchers share compiled kernels. Only kernels with a compile_key (whose repr,
+        like the constexpr values', is the same in every process) are kept in the disk cache, keyed
+        also by a hash of the launcher's source file; others are compiled once per process.
       name: kernel name in cache statistics and profiles (default: the launcher's name).
       reference: optional jnp function with the kernel's inputs/outputs (and the constexpr
         keywords); used on non-CUDA platforms and under the 'reference' backend.

@@ -7,6 +7,9 @@ import secrets
 # CuTe kernels compile on machines without a GPU.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+# Compile counts in tests must not depend on what an earlier run left on disk: the disk cache is
+# off unless a test turns it on (tests/test_disk_cache.py, with its own directory).
+os.environ["CUTELAYERS_CACHE_DIR"] = ""
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

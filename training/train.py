@@ -226,7 +226,8 @@ def _cache_report() -> str:
     info = cl.cache_info()
     if not info:
         return "{} (nothing compiled)"
-    return json.dumps({k: dict(compiles=v.compiles, hits=v.hits, compile_seconds=round(v.compile_seconds, 2))
+    return json.dumps({k: dict(compiles=v.compiles, memory_hits=v.memory_hits, disk_hits=v.disk_hits,
+                               compile_seconds=round(v.compile_seconds, 2), load_seconds=round(v.load_seconds, 2))
                        for k, v in info.items()})
 
 

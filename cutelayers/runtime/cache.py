@@ -2,7 +2,8 @@
 
 One process-wide :class:`CompileCache` maps a compile key to a compiled kernel (and the name of the
 XLA FFI target it is registered under). The key never contains the row count: kernels are compiled
-with a symbolic row count, so one compile serves every batch size.
+with a symbolic row count, so one compile serves every batch size. Behind it sits the disk cache
+(:mod:`cutelayers.runtime.disk_cache`), so a second process loads kernels instead of compiling them.
 """
 
 from __future__ import annotations
@@ -17,11 +18,18 @@ T = TypeVar("T")
 
 @dataclasses.dataclass
 class KernelStats:
-    """Statistics of one kernel name: compiles, cache hits and seconds spent compiling."""
+    """Statistics of one kernel name.
+
+    ``compiles``: CuTe DSL compiles; ``memory_hits``: lowerings that reused a kernel already loaded
+    in this process; ``disk_hits``: kernels loaded from the disk cache instead of compiled;
+    ``compile_seconds`` / ``load_seconds``: time spent in each.
+    """
 
     compiles: int = 0
-    hits: int = 0
+    memory_hits: int = 0
+    disk_hits: int = 0
     compile_seconds: float = 0.0
+    load_seconds: float = 0.0
 
 
 class CompileCache:
@@ -35,19 +43,26 @@ class CompileCache:
         self._lock = threading.RLock()
         self._entries: dict[Hashable, object] = {}
         self._stats: dict[str, KernelStats] = {}
-        self.generation = 0  # bumped by clear(), so names derived from keys stay unique
 
-    def get_or_compile(self, name: str, key: Hashable, build: Callable[[], T]) -> T:
-        """Return the entry for ``key``, calling ``build()`` once if it is missing."""
+    def get_or_compile(self, name: str, key: Hashable, compile: Callable[[], T],
+                       load: Callable[[], T | None] | None = None) -> T:
+        """Return the entry for ``key``; if it is missing, ``load()`` it (from disk; None: not
+        there) or else ``compile()`` it, once."""
         with self._lock:
             stats = self._stats.setdefault(name, KernelStats())
             if key in self._entries:
-                stats.hits += 1
+                stats.memory_hits += 1
                 return self._entries[key]  # type: ignore[return-value]
             start = time.perf_counter()
-            value = build()
-            stats.compile_seconds += time.perf_counter() - start
-            stats.compiles += 1
+            value = load() if load is not None else None
+            if value is not None:
+                stats.disk_hits += 1
+                stats.load_seconds += time.perf_counter() - start
+            else:
+                start = time.perf_counter()
+                value = compile()
+                stats.compiles += 1
+                stats.compile_seconds += time.perf_counter() - start
             self._entries[key] = value
             return value
 
@@ -61,21 +76,22 @@ class CompileCache:
         with self._lock:
             self._entries.clear()
             self._stats.clear()
-            self.generation += 1
 
 
 COMPILE_CACHE = CompileCache()
 
 
 def cache_info() -> dict[str, KernelStats]:
-    """Per-kernel compile statistics: ``{name: KernelStats(compiles, hits, compile_seconds)}``.
+    """Per-kernel statistics: ``{name: KernelStats(compiles, memory_hits, disk_hits, ...)}``.
 
-    A *compile* is a CuTe DSL compile; a *hit* is a lowering that reused a compiled kernel (the same
-    kernel, dtypes, static dims, alignment, config, GPU arch and library versions).
+    A *compile* is a CuTe DSL compile; a *memory hit* is a lowering that reused a kernel of this
+    process (the same kernel, dtypes, static dims, alignment, config, GPU arch and library
+    versions); a *disk hit* loaded that kernel from the disk cache, written by an earlier process.
     """
     return COMPILE_CACHE.info()
 
 
 def clear_cache() -> None:
-    """Empty the compile cache and reset its statistics."""
+    """Empty the in-memory compile cache and reset its statistics (the disk cache stays; delete
+    its directory, :func:`cutelayers.runtime.disk_cache.cache_dir`, to empty it)."""
     COMPILE_CACHE.clear()

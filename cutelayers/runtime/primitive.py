@@ -20,9 +20,12 @@ batch dims into rows.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib.metadata
+import itertools
+import threading
 from typing import Any, Hashable, Sequence
 
 import jax
@@ -32,7 +35,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from cutelayers import backend as _backend
-from cutelayers.runtime import placement
+from cutelayers.runtime import disk_cache, placement
 from cutelayers.runtime.cache import COMPILE_CACHE
 from cutelayers.runtime.tensors import fake_tensor
 
@@ -105,6 +108,11 @@ class KernelFamily:
         """What identifies the kernel in the compile key (the family itself by default)."""
         return self
 
+    def source_files(self) -> tuple[str, ...]:
+        """Source files, besides the cutelayers package, whose change must invalidate the disk cache
+        (a user kernel's module)."""
+        return ()
+
 
 def _versions() -> tuple[str, ...]:
     def v(dist):
@@ -169,10 +177,52 @@ def choose_path(op: str) -> str:
     return "reference"
 
 
-def _compile(family: KernelFamily, avals, out_avals, target: str):
-    """Compile ``family``'s launcher against fake tensors and register it as FFI target."""
-    import cutlass.cute as cute
+@dataclasses.dataclass(eq=False)
+class CompiledKernel:
+    """A kernel ready to call: the XLA FFI target it is registered under and its TVM-FFI function.
+
+    ``owner`` keeps the loaded code alive; ``object_bytes()`` gives the kernel as a relocatable
+    object (what the disk cache and exported bundles store).
+    """
+
+    target: str
+    function: Any
+    graph_safe: bool
+    owner: Any
+    _object: bytes | None = None
+
+    def object_bytes(self) -> bytes:
+        if self._object is None:
+            self._object = disk_cache.object_bytes(self.owner)
+        return self._object
+
+
+_REGISTERED: dict[str, CompiledKernel] = {}  # FFI target -> kernel; XLA registrations are for life
+_REGISTER_LOCK = threading.Lock()
+_UNIQUE = itertools.count()
+
+
+def register_kernel(kernel: CompiledKernel) -> None:
+    """Register ``kernel`` as an XLA FFI target (once per target name per process)."""
     import jax_tvm_ffi
+
+    with _REGISTER_LOCK:
+        if kernel.target in _REGISTERED:
+            return
+        jax_tvm_ffi.register_ffi_target(
+            kernel.target, kernel.function, ["args", "rets"], platform="gpu", allow_cuda_graph=kernel.graph_safe
+        )
+        _REGISTERED[kernel.target] = kernel
+
+
+def registered_kernel(target: str) -> CompiledKernel | None:
+    """The kernel registered under FFI target ``target`` in this process, if any."""
+    return _REGISTERED.get(target)
+
+
+def _compile(family: KernelFamily, avals, out_avals, target: str, entry) -> CompiledKernel:
+    """Compile ``family``'s launcher against fake tensors, store it on disk, register it."""
+    import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
     from cutelayers.kernels.launch import call_launcher
@@ -197,22 +247,43 @@ def _compile(family: KernelFamily, avals, out_avals, target: str):
         options="--enable-tvm-ffi",
     )
     function = compiled.__tvm_ffi_object__() if hasattr(compiled, "__tvm_ffi_object__") else compiled
-    jax_tvm_ffi.register_ffi_target(
-        target, function, ["args", "rets"], platform="gpu", allow_cuda_graph=family.graph_safe
-    )
-    return target, compiled  # keep `compiled` alive: it owns the loaded code
+    kernel = CompiledKernel(target, function, family.graph_safe, owner=compiled)
+    if entry is not None:
+        entry.store(kernel.object_bytes())
+    register_kernel(kernel)
+    return kernel
+
+
+def _load(entry, target: str, graph_safe: bool) -> CompiledKernel | None:
+    """The kernel from its disk cache entry (registered), or None if the entry is absent/invalid."""
+    loaded = entry.load()
+    if loaded is None:
+        return None
+    function, data = loaded
+    kernel = CompiledKernel(target, function, graph_safe, owner=function, _object=data)
+    register_kernel(kernel)
+    return kernel
 
 
 def ffi_target_for(family: KernelFamily, avals, out_avals) -> str:
-    """The FFI target name of the compiled kernel for these avals, compiling it at most once."""
+    """The FFI target name of the compiled kernel for these avals: from this process's cache, else
+    from the disk cache, else compiled (once)."""
     arch, _ = target_arch()
     key = (family.static_key(avals, out_avals), arch, library_versions())
-    digest = hashlib.sha256(repr((key, COMPILE_CACHE.generation)).encode()).hexdigest()[:16]
-    target = f"cutelayers_{family.name}_{digest}"
-    name, _ = COMPILE_CACHE.get_or_compile(
-        family.name, key, lambda: _compile(family, avals, out_avals, target)
+    key_text = disk_cache.stable_key_text((key, disk_cache.source_digest(family.source_files())))
+    # A stable key names its target by content (the same name in every process, which exported
+    # modules rely on); an unstable one (a user launcher without compile_key) gets a unique name.
+    digest = hashlib.sha256(key_text.encode()).hexdigest() if key_text else f"{next(_UNIQUE):016d}"
+    target = f"cutelayers_{family.name}_{digest[:16]}"
+    directory = disk_cache.cache_dir()
+    entry = disk_cache.DiskEntry(directory, key_text) if directory is not None and key_text else None
+    kernel = COMPILE_CACHE.get_or_compile(
+        family.name,
+        key,
+        compile=lambda: _compile(family, avals, out_avals, target, entry),
+        load=(lambda: _load(entry, target, family.graph_safe)) if entry is not None else None,
     )
-    return name
+    return kernel.target
 
 
 # --- the primitive -------------------------------------------------------------------------------

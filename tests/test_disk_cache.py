@@ -1,0 +1,156 @@
+"""The disk cache of compiled kernels (CuTe compiles for sm_90a on this CPU-only machine).
+
+A second process finds every kernel on disk and compiles nothing; corrupt, truncated or foreign
+entries are detected, recompiled and replaced; concurrent writers leave valid entries.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import cutelayers as cl
+from cutelayers.runtime import disk_cache
+
+# Three kernel families (norm, softmax, reduction) in one lowering.
+PROGRAM = textwrap.dedent("""
+    import json, jax, jax.numpy as jnp
+    import cutelayers as cl
+
+    def f(x, scale):
+        return cl.ops.softmax(cl.ops.rms_norm(x, scale)) + cl.ops.reduce_max(x)[..., None]
+
+    jax.jit(f).trace(jax.ShapeDtypeStruct((6, 40, 1000), jnp.bfloat16),
+                     jax.ShapeDtypeStruct((1000,), jnp.float32)).lower(lowering_platforms=("cuda",))
+    print(json.dumps({k: [v.compiles, v.disk_hits] for k, v in cl.cache_info().items()}))
+""")
+KERNELS = {"rms_norm_fwd", "softmax_fwd", "reduce_max"}
+
+
+def run_process(cache_dir) -> dict[str, list[int]]:
+    env = {**os.environ, "CUTELAYERS_CACHE_DIR": str(cache_dir), "CUTE_DSL_ARCH": "sm_90a"}
+    done = subprocess.run([sys.executable, "-c", PROGRAM], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    cl.clear_cache()
+    jax.clear_caches()
+    yield
+    cl.clear_cache()
+
+
+def lower_in_process(cache_dir, monkeypatch, n=512):
+    monkeypatch.setenv("CUTELAYERS_CACHE_DIR", str(cache_dir))
+    cl.clear_cache()
+    jax.clear_caches()
+    jax.jit(cl.ops.layer_norm).trace(
+        jax.ShapeDtypeStruct((3, n), jnp.float16), jax.ShapeDtypeStruct((n,), jnp.float16)
+    ).lower(lowering_platforms=("cuda",))
+    return cl.cache_info()["layer_norm_fwd"]
+
+
+def test_second_process_compiles_nothing(tmp_path):
+    first = run_process(tmp_path)
+    assert set(first) == KERNELS
+    assert all(compiles == 1 and hits == 0 for compiles, hits in first.values()), first
+    assert len(list(tmp_path.glob("*.o"))) == len(KERNELS) == len(list(tmp_path.glob("*.json")))
+    second = run_process(tmp_path)
+    assert all(compiles == 0 and hits == 1 for compiles, hits in second.values()), second
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip_byte", "garbage_meta", "other_key", "missing_object"])
+def test_damaged_entry_is_recompiled_and_replaced(tmp_path, monkeypatch, damage):
+    first = lower_in_process(tmp_path, monkeypatch)
+    assert (first.compiles, first.disk_hits) == (1, 0)
+    (meta,) = tmp_path.glob("*.json")
+    obj = meta.with_suffix(".o")
+    good = obj.read_bytes()
+    if damage == "truncate":
+        obj.write_bytes(good[: len(good) // 2])
+    elif damage == "flip_byte":
+        obj.write_bytes(good[:100] + bytes([good[100] ^ 0xFF]) + good[101:])
+    elif damage == "garbage_meta":
+        meta.write_text("{not json")
+    elif damage == "other_key":
+        record = json.loads(meta.read_text())
+        meta.write_text(json.dumps({**record, "key": record["key"] + " "}))
+    else:
+        obj.unlink()
+
+    again = lower_in_process(tmp_path, monkeypatch)
+    assert (again.compiles, again.disk_hits) == (1, 0)  # never loaded: compiled afresh
+    record = json.loads(meta.read_text())  # ... and the entry is whole again
+    assert disk_cache.DiskEntry(tmp_path, record["key"]).load() is not None
+    third = lower_in_process(tmp_path, monkeypatch)
+    assert (third.compiles, third.disk_hits) == (0, 1)
+
+
+def test_key_covers_shapes_and_source(tmp_path, monkeypatch):
+    lower_in_process(tmp_path, monkeypatch, n=512)
+    other = lower_in_process(tmp_path, monkeypatch, n=520)
+    assert (other.compiles, other.disk_hits) == (1, 0)  # another static dim: another entry
+    assert len(list(tmp_path.glob("*.o"))) == 2
+    monkeypatch.setattr(disk_cache, "library_source_digest", lambda: "edited source")
+    edited = lower_in_process(tmp_path, monkeypatch, n=512)
+    assert (edited.compiles, edited.disk_hits) == (1, 0)
+
+
+def test_disabled_by_empty_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUTELAYERS_CACHE_DIR", "")
+    assert disk_cache.cache_dir() is None
+    monkeypatch.chdir(tmp_path)
+    stats = lower_in_process("", monkeypatch)
+    assert (stats.compiles, stats.disk_hits) == (1, 0)
+    assert not list(tmp_path.rglob("*.o"))
+    assert lower_in_process("", monkeypatch).compiles == 1
+
+
+def test_default_directory_is_the_user_cache(monkeypatch, tmp_path):
+    monkeypatch.delenv("CUTELAYERS_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert disk_cache.cache_dir() == tmp_path / "cutelayers" / "kernels"
+
+
+def test_unwritable_directory_warns_and_still_compiles(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    stats = lower_in_process(blocker / "cache", monkeypatch)
+    assert stats.compiles == 1
+    assert "not written" in caplog.text
+
+
+def test_concurrent_processes_leave_valid_entries(tmp_path):
+    env = {**os.environ, "CUTELAYERS_CACHE_DIR": str(tmp_path), "CUTE_DSL_ARCH": "sm_90a"}
+    procs = [subprocess.Popen([sys.executable, "-c", PROGRAM], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    assert not list(tmp_path.glob(".*.tmp"))  # no temporary file left behind
+    for meta in tmp_path.glob("*.json"):
+        entry = disk_cache.DiskEntry(tmp_path, json.loads(meta.read_text())["key"])
+        assert entry.load() is not None  # size and hash match: a whole entry
+    again = run_process(tmp_path)
+    assert all(compiles == 0 for compiles, _ in again.values()), again
+
+
+def test_user_kernels_persist_only_with_a_compile_key(tmp_path, monkeypatch):
+    from test_cute_call import add_launcher  # a user launcher defined in a test module
+
+    monkeypatch.setenv("CUTELAYERS_CACHE_DIR", str(tmp_path))
+    x = jax.ShapeDtypeStruct((16, 64), jnp.float32)
+    out = jax.ShapeDtypeStruct((16, 64), jnp.float32)
+    anonymous = cl.cute_call(add_launcher, out_shape=out, name="add_anon")
+    keyed = cl.cute_call(add_launcher, out_shape=out, name="add_keyed", compile_key="add/v1")
+    for f in (anonymous, keyed):
+        jax.jit(f).trace(x).lower(lowering_platforms=("cuda",))
+    keys = [json.loads(m.read_text())["key"] for m in tmp_path.glob("*.json")]
+    assert len(keys) == 1 and "add/v1" in keys[0]
