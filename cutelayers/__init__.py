@@ -5,10 +5,11 @@ Public surface:
 * :mod:`cutelayers.ops` -- differentiable ops (``reduce_sum``, ``reduce_mean``, ``reduce_max``, ...);
 * :func:`use_backend`, :func:`current_backend` -- choose kernels or the jnp reference;
 * :func:`cache_info`, :func:`clear_cache` -- the compile-once cache and its statistics;
-* :func:`cute_call`, :func:`custom_op`, :func:`rowwise_vmap` -- bring your own CuTe kernel.
+* :func:`cute_call`, :func:`custom_op`, :func:`rowwise_vmap` -- bring your own CuTe kernel;
+* :mod:`cutelayers.aot` -- export a function with its compiled kernels, load it elsewhere.
 """
 
-from cutelayers import ops
+from cutelayers import aot, ops
 from cutelayers.backend import BACKENDS, current_backend, use_backend
 from cutelayers.cute_call import cute_call, custom_op, rowwise_vmap
 from cutelayers.runtime.cache import KernelStats, cache_info, clear_cache
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BACKENDS",
     "KernelStats",
+    "aot",
     "cache_info",
     "clear_cache",
     "current_backend",

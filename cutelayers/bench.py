@@ -1,4 +1,6 @@
-"""GPU benchmarks: ``python -m cutelayers.bench reduce [--rows R --n N ...]``.
+"""Benchmarks: ``python -m cutelayers.bench {reduce,norms,softmax,gemm,compile} ...``.
+
+All but ``compile`` need a GPU.
 
 Every table states its floor first: the HBM copy bandwidth measured in the same run (a read+write
 elementwise pass over a large buffer), then each op's minimum bytes over its time, as % of that
@@ -82,6 +84,15 @@ def print_table(results: list[dict]) -> None:
               f"{r['us']:.1f} | {r['gbs']:.0f} | {r['pct']:.1f} | {r['xla_us']:.1f} | {r['speedup']:.2f} |")
 
 
+def print_records(rows: list[dict]) -> None:
+    """A markdown table of dict rows, columns in the first row's key order."""
+    if rows:
+        print("| " + " | ".join(rows[0]) + " |")
+        print("|" + "---|" * len(rows[0]))
+        for row in rows:
+            print("| " + " | ".join(str(v) for v in row.values()) + " |")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cutelayers.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -102,7 +113,15 @@ def main(argv=None) -> int:
     gemm.add_argument("--shapes", type=parse_shape, nargs="+", default=SHAPES, help="MxKxN ... (default: the issue's five)")
     gemm.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     gemm.add_argument("--activation", default="gelu", help="fused activation name (default gelu)")
+    comp = sub.add_parser("compile", help="compile seconds per kernel family and disk-cache load seconds (no GPU needed)")
+    comp.add_argument("--n", type=int, default=4096, help="feature size N (default 4096)")
+    comp.add_argument("--k", type=int, default=4096, help="GEMM inner size K (default 4096)")
     args = parser.parse_args(argv)
+    if args.suite == "compile":
+        from cutelayers.bench_compile import bench_compile
+
+        print_records(bench_compile(n=args.n, k=args.k))
+        return 0
     try:
         jax.devices("cuda")
     except RuntimeError:

@@ -173,17 +173,20 @@ class Linear(eqx.Module):
         self.in_features, self.out_features, self.use_bias = in_features, out_features, use_bias
         self.activation = activation
 
-    def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
+    def __call__(self, x: Array, residual: Array | None = None, *, key: PRNGKeyArray | None = None) -> Array:
         """``x`` (in_features,) -- () if "scalar" -- -> (out_features,) -- () if "scalar" --, in
-        the promoted dtype of x and the parameters (as ``weight @ x + bias``); ``key`` is
-        ignored."""
+        the promoted dtype of x and the parameters (as ``weight @ x + bias``). ``residual``, shaped
+        like the result, optional: added after the activation in the same kernel (cast to the
+        result dtype). ``key`` is ignored."""
         expected = () if self.in_features == "scalar" else (self.in_features,)
         if x.shape != expected:
             raise ValueError(f"Linear: x must have shape {expected} (in_features={self.in_features!r}); "
                              f"got {x.shape}. For a batch, use jax.vmap(linear)(x).")
         x, weight, bias = _promote(x, self.weight, self.bias)
+        if residual is not None:
+            residual = jnp.asarray(residual).astype(x.dtype).reshape(-1)
         # the transpose is of the weight, once per call, not of the (batched) activations
-        y = fused_linear(x.reshape(-1), weight.T, bias, activation=self.activation)
+        y = fused_linear(x.reshape(-1), weight.T, bias, activation=self.activation, residual=residual)
         return y.reshape(()) if self.out_features == "scalar" else y
 
 

@@ -21,29 +21,12 @@ import jax
 import jax.numpy as jnp
 
 from cutelayers.flax import linen as cl_linen
-from cutelayers.ops import fused_linear
 from models.common import Functional, causal_attention, cross_entropy, positions
 from models.configs import GPTConfig
 
 
-class _Dense(cl_linen.Dense):
-    """cutelayers' Dense, plus ``residual=``: ``act(x @ kernel + bias) + residual`` in one GEMM."""
-
-    @nn.compact
-    def __call__(self, inputs, residual=None):
-        if residual is None:
-            return super().__call__(inputs)
-        kernel = self.param("kernel", self.kernel_init, (inputs.shape[-1], self.features), self.param_dtype)
-        bias = None
-        if self.use_bias:
-            bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
-        inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-        return fused_linear(inputs, kernel, bias, activation=self.activation, precision=self.precision,
-                            residual=residual.astype(inputs.dtype))
-
-
 class _StockDense(nn.Dense):
-    """linen's Dense with the same call as :class:`_Dense`: activation and residual unfused."""
+    """linen's Dense with the call of cutelayers' Dense (``activation``, ``residual=``), unfused."""
 
     activation: Any = None
 
@@ -68,7 +51,7 @@ def _layers(stock: bool):
     """(LayerNorm, Dense, LM head) classes of the stock twin or of the cutelayers model."""
     if stock:
         return nn.LayerNorm, _StockDense, _StockHead
-    return cl_linen.LayerNorm, _Dense, cl_linen.LMHead
+    return cl_linen.LayerNorm, cl_linen.Dense, cl_linen.LMHead
 
 
 class Block(nn.Module):

@@ -17,25 +17,12 @@ import jax
 from flax import nnx
 
 from cutelayers.flax import nnx as cl_nnx
-from cutelayers.ops import fused_linear
 from models.common import Functional, causal_attention, cross_entropy, positions
 from models.configs import GPTConfig
 
 
-class _Linear(cl_nnx.Linear):
-    """cutelayers' Linear, plus ``residual=``: ``act(x @ kernel + bias) + residual`` in one GEMM."""
-
-    def __call__(self, inputs, residual=None):
-        if residual is None:
-            return super().__call__(inputs)
-        inputs, kernel, bias = self.promote_dtype(
-            (inputs, self.kernel[...], self.bias[...] if self.bias is not None else None), dtype=self.dtype)
-        return fused_linear(inputs, kernel, bias, activation=self.activation, precision=self.precision,
-                            residual=residual.astype(inputs.dtype))
-
-
 class _StockLinear(nnx.Linear):
-    """NNX's Linear with the same call as :class:`_Linear`: activation and residual unfused."""
+    """NNX's Linear with the call of cutelayers' Linear (``activation``, ``residual=``), unfused."""
 
     def __init__(self, *args, activation=None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -60,7 +47,7 @@ def _layers(stock: bool):
     """(LayerNorm, Linear, LM head) classes of the stock twin or of the cutelayers model."""
     if stock:
         return nnx.LayerNorm, _StockLinear, _StockHead
-    return cl_nnx.LayerNorm, _Linear, cl_nnx.LMHead
+    return cl_nnx.LayerNorm, cl_nnx.Linear, cl_nnx.LMHead
 
 
 class Block(nnx.Module):

@@ -203,3 +203,30 @@ def test_equinox_linear_activation_and_shape_check(rng):
         ours(x)
     with pytest.raises(ValueError, match=r"x must have shape \(\)"):
         cl_eqx.Linear("scalar", 4, key=jax.random.key(0))(jnp.ones((1,)))
+
+
+# --- residual= (all three frameworks) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_residual_is_added_after_the_activation(dtype, rng):
+    """``layer(x, residual=r)`` == ``layer(x) + r`` in the result dtype, and its gradient reaches r
+    (per example for Equinox's Linear, also under nested vmap)."""
+    x = random(rng, (2, 3, 16), dtype)
+    r = random(rng, (2, 3, 24), jnp.float32)  # another dtype on purpose: cast to the result's
+    dense = cl_linen.Dense(24, activation="gelu", bias_init=NORMAL)
+    variables = dense.init(jax.random.key(1), x)
+    linear = cl_nnx.Linear(16, 24, activation="gelu", bias_init=NORMAL, rngs=nnx.Rngs(1))
+    eqx_linear = cl_eqx.Linear(16, 24, activation="gelu", dtype=dtype, key=jax.random.key(1))
+    calls = {
+        "linen": (lambda x, r: dense.apply(variables, x, residual=r), lambda x: dense.apply(variables, x)),
+        "nnx": (lambda x, r: linear(x, residual=r), linear),
+        "equinox": (jax.vmap(jax.vmap(eqx_linear)), jax.vmap(jax.vmap(eqx_linear))),
+    }
+    for name, (with_residual, plain) in calls.items():
+        out = with_residual(x, r)
+        expected = plain(x)
+        assert out.dtype == expected.dtype, name
+        assert_matches(out, expected + r.astype(expected.dtype), dtype)
+        grad_r = jax.grad(lambda r: sin_sum(with_residual(x, r)))(r)
+        assert_matches(grad_r, jnp.cos(out.astype(jnp.float32)), dtype)

@@ -134,13 +134,15 @@ class Dense(Module):
     activation: Any = None
 
     @compact
-    def __call__(self, inputs):
-        """``inputs`` (..., in_features) -> (..., features)."""
+    def __call__(self, inputs, residual=None):
+        """``inputs`` (..., in_features) -> (..., features). ``residual`` (..., features), optional:
+        added after the activation in the same kernel (cast to the result dtype)."""
         check_dense_supported("Dense", dot_general=self.dot_general, dot_general_cls=self.dot_general_cls)
         kernel = self.param("kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype)
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-        return fused_linear(inputs, kernel, bias, activation=self.activation, precision=self.precision)
+        return fused_linear(inputs, kernel, bias, activation=self.activation, precision=self.precision,
+                            residual=None if residual is None else jnp.asarray(residual).astype(inputs.dtype))
 
 
 class LMHead(Module):

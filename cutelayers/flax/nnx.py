@@ -231,8 +231,9 @@ class Linear(nnx.Module):
         self.preferred_element_type = preferred_element_type
         self.activation = activation
 
-    def __call__(self, inputs, out_sharding=None):
-        """``inputs`` (..., in_features) -> (..., out_features)."""
+    def __call__(self, inputs, out_sharding=None, *, residual=None):
+        """``inputs`` (..., in_features) -> (..., out_features). ``residual`` (..., out_features),
+        optional: added after the activation in the same kernel (cast to the result dtype)."""
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
@@ -244,7 +245,8 @@ class Linear(nnx.Module):
             # the GEMM's result is already in the compute dtype: asking for that one is honoured
             preferred_element_type=None if preferred is None or jnp.dtype(preferred) == inputs.dtype else preferred,
         )
-        return fused_linear(inputs, kernel, bias, activation=self.activation, precision=self.precision)
+        return fused_linear(inputs, kernel, bias, activation=self.activation, precision=self.precision,
+                            residual=None if residual is None else jnp.asarray(residual).astype(inputs.dtype))
 
 
 class LMHead(nnx.Module):

@@ -1,0 +1,132 @@
+"""Ahead-of-time export of functions that use cutelayers kernels.
+
+``jax.export`` serializes a function's StableHLO, in which each CuTe kernel is a custom call to an
+XLA FFI target (``cutelayers_<kernel>_<digest>``). The compiled kernels themselves live in the
+exporting process; a *bundle* carries them along:
+
+* ``exported.jax`` -- ``jax.export.Exported.serialize()`` of the function;
+* ``kernels/<target>.o`` -- each kernel's relocatable object (sm_90a code plus its TVM-FFI entry);
+* ``manifest.json`` -- format, GPU arch, versions of the libraries the objects were built with, and
+  each object's SHA-256.
+
+:func:`deserialize` checks the manifest and hashes, loads every object and registers it under its
+target name, then returns the ``Exported``: no CuTe DSL compile happens in the loading process.
+That process needs jax (able to read the serialization), jax-tvm-ffi, and the *same*
+nvidia-cutlass-dsl and apache-tvm-ffi versions (the objects link against their runtime libraries),
+and a GPU of the recorded arch to run the CUDA code.
+
+    exported = cutelayers.aot.export(model_fn, x_spec)
+    blob = cutelayers.aot.serialize(exported)
+    ...                                       # another process, same library versions
+    exported = cutelayers.aot.deserialize(blob)
+    y = exported.call(x)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Callable, Sequence
+
+import jax
+from jax import export as jax_export
+
+from cutelayers.runtime import disk_cache
+from cutelayers.runtime.primitive import CompiledKernel, library_versions, register_kernel, registered_kernel, target_arch
+
+__all__ = ["export", "serialize", "deserialize", "kernel_targets"]
+
+BUNDLE_FORMAT = 1
+_TARGET = re.compile(r"custom_call @(cutelayers_\w+)")
+# Versions the object files depend on at load time (cutelayers and jax do not enter the code).
+_ABI_LIBRARIES = ("nvidia-cutlass-dsl", "apache-tvm-ffi")
+
+
+def kernel_targets(module_text: str) -> list[str]:
+    """The cutelayers FFI targets a StableHLO module calls, in first-use order."""
+    return list(dict.fromkeys(_TARGET.findall(module_text)))
+
+
+def export(fun: Callable, *args, platforms: Sequence[str] = ("cuda",), **export_kwargs) -> jax_export.Exported:
+    """``jax.export.export`` of ``fun`` at ``args`` (arrays or ``jax.ShapeDtypeStruct``) that
+    allows cutelayers' custom calls: their stability is ours to guarantee, through the bundle's
+    version check, not XLA's list of stable targets."""
+    jitted = fun if hasattr(fun, "trace") else jax.jit(fun)
+    text = jitted.trace(*args).lower(lowering_platforms=tuple(platforms)).as_text()
+    checks = [jax_export.DisabledSafetyCheck.custom_call(t) for t in kernel_targets(text)]
+    checks += list(export_kwargs.pop("disabled_checks", ()))
+    return jax_export.export(jitted, platforms=tuple(platforms), disabled_checks=checks, **export_kwargs)(*args)
+
+
+def _manifest(targets: list[str], objects: dict[str, bytes]) -> dict:
+    versions = dict(zip(("cutelayers", "nvidia-cutlass-dsl", "jax", "apache-tvm-ffi"), library_versions()))
+    return {
+        "format": BUNDLE_FORMAT,
+        "arch": target_arch()[0],
+        "versions": versions,
+        "kernels": [{"target": t, "sha256": hashlib.sha256(objects[t]).hexdigest(),
+                     "graph_safe": registered_kernel(t).graph_safe} for t in targets],
+    }
+
+
+def serialize(exported: jax_export.Exported) -> bytes:
+    """A bundle (zip bytes) of ``exported`` and the object code of every kernel it calls."""
+    targets = kernel_targets(str(exported.mlir_module()))
+    missing = [t for t in targets if registered_kernel(t) is None]
+    if missing:
+        raise ValueError(f"serialize: the export calls kernels not compiled in this process: {missing}; "
+                         "export and serialize in the same process")
+    objects = {t: registered_kernel(t).object_bytes() for t in targets}
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as bundle:
+        bundle.writestr("manifest.json", json.dumps(_manifest(targets, objects), indent=1))
+        bundle.writestr("exported.jax", bytes(exported.serialize()))
+        for target, data in objects.items():
+            bundle.writestr(f"kernels/{target}.o", data)
+    return buffer.getvalue()
+
+
+def _check_manifest(manifest: dict) -> None:
+    if manifest.get("format") != BUNDLE_FORMAT:
+        raise ValueError(f"deserialize: bundle format {manifest.get('format')!r}; this cutelayers reads "
+                         f"format {BUNDLE_FORMAT}")
+    here = dict(zip(("cutelayers", "nvidia-cutlass-dsl", "jax", "apache-tvm-ffi"), library_versions()))
+    for library in _ABI_LIBRARIES:
+        built = manifest["versions"].get(library)
+        if built != here[library]:
+            raise ValueError(f"deserialize: the bundle's kernels were built with {library} {built}, this "
+                             f"environment has {here[library]}; install {library}=={built} to load them")
+    arch, where = target_arch()
+    on_a_gpu = not where.startswith("no CUDA device")  # else loading is fine; running needs a GPU
+    if on_a_gpu and arch != manifest["arch"]:
+        raise ValueError(f"deserialize: the bundle's kernels are built for {manifest['arch']}, this GPU is "
+                         f"{arch} ({where})")
+
+
+def deserialize(data: bytes) -> jax_export.Exported:
+    """Load a bundle from :func:`serialize`: check it, register its kernels, return the Exported."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as bundle:
+            manifest = json.loads(bundle.read("manifest.json"))
+            exported = bundle.read("exported.jax")
+            objects = {k["target"]: bundle.read(f"kernels/{k['target']}.o") for k in manifest["kernels"]}
+    except (zipfile.BadZipFile, KeyError, ValueError, zipfile.LargeZipFile) as error:
+        raise ValueError(f"deserialize: not a valid cutelayers bundle ({type(error).__name__}: {error})") from None
+    _check_manifest(manifest)
+    with tempfile.TemporaryDirectory() as tmp:
+        for record in manifest["kernels"]:
+            target, payload = record["target"], objects[record["target"]]
+            if hashlib.sha256(payload).hexdigest() != record["sha256"]:
+                raise ValueError(f"deserialize: the object of kernel {target} does not match its hash")
+            if registered_kernel(target) is not None:
+                continue  # the same content-named kernel is already live in this process
+            path = Path(tmp) / f"{target}.o"
+            path.write_bytes(payload)
+            function = disk_cache.load_object(path)  # reads the file whole; the engine keeps the code
+            register_kernel(CompiledKernel(target, function, record["graph_safe"], owner=function, _object=payload))
+    return jax_export.deserialize(bytearray(exported))

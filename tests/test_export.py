@@ -1,0 +1,167 @@
+"""AoT export: a function with cutelayers kernels exported for CUDA, bundled with its compiled
+kernels, loaded in a fresh process without compiling anything.
+
+On CPU the bundle is exported for ("cuda", "cpu"): the loading process registers the CUDA kernels
+(no GPU needed to load) and runs the CPU branch, the jnp reference, to check the round trip end to
+end. The GPU test runs the CUDA branch.
+"""
+
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import zipfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cutelayers as cl
+from numerics import assert_close
+
+from conftest import HAS_GPU
+
+H, V = 64, 128
+
+
+def head_loss(x, w, scale, labels):
+    """A small LM head: norm, fused linear, cross-entropy; gradients through all of them."""
+    h = cl.ops.layer_norm(x, scale)
+    logits = cl.ops.fused_linear(h, w, activation="gelu")
+    return jnp.mean(cl.ops.softmax_cross_entropy(logits, labels))
+
+
+loss_and_grads = jax.value_and_grad(head_loss, argnums=(0, 1, 2))
+
+
+def operands(rng, dtype=jnp.bfloat16, rows=24):
+    x = jnp.asarray(rng.standard_normal((rows, H)), dtype)
+    w = jnp.asarray(rng.standard_normal((H, V)) / np.sqrt(H), dtype)
+    scale = jnp.asarray(rng.uniform(0.5, 1.5, H), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, V, rows), jnp.int32)
+    return x, w, scale, labels
+
+
+def specs(args):
+    return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+
+
+def bundle_for(args, platforms):
+    exported = cl.aot.export(loss_and_grads, *specs(args), platforms=platforms)
+    return exported, cl.aot.serialize(exported)
+
+
+def rewrite(bundle: bytes, name: str, change) -> bytes:
+    """The bundle with member ``name`` replaced by ``change(old bytes)``."""
+    source, out = zipfile.ZipFile(io.BytesIO(bundle)), io.BytesIO()
+    with zipfile.ZipFile(out, "w") as target:
+        for item in source.namelist():
+            data = source.read(item)
+            target.writestr(item, change(data) if item == name else data)
+    return out.getvalue()
+
+
+LOADER = textwrap.dedent("""
+    import json, sys
+    import numpy as np, jax
+    import cutelayers as cl
+    from cutelayers.runtime import primitive
+
+    exported = cl.aot.deserialize(open(sys.argv[1], "rb").read())
+    args = np.load(sys.argv[2])
+    out = exported.call(*[jax.numpy.asarray(args[f"a{i}"], aval.dtype) for i, aval in enumerate(exported.in_avals)])
+    leaves = jax.tree.leaves(out)
+    np.savez(sys.argv[3], *[np.asarray(leaf, np.float32) for leaf in leaves])
+    print(json.dumps({"registered": sorted(primitive._REGISTERED), "compiled": len(cl.cache_info()),
+                      "platforms": list(exported.platforms)}))
+""")
+
+
+def load_in_fresh_process(tmp_path, bundle, args):
+    (tmp_path / "bundle.zip").write_bytes(bundle)
+    # npz has no bfloat16: store exact float32 copies, cast back to the exported dtypes on load
+    np.savez(tmp_path / "args.npz", **{f"a{i}": np.asarray(a, np.float32 if a.dtype == jnp.bfloat16 else a.dtype)
+                                       for i, a in enumerate(args)})
+    env = {**os.environ, "CUTELAYERS_CACHE_DIR": ""}
+    env.pop("CUTE_DSL_ARCH", None)  # the loading process compiles nothing, so needs no target arch
+    done = subprocess.run([sys.executable, "-c", LOADER, str(tmp_path / "bundle.zip"), str(tmp_path / "args.npz"),
+                           str(tmp_path / "out.npz")], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    outs = np.load(tmp_path / "out.npz")
+    return report, [outs[f"arr_{i}"] for i in range(len(outs.files))]
+
+
+def check_against_direct(results, args):
+    with cl.use_backend("reference"):
+        expected = jax.tree.leaves(jax.jit(loss_and_grads)(*args))
+    assert len(results) == len(expected)
+    for got, want in zip(results, expected):
+        assert_close(got, want, jnp.bfloat16)
+
+
+def test_round_trip_in_a_fresh_process(tmp_path, rng):
+    args = operands(rng)
+    exported, bundle = bundle_for(args, ("cuda", "cpu"))
+    targets = cl.aot.kernel_targets(str(exported.mlir_module()))
+    # forward: norm, linear, CE; backward: CE, linear dX and dW, norm
+    assert {t.split("_")[1] for t in targets} >= {"layer", "linear", "cross"}
+    assert len(targets) >= 6
+    report, results = load_in_fresh_process(tmp_path, bundle, args)
+    assert report["registered"] == sorted(targets)  # every kernel loaded and registered
+    assert report["compiled"] == 0  # ... and not one compiled
+    assert report["platforms"] == ["cuda", "cpu"]
+    if not HAS_GPU:
+        check_against_direct(results, args)  # the cpu branch ran
+
+
+@pytest.mark.gpu
+def test_round_trip_runs_the_kernels_on_gpu(tmp_path, rng):
+    args = operands(rng, rows=1000)
+    direct = jax.tree.leaves(jax.jit(loss_and_grads)(*args))
+    _, bundle = bundle_for(args, ("cuda",))
+    report, results = load_in_fresh_process(tmp_path, bundle, args)
+    assert report["compiled"] == 0
+    for got, want in zip(results, direct):
+        np.testing.assert_array_equal(got, np.asarray(want, np.float32))  # the same kernels, bit for bit
+
+
+def test_export_of_a_model():
+    from models import nnx_gpt
+    from models.configs import get_config
+
+    config = get_config("tiny", dtype="bfloat16")  # bf16: every layer on a kernel
+    fun = nnx_gpt.init(config, jax.random.key(0), abstract=True)
+    tokens = jax.ShapeDtypeStruct((2, config.seq_len), jnp.int32)
+    leaves, treedef = jax.tree.flatten(fun.params)
+
+    def train_step_math(leaves, inputs, targets):  # flat leaves: nnx's State types have no serializer
+        loss, grads = jax.value_and_grad(fun.loss)(treedef.unflatten(leaves), inputs, targets)
+        return loss, jax.tree.leaves(grads)
+
+    exported = cl.aot.export(train_step_math, leaves, tokens, tokens)
+    targets = cl.aot.kernel_targets(str(exported.mlir_module()))
+    assert len(targets) >= 6 and all(t.startswith("cutelayers_") for t in targets)
+    again = cl.aot.deserialize(cl.aot.serialize(exported))
+    assert again.in_avals == exported.in_avals and again.out_avals == exported.out_avals
+
+
+def test_damaged_or_foreign_bundles_are_refused(rng):
+    _, bundle = bundle_for(operands(rng), ("cuda",))
+    manifest = json.loads(zipfile.ZipFile(io.BytesIO(bundle)).read("manifest.json"))
+    first = f"kernels/{manifest['kernels'][0]['target']}.o"
+
+    flipped = rewrite(bundle, first, lambda d: d[:64] + bytes([d[64] ^ 1]) + d[65:])
+    with pytest.raises(ValueError, match="does not match its hash"):
+        cl.aot.deserialize(flipped)
+    older = rewrite(bundle, "manifest.json", lambda d: json.dumps(
+        {**manifest, "versions": {**manifest["versions"], "nvidia-cutlass-dsl": "4.0.0"}}).encode())
+    with pytest.raises(ValueError, match="nvidia-cutlass-dsl 4.0.0"):
+        cl.aot.deserialize(older)
+    with pytest.raises(ValueError, match="not a valid cutelayers bundle"):
+        cl.aot.deserialize(b"PK\x03\x04 not really a zip")
+    with pytest.raises(ValueError, match="not a valid cutelayers bundle"):
+        cl.aot.deserialize(rewrite(bundle, "manifest.json", lambda d: b"{"))
