@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m cutelayers.bench {reduce,norms,softmax,gemm,compile} ...``.
+"""Benchmarks: ``python -m cutelayers.bench {reduce,norms,softmax,gemm,lm_head,compile} ...``.
 
 All but ``compile`` need a GPU.
 
@@ -113,6 +113,12 @@ def main(argv=None) -> int:
     gemm.add_argument("--shapes", type=parse_shape, nargs="+", default=SHAPES, help="MxKxN ... (default: the issue's five)")
     gemm.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     gemm.add_argument("--activation", default="gelu", help="fused activation name (default gelu)")
+    head = sub.add_parser("lm_head", help="linear_cross_entropy fwd+bwd time and temp memory vs unfused XLA")
+    head.add_argument("--t", type=int, default=8192, help="tokens T (default 8192)")
+    head.add_argument("--h", type=int, default=4096, help="hidden size H (default 4096)")
+    head.add_argument("--v", type=int, default=131072, help="vocabulary size V (default 131072)")
+    head.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    head.add_argument("--chunk-size", type=int, default=None, help="tokens per chunk (default: the op's)")
     comp = sub.add_parser("compile", help="compile seconds per kernel family and disk-cache load seconds (no GPU needed)")
     comp.add_argument("--n", type=int, default=4096, help="feature size N (default 4096)")
     comp.add_argument("--k", type=int, default=4096, help="GEMM inner size K (default 4096)")
@@ -143,6 +149,11 @@ def main(argv=None) -> int:
         print(f"# device: {jax.devices()[0].device_kind}")
         bench_gemm.print_table(bench_gemm.bench_gemm(args.shapes, jnp.dtype(args.dtype), args.activation))
         print(bench_gemm.SASS_HINT)
+    elif args.suite == "lm_head":
+        from cutelayers.bench_heads import bench_lm_head
+
+        print(f"# device: {jax.devices()[0].device_kind}")
+        print_records(bench_lm_head(args.t, args.h, args.v, jnp.dtype(args.dtype), args.chunk_size))
     print("# cache:", {k: (v.compiles, v.memory_hits, v.disk_hits, round(v.compile_seconds, 2)) for k, v in cl.cache_info().items()})
     return 0
 

@@ -36,13 +36,19 @@ _FUNCTION = "cutelayers_kernel"  # symbol prefix inside every object file (one f
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # an object repr: not stable across processes
 
 
-def cache_dir() -> Path | None:
-    """The disk cache's directory, or None when ``CUTELAYERS_CACHE_DIR=""`` disables it."""
-    configured = os.environ.get("CUTELAYERS_CACHE_DIR")
+def user_cache_path(variable: str, *parts: str) -> Path | None:
+    """``$variable`` if set (an empty value: None, the feature is off), else ``parts`` under
+    ``$XDG_CACHE_HOME/cutelayers`` or ``~/.cache/cutelayers``."""
+    configured = os.environ.get(variable)
     if configured is not None:
         return Path(configured).expanduser() if configured else None
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "cutelayers" / "kernels"
+    return Path(base).joinpath("cutelayers", *parts)
+
+
+def cache_dir() -> Path | None:
+    """The disk cache's directory, or None when ``CUTELAYERS_CACHE_DIR=""`` disables it."""
+    return user_cache_path("CUTELAYERS_CACHE_DIR", "kernels")
 
 
 @functools.cache

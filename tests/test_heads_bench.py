@@ -1,0 +1,45 @@
+"""The LM-head benchmark's memory analysis (on CPU: the ops' reference path, chunked the same way)
+and its ``python -m cutelayers.bench lm_head`` subcommand."""
+
+import jax.numpy as jnp
+import pytest
+from conftest import HAS_GPU
+
+from cutelayers import bench
+from cutelayers.bench_heads import bench_lm_head, head_memory
+
+F32 = jnp.float32
+
+
+def test_chunked_head_needs_a_fraction_of_the_unfused_temp_memory():
+    t, h, v = 2048, 256, 32768
+    logits_bytes = t * v * 4
+    memory = head_memory(t, h, v, F32, chunk_size=256)
+    assert memory["xla"]["temp"] >= logits_bytes  # the unfused head holds the float32 logits
+    # one chunk's logits (256 x V) and the float32 dkernel accumulator (H x V), 1/8 of XLA's here
+    assert memory["fused"]["temp"] < logits_bytes / 2
+    assert memory["fused"]["temp"] < memory["xla"]["temp"] / 6
+    # same operands and results: only the scratch memory differs
+    assert memory["fused"]["arguments"] == memory["xla"]["arguments"]
+    assert memory["fused"]["outputs"] == memory["xla"]["outputs"]
+
+
+def test_chunked_head_temp_memory_does_not_grow_with_tokens():
+    small, large = (head_memory(t, 128, 8192, F32, chunk_size=128) for t in (1024, 4096))
+    assert large["xla"]["temp"] >= 3 * small["xla"]["temp"]
+    assert large["fused"]["temp"] <= 1.25 * small["fused"]["temp"]
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the message given without a GPU")
+def test_lm_head_subcommand_needs_a_gpu(capsys):
+    assert bench.main(["lm_head", "--t", "64", "--h", "64", "--v", "256", "--dtype", "float32"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_lm_head_benchmark_rows():
+    rows = bench_lm_head(512, 256, 4096, jnp.bfloat16)
+    assert [row["head"] for row in rows] == ["fused", "xla"]
+    fused, xla = (float(row["loss"]) for row in rows)
+    assert abs(fused - xla) <= 1e-2 * abs(xla)
+    assert float(rows[0]["temp_vs_xla"]) < 1.0 and rows[1]["time_vs_xla"] == "1.00"
