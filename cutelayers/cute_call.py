@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from cutelayers.ops._rowwise import row_batched
 from cutelayers.runtime.placement import check_arrays
 from cutelayers.runtime.primitive import KernelFamily, kernel_call
+from cutelayers.runtime.sharding import ShardingRule
 from cutelayers.runtime.tensors import cutlass_dtype
 
 __all__ = ["cute_call", "custom_op", "rowwise_vmap"]
@@ -71,6 +72,14 @@ class UserKernel(KernelFamily):
         if self.compile_key is None:
             return plan
         return (self.compile_key, dataclasses.replace(plan, user_launcher=None))
+
+    def sharding_rule(self, avals):
+        # out_shape is the global, fixed result shape, so the kernel cannot run on a shard: under
+        # sharded jit every operand must be replicated (per-device calls: use jax.shard_map).
+        def whole(shape):
+            return (None,) * len(shape)
+
+        return ShardingRule(tuple(whole(a.shape) for a in avals), tuple(whole(s) for s, _ in self.out_structs))
 
     def source_files(self):
         # Editing the launcher's module invalidates its disk cache entries.

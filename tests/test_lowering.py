@@ -36,6 +36,7 @@ def fresh_cache():
 def test_twelve_blocks_compile_once():
     hlo = lower_cuda(blocks, jax.ShapeDtypeStruct((4, 256, 1024), jnp.bfloat16))
     assert len(custom_calls(hlo)) == 12
+    assert "CustomSPMDPartitioning" not in hlo  # one device: the sharding rules inline away
     assert cl.cache_info()["reduce_mean"].compiles == 1
     # another feature size: a second compile
     lower_cuda(blocks, jax.ShapeDtypeStruct((4, 256, 2048), jnp.bfloat16))

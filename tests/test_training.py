@@ -89,6 +89,32 @@ def test_a_few_steps_reduce_the_loss(framework, tmp_path):
         assert png.exists() and png.stat().st_size > 0
 
 
+# --- data parallel ---------------------------------------------------------------------------------
+
+def test_data_parallel_matches_one_device():
+    """--devices 2 on two of the fake CPU devices (see conftest): the same seed and batches give
+    the same losses and parameters as --devices 1, up to float32 summation order."""
+    base = ["--steps", "8", "--log-every", "1", "--eval-every", "4", *FAST]
+    one, _ = run([*base, "--devices", "1"])
+    two, text = run([*base, "--devices", "2"])
+    assert "data-parallel over 2 cpu devices: 4 sequences per device per step" in text
+    assert [s for s, _ in two.eval_losses] == [s for s, _ in one.eval_losses] == [0, 4, 8]
+    for got, ref in [(two.start_loss, one.start_loss), (two.end_loss, one.end_loss),
+                     *zip([v for _, v in two.eval_losses], [v for _, v in one.eval_losses])]:
+        assert_close(got, ref, "float32", scale=2)
+    assert two.end_loss < two.start_loss  # it trained
+    leaves = jax.tree.leaves(two.params)
+    assert all(len(p.sharding.device_set) == 2 and p.sharding.is_fully_replicated for p in leaves)
+    for got, ref in zip(leaves, jax.tree.leaves(one.params)):
+        # Adam divides by sqrt(v): summation-order noise in tiny gradients shows more in parameters
+        assert_close(got, np.asarray(ref), "float32", scale=50)
+
+
+def test_more_devices_than_visible_is_a_clear_error(capsys):
+    assert main(["--devices", "64", "--steps", "8", *FAST, "--batch-size", "64"]) == 2
+    assert f"--devices 64: only {len(jax.devices())} cpu device(s) visible" in capsys.readouterr().err
+
+
 # --- checkpoints -----------------------------------------------------------------------------------
 
 def test_checkpoint_round_trip_and_exact_resume(tmp_path):
@@ -155,6 +181,9 @@ def test_help_documents_every_flag():
     (["--resume"], "argument --resume: needs --checkpoint-dir"),
     (["--plot", "curve.jpg"], "argument --plot: expected a .png file name"),
     (["--weight-decay", "-0.1"], "argument --weight-decay: must be a finite number >= 0"),
+    (["--devices", "0"], "argument --devices: must be >= 1; got 0"),
+    (["--batch-size", "6", "--devices", "4"],
+     "argument --devices: --batch-size 6 is not a multiple of --devices 4"),
 ])
 def test_bad_flags_are_clear_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

@@ -13,6 +13,11 @@ tokens/s; JSON-lines metrics (``--metrics-file``); a loss-curve PNG (``--plot``,
 matplotlib). At the end: start / end loss, the backend setting and the path that actually ran,
 and ``cutelayers.cache_info()``.
 
+``--devices N`` trains data-parallel: each batch is sharded over a 1-D mesh of N devices, the
+parameters and optimizer state are replicated, and XLA partitions the jitted step -- the kernels
+run per device on their share of the rows by their sharding rules (cutelayers.runtime.sharding),
+and the weight gradients are summed across devices.
+
 The backend (``--backend``) is applied with ``cutelayers.use_backend`` around tracing *and*
 running: the setting is part of JAX's jit key, so everything inside sees one backend.
 """
@@ -32,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 import cutelayers as cl
 from models import common
@@ -150,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write metrics as JSON lines here (appended to with --resume)")
     p.add_argument("--plot", type=Path, default=None, metavar="PNG",
                    help="save a loss-curve PNG here (needs matplotlib; skipped with a message otherwise)")
+    p.add_argument("--devices", type=_int_at_least(1), default=1,
+                   help="train data-parallel over this many devices of JAX's default platform: each batch "
+                        "is sharded over them (--batch-size must be a multiple), parameters and optimizer "
+                        "state are replicated")
     p.add_argument("--stock", action="store_true",
                    help="train the twin built from the framework's own layers (same parameter tree) "
                         "instead of the cutelayers layers")
@@ -173,6 +183,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"argument --warmup: {args.warmup} warmup steps must be fewer than --steps={args.steps}")
     if args.resume and args.checkpoint_dir is None:
         parser.error("argument --resume: needs --checkpoint-dir")
+    if args.batch_size % args.devices:
+        parser.error(f"argument --devices: --batch-size {args.batch_size} is not a multiple of --devices "
+                     f"{args.devices} (every device takes an equal share of each batch)")
     if args.plot is not None and args.plot.suffix.lower() != ".png":
         parser.error(f"argument --plot: expected a .png file name; got {str(args.plot)!r}")
     return args
@@ -209,8 +222,27 @@ def make_train_step(loss_fn, tx):
 
 
 def count_kernel_calls(hlo_text: str) -> int:
-    """CuTe kernel calls (XLA custom calls to cutelayers FFI targets) in lowered StableHLO text."""
-    return sum("stablehlo.custom_call @cutelayers_" in line for line in hlo_text.splitlines())
+    """CuTe kernel calls (XLA custom calls to cutelayers FFI targets) in compiled HLO text. The
+    compiled program, not the lowered one: on several devices XLA's partitioner emits the kernel
+    calls, per device, only when it compiles."""
+    return sum('custom_call_target="cutelayers_' in line for line in hlo_text.splitlines())
+
+
+def data_parallel_mesh(n_devices: int) -> jax.sharding.Mesh:
+    """A 1-D mesh ("data",) over the first ``n_devices`` devices of JAX's default platform.
+
+    Its axis is Auto: XLA partitions the step and applies the kernels' sharding rules when it
+    compiles. (Explicit axes would type every array's sharding, which jax 0.10 refuses for some
+    of the models' reshapes.)
+    """
+    available = jax.devices()
+    if n_devices > len(available):
+        raise UsageError(
+            f"--devices {n_devices}: only {len(available)} {jax.default_backend()} device(s) visible. Use "
+            f"--devices {len(available)} or fewer (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count"
+            f"={n_devices} makes that many host devices).")
+    return jax.make_mesh((n_devices,), ("data",), devices=available[:n_devices],
+                         axis_types=(jax.sharding.AxisType.Auto,))
 
 
 def _path_report(n_calls: int) -> str:
@@ -287,7 +319,11 @@ def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
                          f"{jax.default_backend()!r}. Use --backend auto (the default) or reference.")
     data = TextData.load()
     data.check_seq_len(args.seq_len)
-    eval_set = data.eval_batches(args.batch_size, args.seq_len, args.eval_batches)
+    mesh = data_parallel_mesh(args.devices)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    batch_sharded = NamedSharding(mesh, PartitionSpec("data"))
+    eval_set = jax.device_put(data.eval_batches(args.batch_size, args.seq_len, args.eval_batches),
+                              batch_sharded)
 
     with cl.use_backend(args.backend):
         backend = cl.current_backend()
@@ -323,6 +359,7 @@ def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
             elif args.resume:
                 say(f"--resume: no checkpoint in {ckpt.directory} yet; starting from step 0")
 
+        params, opt_state = jax.device_put((params, opt_state), replicated)
         n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
         layers = "stock framework layers" if args.stock else "cutelayers layers"
         say(f"model: {args.model} GPT, config {args.config} ({n_params:,} parameters, {config.n_layers} "
@@ -330,14 +367,20 @@ def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
         say(f"data: {len(data.train):,} train / {len(data.eval):,} eval bytes; batch {args.batch_size} x "
             f"{args.seq_len} tokens; {args.steps} steps, lr {args.lr:g}, warmup {args.warmup}; "
             f"backend {backend}")
+        if args.devices > 1:
+            say(f"data-parallel over {args.devices} {jax.default_backend()} devices: "
+                f"{args.batch_size // args.devices} sequences per device per step")
 
-        # Compile the step ahead of time: the lowered module says which path runs.
+        def batch(step):
+            return jax.device_put(data.train_batch(step, args.batch_size, args.seq_len, args.seed),
+                                  batch_sharded)
+
+        # Compile the step ahead of time: the compiled program says which path runs.
         t0 = time.perf_counter()
-        inputs, targets = data.train_batch(start_step, args.batch_size, args.seq_len, args.seed)
-        lowered = jax.jit(make_train_step(model.loss, tx), donate_argnums=(0, 1)).lower(
-            params, opt_state, inputs, targets)
-        kernel_calls = count_kernel_calls(lowered.as_text())
-        step_fn = lowered.compile()
+        inputs, targets = batch(start_step)
+        step_fn = jax.jit(make_train_step(model.loss, tx), donate_argnums=(0, 1),
+                          out_shardings=replicated).lower(params, opt_state, inputs, targets).compile()
+        kernel_calls = count_kernel_calls(step_fn.as_text())
         eval_fn = jax.jit(model.loss)
         path = _path_report(kernel_calls)
         if args.backend == "cute" and not kernel_calls:
@@ -378,7 +421,7 @@ def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
         for step in range(start_step + 1, args.steps + 1):
             params, opt_state, loss, grad_norm = step_fn(params, opt_state, inputs, targets)
             if step < args.steps:  # the next batch, prepared while the step runs
-                inputs, targets = data.train_batch(step, args.batch_size, args.seq_len, args.seed)
+                inputs, targets = batch(step)
             window.append(loss)
             steps_in_window += 1
             if start_loss is None:

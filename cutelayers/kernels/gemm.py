@@ -83,17 +83,31 @@ CONFIGS = {
 }
 
 
+SMALL_M_MAX = 64  # rows up to this are "small_m"
+WIDE_MIN = 2048  # "wide" from this many rows and columns
+
+
 def config_class(m: int, n: int) -> str:
     """The config table key for an (m, n) output: see ``CONFIGS``.
 
     ``m`` is the concrete row count at trace time; the kernel itself keeps M symbolic, so rows
     within one class share a compile.
     """
-    if m <= 64:
+    if m <= SMALL_M_MAX:
         return "small_m"
-    if m >= 2048 and n >= 2048:
+    if m >= WIDE_MIN and n >= WIDE_MIN:
         return "wide"
     return "default"
+
+
+def row_bucket(m: int) -> str:
+    """The range of row counts ``m`` belongs to, out of those between which :func:`config_class`
+    changes for a fixed n: a tuned config for a symbolic M applies to its whole bucket."""
+    if m <= SMALL_M_MAX:
+        return f"1-{SMALL_M_MAX}"
+    if m < WIDE_MIN:
+        return f"{SMALL_M_MAX + 1}-{WIDE_MIN - 1}"
+    return f"{WIDE_MIN}+"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,11 +2,13 @@
 
 Both kernels use the row layout of :mod:`cutelayers.kernels.reduction`: ``threads_per_row``
 threads own a row, each thread ``vec`` contiguous elements (128-bit where N allows) ``unroll``
-times per step of ``threads_per_row * vec * unroll`` columns. The config table
-(:func:`norm_config`) picks the smallest ``threads_per_row`` (<= 512) for which the whole row is
-one step, i.e. stays in registers between the statistics and the normalize pass -- one HBM read
-of x. Larger rows stream: the forward reads x twice (statistics, then normalize), the backward
-reads x and dy twice.
+times per step of ``threads_per_row * vec * unroll`` columns. The heuristic config table
+(:func:`.reduction.row_geometry` with the kernel's ``VALUES_PER_THREAD``) picks the smallest
+``threads_per_row`` (<= 512) for which the whole row is one step, i.e. stays in registers between
+the statistics and the normalize pass -- one HBM read of x. Larger rows stream: the forward reads x
+twice (statistics, then normalize), the backward reads x and dy twice. The config (a
+:class:`.reduction.RowGeometry`) is given to the kernel; the autotuner may pick another one from
+:func:`.reduction.row_geometry_space`.
 
 Statistics are fp32. LayerNorm's variance never uses E[x^2] - E[x]^2 (which cancels for inputs
 such as 1000 + N(0, 1)): a register-resident row takes the mean first and then the mean of
@@ -33,11 +35,11 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
 from cutelayers.kernels.reduction import (
+    RowConfig,
     RowGeometry,
     column_mask,
     load_step,
     row_allreduce,
-    row_geometry,
     row_operand,
     row_sum,
     row_tiled_copy,
@@ -55,24 +57,14 @@ HOPPER_SMS = 132
 THREADS_PER_SM = 1024  # resident threads per SM the backward grid aims for
 
 
-def forward_config(n: int, elem_bits: int) -> RowGeometry:
-    """Config of the forward kernel (x in registers)."""
-    return row_geometry(n, elem_bits, FORWARD_VALUES_PER_THREAD)
-
-
-def backward_config(n: int, elem_bits: int) -> RowGeometry:
-    """Config of the backward kernel (x, dy and two accumulators in registers)."""
-    return row_geometry(n, elem_bits, BACKWARD_VALUES_PER_THREAD)
-
-
-def backward_grid(config: RowGeometry) -> int:
+def backward_grid(config: RowConfig) -> int:
     """CTAs of the persistent backward grid (register-resident rows only)."""
-    return HOPPER_SMS * max(THREADS_PER_SM // config.row.num_threads, 1)
+    return HOPPER_SMS * max(THREADS_PER_SM // config.num_threads, 1)
 
 
-def partial_rows(config: RowGeometry) -> int:
+def partial_rows(config: RowConfig) -> int:
     """Rows P of the backward's dscale/dbias partials: one per (CTA, row slot)."""
-    return backward_grid(config) * config.row.rows_per_cta
+    return backward_grid(config) * config.rows_per_cta
 
 
 def _broadcast_rows(vector, config: RowGeometry):
@@ -86,6 +78,8 @@ class NormForwardKernel:
     Launcher ``(stream, x, [scale], [bias], y, [mean], rstd)``; which optional tensors are present
     is fixed at construction (``has_scale``, ``has_bias``, ``center``).
     """
+
+    VALUES_PER_THREAD = FORWARD_VALUES_PER_THREAD
 
     def __init__(self, config: RowGeometry, *, center: bool, has_scale: bool, has_bias: bool, epsilon: float):
         self.config, self.center, self.has_scale, self.has_bias = config, center, has_scale, has_bias
@@ -215,6 +209,8 @@ class NormBackwardKernel:
     Launcher ``(stream, x, dy, [mean], rstd, [scale], dx, [dscale_partial], [dbias_partial])``.
     """
 
+    VALUES_PER_THREAD = BACKWARD_VALUES_PER_THREAD
+
     def __init__(self, config: RowGeometry, *, center: bool, has_scale: bool, want_dscale: bool, want_dbias: bool):
         if (want_dscale or want_dbias) and not config.resident:
             raise ValueError("dscale/dbias partials need a register-resident row")
@@ -235,8 +231,8 @@ class NormBackwardKernel:
         dbias = rest.pop(0) if const_expr(self.want_dbias) else None
         config = self.config
         groups = cute.ceil_div(x.shape[0], config.row.rows_per_cta)
-        grid = backward_grid(config) if const_expr(self.persistent) else groups
-        partials = (partial_rows(config), config.n)
+        grid = backward_grid(config.row) if const_expr(self.persistent) else groups
+        partials = (partial_rows(config.row), config.n)
         self.kernel(
             x, dy, mean, rstd, scale, dx,
             cute.make_tensor(dscale.iterator, cute.make_layout(partials, stride=(config.n, 1))) if const_expr(self.want_dscale) else None,
@@ -279,7 +275,7 @@ class NormBackwardKernel:
                                coords, buffers, group, tidx)
 
         if const_expr(self.persistent):
-            pcoords_all = cute.make_identity_tensor((partial_rows(config), n))
+            pcoords_all = cute.make_identity_tensor((partial_rows(config.row), n))
             if const_expr(self.want_dscale):
                 store_step(row_operand(dscale, copy_partial, pcoords_all, config, (bidx, None), tidx), 0, acc_scale.load())
             if const_expr(self.want_dbias):

@@ -5,8 +5,11 @@ Built on the row core of :mod:`.reduction`. The logsumexp of a row is computed o
 keeps (running max, the finite shift ``c`` used so far, s = sum exp(x - c)) and rescales ``s``
 when the max grows, so a row streamed in several steps is still read once; rows that fit
 (:func:`.reduction.row_geometry`) stay in registers, and softmax then writes y without a second
-read. Shifts are the max when it is finite and 0 otherwise, so rows of -inf give lse = -inf,
-rows holding +inf give +inf and NaN propagates -- the same rule as ``jax.nn.logsumexp``.
+read. Shifts are the max when it is finite and 0 otherwise, so rows of -inf give lse = -inf, rows
+holding +inf give +inf and NaN propagates -- the same rule as ``jax.nn.logsumexp``.
+
+Each kernel takes its config (a :class:`.reduction.RowGeometry`) at construction; the heuristic
+and the autotuner's candidates come from :mod:`.reduction` with the kernel's ``VALUES_PER_THREAD``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from cutelayers.kernels.reduction import (
     load_step,
     nan_max,
     row_allreduce,
-    row_geometry,
     row_operand,
     row_sum,
     row_tiled_copy,
@@ -104,8 +106,10 @@ def label_mask(op, step, label):
 class SoftmaxForwardKernel:
     """y = exp(x - lse) (softmax) or x - lse (log-softmax). Launcher ``(stream, x, y)``."""
 
-    def __init__(self, n: int, elem_bits: int, *, log: bool):
-        self.geometry = row_geometry(n, elem_bits, FORWARD_VALUES_PER_THREAD)
+    VALUES_PER_THREAD = FORWARD_VALUES_PER_THREAD
+
+    def __init__(self, geometry: RowGeometry, *, log: bool):
+        self.geometry = geometry
         self.log = log
 
     @cute.jit
@@ -144,8 +148,10 @@ class SoftmaxBackwardKernel:
     """dx = y (dy - sum(dy y)) (softmax) or dy - exp(y) sum(dy) (log-softmax).
     Launcher ``(stream, y, dy, dx)``."""
 
-    def __init__(self, n: int, elem_bits: int, *, log: bool):
-        self.geometry = row_geometry(n, elem_bits, BACKWARD_VALUES_PER_THREAD)
+    VALUES_PER_THREAD = BACKWARD_VALUES_PER_THREAD
+
+    def __init__(self, geometry: RowGeometry, *, log: bool):
+        self.geometry = geometry
         self.log = log
 
     @cute.jit
@@ -198,8 +204,10 @@ class CrossEntropyForwardKernel:
     (0 for ``ignore_index``, NaN for other labels outside [0, V)). One read of x.
     Launcher ``(stream, x, [labels], lse, [loss])``."""
 
-    def __init__(self, n: int, elem_bits: int, with_labels: bool, ignore_index, smoothing: float, z_loss: float):
-        self.geometry = row_geometry(n, elem_bits, FORWARD_VALUES_PER_THREAD)
+    VALUES_PER_THREAD = FORWARD_VALUES_PER_THREAD
+
+    def __init__(self, geometry: RowGeometry, with_labels: bool, ignore_index, smoothing: float, z_loss: float):
+        self.geometry = geometry
         self.with_labels, self.ignore_index = with_labels, ignore_index
         self.smoothing, self.z_loss = smoothing, z_loss
 
@@ -262,8 +270,10 @@ class CrossEntropyBackwardKernel:
     """dx = dloss (exp(x - lse)(1 + 2 z lse) - (1-a) onehot(label) - a/V): one read of x, one write
     of dx, no reduction. Launcher ``(stream, x, labels, lse, dloss, dx)``."""
 
-    def __init__(self, n: int, elem_bits: int, ignore_index, smoothing: float, z_loss: float):
-        self.geometry = row_geometry(n, elem_bits, FORWARD_VALUES_PER_THREAD)
+    VALUES_PER_THREAD = FORWARD_VALUES_PER_THREAD
+
+    def __init__(self, geometry: RowGeometry, ignore_index, smoothing: float, z_loss: float):
+        self.geometry = geometry
         self.ignore_index, self.smoothing, self.z_loss = ignore_index, smoothing, z_loss
 
     @cute.jit

@@ -1,4 +1,5 @@
-"""Shared plumbing of row-wise ops: argument checks, (rows, features) views, vmap folding."""
+"""Shared plumbing of row-wise ops: argument checks, (rows, features) views, vmap folding, and
+the tunable row-kernel family."""
 
 from __future__ import annotations
 
@@ -10,8 +11,60 @@ import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
 from cutelayers.runtime.placement import check_arrays
-from cutelayers.runtime.primitive import KernelFamily, kernel_call
+from cutelayers.runtime.primitive import kernel_call
 from cutelayers.runtime.tensors import FLOAT_DTYPES
+from cutelayers.tuning import TunableFamily, dtype_names
+
+
+class RowKernelFamily(TunableFamily):
+    """A tunable family of row kernels on (rows, n) operands; its config is a
+    :class:`cutelayers.kernels.reduction.RowConfig`.
+
+    Subclasses give ``kernel_class()`` (imported when called: importing cutelayers does not import
+    CuTe), whose ``VALUES_PER_THREAD`` selects the heuristic (:func:`.row_geometry`) and the space
+    (:func:`.row_geometry_space`) of :mod:`cutelayers.kernels.reduction` for register-resident row
+    kernels -- or override ``default_config`` and ``config_space`` (the row-reduce kernel) -- and
+    may override ``row_dtypes(avals)``: the dtypes of the operands the kernel walks along the row
+    (the widest sets the vector width; default: the first operand's). The tuned table's key is
+    those dtypes and N.
+    """
+
+    def kernel_class(self):
+        raise NotImplementedError
+
+    def row_dtypes(self, avals) -> tuple:
+        return (avals[0].dtype,)
+
+    def row_length(self, avals) -> int:
+        return avals[0].shape[-1]
+
+    def elem_bits(self, avals) -> int:
+        return max(jnp.dtype(d).itemsize * 8 for d in self.row_dtypes(avals))
+
+    def default_config(self, avals):
+        from cutelayers.kernels.reduction import row_geometry
+
+        return row_geometry(self.row_length(avals), self.elem_bits(avals), self.kernel_class().VALUES_PER_THREAD).row
+
+    def config_space(self, avals) -> tuple:
+        from cutelayers.kernels.reduction import row_geometry_space
+
+        space = row_geometry_space(self.row_length(avals), self.elem_bits(avals), self.kernel_class().VALUES_PER_THREAD)
+        return tuple(g.row for g in space)
+
+    def tuning_key(self, avals):
+        return dtype_names(self.row_dtypes(avals)), (("n", self.row_length(avals)),)
+
+    def config_from_fields(self, fields: dict):
+        from cutelayers.kernels.reduction import RowConfig
+
+        return RowConfig(**fields)
+
+    def geometry(self, avals):
+        """The chosen config applied to these operands' rows."""
+        from cutelayers.kernels.reduction import geometry_for
+
+        return geometry_for(self.chosen_config(), self.row_length(avals), self.elem_bits(avals))
 
 
 def check_float_array(op: str, name: str, x, min_rank: int = 1) -> jax.Array:
@@ -43,8 +96,9 @@ def normalize_axis(op: str, axis, ndim: int) -> int:
     return axis % ndim
 
 
-def call_on_rows(family: KernelFamily, *row_args: jax.Array, params: tuple = ()) -> tuple[jax.Array, ...]:
-    """Run ``family`` on row-wise arrays viewed as (rows, ...), then restore the leading shape.
+def call_on_rows(family: RowKernelFamily, *row_args: jax.Array, params: tuple = ()) -> tuple[jax.Array, ...]:
+    """Run ``family`` (its config chosen for these operands) on row-wise arrays viewed as
+    (rows, ...), then restore the leading shape.
 
     The first argument's leading dims (all but the last) are the rows; every row-wise argument
     has those leading dims plus its own trailing ones (x (..., N), labels (...)). ``params`` pass
@@ -53,6 +107,7 @@ def call_on_rows(family: KernelFamily, *row_args: jax.Array, params: tuple = ())
     lead = row_args[0].shape[:-1]
     rows = tuple(a.reshape(-1, *a.shape[len(lead):]) for a in row_args)
     operands = (*rows, *params)
+    family = family.resolved(operands)
     if rows[0].shape[0] == 0:
         outs = [jnp.zeros(o.shape, o.dtype) for o in family.out_avals(operands)]
     else:

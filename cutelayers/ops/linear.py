@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +42,12 @@ from jax.custom_batching import custom_vmap
 
 from cutelayers import backend as _backend
 from cutelayers.ops._rowwise import check_float_array, row_batched
-from cutelayers.runtime.primitive import KernelFamily, kernel_call
+from cutelayers.runtime.primitive import kernel_call
+from cutelayers.runtime.sharding import ShardingRule, run_kernel, sum_partials, vary_like
+from cutelayers.tuning import TunableFamily
+
+if TYPE_CHECKING:
+    from cutelayers.kernels.gemm import GemmConfig
 
 # Activation names and their fp32 jnp definitions (the kernel epilogue implements the same
 # formulas). "gelu" is jax.nn.gelu's default tanh approximation.
@@ -105,19 +111,82 @@ def resolve_activation(activation) -> tuple[str, object]:
 #
 # Every GEMM operand reaches the kernel as a rank-3 (L, rows, features) array; ``modes`` present
 # it in the kernel's (M|N, K, L) order without copying. Forward and dx use L = 1 (a static dim);
-# dkernel uses L for the vmap batch.
+# dkernel uses L for the vmap batch. ``config``: the kernel's GemmConfig, chosen for the operands by
+# :meth:`~cutelayers.tuning.TunableFamily.resolved` (tuned table, else ``config_class``); the
+# heuristic depends on the concrete row count, which the compile key leaves out, so a family
+# carries its config.
 
 _ROWS = (1, 2, 0)  # (1, M, F) -> (M, F, 1): rows M, features F contiguous
 _WEIGHT_AS_N_K = (2, 1, 0)  # (1, K, N) -> (N, K, 1): kernel as the forward's B, N contiguous
 _TRANSPOSED = (2, 1, 0)  # (L, M, F) -> (F, M, L): the rows become the contraction
 
 
-class _GemmFamily(KernelFamily):
-    """Shared plumbing: operand kinds decide modes and symbolic dims."""
+class _GemmFamily(TunableFamily):
+    """Shared plumbing: operand kinds decide modes and symbolic dims; sharding factors decide how
+    the GEMM runs on a mesh (:mod:`cutelayers.runtime.sharding`)."""
 
     def kinds(self) -> tuple[str, ...]:
         """Kind of every operand and result: rows / weight / vector / batched / batched_out."""
         raise NotImplementedError
+
+    def factors(self) -> tuple[tuple, tuple]:
+        """Sharding factor per dim of every operand and of every result (einsum-like)."""
+        raise NotImplementedError
+
+    def layer_dims(self, avals) -> tuple[int, int]:
+        """The layer's (K, N) as these operands hold them."""
+        raise NotImplementedError
+
+    # --- configs: every entry of the kernel's CONFIGS is valid for every shape (TMA clips tails)
+
+    contracts_rows = False  # dkernel: the symbolic rows are the GEMM's contraction
+
+    def gemm_shape(self, avals) -> tuple[int, int, int]:
+        """(M, N, K) of the GEMM on these operands: output (M, N), contraction K."""
+        raise NotImplementedError
+
+    def default_config(self, avals):
+        from cutelayers.kernels.gemm import CONFIGS, config_class
+
+        m, n, _ = self.gemm_shape(avals)
+        return CONFIGS[config_class(m, n)]
+
+    def config_space(self, avals) -> tuple:
+        from cutelayers.kernels.gemm import CONFIGS
+
+        return tuple(CONFIGS.values())
+
+    def tuning_key(self, avals):
+        """dtype, and the GEMM's static sizes with the bucket of a symbolic M."""
+        from cutelayers.kernels.gemm import row_bucket
+
+        m, n, k = self.gemm_shape(avals)
+        dims = (("m", m), ("n", n)) if self.contracts_rows else (("m", row_bucket(m)), ("k", k), ("n", n))
+        return jnp.dtype(avals[0].dtype).name, dims
+
+    def config_from_fields(self, fields: dict):
+        from cutelayers.kernels.gemm import GemmConfig
+
+        return GemmConfig(**fields)
+
+    def sharding_rule(self, avals) -> ShardingRule:
+        operands, results = self.factors()
+        rule = ShardingRule(operands, results)
+        return dataclasses.replace(rule, per_shard=functools.partial(self.per_shard, rule))
+
+    def per_shard(self, rule, ctx, *operands):
+        """One device's part: the GEMM on its shards; results that lack a sharded factor of the
+        operands (the contraction) are partial sums, psum'd."""
+        return sum_partials(rule, ctx, self.run_local(*operands))
+
+    def run_local(self, *operands):
+        """This GEMM on one device's operands; the jnp reference where sharding left K or N per
+        device no multiple of 8 (TMA alignment)."""
+        use_kernels, why = kernels_apply(operands[0].dtype, *self.layer_dims(operands))
+        if not use_kernels:
+            _backend.log_once("reference", f"{self.name} on a shard: {why}")
+            return tuple(self.reference(*operands))
+        return run_kernel(self, *operands)
 
     def dynamic_dims_at(self, position, aval):
         kind = self.kinds()[position]
@@ -130,9 +199,9 @@ class _GemmFamily(KernelFamily):
         }[kind]
 
     def launcher(self, avals, out_avals):
-        from cutelayers.kernels.gemm import CONFIGS, HopperGemmKernel
+        from cutelayers.kernels.gemm import HopperGemmKernel
 
-        return HopperGemmKernel(CONFIGS[self.config], self.epilogue())
+        return HopperGemmKernel(self.chosen_config(), self.epilogue())
 
     def epilogue(self):
         from cutelayers.kernels.gemm import Epilogue
@@ -149,7 +218,7 @@ class LinearForward(_GemmFamily):
     has_bias: bool
     has_residual: bool
     store_preact: bool
-    config: str
+    config: GemmConfig | None = None
 
     name = "linear_fwd"
 
@@ -163,6 +232,33 @@ class LinearForward(_GemmFamily):
 
     def modes_at(self, position):
         return {"rows": _ROWS, "weight": _WEIGHT_AS_N_K, "vector": None}[self.kinds()[position]]
+
+    def factors(self):
+        # K sharded: row-parallel (partial sums); N sharded: column-parallel.
+        rows_n = (None, "rows", "n")
+        operands = (((None, "rows", "k"), (None, "k", "n")) + (("n",),) * self.has_bias
+                    + (rows_n,) * self.has_residual)
+        return operands, (rows_n,) * (1 + self.store_preact)
+
+    def layer_dims(self, avals):
+        return avals[0].shape[2], avals[1].shape[2]
+
+    def gemm_shape(self, avals):
+        return avals[0].shape[1], avals[1].shape[2], avals[0].shape[2]  # x (1, M, K), kernel (1, K, N)
+
+    def per_shard(self, rule, ctx, x, w, *rest):
+        fused = self.activation != "none" or self.has_bias or self.has_residual
+        if not (fused and ctx.sharded("k")):
+            return super().per_shard(rule, ctx, x, w, *rest)
+        # Row-parallel: every device holds a partial x @ kernel. Bias, activation and residual
+        # apply once, to the sum, so the kernel runs without its epilogue and XLA fuses the
+        # epilogue after the psum.
+        (partial,) = LinearForward("none", False, False, False, self.config).run_local(x, w)
+        rest = list(rest)
+        bias = rest.pop(0) if self.has_bias else None
+        residual = rest.pop(0)[0] if self.has_residual else None
+        y, z = apply_epilogue(ctx.psum(partial, {"k"})[0], bias, residual, self.activation, x.dtype)
+        return (y[None],) + ((z[None],) if self.store_preact else ())
 
     def epilogue(self):
         from cutelayers.kernels.gemm import Epilogue
@@ -186,7 +282,7 @@ class LinearForward(_GemmFamily):
 class LinearInputGrad(_GemmFamily):
     """Kernel family: dx (1, M, K) = dz (1, M, N) @ kernelᵀ, kernel (1, K, N) read as stored."""
 
-    config: str
+    config: GemmConfig | None = None
 
     name = "linear_dx"
     arg_names = ("dz", "kernel")
@@ -196,6 +292,16 @@ class LinearInputGrad(_GemmFamily):
 
     def modes_at(self, position):
         return _ROWS  # the kernel's (K, N) rows are the GEMM's N, its contiguous N the contraction
+
+    def factors(self):
+        # N is the contraction: with a column-parallel kernel each device's dx is a partial sum.
+        return ((None, "rows", "n"), (None, "k", "n")), ((None, "rows", "k"),)
+
+    def layer_dims(self, avals):
+        return avals[1].shape[1:]
+
+    def gemm_shape(self, avals):
+        return avals[0].shape[1], avals[1].shape[1], avals[1].shape[2]  # dz (1, M, N), kernel (1, K, N)
 
     def out_avals(self, avals):
         dz, w = avals
@@ -209,7 +315,8 @@ class LinearInputGrad(_GemmFamily):
 class LinearWeightGrad(_GemmFamily):
     """Kernel family: dkernel (L, K, N) = x (L, M, K)ᵀ @ dz (L, M, N) per batch index l."""
 
-    config: str
+    config: GemmConfig | None = None
+    contracts_rows = True
 
     name = "linear_dkernel"
     arg_names = ("x", "dz")
@@ -219,6 +326,17 @@ class LinearWeightGrad(_GemmFamily):
 
     def modes_at(self, position):
         return _TRANSPOSED if position < 2 else _ROWS
+
+    def factors(self):
+        # The rows are the contraction: with row-sharded x and dz (data parallel) each device's
+        # dkernel is a partial sum, psum'd -- the data-parallel gradient all-reduce.
+        return ((("batch", "rows", "k"), ("batch", "rows", "n")), (("batch", "k", "n"),))
+
+    def layer_dims(self, avals):
+        return avals[0].shape[2], avals[1].shape[2]
+
+    def gemm_shape(self, avals):
+        return avals[0].shape[2], avals[1].shape[2], avals[0].shape[1]  # x (L, M, K), dz (L, M, N)
 
     def out_avals(self, avals):
         x, dz = avals
@@ -246,13 +364,19 @@ def forward_reference(x, kernel, bias, residual, activation: str, precision=None
     z = x @ kernel + bias accumulated in fp32; y = act(z) + residual computed in fp32; both
     returned in x's dtype (z is what the backward saves).
     """
-    z = _matmul(x, kernel, precision)
+    return apply_epilogue(_matmul(x, kernel, precision), bias, residual, activation, x.dtype)
+
+
+def apply_epilogue(product, bias, residual, activation: str, dtype):
+    """(y, z) in ``dtype`` from the fp32 product x @ kernel: z = product + bias,
+    y = act(z) + residual, computed in fp32."""
+    z = product.astype(jnp.float32)
     if bias is not None:
         z = z + bias.astype(jnp.float32)
     y = ACTIVATION_FUNCTIONS[activation](z)
     if residual is not None:
         y = y + residual.astype(jnp.float32)
-    return y.astype(x.dtype), z.astype(x.dtype)
+    return y.astype(dtype), z.astype(dtype)
 
 
 def preact_grad(z, dy, activation: str):
@@ -266,12 +390,6 @@ def preact_grad(z, dy, activation: str):
 
 # --- kernel calls on (rows, features) arrays -------------------------------------------------------
 
-def _config(m: int, n: int) -> str:
-    from cutelayers.kernels.gemm import config_class
-
-    return config_class(m, n)
-
-
 def _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kernels, precision):
     """y [, z] for x (..., K): one kernel launch on x's rows (or the jnp reference)."""
     lead, n = x.shape[:-1], kernel.shape[1]
@@ -282,12 +400,12 @@ def _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kerne
     m = rows.shape[1]
     if m == 0:
         return (jnp.zeros((*lead, n), x.dtype),) * (1 + store_preact)
-    family = LinearForward(activation, bias is not None, residual is not None, store_preact, _config(m, n))
     operands = [rows, kernel[None]]
     if bias is not None:
         operands.append(bias)
     if residual is not None:
         operands.append(residual.reshape(1, m, n))
+    family = LinearForward(activation, bias is not None, residual is not None, store_preact).resolved(operands)
     return tuple(o.reshape(*lead, n) for o in kernel_call(family, *operands))
 
 
@@ -299,7 +417,8 @@ def _input_grad_rows(dz, kernel, use_kernels, precision):
     rows = dz.reshape(1, -1, dz.shape[-1])
     if rows.shape[1] == 0:
         return jnp.zeros((*lead, k), dz.dtype)
-    (dx,) = kernel_call(LinearInputGrad(_config(rows.shape[1], k)), rows, kernel[None])
+    operands = (rows, kernel[None])
+    (dx,) = kernel_call(LinearInputGrad().resolved(operands), *operands)
     return dx.reshape(*lead, k)
 
 
@@ -309,7 +428,7 @@ def _weight_grad_batched(x, dz, use_kernels, precision):
     dz = dz.reshape(dz.shape[0], -1, dz.shape[-1])
     if not use_kernels or x.shape[1] == 0:
         return _weight_grad_einsum(x, dz, precision)
-    (dw,) = kernel_call(LinearWeightGrad(_config(x.shape[2], dz.shape[2])), x, dz)
+    (dw,) = kernel_call(LinearWeightGrad().resolved((x, dz)), x, dz)
     return dw
 
 
@@ -462,6 +581,7 @@ def fused_linear(x, kernel, bias=None, *, activation=None, residual=None, precis
     if not use_kernels:
         _backend.log_once("reference", f"{op}: {why}")
     has_bias = bias is not None
+    kernel, bias = vary_like(x, kernel, bias)  # shared by every shard inside shard_map
     if unfused is None:
         return _linear_fn(fused, has_bias, residual is not None, use_kernels, precision)(x, kernel, bias, residual)
     z = _linear_fn("none", has_bias, False, use_kernels, precision)(x, kernel, bias, None)

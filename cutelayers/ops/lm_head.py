@@ -38,6 +38,7 @@ from cutelayers import backend as _backend
 from cutelayers.ops.linear import (check_linear_operands, fused_linear, input_grad_fn, kernels_apply,
                                    weight_grad_fn)
 from cutelayers.ops.softmax import check_labels, cross_entropy_kernels
+from cutelayers.runtime.sharding import vary_like
 
 F32 = jnp.float32
 LOGITS_CHUNK_BYTES = 256 * 2**20  # default bound on one chunk's float32 logits
@@ -87,7 +88,8 @@ def _chunked_loss_fn(ignore_index, use_kernels: bool):
                 dbias = dbias + jnp.sum(dz.astype(F32), axis=0)
             return (dkernel, dbias), input_grad(dz, kernel)
 
-        init = (jnp.zeros(kernel.shape, F32), None if bias is None else jnp.zeros(bias.shape, F32))
+        # zeros_like: the accumulators take the parameters' type (varying inside shard_map)
+        init = (jnp.zeros_like(kernel, F32), None if bias is None else jnp.zeros_like(bias, F32))
         (dkernel, dbias), dh = jax.lax.scan(step, init, (h, labels, lse, dloss.astype(F32)))
         dbias = None if bias is None else dbias.astype(bias.dtype)
         return dh, None, dkernel.astype(kernel.dtype), dbias
@@ -145,6 +147,7 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
         # zero cotangents and contribute nothing to the gradients
         h_chunks = jnp.pad(h.reshape(tokens, hidden), ((0, pad), (0, 0))).reshape(n_chunks, rows, hidden)
         label_chunks = jnp.pad(labels.reshape(tokens), (0, pad)).reshape(n_chunks, rows)
+        kernel, bias = vary_like(h, kernel, bias)  # shared by every shard inside shard_map
         losses = _chunked_loss_fn(ignore_index, use_kernels)(h_chunks, label_chunks, kernel, bias)
         losses = losses.reshape(-1)[:tokens].reshape(lead)
 

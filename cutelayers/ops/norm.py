@@ -22,21 +22,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-from cutelayers.ops._rowwise import check_float_array
-from cutelayers.runtime.primitive import KernelFamily, kernel_call
+from cutelayers.ops._rowwise import RowKernelFamily, check_float_array
+from cutelayers.runtime.primitive import kernel_call
+from cutelayers.runtime.sharding import ShardingRule, run_kernel, vary_like
 from cutelayers.runtime.tensors import FLOAT_DTYPES
 
+if TYPE_CHECKING:
+    from cutelayers.kernels.reduction import RowConfig
 
-def _bits(*dtypes) -> int:
-    return max(jnp.dtype(d).itemsize * 8 for d in dtypes)
 
-
-class _RowsFamily(KernelFamily):
+class _RowsFamily(RowKernelFamily):
     """Operand convention of the norm kernels: rank-2 arrays are per-row (rows, ...) with a
     symbolic row count; rank-1 arrays (scale, bias, flat partials) are fully static."""
 
@@ -49,6 +50,8 @@ class NormForward(_RowsFamily):
     """Kernel family: y (M, N), [mean (M, 1)], rstd (M, 1) from x (M, N), [scale (N,)], [bias (N,)].
 
     ``center``: LayerNorm (subtract the mean) rather than RMSNorm. ``out_dtype``: y's dtype name.
+    ``config``: the kernel's :class:`~cutelayers.kernels.reduction.RowConfig` (see
+    :class:`~cutelayers.tuning.TunableFamily`).
     """
 
     center: bool
@@ -56,6 +59,7 @@ class NormForward(_RowsFamily):
     has_bias: bool
     epsilon: float
     out_dtype: str
+    config: RowConfig | None = None
 
     @property
     def name(self) -> str:
@@ -76,12 +80,17 @@ class NormForward(_RowsFamily):
                                           out_dtype=self.out_dtype)
         return (y,) + (mean[:, None],) * self.center + (rstd[:, None],)
 
-    def launcher(self, avals, out_avals):
-        from cutelayers.kernels.norm import NormForwardKernel, forward_config
+    def kernel_class(self):
+        from cutelayers.kernels.norm import NormForwardKernel
 
-        config = forward_config(avals[0].shape[1], _bits(*(a.dtype for a in (*avals, out_avals[0]))))
-        return NormForwardKernel(config, center=self.center, has_scale=self.has_scale,
-                                 has_bias=self.has_bias, epsilon=self.epsilon)
+        return NormForwardKernel
+
+    def row_dtypes(self, avals):
+        return (*(a.dtype for a in avals), self.out_dtype)  # x, scale, bias and y
+
+    def launcher(self, avals, out_avals):
+        return self.kernel_class()(self.geometry(avals), center=self.center, has_scale=self.has_scale,
+                                   has_bias=self.has_bias, epsilon=self.epsilon)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,14 +98,15 @@ class NormBackward(_RowsFamily):
     """Kernel family: dx (M, N), [dscale_partial (P*N,)], [dbias_partial (P*N,)] from x (M, N),
     dy (M, N), [mean (M, 1)], rstd (M, 1), [scale (N,)].
 
-    Partials are fp32; their row sum (over P) is dscale / dbias. P comes from the kernel's config
-    table (:func:`cutelayers.kernels.norm.partial_rows`), so it is fixed per (N, dtypes).
+    Partials are fp32; their row sum (over P) is dscale / dbias. P comes from the config
+    (:func:`cutelayers.kernels.norm.partial_rows`), so it is fixed per compile key.
     """
 
     center: bool
     has_scale: bool
     want_dscale: bool
     want_dbias: bool
+    config: RowConfig | None = None
 
     @property
     def name(self) -> str:
@@ -106,17 +116,33 @@ class NormBackward(_RowsFamily):
     def arg_names(self) -> tuple[str, ...]:
         return ("x", "dy") + ("mean",) * self.center + ("rstd",) + ("scale",) * self.has_scale
 
+    def sharding_rule(self, avals) -> ShardingRule:
+        # Rows may be sharded; the partials lack them, so they are summed across devices.
+        per_row = ("rows", None)
+        operands = (per_row,) * (3 + self.center) + ((None,),) * self.has_scale
+        results = (per_row,) + ((None,),) * (self.want_dscale + self.want_dbias)
+        return ShardingRule(operands, results, per_shard=self.per_shard)
+
+    def per_shard(self, ctx, x, *rest):
+        dx, *partials = run_kernel(self, x, *rest)
+        if not ctx.sharded("rows"):
+            return (dx, *partials)
+        # Each device sums its P partial rows first, so the psum moves N floats, not P x N (MBs).
+        n = x.shape[1]
+        sums = [ctx.psum(jnp.sum(p.reshape(-1, n), axis=0), {"rows"}) for p in partials]
+        return (dx, *(jnp.zeros(p.shape, jnp.float32).at[:n].set(v) for p, v in zip(partials, sums)))
+
     def out_avals(self, avals):
         x = avals[0]
-        partial = jax.ShapeDtypeStruct((self.partial_rows(avals) * x.shape[1],), jnp.float32)
+        partial = jax.ShapeDtypeStruct((self.partial_rows() * x.shape[1],), jnp.float32)
         return (jax.ShapeDtypeStruct(x.shape, x.dtype),) + (partial,) * (self.want_dscale + self.want_dbias)
 
-    def partial_rows(self, avals) -> int:
+    def partial_rows(self) -> int:
         if not (self.want_dscale or self.want_dbias):
             return 0
-        from cutelayers.kernels.norm import backward_config, partial_rows
+        from cutelayers.kernels.norm import partial_rows
 
-        return partial_rows(backward_config(avals[0].shape[1], _backward_bits(avals, self.has_scale)))
+        return partial_rows(self.chosen_config())
 
     def reference(self, x, dy, *rest):
         rest = list(rest)
@@ -124,23 +150,24 @@ class NormBackward(_RowsFamily):
         rstd = rest.pop(0)[:, 0]
         scale = rest.pop(0) if self.has_scale else None
         dx, dscale, dbias = backward_reference(x, dy, mean, rstd, scale)
-        p = self.partial_rows((x, dy))
+        p = self.partial_rows()
         # The whole sum in the first partial row: summing over P gives the same result.
         pad = lambda v: jnp.zeros((p, x.shape[1]), jnp.float32).at[0].set(v).reshape(-1)
         return (dx,) + tuple(pad(v) for v, want in ((dscale, self.want_dscale), (dbias, self.want_dbias)) if want)
 
+    def kernel_class(self):
+        from cutelayers.kernels.norm import NormBackwardKernel
+
+        return NormBackwardKernel
+
+    def row_dtypes(self, avals):
+        # x, dy and scale are the row-shaped operands whose loads share one vector width (dx has x's
+        # dtype); the (M, 1) statistics are read one value per row.
+        return (avals[0].dtype, avals[1].dtype) + ((avals[-1].dtype,) if self.has_scale else ())
+
     def launcher(self, avals, out_avals):
-        from cutelayers.kernels.norm import NormBackwardKernel, backward_config
-
-        config = backward_config(avals[0].shape[1], _backward_bits(avals, self.has_scale))
-        return NormBackwardKernel(config, center=self.center, has_scale=self.has_scale,
-                                  want_dscale=self.want_dscale, want_dbias=self.want_dbias)
-
-
-def _backward_bits(avals, has_scale: bool) -> int:
-    # x, dy and scale are the row-shaped operands whose loads share one vector width (dx has x's
-    # dtype); the (M, 1) statistics are read one value per row.
-    return _bits(avals[0].dtype, avals[1].dtype, *((avals[-1].dtype,) if has_scale else ()))
+        return self.kernel_class()(self.geometry(avals), center=self.center, has_scale=self.has_scale,
+                                   want_dscale=self.want_dscale, want_dbias=self.want_dbias)
 
 
 def _split_params(params, has_scale: bool, has_bias: bool):
@@ -201,8 +228,10 @@ def backward_reference(x, dy, mean, rstd, scale):
 
 # --- kernel calls on (rows, N) views ------------------------------------------------------------
 
-def _call_rows(family: KernelFamily, args):
-    """``family`` on already (rows, ...)-shaped ``args``; an empty row count skips the launch."""
+def _call_rows(family: _RowsFamily, args):
+    """``family`` (its config chosen for ``args``) on already (rows, ...)-shaped ``args``; an empty
+    row count skips the launch."""
+    family = family.resolved(args)
     if args[0].shape[0] == 0:
         return tuple(jnp.zeros(o.shape, o.dtype) for o in family.out_avals(args))
     return kernel_call(family, *args)
@@ -254,7 +283,7 @@ def _batch_rows(args, in_batched, axis_size: int, has_scale: bool):
             for i, (a, b) in enumerate(zip(args, in_batched))]
 
 
-def _backward_core(center: bool, has_scale: bool, has_bias: bool, bits: int):
+def _backward_core(center: bool, has_scale: bool, has_bias: bool):
     """custom_vmap'd ``(x, dy, [mean], rstd, [scale]) -> (dx, [dscale], [dbias])`` (fp32 dparams)."""
 
     def split(args):
@@ -269,15 +298,16 @@ def _backward_core(center: bool, has_scale: bool, has_bias: bool, bits: int):
 
     def unbatched(*args):
         x, dy, mean, rstd, scale = split(args)
-        from cutelayers.kernels.norm import backward_config
-
-        if not backward_config(x.shape[-1], bits).resident:
+        rows = _backward_args(args, center)
+        family = NormBackward(center, has_scale, has_scale, has_bias).resolved(rows)
+        # Every candidate config keeps a row resident exactly when the heuristic does, so this
+        # choice agrees with the dx-only family's config.
+        if not family.geometry(rows).resident:
             # Rows too long for register accumulators: dx from the kernel, dscale/dbias from XLA.
             dx = dx_only(*args)
             _, dscale, dbias = backward_reference(x, dy, mean, rstd, None)
             return (dx,) + (dscale,) * has_scale + (dbias,) * has_bias
-        family = NormBackward(center, has_scale, has_scale, has_bias)
-        dx, *partials = _call_rows(family, _backward_args(args, center))
+        dx, *partials = _call_rows(family, rows)
         n = x.shape[-1]
         return (dx.reshape(x.shape),) + tuple(jnp.sum(p.reshape(-1, n), axis=0) for p in partials)
 
@@ -333,9 +363,9 @@ def _dx_core(center: bool, has_scale: bool):
 
 
 @functools.cache
-def _norm_fn(center: bool, has_scale: bool, has_bias: bool, epsilon: float, out_dtype: str, bwd_bits: int):
+def _norm_fn(center: bool, has_scale: bool, has_bias: bool, epsilon: float, out_dtype: str):
     forward = _forward_core(center, has_scale, has_bias, epsilon, out_dtype)
-    backward = _backward_core(center, has_scale, has_bias, bwd_bits)
+    backward = _backward_core(center, has_scale, has_bias)
 
     @jax.custom_vjp
     def norm(x, *params):
@@ -383,10 +413,8 @@ def _check(op: str, x, scale, bias, epsilon, dtype):
 def _norm(op: str, center: bool, x, scale, bias, epsilon, dtype):
     x, params, epsilon, out_dtype = _check(op, x, scale, bias, epsilon, dtype)
     has_scale, has_bias = "scale" in params, "bias" in params
-    # dy has the output's dtype; x, dy and scale share the backward's vector width.
-    bwd_bits = _bits(x.dtype, out_dtype, *((params["scale"].dtype,) if has_scale else ()))
-    fn = _norm_fn(center, has_scale, has_bias, epsilon, out_dtype.name, bwd_bits)
-    return fn(x, *params.values())
+    fn = _norm_fn(center, has_scale, has_bias, epsilon, out_dtype.name)
+    return fn(x, *vary_like(x, *params.values()))
 
 
 def layer_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | None = None, *,

@@ -10,19 +10,27 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
-from cutelayers.ops._rowwise import call_on_rows, check_float_array, normalize_axis, row_batched
-from cutelayers.runtime.primitive import KernelFamily
+from cutelayers.ops._rowwise import RowKernelFamily, call_on_rows, check_float_array, normalize_axis, row_batched
+
+if TYPE_CHECKING:
+    from cutelayers.kernels.reduction import RowConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class RowReduce(KernelFamily):
-    """Kernel family: out[r] = reduce(x[r, :]) for ``kind`` in sum / mean / max."""
+class RowReduce(RowKernelFamily):
+    """Kernel family: out[r] = reduce(x[r, :]) for ``kind`` in sum / mean / max.
+
+    ``config``: the kernel's RowConfig, chosen by the op for its operands. The row-reduce kernel
+    always streams its rows, so it has its own heuristic and config space.
+    """
 
     kind: str
+    config: RowConfig | None = None
     arg_names = ("x",)
 
     @property
@@ -36,14 +44,23 @@ class RowReduce(KernelFamily):
     def reference(self, x):
         return (reference(self.kind, x),)
 
+    def default_config(self, avals):
+        from cutelayers.kernels.reduction import row_config
+
+        return row_config(self.row_length(avals), self.elem_bits(avals))
+
+    def config_space(self, avals) -> tuple:
+        from cutelayers.kernels.reduction import row_config_space
+
+        return row_config_space(self.row_length(avals), self.elem_bits(avals))
+
     def launcher(self, avals, out_avals):
         from cutelayers.kernels.reduction import RowReduceKernel
 
-        (x,) = avals
-        n = x.shape[1]
+        n = self.row_length(avals)
         op = "max" if self.kind == "max" else "sum"
         scale = 1.0 / n if self.kind == "mean" else 1.0
-        return RowReduceKernel(n, op, scale, jnp.dtype(x.dtype).itemsize * 8)
+        return RowReduceKernel(n, op, scale, self.elem_bits(avals), self.chosen_config())
 
 
 def reference(kind: str, x: jax.Array) -> jax.Array:

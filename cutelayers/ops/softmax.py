@@ -18,29 +18,31 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cutelayers.ops._rowwise import call_on_rows, check_float_array, row_batched
-from cutelayers.runtime.primitive import KernelFamily
+from cutelayers.ops._rowwise import RowKernelFamily, call_on_rows, check_float_array, row_batched
+
+if TYPE_CHECKING:
+    from cutelayers.kernels.reduction import RowConfig
 
 F32 = jnp.float32
 
 
-def _bits(aval) -> int:
-    return jnp.dtype(aval.dtype).itemsize * 8
-
-
 # --- kernel families -----------------------------------------------------------------------------
+#
+# ``config``: the kernel's RowConfig, chosen by the op for its operands (see RowKernelFamily).
 
 
 @dataclasses.dataclass(frozen=True)
-class SoftmaxForward(KernelFamily):
-    """y = softmax(x) or log_softmax(x) per row; y in x's dtype, lse (M,) fp32 for the backward."""
+class SoftmaxForward(RowKernelFamily):
+    """y = softmax(x) or log_softmax(x) per row; y in x's dtype."""
 
     log: bool
+    config: RowConfig | None = None
     arg_names = ("x",)
 
     @property
@@ -57,17 +59,21 @@ class SoftmaxForward(KernelFamily):
         y = x32 - lse[:, None] if self.log else jnp.exp(x32 - lse[:, None])
         return (y.astype(x.dtype),)
 
-    def launcher(self, avals, out_avals):
+    def kernel_class(self):
         from cutelayers.kernels.softmax import SoftmaxForwardKernel
 
-        return SoftmaxForwardKernel(avals[0].shape[1], _bits(avals[0]), log=self.log)
+        return SoftmaxForwardKernel
+
+    def launcher(self, avals, out_avals):
+        return self.kernel_class()(self.geometry(avals), log=self.log)
 
 
 @dataclasses.dataclass(frozen=True)
-class SoftmaxBackward(KernelFamily):
+class SoftmaxBackward(RowKernelFamily):
     """dx from (y, dy): see the module docstring."""
 
     log: bool
+    config: RowConfig | None = None
     arg_names = ("y", "dy")
 
     @property
@@ -85,20 +91,27 @@ class SoftmaxBackward(KernelFamily):
             dx = y32 * (g - jnp.sum(g * y32, -1, keepdims=True))
         return (dx.astype(dy.dtype),)
 
-    def launcher(self, avals, out_avals):
+    def kernel_class(self):
         from cutelayers.kernels.softmax import SoftmaxBackwardKernel
 
-        return SoftmaxBackwardKernel(avals[0].shape[1], max(_bits(avals[0]), _bits(avals[1])), log=self.log)
+        return SoftmaxBackwardKernel
+
+    def row_dtypes(self, avals):
+        return (avals[0].dtype, avals[1].dtype)
+
+    def launcher(self, avals, out_avals):
+        return self.kernel_class()(self.geometry(avals), log=self.log)
 
 
 @dataclasses.dataclass(frozen=True)
-class CrossEntropyForward(KernelFamily):
+class CrossEntropyForward(RowKernelFamily):
     """Per-row lse (fp32), and with labels the per-row loss (fp32): one streaming read of x."""
 
     with_labels: bool
     ignore_index: int | None = None
     smoothing: float = 0.0
     z_loss: float = 0.0
+    config: RowConfig | None = None
 
     @property
     def name(self):
@@ -119,20 +132,24 @@ class CrossEntropyForward(KernelFamily):
             return (lse,)
         return lse, _ce_loss(x, labels, lse, self)
 
-    def launcher(self, avals, out_avals):
+    def kernel_class(self):
         from cutelayers.kernels.softmax import CrossEntropyForwardKernel
 
-        return CrossEntropyForwardKernel(avals[0].shape[1], _bits(avals[0]), self.with_labels,
-                                         self.ignore_index, self.smoothing, self.z_loss)
+        return CrossEntropyForwardKernel
+
+    def launcher(self, avals, out_avals):
+        return self.kernel_class()(self.geometry(avals), self.with_labels, self.ignore_index,
+                                   self.smoothing, self.z_loss)
 
 
 @dataclasses.dataclass(frozen=True)
-class CrossEntropyBackward(KernelFamily):
+class CrossEntropyBackward(RowKernelFamily):
     """dlogits from (logits, labels, lse, dloss) in one pass (no reduction)."""
 
     ignore_index: int | None = None
     smoothing: float = 0.0
     z_loss: float = 0.0
+    config: RowConfig | None = None
     arg_names = ("logits", "labels", "lse", "dloss")
 
     @property
@@ -145,11 +162,13 @@ class CrossEntropyBackward(KernelFamily):
     def reference(self, x, labels, lse, dloss):
         return (_ce_grad(x, labels, lse, dloss, self).astype(x.dtype),)
 
-    def launcher(self, avals, out_avals):
+    def kernel_class(self):
         from cutelayers.kernels.softmax import CrossEntropyBackwardKernel
 
-        return CrossEntropyBackwardKernel(avals[0].shape[1], _bits(avals[0]), self.ignore_index,
-                                          self.smoothing, self.z_loss)
+        return CrossEntropyBackwardKernel
+
+    def launcher(self, avals, out_avals):
+        return self.kernel_class()(self.geometry(avals), self.ignore_index, self.smoothing, self.z_loss)
 
 
 # --- jnp references (the same decomposition as the kernels) -------------------------------------

@@ -92,7 +92,9 @@ def load_object(path: Path):
     return getattr(load_module(str(path), enable_tvm_ffi=True), _FUNCTION)
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` to a temporary file beside ``path`` and rename it into place: readers see
+    the old file or the new one, never a part."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -149,10 +151,10 @@ class DiskEntry:
         """Write the object and then its metadata, each by atomic rename."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            _write_atomically(self.object_path, data)
+            write_atomically(self.object_path, data)
             meta = {"format": FORMAT, "key": self.key_text, "size": len(data),
                     "sha256": hashlib.sha256(data).hexdigest()}
-            _write_atomically(self.meta_path, json.dumps(meta, indent=1).encode())
+            write_atomically(self.meta_path, json.dumps(meta, indent=1).encode())
         except OSError as error:  # a read-only or full disk costs a recompile next time, no more
             _backend.warn_once(f"disk cache entry not written under {self.directory}: {error}")
 

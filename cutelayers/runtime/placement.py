@@ -1,9 +1,11 @@
-"""Placement checks: every kernel call runs on one device's arrays.
+"""Placement checks: every kernel launch runs on one device's arrays.
 
-Inside ``jax.shard_map`` each shard is a single-device array, so kernels are fine there. Outside it,
-a kernel call in a computation partitioned over several devices would make XLA gather every
-operand onto each device (or compute the wrong thing), so it is refused with a message that says
-what to do instead. The jnp reference path has no such limit: XLA partitions it like any jnp code.
+Inside ``jax.shard_map`` each shard is a single-device array, so kernels are fine there. Under
+``jax.jit``, arrays sharded over several devices go through the family's sharding rule
+(:mod:`cutelayers.runtime.sharding`), which runs the kernel per device or raises an error that
+names the argument. Eager calls run no partitioner, so they take single-device arrays only and
+refuse sharded ones with a message that says to jit the call. The jnp reference path has no such
+limit: XLA partitions it like any jnp code.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from jax._src import sharding_impls
 def check_arrays(arrays: Mapping[str, object], op: str) -> None:
     """Eager check: concrete arguments must live on one and the same single device.
 
-    Tracers are skipped (their placement is checked when the call is lowered).
+    Tracers are skipped (under jit the sharding rule decides; the lowering checks the rest).
     """
     device_sets = {}
     for name, x in arrays.items():
@@ -27,9 +29,10 @@ def check_arrays(arrays: Mapping[str, object], op: str) -> None:
         devices = x.sharding.device_set
         if len(devices) > 1:
             raise ValueError(
-                f"{op}: argument {name!r} is sharded over {len(devices)} devices "
-                f"({x.sharding}); a kernel call takes single-device arrays. Call {op} inside "
-                "jax.shard_map over your mesh so that each device runs it on its own shard."
+                f"{op}: argument {name!r} is sharded over {len(devices)} devices ({x.sharding}); "
+                f"called eagerly, a kernel takes single-device arrays. Call {op} under jax.jit "
+                "(arrays sharded over their rows then run per device), or inside jax.shard_map "
+                "over your mesh."
             )
         device_sets[name] = next(iter(devices))
     if len(set(device_sets.values())) > 1:
@@ -41,15 +44,16 @@ def check_arrays(arrays: Mapping[str, object], op: str) -> None:
 
 
 def check_lowering_context(ctx, op: str, arg_names) -> None:
-    """Lowering-time check for the kernel path: refuse multi-device SPMD outside shard_map."""
+    """Lowering-time check for the kernel path: refuse multi-device SPMD where no sharding rule
+    runs the kernel per device."""
     axis_context = ctx.module_context.axis_context
     if isinstance(axis_context, sharding_impls.ShardingContext):
         if axis_context.num_devices > 1:
             raise ValueError(
-                f"{op}: its arguments ({', '.join(arg_names)}) are in a computation partitioned "
-                f"over {axis_context.num_devices} devices outside jax.shard_map. The kernel runs "
-                "on single-device shards: wrap the call in jax.shard_map over your mesh (or use "
-                "the 'reference' backend, which XLA partitions itself)."
+                f"{op}: the kernel-call primitive for its arguments ({', '.join(arg_names)}) was "
+                f"bound directly in a computation partitioned over {axis_context.num_devices} "
+                "devices. Call it through cutelayers.runtime.primitive.kernel_call (which applies "
+                "the family's sharding rule), or inside jax.shard_map over your mesh."
             )
     elif isinstance(axis_context, sharding_impls.SPMDAxisContext):
         mesh = axis_context.mesh

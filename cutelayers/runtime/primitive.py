@@ -294,8 +294,11 @@ kernel_call_p.def_impl(functools.partial(dispatch.apply_primitive, kernel_call_p
 
 
 def kernel_call(family: KernelFamily, *arrays) -> tuple[jax.Array, ...]:
-    """Call ``family``'s kernel on ``arrays``; returns the tuple of results."""
-    return tuple(kernel_call_p.bind(*arrays, family=family))
+    """Call ``family``'s kernel on ``arrays``; returns the tuple of results. Sharded arrays run
+    per device by the family's sharding rule (:mod:`cutelayers.runtime.sharding`)."""
+    from cutelayers.runtime import sharding  # imported here: it builds on this module
+
+    return sharding.call(family, arrays)
 
 
 @kernel_call_p.def_abstract_eval

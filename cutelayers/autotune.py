@@ -1,0 +1,464 @@
+"""Autotuning: sweep each kernel family's configs on the GPU and store the winners.
+
+    python -m cutelayers.autotune --op layer_norm --shape 32768x4096 --dtype bfloat16
+    python -m cutelayers.autotune --op linear --shape 8192x4096x4096 4096x1024x4096 --output table.json
+    python -m cutelayers.autotune --op cross_entropy --shape 8192x32768 --dry-run   # no GPU needed
+
+An op names the kernel families it runs (``layer_norm``: ``layer_norm_fwd`` and ``layer_norm_bwd``;
+``linear``: ``linear_fwd``, ``linear_dx``, ``linear_dkernel``); a family's own name tunes only
+that family. Shapes are ``ROWSxN`` for the row ops and ``MxKxN`` for ``linear``. For every (family,
+shape, dtype), each candidate config of the family's space
+(:meth:`cutelayers.tuning.TunableFamily.config_space`) is compiled and run on random operands,
+its results checked against the family's jnp reference (relative error within the tolerance of
+the least precise dtype involved, ``REL_TOL`` x ``CHECK_SCALE``; a broken config is off by O(1)),
+then timed with :func:`cutelayers.bench.time_fn`. The fastest correct config wins -- unless it
+beats the heuristic's by less than ``min_gain`` (2%: noise), in which case the heuristic's is
+kept. A progress line per candidate, then a table of heuristic vs tuned time per shape.
+
+Winners go into a tuned-config table (see :mod:`cutelayers.tuning`): by default the user's, which
+the runtime reads, so functions traced afterwards run the tuned kernels. Entries are keyed by the
+GPU (``device_kind``), the family, dtype and static dims; a linear entry covers a range of row
+counts (:func:`cutelayers.kernels.gemm.row_bucket`), a row-op entry every row count.
+
+The sweep logic (:func:`sweep`) takes a runner -- ``run(family, operands)`` and ``time(family,
+operands)`` -- so it is testable without a GPU; :class:`DeviceRunner` is the real one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import sys
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from cutelayers import tuning
+from cutelayers.backend import use_backend
+from cutelayers.bench import time_fn
+from cutelayers.ops.linear import LinearForward, LinearInputGrad, LinearWeightGrad, kernels_apply
+from cutelayers.ops.norm import NormBackward, NormForward, forward_reference
+from cutelayers.ops.reduce import RowReduce
+from cutelayers.ops.softmax import CrossEntropyBackward, CrossEntropyForward, SoftmaxBackward, SoftmaxForward
+from cutelayers.runtime.primitive import kernel_call
+from cutelayers.runtime.tensors import FLOAT_DTYPES
+
+F32 = jnp.float32
+# Relative-error tolerances (‖out − ref‖ / ‖ref‖) of a result in each dtype (the tests use it too).
+REL_TOL = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-5}
+CHECK_SCALE = 10.0  # rounding and summation order stay far below this; a broken config does not
+MIN_GAIN = 0.02
+EPSILON = 1e-6  # the norms' default
+
+
+# --- what a sweep tunes --------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One kernel family at one shape and dtype.
+
+    ``family`` has no config yet; ``avals`` are its operands as the kernel sees them;
+    ``make_operands()`` builds random operands of those avals (on the default device);
+    ``observe(results)`` gives what is compared with the reference (the norm backward's per-CTA
+    partials are compared summed, as the op uses them).
+    """
+
+    op: str
+    family: tuning.TunableFamily
+    avals: tuple[jax.ShapeDtypeStruct, ...]
+    make_operands: Callable[[], tuple]
+    observe: Callable[[tuple], tuple] = tuple
+
+    @property
+    def key(self) -> tuple[str, tuning.Dims]:
+        return self.family.tuning_key(self.avals)
+
+    @property
+    def dims_text(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.key[1])
+
+    def describe(self) -> str:
+        return f"{self.family.name} {self.key[0]} {self.dims_text}"
+
+    def tolerance(self) -> float:
+        floats = [jnp.dtype(a.dtype).name for a in self.avals if jnp.dtype(a.dtype) in FLOAT_DTYPES]
+        return max(REL_TOL[d] for d in floats) * CHECK_SCALE
+
+
+def _normal(key, shape, dtype, scale=1.0, loc=0.0):
+    return (loc + scale * jax.random.normal(key, shape, F32)).astype(dtype)
+
+
+def _keys(count: int):
+    return jax.random.split(jax.random.key(0), count)
+
+
+def _norm_cases(op: str, center: bool, shape, dtype) -> list[Case]:
+    m, n = shape
+    S = jax.ShapeDtypeStruct
+    x, vec, stat = S((m, n), dtype), S((n,), dtype), S((m, 1), F32)
+    k = _keys(4)
+
+    def forward_operands():
+        params = (_normal(k[1], (n,), dtype, 0.1, 1.0),) + ((_normal(k[2], (n,), dtype, 0.1),) if center else ())
+        return (_normal(k[0], (m, n), dtype), *params)
+
+    def backward_operands():
+        x, scale, *_ = forward_operands()
+        _, mean, rstd = forward_reference(x, scale, None, center=center, epsilon=EPSILON, out_dtype=dtype)
+        stats = ((mean[:, None],) if center else ()) + (rstd[:, None],)
+        return (x, _normal(k[3], (m, n), dtype), *stats, scale)
+
+    def summed_partials(results):
+        dx, *partials = results
+        return (dx, *(p.reshape(-1, n).sum(0) for p in partials))
+
+    backward_avals = (x, x) + (stat,) * center + (stat, vec)
+    backward = NormBackward(center, True, True, center)
+    heuristic = dataclasses.replace(backward, config=backward.default_config(backward_avals))
+    if not heuristic.geometry(backward_avals).resident:
+        backward = NormBackward(center, True, False, False)  # as the op: too long for partials, dx only
+    return [
+        Case(op, NormForward(center, True, center, EPSILON, dtype.name), (x, vec) + (vec,) * center,
+             forward_operands),
+        Case(op, backward, backward_avals, backward_operands, summed_partials),
+    ]
+
+
+def _softmax_cases(op: str, log: bool, shape, dtype) -> list[Case]:
+    x = jax.ShapeDtypeStruct(shape, dtype)
+    k = _keys(2)
+    forward = SoftmaxForward(log)
+
+    def backward_operands():
+        (y,) = forward.reference(_normal(k[0], shape, dtype, 2.0))
+        return y, _normal(k[1], shape, dtype)
+
+    return [Case(op, forward, (x,), lambda: (_normal(k[0], shape, dtype, 2.0),)),
+            Case(op, SoftmaxBackward(log), (x, x), backward_operands)]
+
+
+def _logsumexp_cases(op: str, shape, dtype) -> list[Case]:
+    k = _keys(1)
+    return [Case(op, CrossEntropyForward(False), (jax.ShapeDtypeStruct(shape, dtype),),
+                 lambda: (_normal(k[0], shape, dtype, 2.0),))]
+
+
+def _cross_entropy_cases(op: str, shape, dtype) -> list[Case]:
+    m, n = shape
+    S = jax.ShapeDtypeStruct
+    logits, labels, per_row = S(shape, dtype), S((m,), jnp.int32), S((m,), F32)
+    k = _keys(3)
+    forward = CrossEntropyForward(True)
+
+    def forward_operands():
+        return _normal(k[0], shape, dtype, 2.0), jax.random.randint(k[1], (m,), 0, n, jnp.int32)
+
+    def backward_operands():
+        x, y = forward_operands()
+        lse, _ = forward.reference(x, y)
+        return x, y, lse, _normal(k[2], (m,), F32)
+
+    return [Case(op, forward, (logits, labels), forward_operands),
+            Case(op, CrossEntropyBackward(), (logits, labels, per_row, per_row), backward_operands)]
+
+
+def _reduce_cases(op: str, kind: str, shape, dtype) -> list[Case]:
+    k = _keys(1)
+    return [Case(op, RowReduce(kind), (jax.ShapeDtypeStruct(shape, dtype),), lambda: (_normal(k[0], shape, dtype),))]
+
+
+def _linear_cases(op: str, shape, dtype) -> list[Case]:
+    m, k_dim, n = shape
+    usable, why = kernels_apply(dtype, k_dim, n)
+    if not usable:
+        raise ValueError(f"autotune {op}: shape {m}x{k_dim}x{n}, dtype {dtype.name}: {why}")
+    S = jax.ShapeDtypeStruct
+    x, w, b, dz = S((1, m, k_dim), dtype), S((1, k_dim, n), dtype), S((n,), dtype), S((1, m, n), dtype)
+    k = _keys(4)
+    # operand -> (key, aval, scale): the weight scaled by 1/sqrt(K) keeps the outputs of order 1
+    draws = {"x": (k[0], x, 1.0), "w": (k[1], w, k_dim**-0.5), "b": (k[2], b, 1.0), "dz": (k[3], dz, 1.0)}
+
+    def operands(*names):
+        return tuple(_normal(key, aval.shape, dtype, scale) for key, aval, scale in (draws[n] for n in names))
+
+    # The forward is tuned with the benchmark's epilogue (bias + gelu); its entry serves every
+    # epilogue, whose cost is small next to the mainloop.
+    return [
+        Case(op, LinearForward("gelu", True, False, False), (x, w, b), functools.partial(operands, "x", "w", "b")),
+        Case(op, LinearInputGrad(), (dz, w), functools.partial(operands, "dz", "w")),
+        Case(op, LinearWeightGrad(), (x, dz), functools.partial(operands, "x", "dz")),
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSpec:
+    build: Callable[..., list[Case]]  # (op, shape, dtype) -> cases
+    shape_form: str  # "ROWSxN" or "MxKxN"
+    families: tuple[str, ...]  # names of the families the cases tune
+
+
+OPS = {
+    "layer_norm": OpSpec(functools.partial(_norm_cases, center=True), "ROWSxN", ("layer_norm_fwd", "layer_norm_bwd")),
+    "rms_norm": OpSpec(functools.partial(_norm_cases, center=False), "ROWSxN", ("rms_norm_fwd", "rms_norm_bwd")),
+    "softmax": OpSpec(functools.partial(_softmax_cases, log=False), "ROWSxN", ("softmax_fwd", "softmax_bwd")),
+    "log_softmax": OpSpec(functools.partial(_softmax_cases, log=True), "ROWSxN",
+                          ("log_softmax_fwd", "log_softmax_bwd")),
+    "logsumexp": OpSpec(_logsumexp_cases, "ROWSxN", ("logsumexp",)),
+    "cross_entropy": OpSpec(_cross_entropy_cases, "ROWSxN", ("cross_entropy_fwd", "cross_entropy_bwd")),
+    "reduce_sum": OpSpec(functools.partial(_reduce_cases, kind="sum"), "ROWSxN", ("reduce_sum",)),
+    "reduce_mean": OpSpec(functools.partial(_reduce_cases, kind="mean"), "ROWSxN", ("reduce_mean",)),
+    "reduce_max": OpSpec(functools.partial(_reduce_cases, kind="max"), "ROWSxN", ("reduce_max",)),
+    "linear": OpSpec(_linear_cases, "MxKxN", ("linear_fwd", "linear_dx", "linear_dkernel")),
+}
+FAMILY_OPS = {family: op for op, spec in OPS.items() for family in spec.families}
+
+
+def cases(name: str, shapes: Sequence[Sequence[int]], dtypes: Sequence) -> list[Case]:
+    """The cases of op or kernel family ``name`` for every shape and dtype."""
+    if name in OPS:
+        op, only = name, None
+    elif name in FAMILY_OPS:
+        op, only = FAMILY_OPS[name], name
+    else:
+        raise ValueError(f"autotune: unknown op or kernel {name!r}; allowed ops: {', '.join(OPS)}; "
+                         f"kernels: {', '.join(FAMILY_OPS)}")
+    spec = OPS[op]
+    rank = spec.shape_form.count("x") + 1
+    found = []
+    for shape in shapes:
+        shape = tuple(shape)
+        if len(shape) != rank or not all(isinstance(d, int) and d >= 1 for d in shape):
+            raise ValueError(f"autotune {name}: shape {shape} is not {spec.shape_form} with positive sizes")
+        for dtype in dtypes:
+            dtype = jnp.dtype(dtype)
+            if dtype not in FLOAT_DTYPES:
+                raise ValueError(f"autotune {name}: dtype {dtype.name} is not one of "
+                                 f"{', '.join(d.name for d in FLOAT_DTYPES)}")
+            found += [c for c in spec.build(op, shape=shape, dtype=dtype) if only in (None, c.family.name)]
+    return found
+
+
+def list_candidates(name: str, shapes, dtypes) -> list[tuple[Case, tuple, Any]]:
+    """(case, candidate configs, heuristic config) for every case: what a sweep would try."""
+    return [(c, c.family.config_space(c.avals), c.family.default_config(c.avals)) for c in cases(name, shapes, dtypes)]
+
+
+# --- running candidates --------------------------------------------------------------------------
+
+class Runner(Protocol):
+    device_kind: str
+
+    def run(self, family, operands) -> tuple:
+        """Compile and run ``family`` (config chosen) once on ``operands``; its results."""
+
+    def time(self, family, operands) -> float:
+        """Seconds per call of ``family`` on ``operands``."""
+
+
+class NoGpuError(RuntimeError):
+    pass
+
+
+class DeviceRunner:
+    """Runs candidates on this machine's Hopper GPU, through the kernel-call primitive."""
+
+    def __init__(self):
+        try:
+            gpus = jax.devices("cuda")
+        except RuntimeError:
+            gpus = []
+        if not any(str(getattr(d, "compute_capability", "")).startswith("9") for d in gpus):
+            seen = ", ".join(f"{d.device_kind} (compute capability {d.compute_capability})" for d in gpus) or "none"
+            raise NoGpuError(
+                "autotuning times kernels on a Hopper GPU (compute capability 9.x); CUDA "
+                f"devices visible: {seen}. Run it on a Hopper host, or use --dry-run to list the "
+                "candidate configs.")
+        self.device_kind = tuning.device_kind()
+        self._functions: dict = {}
+
+    def _function(self, family):
+        """One jitted call per candidate, shared by its run and its timing."""
+        if family not in self._functions:
+            self._functions[family] = jax.jit(functools.partial(kernel_call, family))
+        return self._functions[family]
+
+    def run(self, family, operands):
+        with use_backend("cute"):
+            return jax.block_until_ready(self._function(family)(*operands))
+
+    def time(self, family, operands):
+        with use_backend("cute"):
+            return time_fn(self._function(family), *operands)
+
+
+# --- the sweep -----------------------------------------------------------------------------------
+
+def relative_error(out, ref) -> float:
+    """‖out − ref‖ / ‖ref‖ over the finite entries, in fp32 on the arrays' device; inf where the
+    shapes or the positions of non-finite values differ."""
+    out, ref = jnp.asarray(out, F32), jnp.asarray(ref, F32)
+    if out.shape != ref.shape or not bool(jnp.all(jnp.isfinite(out) == jnp.isfinite(ref))):
+        return float("inf")
+    finite = jnp.isfinite(ref)
+    diff = jnp.linalg.norm(jnp.where(finite, out - ref, 0.0).ravel())
+    scale = jnp.linalg.norm(jnp.where(finite, ref, 0.0).ravel())
+    return float(diff / jnp.maximum(scale, jnp.finfo(F32).tiny))
+
+
+@dataclasses.dataclass(frozen=True)
+class Trial:
+    """One candidate: its time, or why it was rejected."""
+
+    config: Any
+    seconds: float | None = None
+    error: float | None = None  # relative error against the reference
+    rejected: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepResult:
+    case: Case
+    default: Any  # the heuristic's config
+    trials: tuple[Trial, ...]
+    winner: Any | None  # None: no candidate was correct
+
+    def seconds(self, config) -> float | None:
+        return next((t.seconds for t in self.trials if t.config == config), None)
+
+
+def sweep(case: Case, runner: Runner, *, min_gain: float = MIN_GAIN, log: Callable[[str], None] = print) -> SweepResult:
+    """Try every candidate config of ``case``: run, check against the reference, time; pick the
+    winner (the fastest correct config, or the heuristic's when that is within ``min_gain``)."""
+    family = case.family
+    candidates = family.config_space(case.avals)
+    default = family.default_config(case.avals)
+    operands = case.make_operands()
+    tolerance = case.tolerance()
+    trials = []
+    for i, config in enumerate(candidates, 1):
+        configured = dataclasses.replace(family, config=config)
+        label = f"[{case.describe()}] {i}/{len(candidates)} {tuning.describe_config(config)}"
+        label += " (heuristic)" if config == default else ""
+        try:
+            results = case.observe(runner.run(configured, operands))
+        except Exception as e:  # a candidate that fails to compile or launch is reported, not fatal
+            trials.append(Trial(config, rejected=f"failed: {type(e).__name__}: {e}"))
+            log(f"{label}: FAILED ({type(e).__name__}: {e})")
+            continue
+        expected = case.observe(configured.reference(*operands))
+        error = max(relative_error(r, e) for r, e in zip(results, expected, strict=True))
+        if not error <= tolerance:
+            trials.append(Trial(config, error=error, rejected=f"relative error {error:.2e} > {tolerance:.1e}"))
+            log(f"{label}: WRONG (relative error {error:.2e} > {tolerance:.1e})")
+            continue
+        seconds = runner.time(configured, operands)
+        trials.append(Trial(config, seconds=seconds, error=error))
+        log(f"{label}: {seconds * 1e6:.1f} us (relative error {error:.1e})")
+    timed = [t for t in trials if t.seconds is not None]
+    winner = None
+    if timed:
+        best = min(timed, key=lambda t: t.seconds)
+        default_seconds = next((t.seconds for t in timed if t.config == default), None)
+        keep_default = default_seconds is not None and best.seconds > default_seconds * (1.0 - min_gain)
+        winner = default if keep_default else best.config
+    return SweepResult(case, default, tuple(trials), winner)
+
+
+def table_entry(result: SweepResult, device: str) -> dict:
+    """The tuned-table entry of a sweep's winner."""
+    dtype, dims = result.case.key
+    entry = {"device": device, "kernel": result.case.family.name, "dtype": dtype, "dims": dict(dims),
+             "config": tuning.config_fields(result.winner),
+             "time_us": round(result.seconds(result.winner) * 1e6, 2)}
+    default_seconds = result.seconds(result.default)
+    if default_seconds is not None:
+        entry["default_time_us"] = round(default_seconds * 1e6, 2)
+    return entry
+
+
+def _us(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e6:.1f}"
+
+
+def format_table(results: Sequence[SweepResult]) -> str:
+    """Markdown table: heuristic vs tuned config and time per case."""
+    lines = ["| kernel | dtype | dims | heuristic config | heuristic us | tuned config | tuned us | speedup |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        t_default = r.seconds(r.default)
+        t_best = r.seconds(r.winner) if r.winner is not None else None
+        speedup = f"{t_default / t_best:.2f}" if t_default and t_best else "-"
+        tuned = "none correct" if r.winner is None else tuning.describe_config(r.winner)
+        lines.append(f"| {r.case.family.name} | {r.case.key[0]} | {r.case.dims_text} | "
+                     f"{tuning.describe_config(r.default)} | {_us(t_default)} | {tuned} | {_us(t_best)} | {speedup} |")
+    return "\n".join(lines)
+
+
+def autotune(name: str, shapes: Sequence[Sequence[int]], dtypes: Sequence = ("bfloat16",), *,
+             output: str | Path | None = None, runner: Runner | None = None, min_gain: float = MIN_GAIN,
+             log: Callable[[str], None] = print) -> list[SweepResult]:
+    """Sweep the configs of op or kernel family ``name`` for every shape and dtype on the GPU and
+    add the winners to the tuned-config table ``output`` (default: the user's table,
+    :func:`cutelayers.tuning.user_table_path`). Returns one :class:`SweepResult` per case.
+
+    ``runner`` defaults to :class:`DeviceRunner`, which raises :class:`NoGpuError` without a
+    Hopper GPU. See the module docstring for the rules.
+    """
+    todo = cases(name, shapes, dtypes)  # argument errors before anything runs
+    path = Path(output) if output is not None else tuning.user_table_path()
+    if path is None:
+        raise ValueError("autotune: no output table: pass output= (--output), or unset the empty "
+                         "CUTELAYERS_TUNING_FILE")
+    runner = runner or DeviceRunner()
+    results = [sweep(c, runner, min_gain=min_gain, log=log) for c in todo]
+    log(format_table(results))
+    entries = [table_entry(r, runner.device_kind) for r in results if r.winner is not None]
+    if entries:
+        tuning.write_entries(path, entries)
+    log(f"wrote {len(entries)} tuned config(s) for {runner.device_kind!r} to {path}")
+    return results
+
+
+# --- command line --------------------------------------------------------------------------------
+
+def _parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(d) for d in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape {text!r} is not sizes joined by 'x' (e.g. 32768x4096)") from None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cutelayers.autotune", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--op", required=True, metavar="NAME",
+                        help=f"an op ({', '.join(OPS)}) or one of its kernels ({', '.join(FAMILY_OPS)})")
+    parser.add_argument("--shape", type=_parse_shape, nargs="+", required=True,
+                        help="ROWSxN for the row ops, MxKxN for linear")
+    parser.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=[d.name for d in FLOAT_DTYPES])
+    parser.add_argument("--output", type=Path, help="tuned-config table to add the winners to "
+                        "(default: $CUTELAYERS_TUNING_FILE or ~/.cache/cutelayers/tuned_configs.json)")
+    parser.add_argument("--min-gain", type=float, default=MIN_GAIN,
+                        help=f"keep the heuristic config unless a candidate is this much faster (default {MIN_GAIN})")
+    parser.add_argument("--dry-run", action="store_true", help="list the candidate configs per shape; no GPU needed")
+    args = parser.parse_args(argv)
+    try:
+        if args.dry_run:
+            for case, candidates, default in list_candidates(args.op, args.shape, args.dtype):
+                print(f"{case.describe()}: {len(candidates)} candidates")
+                for config in candidates:
+                    print(f"  {tuning.describe_config(config)}{' (heuristic)' if config == default else ''}")
+            return 0
+        autotune(args.op, args.shape, args.dtype, output=args.output, min_gain=args.min_gain)
+    except (ValueError, NoGpuError) as e:
+        print(f"cutelayers.autotune: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

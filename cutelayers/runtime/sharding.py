@@ -1,0 +1,357 @@
+"""Sharding rules of the kernel-call primitive: kernels under ``jax.jit`` with sharded inputs.
+
+A CuTe kernel runs on one device's arrays. Inside ``jax.shard_map`` every array already is one
+device's shard, so kernel calls bind the primitive directly (ops pass their shared parameters
+through :func:`vary_like`, so their gradients are summed over the shards). Under plain ``jax.jit``
+with ``NamedSharding`` inputs:
+
+* ``Auto`` mesh axes: each kernel call is wrapped in ``jax.experimental.custom_partitioning``.
+  Shardy propagates shardings through it with an einsum-like rule, and when XLA partitions the
+  program it asks :func:`_partition` how to run the call per device;
+* ``Explicit`` mesh axes (``jax.make_mesh``'s default): the shardings are in the operands' types,
+  so the same plan is made while tracing and runs in a ``jax.shard_map``.
+
+Either way every device runs the kernel on its own shard (no all-gather of activations), and
+results that are sums over a sharded dim are summed across devices with one ``psum``.
+
+A family describes its dims with a :class:`ShardingRule`, from a ``sharding_rule(avals)`` method
+when it has one, else :func:`rows_rule`. Every dim of every operand and result gets a factor:
+
+* a **name**: the dim may be sharded. Arrays that share the name are sharded alike (the rows of
+  a norm's x, y and statistics; the N of a GEMM's kernel, bias and output). A result that lacks a
+  name its operands have is a sum over that dim (einsum's rule: a GEMM's K, the rows of a weight
+  gradient), so each device's partial result is psum'd over the mesh axes that shard it.
+* ``None``: the kernel needs the whole dim (the feature axis a norm or softmax reduces over). An
+  operand sharded there is an error that names it; results are replicated there.
+
+Mesh axes are given out first come, first served in operand order, so when two factors ask for
+the same mesh axis the activations (always the first operand) keep it and the weight is
+resharded. A sharded dim must divide evenly over its mesh axes (padding rows would enter sums).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax._src import core as _core
+from jax._src.interpreters.partial_eval import DynamicJaxprTracer
+from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+from cutelayers.runtime.primitive import KernelFamily, kernel_call_p
+
+Factors = tuple[str | None, ...]  # per dim: a factor name, or None (the kernel needs it whole)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRule:
+    """The factor of every dim of every operand and result (see the module docstring).
+
+    ``per_shard(ctx, *operands) -> results``, if given, replaces the default per-device program
+    (the kernel, then a psum of each result over the sharded factors it lacks); ``ctx`` is the
+    :class:`ShardContext` of the chosen sharding.
+    """
+
+    operands: tuple[Factors, ...]
+    results: tuple[Factors, ...]
+    per_shard: Callable | None = None
+
+    def summed_factors(self, result: int) -> frozenset[str]:
+        """Named factors of the operands that result ``result`` lacks: it is a sum over them."""
+        named = {f for dims in self.operands for f in dims if f is not None}
+        return frozenset(named - set(self.results[result]))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardContext:
+    """Which mesh axes shard each named factor, as the per-device program sees it."""
+
+    axes: Mapping[str, tuple[str, ...]]
+
+    def sharded(self, *factors: str) -> bool:
+        return any(self.axes.get(f) for f in factors)
+
+    def psum(self, value, factors) -> jax.Array:
+        """``value`` summed over the mesh axes of ``factors``, in float32 at least (the library
+        accumulates in fp32); the caller casts back."""
+        axes = tuple(a for f in sorted(factors) for a in self.axes.get(f, ()))
+        value = value.astype(jnp.promote_types(value.dtype, jnp.float32))
+        return jax.lax.psum(value, axes) if axes else value
+
+
+def rows_rule(family: KernelFamily, avals) -> ShardingRule:
+    """The default rule: the leading dim of operand 0 is the rows (M). Any operand or result whose
+    leading dim is M and symbolic (``family.dynamic_dims_at``: the kernel serves every row count)
+    is row-wise; every other dim is whole. If some result is not row-wise (a reduction over
+    rows), the default cannot tell how to combine shards, so nothing may be sharded: such a
+    family must declare its own rule.
+    """
+    out_avals = family.out_avals(avals)
+    every = (*avals, *out_avals)
+    m = avals[0].shape[0] if avals and avals[0].shape else None
+
+    def row_wise(position, aval) -> bool:
+        return bool(aval.shape) and aval.shape[0] == m and family.dynamic_dims_at(position, aval)[0]
+
+    shardable = m is not None and all(row_wise(len(avals) + j, o) for j, o in enumerate(out_avals))
+
+    def factors(position, aval) -> Factors:
+        lead = "rows" if shardable and row_wise(position, aval) else None
+        return (lead,) + (None,) * (len(aval.shape) - 1) if aval.shape else ()
+
+    dims = [factors(i, a) for i, a in enumerate(every)]
+    return ShardingRule(tuple(dims[:len(avals)]), tuple(dims[len(avals):]))
+
+
+def rule_for(family: KernelFamily, avals) -> ShardingRule:
+    rule_method = getattr(family, "sharding_rule", None)
+    rule = rule_method(avals) if rule_method is not None else rows_rule(family, avals)
+    n_out = len(family.out_avals(avals))
+    if len(rule.operands) != len(avals) or len(rule.results) != n_out:
+        raise AssertionError(f"{family.name}: sharding rule covers {len(rule.operands)} operands and "
+                             f"{len(rule.results)} results; the call has {len(avals)} and {n_out}")
+    return rule
+
+
+# --- choosing the per-device sharding -----------------------------------------------------------
+
+def _argument_name(family: KernelFamily, i: int) -> str:
+    names = family.arg_names
+    return names[i] if i < len(names) else f"operand {i}"
+
+
+def _spec_axes(sharding: NamedSharding, ndim: int) -> tuple[tuple[str, ...], ...]:
+    """Per dim: the mesh axes of size > 1 that shard it."""
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    sizes = dict(sharding.mesh.shape)
+
+    def axes(entry) -> tuple[str, ...]:
+        names = (entry,) if isinstance(entry, str) else entry if isinstance(entry, tuple) else ()
+        return tuple(a for a in names if sizes[a] > 1)
+
+    return tuple(axes(entry) for entry in spec[:ndim])
+
+
+def _dim_axes(family, i, sharding, ndim) -> tuple[tuple[str, ...], ...]:
+    """Per dim of operand ``i``: the mesh axes of size > 1 that shard it."""
+    if isinstance(sharding, NamedSharding):
+        return _spec_axes(sharding, ndim)
+    if sharding is None or sharding.is_fully_replicated:
+        return ((),) * ndim
+    raise ValueError(
+        f"{family.name}: argument {_argument_name(family, i)!r} has sharding {sharding}; the kernel's "
+        "sharding rules read jax.sharding.NamedSharding (a PartitionSpec over a Mesh). Shard it with "
+        "a NamedSharding, or call the op inside jax.shard_map.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one kernel call runs on a mesh: operand and result shardings, and which mesh axes
+    shard each factor."""
+
+    rule: ShardingRule
+    operand_specs: tuple[PartitionSpec, ...]
+    result_specs: tuple[PartitionSpec, ...]
+    context: ShardContext
+
+
+def plan(family: KernelFamily, avals, shardings: Sequence) -> Plan:
+    """The per-device sharding of a call on ``avals`` whose operands come with ``shardings``.
+
+    Raises ``ValueError`` naming the argument when an operand is sharded along a dim the kernel
+    needs whole, or along a dim that does not divide evenly over its mesh axes.
+    """
+    rule = rule_for(family, avals)
+    axes_of: dict[str, tuple[str, ...]] = {}
+    taken: set[str] = set()
+    for i, (dims, aval, sharding) in enumerate(zip(rule.operands, avals, shardings)):
+        for d, (factor, axes) in enumerate(zip(dims, _dim_axes(family, i, sharding, len(aval.shape)))):
+            if not axes:
+                continue
+            name = _argument_name(family, i)
+            if factor is None:
+                raise ValueError(
+                    f"{family.name}: argument {name!r} is sharded over mesh axes {axes} along dim {d} "
+                    f"of the kernel's {tuple(aval.shape)} view of it, a dim the kernel needs whole on "
+                    f"every device. {_sharding_hint(rule, i)}, or call the op inside jax.shard_map "
+                    "and combine the shards yourself.")
+            if factor in axes_of or taken & set(axes):
+                continue  # already decided by an earlier operand: this one is resharded to match
+            devices = math.prod(sharding.mesh.shape[a] for a in axes)
+            if aval.shape[d] % devices:
+                raise ValueError(
+                    f"{family.name}: argument {name!r} (shape {tuple(aval.shape)}) is sharded over "
+                    f"mesh axes {axes} ({devices} devices) along dim {d} of size {aval.shape[d]}, "
+                    "which does not divide evenly. Make that dim a multiple of the device count "
+                    "(e.g. the batch size), or replicate it.")
+            axes_of[factor] = axes
+            taken.update(axes)
+
+    def spec(dims) -> PartitionSpec:
+        def entry(factor):
+            axes = axes_of.get(factor, ()) if factor is not None else ()
+            return None if not axes else axes[0] if len(axes) == 1 else axes
+
+        return PartitionSpec(*(entry(f) for f in dims))
+
+    return Plan(rule, tuple(spec(d) for d in rule.operands), tuple(spec(d) for d in rule.results),
+                ShardContext(axes_of))
+
+
+def _sharding_hint(rule: ShardingRule, i: int) -> str:
+    named = [d for d, f in enumerate(rule.operands[i]) if f is not None]
+    fix = "(jax.sharding.reshard or jax.lax.with_sharding_constraint)"
+    if not named:
+        return f"Every device needs all of it: replicate it {fix}"
+    if [rule.operands[i][d] for d in named] == ["rows"]:
+        return (f"Shard only its rows (the leading axes of the op's input, e.g. batch or sequence) "
+                f"and replicate the rest {fix}")
+    return f"Shard only dims {named} of that view and replicate the rest {fix}"
+
+
+def run_kernel(family: KernelFamily, *operands) -> tuple[jax.Array, ...]:
+    """The kernel call itself, on one device's operands."""
+    return tuple(kernel_call_p.bind(*operands, family=family))
+
+
+def sum_partials(rule: ShardingRule, ctx: ShardContext, results) -> tuple[jax.Array, ...]:
+    """Each result psum'd over the sharded factors it lacks (see :class:`ShardingRule`)."""
+    out = []
+    for j, r in enumerate(results):
+        summed = rule.summed_factors(j)
+        out.append(ctx.psum(r, summed).astype(r.dtype) if ctx.sharded(*summed) else r)
+    return tuple(out)
+
+
+def per_shard_program(family: KernelFamily, p: Plan) -> Callable:
+    if p.rule.per_shard is not None:
+        return functools.partial(p.rule.per_shard, p.context)
+    return lambda *operands: sum_partials(p.rule, p.context, run_kernel(family, *operands))
+
+
+# --- custom_partitioning -------------------------------------------------------------------------
+
+def _sdy_rule(family, avals, mesh, operand_types, result_types) -> SdyShardingRule:
+    """Shardy's view of the rule. Whole dims get a factor of their own, marked need-replication,
+    so shardings never propagate through them from one array to another."""
+    rule = rule_for(family, avals)
+    whole: list[str] = []
+
+    def mapping(tag, dims):
+        names = []
+        for d, factor in enumerate(dims):
+            if factor is None:
+                whole.append(f"whole_{tag}_{d}")
+                names.append(whole[-1])
+            else:
+                names.append(f"f_{factor}")
+        return ArrayMapping(*names)
+
+    operands = tuple(mapping(f"o{i}", dims) for i, dims in enumerate(rule.operands))
+    results = tuple(mapping(f"r{j}", dims) for j, dims in enumerate(rule.results))
+    in_results = {f for dims in rule.results for f in dims}
+    reduced = tuple(sorted({f"f_{f}" for dims in rule.operands for f in dims if f is not None}
+                           - {f"f_{f}" for f in in_results if f is not None}))
+    return SdyShardingRule(operands, results, reduction_factors=reduced,
+                           need_replication_factors=tuple(whole))
+
+
+def _partition(family, avals, mesh, arg_shapes, result_shape):
+    p = plan(family, avals, [a.sharding for a in arg_shapes])
+    named = lambda specs: tuple(NamedSharding(mesh, s) for s in specs)  # noqa: E731
+    return mesh, per_shard_program(family, p), named(p.result_specs), named(p.operand_specs)
+
+
+def _infer_result_shardings(family, avals, mesh, arg_shapes, result_shape):
+    # Only the GSPMD partitioner (jax_use_shardy_partitioner=False) asks this.
+    p = plan(family, avals, [a.sharding for a in arg_shapes])
+    return tuple(NamedSharding(mesh, s) for s in p.result_specs)
+
+
+def _global_call(family, avals, *arrays):
+    del avals  # static: the rule callbacks read it
+    return run_kernel(family, *arrays)
+
+
+_partitioned_call = custom_partitioning(_global_call, static_argnums=(0, 1))
+_partitioned_call.def_partition(_partition, infer_sharding_from_operands=_infer_result_shardings,
+                                sharding_rule=_sdy_rule)
+
+
+def vary_like(reference, *arrays):
+    """``arrays`` (None passes through) cast to vary over every manual mesh axis ``reference``
+    varies over -- inside ``jax.shard_map``; elsewhere they come back unchanged.
+
+    An op passes its shared parameters (a norm's scale, a linear's kernel) through this before
+    its custom_vjp: the backward's per-shard partial gradient then has the parameter's type, and
+    the transpose of the cast sums it across the shards, as for any jnp code in shard_map.
+    """
+    def vma(a) -> frozenset:  # the manual axes a value varies over, as its type says
+        aval = jax.typeof(a)
+        varying = getattr(getattr(aval, "manual_axis_type", None), "varying", None)  # jax 0.10, 0.11
+        return varying or getattr(aval, "vma", frozenset())
+
+    out = []
+    for a in arrays:
+        missing = () if a is None else tuple(sorted(vma(reference) - vma(a)))
+        out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
+    return out
+
+
+def _inside_shard_map() -> bool:
+    return bool(jax.sharding.get_abstract_mesh().manual_axes)
+
+
+def _explicit_shardings(arrays) -> list | None:
+    """The operands' shardings when any operand's type is sharded over an ``Explicit`` mesh axis
+    (``jax.make_mesh``'s default); None otherwise (``Auto`` axes: XLA decides at compile time)."""
+    shardings = [getattr(jax.typeof(a), "sharding", None) for a in arrays]
+    for s in shardings:
+        if isinstance(s, NamedSharding) and not s.mesh.empty:
+            if any(set(axes) & _explicit_axes(s.mesh) for axes in _spec_axes(s, len(s.spec))):
+                return shardings
+    return None
+
+
+def _explicit_axes(mesh) -> set[str]:
+    return {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit}
+
+
+def _explicit_call(family, avals, arrays, shardings):
+    """Explicit sharding is known while tracing: run the per-device program in ``jax.shard_map``
+    over the mesh's explicit axes, with the plan's specs (operands resharded to them first)."""
+    p = plan(family, avals, shardings)
+    mesh = next(s.mesh for s in shardings if isinstance(s, NamedSharding) and not s.mesh.empty)
+    operands = [jax.sharding.reshard(a, NamedSharding(mesh, spec))
+                for a, spec in zip(arrays, p.operand_specs)]
+    program = jax.shard_map(per_shard_program(family, p), mesh=mesh, in_specs=p.operand_specs,
+                            out_specs=p.result_specs, axis_names=_explicit_axes(mesh))
+    return tuple(program(*operands))
+
+
+def call(family: KernelFamily, arrays: Sequence) -> tuple[jax.Array, ...]:
+    """Call ``family``'s kernel on ``arrays``, partitioned per its rule where arrays are sharded.
+
+    * inside ``jax.shard_map``, eagerly (ops accept only single-device concrete arrays, see
+      :mod:`cutelayers.runtime.placement`), or under a transformation (grad, vmap of the raw call:
+      the primitive's rules say to use the op): the kernel is called as is;
+    * traced, with operands whose types are sharded over ``Explicit`` mesh axes: the rule is
+      applied now (errors name the argument) through ``jax.shard_map``;
+    * otherwise traced (``jax.jit`` with ``Auto`` axes, or one device): through
+      ``custom_partitioning``, whose rule XLA applies when it partitions the program (one device
+      inlines it).
+    """
+    tracers = [a for a in arrays if isinstance(a, _core.Tracer)]
+    staged = tracers and all(isinstance(t, DynamicJaxprTracer) for t in tracers)
+    if not staged or _inside_shard_map():
+        return run_kernel(family, *arrays)
+    avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
+    shardings = _explicit_shardings(arrays)
+    if shardings is not None:
+        return _explicit_call(family, avals, arrays, shardings)
+    return tuple(_partitioned_call(family, avals, *arrays))

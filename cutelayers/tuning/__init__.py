@@ -1,0 +1,288 @@
+"""Tuned kernel configs: a JSON table the runtime reads and :mod:`cutelayers.autotune` writes.
+
+Every tunable kernel family (:class:`TunableFamily`) has a heuristic config (the table in its
+kernel module) and a config space (the candidates the autotuner sweeps; the heuristic's config is
+always one of them). When an op builds a family for its operands it calls
+:meth:`TunableFamily.resolved`, which picks
+
+1. the tuned entry for (GPU, kernel, dtype, dims), if the tables hold one that names a config of
+   the family's space for these operands;
+2. otherwise the heuristic.
+
+The chosen config is a field of the family, and the family is part of the compile key, so a tuned
+config compiles its own kernel and no cache (memory or disk) serves a kernel built for another.
+Functions already traced keep the config they were traced with (``jax.clear_caches()`` re-traces).
+
+Tables, later ones winning for the same key:
+
+* shipped: ``cutelayers/tuning/tuned_configs.json`` (package data). It holds no entries yet: no
+  GPU sweep has been run for it. Until one is, every kernel runs its heuristic config;
+* the user's: ``$CUTELAYERS_TUNING_FILE`` if set (empty: no user table), otherwise
+  ``$XDG_CACHE_HOME/cutelayers/tuned_configs.json`` or ``~/.cache/cutelayers/tuned_configs.json``
+  -- where ``python -m cutelayers.autotune`` writes by default.
+
+Format::
+
+    {"format": 1,
+     "entries": [{"device": "NVIDIA H100 80GB HBM3",          # jax device_kind of the GPU
+                  "kernel": "layer_norm_fwd",                  # the family's name
+                  "dtype": "bfloat16",                         # the operands' ("bfloat16+float32": mixed)
+                  "dims": {"n": 4096},
+                  "config": {"threads_per_row": 256, "num_threads": 256, "unroll": 2},
+                  "time_us": 101.2, "default_time_us": 104.9}]}  # informational
+
+Row kernels' dims are ``{"n": N}`` (any row count); the GEMM's are ``{"m": "2048+", "k": K, "n":
+N}``, ``m`` a range of row counts (:func:`cutelayers.kernels.gemm.row_bucket`), except for
+``linear_dkernel``, whose rows are the contraction: ``{"m": K, "n": N}``.
+
+A table that cannot be read, or an entry that is malformed or names a config outside the family's
+space, gives a :class:`TuningTableWarning` that names the file and the key, and the heuristic runs:
+never a crash, never a kernel built from an invalid config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from cutelayers.runtime.disk_cache import user_cache_path, write_atomically
+from cutelayers.runtime.primitive import KernelFamily
+
+FORMAT = 1
+SHIPPED_TABLE = Path(__file__).resolve().parent / "tuned_configs.json"
+# field -> (Python type, JSON name) of an entry's required fields
+ENTRY_FIELDS = {"device": (str, "string"), "kernel": (str, "string"), "dtype": (str, "string"),
+                "dims": (dict, "object"), "config": (dict, "object")}
+
+
+class TuningTableWarning(UserWarning):
+    """A tuned-config table or entry was ignored (the heuristic config runs instead)."""
+
+
+def user_table_path() -> Path | None:
+    """The user's table: ``$CUTELAYERS_TUNING_FILE`` (empty: none), else under the user cache dir."""
+    return user_cache_path("CUTELAYERS_TUNING_FILE", "tuned_configs.json")
+
+
+@functools.cache
+def device_kind() -> str | None:
+    """The GPU whose tuned entries apply (the first CUDA device's ``device_kind``); None without
+    a CUDA device (compiling for ``CUTE_DSL_ARCH`` on a CPU-only host uses the heuristic)."""
+    try:
+        gpus = jax.devices("cuda")
+    except RuntimeError:
+        return None
+    return gpus[0].device_kind if gpus else None
+
+
+Dims = tuple[tuple[str, Any], ...]
+TableKey = tuple[str, str, str, Dims]
+
+
+def table_key(device: str, kernel: str, dtype: str, dims) -> TableKey:
+    """The lookup key of an entry; ``dims`` a mapping or pairs, order free."""
+    return device, kernel, dtype, tuple(sorted(dict(dims).items()))
+
+
+def describe_key(key: TableKey) -> str:
+    device, kernel, dtype, dims = key
+    return f"(device={device!r}, kernel={kernel!r}, dtype={dtype!r}, dims={dict(dims)})"
+
+
+@dataclasses.dataclass(frozen=True)
+class TableEntry:
+    """One tuned config, as read from ``source``."""
+
+    key: TableKey
+    config: dict
+    source: str
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, TuningTableWarning, stacklevel=3)
+
+
+def _entry_problem(entry) -> str | None:
+    """Why ``entry`` is malformed, or None."""
+    if not isinstance(entry, dict):
+        return f"an entry must be an object; got {type(entry).__name__}"
+    for name, (kind, json_name) in ENTRY_FIELDS.items():
+        if not isinstance(entry.get(name), kind):
+            return f"field {name!r} must be a JSON {json_name}; got {entry.get(name)!r}"
+    for name, value in entry["dims"].items():
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            return f"dims[{name!r}] must be an integer or a string; got {value!r}"
+    for name, value in entry["config"].items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"config[{name!r}] must be an integer; got {value!r}"
+    return None
+
+
+def read_table(path: Path) -> list[TableEntry]:
+    """The well-formed entries of the table at ``path`` (none if it does not exist); a warning
+    for an unreadable file and for every malformed entry, which is skipped."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        _warn(f"tuned-config table {path}: cannot read it ({e}); ignoring it")
+        return []
+    try:
+        table = json.loads(text)
+    except ValueError as e:
+        _warn(f"tuned-config table {path}: not valid JSON ({e}); ignoring it")
+        return []
+    if not isinstance(table, dict) or table.get("format") != FORMAT or not isinstance(table.get("entries"), list):
+        _warn(f"tuned-config table {path}: expected an object with \"format\": {FORMAT} and an "
+              f"\"entries\" list; ignoring it")
+        return []
+    entries = []
+    for index, entry in enumerate(table["entries"]):
+        problem = _entry_problem(entry)
+        if problem:
+            _warn(f"tuned-config table {path}: entry {index} ignored: {problem}")
+            continue
+        key = table_key(entry["device"], entry["kernel"], entry["dtype"], entry["dims"])
+        entries.append(TableEntry(key, entry["config"], str(path)))
+    return entries
+
+
+def _table_files() -> tuple[Path, ...]:
+    user = user_table_path()
+    return (SHIPPED_TABLE,) + ((user,) if user is not None else ())
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_mtime_ns, stat.st_size
+
+
+@functools.lru_cache(maxsize=8)
+def _merged(files: tuple[tuple[Path, tuple[int, int] | None], ...]) -> dict[TableKey, TableEntry]:
+    merged: dict[TableKey, TableEntry] = {}
+    for path, _ in files:
+        merged.update((e.key, e) for e in read_table(path))
+    return merged
+
+
+def tuned_entries() -> dict[TableKey, TableEntry]:
+    """Every tuned entry, the user's table over the shipped one; re-read when a file changes."""
+    return _merged(tuple((p, _stamp(p)) for p in _table_files()))
+
+
+def config_fields(config) -> dict:
+    """A config's JSON form."""
+    return dataclasses.asdict(config)
+
+
+def describe_config(config) -> str:
+    return " ".join(f"{k}={v}" for k, v in config_fields(config).items())
+
+
+def choose_config(family: TunableFamily, avals: Sequence) -> Any:
+    """The tuned config of ``family`` for ``avals`` on this GPU if the tables name a valid one,
+    else the heuristic."""
+    default = family.default_config(avals)
+    device = device_kind()
+    if device is None:
+        return default
+    key = table_key(device, family.name, *family.tuning_key(avals))
+    entry = tuned_entries().get(key)
+    if entry is None:
+        return default
+    where = f"tuned-config table {entry.source}: entry {describe_key(key)}"
+    try:
+        config = family.config_from_fields(entry.config)
+    except (TypeError, ValueError) as e:
+        _warn(f"{where} names an invalid config {entry.config} ({e}); using the heuristic config")
+        return default
+    space = family.config_space(avals)
+    if config not in space:
+        fields = tuple(config_fields(default))
+        allowed = ", ".join(str(tuple(config_fields(c).values())) for c in space)
+        _warn(f"{where} names {entry.config}, which is not a candidate config for these operands; "
+              f"allowed {fields}: {allowed}. Using the heuristic config")
+        return default
+    return config
+
+
+class TunableFamily(KernelFamily):
+    """A kernel family whose kernel takes a config: a frozen dataclass, held in the family's
+    ``config`` field (None until :meth:`resolved` chooses it; the kernel needs it chosen).
+
+    Subclasses give, for operand avals (arrays or ``ShapeDtypeStruct``\\ s as the kernel sees them):
+
+    * ``default_config(avals)`` -- the heuristic;
+    * ``config_space(avals)`` -- every config the kernel compiles and computes correctly with for
+      these operands (the autotuner's candidates; includes the heuristic's);
+    * ``tuning_key(avals)`` -- ``(dtype, dims)``: with the GPU and the family's name, the table key
+      (dims a tuple of (name, value) pairs: what the heuristic and the space depend on);
+    * ``config_from_fields(fields)`` -- a config from its JSON form (:func:`config_fields`).
+    """
+
+    def default_config(self, avals):
+        raise NotImplementedError
+
+    def config_space(self, avals) -> tuple:
+        raise NotImplementedError
+
+    def tuning_key(self, avals) -> tuple[str, Dims]:
+        raise NotImplementedError
+
+    def config_from_fields(self, fields: dict):
+        raise NotImplementedError
+
+    def resolved(self, avals) -> TunableFamily:
+        """This family with its config chosen for ``avals`` (see :func:`choose_config`); itself
+        if it has one already."""
+        if self.config is not None:
+            return self
+        return dataclasses.replace(self, config=choose_config(self, avals))
+
+    def chosen_config(self):
+        if self.config is None:
+            raise ValueError(f"{self.name}: no config chosen; build the family with .resolved(operands)")
+        return self.config
+
+
+def dtype_names(dtypes) -> str:
+    """Distinct dtype names in order of appearance, joined by '+' ('bfloat16', 'bfloat16+float32')."""
+    return "+".join(dict.fromkeys(jnp.dtype(d).name for d in dtypes))
+
+
+def write_entries(path: Path, entries: list[dict]) -> None:
+    """Add ``entries`` (JSON objects in the table format) to the table at ``path``, replacing
+    entries with the same key; written to a temporary file and renamed into place.
+
+    Raises ValueError if ``path`` exists and is not a readable table (it is not overwritten).
+    """
+    table: dict = {"format": FORMAT, "entries": []}
+    if path.exists():
+        try:
+            table = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot add tuned configs to {path}: it is not a readable table ({e})") from None
+        if not isinstance(table, dict) or table.get("format") != FORMAT or not isinstance(table.get("entries"), list):
+            raise ValueError(f"cannot add tuned configs to {path}: expected an object with "
+                             f"\"format\": {FORMAT} and an \"entries\" list")
+
+    def key_of(entry):
+        return table_key(entry["device"], entry["kernel"], entry["dtype"], entry["dims"]) \
+            if _entry_problem(entry) is None else None
+
+    new_keys = {key_of(e) for e in entries}
+    kept = [e for e in table["entries"] if key_of(e) is None or key_of(e) not in new_keys]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps({**table, "entries": kept + list(entries)}, indent=1) + "\n"
+    write_atomically(path, text.encode())

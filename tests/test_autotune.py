@@ -1,0 +1,521 @@
+"""Autotuning: config spaces (every candidate compiles for sm_90a on CPU), the tuned-config table
+(lookup, user over shipped, malformed tables fall back with a warning, a tuned config is its own
+compile key), the sweep with an injected runner, and the CLI; `gpu` runs a real sweep."""
+
+import dataclasses
+import functools
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cutelayers as cl
+from cutelayers import autotune, tuning
+from cutelayers.kernels.gemm import CONFIGS, SMEM_CAPACITY, Epilogue, HopperGemmKernel, config_class, row_bucket
+from cutelayers.kernels import norm as norm_kernels
+from cutelayers.kernels import softmax as softmax_kernels
+from cutelayers.kernels.reduction import (
+    CTA_THREADS,
+    MAX_THREADS_PER_ROW,
+    MIN_THREADS_PER_ROW,
+    geometry_for,
+    row_config,
+    row_config_space,
+    row_geometry,
+    row_geometry_space,
+)
+from cutelayers.ops.linear import LinearForward, LinearInputGrad, LinearWeightGrad
+from cutelayers.ops.norm import NormBackward, NormForward
+from cutelayers.ops.reduce import RowReduce
+from cutelayers.ops.softmax import CrossEntropyBackward, CrossEntropyForward, SoftmaxBackward, SoftmaxForward
+from cutelayers.runtime.primitive import kernel_call
+from conftest import HAS_GPU
+from numerics import REL_TOL
+
+S = jax.ShapeDtypeStruct
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+FAKE_GPU = "Fake H100 for tests"
+
+
+@pytest.fixture(autouse=True)
+def no_tables(monkeypatch, tmp_path):
+    """No user table, an empty shipped table, a fresh compile cache; tuned lookups for FAKE_GPU."""
+    monkeypatch.setenv("CUTELAYERS_TUNING_FILE", "")
+    monkeypatch.setenv("CUTELAYERS_CACHE_DIR", "")
+    shipped = tmp_path / "shipped.json"
+    shipped.write_text(json.dumps({"format": 1, "entries": []}))
+    monkeypatch.setattr(tuning, "SHIPPED_TABLE", shipped)
+    monkeypatch.setattr(tuning, "device_kind", lambda: FAKE_GPU)
+    cl.clear_cache()
+    jax.clear_caches()
+    yield
+    cl.clear_cache()
+
+
+def write_table(path: Path, entries, **top) -> Path:
+    path.write_text(json.dumps({"format": 1, "entries": entries, **top}))
+    return path
+
+
+def entry(kernel, dtype, dims, config, device=FAKE_GPU):
+    return {"device": device, "kernel": kernel, "dtype": dtype, "dims": dims, "config": config}
+
+
+def use_table(monkeypatch, path):
+    monkeypatch.setenv("CUTELAYERS_TUNING_FILE", str(path))
+    jax.clear_caches()  # functions traced before keep their config
+
+
+def lower_cuda(f, *avals) -> str:
+    return jax.jit(f).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def targets(hlo: str) -> list[str]:
+    return [line.split("@")[1].split("(")[0] for line in hlo.splitlines() if "stablehlo.custom_call @cutelayers_" in line]
+
+
+def fields(config) -> dict:
+    return dataclasses.asdict(config)
+
+
+# --- config spaces -------------------------------------------------------------------------------
+
+ROW_NS = [1, 3, 7, 8, 100, 1000, 1024, 4096, 5000, 12000, 32768, 65537, 262144]
+
+
+@pytest.mark.parametrize("bits", [16, 32])
+@pytest.mark.parametrize("values_per_thread", [16, 32])
+def test_row_geometry_space_holds_the_heuristic_and_keeps_residency(bits, values_per_thread):
+    for n in ROW_NS:
+        heuristic = row_geometry(n, bits, values_per_thread)
+        space = row_geometry_space(n, bits, values_per_thread)
+        assert heuristic in space, n
+        assert len(space) == len(set(space))
+        for g in space:
+            tpr, threads = g.row.threads_per_row, g.row.num_threads
+            assert MIN_THREADS_PER_ROW <= tpr <= MAX_THREADS_PER_ROW and tpr & (tpr - 1) == 0
+            assert threads in CTA_THREADS and threads % tpr == 0
+            assert g.vec * g.row.unroll <= max(values_per_thread, g.vec)  # register budget per step
+            assert g.resident == heuristic.resident  # the kernels' code path never changes
+        if n in (1000, 1024, 4096):
+            assert len(space) > 1, n  # something to tune (rows needing 512 threads have one config)
+
+
+@pytest.mark.parametrize("bits", [16, 32])
+def test_row_reduce_space_holds_the_heuristic(bits):
+    for n in ROW_NS:
+        space = row_config_space(n, bits)
+        assert row_config(n, bits) in space, n
+        assert len(space) == len(set(space))
+        for c in space:
+            assert c.threads_per_row & (c.threads_per_row - 1) == 0 and c.num_threads in CTA_THREADS
+            assert c.num_threads % c.threads_per_row == 0
+
+
+def test_gemm_space_is_the_config_table():
+    family = LinearForward("none", False, False, False)
+    avals = (S((1, 100, 256), BF16), S((1, 256, 512), BF16))
+    assert family.config_space(avals) == tuple(CONFIGS.values())
+    for config in CONFIGS.values():
+        HopperGemmKernel(config, Epilogue())  # its own checks on tile shapes
+        assert config.smem_bytes(2) <= SMEM_CAPACITY
+
+
+def families_and_avals():
+    """(family, operand avals, the heuristic config computed from the kernel modules directly)."""
+    norm_fwd, norm_bwd = norm_kernels.FORWARD_VALUES_PER_THREAD, norm_kernels.BACKWARD_VALUES_PER_THREAD
+    soft_fwd, soft_bwd = softmax_kernels.FORWARD_VALUES_PER_THREAD, softmax_kernels.BACKWARD_VALUES_PER_THREAD
+    ln = (S((64, 1000), BF16), S((1000,), F32), S((1000,), BF16))
+    ln_bwd = (S((64, 4096), BF16), S((64, 4096), BF16), S((64, 1), F32), S((64, 1), F32), S((4096,), BF16))
+    rms_bwd = (S((8, 65536), F32), S((8, 65536), F32), S((8, 1), F32), S((65536,), F32))
+    x, labels, per_row = S((64, 32000), BF16), S((64,), jnp.int32), S((64,), F32)
+    return [
+        # The norm forward's vector width is set by its widest row operand (an fp32 scale here).
+        (NormForward(True, True, True, 1e-6, "bfloat16"), ln, row_geometry(1000, 32, norm_fwd).row),
+        (NormBackward(True, True, True, True), ln_bwd, row_geometry(4096, 16, norm_bwd).row),
+        (NormBackward(False, True, False, False), rms_bwd, row_geometry(65536, 32, norm_bwd).row),
+        (SoftmaxForward(False), (x,), row_geometry(32000, 16, soft_fwd).row),
+        (SoftmaxBackward(True), (S((64, 32000), F32), x), row_geometry(32000, 32, soft_bwd).row),
+        (CrossEntropyForward(True), (x, labels), row_geometry(32000, 16, soft_fwd).row),
+        (CrossEntropyBackward(), (x, labels, per_row, per_row), row_geometry(32000, 16, soft_fwd).row),
+        (RowReduce("mean"), (S((64, 777), F16),), row_config(777, 16)),
+        (LinearForward("gelu", True, False, False), (S((1, 5000, 256), BF16), S((1, 256, 4096), BF16), S((4096,), BF16)),
+         CONFIGS[config_class(5000, 4096)]),
+        (LinearInputGrad(), (S((1, 48, 512), BF16), S((1, 256, 512), BF16)), CONFIGS[config_class(48, 256)]),
+        (LinearWeightGrad(), (S((2, 300, 256), F16), S((2, 300, 512), F16)), CONFIGS[config_class(256, 512)]),
+    ]
+
+
+def test_without_a_table_every_family_gets_the_heuristic(monkeypatch):
+    for family, avals, expected in families_and_avals():
+        assert family.default_config(avals) == expected, family
+        assert family.resolved(avals).config == expected, family  # FAKE_GPU, empty tables
+        assert expected in family.config_space(avals), family
+    monkeypatch.setattr(tuning, "device_kind", lambda: None)  # no GPU: no lookup at all
+    for family, avals, expected in families_and_avals():
+        assert family.resolved(avals).config == expected
+
+
+def test_an_unchosen_config_is_refused_and_a_chosen_one_kept():
+    avals = (S((4, 8), F32),)
+    with pytest.raises(ValueError, match=r"reduce_sum: no config chosen; build the family with \.resolved"):
+        RowReduce("sum").launcher(avals, ())
+    configured = RowReduce("sum", row_config_space(8, 32)[-1])
+    assert configured.resolved(avals) is configured
+
+
+# --- every candidate compiles for sm_90a (on CPU) ---------------------------------------------------
+
+def compile_candidates(case, configs):
+    """Lower a kernel call of ``case``'s family with each config for CUDA; its FFI targets."""
+    found = []
+    for config in configs:
+        family = dataclasses.replace(case.family, config=config)
+        found += targets(lower_cuda(functools.partial(kernel_call, family), *case.avals))
+    return found
+
+
+def sample(configs, default):
+    """A few configs that span a space: the first, the last, the middle one and the heuristic's."""
+    return list(dict.fromkeys([configs[0], configs[len(configs) // 2], configs[-1], default]))
+
+
+@pytest.mark.parametrize("op, shape, dtype, every", [
+    ("layer_norm", (8, 1000), "bfloat16", True),  # register-resident rows, backward with partials
+    ("linear", (100, 256, 512), "bfloat16", True),
+    ("softmax", (8, 1000), "float16", False),
+    ("rms_norm", (8, 12000), "float32", False),  # streamed rows: the dx-only backward
+    ("cross_entropy", (8, 20000), "float32", False),
+    ("reduce_max", (8, 1000), "float32", False),
+])
+def test_candidates_compile_for_sm90a(op, shape, dtype, every):
+    listed = autotune.list_candidates(op, [shape], [dtype])
+    assert [c.family.name for c, _, _ in listed] == list(autotune.OPS[op].families)
+    compiled = 0
+    for case, configs, default in listed:
+        chosen = configs if every else sample(configs, default)
+        found = compile_candidates(case, chosen)
+        assert len(found) == len(chosen) and len(set(found)) == len(chosen)  # one kernel per config
+        compiled += len(chosen)
+    assert sum(s.compiles for s in cl.cache_info().values()) == compiled
+
+
+def test_streamed_norm_backward_tunes_the_dx_only_kernel():
+    _, (bwd, _, default) = autotune.list_candidates("rms_norm", [(8, 12000)], ["float32"])
+    assert not (bwd.family.want_dscale or bwd.family.want_dbias)
+    assert not geometry_for(default, 12000, 32).resident
+
+
+# --- the tuned-config table -------------------------------------------------------------------------
+
+LN_AVALS = (S((64, 1024), BF16), S((1024,), BF16), S((1024,), BF16))
+
+
+def layer_norm(x, scale, bias):
+    return cl.ops.layer_norm(x, scale, bias)
+
+
+def other_candidate(family, avals):
+    default = family.default_config(avals)
+    return next(c for c in family.config_space(avals) if c != default)
+
+
+def test_a_table_entry_changes_the_config_and_the_compiled_kernel(tmp_path, monkeypatch):
+    family = NormForward(True, True, True, 1e-6, "bfloat16")
+    tuned = other_candidate(family, LN_AVALS)
+    heuristic_targets = targets(lower_cuda(layer_norm, *LN_AVALS))
+
+    use_table(monkeypatch, write_table(tmp_path / "user.json",
+                                       [entry("layer_norm_fwd", "bfloat16", {"n": 1024}, fields(tuned))]))
+    assert family.resolved(LN_AVALS).config == tuned
+    tuned_targets = targets(lower_cuda(layer_norm, *LN_AVALS))
+    assert len(heuristic_targets) == len(tuned_targets) == 1 and heuristic_targets != tuned_targets
+    assert cl.cache_info()["layer_norm_fwd"].compiles == 2  # one kernel per config
+
+    # Other operands (another N, another dtype, another GPU) keep the heuristic.
+    other_n = (S((64, 2048), BF16), S((2048,), BF16), S((2048,), BF16))
+    assert family.resolved(other_n).config == family.default_config(other_n)
+    other_dtype = (S((64, 1024), F16), S((1024,), F16), S((1024,), F16))
+    assert family.resolved(other_dtype).config == family.default_config(other_dtype)
+    monkeypatch.setattr(tuning, "device_kind", lambda: "Another GPU")
+    assert family.resolved(LN_AVALS).config == family.default_config(LN_AVALS)
+
+
+def test_a_gemm_entry_covers_its_row_bucket(tmp_path, monkeypatch):
+    def fwd(x, w):
+        return cl.ops.fused_linear(x, w)
+
+    w = S((256, 512), BF16)
+    before = targets(lower_cuda(fwd, S((300, 256), BF16), w))
+    wide = CONFIGS["wide"]
+    assert CONFIGS[config_class(300, 512)] != wide
+    use_table(monkeypatch, write_table(tmp_path / "user.json", [
+        entry("linear_fwd", "bfloat16", {"m": row_bucket(300), "k": 256, "n": 512}, fields(wide))]))
+    after = targets(lower_cuda(fwd, S((300, 256), BF16), w))
+    assert before != after
+    family = LinearForward("none", False, False, False)
+    for rows in (65, 1000, 2047):  # the whole bucket, one kernel
+        assert family.resolved((S((1, rows, 256), BF16), S((1, 256, 512), BF16))).config == wide
+    assert family.resolved((S((1, 2048, 256), BF16), S((1, 256, 512), BF16))).config == CONFIGS["default"]
+    assert family.resolved((S((1, 64, 256), BF16), S((1, 256, 512), BF16))).config == CONFIGS["small_m"]
+
+
+def test_user_table_overrides_the_shipped_one(tmp_path, monkeypatch):
+    family = SoftmaxForward(False)
+    avals_a, avals_b = (S((8, 4096), BF16),), (S((8, 1024), BF16),)
+    shipped_a, user_a = [c for c in family.config_space(avals_a) if c != family.default_config(avals_a)][:2]
+    shipped_b = other_candidate(family, avals_b)
+    write_table(tuning.SHIPPED_TABLE, [entry("softmax_fwd", "bfloat16", {"n": 4096}, fields(shipped_a)),
+                                       entry("softmax_fwd", "bfloat16", {"n": 1024}, fields(shipped_b))])
+    assert family.resolved(avals_a).config == shipped_a
+    use_table(monkeypatch, write_table(tmp_path / "user.json",
+                                       [entry("softmax_fwd", "bfloat16", {"n": 4096}, fields(user_a))]))
+    assert family.resolved(avals_a).config == user_a  # the user's entry wins
+    assert family.resolved(avals_b).config == shipped_b  # the shipped one still serves its key
+
+
+BAD_TABLES = {
+    "not JSON": ("{format: 1", r"not valid JSON"),
+    "wrong format": (json.dumps({"format": 99, "entries": []}), r"expected an object with \"format\": 1"),
+    "entries not a list": (json.dumps({"format": 1, "entries": {}}), r"expected an object"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_TABLES)
+def test_an_unreadable_table_warns_and_the_heuristic_runs(name, tmp_path, monkeypatch):
+    text, message = BAD_TABLES[name]
+    path = tmp_path / "broken.json"
+    path.write_text(text)
+    use_table(monkeypatch, path)
+    family = SoftmaxForward(False)
+    avals = (S((8, 4096), BF16),)
+    with pytest.warns(tuning.TuningTableWarning, match=rf"{re.escape(str(path))}.*{message}"):
+        assert family.resolved(avals).config == family.default_config(avals)
+
+
+def test_malformed_entries_warn_with_file_and_key_and_the_heuristic_runs(tmp_path, monkeypatch):
+    family = SoftmaxForward(False)
+    avals = (S((8, 4096), BF16),)
+    good = other_candidate(family, avals)
+    default = family.default_config(avals)
+    default_kernel = targets(lower_cuda(functools.partial(kernel_call, family.resolved(avals)), *avals))
+    bad_entries = [
+        ({"device": FAKE_GPU, "kernel": "softmax_fwd", "dtype": "bfloat16", "dims": {"n": 4096}},
+         r"entry 0 ignored: field 'config' must be a JSON object"),
+        (entry("softmax_fwd", "bfloat16", {"n": 4096}, {"threads_per_row": "many"}),
+         r"entry 0 ignored: config\['threads_per_row'\] must be an integer"),
+        (entry("softmax_fwd", "bfloat16", {"n": 4096}, {"threads_per_row": 32, "warps": 4}),
+         r"entry \(device='Fake H100 for tests', kernel='softmax_fwd', dtype='bfloat16', dims=\{'n': 4096\}\) "
+         r"names an invalid config"),
+        (entry("softmax_fwd", "bfloat16", {"n": 4096}, {**fields(default), "threads_per_row": 3}),
+         r"kernel='softmax_fwd'.*names \{.*'threads_per_row': 3.*not a candidate config.*allowed "
+         r"\('threads_per_row', 'num_threads', 'unroll'\): \(128, 128, 4\)"),
+    ]
+    for i, (bad, message) in enumerate(bad_entries):
+        path = write_table(tmp_path / f"bad{i}.json", [bad])
+        use_table(monkeypatch, path)
+        with pytest.warns(tuning.TuningTableWarning, match=rf"{re.escape(str(path))}.*{message}"):
+            assert family.resolved(avals).config == default
+            # The op falls back the same way: the kernel it builds is the heuristic's.
+            assert targets(lower_cuda(cl.ops.softmax, *avals)) == default_kernel
+    # A malformed entry does not spoil the good ones next to it.
+    path = write_table(tmp_path / "mixed.json", [bad_entries[0][0],
+                                                  entry("softmax_fwd", "bfloat16", {"n": 4096}, fields(good))])
+    use_table(monkeypatch, path)
+    with pytest.warns(tuning.TuningTableWarning, match="entry 0 ignored"):
+        assert family.resolved(avals).config == good
+
+
+def test_the_shipped_table_loads_cleanly_and_is_packaged(recwarn):
+    shipped = Path(tuning.__file__).parent / "tuned_configs.json"
+    table = json.loads(shipped.read_text())
+    assert table["format"] == tuning.FORMAT and isinstance(table["entries"], list)
+    tuning.read_table(shipped)
+    assert not [w for w in recwarn if issubclass(w.category, tuning.TuningTableWarning)]
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert "tuning/*.json" in pyproject["tool"]["setuptools"]["package-data"]["cutelayers"]
+
+
+def test_write_entries_replaces_same_keys_and_keeps_the_rest(tmp_path):
+    path = write_table(tmp_path / "t.json", [entry("softmax_fwd", "bfloat16", {"n": 8}, {"a": 1}),
+                                             entry("softmax_fwd", "bfloat16", {"n": 16}, {"a": 2})], about="kept")
+    tuning.write_entries(path, [entry("softmax_fwd", "bfloat16", {"n": 16}, {"a": 3})])
+    table = json.loads(path.read_text())
+    assert table["about"] == "kept"
+    assert [e["config"]["a"] for e in table["entries"]] == [1, 3]
+    path.write_text("garbage")
+    with pytest.raises(ValueError, match=rf"cannot add tuned configs to {path}: it is not a readable table"):
+        tuning.write_entries(path, [])
+    assert path.read_text() == "garbage"
+
+
+# --- the sweep, with an injected runner --------------------------------------------------------------
+
+class FakeRunner:
+    """Results from the family's reference (off by 50% for ``wrong`` configs, an exception for
+    ``failing`` ones); times from ``seconds`` (default 1 ms)."""
+
+    device_kind = FAKE_GPU
+
+    def __init__(self, seconds=None, wrong=(), failing=()):
+        self.seconds, self.wrong, self.failing = seconds or {}, set(wrong), set(failing)
+        self.timed = []
+
+    def run(self, family, operands):
+        if family.config in self.failing:
+            raise RuntimeError("launch failed")
+        results = tuple(family.reference(*operands))
+        return (results[0] * 1.5,) + results[1:] if family.config in self.wrong else results
+
+    def time(self, family, operands):
+        self.timed.append(family.config)
+        return self.seconds.get(family.config, 1e-3)
+
+
+def norm_forward_case():
+    (case,) = autotune.cases("layer_norm_fwd", [(16, 1024)], ["bfloat16"])
+    return case
+
+
+def test_sweep_picks_the_fastest_correct_candidate():
+    case = norm_forward_case()
+    space = case.family.config_space(case.avals)
+    default = case.family.default_config(case.avals)
+    fast, fastest_but_wrong, broken = [c for c in space if c != default][:3]
+    runner = FakeRunner(seconds={fast: 0.5e-3, fastest_but_wrong: 0.1e-3, default: 0.9e-3},
+                        wrong={fastest_but_wrong}, failing={broken})
+    lines = []
+    result = autotune.sweep(case, runner, log=lines.append)
+    assert result.winner == fast and result.default == default
+    assert fastest_but_wrong not in runner.timed and broken not in runner.timed
+    rejected = {t.config: t.rejected for t in result.trials if t.rejected}
+    assert rejected[fastest_but_wrong].startswith("relative error") and "launch failed" in rejected[broken]
+    assert len(lines) == len(space) and sum("WRONG" in line for line in lines) == 1
+    assert sum("FAILED" in line for line in lines) == 1 and sum("(heuristic)" in line for line in lines) == 1
+
+
+def test_sweep_keeps_the_heuristic_within_min_gain():
+    case = norm_forward_case()
+    default = case.family.default_config(case.avals)
+    slightly_faster = other_candidate(case.family, case.avals)
+    runner = FakeRunner(seconds={slightly_faster: 0.99e-3, default: 1e-3})
+    assert autotune.sweep(case, runner, log=lambda _: None).winner == default
+    assert autotune.sweep(case, runner, min_gain=0.0, log=lambda _: None).winner == slightly_faster
+
+
+def test_sweep_with_no_correct_candidate_has_no_winner():
+    case = norm_forward_case()
+    runner = FakeRunner(wrong=case.family.config_space(case.avals))
+    assert autotune.sweep(case, runner, log=lambda _: None).winner is None
+
+
+def test_the_norm_backward_is_checked_on_summed_partials():
+    # The kernel spreads dscale/dbias over P partial rows, the reference puts them in the first:
+    # compared as the op uses them (summed), both are right.
+    (case,) = autotune.cases("layer_norm_bwd", [(16, 1024)], ["bfloat16"])
+    result = autotune.sweep(case, FakeRunner(), log=lambda _: None)
+    assert not any(t.rejected for t in result.trials)
+
+
+def test_autotune_writes_winners_that_the_runtime_then_uses(tmp_path, monkeypatch):
+    output = tmp_path / "tuned.json"
+    family = SoftmaxForward(False)
+    avals = (S((64, 2048), F16),)
+    tuned = other_candidate(family, avals)
+    runner = FakeRunner(seconds={tuned: 1e-4})
+    lines = []
+    results = autotune.autotune("softmax", [(64, 2048)], ["float16"], output=output, runner=runner, log=lines.append)
+    assert [r.case.family.name for r in results] == ["softmax_fwd", "softmax_bwd"]
+    table = json.loads(output.read_text())
+    fwd = next(e for e in table["entries"] if e["kernel"] == "softmax_fwd")
+    assert fwd == {"device": FAKE_GPU, "kernel": "softmax_fwd", "dtype": "float16", "dims": {"n": 2048},
+                   "config": fields(tuned), "time_us": 100.0, "default_time_us": 1000.0}
+    summary = lines[-2]
+    assert summary.startswith("| kernel |") and "| softmax_fwd | float16 | n=2048 |" in summary and "| 10.00 |" in summary
+    assert "wrote 2 tuned config(s)" in lines[-1]
+    use_table(monkeypatch, output)
+    assert family.resolved(avals).config == tuned
+
+
+def test_autotune_argument_errors_name_what_is_allowed():
+    with pytest.raises(ValueError, match=r"unknown op or kernel 'layernorm'; allowed ops: layer_norm, rms_norm"):
+        autotune.cases("layernorm", [(8, 8)], ["bfloat16"])
+    with pytest.raises(ValueError, match=r"shape \(8, 8\) is not MxKxN"):
+        autotune.cases("linear", [(8, 8)], ["bfloat16"])
+    with pytest.raises(ValueError, match=r"dtype int32 is not one of bfloat16, float16, float32"):
+        autotune.cases("softmax", [(8, 8)], ["int32"])
+    with pytest.raises(ValueError, match=r"linear: shape 8x8x8, dtype float32: .*kernels take bfloat16/float16"):
+        autotune.cases("linear", [(8, 8, 8)], ["float32"])
+    with pytest.raises(ValueError, match="no output table"):
+        autotune.autotune("softmax", [(8, 8)], ["bfloat16"], runner=FakeRunner())
+
+
+
+def test_relative_error_flags_moved_non_finite_values():
+    ref = jnp.array([1.0, jnp.inf, 3.0])
+    assert autotune.relative_error(ref, ref) == 0.0
+    assert autotune.relative_error(jnp.array([1.0, 2.0, 3.0]), ref) == float("inf")
+    assert np.isclose(autotune.relative_error(jnp.array([1.0, jnp.inf, 4.0]), ref), 1.0 / np.sqrt(10.0))
+
+
+# --- command line -------------------------------------------------------------------------------------
+
+def test_cli_dry_run_lists_candidates(capsys):
+    assert autotune.main(["--op", "layer_norm", "--shape", "64x1024", "--dtype", "bfloat16", "float32", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    family = NormForward(True, True, True, 1e-6, "bfloat16")
+    avals = (S((64, 1024), BF16), S((1024,), BF16), S((1024,), BF16))
+    assert f"layer_norm_fwd bfloat16 n=1024: {len(family.config_space(avals))} candidates" in out
+    assert "layer_norm_bwd float32 n=1024:" in out
+    heuristic = tuning.describe_config(family.default_config(avals))
+    assert f"  {heuristic} (heuristic)" in out
+    assert out.count("(heuristic)") == 4  # one per (kernel, dtype)
+
+
+def test_cli_usage_errors(capsys):
+    assert autotune.main(["--op", "gemm", "--shape", "8x8x8", "--dry-run"]) == 2
+    assert "unknown op or kernel 'gemm'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        autotune.main(["--op", "softmax", "--shape", "64xN"])
+    assert exit_info.value.code == 2
+    assert "shape '64xN' is not sizes joined by 'x'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the error raised without a Hopper GPU")
+def test_cli_without_a_gpu_fails_with_a_clear_message(tmp_path):
+    env = {**os.environ, "CUTELAYERS_TUNING_FILE": str(tmp_path / "t.json")}
+    proc = subprocess.run([sys.executable, "-m", "cutelayers.autotune", "--op", "softmax", "--shape", "64x1024"],
+                          capture_output=True, text=True, env=env, cwd=Path(__file__).parents[1], timeout=300)
+    assert proc.returncode == 2
+    assert "times kernels on a Hopper GPU (compute capability 9.x)" in proc.stderr
+    assert "--dry-run" in proc.stderr and not (tmp_path / "t.json").exists()
+
+
+# --- on the GPU: a real sweep --------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op, shape, dtype", [
+    ("layer_norm", (4096, 1000), "bfloat16"),
+    ("rms_norm", (512, 12000), "float32"),
+    ("cross_entropy", (1024, 5000), "bfloat16"),
+    ("reduce_sum", (4096, 100), "float16"),
+    ("linear", (300, 256, 512), "bfloat16"),
+])
+def test_gpu_sweep_every_candidate_is_correct(op, shape, dtype, tmp_path, monkeypatch):
+    gpu = jax.devices("cuda")[0].device_kind
+    monkeypatch.setattr(tuning, "device_kind", lambda: gpu)
+    results = autotune.autotune(op, [shape], [dtype], output=tmp_path / "t.json", log=lambda _: None)
+    for r in results:
+        assert not [t for t in r.trials if t.rejected], r.case.describe()
+        assert r.winner is not None
+    use_table(monkeypatch, tmp_path / "t.json")
+    for r in results:
+        assert r.case.family.resolved(r.case.avals).config == r.winner

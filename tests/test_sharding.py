@@ -1,0 +1,411 @@
+"""Multi-device use on four fake CPU devices (see conftest): every op under ``jax.shard_map`` and
+under plain ``jax.jit`` with row-sharded ``NamedSharding`` inputs, column- and row-parallel
+``fused_linear``, and the errors for shardings a kernel cannot honour.
+
+What is checked, and how (no GPU is needed for any test here except the ``gpu``-marked ones):
+
+* **Values and gradients.** On CPU every kernel call lowers to its jnp reference, run per device
+  by the same sharding rules (custom_partitioning, or shard_map for ``Explicit`` mesh axes) that
+  run the CuTe kernels on GPUs. Results and gradients must equal one device's within the
+  tolerances of ``tests/numerics.py``.
+* **Collectives, CPU program.** The program compiled for the CPU devices (XLA's partitioner runs
+  the rules) has no all-gather, all-to-all, collective-permute or reduce-scatter, and its only
+  all-reduces are parameter-sized (weight gradients, the scalar loss).
+* **Collectives, CUDA program.** The program lowered for CUDA (CuTe kernels compiled for sm_90a)
+  is handed to the CPU compiler, whose partitioner runs the rules and emits the per-device
+  program -- CuTe kernel calls included -- before compilation stops at the first kernel call (no
+  CPU handler). The optimized HLO it dumps must hold kernel calls on per-device row counts and
+  none of the collectives above. What this cannot check: that the CUDA compiler accepts the
+  program and the kernels run (the ``gpu`` tests at the end do, on a 2-GPU machine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import cutelayers as cl
+from conftest import HAS_GPU
+from numerics import assert_trees_match, random
+
+ROWS = P("data")  # batch axis sharded over the mesh's data axis
+REPLICATED = P()
+BATCH, SEQ = 8, 6  # 48 rows: 12 per device on four devices
+FORBIDDEN = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter")
+
+AXIS_TYPES = [
+    "Auto",
+    pytest.param("Explicit", marks=pytest.mark.skipif(
+        jax.__version_info__ < (0, 11),
+        reason="jax 0.10's explicit-sharding reshape rules refuse the ops' (rows, features) views")),
+]
+
+
+def make_mesh(shape, names, axis_type="Auto"):
+    devices = jax.devices("cpu")
+    if len(devices) < math.prod(shape):
+        pytest.skip("needs 4 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=4)")
+    kind = getattr(jax.sharding.AxisType, axis_type)
+    return jax.make_mesh(shape, names, devices=devices[:math.prod(shape)], axis_types=(kind,) * len(shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """An op, its arguments and which of them are row-wise (sharded over the data axis)."""
+
+    name: str
+    fn: Callable
+    make_args: Callable  # rng, dtype -> args
+    row_wise: tuple[bool, ...]
+    wrt: tuple[int, ...]  # differentiable arguments
+    dtype: object = jnp.float32
+    kernels: bool = True  # whether the op calls CuTe kernels (masked_mean_pool is jnp)
+
+    def specs(self):
+        return tuple(ROWS if r else REPLICATED for r in self.row_wise)
+
+
+def _x(rng, dtype, n=64):
+    return random(rng, (BATCH, SEQ, n), dtype)
+
+
+def _labels(rng, n):
+    labels = rng.integers(0, n, (BATCH, SEQ))
+    labels[0, :2] = -1  # ignored rows
+    return jnp.asarray(labels, jnp.int32)
+
+
+CASES = [
+    Case("reduce_sum", cl.ops.reduce_sum, lambda r, d: (_x(r, d),), (True,), (0,)),
+    Case("reduce_mean", cl.ops.reduce_mean, lambda r, d: (_x(r, d),), (True,), (0,)),
+    Case("reduce_max", cl.ops.reduce_max, lambda r, d: (_x(r, d),), (True,), (0,)),
+    Case("layer_norm", cl.ops.layer_norm,
+         lambda r, d: (_x(r, d, 96), random(r, (96,), d), random(r, (96,), d)),
+         (True, False, False), (0, 1, 2)),
+    Case("rms_norm", cl.ops.rms_norm,
+         lambda r, d: (_x(r, d, 96), random(r, (96,), d)), (True, False), (0, 1)),
+    Case("softmax", cl.ops.softmax, lambda r, d: (_x(r, d),), (True,), (0,)),
+    Case("log_softmax", cl.ops.log_softmax, lambda r, d: (_x(r, d),), (True,), (0,)),
+    Case("logsumexp", cl.ops.logsumexp, lambda r, d: (_x(r, d),), (True,), (0,)),
+    Case("softmax_cross_entropy",
+         lambda x, labels: cl.ops.softmax_cross_entropy(x, labels, ignore_index=-1, label_smoothing=0.1,
+                                                        z_loss=1e-3),
+         lambda r, d: (_x(r, d), _labels(r, 64)), (True, True), (0,)),
+    # float16 with K, N multiples of 8: the GEMM families (kernel path), not an XLA dot
+    Case("fused_linear",
+         lambda x, w, b, res: cl.ops.fused_linear(x, w, b, activation="gelu", residual=res),
+         lambda r, d: (_x(r, d, 32), random(r, (32, 64), d) / 6, random(r, (64,), d), _x(r, d, 64)),
+         (True, False, False, True), (0, 1, 2, 3), jnp.float16),
+    Case("linear_cross_entropy",
+         lambda h, w, labels: cl.ops.linear_cross_entropy(h, w, labels, ignore_index=-1, reduction="none"),
+         lambda r, d: (_x(r, d, 32), random(r, (32, 64), d) / 6, _labels(r, 64)), (True, False, True), (0, 1),
+         jnp.float16),
+    Case("masked_mean_pool", cl.ops.masked_mean_pool,
+         lambda r, d: (_x(r, d), jnp.asarray(r.integers(0, 2, (BATCH, SEQ)), jnp.int32)), (True, True), (0,),
+         kernels=False),
+]
+KERNEL_CASES = [c for c in CASES if c.kernels]
+
+
+def loss_and_grads(fn, args, wrt, cotangent):
+    """value_and_grad of sum(fn(*args) * cotangent) (a fresh random cotangent: every output
+    element matters)."""
+    def loss(*a):
+        return jnp.sum(fn(*a).astype(jnp.float32) * cotangent)
+
+    return jax.value_and_grad(loss, argnums=wrt)(*args)
+
+
+def random_cotangent(rng, case, args):
+    out = jax.eval_shape(case.fn, *args)
+    return jnp.asarray(rng.standard_normal(out.shape), jnp.float32)
+
+
+def put(mesh, args, specs):
+    return tuple(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs))
+
+
+def collectives(hlo: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(kind, element count of each array it moves) of every collective in HLO text (XLA
+    combines several all-reduces into one of a tuple)."""
+    found = []
+    for m in re.finditer(r"= (\([^=]*?\)|\S+) ([a-z-]+?)(?:-start)?\(", hlo):
+        kind = m.group(2)
+        if kind in FORBIDDEN + ("all-reduce",):
+            shapes = re.findall(r"\[([\d,]*)\]", m.group(1))
+            found.append((kind, tuple(math.prod(int(d) for d in s.split(",") if d) for s in shapes)))
+    return found
+
+
+def assert_no_activation_collectives(hlo: str, largest_parameter: int):
+    found = collectives(hlo)
+    assert not [c for c in found if c[0] in FORBIDDEN], found
+    assert all(n <= largest_parameter for _, sizes in found for n in sizes), found
+
+
+def largest_parameter(case, args) -> int:
+    return max([a.size for a, r in zip(args, case.row_wise) if not r] + [1])
+
+
+# --- values and gradients ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_sharded_jit_matches_one_device(case, axis_type, rng):
+    mesh = make_mesh((4,), ("data",), axis_type)
+    args = case.make_args(rng, case.dtype)
+    cotangent = random_cotangent(rng, case, args)
+    ref_out = jax.jit(case.fn)(*args)
+    ref = jax.jit(loss_and_grads, static_argnums=(0, 2))(case.fn, args, case.wrt, cotangent)
+
+    sharded = put(mesh, args, case.specs())
+    out = jax.jit(case.fn)(*sharded)
+    got = jax.jit(loss_and_grads, static_argnums=(0, 2))(case.fn, sharded, case.wrt, cotangent)
+    assert_trees_match(out, ref_out, tol_dtype=case.dtype)
+    assert_trees_match(got, ref, tol_dtype=case.dtype)
+    # results and row-wise gradients stay sharded over the rows: nothing was gathered to return them
+    assert out.sharding.spec[0] == "data"
+    for i, g in zip(case.wrt, got[1]):
+        assert (g.sharding.spec[:1] == ("data",)) == case.row_wise[i], (i, g.sharding)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_shard_map_matches_one_device(case, rng):
+    mesh = make_mesh((4,), ("data",))
+    args = case.make_args(rng, case.dtype)
+    cotangent = random_cotangent(rng, case, args)
+    ref = jax.jit(loss_and_grads, static_argnums=(0, 2))(case.fn, args, case.wrt, cotangent)
+    per_shard = jax.shard_map(case.fn, mesh=mesh, in_specs=case.specs(), out_specs=ROWS)
+    got = jax.jit(loss_and_grads, static_argnums=(0, 2))(per_shard, args, case.wrt, cotangent)
+    assert_trees_match(got, ref, tol_dtype=case.dtype)
+
+
+# --- collectives ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_row_sharded_cpu_program_gathers_no_activations(case, rng):
+    mesh = make_mesh((4,), ("data",))
+    args = put(mesh, case.make_args(rng, case.dtype), case.specs())
+    cotangent = random_cotangent(rng, case, args)
+    step = jax.jit(loss_and_grads, static_argnums=(0, 2))
+    hlo = step.lower(case.fn, args, case.wrt, cotangent).compile().as_text()
+    assert_no_activation_collectives(hlo, largest_parameter(case, args))
+
+
+def partitioned_cuda_hlo(f, avals, dump_dir) -> str:
+    """The per-device program XLA's partitioner makes of ``f`` lowered for CUDA (see the module
+    docstring): compiled by the CPU client, which stops at the first CuTe kernel call."""
+    lowered = jax.jit(f).trace(*avals).lower(lowering_platforms=("cuda",))
+    try:
+        lowered.compile(compiler_options={"xla_dump_to": str(dump_dir)})
+    except jax.errors.JaxRuntimeError as e:
+        assert "No FFI handler registered for cutelayers_" in str(e), e
+    (dump,) = dump_dir.glob("*after_optimizations.txt")
+    return dump.read_text()
+
+
+def kernel_row_counts(hlo: str) -> set[int]:
+    """Every dim of every array a CuTe kernel call reads or writes."""
+    lines = [line for line in hlo.splitlines() if 'custom_call_target="cutelayers_' in line]
+    assert lines, "no CuTe kernel calls in the partitioned program"
+    return {int(d) for line in lines for ds in re.findall(r"\[([\d,]+)\]", line) for d in ds.split(",")}
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: c.name)
+def test_row_sharded_cuda_program_runs_kernels_per_device(case, rng, tmp_path):
+    mesh = make_mesh((4,), ("data",))
+    args = case.make_args(rng, jnp.bfloat16)
+    avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s))
+                  for a, s in zip(args, case.specs()))
+    cotangent = random_cotangent(rng, case, args)
+    hlo = partitioned_cuda_hlo(lambda *a: loss_and_grads(case.fn, a, case.wrt, cotangent), avals, tmp_path)
+    dims = kernel_row_counts(hlo)
+    rows = BATCH * SEQ
+    assert rows // 4 in dims and rows not in dims, dims  # every kernel sees its device's 12 rows
+    assert_no_activation_collectives(hlo, largest_parameter(case, args))
+
+
+# --- column- and row-parallel fused_linear ------------------------------------------------------
+
+PARALLEL = {
+    # name: (x, kernel, bias, residual) specs on a ("data", "model") mesh
+    "column": (P("data"), P(None, "model"), P("model"), P("data", None, "model")),
+    "row": (P("data", None, "model"), P("model", None), REPLICATED, P("data")),
+}
+
+
+def _linear(x, w, b, res):
+    return cl.ops.fused_linear(x, w, b, activation="silu", residual=res)
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+@pytest.mark.parametrize("layout", PARALLEL)
+def test_parallel_linear_matches_one_device(layout, axis_type, rng):
+    """Column-parallel: the kernel sharded over N, y comes out sharded over N, dx is summed over
+    the model axis. Row-parallel: the kernel sharded over K, the partial products are summed and
+    the bias, activation and residual apply once, after the sum."""
+    mesh = make_mesh((2, 2), ("data", "model"), axis_type)
+    dtype = jnp.float16
+    args = (_x(rng, dtype, 32), random(rng, (32, 64), dtype) / 6, random(rng, (64,), dtype),
+            _x(rng, dtype, 64))
+    cotangent = jnp.asarray(rng.standard_normal((BATCH, SEQ, 64)), jnp.float32)
+    step = jax.jit(loss_and_grads, static_argnums=(0, 2))
+    ref_out, ref = jax.jit(_linear)(*args), step(_linear, args, (0, 1, 2, 3), cotangent)
+
+    sharded = put(mesh, args, PARALLEL[layout])
+    out, got = jax.jit(_linear)(*sharded), step(_linear, sharded, (0, 1, 2, 3), cotangent)
+    assert_trees_match(out, ref_out, tol_dtype=dtype)
+    assert_trees_match(got, ref, tol_dtype=dtype)
+    expected_out = ("data", None, "model") if layout == "column" else ("data", None, None)
+    assert tuple(out.sharding.spec) + (None,) * (3 - len(out.sharding.spec)) == expected_out
+    # the kernel's gradient comes out sharded like the kernel (summed over the data axis)
+    assert got[1][1].sharding.is_equivalent_to(NamedSharding(mesh, PARALLEL[layout][1]), 2)
+
+
+@pytest.mark.parametrize("layout", PARALLEL)
+def test_parallel_linear_collectives(layout, rng, tmp_path):
+    """CUDA-lowered forward, partitioned per device: column-parallel needs no collective at all;
+    row-parallel needs exactly one all-reduce, of the (rows per device, N) partial products.
+    Neither gathers anything."""
+    mesh = make_mesh((2, 2), ("data", "model"))
+    shapes = ((BATCH, SEQ, 32), (32, 64), (64,), (BATCH, SEQ, 64))
+    avals = tuple(jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+                  for s, spec in zip(shapes, PARALLEL[layout]))
+    hlo = partitioned_cuda_hlo(_linear, avals, tmp_path)
+    dims = kernel_row_counts(hlo)
+    rows = BATCH * SEQ // 2
+    if layout == "column":
+        assert {rows, 32, 64 // 2} <= dims and collectives(hlo) == []
+    else:
+        assert {rows, 32 // 2, 64} <= dims
+        assert collectives(hlo) == [("all-reduce", (rows * 64,))]
+
+
+def test_linear_shard_too_narrow_for_the_kernel_runs_as_xla_gemm(rng, tmp_path):
+    """N = 40 suits the kernel (a multiple of 8), but column-parallel over two devices leaves 20
+    per device, which does not: each device runs the same product as an XLA GEMM."""
+    mesh = make_mesh((2, 2), ("data", "model"))
+    args = (_x(rng, jnp.float16, 32), random(rng, (32, 40), jnp.float16) / 6)
+    specs = (P("data"), P(None, "model"))
+    ref = jax.jit(cl.ops.fused_linear)(*args)
+    assert_trees_match(jax.jit(cl.ops.fused_linear)(*put(mesh, args, specs)), ref, tol_dtype=jnp.float16)
+    avals = tuple(jax.ShapeDtypeStruct(a.shape, jnp.bfloat16, sharding=NamedSharding(mesh, s))
+                  for a, s in zip(args, specs))
+    hlo = partitioned_cuda_hlo(cl.ops.fused_linear, avals, tmp_path)
+    assert 'custom_call_target="cutelayers_' not in hlo and collectives(hlo) == []
+
+
+# --- shardings a kernel cannot honour ----------------------------------------------------------
+
+
+def test_feature_axis_sharding_is_an_error_that_names_the_argument(rng):
+    mesh = make_mesh((4,), ("data",))
+    x = jax.device_put(_x(rng, jnp.float32), NamedSharding(mesh, P(None, None, "data")))
+    # Auto axes: XLA's partitioner asks the rule at compile time, and reports its error
+    with pytest.raises(jax.errors.JaxRuntimeError,
+                       match=r"softmax_fwd: argument 'x' is sharded over mesh axes \('data',\) along dim 1 "
+                             r"of the kernel's \(48, 64\) view of it, a dim the kernel needs whole.*"
+                             r"Shard only its rows"):
+        jax.jit(cl.ops.softmax)(x)
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_sharded_parameter_is_an_error_that_names_it(axis_type, rng):
+    mesh = make_mesh((4,), ("data",), axis_type)
+    x = jax.device_put(_x(rng, jnp.float32, 96), NamedSharding(mesh, ROWS))
+    scale = jax.device_put(random(rng, (96,), jnp.float32), NamedSharding(mesh, P("data")))
+    error = ValueError if axis_type == "Explicit" else jax.errors.JaxRuntimeError  # traced vs compiled
+    with pytest.raises(error, match=r"rms_norm_fwd: argument 'scale' is sharded over mesh axes \('data',\).*"
+                                    r"Every device needs all of it: replicate it"):
+        jax.jit(cl.ops.rms_norm)(x, scale)
+
+
+def test_uneven_row_sharding_is_an_error(rng):
+    mesh = make_mesh((4,), ("data",))
+
+    def f(x):  # 6 rows over 4 devices: only a constraint inside jit can ask for that
+        return cl.ops.softmax(jax.lax.with_sharding_constraint(x, NamedSharding(mesh, ROWS)))
+
+    with pytest.raises(jax.errors.JaxRuntimeError,
+                       match=r"softmax_fwd: argument 'x' \(shape \(6, 64\)\) is sharded over mesh axes "
+                             r"\('data',\) \(4 devices\) along dim 0 of size 6, which does not divide "
+                             r"evenly"):
+        jax.jit(f)(random(rng, (6, 64), jnp.float32))
+
+
+def test_user_kernels_refuse_sharded_operands(rng):
+    """cute_call's out_shape is the global result: a user kernel never runs on a shard under
+    sharded jit (jax.shard_map is the way to run it per device)."""
+    from test_cute_call import add
+
+    mesh = make_mesh((4,), ("data",))
+    x = jax.device_put(random(rng, (8, 64), jnp.float32), NamedSharding(mesh, ROWS))
+    with pytest.raises(jax.errors.JaxRuntimeError,
+                       match=r"argument 'input\[0\]' is sharded over mesh axes \('data',\) along dim 0.*"
+                             r"Every device needs all of it"):
+        jax.jit(add)(x)
+    per_device = jax.shard_map(add, mesh=mesh, in_specs=ROWS, out_specs=ROWS)
+    assert_trees_match(jax.jit(per_device)(x), x + 1.0)
+
+
+def test_feature_axis_sharding_in_explicit_mode_fails_while_tracing(rng):
+    mesh = make_mesh((2, 2), ("data", "model"), "Explicit")
+    x = jax.device_put(_x(rng, jnp.float32), NamedSharding(mesh, P("data", None, "model")))
+    with pytest.raises(ValueError, match=r"reduce_sum: argument 'x' is sharded over mesh axes \('model',\) "
+                                         r"along dim 1"):
+        jax.jit(cl.ops.reduce_sum).trace(x)
+
+
+# --- on two GPUs -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def gpu_mesh():
+    gpus = jax.devices("cuda") if HAS_GPU else []
+    if len(gpus) < 2:
+        pytest.skip(f"needs 2 CUDA GPUs; {len(gpus)} visible")
+    return jax.make_mesh((2,), ("data",), devices=gpus[:2], axis_types=(jax.sharding.AxisType.Auto,))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: c.name)
+def test_two_gpus_run_the_kernels_per_device(case, gpu_mesh, rng):
+    """Row-sharded over two GPUs: the compiled program runs the CuTe kernels per device, gathers
+    nothing, and matches one GPU."""
+    args = jax.device_put(case.make_args(rng, jnp.bfloat16), jax.devices("cuda")[0])
+    cotangent = random_cotangent(rng, case, args)
+    step = jax.jit(loss_and_grads, static_argnums=(0, 2))
+    ref = step(case.fn, args, case.wrt, cotangent)
+    sharded = put(gpu_mesh, args, case.specs())
+    compiled = step.lower(case.fn, sharded, case.wrt, cotangent).compile()
+    hlo = compiled.as_text()
+    assert 'custom_call_target="cutelayers_' in hlo
+    assert_no_activation_collectives(hlo, largest_parameter(case, args))
+    assert_trees_match(compiled(sharded, cotangent), ref, tol_dtype=jnp.bfloat16)  # static args baked in
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", PARALLEL)
+def test_two_gpus_parallel_linear(layout, rng):
+    gpus = jax.devices("cuda") if HAS_GPU else []
+    if len(gpus) < 2:
+        pytest.skip(f"needs 2 CUDA GPUs; {len(gpus)} visible")
+    mesh = jax.make_mesh((1, 2), ("data", "model"), devices=gpus[:2],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    dtype = jnp.bfloat16
+    args = (_x(rng, dtype, 64), random(rng, (64, 128), dtype) / 8, random(rng, (128,), dtype),
+            _x(rng, dtype, 128))
+    cotangent = jnp.asarray(rng.standard_normal((BATCH, SEQ, 128)), jnp.float32)
+    step = jax.jit(loss_and_grads, static_argnums=(0, 2))
+    ref = step(_linear, jax.device_put(args, gpus[0]), (0, 1, 2, 3), cotangent)
+    got = step(_linear, put(mesh, args, PARALLEL[layout]), (0, 1, 2, 3), cotangent)
+    assert_trees_match(got, ref, tol_dtype=dtype)
