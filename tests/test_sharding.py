@@ -67,6 +67,7 @@ class Case:
     wrt: tuple[int, ...]  # differentiable arguments
     dtype: object = jnp.float32
     kernels: bool = True  # whether the op calls CuTe kernels (masked_mean_pool is jnp)
+    kernel_rows: int = BATCH * SEQ  # rows each kernel call takes, unsharded (a chunk's, if chunked)
 
     def specs(self):
         return tuple(ROWS if r else REPLICATED for r in self.row_wise)
@@ -80,6 +81,16 @@ def _labels(rng, n):
     labels = rng.integers(0, n, (BATCH, SEQ))
     labels[0, :2] = -1  # ignored rows
     return jnp.asarray(labels, jnp.int32)
+
+
+def _lm_head_case(name, chunk_size=None):
+    def loss(h, w, b, labels):
+        return cl.ops.linear_cross_entropy(h, w, labels, bias=b, ignore_index=-1, reduction="none",
+                                           chunk_size=chunk_size)
+
+    return Case(name, loss,
+                lambda r, d: (_x(r, d, 32), random(r, (32, 64), d) / 6, random(r, (64,), d), _labels(r, 64)),
+                (True, False, False, True), (0, 1, 2), jnp.float16, kernel_rows=chunk_size or BATCH * SEQ)
 
 
 CASES = [
@@ -103,10 +114,9 @@ CASES = [
          lambda x, w, b, res: cl.ops.fused_linear(x, w, b, activation="gelu", residual=res),
          lambda r, d: (_x(r, d, 32), random(r, (32, 64), d) / 6, random(r, (64,), d), _x(r, d, 64)),
          (True, False, False, True), (0, 1, 2, 3), jnp.float16),
-    Case("linear_cross_entropy",
-         lambda h, w, labels: cl.ops.linear_cross_entropy(h, w, labels, ignore_index=-1, reduction="none"),
-         lambda r, d: (_x(r, d, 32), random(r, (32, 64), d) / 6, _labels(r, 64)), (True, False, True), (0, 1),
-         jnp.float16),
+    _lm_head_case("linear_cross_entropy"),  # all 48 tokens in one chunk
+    # 6 chunks of 8 tokens, 2 from each device: the token axis, sharded, stays within the chunks
+    _lm_head_case("linear_cross_entropy_chunked", chunk_size=8),
     Case("masked_mean_pool", cl.ops.masked_mean_pool,
          lambda r, d: (_x(r, d), jnp.asarray(r.integers(0, 2, (BATCH, SEQ)), jnp.int32)), (True, True), (0,),
          kernels=False),
@@ -172,7 +182,7 @@ def test_sharded_jit_matches_one_device(case, axis_type, rng):
     assert_trees_match(out, ref_out, tol_dtype=case.dtype)
     assert_trees_match(got, ref, tol_dtype=case.dtype)
     # results and row-wise gradients stay sharded over the rows: nothing was gathered to return them
-    assert out.sharding.spec[0] == "data"
+    assert out.sharding.spec[:1] == ("data",)
     for i, g in zip(case.wrt, got[1]):
         assert (g.sharding.spec[:1] == ("data",)) == case.row_wise[i], (i, g.sharding)
 
@@ -198,6 +208,25 @@ def test_row_sharded_cpu_program_gathers_no_activations(case, rng):
     cotangent = random_cotangent(rng, case, args)
     step = jax.jit(loss_and_grads, static_argnums=(0, 2))
     hlo = step.lower(case.fn, args, case.wrt, cotangent).compile().as_text()
+    assert_no_activation_collectives(hlo, largest_parameter(case, args))
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_lm_head_chunk_count_divides_a_batch_rows_tokens(axis_type, rng):
+    """48 tokens as 3 batch rows of 16 over three devices, chunk_size 10: 8 chunks of 6 tokens
+    (8 divides a row's 16 tokens), 2 from each device; 6 chunks of 8 (6 divides only the 48)
+    would not split evenly over the devices, and XLA would gather the tokens."""
+    mesh = make_mesh((3,), ("data",), axis_type)
+    case = _lm_head_case("linear_cross_entropy", chunk_size=10)
+    dtype = jnp.float16
+    args = (random(rng, (3, 16, 32), dtype), random(rng, (32, 64), dtype) / 6, random(rng, (64,), dtype),
+            jnp.asarray(rng.integers(0, 64, (3, 16)), jnp.int32))
+    cotangent = jnp.asarray(rng.standard_normal((3, 16)), jnp.float32)
+    step = jax.jit(loss_and_grads, static_argnums=(0, 2))
+    ref = step(case.fn, args, case.wrt, cotangent)
+    sharded = put(mesh, args, case.specs())
+    assert_trees_match(step(case.fn, sharded, case.wrt, cotangent), ref, tol_dtype=dtype)
+    hlo = step.lower(case.fn, sharded, case.wrt, cotangent).compile().as_text()
     assert_no_activation_collectives(hlo, largest_parameter(case, args))
 
 
@@ -229,8 +258,8 @@ def test_row_sharded_cuda_program_runs_kernels_per_device(case, rng, tmp_path):
     cotangent = random_cotangent(rng, case, args)
     hlo = partitioned_cuda_hlo(lambda *a: loss_and_grads(case.fn, a, case.wrt, cotangent), avals, tmp_path)
     dims = kernel_row_counts(hlo)
-    rows = BATCH * SEQ
-    assert rows // 4 in dims and rows not in dims, dims  # every kernel sees its device's 12 rows
+    # every kernel sees its device's share of the rows (of a chunk's, if chunked), never them all
+    assert case.kernel_rows // 4 in dims and not {case.kernel_rows, BATCH * SEQ} & dims, dims
     assert_no_activation_collectives(hlo, largest_parameter(case, args))
 
 

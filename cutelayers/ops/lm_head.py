@@ -4,7 +4,18 @@
 
 Composed from existing kernels -- the GEMMs of :mod:`cutelayers.ops.linear` and the cross-entropy
 kernels of :mod:`cutelayers.ops.softmax` -- over chunks of tokens with ``jax.lax.scan``, so at most
-one chunk's logits (chunk × V) exist at a time, never the (tokens, V) array:
+one chunk's logits (chunk × V) exist at a time, never the (tokens, V) array.
+
+The chunks are strided: the tokens, viewed as (rows, chunks) -- a free reshape -- go to chunk
+``token % chunks``; the loops read chunk ``c`` of h as column ``c`` of that view and write dh's in
+place the same way. Under ``jax.jit`` with row-sharded tokens (batch / sequence ``NamedSharding``)
+the sharding then lands on the rows, within every chunk, and each device runs every chunk on its
+own tokens; contiguous chunks would put it on the scanned axis, and XLA would gather the tokens to
+loop over them. That needs the rows to split evenly over the devices: the chunk count must divide
+each device's token count (:func:`chunk_layout` picks such counts where it can; chunks smaller
+than the device count never can). A chunk then spans the devices, each computing rows / devices
+of it. Reading column ``c`` copies one chunk, as slicing a contiguous chunk does: neither h nor dh
+is transposed.
 
 * forward, per chunk: ``z = h_c @ kernel + bias`` (the fused GEMM), then the cross-entropy forward
   kernel gives the per-token ``lse`` and loss. Saved for the backward: h, labels, kernel, bias and
@@ -16,7 +27,8 @@ one chunk's logits (chunk × V) exist at a time, never the (tokens, V) array:
 
 Memory: O(chunk × V) for the logits plus the float32 (H, V) gradient accumulator. The chunk is at
 most ~256 MiB of float32 logits unless ``chunk_size`` says otherwise; the tokens are split into
-equal chunks, padding fewer rows than there are chunks.
+equal chunks, a number that divides the tokens where one is near (see :func:`chunk_layout`), else
+padding fewer rows than there are chunks.
 
 Kernels run where :func:`cutelayers.ops.fused_linear`'s do (bfloat16 / float16, H and V multiples
 of 8); elsewhere the same decomposition runs as XLA GEMMs.
@@ -29,6 +41,8 @@ batch (any leading shape works) rather than under ``jax.vmap`` when training.
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 import operator
 
 import jax
@@ -45,28 +59,53 @@ LOGITS_CHUNK_BYTES = 256 * 2**20  # default bound on one chunk's float32 logits
 REDUCTIONS = ("mean", "sum", "none")
 
 
-def chunk_layout(tokens: int, vocab: int, chunk_size: int | None) -> tuple[int, int]:
-    """(number of chunks, rows per chunk) covering ``tokens`` rows with equal chunks of at most
-    ``chunk_size`` rows (default: ~256 MiB of float32 logits)."""
+def chunk_layout(lead: tuple[int, ...], vocab: int, chunk_size: int | None) -> tuple[int, int]:
+    """(number of chunks, rows per chunk) covering tokens of shape ``lead`` with equal chunks of
+    at most ``chunk_size`` rows (default: ~256 MiB of float32 logits).
+
+    Row-sharded tokens stay on their devices when the chunk count divides every device's token
+    count (module docstring); padding breaks that. So the count is the first, from the fewest
+    chunks up to twice that, which divides the tokens of one leading index (``lead[1:]``: then
+    any even sharding of the leading axis, e.g. the batch, qualifies); else the first which
+    divides all the tokens; else (e.g. a prime token count) the fewest chunks, padded.
+    """
+    tokens, per_leading_index = math.prod(lead), math.prod(lead[1:])
     max_rows = chunk_size if chunk_size is not None else max(1, LOGITS_CHUNK_BYTES // (4 * vocab))
-    n_chunks = -(-tokens // max_rows)
+    fewest = -(-tokens // max_rows)
+    near = range(fewest, min(2 * fewest, tokens) + 1)
+    dividing = itertools.chain((n for n in near if per_leading_index % n == 0),
+                               (n for n in near if tokens % n == 0))
+    n_chunks = next(dividing, fewest)
     return n_chunks, -(-tokens // n_chunks)
+
+
+def _chunk(a, c):
+    """Chunk ``c`` of a token-major (rows, chunks, ...) array: (rows, ...)."""
+    return jax.lax.dynamic_index_in_dim(a, c, axis=1, keepdims=False)
+
+
+def _zeros_of_type(a, dtype=None):
+    """Zeros with ``a``'s type: its shape, its sharding over ``Explicit`` mesh axes (which
+    ``jnp.zeros_like`` drops unless a mesh is set with ``jax.set_mesh``; jax's scan makes its
+    outputs the same way) and, inside ``jax.shard_map``, the manual axes it varies over."""
+    with jax.sharding.use_abstract_mesh(jax.typeof(a).sharding.mesh):
+        return jnp.zeros_like(a, dtype)
 
 
 @functools.cache
 def _chunked_loss_fn(ignore_index, use_kernels: bool):
-    """Per-token losses (n, C) float32 of chunked h (n, C, H), labels (n, C), kernel (H, V),
-    bias (V,) | None, with the chunked backward described in the module docstring."""
+    """Per-token losses (R, C) float32 of h (R, C, H), labels (R, C) in the strided layout (chunk
+    ``c`` is column ``c``), kernel (H, V), bias (V,) | None, with the chunked backward described
+    in the module docstring."""
     ce_forward, ce_backward = cross_entropy_kernels(ignore_index)
     input_grad, weight_grad = input_grad_fn(use_kernels), weight_grad_fn(use_kernels)
 
     def forward(h, labels, kernel, bias):
-        def step(_, chunk):
-            h_c, labels_c = chunk
-            return None, ce_forward(fused_linear(h_c, kernel, bias), labels_c)
+        def step(_, c):
+            return None, ce_forward(fused_linear(_chunk(h, c), kernel, bias), _chunk(labels, c))
 
-        _, (lse, loss) = jax.lax.scan(step, None, (h, labels))
-        return lse, loss
+        _, (lse, loss) = jax.lax.scan(step, None, jnp.arange(h.shape[1]))
+        return lse, loss.T  # lse stays chunk-major (C, R): the backward scans over it
 
     @jax.custom_vjp
     def chunked_loss(h, labels, kernel, bias):
@@ -78,19 +117,23 @@ def _chunked_loss_fn(ignore_index, use_kernels: bool):
 
     def bwd(res, dloss):
         h, labels, kernel, bias, lse = res
+        dloss = dloss.astype(F32)
 
         def step(carry, chunk):
-            dkernel, dbias = carry
-            h_c, labels_c, lse_c, dloss_c = chunk
-            dz = ce_backward(fused_linear(h_c, kernel, bias), labels_c, lse_c, dloss_c)
+            dh, dkernel, dbias = carry
+            c, lse_c = chunk
+            h_c = _chunk(h, c)
+            dz = ce_backward(fused_linear(h_c, kernel, bias), _chunk(labels, c), lse_c, _chunk(dloss, c))
+            # dh_c written in place into its column: stacking (C, R, H) would need a transpose
+            dh = jax.lax.dynamic_update_index_in_dim(dh, input_grad(dz, kernel), c, axis=1)
             dkernel = dkernel + weight_grad(h_c[None], dz[None])[0].astype(F32)
             if dbias is not None:
                 dbias = dbias + jnp.sum(dz.astype(F32), axis=0)
-            return (dkernel, dbias), input_grad(dz, kernel)
+            return (dh, dkernel, dbias), None
 
-        # zeros_like: the accumulators take the parameters' type (varying inside shard_map)
-        init = (jnp.zeros_like(kernel, F32), None if bias is None else jnp.zeros_like(bias, F32))
-        (dkernel, dbias), dh = jax.lax.scan(step, init, (h, labels, lse, dloss.astype(F32)))
+        init = (_zeros_of_type(h), _zeros_of_type(kernel, F32),
+                None if bias is None else _zeros_of_type(bias, F32))
+        (dh, dkernel, dbias), _ = jax.lax.scan(step, init, (jnp.arange(h.shape[1]), lse))
         dbias = None if bias is None else dbias.astype(bias.dtype)
         return dh, None, dkernel.astype(kernel.dtype), dbias
 
@@ -114,7 +157,11 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
       ignore_index: label value of tokens to ignore (e.g. -100 or a padding id), or None.
       reduction: "mean" over the tokens that are not ignored (0 when all are), "sum", or "none".
       chunk_size: tokens per chunk (an int >= 1); default: as many as fit ~256 MiB of float32
-        logits. Larger chunks mean fewer, larger GEMMs; smaller ones less memory.
+        logits. Larger chunks mean fewer, larger GEMMs; smaller ones less memory. Under
+        ``jax.jit`` with the tokens row-sharded over D devices a chunk spans them, chunk_size / D
+        rows on each; with the leading (batch) axis sharded, a chunk_size that is a multiple of D
+        and divides the tokens of one batch row keeps every device's tokens on it (see the
+        module docstring).
 
     Returns:
       float32: a scalar for "mean" / "sum", else (...) per-token losses. The logits are computed
@@ -141,14 +188,15 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
         use_kernels, why = kernels_apply(h.dtype, hidden, vocab)
         if not use_kernels:
             _backend.log_once("reference", f"{op}: {why}")
-        n_chunks, rows = chunk_layout(tokens, vocab, chunk_size)
+        n_chunks, rows = chunk_layout(lead, vocab, chunk_size)
         pad = n_chunks * rows - tokens
-        # padded tokens: zero inputs, an in-range label; their losses are dropped, so they get
-        # zero cotangents and contribute nothing to the gradients
-        h_chunks = jnp.pad(h.reshape(tokens, hidden), ((0, pad), (0, 0))).reshape(n_chunks, rows, hidden)
-        label_chunks = jnp.pad(labels.reshape(tokens), (0, pad)).reshape(n_chunks, rows)
+        # strided chunks (module docstring): token t is row t // n_chunks of chunk t % n_chunks.
+        # Padded tokens: zero inputs, an in-range label; their losses are dropped, so they get
+        # zero cotangents and contribute nothing to the gradients.
+        h_strided = jnp.pad(h.reshape(tokens, hidden), ((0, pad), (0, 0))).reshape(rows, n_chunks, hidden)
+        labels_strided = jnp.pad(labels.reshape(tokens), (0, pad)).reshape(rows, n_chunks)
         kernel, bias = vary_like(h, kernel, bias)  # shared by every shard inside shard_map
-        losses = _chunked_loss_fn(ignore_index, use_kernels)(h_chunks, label_chunks, kernel, bias)
+        losses = _chunked_loss_fn(ignore_index, use_kernels)(h_strided, labels_strided, kernel, bias)
         losses = losses.reshape(-1)[:tokens].reshape(lead)
 
     if reduction == "none":
