@@ -12,7 +12,8 @@ usual: the op's batching rule folds the vmapped axes into rows, so a batch is on
 ``Linear`` is a drop-in for ``equinox.nn.Linear`` (arrays ``weight`` (out, in) and ``bias``
 (out,), the same uniform initialisation and "scalar" features, the unbatched call) running
 :func:`cutelayers.ops.fused_linear`, with an extra ``activation`` fused into the GEMM epilogue;
-under ``jax.vmap`` a batch is again one launch.
+under ``jax.vmap`` a batch is again one launch, and under ``jax.grad`` of the vmap the weight
+gradient is one (in, out) GEMM over all rows, not one per example.
 
 Heads: ``LMHead`` (a vocabulary projection shaped like ``Linear(in_features, vocab_size)`` and its
 cross-entropy loss in one, without the logits; optionally tied to an embedding table) and

@@ -10,13 +10,13 @@ Leaves (float32): ``wte.weight``, ``wpe.weight``, ``blocks[i].{ln1,ln2}.{weight,
 ``blocks[i].{qkv,attn_out,mlp_in,mlp_out}.{weight,bias}`` (weights (out, in) as in
 ``eqx.nn.Linear``), ``ln_f.{weight,bias}``, ``head.weight`` (vocab, d_model) -- in both twins.
 
-Two choices the framework forces:
+Two choices:
 
 * Batching. ``model(inputs, targets)`` takes (seq,) or (batch, seq) tokens and runs every linear
   layer on all rows at once (one GEMM forward, one GEMM for the weight gradient). Calling the
-  layers under ``jax.vmap`` instead, the usual Equinox style, would make the backward of a shared
-  weight compute per-example weight gradients, (rows, in, out), and sum them. The norms are
-  called under ``jax.vmap`` as usual (their batching rule folds rows into one kernel launch).
+  layers under ``jax.vmap``, the usual Equinox style, runs the same GEMMs (``fused_linear`` folds
+  the vmap into rows before it is differentiated). The norms are called under ``jax.vmap`` as
+  usual (their batching rule folds rows into one kernel launch).
 * Mixed precision. Equinox layers compute in the promoted dtype of input and parameters, so
   :func:`init`'s loss casts the float32 parameters to the compute dtype before the forward pass
   (the usual Equinox recipe); gradients flow back to the float32 parameters through the cast.

@@ -171,7 +171,7 @@ def test_kernel_eligibility():
 
 # --- vmap / jit / grad compositions --------------------------------------------------------------------
 
-def test_vmap_jit_grad_compositions(rng):
+def test_vmap_compositions(rng):
     x, kernel, b, r = operands(rng, (3, 4, 5), 64, 32, jnp.float32)
 
     def ours(x, kernel, b, r):
@@ -191,25 +191,86 @@ def test_vmap_jit_grad_compositions(rng):
         np.testing.assert_allclose(jax.vmap(ours, (0, 0, None, 0))(x, kernels, b, r),
                                    jax.vmap(ref, (0, 0, None, 0))(x, kernels, b, r), **tol)
 
-        def loss(f):
-            return lambda x, kernel, b, r: jnp.sum(jnp.sin(f(x, kernel, b, r)))
 
-        args = (0, 1, 2, 3)
-        # grad(vmap): per-example dkernel summed; jit(grad(vmap(vmap)))
-        for got in (jax.grad(loss(jax.vmap(ours, shared)), args)(x, kernel, b, r),
-                    jax.jit(jax.grad(loss(jax.vmap(jax.vmap(ours, shared), shared)), args))(x, kernel, b, r)):
-            for g, gr in zip(got, jax.grad(loss(ref), args)(x, kernel, b, r)):
-                np.testing.assert_allclose(g, gr, **tol)
+def _sin_loss(f):
+    return lambda *args: jnp.sum(jnp.sin(f(*args).astype(jnp.float32)))
+
+
+ARGS = (0, 1, 2, 3)  # x, kernel, bias, residual
+
+
+def _assert_grads_close(got, ref, dtype):
+    for g, gr in zip(got, ref):
+        assert g.shape == gr.shape
+        assert_close(g, gr, dtype, scale=2.0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_grad_vmap_compositions(dtype, rng):
+    """grad(vmap) folds the batch before differentiating; vmap(grad) gives per-example gradients;
+    nested vmaps, a non-leading axis and per-example kernels all match the float32 formula."""
+    x, kernel, b, r = operands(rng, (3, 4, 5), 64, 32, dtype)
+    f32 = [jnp.asarray(a, jnp.float32) for a in (x, kernel, b, r)]
+
+    def ours(x, kernel, b, r):
+        return fused_linear(x, kernel, b, activation="gelu", residual=r)
+
+    def ref(x, kernel, b, r):
+        return plain(x, kernel, b, r, "gelu", saved_dtype=dtype)
+
+    shared = (0, None, None, 0)
+    whole_batch = jax.grad(_sin_loss(ref), ARGS)(*f32)
+    with jax.default_matmul_precision("highest"):
+        # grad(vmap), jit(grad(vmap(vmap))), and a vmap over the non-leading axis: the shared
+        # kernel's and bias's gradients are those of one call on the whole batch
+        for grad_fn in (jax.grad(_sin_loss(jax.vmap(ours, shared)), ARGS),
+                        jax.jit(jax.grad(_sin_loss(jax.vmap(jax.vmap(ours, shared), shared)), ARGS)),
+                        jax.grad(_sin_loss(jax.vmap(ours, (1, None, None, 1), 1)), ARGS)):
+            _assert_grads_close(grad_fn(x, kernel, b, r), whole_batch, dtype)
         # vmap(grad): per-example gradients of the shared kernel and bias
-        per_example = jax.vmap(jax.grad(loss(ours), (1, 2)), shared)(x, kernel, b, r)
-        per_example_ref = jax.vmap(jax.grad(loss(ref), (1, 2)), shared)(x, kernel, b, r)
-        for g, gr in zip(per_example, per_example_ref):
-            assert g.shape[0] == 3
-            np.testing.assert_allclose(g, gr, **tol)
-        # vmap(vmap(grad)) of the kernel: nested batches fold into the dkernel launch's batch
-        nested = jax.vmap(jax.vmap(jax.grad(loss(ours), 1), shared), shared)(x, kernel, b, r)
-        nested_ref = jax.vmap(jax.vmap(jax.grad(loss(ref), 1), shared), shared)(x, kernel, b, r)
-        np.testing.assert_allclose(nested, nested_ref, **tol)
+        per_example = jax.vmap(jax.grad(_sin_loss(ours), ARGS), shared)(x, kernel, b, r)
+        assert per_example[1].shape == (3, 64, 32) and per_example[2].shape == (3, 32)
+        _assert_grads_close(per_example, jax.vmap(jax.grad(_sin_loss(ref), ARGS), shared)(*f32), dtype)
+        # vmap(vmap(grad)) and vmap(grad(vmap)): per outer example
+        nested = jax.vmap(jax.vmap(jax.grad(_sin_loss(ours), 1), shared), shared)(x, kernel, b, r)
+        nested_ref = jax.vmap(jax.vmap(jax.grad(_sin_loss(ref), 1), shared), shared)(*f32)
+        _assert_grads_close([nested], [nested_ref], dtype)
+        per_outer = jax.vmap(jax.grad(_sin_loss(jax.vmap(ours, shared)), ARGS), shared)(x, kernel, b, r)
+        assert per_outer[1].shape == (3, 64, 32)
+        _assert_grads_close(per_outer, jax.vmap(jax.grad(_sin_loss(ref), ARGS), shared)(*f32), dtype)
+        # per-example kernels under grad(vmap): one gradient per kernel
+        kernels = jnp.stack([kernel, 2 * kernel, -kernel])
+        per_kernel = (0, 0, None, 0)
+        got = jax.grad(_sin_loss(jax.vmap(ours, per_kernel)), ARGS)(x, kernels, b, r)
+        kernels32 = jnp.asarray(kernels, jnp.float32)
+        want = jax.grad(_sin_loss(jax.vmap(ref, per_kernel)), ARGS)(f32[0], kernels32, *f32[2:])
+        _assert_grads_close(got, want, dtype)
+
+
+def test_grad_of_vmap_has_no_per_example_weight_grad(rng):
+    # float32 runs the jnp decomposition: no (batch, K, N) value anywhere in the backward
+    x, kernel, b, _ = operands(rng, (6, 10), 64, 32, jnp.float32, residual=False)
+    loss = _sin_loss(jax.vmap(lambda x, k, b: fused_linear(x, k, b, activation="relu"), (0, None, None)))
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(x, kernel, b))
+    assert "f32[1,64,32] = dot_general" in jaxpr and "f32[6,64,32]" not in jaxpr  # L = 1: all rows
+
+
+def test_float32_weight_grad_with_rows_sharded_over_an_explicit_mesh(rng):
+    # float32's jnp dkernel sums over rows that the types shard (data parallel), for grad of the
+    # op and of its vmap (folded into the same rows) alike
+    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices("cpu")[:4],
+                         axis_types=(jax.sharding.AxisType.Explicit,))
+    x, kernel, b, _ = operands(rng, (4, 6), 64, 32, jnp.float32, residual=False)
+
+    def layer(x, k, b):
+        return fused_linear(x, k, b, activation="gelu")
+
+    want = jax.grad(_sin_loss(layer), ARGS[:3])(x, kernel, b)
+    with jax.set_mesh(mesh):
+        rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+        for f in (layer, jax.vmap(layer, (0, None, None))):
+            got = jax.jit(jax.grad(_sin_loss(f), ARGS[:3]))(jax.device_put(x, rows), kernel, b)
+            _assert_grads_close(got, want, jnp.float32)
 
 
 # --- errors ------------------------------------------------------------------------------------------
@@ -315,6 +376,23 @@ def test_lowering_compiles_once_across_row_counts_and_batches(fresh_cache):
     info = cl.cache_info()
     assert info["linear_fwd"].compiles == 1 and info["linear_dx"].compiles == 1
     assert info["linear_dkernel"].compiles == 1
+
+
+def test_lowering_grad_of_vmap_is_one_weight_grad_on_all_rows(fresh_cache):
+    # The Equinox style, grad(vmap(layer)) with a shared kernel (vmapped over two axes): one dkernel
+    # launch contracting all 6 * 4 * 25 rows into (K, N) = (64, 128), no per-example (6, 64, 128).
+    S = jax.ShapeDtypeStruct
+
+    def layer(x, w, b):
+        return fused_linear(x, w, b, activation="gelu")
+
+    loss = _sin_loss(jax.vmap(jax.vmap(layer, (0, None, None)), (0, None, None)))
+    hlo = lower_cuda(jax.grad(loss, (0, 1, 2)), S((6, 4, 25, 64), jnp.bfloat16), S((64, 128), jnp.bfloat16),
+                     S((128,), jnp.bfloat16))
+    assert kernel_targets(hlo) == ["linear_fwd", "linear_dx", "linear_dkernel"]
+    (call,) = [line for line in hlo.splitlines() if "@cutelayers_linear_dkernel" in line]
+    assert call.endswith("(tensor<1x600x64xbf16>, tensor<1x600x128xbf16>) -> tensor<1x64x128xbf16>")
+    assert "6x64x128" not in hlo
 
 
 def test_lowering_vmapped_weight_grad_is_one_batched_launch(fresh_cache):

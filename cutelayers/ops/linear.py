@@ -23,11 +23,11 @@ applies to those XLA GEMMs; the kernels multiply bfloat16 / float16 exactly and 
 float32, at least as precise as any ``precision`` asks.
 
 vmap: batch dims of x / residual fold into rows (one launch) while kernel / bias are shared;
-per-example kernel or bias falls back to ``jax.lax.map`` (one launch per example). Under vmap the
-backward computes dkernel per example, as ``vmap(grad(...))`` asks, with one batched launch (the
-batch is the kernel's L mode); ``grad(vmap(...))`` then sums those in XLA, so for a vmapped model
-prefer calling ``fused_linear`` on the whole batch (any leading shape works) to avoid the (B, K, N)
-intermediate.
+per-example kernel or bias falls back to ``jax.lax.map`` (one launch per example). The fold happens
+before differentiation (:func:`~cutelayers.ops._rowwise.row_batched_vjp`), so ``grad(vmap(...))``
+-- the usual Equinox style -- runs the backward once on all rows: dkernel is one (K, N) GEMM, as
+for a call on the whole batch. ``vmap(grad(...))`` asks for per-example gradients and gets them:
+dkernel (B, K, N) in one batched launch (the batch is the kernel's L mode).
 """
 
 from __future__ import annotations
@@ -39,9 +39,10 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
+from jax.sharding import NamedSharding, PartitionSpec
 
 from cutelayers import backend as _backend
-from cutelayers.ops._rowwise import check_float_array, row_batched
+from cutelayers.ops._rowwise import check_float_array, row_batched, row_batched_vjp
 from cutelayers.runtime.primitive import kernel_call
 from cutelayers.runtime.sharding import ShardingRule, run_kernel, sum_partials, vary_like
 from cutelayers.tuning import TunableFamily
@@ -354,8 +355,17 @@ def _matmul(a, b, precision=None):
 
 def _weight_grad_einsum(x, dz, precision=None):
     """dkernel (L, K, N) = x (L, M, K)ᵀ @ dz (L, M, N), accumulated in fp32, in x's dtype."""
-    return jnp.einsum("lmk,lmn->lkn", x, dz, precision=precision,
-                      preferred_element_type=jnp.float32).astype(x.dtype)
+    return jnp.einsum("lmk,lmn->lkn", x, dz, precision=precision, preferred_element_type=jnp.float32,
+                      out_sharding=_summed_rows_sharding(x, dz)).astype(x.dtype)
+
+
+def _summed_rows_sharding(x, dz):
+    """The (L, K, N) sharding of the sum over rows when the operands' types shard the rows
+    (``Explicit`` mesh axes, data parallel): einsum refuses to guess it. None otherwise."""
+    (l, rows_x, k), (_, rows_dz, n) = (jax.typeof(a).sharding.spec for a in (x, dz))
+    if rows_x is None and rows_dz is None:
+        return None
+    return NamedSharding(jax.typeof(x).sharding.mesh, PartitionSpec(l, k, n))
 
 
 def forward_reference(x, kernel, bias, residual, activation: str, precision=None):
@@ -496,7 +506,7 @@ def _linear_fn(activation: str, has_bias: bool, has_residual: bool, use_kernels:
         return dx, dkernel, dbias, dy if has_residual else None
 
     linear.defvjp(fwd, bwd)
-    return linear
+    return row_batched_vjp(linear, shared=(1, 2))
 
 
 # --- the op ------------------------------------------------------------------------------------------
