@@ -37,7 +37,14 @@ import jax
 from jax import export as jax_export
 
 from cutelayers.runtime import disk_cache
-from cutelayers.runtime.primitive import CompiledKernel, library_versions, register_kernel, registered_kernel, target_arch
+from cutelayers.runtime.primitive import (
+    LIBRARIES,
+    CompiledKernel,
+    library_versions,
+    register_kernel,
+    registered_kernel,
+    target_arch,
+)
 
 __all__ = ["export", "serialize", "deserialize", "kernel_targets"]
 
@@ -64,11 +71,10 @@ def export(fun: Callable, *args, platforms: Sequence[str] = ("cuda",), **export_
 
 
 def _manifest(targets: list[str], objects: dict[str, bytes]) -> dict:
-    versions = dict(zip(("cutelayers", "nvidia-cutlass-dsl", "jax", "apache-tvm-ffi"), library_versions()))
     return {
         "format": BUNDLE_FORMAT,
         "arch": target_arch()[0],
-        "versions": versions,
+        "versions": dict(zip(LIBRARIES, library_versions())),
         "kernels": [{"target": t, "sha256": hashlib.sha256(objects[t]).hexdigest(),
                      "graph_safe": registered_kernel(t).graph_safe} for t in targets],
     }
@@ -95,7 +101,7 @@ def _check_manifest(manifest: dict) -> None:
     if manifest.get("format") != BUNDLE_FORMAT:
         raise ValueError(f"deserialize: bundle format {manifest.get('format')!r}; this cutelayers reads "
                          f"format {BUNDLE_FORMAT}")
-    here = dict(zip(("cutelayers", "nvidia-cutlass-dsl", "jax", "apache-tvm-ffi"), library_versions()))
+    here = dict(zip(LIBRARIES, library_versions()))
     for library in _ABI_LIBRARIES:
         built = manifest["versions"].get(library)
         if built != here[library]:

@@ -52,3 +52,18 @@ def assert_trees_match(got, ref, tol_dtype=None, scale=5.0):
     same_tree(got, ref)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
         assert_matches(a, b, tol_dtype, scale)
+
+
+def perturbed_stock_checkpoint(stock, ours, rng):
+    """``(stock, ours)`` after perturbing the stock Equinox module's arrays and loading them into
+    ours with Equinox's own serialisation (a stock checkpoint restored into our module)."""
+    import io
+
+    import equinox as eqx
+
+    leaves = [a + random(rng, a.shape, jnp.float32).astype(a.dtype) for a in jax.tree.leaves(stock)]
+    stock = jax.tree.unflatten(jax.tree.structure(stock), leaves)
+    buffer = io.BytesIO()
+    eqx.tree_serialise_leaves(buffer, stock)
+    buffer.seek(0)
+    return stock, eqx.tree_deserialise_leaves(buffer, ours)

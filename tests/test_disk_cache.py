@@ -32,11 +32,22 @@ PROGRAM = textwrap.dedent("""
 KERNELS = {"rms_norm_fwd", "softmax_fwd", "reduce_max"}
 
 
-def run_process(cache_dir) -> dict[str, list[int]]:
+def start_process(cache_dir) -> subprocess.Popen:
+    """PROGRAM in a new process whose disk cache is ``cache_dir``."""
     env = {**os.environ, "CUTELAYERS_CACHE_DIR": str(cache_dir), "CUTE_DSL_ARCH": "sm_90a"}
-    done = subprocess.run([sys.executable, "-c", PROGRAM], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return subprocess.Popen([sys.executable, "-c", PROGRAM], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finish_process(process: subprocess.Popen) -> dict[str, list[int]]:
+    """The process's report: {kernel: [compiles, disk hits]}."""
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run_process(cache_dir) -> dict[str, list[int]]:
+    return finish_process(start_process(cache_dir))
 
 
 @pytest.fixture(autouse=True)
@@ -128,12 +139,8 @@ def test_unwritable_directory_warns_and_still_compiles(tmp_path, monkeypatch, ca
 
 
 def test_concurrent_processes_leave_valid_entries(tmp_path):
-    env = {**os.environ, "CUTELAYERS_CACHE_DIR": str(tmp_path), "CUTE_DSL_ARCH": "sm_90a"}
-    procs = [subprocess.Popen([sys.executable, "-c", PROGRAM], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
-    for p in procs:
-        out, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err[-3000:]
+    for process in [start_process(tmp_path) for _ in range(3)]:
+        finish_process(process)
     assert not list(tmp_path.glob(".*.tmp"))  # no temporary file left behind
     for meta in tmp_path.glob("*.json"):
         entry = disk_cache.DiskEntry(tmp_path, json.loads(meta.read_text())["key"])

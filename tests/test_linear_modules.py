@@ -6,8 +6,6 @@ shapes, dtypes; equal seeds draw equal parameters) and outputs and gradients agr
 result dtype's tolerance.
 """
 
-import io
-
 import equinox as eqx
 import flax.linen as nn
 import jax
@@ -19,7 +17,7 @@ from flax import nnx
 from cutelayers import equinox as cl_eqx
 from cutelayers.flax import linen as cl_linen
 from cutelayers.flax import nnx as cl_nnx
-from numerics import assert_matches, assert_trees_match, random, same_tree
+from numerics import assert_matches, assert_trees_match, perturbed_stock_checkpoint, random, same_tree
 from test_linear import kernel_targets, lower_cuda
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -172,13 +170,7 @@ def test_equinox_linear_drop_in(n_in, n_out, kwargs, xdtype, rng):
     ours = cl_eqx.Linear(n_in, n_out, **kwargs, key=jax.random.key(3))
     same_tree(stock, ours)
     assert_equal_leaves(stock, ours)  # equal keys draw equal arrays
-    # a stock checkpoint (perturbed arrays) loads into ours with Equinox's own serialisation
-    leaves = [a + random(rng, a.shape, jnp.float32).astype(a.dtype) for a in jax.tree.leaves(stock)]
-    stock = jax.tree.unflatten(jax.tree.structure(stock), leaves)
-    buffer = io.BytesIO()
-    eqx.tree_serialise_leaves(buffer, stock)
-    buffer.seek(0)
-    ours = eqx.tree_deserialise_leaves(buffer, ours)
+    stock, ours = perturbed_stock_checkpoint(stock, ours, rng)
     assert_equal_leaves(stock, ours)
 
     x_shape = () if n_in == "scalar" else (n_in,)

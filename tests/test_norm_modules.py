@@ -4,8 +4,6 @@ Checkpoint compatibility: the stock module's parameters load into ours (same pyt
 shapes, dtypes) and the outputs and gradients agree within the output dtype's tolerance.
 """
 
-import io
-
 import equinox as eqx
 import flax.linen as nn
 import jax
@@ -18,7 +16,7 @@ import cutelayers as cl
 from cutelayers import equinox as cl_eqx
 from cutelayers.flax import linen as cl_linen
 from cutelayers.flax import nnx as cl_nnx
-from numerics import assert_close, assert_matches, random, same_tree
+from numerics import assert_close, assert_matches, perturbed_stock_checkpoint, random, same_tree
 
 
 # --- linen ---------------------------------------------------------------------------------------
@@ -130,14 +128,8 @@ def test_equinox_drop_in(name, shape, kwargs, xdtype, rng):
     stock = getattr(eqx.nn, name)(shape, **kwargs)
     ours = getattr(cl_eqx, name)(shape, **kwargs)
     same_tree(stock, ours)
-    # a stock checkpoint (perturbed arrays) loads into ours with Equinox's own serialisation
-    leaves = [a + random(rng, a.shape, jnp.float32).astype(a.dtype) for a in jax.tree.leaves(stock)]
-    stock = jax.tree.unflatten(jax.tree.structure(stock), leaves)
-    buffer = io.BytesIO()
-    eqx.tree_serialise_leaves(buffer, stock)
-    buffer.seek(0)
-    ours = eqx.tree_deserialise_leaves(buffer, ours)
-    for a, b in zip(jax.tree.leaves(ours), leaves):
+    stock, ours = perturbed_stock_checkpoint(stock, ours, rng)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(stock), strict=True):
         np.testing.assert_array_equal(a, b)
     x = random(rng, (5, *ours.shape), xdtype, loc=0.5)
     assert_matches(jax.vmap(ours)(x), jax.vmap(stock)(x))

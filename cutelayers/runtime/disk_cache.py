@@ -159,8 +159,8 @@ class DiskEntry:
             _backend.warn_once(f"disk cache entry not written under {self.directory}: {error}")
 
 
-def entry_for(key: Any) -> DiskEntry | None:
-    """The disk entry for a compile key, or None (disk cache disabled, or key not stable)."""
+def entry_for(key_text: str | None) -> DiskEntry | None:
+    """The disk entry for a key's :func:`stable_key_text`, or None (disk cache disabled, or the
+    key is not stable)."""
     directory = cache_dir()
-    text = stable_key_text(key) if directory is not None else None
-    return DiskEntry(directory, text) if text is not None else None
+    return DiskEntry(directory, key_text) if directory is not None and key_text else None

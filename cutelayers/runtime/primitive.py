@@ -114,20 +114,20 @@ class KernelFamily:
         return ()
 
 
-def _versions() -> tuple[str, ...]:
-    def v(dist):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return "none"
+LIBRARIES = ("cutelayers", "nvidia-cutlass-dsl", "jax", "apache-tvm-ffi")  # whose versions key kernels
 
-    return (v("cutelayers"), v("nvidia-cutlass-dsl"), v("jax"), v("apache-tvm-ffi"))
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
 
 
 @functools.cache
 def library_versions() -> tuple[str, ...]:
-    """(cutelayers, nvidia-cutlass-dsl, jax, apache-tvm-ffi) versions; part of every compile key."""
-    return _versions()
+    """The versions of :data:`LIBRARIES`, in that order; part of every compile key."""
+    return tuple(_version(dist) for dist in LIBRARIES)
 
 
 def target_arch() -> tuple[str | None, str]:
@@ -275,8 +275,7 @@ def ffi_target_for(family: KernelFamily, avals, out_avals) -> str:
     # modules rely on); an unstable one (a user launcher without compile_key) gets a unique name.
     digest = hashlib.sha256(key_text.encode()).hexdigest() if key_text else f"{next(_UNIQUE):016d}"
     target = f"cutelayers_{family.name}_{digest[:16]}"
-    directory = disk_cache.cache_dir()
-    entry = disk_cache.DiskEntry(directory, key_text) if directory is not None and key_text else None
+    entry = disk_cache.entry_for(key_text)
     kernel = COMPILE_CACHE.get_or_compile(
         family.name,
         key,
