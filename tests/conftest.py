@@ -40,8 +40,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def rng(request):
-    """A numpy Generator with a fresh seed per test; the seed is printed on failure."""
-    seed = secrets.randbits(32)
+    """A numpy Generator with a fresh seed per test; the seed is printed on failure and
+    ``CUTELAYERS_TEST_SEED=<seed>`` replays it."""
+    seed = int(os.environ.get("CUTELAYERS_TEST_SEED") or secrets.randbits(32))
     print(f"rng seed: {seed}")
     return np.random.default_rng(seed)
 
