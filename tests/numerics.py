@@ -26,6 +26,12 @@ def assert_close(out, ref, dtype, scale: float = 1.0, scale_ref=None):
     assert err <= tol, f"relative error {err:.3g} > {tol:.3g} ({jnp.dtype(dtype).name})"
 
 
+def least_precise(*dtypes):
+    """The dtype among ``dtypes`` with the loosest tolerance: a gradient that flows through a value
+    stored in a lower precision (a module's output) is only as accurate as that value."""
+    return max((jnp.dtype(d) for d in dtypes), key=lambda d: REL_TOL[d.name])
+
+
 def random(rng, shape, dtype, loc=0.0):
     """Fresh normal inputs (never zeros), rounded to ``dtype``."""
     return jnp.asarray(rng.standard_normal(shape) + loc, dtype)

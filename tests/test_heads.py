@@ -4,6 +4,7 @@ vmap/jit/grad, memory: no (tokens, vocab) array, CUDA lowering), and the ``LMHea
 compose.
 """
 
+import collections
 import math
 import re
 
@@ -191,18 +192,25 @@ def test_strided_chunks_never_copy_h_whole():
     assert token_sized_copies(hlo, tokens * hidden) == []
 
 
-def test_lowers_to_the_kernels_for_cuda():
+@pytest.mark.parametrize("reduction,logit_gemms", [("mean", 1), ("sum", 1), ("none", 2)])
+def test_lowers_to_the_kernels_for_cuda(reduction, logit_gemms):
+    """Every chunk's GEMMs and cross-entropy passes are our kernels. A mean or sum computes the
+    gradients in the forward (one logits GEMM per chunk); per-token losses recompute the logits
+    in the backward (two)."""
     tokens, hidden, vocab, chunk = 4096, 128, 1024, 512
     S = jax.ShapeDtypeStruct
     avals = (S((tokens, hidden), jnp.bfloat16), S((hidden, vocab), jnp.bfloat16), S((tokens,), jnp.int32))
 
     def loss(h, kernel, labels):
-        return linear_cross_entropy(h, kernel, labels, ignore_index=-100, chunk_size=chunk)
+        out = linear_cross_entropy(h, kernel, labels, ignore_index=-100, chunk_size=chunk, reduction=reduction)
+        return jnp.sum(out)
 
-    text = lower_cuda(jax.value_and_grad(loss, (0, 1)), *avals)
-    assert sorted(set(kernel_targets(text))) == [
-        "cross_entropy_bwd", "cross_entropy_fwd", "linear_dkernel", "linear_dx", "linear_fwd"]
-    assert f"{tokens}x{vocab}x" not in text
+    calls = collections.Counter(kernel_targets(lower_cuda(jax.value_and_grad(loss, (0, 1)), *avals)))
+    assert calls == {"linear_fwd": logit_gemms, "cross_entropy_fwd": 1, "cross_entropy_bwd": 1,
+                     "linear_dx": 1, "linear_dkernel": 1}
+    # without differentiation: the forward GEMM and cross-entropy pass only
+    assert collections.Counter(kernel_targets(lower_cuda(loss, *avals))) == {"linear_fwd": 1, "cross_entropy_fwd": 1}
+    assert f"{tokens}x{vocab}x" not in lower_cuda(jax.value_and_grad(loss, (0, 1)), *avals)
 
 
 def test_chunk_layout():
