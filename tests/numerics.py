@@ -54,10 +54,12 @@ def assert_matches(out, ref, tol_dtype=None, scale=2.0):
 
 
 def assert_trees_match(got, ref, tol_dtype=None, scale=5.0):
-    """Pytrees (e.g. gradients) with the same structure, shapes and dtypes and matching leaves."""
+    """Pytrees (e.g. gradients) with the same structure, shapes and dtypes and matching leaves,
+    each within the tolerance of the least precise of ``tol_dtype`` (the compute dtype, e.g. a
+    module's output) and its own dtype (a bfloat16 parameter's gradient is rounded to bfloat16)."""
     same_tree(got, ref)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
-        assert_matches(a, b, tol_dtype, scale)
+        assert_matches(a, b, least_precise(b.dtype, *([tol_dtype] if tol_dtype else [])), scale)
 
 
 def perturbed_stock_checkpoint(stock, ours, rng):

@@ -66,7 +66,7 @@ def test_linen_dense_drop_in(kwargs, xdtype, rng):
         def loss(m):
             return lambda v, x: weighted_sum(m.apply(v, x))
 
-        # gradients are as precise as the compute dtype (the output's), whatever their own dtype
+        # gradients are no more precise than the compute dtype (the output's)
         grads = jax.jit(jax.grad(loss(ours), argnums=(0, 1)))(variables, x)
         assert_trees_match(grads, jax.grad(loss(stock), argnums=(0, 1))(variables, x), ref.dtype)
 
