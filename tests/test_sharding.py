@@ -239,6 +239,34 @@ def test_lm_head_chunk_count_divides_a_batch_rows_tokens(axis_type, rng):
     assert_no_activation_collectives(hlo, largest_parameter(case, args))
 
 
+@pytest.mark.parametrize("mode", ["shard_map", *AXIS_TYPES])
+def test_lm_head_total_sharded_matches_one_device(mode, rng):
+    """A mean / sum LM head computes its gradients in the forward, carrying the total over the
+    chunks: per shard in shard_map (a sum, summed over the shards with psum) and under sharded jit
+    (a mean), its value and gradients are one device's."""
+    reduction = "sum" if mode == "shard_map" else "mean"
+    mesh = make_mesh((4,), ("data",), "Auto" if mode == "shard_map" else mode)
+    dtype = jnp.float16
+    h, w, b, labels = (_x(rng, dtype, 32), random(rng, (32, 64), dtype) / 6, random(rng, (64,), dtype),
+                       _labels(rng, 64))
+
+    def head(h, w, b, labels):
+        return cl.ops.linear_cross_entropy(h, w, labels, bias=b, ignore_index=-1, reduction=reduction,
+                                           chunk_size=8)
+
+    if mode == "shard_map":
+        per_shard = jax.shard_map(lambda *a: jax.lax.psum(head(*a), "data"), mesh=mesh,
+                                  in_specs=(ROWS, REPLICATED, REPLICATED, ROWS), out_specs=REPLICATED)
+        loss, args = per_shard, (h, w, b, labels)
+    else:
+        loss, args = head, put(mesh, (h, w, b, labels), (ROWS, REPLICATED, REPLICATED, ROWS))
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    value, grads = step(*args)
+    ref_value, ref_grads = jax.jit(jax.value_and_grad(head, argnums=(0, 1, 2)))(h, w, b, labels)
+    assert_close(value, ref_value, dtype, scale=5.0)
+    assert_trees_match(grads, ref_grads, tol_dtype=dtype)
+
+
 def partitioned_cuda_hlo(f, avals, dump_dir) -> str:
     """The per-device program XLA's partitioner makes of ``f`` lowered for CUDA (see the module
     docstring): compiled by the CPU client, which stops at the first CuTe kernel call."""

@@ -181,7 +181,8 @@ def _chunked_fns(ignore_index, use_kernels: bool):
             grads = add_chunk_grads(grads, h, labels, kernel, c, z, lse_c, w_c)
             return (grads, total + jnp.sum(loss_c * w_c)), None
 
-        init = (zero_grads(h, kernel, bias), jnp.zeros((), F32))
+        # the total varies as the weights do inside shard_map (a scan's carry keeps its type)
+        init = (zero_grads(h, kernel, bias), _zeros_of_type(weights[0, 0]))
         (grads, total), _ = jax.lax.scan(step, init, jnp.arange(h.shape[1]))
         return total, (grads, kernel, bias)
 
