@@ -236,30 +236,25 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
 
     tokens = labels.size
     if tokens == 0:
-        losses = jnp.zeros(lead, F32)
-        total = jnp.zeros((), F32)
-    else:
-        use_kernels, why = kernels_apply(h.dtype, hidden, vocab)
-        if not use_kernels:
-            _backend.log_once("reference", f"{op}: {why}")
-        n_chunks, rows = chunk_layout(lead, vocab, chunk_size)
-        pad = n_chunks * rows - tokens
-        # strided chunks (module docstring): token t is row t // n_chunks of chunk t % n_chunks.
-        # Padded tokens: zero inputs, an in-range label; their losses are dropped, so they get
-        # zero cotangents and contribute nothing to the gradients.
-        h_strided = jnp.pad(h.reshape(tokens, hidden), ((0, pad), (0, 0))).reshape(rows, n_chunks, hidden)
-        labels_strided = jnp.pad(labels.reshape(tokens), (0, pad)).reshape(rows, n_chunks)
-        kernel, bias = vary_like(h, kernel, bias)  # shared by every shard inside shard_map
-        per_token, weighted_total = _chunked_fns(ignore_index, use_kernels)
-        if reduction == "none":
-            losses = per_token(h_strided, labels_strided, kernel, bias)
-            return losses.reshape(-1)[:tokens].reshape(lead)
-        # weight 1 per token, 0 per padded row; laid out (and sharded) as the labels are
-        real = jnp.pad(_zeros_of_type(labels.reshape(tokens), F32) + 1.0, (0, pad)).reshape(rows, n_chunks)
-        total = weighted_total(h_strided, labels_strided, kernel, bias, real)
-
+        return jnp.zeros(lead if reduction == "none" else (), F32)
+    use_kernels, why = kernels_apply(h.dtype, hidden, vocab)
+    if not use_kernels:
+        _backend.log_once("reference", f"{op}: {why}")
+    n_chunks, rows = chunk_layout(lead, vocab, chunk_size)
+    pad = n_chunks * rows - tokens
+    # strided chunks (module docstring): token t is row t // n_chunks of chunk t % n_chunks.
+    # Padded tokens: zero inputs, an in-range label; their per-token losses are dropped (zero
+    # cotangents) and their weight in a total is 0, so they contribute nothing to the gradients.
+    h_strided = jnp.pad(h.reshape(tokens, hidden), ((0, pad), (0, 0))).reshape(rows, n_chunks, hidden)
+    labels_strided = jnp.pad(labels.reshape(tokens), (0, pad)).reshape(rows, n_chunks)
+    kernel, bias = vary_like(h, kernel, bias)  # shared by every shard inside shard_map
+    per_token, weighted_total = _chunked_fns(ignore_index, use_kernels)
     if reduction == "none":
-        return losses
+        losses = per_token(h_strided, labels_strided, kernel, bias)
+        return losses.reshape(-1)[:tokens].reshape(lead)
+    # weight 1 per token, 0 per padded row; laid out (and sharded) as the labels are
+    real = jnp.pad(_zeros_of_type(labels.reshape(tokens), F32) + 1.0, (0, pad)).reshape(rows, n_chunks)
+    total = weighted_total(h_strided, labels_strided, kernel, bias, real)
     if reduction == "sum":
         return total
     counted = tokens if ignore_index is None else jnp.sum(labels != ignore_index)
