@@ -38,7 +38,7 @@ from cutelayers.ops.reduce import RowReduce
 from cutelayers.ops.softmax import CrossEntropyBackward, CrossEntropyForward, SoftmaxBackward, SoftmaxForward
 from cutelayers.runtime.primitive import kernel_call
 from conftest import HAS_GPU
-from numerics import REL_TOL
+from test_linear import lower_cuda
 
 S = jax.ShapeDtypeStruct
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -72,10 +72,6 @@ def entry(kernel, dtype, dims, config, device=FAKE_GPU):
 def use_table(monkeypatch, path):
     monkeypatch.setenv("CUTELAYERS_TUNING_FILE", str(path))
     jax.clear_caches()  # functions traced before keep their config
-
-
-def lower_cuda(f, *avals) -> str:
-    return jax.jit(f).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def targets(hlo: str) -> list[str]:
@@ -217,10 +213,7 @@ def test_streamed_norm_backward_tunes_the_dx_only_kernel():
 # --- the tuned-config table -------------------------------------------------------------------------
 
 LN_AVALS = (S((64, 1024), BF16), S((1024,), BF16), S((1024,), BF16))
-
-
-def layer_norm(x, scale, bias):
-    return cl.ops.layer_norm(x, scale, bias)
+LN_FWD = NormForward(True, True, True, 1e-6, "bfloat16")  # cl.ops.layer_norm's forward on LN_AVALS
 
 
 def other_candidate(family, avals):
@@ -229,14 +222,14 @@ def other_candidate(family, avals):
 
 
 def test_a_table_entry_changes_the_config_and_the_compiled_kernel(tmp_path, monkeypatch):
-    family = NormForward(True, True, True, 1e-6, "bfloat16")
+    family = LN_FWD
     tuned = other_candidate(family, LN_AVALS)
-    heuristic_targets = targets(lower_cuda(layer_norm, *LN_AVALS))
+    heuristic_targets = targets(lower_cuda(cl.ops.layer_norm, *LN_AVALS))
 
     use_table(monkeypatch, write_table(tmp_path / "user.json",
                                        [entry("layer_norm_fwd", "bfloat16", {"n": 1024}, fields(tuned))]))
     assert family.resolved(LN_AVALS).config == tuned
-    tuned_targets = targets(lower_cuda(layer_norm, *LN_AVALS))
+    tuned_targets = targets(lower_cuda(cl.ops.layer_norm, *LN_AVALS))
     assert len(heuristic_targets) == len(tuned_targets) == 1 and heuristic_targets != tuned_targets
     assert cl.cache_info()["layer_norm_fwd"].compiles == 2  # one kernel per config
 
@@ -471,8 +464,7 @@ def test_relative_error_flags_moved_non_finite_values():
 def test_cli_dry_run_lists_candidates(capsys):
     assert autotune.main(["--op", "layer_norm", "--shape", "64x1024", "--dtype", "bfloat16", "float32", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    family = NormForward(True, True, True, 1e-6, "bfloat16")
-    avals = (S((64, 1024), BF16), S((1024,), BF16), S((1024,), BF16))
+    family, avals = LN_FWD, LN_AVALS
     assert f"layer_norm_fwd bfloat16 n=1024: {len(family.config_space(avals))} candidates" in out
     assert "layer_norm_bwd float32 n=1024:" in out
     heuristic = tuning.describe_config(family.default_config(avals))

@@ -13,6 +13,7 @@ import cutelayers as cl
 from cutelayers.ops.reduce import RowReduce
 from cutelayers.runtime.primitive import kernel_call_p
 from numerics import random
+from test_linear import lower_cuda
 
 
 @pytest.fixture
@@ -21,10 +22,6 @@ def mesh():
     if len(devices) < 4:
         pytest.skip("needs 4 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=4)")
     return jax.make_mesh((4,), ("data",), devices=devices[:4], axis_types=(jax.sharding.AxisType.Auto,))
-
-
-def lower_cuda(f, *avals):
-    return jax.jit(f).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_single_device_array_on_any_device_is_fine(rng):
