@@ -43,7 +43,7 @@ from cutelayers.ops.linear import LinearForward, LinearInputGrad, LinearWeightGr
 from cutelayers.ops.norm import NormBackward, NormForward, forward_reference
 from cutelayers.ops.reduce import RowReduce
 from cutelayers.ops.softmax import CrossEntropyBackward, CrossEntropyForward, SoftmaxBackward, SoftmaxForward
-from cutelayers.runtime.primitive import kernel_call
+from cutelayers.runtime.primitive import kernel_call, kernels_supported, target_arch
 from cutelayers.runtime.tensors import FLOAT_DTYPES
 
 F32 = jnp.float32
@@ -118,8 +118,7 @@ def _norm_cases(op: str, center: bool, shape, dtype) -> list[Case]:
 
     backward_avals = (x, x) + (stat,) * center + (stat, vec)
     backward = NormBackward(center, True, True, center)
-    heuristic = dataclasses.replace(backward, config=backward.default_config(backward_avals))
-    if not heuristic.geometry(backward_avals).resident:
+    if not backward.resolved(backward_avals).geometry(backward_avals).resident:
         backward = NormBackward(center, True, False, False)  # as the op: too long for partials, dx only
     return [
         Case(op, NormForward(center, True, center, EPSILON, dtype.name), (x, vec) + (vec,) * center,
@@ -267,17 +266,14 @@ class DeviceRunner:
     """Runs candidates on this machine's Hopper GPU, through the kernel-call primitive."""
 
     def __init__(self):
-        try:
-            gpus = jax.devices("cuda")
-        except RuntimeError:
-            gpus = []
-        if not any(str(getattr(d, "compute_capability", "")).startswith("9") for d in gpus):
-            seen = ", ".join(f"{d.device_kind} (compute capability {d.compute_capability})" for d in gpus) or "none"
-            raise NoGpuError(
-                "autotuning times kernels on a Hopper GPU (compute capability 9.x); CUDA "
-                f"devices visible: {seen}. Run it on a Hopper host, or use --dry-run to list the "
-                "candidate configs.")
+        # the GPU the table is keyed by (the first) must be the one kernels are built for
         self.device_kind = tuning.device_kind()
+        arch, where = target_arch()
+        if self.device_kind is None or not kernels_supported(arch):
+            raise NoGpuError(
+                "autotuning times kernels on a Hopper GPU (compute capability 9.x); found: "
+                f"{where if self.device_kind else 'no CUDA device'}. Run it on a Hopper host, or "
+                "use --dry-run to list the candidate configs.")
         self._functions: dict = {}
 
     def _function(self, family):
@@ -338,6 +334,8 @@ def sweep(case: Case, runner: Runner, *, min_gain: float = MIN_GAIN, log: Callab
     default = family.default_config(case.avals)
     operands = case.make_operands()
     tolerance = case.tolerance()
+    # any config's reference: it is the op's math, the same for every candidate once observed
+    expected = case.observe(dataclasses.replace(family, config=default).reference(*operands))
     trials = []
     for i, config in enumerate(candidates, 1):
         configured = dataclasses.replace(family, config=config)
@@ -349,7 +347,6 @@ def sweep(case: Case, runner: Runner, *, min_gain: float = MIN_GAIN, log: Callab
             trials.append(Trial(config, rejected=f"failed: {type(e).__name__}: {e}"))
             log(f"{label}: FAILED ({type(e).__name__}: {e})")
             continue
-        expected = case.observe(configured.reference(*operands))
         error = max(relative_error(r, e) for r, e in zip(results, expected, strict=True))
         if not error <= tolerance:
             trials.append(Trial(config, error=error, rejected=f"relative error {error:.2e} > {tolerance:.1e}"))
@@ -358,14 +355,14 @@ def sweep(case: Case, runner: Runner, *, min_gain: float = MIN_GAIN, log: Callab
         seconds = runner.time(configured, operands)
         trials.append(Trial(config, seconds=seconds, error=error))
         log(f"{label}: {seconds * 1e6:.1f} us (relative error {error:.1e})")
+    result = SweepResult(case, default, tuple(trials), winner=None)
     timed = [t for t in trials if t.seconds is not None]
-    winner = None
-    if timed:
-        best = min(timed, key=lambda t: t.seconds)
-        default_seconds = next((t.seconds for t in timed if t.config == default), None)
-        keep_default = default_seconds is not None and best.seconds > default_seconds * (1.0 - min_gain)
-        winner = default if keep_default else best.config
-    return SweepResult(case, default, tuple(trials), winner)
+    if not timed:
+        return result
+    best = min(timed, key=lambda t: t.seconds)
+    default_seconds = result.seconds(default)
+    keep_default = default_seconds is not None and best.seconds > default_seconds * (1.0 - min_gain)
+    return dataclasses.replace(result, winner=default if keep_default else best.config)
 
 
 def table_entry(result: SweepResult, device: str) -> dict:

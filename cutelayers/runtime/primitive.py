@@ -153,7 +153,8 @@ def target_arch() -> tuple[str | None, str]:
     return None, "no CUDA device visible and CUTE_DSL_ARCH unset"
 
 
-def _kernels_supported(arch: str | None) -> bool:
+def kernels_supported(arch: str | None) -> bool:
+    """Whether kernels built for ``arch`` (from :func:`target_arch`) can run: Hopper, sm_9x."""
     return arch is not None and arch.startswith("sm_9")
 
 
@@ -164,7 +165,7 @@ def choose_path(op: str) -> str:
         _backend.log_once("reference", "CUTELAYERS_BACKEND/use_backend says 'reference'")
         return "reference"
     arch, why = target_arch()
-    if _kernels_supported(arch):
+    if kernels_supported(arch):
         _backend.log_once("CuTe kernel", f"{why}")
         return "cute"
     if choice == "cute":

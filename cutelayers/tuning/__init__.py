@@ -140,7 +140,7 @@ def read_table(path: Path) -> list[TableEntry]:
     except ValueError as e:
         _warn(f"tuned-config table {path}: not valid JSON ({e}); ignoring it")
         return []
-    if not isinstance(table, dict) or table.get("format") != FORMAT or not isinstance(table.get("entries"), list):
+    if not _is_table(table):
         _warn(f"tuned-config table {path}: expected an object with \"format\": {FORMAT} and an "
               f"\"entries\" list; ignoring it")
         return []
@@ -150,9 +150,18 @@ def read_table(path: Path) -> list[TableEntry]:
         if problem:
             _warn(f"tuned-config table {path}: entry {index} ignored: {problem}")
             continue
-        key = table_key(entry["device"], entry["kernel"], entry["dtype"], entry["dims"])
-        entries.append(TableEntry(key, entry["config"], str(path)))
+        entries.append(TableEntry(_entry_key(entry), entry["config"], str(path)))
     return entries
+
+
+def _is_table(obj) -> bool:
+    """The table format's outer shape: an object with the current "format" and an "entries" list."""
+    return isinstance(obj, dict) and obj.get("format") == FORMAT and isinstance(obj.get("entries"), list)
+
+
+def _entry_key(entry: dict) -> TableKey:
+    """The lookup key of an entry that has passed :func:`_entry_problem`."""
+    return table_key(entry["device"], entry["kernel"], entry["dtype"], entry["dims"])
 
 
 def _table_files() -> tuple[Path, ...]:
@@ -273,16 +282,15 @@ def write_entries(path: Path, entries: list[dict]) -> None:
             table = json.loads(path.read_text())
         except (OSError, ValueError) as e:
             raise ValueError(f"cannot add tuned configs to {path}: it is not a readable table ({e})") from None
-        if not isinstance(table, dict) or table.get("format") != FORMAT or not isinstance(table.get("entries"), list):
+        if not _is_table(table):
             raise ValueError(f"cannot add tuned configs to {path}: expected an object with "
                              f"\"format\": {FORMAT} and an \"entries\" list")
 
     def key_of(entry):
-        return table_key(entry["device"], entry["kernel"], entry["dtype"], entry["dims"]) \
-            if _entry_problem(entry) is None else None
+        return _entry_key(entry) if _entry_problem(entry) is None else None
 
     new_keys = {key_of(e) for e in entries}
-    kept = [e for e in table["entries"] if key_of(e) is None or key_of(e) not in new_keys]
+    kept = [e for e in table["entries"] if (key := key_of(e)) is None or key not in new_keys]
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps({**table, "entries": kept + list(entries)}, indent=1) + "\n"
     write_atomically(path, text.encode())
