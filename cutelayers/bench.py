@@ -107,12 +107,13 @@ def main(argv=None) -> int:
     soft = sub.add_parser("softmax", help="softmax fwd/bwd and cross-entropy fwd+bwd vs XLA/optax")
     soft.add_argument("--n", type=int, nargs="+", default=[4096, 32768, 131072])
     soft.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    from cutelayers.bench_gemm import SHAPES, parse_shape
+    from cutelayers.bench_gemm import EPILOGUES, parse_shape
 
     gemm = sub.add_parser("gemm", help="fused_linear (Hopper GEMM + epilogue) TFLOP/s vs XLA")
-    gemm.add_argument("--shapes", type=parse_shape, nargs="+", default=SHAPES, help="MxKxN ... (default: the issue's five)")
+    gemm.add_argument("--shapes", type=parse_shape, nargs="+", default=(),
+                      help="MxKxN ... (default: the transformer layers of bench_gemm.LAYERS)")
+    gemm.add_argument("--epilogue", choices=EPILOGUES, default="bias+gelu", help="epilogue of --shapes")
     gemm.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
-    gemm.add_argument("--activation", default="gelu", help="fused activation name (default gelu)")
     head = sub.add_parser("lm_head", help="linear_cross_entropy fwd+bwd time and temp memory vs unfused XLA")
     head.add_argument("--t", type=int, default=8192, help="tokens T (default 8192)")
     head.add_argument("--h", type=int, default=4096, help="hidden size H (default 4096)")
@@ -147,8 +148,8 @@ def main(argv=None) -> int:
         from cutelayers import bench_gemm
 
         print(f"# device: {jax.devices()[0].device_kind}")
-        bench_gemm.print_table(bench_gemm.bench_gemm(args.shapes, jnp.dtype(args.dtype), args.activation))
-        print(bench_gemm.SASS_HINT)
+        layers = bench_gemm.layers_from_args(args.shapes, args.epilogue)
+        bench_gemm.print_table(bench_gemm.bench_gemm(layers, jnp.dtype(args.dtype)))
     elif args.suite == "lm_head":
         from cutelayers.bench_heads import bench_lm_head
 

@@ -1,11 +1,15 @@
-"""GEMM benchmark: ``python -m cutelayers.bench gemm [--shapes MxKxN ...] [--dtype bfloat16]``.
+"""GEMM benchmark: ``python -m cutelayers.bench gemm [--shapes MxKxN ... --epilogue E] [--dtype bfloat16]``.
 
-For each M x K x N, bf16 and activation gelu by default: TFLOP/s of ``fused_linear`` forward
-(2MNK flops) and forward + backward (6MNK: y, dx, dkernel), next to XLA's ``gelu(x @ w + b)`` and
-its VJP, and a plain XLA matmul, all timed in the same process.
+Each case is a layer as a transformer uses it -- M x K x N and an epilogue (``plain``: x @ w;
+``bias``; ``bias+gelu``; ``bias+residual``) -- timed as ``fused_linear`` forward (2MNK flops) and
+forward + backward (6MNK: y, dx, dkernel) next to XLA's jnp version of the same layer and its
+VJP, in the same process. TFLOP/s and the fraction of the H100's dense bf16 peak (989 TFLOP/s)
+are the floor: a GEMM cannot beat FLOPs / peak.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -14,14 +18,51 @@ import cutelayers as cl
 from cutelayers.bench import time_fn
 from cutelayers.ops.linear import ACTIVATION_FUNCTIONS, fused_linear
 
-SHAPES = [(8192, 4096, 4096), (8192, 4096, 16384), (8192, 16384, 4096), (4096, 1024, 4096), (16, 4096, 4096)]
+PEAK_TFLOPS = 989.0  # H100 SXM dense bf16 / fp16
+EPILOGUES = ("plain", "bias", "bias+gelu", "bias+residual")
 
-SASS_HINT = """\
-# To confirm the kernels issue HGMMA (warpgroup MMA) instructions, dump their cubin and SASS:
-#   CUTE_DSL_KEEP=ptx,cubin,sass CUTE_DSL_DUMP_DIR=/tmp/cute_dump python -m cutelayers.bench gemm --shapes 4096x1024x4096
-#   grep -c HGMMA /tmp/cute_dump/*linear*.sass      # or: cuobjdump -sass /tmp/cute_dump/<kernel>.sm_90a.cubin | grep HGMMA
-# (sass needs nvdisasm >= 12.9: a CUDA toolkit on CUDA_HOME, or pip install 'nvidia-cutlass-dsl[sass]').
-# Kernels compile once per process; clear the DSL's disk cache (CUTE_DSL_NO_CACHE=1) so the dump happens."""
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    name: str
+    m: int
+    k: int
+    n: int
+    epilogue: str = "plain"
+
+
+# GPT-2 size (16384 tokens, width 768), Llama-like widths, the large squares, and decode.
+LAYERS = (
+    Layer("gpt2 qkv", 16384, 768, 2304, "bias"),
+    Layer("gpt2 attn out", 16384, 768, 768, "bias+residual"),
+    Layer("gpt2 fc1", 16384, 768, 3072, "bias+gelu"),
+    Layer("gpt2 fc2", 16384, 3072, 768, "bias+residual"),
+    Layer("square", 8192, 4096, 4096),
+    Layer("wide N", 8192, 4096, 16384),
+    Layer("wide K", 8192, 16384, 4096),
+    Layer("square gelu", 8192, 4096, 4096, "bias+gelu"),
+    Layer("up gelu", 8192, 4096, 16384, "bias+gelu"),
+    Layer("down gelu", 8192, 16384, 4096, "bias+gelu"),
+    Layer("decode", 16, 4096, 4096),
+)
+
+
+def _layer_fns(epilogue: str):
+    """(ours, xla) for one epilogue: functions of (x, w, b, r)."""
+    activation = "gelu" if epilogue.endswith("gelu") else None
+    has_bias, has_residual = epilogue != "plain", epilogue.endswith("residual")
+    act = ACTIVATION_FUNCTIONS[activation or "none"]
+
+    def ours(x, w, b, r):
+        return fused_linear(x, w, b if has_bias else None, activation=activation,
+                            residual=r if has_residual else None)
+
+    def xla(x, w, b, r):
+        y = x @ w
+        y = act(y + b[None, :]) if has_bias else y
+        return y + r if has_residual else y
+
+    return ours, xla
 
 
 def _time_pair(ours, xla, args):
@@ -31,53 +72,61 @@ def _time_pair(ours, xla, args):
     return t_ours, time_fn(jax.jit(xla), *args)
 
 
-def bench_gemm(shapes=SHAPES, dtype=jnp.bfloat16, activation: str = "gelu") -> list[dict]:
-    """Time fused_linear against XLA for every (M, K, N) in ``shapes``; returns one dict per shape
-    with TFLOP/s for ours / XLA forward and forward + backward, and the plain matmul's."""
-    act = ACTIVATION_FUNCTIONS[activation]
+def bench_gemm(layers=LAYERS, dtype=jnp.bfloat16) -> list[dict]:
+    """Time fused_linear against XLA for every layer; one dict per layer."""
     results = []
-    for m, k, n in shapes:
-        keys = jax.random.split(jax.random.key(0), 4)
+    for layer in layers:
+        m, k, n = layer.m, layer.k, layer.n
+        keys = jax.random.split(jax.random.key(0), 5)
         x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(dtype)
         w = (jax.random.normal(keys[1], (k, n), jnp.float32) / k**0.5).astype(dtype)
         b = jax.random.normal(keys[2], (n,), jnp.float32).astype(dtype)
-        dy = jax.random.normal(keys[3], (m, n), jnp.float32).astype(dtype)
-
-        def ours(x, w, b):
-            return fused_linear(x, w, b, activation=activation)
-
-        def xla(x, w, b):
-            return act(x @ w + b)
+        r = jax.random.normal(keys[3], (m, n), jnp.float32).astype(dtype)
+        dy = jax.random.normal(keys[4], (m, n), jnp.float32).astype(dtype)
+        ours, xla = _layer_fns(layer.epilogue)
 
         def vjp_of(f):
-            return lambda x, w, b, dy: jax.vjp(f, x, w, b)[1](dy)
+            def train(x, w, b, r, dy):  # the output too: a loss needs it, so the forward GEMM stays live
+                y, pull = jax.vjp(f, x, w, b, r)
+                return y, pull(dy)
 
-        fwd, fwd_xla = _time_pair(ours, xla, (x, w, b))
-        train, train_xla = _time_pair(vjp_of(ours), vjp_of(xla), (x, w, b, dy))
-        matmul = time_fn(jax.jit(lambda x, w: x @ w), x, w)
+            return train
+
+        fwd, fwd_xla = _time_pair(ours, xla, (x, w, b, r))
+        train, train_xla = _time_pair(vjp_of(ours), vjp_of(xla), (x, w, b, r, dy))
         flops = 2.0 * m * n * k
         results.append(dict(
-            m=m, k=k, n=n, dtype=jnp.dtype(dtype).name, activation=activation,
-            fwd_tflops=flops / fwd / 1e12, xla_fwd_tflops=flops / fwd_xla / 1e12,
-            matmul_tflops=flops / matmul / 1e12,
-            train_tflops=3 * flops / train / 1e12, xla_train_tflops=3 * flops / train_xla / 1e12,
-            fwd_vs_xla=fwd_xla / fwd, fwd_vs_matmul=matmul / fwd, train_vs_xla=train_xla / train,
+            layer=layer.name, m=m, k=k, n=n, epilogue=layer.epilogue, dtype=jnp.dtype(dtype).name,
+            fwd_ms=fwd * 1e3, xla_fwd_ms=fwd_xla * 1e3, fwd_tflops=flops / fwd / 1e12,
+            xla_fwd_tflops=flops / fwd_xla / 1e12, fwd_vs_xla=fwd_xla / fwd,
+            train_ms=train * 1e3, xla_train_ms=train_xla * 1e3, train_tflops=3 * flops / train / 1e12,
+            xla_train_tflops=3 * flops / train_xla / 1e12, train_vs_xla=train_xla / train,
         ))
     return results
 
 
 def print_table(results: list[dict]) -> None:
-    print("| M x K x N | dtype | act | fwd TFLOP/s | XLA fused fwd | XLA matmul | fwd speedup vs XLA | "
-          "fwd vs matmul | fwd+bwd TFLOP/s | XLA fwd+bwd | fwd+bwd speedup |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| layer | M x K x N | epilogue | fwd ms | XLA fwd ms | fwd TFLOP/s (% of {PEAK_TFLOPS:.0f}) | "
+          "XLA fwd TFLOP/s | fwd XLA/ours | fwd+bwd ms | XLA fwd+bwd ms | fwd+bwd TFLOP/s (% peak) | "
+          "fwd+bwd XLA/ours |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['m']} x {r['k']} x {r['n']} | {r['dtype']} | {r['activation']} | {r['fwd_tflops']:.0f} | "
-              f"{r['xla_fwd_tflops']:.0f} | {r['matmul_tflops']:.0f} | {r['fwd_vs_xla']:.2f} | "
-              f"{r['fwd_vs_matmul']:.2f} | {r['train_tflops']:.0f} | {r['xla_train_tflops']:.0f} | "
-              f"{r['train_vs_xla']:.2f} |")
+        print(f"| {r['layer']} | {r['m']} x {r['k']} x {r['n']} | {r['epilogue']} | {r['fwd_ms']:.3f} | "
+              f"{r['xla_fwd_ms']:.3f} | {r['fwd_tflops']:.0f} ({100 * r['fwd_tflops'] / PEAK_TFLOPS:.0f}%) | "
+              f"{r['xla_fwd_tflops']:.0f} | {r['fwd_vs_xla']:.2f} | {r['train_ms']:.3f} | {r['xla_train_ms']:.3f} | "
+              f"{r['train_tflops']:.0f} ({100 * r['train_tflops'] / PEAK_TFLOPS:.0f}%) | {r['train_vs_xla']:.2f} |")
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
     """'MxKxN' -> (M, K, N)."""
     m, k, n = (int(v) for v in text.lower().split("x"))
     return m, k, n
+
+
+def layers_from_args(shapes, epilogue: str) -> tuple[Layer, ...]:
+    """The benchmark's layers: ``LAYERS``, or the given shapes with one epilogue."""
+    if not shapes:
+        return LAYERS
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"--epilogue must be one of {EPILOGUES}; got {epilogue!r}")
+    return tuple(Layer(f"{m}x{k}x{n}", m, k, n, epilogue) for m, k, n in shapes)

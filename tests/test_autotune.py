@@ -19,7 +19,8 @@ import pytest
 
 import cutelayers as cl
 from cutelayers import autotune, tuning
-from cutelayers.kernels.gemm import CONFIGS, SMEM_CAPACITY, Epilogue, HopperGemmKernel, config_class, row_bucket
+from cutelayers.kernels.gemm import (CONFIGS, EXTRA_CONFIGS, SMEM_CAPACITY, Epilogue, HopperGemmKernel, config_class,
+                                     row_bucket)
 from cutelayers.kernels import norm as norm_kernels
 from cutelayers.kernels import softmax as softmax_kernels
 from cutelayers.kernels.reduction import (
@@ -119,8 +120,8 @@ def test_row_reduce_space_holds_the_heuristic(bits):
 def test_gemm_space_is_the_config_table():
     family = LinearForward("none", False, False, False)
     avals = (S((1, 100, 256), BF16), S((1, 256, 512), BF16))
-    assert family.config_space(avals) == tuple(CONFIGS.values())
-    for config in CONFIGS.values():
+    assert family.config_space(avals) == tuple(CONFIGS.values()) + EXTRA_CONFIGS
+    for config in family.config_space(avals):
         HopperGemmKernel(config, Epilogue())  # its own checks on tile shapes
         assert config.smem_bytes(2) <= SMEM_CAPACITY
 

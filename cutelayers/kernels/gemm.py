@@ -1,4 +1,4 @@
-"""Hopper GEMM with a fused epilogue (CuTe DSL, sm_90a).
+"""Hopper GEMM with a fused epilogue (CuTe DSL, sm_90a): warp-specialized, persistent, clustered.
 
 The kernel computes, for every batch index ``l``::
 
@@ -10,22 +10,27 @@ The kernel computes, for every batch index ``l``::
 row-major buffer: the op passes ``modes`` to the primitive instead of transposing), which is how
 one kernel serves the forward (x @ W), dX = dZ @ Wᵀ and dW = Xᵀ @ dZ.
 
-Structure (one CTA per output tile, ``consumer_warpgroups`` warpgroups of 128 threads):
+Structure (one CTA per SM, looping over output tiles; ``1 + consumer_warpgroups`` warpgroups):
 
-* mainloop: warp 0 issues TMA loads of (tile_m, tile_k) slices of A and (tile_n, tile_k) slices
-  of B into a ``stages``-deep ring of swizzled shared-memory buffers; full/empty mbarriers
-  (``PipelineTmaAsync``) hand buffers between TMA and the warpgroup MMAs. Each warpgroup owns
-  ``tile_m / consumer_warpgroups`` rows of the tile and issues ``wgmma`` on the buffer in front of
-  it while the next ones are in flight, keeping one wgmma batch outstanding. TMA zero-fills reads
-  past M / K, so tails need no predication in the mainloop.
-* epilogue: bias, activation and residual are applied to the fp32 accumulators in registers (the
-  MMA partition of an identity tensor gives every accumulator its (row, column)); results go to
-  shared memory through ``stmatrix`` and out with TMA stores, which clip rows / columns past the
-  tensor, so any M works. The pre-activation, when asked for, goes out first through the same
-  path.
+* producer warpgroup (registers lowered with ``setmaxnreg``): one warp walks the same tile
+  sequence as the consumers and streams (tile_m, tile_k) slices of A and (tile_n, tile_k) slices
+  of B with TMA into a ``stages``-deep ring of swizzled shared-memory buffers, running ahead
+  across tile boundaries, so the next tile's operands arrive while the consumers run the
+  epilogue. In a cluster of ``cluster_m x cluster_n`` CTAs, the CTAs of one cluster column share
+  their B tile and those of one row their A tile: each loads a slice and multicasts it.
+* consumer warpgroups (registers raised with ``setmaxnreg``): each owns ``tile_m /
+  consumer_warpgroups`` rows of the tile, issues ``wgmma`` on the stage in front of it with one
+  batch in flight, and hands each stage back (to every CTA that multicast into it) once read.
+  TMA zero-fills reads past M / K, so tails need no predication in the mainloop.
+* epilogue (consumers, per tile): bias, activation and residual on the fp32 accumulators in
+  registers (the MMA partition of an identity tensor gives every accumulator its (row, column));
+  results go to a dedicated ring of ``EPI_STAGES`` shared-memory buffers through ``stmatrix`` and
+  out with asynchronous TMA stores, which clip rows / columns past the tensor. The stores drain
+  while the next tile's mainloop runs. The pre-activation, when asked for, goes out first through
+  the same ring.
 
-CTAs are rasterized in groups of ``GROUP_M`` tile rows so CTAs running together share B tiles
-and A tiles in L2.
+Tiles are visited in groups of up to ``GROUP_N`` cluster columns (a divisor of the column count,
+so no padding tile is ever scheduled): CTAs running together share A and B tiles in L2.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import math
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
+import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -46,41 +52,63 @@ ACTIVATIONS = ("none", "relu", "gelu", "gelu_exact", "silu", "sigmoid", "tanh", 
 WARPGROUP = 128
 SMEM_CAPACITY = 227 * 1024  # sm_90 dynamic shared memory per CTA
 EPI_STAGES = 4  # epilogue smem buffers in flight to TMA stores
-GROUP_M = 8  # tile rows per rasterization group
+GROUP_N = 8  # most cluster columns per rasterization group
+# SMs the persistent grid is sized for: H100 SXM and H200 have 132. A GPU with fewer runs the
+# extra CTAs as a short second wave (correct, slightly unbalanced); one with more idles a few SMs.
+PERSISTENT_SMS = 132
+PRODUCER_REGISTERS = 40  # the TMA warpgroup only computes addresses
+CONSUMER_REGISTERS = 232  # accumulators: 40 * 128 + 232 * 256 fits the SM's 64K registers
 LEAKY_SLOPE = 0.01  # jax.nn.leaky_relu's default
 GELU_TANH_SCALE = math.sqrt(2.0 / math.pi)
 
 
 @dataclasses.dataclass(frozen=True)
 class GemmConfig:
-    """Tile shape, warpgroups and pipeline depth of one kernel instance.
+    """Tile shape, warpgroups, pipeline depth and cluster shape of one kernel instance.
 
-    ``consumer_warpgroups`` split ``tile_m`` (each owns tile_m / groups rows, at most 64 rows x
-    tile_n columns of accumulators per 128 threads keeps the accumulator in registers).
+    ``consumer_warpgroups`` split ``tile_m`` (each owns tile_m / groups rows; at most 64 rows x
+    tile_n columns of accumulators per 128 threads keeps the accumulator in registers). A
+    ``cluster_m x cluster_n`` cluster multicasts B over its ``cluster_m`` CTAs and A over its
+    ``cluster_n``.
     """
 
     tile_m: int
     tile_n: int
     consumer_warpgroups: int
     stages: int
+    cluster_m: int = 1
+    cluster_n: int = 1
     tile_k: int = 64
 
     @property
     def threads(self) -> int:
-        return WARPGROUP * self.consumer_warpgroups
+        return WARPGROUP * (1 + self.consumer_warpgroups)  # + the producer warpgroup
+
+    def epi_tile(self) -> tuple[int, int]:
+        """The epilogue's (rows, columns) per smem buffer: 64 rows per consumer warpgroup (their
+        stmatrix stores together), 32 columns."""
+        return (64 * self.consumer_warpgroups, 32)
 
     def smem_bytes(self, elem_bytes: int) -> int:
         per_stage = (self.tile_m + self.tile_n) * self.tile_k * elem_bytes
-        return self.stages * per_stage + 1024  # + mbarriers and alignment
+        rows, cols = self.epi_tile()
+        return self.stages * per_stage + EPI_STAGES * rows * cols * elem_bytes + 1024  # + mbarriers, alignment
 
 
 # Shape classes -> config. "small_m": decode-like row counts, where 128-row tiles would be mostly
-# padding; "wide": large outputs, where a 128x256 tile halves the operand traffic per FLOP.
+# padding; "wide": large outputs, where a 128x256 tile halves the operand traffic per FLOP and a
+# 2x1 cluster halves B's L2 -> smem traffic.
 CONFIGS = {
-    "small_m": GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1, stages=6),
-    "default": GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=1, stages=5),
-    "wide": GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, stages=4),
+    "small_m": GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1, stages=8),
+    "default": GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6),
+    "wide": GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, stages=4, cluster_m=2),
 }
+# Further points of the autotuning space (not picked by the heuristic).
+EXTRA_CONFIGS = (
+    GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, stages=4),
+    GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6, cluster_m=2),
+    GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, stages=4, cluster_n=2),
+)
 
 
 SMALL_M_MAX = 64  # rows up to this are "small_m"
@@ -151,23 +179,28 @@ def apply_activation(x: Float32, name: cutlass.Constexpr) -> Float32:
 
 
 class HopperGemmKernel:
-    """C = epilogue(A @ Bᵀ) on Hopper: TMA + mbarrier pipeline + wgmma, fp32 accumulation.
+    """C = epilogue(A @ Bᵀ) on Hopper: persistent, warp-specialized TMA + wgmma, fp32 accumulation.
 
     Launcher ``(stream, a, b, [bias], [residual], c, [preact])``, which optional tensors are
     present being fixed by ``epilogue``:
 
     * a: (M, K, L), b: (N, K, L): bfloat16 or float16 (same dtype), any one of the two modes
-      M/N or K contiguous; M and K may be symbolic, every contiguous extent a multiple of 8;
+      M/N or K contiguous; M, K and L may be symbolic, N static, every contiguous extent a
+      multiple of 8;
     * bias: (N,) in c's dtype; residual, c, preact: (M, N, L), N contiguous, c's dtype.
     """
 
     def __init__(self, config: GemmConfig, epilogue: Epilogue):
         self.config, self.epilogue = config, epilogue
         self.tile_mnk = (config.tile_m, config.tile_n, config.tile_k)
+        if config.consumer_warpgroups not in (1, 2):
+            raise ValueError("consumer_warpgroups must be 1 or 2")
         if config.tile_m % (64 * config.consumer_warpgroups):
             raise ValueError("tile_m must be a multiple of 64 rows per consumer warpgroup (wgmma's M)")
         if config.tile_n not in (64, 128, 256):
             raise ValueError("tile_n must be 64, 128 or 256")
+        if config.cluster_m * config.cluster_n > 2 or min(config.cluster_m, config.cluster_n) < 1:
+            raise ValueError("cluster shape must be 1x1, 2x1 or 1x2")
 
     @cute.jit
     def __call__(self, stream, *tensors):
@@ -190,17 +223,13 @@ class HopperGemmKernel:
         )
         a_smem = sm90.make_smem_layout_a(a_layout, self.tile_mnk, a.element_type, config.stages)
         b_smem = sm90.make_smem_layout_b(b_layout, self.tile_mnk, b.element_type, config.stages)
-        epi_tile = sm90.compute_tile_shape_or_override(
-            self.tile_mnk, c.element_type, is_cooperative=config.consumer_warpgroups > 1
-        )
+        epi_tile = config.epi_tile()
         epi_smem = sm90.make_smem_layout_epi(c.element_type, c_layout, epi_tile, EPI_STAGES)
 
-        load = cpasync.CopyBulkTensorTileG2SOp()
+        # A is shared by the cluster_n CTAs of a cluster row, B by the cluster_m of a column.
+        tma_a, tma_tensor_a = self.load_atom(a, a_smem, (config.tile_m, config.tile_k), config.cluster_n)
+        tma_b, tma_tensor_b = self.load_atom(b, b_smem, (config.tile_n, config.tile_k), config.cluster_m)
         store = cpasync.CopyBulkTensorTileS2GOp()
-        tma_a, tma_tensor_a = cpasync.make_tiled_tma_atom(
-            load, a, cute.slice_(a_smem, (None, None, 0)), (config.tile_m, config.tile_k))
-        tma_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
-            load, b, cute.slice_(b_smem, (None, None, 0)), (config.tile_n, config.tile_k))
         epi_smem_one = cute.slice_(epi_smem, (None, None, 0))
         tma_c, tma_tensor_c = cpasync.make_tiled_tma_atom(store, c, epi_smem_one, epi_tile)
         tma_z, tma_tensor_z = None, None
@@ -212,29 +241,42 @@ class HopperGemmKernel:
             barriers: cute.struct.MemRange[cutlass.Int64, config.stages * 2]
             sa: cute.struct.Align[cute.struct.MemRange[a.element_type, cute.cosize(a_smem)], 1024]
             sb: cute.struct.Align[cute.struct.MemRange[b.element_type, cute.cosize(b_smem)], 1024]
+            sc: cute.struct.Align[cute.struct.MemRange[c.element_type, cute.cosize(epi_smem)], 1024]
 
         self.shared_storage = SharedStorage
-        tiles_m = cute.ceil_div(c.shape[0], config.tile_m)
-        tiles_n = cute.ceil_div(c.shape[1], config.tile_n)
+        tiles = (cute.ceil_div(c.shape[0], config.tile_m), cute.ceil_div(c.shape[1], config.tile_n), c.shape[2])
+        schedule = utils.PersistentTileSchedulerParams(
+            tiles, (config.cluster_m, config.cluster_n, 1), self.raster_group(c.shape[1]), True
+        )
+        clusters_per_wave = PERSISTENT_SMS // (config.cluster_m * config.cluster_n)
+        grid = utils.StaticPersistentTileScheduler.get_grid_shape(schedule, clusters_per_wave)
         self.kernel(
             tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, tma_c, tma_tensor_c, tma_z, tma_tensor_z,
-            bias, residual, a_smem, b_smem, epi_smem, epi_tile, tiles_m, tiles_n,
+            bias, residual, a_smem, b_smem, epi_smem, epi_tile, schedule,
         ).launch(
-            grid=[tiles_m * tiles_n, 1, c.shape[2]],
+            grid=grid,
             block=[config.threads, 1, 1],
+            cluster=(config.cluster_m, config.cluster_n, 1),
+            min_blocks_per_mp=1,
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
         )
 
-    @cute.jit
-    def tile_coords(self, tile: Int32, tiles_m: Int32, tiles_n: Int32):
-        """(tile row, tile column) of linear CTA index ``tile``, grouped ``GROUP_M`` rows at a time:
-        consecutive CTAs walk down a group's rows before moving one column right."""
-        per_group = GROUP_M * tiles_n
-        first_m = (tile // per_group) * GROUP_M
-        rows_here = cutlass.min(tiles_m - first_m, GROUP_M)
-        in_group = tile % per_group
-        return first_m + in_group % rows_here, in_group // rows_here
+    def raster_group(self, n) -> int:
+        """Cluster columns per rasterization group for N = ``n`` columns: the largest divisor of
+        the cluster-column count up to ``GROUP_N``, so the grouped order never schedules a padding
+        tile; 1 (column by column) when N is symbolic."""
+        if not isinstance(n, int):
+            return 1
+        clusters = -(-n // (self.config.tile_n * self.config.cluster_n))
+        return max(g for g in range(1, GROUP_N + 1) if clusters % g == 0)
+
+    def load_atom(self, tensor, smem_staged, tile, multicast: int):
+        """TMA load atom for one operand, multicast to ``multicast`` CTAs when above 1."""
+        op = cpasync.CopyBulkTensorTileG2SMulticastOp() if multicast > 1 else cpasync.CopyBulkTensorTileG2SOp()
+        return cpasync.make_tiled_tma_atom(
+            op, tensor, cute.slice_(smem_staged, (None, None, 0)), tile, num_multicast=multicast
+        )
 
     @cute.kernel
     def kernel(
@@ -254,113 +296,162 @@ class HopperGemmKernel:
         b_smem: cute.ComposedLayout,
         epi_smem: cute.ComposedLayout,
         epi_tile: cutlass.Constexpr,
-        tiles_m: Int32,
-        tiles_n: Int32,
+        schedule: utils.PersistentTileSchedulerParams,
     ):
-        config, epilogue = self.config, self.epilogue
+        config = self.config
         tidx, _, _ = cute.arch.thread_idx()
-        tile, _, batch = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp == 0:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
-        tile_m, tile_n = self.tile_coords(tile, tiles_m, tiles_n)
-        tile_coord = (tile_m, tile_n, None, batch)
 
-        # --- shared memory and the load pipeline ----------------------------------------------
-        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        # --- cluster position, shared memory and the load pipeline ------------------------------
+        cluster_layout = cute.make_layout((config.cluster_m, config.cluster_n, 1))
+        cluster_coord = cluster_layout.get_flat_coord(
+            cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()))
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
         sa = storage.sa.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sb = storage.sb.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        sc = storage.sc.get_tensor(epi_smem.outer, swizzle=epi_smem.inner)
         stage_bytes = cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem, (None, None, 0))) + \
             cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem, (None, None, 0)))
+        consumer_threads = WARPGROUP * config.consumer_warpgroups
         loads = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.barriers.data_ptr(),
             num_stages=config.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, config.threads),
+            # Every consumer thread releases a stage; the pipeline turns that into one arrive per
+            # multicast partner CTA.
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_threads),
             tx_count=stage_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, config.cluster_m, config.cluster_n, 1)),
             enable_multicast_signaling=True,
+            defer_sync=True,
         )
+        cluster_mn = (config.cluster_m, config.cluster_n)
+        pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_mn, is_relaxed=True)
 
-        # (tile, tile_k, k tiles) views of this CTA's A rows and B columns, split for TMA.
-        ga = cute.local_tile(tma_tensor_a, self.tile_mnk, tile_coord, proj=(1, None, 1))
-        gb = cute.local_tile(tma_tensor_b, self.tile_mnk, tile_coord, proj=(None, 1, 1))
-        tsa, tga = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sa, 0, 2), cute.group_modes(ga, 0, 2))
-        tsb, tgb = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sb, 0, 2), cute.group_modes(gb, 0, 2))
-        k_tiles = cute.size(ga, mode=[2])
+        # (tile, tile_k, tiles, k tiles, L) views of A and B, split for (multicast) TMA.
+        ga = cute.local_tile(tma_tensor_a, cute.slice_(self.tile_mnk, (None, 0, None)), (None, None, None))
+        gb = cute.local_tile(tma_tensor_b, cute.slice_(self.tile_mnk, (0, None, None)), (None, None, None))
+        tsa, tga = cpasync.tma_partition(
+            tma_a, cluster_coord[1], cute.make_layout(config.cluster_n),
+            cute.group_modes(sa, 0, 2), cute.group_modes(ga, 0, 2))
+        tsb, tgb = cpasync.tma_partition(
+            tma_b, cluster_coord[0], cute.make_layout(config.cluster_m),
+            cute.group_modes(sb, 0, 2), cute.group_modes(gb, 0, 2))
+        k_tiles = cute.size(ga, mode=[3])
 
-        # --- per-warpgroup MMA fragments -------------------------------------------------------
-        group = cute.arch.make_warp_uniform(tidx // WARPGROUP)
-        thr_mma = tiled_mma.get_slice(cute.make_layout(config.consumer_warpgroups, stride=WARPGROUP)(group))
-        frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))
-        frag_b = tiled_mma.make_fragment_B(thr_mma.partition_B(sb))
-        # wgmma operands are per warpgroup, but each thread holds its own accumulators: their
-        # coordinates (for bias and residual) come from the thread's own slice.
-        tile_coords_c = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((config.tile_m, config.tile_n)))
-        acc = cute.make_rmem_tensor(tile_coords_c.shape, Float32)
-        k_blocks = cute.size(frag_a, mode=[2])
+        pipeline.pipeline_init_wait(cluster_shape_mn=cluster_mn)
+        scheduler = utils.StaticPersistentTileScheduler.create(
+            schedule, cute.arch.block_idx(), cute.arch.grid_dim())
+        work = scheduler.initial_work_tile_info()
 
-        producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, config.stages)
-        consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, config.stages)
-        released = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, config.stages)
+        if warp < 4:
+            # --- producer warpgroup: warp 0 streams A and B for every tile of this CTA -----------
+            cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+            if warp == 0:
+                a_mask = cute.make_layout_image_mask(cluster_layout, cluster_coord, mode=1)
+                b_mask = cute.make_layout_image_mask(cluster_layout, cluster_coord, mode=0)
+                producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, config.stages)
+                while work.is_valid_tile:
+                    m, n, batch = work.tile_idx
+                    tga_tile = tga[(None, m, None, batch)]
+                    tgb_tile = tgb[(None, n, None, batch)]
+                    for k in cutlass.range(k_tiles, unroll=1):
+                        loads.producer_acquire(producer)
+                        barrier = loads.producer_get_barrier(producer)
+                        cute.copy(tma_a, tga_tile[(None, k)], tsa[(None, producer.index)], tma_bar_ptr=barrier,
+                                  mcast_mask=a_mask if const_expr(config.cluster_n > 1) else 0)
+                        cute.copy(tma_b, tgb_tile[(None, k)], tsb[(None, producer.index)], tma_bar_ptr=barrier,
+                                  mcast_mask=b_mask if const_expr(config.cluster_m > 1) else 0)
+                        loads.producer_commit(producer)
+                        producer.advance()
+                    scheduler.advance_to_next_work()
+                    work = scheduler.get_current_work()
+                # Keep this CTA alive until every partner has released the stages it fed.
+                loads.producer_tail(producer)
+        else:
+            # --- consumer warpgroups: mainloop and epilogue per tile ----------------------------
+            cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
+            ctidx = tidx - WARPGROUP
+            group = cute.arch.make_warp_uniform(ctidx // WARPGROUP)
+            thr_mma = tiled_mma.get_slice(cute.make_layout(config.consumer_warpgroups, stride=WARPGROUP)(group))
+            frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))
+            frag_b = tiled_mma.make_fragment_B(thr_mma.partition_B(sb))
+            # wgmma operands are per warpgroup, but each thread holds its own accumulators: their
+            # coordinates (for bias and residual) come from the thread's own slice.
+            tile_coords_c = tiled_mma.get_slice(ctidx).partition_C(
+                cute.make_identity_tensor((config.tile_m, config.tile_n)))
+            acc = cute.make_rmem_tensor(tile_coords_c.shape, Float32)
+            k_blocks = cute.size(frag_a, mode=[2])
+            consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, config.stages)
+            released = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, config.stages)
 
-        # Fill the ring before the first MMA.
-        if warp == 0:
-            for _ in cutlass.range(cutlass.min(config.stages, k_tiles), unroll=1):
-                self.issue_loads(loads, producer, tma_a, tga, tsa, tma_b, tgb, tsb)
-                producer.advance()
-
-        # --- mainloop: MMA on stage k while stages k+1.. load; one wgmma batch in flight --------
-        # Accumulate from zero rather than switching ACCUMULATE off for the first k tile: the
-        # flag is fixed when the loop body is traced, so it cannot differ between iterations.
-        acc.fill(0.0)
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-        for k in cutlass.range(k_tiles, unroll=1):
-            loads.consumer_wait(consumer)
-            warpgroup.fence()
-            for kb in cutlass.range_constexpr(k_blocks):
-                stage = (None, None, kb, consumer.index)
-                cute.gemm(tiled_mma, acc, frag_a[stage], frag_b[stage], acc)
-            warpgroup.commit_group()
-            consumer.advance()
-            if k > 0:
-                # The batch before this one has finished reading its stage: hand it back to TMA.
-                warpgroup.wait_group(1)
+            stores = pipeline.PipelineTmaStore.create(
+                num_stages=EPI_STAGES,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_threads),
+            )
+            copy_r2s = cute.make_tiled_copy_S(
+                sm90.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.c_dtype, Float32),
+                cute.make_tiled_copy_C_atom(
+                    cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.c_dtype), tiled_mma
+                ),
+            )
+            stores_per_tile = self.epi_tiles(epi_tile) * (2 if const_expr(self.epilogue.store_preact) else 1)
+            tiles_done = Int32(0)
+            while work.is_valid_tile:
+                # Accumulate from zero rather than switching ACCUMULATE off for the first k tile:
+                # the flag is fixed when the loop body is traced.
+                acc.fill(0.0)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.fence()
+                for k in cutlass.range(k_tiles, unroll=1):
+                    loads.consumer_wait(consumer)
+                    for kb in cutlass.range_constexpr(k_blocks):
+                        stage = (None, None, kb, consumer.index)
+                        cute.gemm(tiled_mma, acc, frag_a[stage], frag_b[stage], acc)
+                    warpgroup.commit_group()
+                    consumer.advance()
+                    if k > 0:
+                        # The batch before this one has finished reading its stage: release it.
+                        warpgroup.wait_group(1)
+                        loads.consumer_release(released)
+                        released.advance()
+                warpgroup.wait_group(0)
                 loads.consumer_release(released)
                 released.advance()
-                if warp == 0 and producer.count < k_tiles:
-                    self.issue_loads(loads, producer, tma_a, tga, tsa, tma_b, tgb, tsb)
-                    producer.advance()
-        warpgroup.wait_group(0)
-        # Every warpgroup is done reading A's buffers, which the epilogue reuses.
-        cute.arch.barrier(barrier_id=1, number_of_threads=config.threads)
 
-        # --- epilogue --------------------------------------------------------------------------
-        m0 = tile_m * config.tile_m
-        n0 = tile_n * config.tile_n
+                self.epilogue_tile(acc, tile_coords_c, work.tile_idx, copy_r2s, sc, tma_c, tma_tensor_c,
+                                   tma_z, tma_tensor_z, bias, residual, epi_tile, stores, ctidx, warp,
+                                   tiles_done * stores_per_tile)
+                tiles_done += 1
+                scheduler.advance_to_next_work()
+                work = scheduler.get_current_work()
+            if warp == 4:
+                stores.producer_tail()
+
+    def epi_tiles(self, epi_tile) -> int:
+        return (self.config.tile_m // epi_tile[0]) * (self.config.tile_n // epi_tile[1])
+
+    @cute.jit
+    def epilogue_tile(self, acc, tile_coords_c, tile_idx, copy_r2s, sc, tma_c, tma_tensor_c, tma_z, tma_tensor_z,
+                      bias, residual, epi_tile: cutlass.Constexpr, stores, ctidx, warp, first_store):
+        """Bias, [pre-activation store], activation, residual and the store of one finished tile."""
+        config, epilogue = self.config, self.epilogue
+        m, n, batch = tile_idx
+        tile_coord = (m, n, None, batch)
+        m0 = m * config.tile_m
+        n0 = n * config.tile_n
         if const_expr(epilogue.has_bias):
             for i in cutlass.range(cute.size(acc), unroll_full=True):
                 col = n0 + tile_coords_c[i][1]
                 if col < bias.shape[0]:
                     acc[i] = acc[i] + bias[col].to(Float32)
-
-        sc = cute.make_tensor(cute.recast_ptr(sa.iterator, epi_smem.inner, dtype=self.c_dtype), epi_smem.outer)
-        stores = pipeline.PipelineTmaStore.create(
-            num_stages=EPI_STAGES,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, config.threads),
-        )
-        copy_r2s = cute.make_tiled_copy_S(
-            sm90.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.c_dtype, Float32),
-            cute.make_tiled_copy_C_atom(
-                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.c_dtype), tiled_mma
-            ),
-        )
-        buffer_base = 0
         if const_expr(epilogue.store_preact):
-            self.store_tile(acc, copy_r2s, sc, tma_z, tma_tensor_z, tile_coord, epi_tile, stores, tidx, warp, 0)
-            buffer_base = self.epi_tiles(epi_tile)
-
+            self.store_tile(acc, copy_r2s, sc, tma_z, tma_tensor_z, tile_coord, epi_tile, stores, ctidx, warp,
+                            first_store)
+            first_store += self.epi_tiles(epi_tile)
         if const_expr(epilogue.activation != "none" or epilogue.has_residual):
             for i in cutlass.range(cute.size(acc), unroll_full=True):
                 value = apply_activation(acc[i], epilogue.activation)
@@ -370,31 +461,18 @@ class HopperGemmKernel:
                     if row < residual.shape[0] and col < residual.shape[1]:
                         value = value + residual[row, col, batch].to(Float32)
                 acc[i] = value
-        self.store_tile(acc, copy_r2s, sc, tma_c, tma_tensor_c, tile_coord, epi_tile, stores, tidx, warp, buffer_base)
-        if warp == 0:
-            stores.producer_tail()
-
-    def epi_tiles(self, epi_tile) -> int:
-        return (self.config.tile_m // epi_tile[0]) * (self.config.tile_n // epi_tile[1])
-
-    @cute.jit
-    def issue_loads(self, loads, producer, tma_a, tga, tsa, tma_b, tgb, tsb):
-        """Wait for stage ``producer.index`` to be free, then TMA k tile ``producer.count`` of A
-        and B into it; the stage's full barrier counts the bytes."""
-        loads.producer_acquire(producer)
-        barrier = loads.producer_get_barrier(producer)
-        cute.copy(tma_a, tga[(None, producer.count)], tsa[(None, producer.index)], tma_bar_ptr=barrier)
-        cute.copy(tma_b, tgb[(None, producer.count)], tsb[(None, producer.index)], tma_bar_ptr=barrier)
-        loads.producer_commit(producer)
+        self.store_tile(acc, copy_r2s, sc, tma_c, tma_tensor_c, tile_coord, epi_tile, stores, ctidx, warp,
+                        first_store)
 
     @cute.jit
     def store_tile(self, acc, copy_r2s, sc, tma_out, tma_tensor_out, tile_coord, epi_tile: cutlass.Constexpr,
-                   stores, tidx, warp, buffer_base: cutlass.Constexpr):
+                   stores, ctidx, warp, first_store):
         """Write the fp32 accumulators ``acc`` to ``tma_tensor_out``'s tile ``tile_coord`` in its
         dtype: registers -> smem (stmatrix) -> global (TMA store), one epilogue tile at a time
-        through ``EPI_STAGES`` rotating smem buffers. TMA clips what lies past the tensor."""
-        config = self.config
-        thr_r2s = copy_r2s.get_slice(tidx)
+        through the ``EPI_STAGES`` ring (buffer = running store count mod EPI_STAGES). TMA clips
+        what lies past the tensor."""
+        consumer_threads = WARPGROUP * self.config.consumer_warpgroups
+        thr_r2s = copy_r2s.get_slice(ctidx)
         r2s_dst = thr_r2s.partition_D(sc)
         acc_view = copy_r2s.retile(acc)
         part_layout = cute.make_layout(cute.shape(thr_r2s.partition_S(sc))[:3])
@@ -412,13 +490,13 @@ class HopperGemmKernel:
             for v in cutlass.range_constexpr(cute.size(part)):
                 part[v] = acc_view[e * cute.size(part) + v]
             part_out.store(part.load().to(self.c_dtype))
-            buffer = (buffer_base + e) % EPI_STAGES
+            buffer = (first_store + e) % EPI_STAGES
             cute.copy(copy_r2s, part_out, r2s_dst[(None, None, None, buffer)])
             # Make the smem writes visible to the TMA (async proxy), then let one warp send them.
             cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=1, number_of_threads=config.threads)
-            if warp == 0:
+            cute.arch.barrier(barrier_id=1, number_of_threads=consumer_threads)
+            if warp == 4:
                 cute.copy(tma_out, s_tma[(None, buffer)], g_tma[(None, epi_order.get_hier_coord(e))])
                 stores.producer_commit()
                 stores.producer_acquire()
-            cute.arch.barrier(barrier_id=1, number_of_threads=config.threads)
+            cute.arch.barrier(barrier_id=1, number_of_threads=consumer_threads)

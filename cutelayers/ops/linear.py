@@ -153,9 +153,9 @@ class _GemmFamily(TunableFamily):
         return CONFIGS[config_class(m, n)]
 
     def config_space(self, avals) -> tuple:
-        from cutelayers.kernels.gemm import CONFIGS
+        from cutelayers.kernels.gemm import CONFIGS, EXTRA_CONFIGS
 
-        return tuple(CONFIGS.values())
+        return tuple(CONFIGS.values()) + EXTRA_CONFIGS
 
     def tuning_key(self, avals):
         """dtype, and the GEMM's static sizes with the bucket of a symbolic M."""
