@@ -22,12 +22,18 @@ Structure (one CTA per SM, looping over output tiles; ``1 + consumer_warpgroups`
   consumer_warpgroups`` rows of the tile, issues ``wgmma`` on the stage in front of it with one
   batch in flight, and hands each stage back (to every CTA that multicast into it) once read.
   TMA zero-fills reads past M / K, so tails need no predication in the mainloop.
-* epilogue (consumers, per tile): bias, activation and residual on the fp32 accumulators in
-  registers (the MMA partition of an identity tensor gives every accumulator its (row, column));
-  results go to a dedicated ring of ``EPI_STAGES`` shared-memory buffers through ``stmatrix`` and
-  out with asynchronous TMA stores, which clip rows / columns past the tensor. The stores drain
-  while the next tile's mainloop runs. The pre-activation, when asked for, goes out first through
-  the same ring.
+* epilogue (consumers, per tile): bias and activation on the fp32 accumulators in registers (the
+  MMA partition of an identity tensor gives every accumulator its (row, column)); results go to a
+  dedicated ring of ``EPI_STAGES`` shared-memory buffers through ``stmatrix`` and out with
+  asynchronous TMA stores, which clip rows / columns past the tensor. The stores drain while the
+  next tile's mainloop runs. The pre-activation, when asked for, goes out first through the same
+  ring. A *source* tile read by the epilogue -- the residual, or the pre-activation whose
+  activation derivative scales the product (an MLP backward) -- comes in by TMA too, into its own
+  ring of ``SOURCE_STAGES`` buffers, issued before the tile's mainloop so it lands while the MMAs
+  run, and is read back with ``ldmatrix`` in the accumulators' layout.
+* pingpong (``GemmConfig.pingpong``): the two consumer warpgroups take alternate tiles, each a
+  whole tile on its own, so one warpgroup's epilogue runs while the other's MMAs do -- for short
+  mainloops (K of a few hundred) where a shared epilogue would leave the tensor cores idle.
 
 Tiles are visited in groups of up to ``GROUP_N`` cluster columns (a divisor of the column count,
 so no padding tile is ever scheduled): CTAs running together share A and B tiles in L2.
@@ -51,6 +57,7 @@ ACTIVATIONS = ("none", "relu", "gelu", "gelu_exact", "silu", "sigmoid", "tanh", 
 
 WARPGROUP = 128
 SMEM_CAPACITY = 227 * 1024  # sm_90 dynamic shared memory per CTA
+SMEM_RESERVED = 2048  # mbarriers and the 1 KiB alignment of each buffer
 EPI_STAGES = 4  # epilogue smem buffers in flight to TMA stores
 GROUP_N = 8  # most cluster columns per rasterization group
 # SMs the persistent grid is sized for: H100 SXM and H200 have 132. A GPU with fewer runs the
@@ -58,6 +65,7 @@ GROUP_N = 8  # most cluster columns per rasterization group
 PERSISTENT_SMS = 132
 PRODUCER_REGISTERS = 40  # the TMA warpgroup only computes addresses
 CONSUMER_REGISTERS = 232  # accumulators: 40 * 128 + 232 * 256 fits the SM's 64K registers
+SOURCE_STAGES = 2  # epilogue source tiles (residual / pre-activation) in flight
 LEAKY_SLOPE = 0.01  # jax.nn.leaky_relu's default
 GELU_TANH_SCALE = math.sqrt(2.0 / math.pi)
 
@@ -67,9 +75,11 @@ class GemmConfig:
     """Tile shape, warpgroups, pipeline depth and cluster shape of one kernel instance.
 
     ``consumer_warpgroups`` split ``tile_m`` (each owns tile_m / groups rows; at most 64 rows x
-    tile_n columns of accumulators per 128 threads keeps the accumulator in registers). A
+    tile_n columns of accumulators per 128 threads keeps the accumulator in registers), unless
+    ``pingpong``: then two warpgroups each compute whole (tile_m, tile_n) tiles, alternately. A
     ``cluster_m x cluster_n`` cluster multicasts B over its ``cluster_m`` CTAs and A over its
-    ``cluster_n``.
+    ``cluster_n``. ``stages`` is an upper bound: an epilogue that needs a source ring gets as many
+    as fit next to it.
     """
 
     tile_m: int
@@ -78,21 +88,45 @@ class GemmConfig:
     stages: int
     cluster_m: int = 1
     cluster_n: int = 1
+    pingpong: bool = False
     tile_k: int = 64
 
     @property
     def threads(self) -> int:
         return WARPGROUP * (1 + self.consumer_warpgroups)  # + the producer warpgroup
 
-    def epi_tile(self) -> tuple[int, int]:
-        """The epilogue's (rows, columns) per smem buffer: 64 rows per consumer warpgroup (their
-        stmatrix stores together), 32 columns."""
-        return (64 * self.consumer_warpgroups, 32)
+    @property
+    def epilogue_groups(self) -> int:
+        """Warpgroups that run epilogues independently: two in pingpong, else one (all together)."""
+        return 2 if self.pingpong else 1
 
-    def smem_bytes(self, elem_bytes: int) -> int:
-        per_stage = (self.tile_m + self.tile_n) * self.tile_k * elem_bytes
+    @property
+    def mma_warpgroups(self) -> int:
+        """Warpgroups sharing one tile's MMAs."""
+        return 1 if self.pingpong else self.consumer_warpgroups
+
+    def epi_tile(self) -> tuple[int, int]:
+        """The epilogue's (rows, columns) per smem buffer: 64 rows per warpgroup sharing the tile
+        (their stmatrix stores go together), 32 columns."""
+        return (64 * self.mma_warpgroups, 32)
+
+    def ring_bytes(self, elem_bytes: int, source: bool) -> int:
+        """Shared memory of the epilogue rings: stores, plus sources if the epilogue reads one."""
         rows, cols = self.epi_tile()
-        return self.stages * per_stage + EPI_STAGES * rows * cols * elem_bytes + 1024  # + mbarriers, alignment
+        buffers = EPI_STAGES + (SOURCE_STAGES if source else 0)
+        return self.epilogue_groups * buffers * rows * cols * elem_bytes
+
+    def stage_bytes(self, elem_bytes: int) -> int:
+        return (self.tile_m + self.tile_n) * self.tile_k * elem_bytes
+
+    def stages_for(self, elem_bytes: int, source: bool) -> int:
+        """Mainloop stages: ``stages``, or fewer where the epilogue's rings leave less room."""
+        room = SMEM_CAPACITY - SMEM_RESERVED - self.ring_bytes(elem_bytes, source)
+        return min(self.stages, room // self.stage_bytes(elem_bytes))
+
+    def smem_bytes(self, elem_bytes: int, source: bool = False) -> int:
+        return (self.stages_for(elem_bytes, source) * self.stage_bytes(elem_bytes)
+                + self.ring_bytes(elem_bytes, source) + SMEM_RESERVED)
 
 
 # Shape classes -> config. "small_m": decode-like row counts, where 128-row tiles would be mostly
@@ -108,6 +142,9 @@ EXTRA_CONFIGS = (
     GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, stages=4),
     GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6, cluster_m=2),
     GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, stages=4, cluster_n=2),
+    GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6, pingpong=True),
+    GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6, cluster_m=2, pingpong=True),
+    GemmConfig(tile_m=64, tile_n=256, consumer_warpgroups=2, stages=6, pingpong=True),
 )
 
 
@@ -146,10 +183,22 @@ class Epilogue:
     has_bias: bool = False
     has_residual: bool = False
     store_preact: bool = False
+    # c = product * act'(preact): the backward of ``grad_of`` through an activation whose input
+    # (preact, an (M, N, L) operand after b) is read as a source tile. Excludes the fields above.
+    grad_of: str = "none"
 
     def __post_init__(self):
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {ACTIVATIONS}; got {self.activation!r}")
+        for name in (self.activation, self.grad_of):
+            if name not in ACTIVATIONS:
+                raise ValueError(f"activation must be one of {ACTIVATIONS}; got {name!r}")
+        if self.grad_of != "none" and (self.activation != "none" or self.has_bias or self.has_residual
+                                       or self.store_preact):
+            raise ValueError("an activation-gradient epilogue takes no activation, bias, residual or stored preact")
+
+    @property
+    def has_source(self) -> bool:
+        """Whether the epilogue reads an (M, N, L) tile: the residual or the pre-activation."""
+        return self.has_residual or self.grad_of != "none"
 
 
 @cute.jit
@@ -178,16 +227,54 @@ def apply_activation(x: Float32, name: cutlass.Constexpr) -> Float32:
     return y
 
 
+@cute.jit
+def activation_grad(x: Float32, name: cutlass.Constexpr) -> Float32:
+    """act'(x) in fp32: the derivative of :func:`apply_activation` (jax's at the kinks)."""
+    d = Float32(1.0)
+    if const_expr(name == "relu"):
+        d = Float32(0.0)
+        if x > 0.0:
+            d = Float32(1.0)
+    elif const_expr(name == "gelu"):
+        inner_grad = GELU_TANH_SCALE * (1.0 + 3.0 * 0.044715 * x * x)
+        t = cute.math.tanh(GELU_TANH_SCALE * (x + 0.044715 * x * x * x))
+        d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * inner_grad
+    elif const_expr(name == "gelu_exact"):
+        cdf = 0.5 * (1.0 + cute.math.erf(x * (1.0 / math.sqrt(2.0))))
+        d = cdf + x * cute.math.exp(-0.5 * x * x) * (1.0 / math.sqrt(2.0 * math.pi))
+    elif const_expr(name == "silu"):
+        sig = 1.0 / (1.0 + cute.math.exp(-x))
+        d = sig * (1.0 + x * (1.0 - sig))
+    elif const_expr(name == "sigmoid"):
+        sig = 1.0 / (1.0 + cute.math.exp(-x))
+        d = sig * (1.0 - sig)
+    elif const_expr(name == "tanh"):
+        t = cute.math.tanh(x)
+        d = 1.0 - t * t
+    elif const_expr(name == "leaky_relu"):
+        d = Float32(LEAKY_SLOPE)
+        if x >= 0.0:
+            d = Float32(1.0)
+    elif const_expr(name == "hardswish"):
+        # d/dx x * relu6(x + 3) / 6 = (relu6(x + 3) + x * [-3 < x < 3]) / 6
+        relu6 = cute.arch.fmin(cute.arch.fmax(x + 3.0, Float32(0.0)), Float32(6.0))
+        d = relu6 * (1.0 / 6.0)
+        if x > -3.0 and x < 3.0:
+            d = d + x * (1.0 / 6.0)
+    return d
+
+
 class HopperGemmKernel:
     """C = epilogue(A @ Bᵀ) on Hopper: persistent, warp-specialized TMA + wgmma, fp32 accumulation.
 
-    Launcher ``(stream, a, b, [bias], [residual], c, [preact])``, which optional tensors are
-    present being fixed by ``epilogue``:
+    Launcher ``(stream, a, b, [bias], [residual | preact_in], c, [preact])``, which optional
+    tensors are present being fixed by ``epilogue``:
 
     * a: (M, K, L), b: (N, K, L): bfloat16 or float16 (same dtype), any one of the two modes
       M/N or K contiguous; M, K and L may be symbolic, N static, every contiguous extent a
       multiple of 8;
-    * bias: (N,) in c's dtype; residual, c, preact: (M, N, L), N contiguous, c's dtype.
+    * bias: (N,) in c's dtype; residual, preact_in (the source of ``grad_of``), c, preact:
+      (M, N, L), N contiguous, c's dtype.
     """
 
     def __init__(self, config: GemmConfig, epilogue: Epilogue):
@@ -195,8 +282,10 @@ class HopperGemmKernel:
         self.tile_mnk = (config.tile_m, config.tile_n, config.tile_k)
         if config.consumer_warpgroups not in (1, 2):
             raise ValueError("consumer_warpgroups must be 1 or 2")
-        if config.tile_m % (64 * config.consumer_warpgroups):
-            raise ValueError("tile_m must be a multiple of 64 rows per consumer warpgroup (wgmma's M)")
+        if config.pingpong and config.consumer_warpgroups != 2:
+            raise ValueError("pingpong alternates two consumer warpgroups: consumer_warpgroups must be 2")
+        if config.tile_m % (64 * config.mma_warpgroups):
+            raise ValueError("tile_m must be a multiple of 64 rows per warpgroup sharing a tile (wgmma's M)")
         if config.tile_n not in (64, 128, 256):
             raise ValueError("tile_n must be 64, 128 or 256")
         if config.cluster_m * config.cluster_n > 2 or min(config.cluster_m, config.cluster_n) < 1:
@@ -209,22 +298,25 @@ class HopperGemmKernel:
         a = rest.pop(0)
         b = rest.pop(0)
         bias = rest.pop(0) if const_expr(epilogue.has_bias) else None
-        residual = rest.pop(0) if const_expr(epilogue.has_residual) else None
+        source = rest.pop(0) if const_expr(epilogue.has_source) else None
         c = rest.pop(0)
         preact = rest.pop(0) if const_expr(epilogue.store_preact) else None
 
         self.a_dtype, self.b_dtype, self.c_dtype = a.element_type, b.element_type, c.element_type
+        self.stages = config.stages_for(c.element_type.width // 8, epilogue.has_source)
         a_layout = LayoutEnum.from_tensor(a)
         b_layout = LayoutEnum.from_tensor(b)
         c_layout = LayoutEnum.from_tensor(c)
         tiled_mma = sm90.make_trivial_tiled_mma(
             a.element_type, b.element_type, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
-            Float32, (config.consumer_warpgroups, 1, 1), tiler_mn=(64, config.tile_n),
+            Float32, (config.mma_warpgroups, 1, 1), tiler_mn=(64, config.tile_n),
         )
-        a_smem = sm90.make_smem_layout_a(a_layout, self.tile_mnk, a.element_type, config.stages)
-        b_smem = sm90.make_smem_layout_b(b_layout, self.tile_mnk, b.element_type, config.stages)
+        a_smem = sm90.make_smem_layout_a(a_layout, self.tile_mnk, a.element_type, self.stages)
+        b_smem = sm90.make_smem_layout_b(b_layout, self.tile_mnk, b.element_type, self.stages)
         epi_tile = config.epi_tile()
-        epi_smem = sm90.make_smem_layout_epi(c.element_type, c_layout, epi_tile, EPI_STAGES)
+        groups = config.epilogue_groups
+        epi_smem = sm90.make_smem_layout_epi(c.element_type, c_layout, epi_tile, EPI_STAGES * groups)
+        source_smem = sm90.make_smem_layout_epi(c.element_type, c_layout, epi_tile, SOURCE_STAGES * groups)
 
         # A is shared by the cluster_n CTAs of a cluster row, B by the cluster_m of a column.
         tma_a, tma_tensor_a = self.load_atom(a, a_smem, (config.tile_m, config.tile_k), config.cluster_n)
@@ -235,13 +327,21 @@ class HopperGemmKernel:
         tma_z, tma_tensor_z = None, None
         if const_expr(epilogue.store_preact):
             tma_z, tma_tensor_z = cpasync.make_tiled_tma_atom(store, preact, epi_smem_one, epi_tile)
+        tma_s, tma_tensor_s = None, None
+        if const_expr(epilogue.has_source):
+            tma_s, tma_tensor_s = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), source, cute.slice_(source_smem, (None, None, 0)), epi_tile)
+
+        source_elems = cute.cosize(source_smem) if const_expr(epilogue.has_source) else 1
 
         @cute.struct
         class SharedStorage:
-            barriers: cute.struct.MemRange[cutlass.Int64, config.stages * 2]
+            barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            source_barriers: cute.struct.MemRange[cutlass.Int64, SOURCE_STAGES * groups * 2]
             sa: cute.struct.Align[cute.struct.MemRange[a.element_type, cute.cosize(a_smem)], 1024]
             sb: cute.struct.Align[cute.struct.MemRange[b.element_type, cute.cosize(b_smem)], 1024]
             sc: cute.struct.Align[cute.struct.MemRange[c.element_type, cute.cosize(epi_smem)], 1024]
+            ss: cute.struct.Align[cute.struct.MemRange[c.element_type, source_elems], 1024]
 
         self.shared_storage = SharedStorage
         tiles = (cute.ceil_div(c.shape[0], config.tile_m), cute.ceil_div(c.shape[1], config.tile_n), c.shape[2])
@@ -252,7 +352,7 @@ class HopperGemmKernel:
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(schedule, clusters_per_wave)
         self.kernel(
             tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, tma_c, tma_tensor_c, tma_z, tma_tensor_z,
-            bias, residual, a_smem, b_smem, epi_smem, epi_tile, schedule,
+            tma_s, tma_tensor_s, bias, a_smem, b_smem, epi_smem, source_smem, epi_tile, schedule,
         ).launch(
             grid=grid,
             block=[config.threads, 1, 1],
@@ -290,22 +390,24 @@ class HopperGemmKernel:
         tma_tensor_c: cute.Tensor,
         tma_z,
         tma_tensor_z,
+        tma_s,
+        tma_tensor_s,
         bias,
-        residual,
         a_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
         epi_smem: cute.ComposedLayout,
+        source_smem: cute.ComposedLayout,
         epi_tile: cutlass.Constexpr,
         schedule: utils.PersistentTileSchedulerParams,
     ):
-        config = self.config
+        config, epilogue = self.config, self.epilogue
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp == 0:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
 
-        # --- cluster position, shared memory and the load pipeline ------------------------------
+        # --- cluster position, shared memory and the pipelines ----------------------------------
         cluster_layout = cute.make_layout((config.cluster_m, config.cluster_n, 1))
         cluster_coord = cluster_layout.get_flat_coord(
             cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()))
@@ -315,19 +417,33 @@ class HopperGemmKernel:
         sc = storage.sc.get_tensor(epi_smem.outer, swizzle=epi_smem.inner)
         stage_bytes = cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem, (None, None, 0))) + \
             cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem, (None, None, 0)))
-        consumer_threads = WARPGROUP * config.consumer_warpgroups
+        mma_threads = WARPGROUP * config.mma_warpgroups  # threads that consume one stage
         loads = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.barriers.data_ptr(),
-            num_stages=config.stages,
+            num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             # Every consumer thread releases a stage; the pipeline turns that into one arrive per
-            # multicast partner CTA.
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_threads),
+            # warp and multicast partner CTA.
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mma_threads),
             tx_count=stage_bytes,
             cta_layout_vmnk=cute.make_layout((1, config.cluster_m, config.cluster_n, 1)),
             enable_multicast_signaling=True,
             defer_sync=True,
         )
+        # The source rings of all epilogue groups: group g owns stages [g, g + 1) * SOURCE_STAGES
+        # (see ``group_state``), each consumed by the group's own threads.
+        sources = None
+        if const_expr(epilogue.has_source):
+            sources = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.source_barriers.data_ptr(),
+                num_stages=SOURCE_STAGES * config.epilogue_groups,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mma_threads),
+                tx_count=cute.size_in_bytes(self.c_dtype, cute.slice_(source_smem, (None, None, 0))),
+                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+                enable_multicast_signaling=True,
+                defer_sync=True,
+            )
         cluster_mn = (config.cluster_m, config.cluster_n)
         pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_mn, is_relaxed=True)
 
@@ -345,7 +461,6 @@ class HopperGemmKernel:
         pipeline.pipeline_init_wait(cluster_shape_mn=cluster_mn)
         scheduler = utils.StaticPersistentTileScheduler.create(
             schedule, cute.arch.block_idx(), cute.arch.grid_dim())
-        work = scheduler.initial_work_tile_info()
 
         if warp < 4:
             # --- producer warpgroup: warp 0 streams A and B for every tile of this CTA -----------
@@ -353,7 +468,8 @@ class HopperGemmKernel:
             if warp == 0:
                 a_mask = cute.make_layout_image_mask(cluster_layout, cluster_coord, mode=1)
                 b_mask = cute.make_layout_image_mask(cluster_layout, cluster_coord, mode=0)
-                producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, config.stages)
+                producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                work = scheduler.initial_work_tile_info()
                 while work.is_valid_tile:
                     m, n, batch = work.tile_idx
                     tga_tile = tga[(None, m, None, batch)]
@@ -375,32 +491,45 @@ class HopperGemmKernel:
             # --- consumer warpgroups: mainloop and epilogue per tile ----------------------------
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             ctidx = tidx - WARPGROUP
-            group = cute.arch.make_warp_uniform(ctidx // WARPGROUP)
-            thr_mma = tiled_mma.get_slice(cute.make_layout(config.consumer_warpgroups, stride=WARPGROUP)(group))
+            # The epilogue group this thread belongs to (pingpong: its warpgroup) and its rank in it.
+            group = cute.arch.make_warp_uniform(ctidx // mma_threads) if const_expr(config.pingpong) else 0
+            gtidx = ctidx % mma_threads
+            store_warp = cute.arch.make_warp_uniform(gtidx // 32) == 0  # the group's first warp sends
+            thr_mma = tiled_mma.get_slice(
+                cute.make_layout(config.mma_warpgroups, stride=WARPGROUP)(gtidx // WARPGROUP))
             frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))
             frag_b = tiled_mma.make_fragment_B(thr_mma.partition_B(sb))
             # wgmma operands are per warpgroup, but each thread holds its own accumulators: their
-            # coordinates (for bias and residual) come from the thread's own slice.
-            tile_coords_c = tiled_mma.get_slice(ctidx).partition_C(
+            # coordinates (for the bias) come from the thread's own slice.
+            tile_coords_c = tiled_mma.get_slice(gtidx).partition_C(
                 cute.make_identity_tensor((config.tile_m, config.tile_n)))
             acc = cute.make_rmem_tensor(tile_coords_c.shape, Float32)
             k_blocks = cute.size(frag_a, mode=[2])
-            consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, config.stages)
-            released = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, config.stages)
+            consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            released = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
 
+            ring = self.epilogue_ring(tiled_mma, sc, storage, source_smem, sources, group, gtidx)
             stores = pipeline.PipelineTmaStore.create(
                 num_stages=EPI_STAGES,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_threads),
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mma_threads),
             )
-            copy_r2s = cute.make_tiled_copy_S(
-                sm90.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.c_dtype, Float32),
-                cute.make_tiled_copy_C_atom(
-                    cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.c_dtype), tiled_mma
-                ),
-            )
-            stores_per_tile = self.epi_tiles(epi_tile) * (2 if const_expr(self.epilogue.store_preact) else 1)
+            source_loaded = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SOURCE_STAGES)
+            source_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SOURCE_STAGES)
+            stores_per_tile = self.epi_tiles(epi_tile) * (2 if const_expr(epilogue.store_preact) else 1)
             tiles_done = Int32(0)
+            work = scheduler.initial_work_tile_info()
+            if const_expr(config.pingpong):
+                # Warpgroup 1 takes the odd tiles: it starts one tile (and its stages) later.
+                scheduler.advance_to_next_work(advance_count=group)
+                work = scheduler.get_current_work()
+                consumer.advance(k_tiles * group)
+                released.advance(k_tiles * group)
             while work.is_valid_tile:
+                if const_expr(epilogue.has_source):
+                    # The tile's first source subtiles load while its mainloop runs.
+                    for e in cutlass.range_constexpr(min(SOURCE_STAGES, self.epi_tiles(epi_tile))):
+                        self.load_source(sources, group, source_loaded, ring[6], tma_s, tma_tensor_s,
+                                         work.tile_idx, epi_tile, e, store_warp)
                 # Accumulate from zero rather than switching ACCUMULATE off for the first k tile:
                 # the flag is fixed when the loop body is traced.
                 acc.fill(0.0)
@@ -422,26 +551,80 @@ class HopperGemmKernel:
                 loads.consumer_release(released)
                 released.advance()
 
-                self.epilogue_tile(acc, tile_coords_c, work.tile_idx, copy_r2s, sc, tma_c, tma_tensor_c,
-                                   tma_z, tma_tensor_z, bias, residual, epi_tile, stores, ctidx, warp,
-                                   tiles_done * stores_per_tile)
+                self.epilogue_tile(acc, tile_coords_c, work.tile_idx, ring, sources, group, source_loaded,
+                                   source_read, tma_c, tma_tensor_c, tma_z, tma_tensor_z, tma_s, tma_tensor_s,
+                                   bias, epi_tile, stores, store_warp, tiles_done * stores_per_tile)
                 tiles_done += 1
-                scheduler.advance_to_next_work()
+                if const_expr(config.pingpong):
+                    # Past the other warpgroup's next tile and its stages.
+                    scheduler.advance_to_next_work(advance_count=2)
+                    consumer.advance(k_tiles)
+                    released.advance(k_tiles)
+                else:
+                    scheduler.advance_to_next_work()
                 work = scheduler.get_current_work()
-            if warp == 4:
+            if store_warp:
                 stores.producer_tail()
 
     def epi_tiles(self, epi_tile) -> int:
         return (self.config.tile_m // epi_tile[0]) * (self.config.tile_n // epi_tile[1])
 
     @cute.jit
-    def epilogue_tile(self, acc, tile_coords_c, tile_idx, copy_r2s, sc, tma_c, tma_tensor_c, tma_z, tma_tensor_z,
-                      bias, residual, epi_tile: cutlass.Constexpr, stores, ctidx, warp, first_store):
-        """Bias, [pre-activation store], activation, residual and the store of one finished tile."""
+    def epilogue_ring(self, tiled_mma, sc, storage, source_smem, sources, group, gtidx):
+        """This thread's views of the epilogue rings: (stmatrix copy, its smem destinations in the
+        store ring, the shape of one subtile of its accumulators, the store ring, ldmatrix copy,
+        its smem sources in the source ring, the source ring) -- copies laid out like the
+        accumulators."""
+        c_atom = cute.make_tiled_copy_C_atom(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.c_dtype), tiled_mma)
+        copy_r2s = cute.make_tiled_copy_S(sm90.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.c_dtype, Float32), c_atom)
+        thr_r2s = copy_r2s.get_slice(gtidx)
+        r2s_dst = thr_r2s.partition_D(sc)
+        part_shape = thr_r2s.partition_S(sc).shape[:3]
+        copy_s2r, s2r_src, ss = None, None, None
+        if const_expr(self.epilogue.has_source):
+            ss = storage.ss.get_tensor(source_smem.outer, swizzle=source_smem.inner)
+            copy_s2r = cute.make_tiled_copy_S(
+                cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), self.c_dtype), c_atom)
+            s2r_src = copy_s2r.get_slice(gtidx).partition_S(ss)
+        return copy_r2s, r2s_dst, part_shape, sc, copy_s2r, s2r_src, ss
+
+    def group_state(self, state, group):
+        """``state`` of a group's own ring (SOURCE_STAGES long) as a position in the shared
+        source pipeline, whose stages are the groups' rings one after the other."""
+        return pipeline.PipelineState(SOURCE_STAGES * self.config.epilogue_groups, state.count,
+                                      state.index + group * SOURCE_STAGES, state.phase)
+
+    @cute.jit
+    def load_source(self, sources, group, source_loaded, ss, tma_s, tma_tensor_s, tile_idx,
+                    epi_tile: cutlass.Constexpr, e: cutlass.Constexpr, store_warp):
+        """The group's sending warp TMA-loads source subtile ``e`` of tile ``tile_idx`` into the
+        next buffer of its source ring; every thread of the group advances its producer state."""
+        m, n, batch = tile_idx
+        g_tile = cute.local_tile(tma_tensor_s, self.tile_mnk, (m, n, None, batch), proj=(1, 1, None))
+        g_epi = cute.zipped_divide(g_tile, epi_tile)
+        s_tma, g_tma = cpasync.tma_partition(tma_s, 0, cute.make_layout(1), cute.group_modes(ss, 0, 2), g_epi)
+        epi_grid = g_epi.shape[1]
+        epi_order = cute.make_layout(epi_grid, stride=(epi_grid[1], 1))
+        if store_warp:
+            state = self.group_state(source_loaded, group)
+            sources.producer_acquire(state)
+            cute.copy(tma_s, g_tma[(None, epi_order.get_hier_coord(e))], s_tma[(None, state.index)],
+                      tma_bar_ptr=sources.producer_get_barrier(state))
+            sources.producer_commit(state)
+        source_loaded.advance()
+
+    @cute.jit
+    def epilogue_tile(self, acc, tile_coords_c, tile_idx, ring, sources, group, source_loaded, source_read,
+                      tma_c, tma_tensor_c, tma_z, tma_tensor_z, tma_s, tma_tensor_s, bias,
+                      epi_tile: cutlass.Constexpr, stores, store_warp, first_store):
+        """Bias, [pre-activation store], activation, source and the store of one finished tile.
+
+        ``first_store``: stores this group made before, so the ring buffer of each subtile is
+        (first_store + e) mod EPI_STAGES within the group's ring.
+        """
         config, epilogue = self.config, self.epilogue
         m, n, batch = tile_idx
-        tile_coord = (m, n, None, batch)
-        m0 = m * config.tile_m
         n0 = n * config.tile_n
         if const_expr(epilogue.has_bias):
             for i in cutlass.range(cute.size(acc), unroll_full=True):
@@ -449,54 +632,70 @@ class HopperGemmKernel:
                 if col < bias.shape[0]:
                     acc[i] = acc[i] + bias[col].to(Float32)
         if const_expr(epilogue.store_preact):
-            self.store_tile(acc, copy_r2s, sc, tma_z, tma_tensor_z, tile_coord, epi_tile, stores, ctidx, warp,
-                            first_store)
+            self.store_tile(acc, False, ring, sources, group, source_loaded, source_read, tma_z, tma_tensor_z,
+                            tma_s, tma_tensor_s, tile_idx, epi_tile, stores, store_warp, first_store)
             first_store += self.epi_tiles(epi_tile)
-        if const_expr(epilogue.activation != "none" or epilogue.has_residual):
+        if const_expr(epilogue.activation != "none"):
             for i in cutlass.range(cute.size(acc), unroll_full=True):
-                value = apply_activation(acc[i], epilogue.activation)
-                if const_expr(epilogue.has_residual):
-                    row = m0 + tile_coords_c[i][0]
-                    col = n0 + tile_coords_c[i][1]
-                    if row < residual.shape[0] and col < residual.shape[1]:
-                        value = value + residual[row, col, batch].to(Float32)
-                acc[i] = value
-        self.store_tile(acc, copy_r2s, sc, tma_c, tma_tensor_c, tile_coord, epi_tile, stores, ctidx, warp,
-                        first_store)
+                acc[i] = apply_activation(acc[i], epilogue.activation)
+        self.store_tile(acc, epilogue.has_source, ring, sources, group, source_loaded, source_read, tma_c,
+                        tma_tensor_c, tma_s, tma_tensor_s, tile_idx, epi_tile, stores, store_warp, first_store)
 
     @cute.jit
-    def store_tile(self, acc, copy_r2s, sc, tma_out, tma_tensor_out, tile_coord, epi_tile: cutlass.Constexpr,
-                   stores, ctidx, warp, first_store):
-        """Write the fp32 accumulators ``acc`` to ``tma_tensor_out``'s tile ``tile_coord`` in its
-        dtype: registers -> smem (stmatrix) -> global (TMA store), one epilogue tile at a time
-        through the ``EPI_STAGES`` ring (buffer = running store count mod EPI_STAGES). TMA clips
-        what lies past the tensor."""
-        consumer_threads = WARPGROUP * self.config.consumer_warpgroups
-        thr_r2s = copy_r2s.get_slice(ctidx)
-        r2s_dst = thr_r2s.partition_D(sc)
+    def store_tile(self, acc, with_source: cutlass.Constexpr, ring, sources, group, source_loaded, source_read,
+                   tma_out, tma_tensor_out, tma_s, tma_tensor_s, tile_idx, epi_tile: cutlass.Constexpr, stores,
+                   store_warp, first_store):
+        """Write the fp32 accumulators ``acc`` (combined with the source tile if ``with_source``:
+        + residual, or x act'(preact)) to ``tma_tensor_out``'s tile in its dtype: registers ->
+        smem (stmatrix) -> global (TMA store), one epilogue subtile at a time through the group's
+        ring of ``EPI_STAGES`` buffers. TMA clips what lies past the tensor."""
+        config, epilogue = self.config, self.epilogue
+        copy_r2s, r2s_dst, part_shape, sc, copy_s2r, s2r_src, ss = ring
+        mma_threads = WARPGROUP * config.mma_warpgroups
+        m, n, batch = tile_idx
         acc_view = copy_r2s.retile(acc)
-        part_layout = cute.make_layout(cute.shape(thr_r2s.partition_S(sc))[:3])
+        part_layout = cute.make_layout(part_shape)
         part = cute.make_rmem_tensor(part_layout, Float32)
         part_out = cute.make_rmem_tensor(part_layout, self.c_dtype)
+        source_part = None
+        if const_expr(with_source):
+            source_part = cute.make_rmem_tensor(part_layout, self.c_dtype)
+        source_view = copy_s2r.retile(source_part) if const_expr(with_source) else None
 
-        g_tile = cute.local_tile(tma_tensor_out, self.tile_mnk, tile_coord, proj=(1, 1, None))
+        g_tile = cute.local_tile(tma_tensor_out, self.tile_mnk, (m, n, None, batch), proj=(1, 1, None))
         g_epi = cute.zipped_divide(g_tile, epi_tile)
         s_tma, g_tma = cpasync.tma_partition(
             tma_out, 0, cute.make_layout(1), cute.group_modes(sc, 0, 2), g_epi
         )
         epi_grid = g_epi.shape[1]
         epi_order = cute.make_layout(epi_grid, stride=(epi_grid[1], 1))
-        for e in cutlass.range_constexpr(self.epi_tiles(epi_tile)):
+        subtiles = self.epi_tiles(epi_tile)
+        for e in cutlass.range_constexpr(subtiles):
             for v in cutlass.range_constexpr(cute.size(part)):
                 part[v] = acc_view[e * cute.size(part) + v]
+            if const_expr(with_source):
+                state = self.group_state(source_read, group)
+                sources.consumer_wait(state)
+                cute.copy(copy_s2r, s2r_src[(None, None, None, state.index)], source_view)
+                sources.consumer_release(state)
+                source_read.advance()
+                if const_expr(e + SOURCE_STAGES < subtiles):
+                    self.load_source(sources, group, source_loaded, ss, tma_s, tma_tensor_s, tile_idx, epi_tile,
+                                     e + SOURCE_STAGES, store_warp)
+                for v in cutlass.range_constexpr(cute.size(part)):
+                    src = source_part[v].to(Float32)
+                    if const_expr(epilogue.grad_of != "none"):
+                        part[v] = part[v] * activation_grad(src, epilogue.grad_of)
+                    else:
+                        part[v] = part[v] + src
             part_out.store(part.load().to(self.c_dtype))
-            buffer = (first_store + e) % EPI_STAGES
+            buffer = group * EPI_STAGES + (first_store + e) % EPI_STAGES
             cute.copy(copy_r2s, part_out, r2s_dst[(None, None, None, buffer)])
             # Make the smem writes visible to the TMA (async proxy), then let one warp send them.
             cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=1, number_of_threads=consumer_threads)
-            if warp == 4:
+            cute.arch.barrier(barrier_id=1 + group, number_of_threads=mma_threads)
+            if store_warp:
                 cute.copy(tma_out, s_tma[(None, buffer)], g_tma[(None, epi_order.get_hier_coord(e))])
                 stores.producer_commit()
                 stores.producer_acquire()
-            cute.arch.barrier(barrier_id=1, number_of_threads=consumer_threads)
+            cute.arch.barrier(barrier_id=1 + group, number_of_threads=mma_threads)

@@ -2,6 +2,7 @@
 
 from cutelayers.ops.linear import fused_linear
 from cutelayers.ops.lm_head import linear_cross_entropy
+from cutelayers.ops.mlp import mlp
 from cutelayers.ops.norm import layer_norm, rms_norm
 from cutelayers.ops.pool import masked_mean_pool
 from cutelayers.ops.reduce import reduce_max, reduce_mean, reduce_sum
@@ -14,6 +15,7 @@ __all__ = [
     "log_softmax",
     "logsumexp",
     "masked_mean_pool",
+    "mlp",
     "reduce_max",
     "reduce_mean",
     "reduce_sum",

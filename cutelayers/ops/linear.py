@@ -281,22 +281,33 @@ class LinearForward(_GemmFamily):
 
 @dataclasses.dataclass(frozen=True)
 class LinearInputGrad(_GemmFamily):
-    """Kernel family: dx (1, M, K) = dz (1, M, N) @ kernelᵀ, kernel (1, K, N) read as stored."""
+    """Kernel family: dx (1, M, K) = dz (1, M, N) @ kernelᵀ, kernel (1, K, N) read as stored.
 
+    With ``grad_of`` an activation, also a pre-activation (1, M, K) operand and
+    dx = (dz @ kernelᵀ) * act'(preact): the backward of an activation that came before this layer
+    (an MLP's hidden activation), applied in the GEMM's epilogue.
+    """
+
+    grad_of: str = "none"
     config: GemmConfig | None = None
 
     name = "linear_dx"
-    arg_names = ("dz", "kernel")
+
+    @property
+    def arg_names(self):
+        return ("dz", "kernel") + ("preact",) * (self.grad_of != "none")
 
     def kinds(self):
-        return ("rows", "weight", "rows")
+        return ("rows", "weight") + ("rows",) * (self.grad_of != "none") + ("rows",)
 
     def modes_at(self, position):
         return _ROWS  # the kernel's (K, N) rows are the GEMM's N, its contiguous N the contraction
 
     def factors(self):
         # N is the contraction: with a column-parallel kernel each device's dx is a partial sum.
-        return ((None, "rows", "n"), (None, "k", "n")), ((None, "rows", "k"),)
+        # The activation derivative scales each partial alike, so it applies before the psum.
+        operands = ((None, "rows", "n"), (None, "k", "n")) + ((None, "rows", "k"),) * (self.grad_of != "none")
+        return operands, ((None, "rows", "k"),)
 
     def layer_dims(self, avals):
         return avals[1].shape[1:]
@@ -304,12 +315,20 @@ class LinearInputGrad(_GemmFamily):
     def gemm_shape(self, avals):
         return avals[0].shape[1], avals[1].shape[1], avals[1].shape[2]  # dz (1, M, N), kernel (1, K, N)
 
+    def epilogue(self):
+        from cutelayers.kernels.gemm import Epilogue
+
+        return Epilogue(grad_of=self.grad_of)
+
     def out_avals(self, avals):
-        dz, w = avals
+        dz, w = avals[:2]
         return (jax.ShapeDtypeStruct((1, dz.shape[1], w.shape[1]), dz.dtype),)
 
-    def reference(self, dz, w):
-        return (_matmul(dz[0], w[0].T).astype(dz.dtype)[None],)
+    def reference(self, dz, w, *preact):
+        product = _matmul(dz[0], w[0].T)
+        if preact:
+            product = preact_grad(preact[0][0], product, self.grad_of)
+        return (product.astype(dz.dtype)[None],)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,16 +438,19 @@ def _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kerne
     return tuple(o.reshape(*lead, n) for o in kernel_call(family, *operands))
 
 
-def _input_grad_rows(dz, kernel, use_kernels, precision):
-    """dx (..., K) = dz (..., N) @ kernelᵀ."""
+def _input_grad_rows(dz, kernel, preact, grad_of, use_kernels, precision):
+    """dx (..., K) = dz (..., N) @ kernelᵀ [* act'(preact (..., K)) for ``grad_of`` an activation]."""
     lead, k = dz.shape[:-1], kernel.shape[0]
     if not use_kernels:
-        return _matmul(dz, kernel.T, precision).astype(dz.dtype)
+        product = _matmul(dz, kernel.T, precision)
+        if preact is not None:
+            product = preact_grad(preact, product, grad_of)
+        return product.astype(dz.dtype)
     rows = dz.reshape(1, -1, dz.shape[-1])
     if rows.shape[1] == 0:
         return jnp.zeros((*lead, k), dz.dtype)
-    operands = (rows, kernel[None])
-    (dx,) = kernel_call(LinearInputGrad().resolved(operands), *operands)
+    operands = (rows, kernel[None]) + (() if preact is None else (preact.reshape(1, -1, k),))
+    (dx,) = kernel_call(LinearInputGrad(grad_of).resolved(operands), *operands)
     return dx.reshape(*lead, k)
 
 
@@ -443,10 +465,18 @@ def _weight_grad_batched(x, dz, use_kernels, precision):
 
 
 @functools.cache
-def input_grad_fn(use_kernels: bool, precision=None):
+def input_grad_fn(use_kernels: bool, precision=None, grad_of: str = "none"):
     """``dx = input_grad(dz, kernel)``: dz (..., N) @ kernel (K, N)ᵀ -> (..., K) in dz's dtype,
-    vmappable (batch dims of dz fold into rows). Shared with :mod:`cutelayers.ops.lm_head`."""
-    return row_batched(lambda dz, kernel: _input_grad_rows(dz, kernel, use_kernels, precision), shared=(1,))
+    vmappable (batch dims of dz fold into rows). Shared with :mod:`cutelayers.ops.lm_head`.
+
+    With ``grad_of`` an activation: ``input_grad(dz, kernel, preact)`` multiplies the product by
+    act'(preact) in the GEMM's epilogue (:mod:`cutelayers.ops.mlp`'s hidden layer)."""
+    if grad_of == "none":
+        return row_batched(lambda dz, kernel: _input_grad_rows(dz, kernel, None, "none", use_kernels, precision),
+                           shared=(1,))
+    return row_batched(
+        lambda dz, kernel, preact: _input_grad_rows(dz, kernel, preact, grad_of, use_kernels, precision),
+        shared=(1,))
 
 
 @functools.cache
@@ -469,16 +499,21 @@ def weight_grad_fn(use_kernels: bool, precision=None):
 
 
 @functools.cache
+def forward_fn(activation: str, store_preact: bool, use_kernels: bool, precision=None):
+    """``(y,)`` or ``(y, z) = forward(x, kernel, bias, residual)``: one fused GEMM on x's rows
+    (bias / residual may be None), vmappable (batch dims of x and residual fold into rows)."""
+
+    def fn(x, kernel, bias, residual):
+        return _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kernels, precision)
+
+    return row_batched(fn, shared=(1, 2))
+
+
+@functools.cache
 def _linear_fn(activation: str, has_bias: bool, has_residual: bool, use_kernels: bool, precision):
     """The differentiable op for one static configuration; args (x, kernel, bias, residual)."""
-
-    def forward(store_preact):
-        def fn(x, kernel, bias, residual):
-            return _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kernels, precision)
-
-        return row_batched(fn, shared=(1, 2))
-
-    plain, saving = forward(False), forward(True)
+    plain = forward_fn(activation, False, use_kernels, precision)
+    saving = forward_fn(activation, True, use_kernels, precision)
     input_grad = input_grad_fn(use_kernels, precision)
     weight_grad = weight_grad_fn(use_kernels, precision)
     needs_preact = activation != "none"
@@ -511,7 +546,7 @@ def _linear_fn(activation: str, has_bias: bool, has_residual: bool, use_kernels:
 
 # --- the op ------------------------------------------------------------------------------------------
 
-def _check_same_dtype(op, name, a, x_name, x):
+def check_same_dtype(op, name, a, x_name, x):
     if a.dtype != x.dtype:
         raise TypeError(
             f"{op}: argument {name!r} has dtype {jnp.dtype(a.dtype).name} but {x_name!r} has "
@@ -530,16 +565,16 @@ def check_linear_operands(op: str, x_name: str, x, kernel, bias):
     if x.shape[-1] != k:
         raise ValueError(f"{op}: argument {x_name!r} has {x.shape[-1]} features (shape {tuple(x.shape)}) "
                          f"but 'kernel' expects K={k} (shape {tuple(kernel.shape)})")
-    _check_same_dtype(op, "kernel", kernel, x_name, x)
+    check_same_dtype(op, "kernel", kernel, x_name, x)
     if bias is not None:
         bias = check_float_array(op, "bias", bias)
         if tuple(bias.shape) != (n,):
             raise ValueError(f"{op}: argument 'bias' must have shape ({n},); got {tuple(bias.shape)}")
-        _check_same_dtype(op, "bias", bias, x_name, x)
+        check_same_dtype(op, "bias", bias, x_name, x)
     return x, kernel, bias
 
 
-def _hashable_precision(precision):
+def hashable_precision(precision):
     """``precision`` as a hashable static key (a list pair becomes a tuple); JAX validates it."""
     return tuple(precision) if isinstance(precision, list) else precision
 
@@ -583,9 +618,9 @@ def fused_linear(x, kernel, bias=None, *, activation=None, residual=None, precis
         if tuple(residual.shape) != (*x.shape[:-1], n):
             raise ValueError(f"{op}: argument 'residual' must have shape {(*x.shape[:-1], n)}; "
                              f"got {tuple(residual.shape)}")
-        _check_same_dtype(op, "residual", residual, "x", x)
+        check_same_dtype(op, "residual", residual, "x", x)
     fused, unfused = resolve_activation(activation)
-    precision = _hashable_precision(precision)
+    precision = hashable_precision(precision)
 
     use_kernels, why = kernels_apply(x.dtype, k, n)
     if not use_kernels:

@@ -1,0 +1,125 @@
+"""Transformer MLP block: ``mlp(x, w1, b1, w2, b2, *, activation="gelu", residual=None)``.
+
+    y = act(x @ w1 + b1) @ w2 + b2 + residual
+
+Two fused GEMMs forward (:mod:`cutelayers.ops.linear`'s kernel): fc1 with bias and activation in
+its epilogue (also storing the pre-activation ``z1`` when differentiated), fc2 with bias and
+residual in its epilogue.
+
+Backward, from the saved (x, w1, z1, h = act(z1), w2):
+
+* ``dz1 = (dy @ w2ᵀ) * act'(z1)``: one GEMM whose epilogue reads ``z1`` and applies the activation
+  derivative, so ``act'`` costs no pass of its own (``fused_linear`` alone needs one);
+* ``dw2 = hᵀ @ dy``, ``dx = dz1 @ w1ᵀ``, ``dw1 = xᵀ @ dz1``: the linear op's GEMM kernels;
+* ``db2 = sum(dy)``, ``db1 = sum(dz1)`` over rows, ``dresidual = dy``.
+
+Kernels run where :func:`cutelayers.ops.linear.kernels_apply` allows for both layers (bfloat16 /
+float16, every width a multiple of 8); otherwise the same decomposition runs as XLA GEMMs, logged
+once. vmap folds batch dims of x / residual into rows ahead of differentiation, as for
+``fused_linear``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from cutelayers import backend as _backend
+from cutelayers.ops._rowwise import check_float_array, row_batched_vjp
+from cutelayers.ops.linear import (check_same_dtype, hashable_precision, check_linear_operands, forward_fn,
+                                   fused_linear, input_grad_fn, kernels_apply, resolve_activation, weight_grad_fn)
+from cutelayers.runtime.sharding import vary_like
+
+
+def _column_sum(d, dtype):
+    """Sum over every row of d (..., N) in float32, in ``dtype``."""
+    return jnp.sum(d.reshape(-1, d.shape[-1]).astype(jnp.float32), axis=0).astype(dtype)
+
+
+@functools.cache
+def _mlp_fn(activation: str, has_b1: bool, has_b2: bool, has_residual: bool, use_kernels: bool, precision):
+    """The differentiable block for one static configuration; args (x, w1, b1, w2, b2, residual)."""
+    needs_preact = activation != "none"
+    fc1 = forward_fn(activation, False, use_kernels, precision)
+    fc1_saving = forward_fn(activation, needs_preact, use_kernels, precision)
+    fc2 = forward_fn("none", False, use_kernels, precision)
+    hidden_grad = input_grad_fn(use_kernels, precision, activation)
+    input_grad = input_grad_fn(use_kernels, precision)
+    weight_grad = weight_grad_fn(use_kernels, precision)
+
+    @jax.custom_vjp
+    def mlp(x, w1, b1, w2, b2, residual):
+        (h,) = fc1(x, w1, b1, None)
+        return fc2(h, w2, b2, residual)[0]
+
+    def fwd(x, w1, b1, w2, b2, residual):
+        h, *z1 = fc1_saving(x, w1, b1, None)
+        (y,) = fc2(h, w2, b2, residual)
+        return y, (x, w1, z1[0] if z1 else None, h, w2, b1, b2)
+
+    def bwd(res, dy):
+        x, w1, z1, h, w2, b1, b2 = res
+        dz1 = hidden_grad(dy, w2, z1) if needs_preact else input_grad(dy, w2)
+        dw2 = weight_grad(h[None], dy[None])[0]
+        dx = input_grad(dz1, w1)
+        dw1 = weight_grad(x[None], dz1[None])[0]
+        db1 = _column_sum(dz1, b1.dtype) if has_b1 else None
+        db2 = _column_sum(dy, b2.dtype) if has_b2 else None
+        return dx, dw1, db1, dw2, db2, dy if has_residual else None
+
+    mlp.defvjp(fwd, bwd)
+    return row_batched_vjp(mlp, shared=(1, 2, 3, 4))
+
+
+def mlp(x, w1, b1=None, w2=None, b2=None, *, activation="gelu", residual=None, precision=None) -> jax.Array:
+    """``act(x @ w1 + b1) @ w2 + b2 + residual``: two fused GEMMs, differentiable and vmappable.
+
+    Args:
+      x: (..., K), any leading shape, bfloat16 / float16 / float32.
+      w1: (K, H) and w2: (H, N), as the kernels of two stacked ``flax.linen.Dense`` layers.
+      b1: (H,) or None; b2: (N,) or None. All operands in x's dtype.
+      activation: the hidden activation, as ``fused_linear``'s (a name, a recognised jax.nn
+        function, or any callable, which then runs unfused between two ``fused_linear`` calls).
+      residual: (..., N) matching x's leading shape, or None.
+      precision: for the XLA GEMMs of the jnp path, as in ``fused_linear``.
+
+    Returns:
+      (..., N) in x's dtype.
+    """
+    op = "mlp"
+    if w2 is None:
+        raise TypeError(f"{op}: argument 'w2' is required (the second layer's (H, N) kernel)")
+    x, w1, b1 = check_linear_operands(op, "x", x, w1, b1)
+    h_width = w1.shape[1]
+    w2 = check_float_array(op, "w2", w2)
+    if w2.ndim != 2 or w2.shape[0] != h_width:
+        raise ValueError(f"{op}: argument 'w2' must have shape ({h_width}, N) to follow w1 {tuple(w1.shape)}; "
+                         f"got {tuple(w2.shape)}")
+    check_same_dtype(op, "w2", w2, "x", x)
+    n = w2.shape[1]
+    if b2 is not None:
+        b2 = check_float_array(op, "b2", b2)
+        if tuple(b2.shape) != (n,):
+            raise ValueError(f"{op}: argument 'b2' must have shape ({n},); got {tuple(b2.shape)}")
+        check_same_dtype(op, "b2", b2, "x", x)
+    if residual is not None:
+        residual = check_float_array(op, "residual", residual)
+        if tuple(residual.shape) != (*x.shape[:-1], n):
+            raise ValueError(f"{op}: argument 'residual' must have shape {(*x.shape[:-1], n)}; "
+                             f"got {tuple(residual.shape)}")
+        check_same_dtype(op, "residual", residual, "x", x)
+    fused, unfused = resolve_activation(activation)
+    if unfused is not None:
+        h = unfused(fused_linear(x, w1, b1, precision=precision))
+        return fused_linear(h, w2, b2, residual=residual, precision=precision)
+    precision = hashable_precision(precision)
+    use_kernels, why = kernels_apply(x.dtype, x.shape[-1], h_width)
+    if use_kernels:
+        use_kernels, why = kernels_apply(x.dtype, h_width, n)
+    if not use_kernels:
+        _backend.log_once("reference", f"{op}: {why}")
+    w1, b1, w2, b2 = vary_like(x, w1, b1, w2, b2)  # shared by every shard inside shard_map
+    fn = _mlp_fn(fused, b1 is not None, b2 is not None, residual is not None, use_kernels, precision)
+    return fn(x, w1, b1, w2, b2, residual)

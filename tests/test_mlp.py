@@ -1,0 +1,160 @@
+"""mlp: values and gradients against float32 jnp, vmap compositions, errors, the CUDA lowering
+(the activation derivative inside a GEMM's epilogue), and the kernels on the GPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cutelayers as cl
+from cutelayers.ops.linear import ACTIVATION_FUNCTIONS, LinearInputGrad
+from cutelayers.ops.mlp import mlp
+from numerics import assert_close, random
+from test_linear import lower_cuda
+
+ACTS = list(ACTIVATION_FUNCTIONS)
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def plain_mlp(x, w1, b1, w2, b2, residual, activation, saved_dtype=None):
+    """The block in float32 with full-precision matmuls; ``saved_dtype`` evaluates act' at the
+    pre-activation rounded as the op saves it (see test_linear.plain)."""
+    f32 = lambda a: None if a is None else jnp.asarray(a, jnp.float32)
+    z1 = jnp.matmul(f32(x), f32(w1), precision=HIGHEST)
+    if b1 is not None:
+        z1 = z1 + f32(b1)
+    if saved_dtype is not None:
+        z1 = z1 + jax.lax.stop_gradient(z1.astype(saved_dtype).astype(jnp.float32) - z1)
+    h = ACTIVATION_FUNCTIONS[activation](z1)
+    if saved_dtype is not None:  # the op multiplies h rounded to its dtype
+        h = h + jax.lax.stop_gradient(h.astype(saved_dtype).astype(jnp.float32) - h)
+    y = jnp.matmul(h, f32(w2), precision=HIGHEST)
+    if b2 is not None:
+        y = y + f32(b2)
+    return y if residual is None else y + f32(residual)
+
+
+def block_operands(rng, lead, k, h, n, dtype, biases=True, residual=True):
+    x = random(rng, (*lead, k), dtype)
+    w1 = jnp.asarray(rng.standard_normal((k, h)) / np.sqrt(k), dtype)
+    w2 = jnp.asarray(rng.standard_normal((h, n)) / np.sqrt(h), dtype)
+    b1 = random(rng, (h,), dtype) if biases else None
+    b2 = random(rng, (n,), dtype) if biases else None
+    r = random(rng, (*lead, n), dtype) if residual else None
+    return x, w1, b1, w2, b2, r
+
+
+def check_block(rng, lead, k, h, n, dtype, activation, jit=True):
+    args = block_operands(rng, lead, k, h, n, dtype)
+    act = None if activation == "none" else activation
+    weights = jnp.asarray(rng.uniform(0.5, 1.5, (n,)), jnp.float32)
+
+    def loss(*a):
+        return jnp.sum(mlp(*a[:5], activation=act, residual=a[5]).astype(jnp.float32) * weights)
+
+    def loss_ref(*a):
+        return jnp.sum(plain_mlp(*a, activation, saved_dtype=dtype) * weights)
+
+    out = mlp(*args[:5], activation=act, residual=args[5])
+    assert out.dtype == jnp.dtype(dtype) and out.shape == (*lead, n)
+    assert_close(out, plain_mlp(*args, activation), dtype, scale=3.0)
+    grad = jax.grad(loss, argnums=tuple(range(6)))
+    grads = (jax.jit(grad) if jit else grad)(*args)
+    refs = jax.grad(loss_ref, argnums=tuple(range(6)))(*(jnp.asarray(a, jnp.float32) for a in args))
+    for name, g, ref, primal in zip(("x", "w1", "b1", "w2", "b2", "residual"), grads, refs, args):
+        assert g.dtype == primal.dtype and g.shape == primal.shape, name
+        assert_close(g, ref, dtype, scale=3.0)
+
+
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_values_and_grads_reference(activation, dtype, rng):
+    check_block(rng, (2, 9), 64, 128, 32, dtype, activation)
+
+
+def test_float16_and_unaligned_widths_take_the_reference(rng):
+    check_block(rng, (5,), 24, 36, 16, jnp.float16, "gelu")  # H = 36: no kernels, same numbers
+
+
+def test_hidden_grad_reference_is_the_activation_vjp(rng):
+    # The dx family's activation-gradient epilogue, as its jnp reference states it, against
+    # jax.vjp of the activation: (dz @ w2ᵀ) * act'(z) for every activation.
+    dz = random(rng, (1, 40, 24), jnp.float32)
+    w = random(rng, (1, 56, 24), jnp.float32)
+    z = 3.0 * random(rng, (1, 40, 56), jnp.float32)
+    for activation in ACTS[1:]:
+        (got,) = LinearInputGrad(activation).reference(dz, w, z)
+        _, vjp = jax.vjp(ACTIVATION_FUNCTIONS[activation], z[0])
+        want = vjp(jnp.matmul(dz[0], w[0].T, precision=HIGHEST))[0]
+        assert_close(got[0], want, jnp.float32)
+
+
+def test_no_biases_no_residual_and_callable_activation(rng):
+    x, w1, _, w2, _, _ = block_operands(rng, (7,), 32, 64, 16, jnp.float32, biases=False, residual=False)
+    assert_close(mlp(x, w1, None, w2, activation=jax.nn.relu), plain_mlp(x, w1, None, w2, None, None, "relu"),
+                 jnp.float32)
+    softplus = mlp(x, w1, None, w2, activation=jax.nn.softplus)
+    z = jnp.matmul(x, w1, precision=HIGHEST)
+    assert_close(softplus, jnp.matmul(jax.nn.softplus(z), w2, precision=HIGHEST), jnp.float32)
+
+
+def test_vmap_compositions(rng):
+    x, w1, b1, w2, b2, r = block_operands(rng, (3, 4, 5), 16, 32, 8, jnp.float32)
+    ref = plain_mlp(x, w1, b1, w2, b2, r, "silu")
+    out = jax.vmap(jax.vmap(lambda x, r: mlp(x, w1, b1, w2, b2, activation="silu", residual=r)))(x, r)
+    assert_close(out, ref, jnp.float32)
+
+    def loss(w1, x):
+        return jnp.sum(mlp(x, w1, b1, w2, b2, activation="silu"))
+
+    per_example = jax.vmap(jax.grad(loss), (None, 0))(w1, x)
+    ref_grad = jax.vmap(jax.grad(lambda w1, x: jnp.sum(plain_mlp(x, w1, b1, w2, b2, None, "silu"))), (None, 0))(w1, x)
+    assert per_example.shape == (3, *w1.shape)
+    assert_close(per_example, ref_grad, jnp.float32)
+    summed = jax.grad(lambda w1: jnp.sum(jax.vmap(lambda x: mlp(x, w1, b1, w2, b2, activation="silu"))(x)))(w1)
+    assert_close(summed, ref_grad.sum(0), jnp.float32)
+
+
+def test_bad_inputs_name_the_argument(rng):
+    x, w1, b1, w2, b2, r = block_operands(rng, (4,), 16, 32, 8, jnp.float32)
+    with pytest.raises(ValueError, match="'w2' must have shape \\(32, N\\)"):
+        mlp(x, w1, b1, w2.T, b2)
+    with pytest.raises(ValueError, match="'b2' must have shape \\(8,\\)"):
+        mlp(x, w1, b1, w2, b1)
+    with pytest.raises(ValueError, match="'residual' must have shape"):
+        mlp(x, w1, b1, w2, b2, residual=r[:2])
+    with pytest.raises(TypeError, match="'w2' has dtype bfloat16"):
+        mlp(x, w1, b1, w2.astype(jnp.bfloat16), b2)
+    with pytest.raises(TypeError, match="'w2' is required"):
+        mlp(x, w1, b1)
+    with pytest.raises(ValueError, match="unknown activation 'swish2'"):
+        mlp(x, w1, b1, w2, b2, activation="swish2")
+
+
+def test_lowering_fuses_the_activation_derivative():
+    # Forward: fc1 (storing z1) and fc2. Backward: the dh GEMM reads z1 (three operands: the
+    # activation derivative is in its epilogue), dx, two weight gradients -- and no separate pass.
+    S = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    avals = (S((256, 64), bf), S((64, 128), bf), S((128,), bf), S((128, 64), bf), S((64,), bf), S((256, 64), bf))
+
+    def loss(*a):
+        return jnp.sum(jnp.square(mlp(*a[:5], activation="gelu", residual=a[5]).astype(jnp.float32)))
+
+    cl.clear_cache()
+    hlo = lower_cuda(jax.grad(loss, tuple(range(6))), *avals)
+    calls = [line for line in hlo.splitlines() if "stablehlo.custom_call @cutelayers_" in line]
+    targets = sorted(line.split("@cutelayers_")[1].split("(")[0].rsplit("_", 1)[0] for line in calls)
+    assert targets == ["linear_dkernel", "linear_dkernel", "linear_dx", "linear_dx", "linear_fwd", "linear_fwd"]
+    hidden_signature = "(tensor<1x256x64xbf16>, tensor<1x128x64xbf16>, tensor<1x256x128xbf16>) -> tensor<1x256x128xbf16>"
+    assert sum(line.endswith(hidden_signature) for line in calls if "@cutelayers_linear_dx" in line) == 1
+    assert "tanh" not in hlo  # gelu's derivative lives in the kernel, not in an XLA fusion
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["gelu", "relu", "silu", "gelu_exact"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_kernels_gpu(activation, dtype, rng):
+    with cl.use_backend("cute"):
+        check_block(rng, (1000,), 256, 1024, 256, dtype, activation)
+        check_block(rng, (3, 7), 64, 128, 64, dtype, activation)
