@@ -66,6 +66,9 @@ PERSISTENT_SMS = 132
 PRODUCER_REGISTERS = 40  # the TMA warpgroup only computes addresses
 CONSUMER_REGISTERS = 232  # accumulators: 40 * 128 + 232 * 256 fits the SM's 64K registers
 SOURCE_STAGES = 2  # epilogue source tiles (residual / pre-activation) in flight
+# Named barriers: 1 + group for a group's epilogue, MMA_TURN_BARRIER + warpgroup for pingpong's
+# mainloop turns.
+MMA_TURN_BARRIER = 3
 LEAKY_SLOPE = 0.01  # jax.nn.leaky_relu's default
 GELU_TANH_SCALE = math.sqrt(2.0 / math.pi)
 
@@ -519,11 +522,14 @@ class HopperGemmKernel:
             tiles_done = Int32(0)
             work = scheduler.initial_work_tile_info()
             if const_expr(config.pingpong):
-                # Warpgroup 1 takes the odd tiles: it starts one tile (and its stages) later.
+                # Warpgroup 1 takes the odd tiles: it starts one tile (and its stages) later, and
+                # lets warpgroup 0 take the first mainloop turn.
                 scheduler.advance_to_next_work(advance_count=group)
                 work = scheduler.get_current_work()
                 consumer.advance(k_tiles * group)
                 released.advance(k_tiles * group)
+                if group == 1:
+                    cute.arch.barrier_arrive(barrier_id=MMA_TURN_BARRIER, number_of_threads=2 * WARPGROUP)
             while work.is_valid_tile:
                 if const_expr(epilogue.has_source):
                     # The tile's first source subtiles load while its mainloop runs.
@@ -534,6 +540,11 @@ class HopperGemmKernel:
                 # the flag is fixed when the loop body is traced.
                 acc.fill(0.0)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                if const_expr(config.pingpong):
+                    # Mainloops take turns: a warpgroup waits for stages only after the other has
+                    # waited for all of its own, so no stage barrier is awaited two phases ahead
+                    # (its parity could not tell those phases apart).
+                    cute.arch.barrier(barrier_id=MMA_TURN_BARRIER + group, number_of_threads=2 * WARPGROUP)
                 warpgroup.fence()
                 for k in cutlass.range(k_tiles, unroll=1):
                     loads.consumer_wait(consumer)
@@ -547,6 +558,9 @@ class HopperGemmKernel:
                         warpgroup.wait_group(1)
                         loads.consumer_release(released)
                         released.advance()
+                if const_expr(config.pingpong):
+                    cute.arch.barrier_arrive(barrier_id=MMA_TURN_BARRIER + 1 - group,
+                                             number_of_threads=2 * WARPGROUP)
                 warpgroup.wait_group(0)
                 loads.consumer_release(released)
                 released.advance()
