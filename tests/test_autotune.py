@@ -145,9 +145,9 @@ def families_and_avals():
         (CrossEntropyBackward(), (x, labels, per_row, per_row), row_geometry(32000, 16, soft_fwd).row),
         (RowReduce("mean"), (S((64, 777), F16),), row_config(777, 16)),
         (LinearForward("gelu", True, False, False), (S((1, 5000, 256), BF16), S((1, 256, 4096), BF16), S((4096,), BF16)),
-         CONFIGS[config_class(5000, 4096)]),
-        (LinearInputGrad(), (S((1, 48, 512), BF16), S((1, 256, 512), BF16)), CONFIGS[config_class(48, 256)]),
-        (LinearWeightGrad(), (S((2, 300, 256), F16), S((2, 300, 512), F16)), CONFIGS[config_class(256, 512)]),
+         CONFIGS[config_class(5000, 4096, 256)]),
+        (LinearInputGrad(), (S((1, 48, 512), BF16), S((1, 256, 512), BF16)), CONFIGS[config_class(48, 256, 512)]),
+        (LinearWeightGrad(), (S((2, 300, 256), F16), S((2, 300, 512), F16)), CONFIGS[config_class(256, 512, 300)]),
     ]
 
 
@@ -250,7 +250,7 @@ def test_a_gemm_entry_covers_its_row_bucket(tmp_path, monkeypatch):
     w = S((256, 512), BF16)
     before = targets(lower_cuda(fwd, S((300, 256), BF16), w))
     wide = CONFIGS["wide"]
-    assert CONFIGS[config_class(300, 512)] != wide
+    assert CONFIGS[config_class(300, 512, 256)] != wide
     use_table(monkeypatch, write_table(tmp_path / "user.json", [
         entry("linear_fwd", "bfloat16", {"m": row_bucket(300), "k": 256, "n": 512}, fields(wide))]))
     after = targets(lower_cuda(fwd, S((300, 256), BF16), w))

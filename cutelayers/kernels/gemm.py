@@ -132,45 +132,47 @@ class GemmConfig:
                 + self.ring_bytes(elem_bytes, source) + SMEM_RESERVED)
 
 
-# Shape classes -> config. "small_m": decode-like row counts, where 128-row tiles would be mostly
-# padding; "wide": large outputs, where a 128x256 tile halves the operand traffic per FLOP and a
-# 2x1 cluster halves B's L2 -> smem traffic.
+# Shape classes -> config (chosen from the H100 sweeps in docs/benchmarks.md). "small_m":
+# decode-like row counts, where 128-row tiles would be mostly padding; "wide": long mainloops (K
+# >= 2048) on a large output, where a 128x256 tile halves the operand traffic per FLOP and the
+# shared epilogue is amortised; "default": short mainloops or few tiles, where pingpong hides one
+# warpgroup's epilogue behind the other's MMAs. Both use 2x1 clusters (B multicast).
 CONFIGS = {
     "small_m": GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1, stages=8),
-    "default": GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6),
+    "default": GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6, cluster_m=2, pingpong=True),
     "wide": GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, stages=4, cluster_m=2),
 }
 # Further points of the autotuning space (not picked by the heuristic).
 EXTRA_CONFIGS = (
+    GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6),
     GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, stages=4),
     GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6, cluster_m=2),
     GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, stages=4, cluster_n=2),
     GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6, pingpong=True),
-    GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6, cluster_m=2, pingpong=True),
     GemmConfig(tile_m=64, tile_n=256, consumer_warpgroups=2, stages=6, pingpong=True),
 )
 
 
 SMALL_M_MAX = 64  # rows up to this are "small_m"
-WIDE_MIN = 2048  # "wide" from this many rows and columns
+WIDE_MIN = 2048  # "wide" from this contraction and this many rows or columns
 
 
-def config_class(m: int, n: int) -> str:
-    """The config table key for an (m, n) output: see ``CONFIGS``.
+def config_class(m: int, n: int, k: int) -> str:
+    """The config table key for an (m, n) output contracting k: see ``CONFIGS``.
 
     ``m`` is the concrete row count at trace time; the kernel itself keeps M symbolic, so rows
     within one class share a compile.
     """
     if m <= SMALL_M_MAX:
         return "small_m"
-    if m >= WIDE_MIN and n >= WIDE_MIN:
+    if k >= WIDE_MIN and (m >= WIDE_MIN or n >= WIDE_MIN):
         return "wide"
     return "default"
 
 
 def row_bucket(m: int) -> str:
     """The range of row counts ``m`` belongs to, out of those between which :func:`config_class`
-    changes for a fixed n: a tuned config for a symbolic M applies to its whole bucket."""
+    changes for a fixed (n, k): a tuned config for a symbolic M applies to its whole bucket."""
     if m <= SMALL_M_MAX:
         return f"1-{SMALL_M_MAX}"
     if m < WIDE_MIN:

@@ -149,8 +149,7 @@ class _GemmFamily(TunableFamily):
     def default_config(self, avals):
         from cutelayers.kernels.gemm import CONFIGS, config_class
 
-        m, n, _ = self.gemm_shape(avals)
-        return CONFIGS[config_class(m, n)]
+        return CONFIGS[config_class(*self.gemm_shape(avals))]
 
     def config_space(self, avals) -> tuple:
         from cutelayers.kernels.gemm import CONFIGS, EXTRA_CONFIGS

@@ -120,8 +120,8 @@ def _entry_problem(entry) -> str | None:
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             return f"dims[{name!r}] must be an integer or a string; got {value!r}"
     for name, value in entry["config"].items():
-        if isinstance(value, bool) or not isinstance(value, int):
-            return f"config[{name!r}] must be an integer; got {value!r}"
+        if not isinstance(value, int):  # bool is an int: flags such as a GEMM's pingpong
+            return f"config[{name!r}] must be an integer or a boolean; got {value!r}"
     return None
 
 
