@@ -149,7 +149,10 @@ def main(argv=None) -> int:
 
         print(f"# device: {jax.devices()[0].device_kind}")
         layers = bench_gemm.layers_from_args(args.shapes, args.epilogue)
-        bench_gemm.print_table(bench_gemm.bench_gemm(layers, jnp.dtype(args.dtype)))
+        results = bench_gemm.bench_gemm(layers, jnp.dtype(args.dtype))
+        if not args.shapes:
+            results += bench_gemm.bench_mlp(dtype=jnp.dtype(args.dtype))
+        bench_gemm.print_table(results)
     elif args.suite == "lm_head":
         from cutelayers.bench_heads import bench_lm_head
 

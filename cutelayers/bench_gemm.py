@@ -65,11 +65,68 @@ def _layer_fns(epilogue: str):
     return ours, xla
 
 
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """An MLP block: x (m, k) -> act(x @ w1 + b1) (m, h) -> @ w2 + b2 + residual (m, k)."""
+
+    name: str
+    m: int
+    k: int
+    h: int
+    activation: str = "gelu"
+
+
+BLOCKS = (Block("gpt2 mlp", 16384, 768, 3072), Block("llama-width mlp", 8192, 4096, 16384))
+
+
 def _time_pair(ours, xla, args):
     """(seconds ours, seconds xla): ours traced and compiled under the CuTe backend."""
     with cl.use_backend("cute"):
         t_ours = time_fn(jax.jit(ours), *args)
     return t_ours, time_fn(jax.jit(xla), *args)
+
+
+def _vjp_of(f):
+    def train(*args):  # the output too: a loss needs it, so the forward stays live
+        y, pull = jax.vjp(f, *args[:-1])
+        return y, pull(args[-1])
+
+    return train
+
+
+def _result(name, shape, epilogue, dtype, flops, ours, xla, args, dy):
+    """One row: forward and forward + backward of ``ours`` and ``xla`` on ``args`` (cotangent dy)."""
+    fwd, fwd_xla = _time_pair(ours, xla, args)
+    train, train_xla = _time_pair(_vjp_of(ours), _vjp_of(xla), (*args, dy))
+    return dict(
+        layer=name, shape=shape, epilogue=epilogue, dtype=jnp.dtype(dtype).name,
+        fwd_ms=fwd * 1e3, xla_fwd_ms=fwd_xla * 1e3, fwd_tflops=flops / fwd / 1e12,
+        xla_fwd_tflops=flops / fwd_xla / 1e12, fwd_vs_xla=fwd_xla / fwd,
+        train_ms=train * 1e3, xla_train_ms=train_xla * 1e3, train_tflops=3 * flops / train / 1e12,
+        xla_train_tflops=3 * flops / train_xla / 1e12, train_vs_xla=train_xla / train,
+    )
+
+
+def bench_mlp(blocks=BLOCKS, dtype=jnp.bfloat16) -> list[dict]:
+    """Time cutelayers.ops.mlp against XLA's jnp block (same formula) for every block."""
+    results = []
+    for block in blocks:
+        m, k, h = block.m, block.k, block.h
+        keys = jax.random.split(jax.random.key(1), 7)
+        normal = lambda key, shape, scale=1.0: (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+        args = (normal(keys[0], (m, k)), normal(keys[1], (k, h), k**-0.5), normal(keys[2], (h,)),
+                normal(keys[3], (h, k), h**-0.5), normal(keys[4], (k,)), normal(keys[5], (m, k)))
+        act = ACTIVATION_FUNCTIONS[block.activation]
+
+        def ours(x, w1, b1, w2, b2, r):
+            return cl.ops.mlp(x, w1, b1, w2, b2, activation=block.activation, residual=r)
+
+        def xla(x, w1, b1, w2, b2, r):
+            return act(x @ w1 + b1[None, :]) @ w2 + b2[None, :] + r
+
+        results.append(_result(block.name, f"{m} x {k} -> {h} -> {k}", f"{block.activation} mlp", dtype,
+                               4.0 * m * k * h, ours, xla, args, normal(keys[6], (m, k))))
+    return results
 
 
 def bench_gemm(layers=LAYERS, dtype=jnp.bfloat16) -> list[dict]:
@@ -84,34 +141,18 @@ def bench_gemm(layers=LAYERS, dtype=jnp.bfloat16) -> list[dict]:
         r = jax.random.normal(keys[3], (m, n), jnp.float32).astype(dtype)
         dy = jax.random.normal(keys[4], (m, n), jnp.float32).astype(dtype)
         ours, xla = _layer_fns(layer.epilogue)
-
-        def vjp_of(f):
-            def train(x, w, b, r, dy):  # the output too: a loss needs it, so the forward GEMM stays live
-                y, pull = jax.vjp(f, x, w, b, r)
-                return y, pull(dy)
-
-            return train
-
-        fwd, fwd_xla = _time_pair(ours, xla, (x, w, b, r))
-        train, train_xla = _time_pair(vjp_of(ours), vjp_of(xla), (x, w, b, r, dy))
-        flops = 2.0 * m * n * k
-        results.append(dict(
-            layer=layer.name, m=m, k=k, n=n, epilogue=layer.epilogue, dtype=jnp.dtype(dtype).name,
-            fwd_ms=fwd * 1e3, xla_fwd_ms=fwd_xla * 1e3, fwd_tflops=flops / fwd / 1e12,
-            xla_fwd_tflops=flops / fwd_xla / 1e12, fwd_vs_xla=fwd_xla / fwd,
-            train_ms=train * 1e3, xla_train_ms=train_xla * 1e3, train_tflops=3 * flops / train / 1e12,
-            xla_train_tflops=3 * flops / train_xla / 1e12, train_vs_xla=train_xla / train,
-        ))
+        results.append(_result(layer.name, f"{m} x {k} x {n}", layer.epilogue, dtype, 2.0 * m * n * k, ours, xla,
+                               (x, w, b, r), dy))
     return results
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"| layer | M x K x N | epilogue | fwd ms | XLA fwd ms | fwd TFLOP/s (% of {PEAK_TFLOPS:.0f}) | "
+    print(f"| layer | shape | epilogue | fwd ms | XLA fwd ms | fwd TFLOP/s (% of {PEAK_TFLOPS:.0f}) | "
           "XLA fwd TFLOP/s | fwd XLA/ours | fwd+bwd ms | XLA fwd+bwd ms | fwd+bwd TFLOP/s (% peak) | "
           "fwd+bwd XLA/ours |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['layer']} | {r['m']} x {r['k']} x {r['n']} | {r['epilogue']} | {r['fwd_ms']:.3f} | "
+        print(f"| {r['layer']} | {r['shape']} | {r['epilogue']} | {r['fwd_ms']:.3f} | "
               f"{r['xla_fwd_ms']:.3f} | {r['fwd_tflops']:.0f} ({100 * r['fwd_tflops'] / PEAK_TFLOPS:.0f}%) | "
               f"{r['xla_fwd_tflops']:.0f} | {r['fwd_vs_xla']:.2f} | {r['train_ms']:.3f} | {r['xla_train_ms']:.3f} | "
               f"{r['train_tflops']:.0f} ({100 * r['train_tflops'] / PEAK_TFLOPS:.0f}%) | {r['train_vs_xla']:.2f} |")
