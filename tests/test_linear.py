@@ -39,6 +39,9 @@ def plain(x, kernel, bias=None, residual=None, activation="none", saved_dtype=No
     return y if residual is None else y + f32(residual)
 
 
+plain_jit = jax.jit(plain, static_argnames=("activation",))  # one program per shape, not op by op
+
+
 def operands(rng, lead, k, n, dtype, bias=True, residual=True):
     x = random(rng, (*lead, k), dtype)
     kernel = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
@@ -51,7 +54,7 @@ def check_values(rng, lead, k, n, dtype, activation, bias=True, residual=True):
     x, kernel, b, r = operands(rng, lead, k, n, dtype, bias, residual)
     out = fused_linear(x, kernel, b, activation=None if activation == "none" else activation, residual=r)
     assert out.dtype == jnp.dtype(dtype) and out.shape == (*lead, n)
-    assert_close(out, plain(x, kernel, b, r, activation), dtype, scale=2.0)
+    assert_close(out, plain_jit(x, kernel, b, r, activation), dtype, scale=2.0)
 
 
 def check_grads(rng, lead, k, n, dtype, activation, scale=2.0):
@@ -67,7 +70,7 @@ def check_grads(rng, lead, k, n, dtype, activation, scale=2.0):
 
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, kernel, b, r)
     f32 = [jnp.asarray(a, jnp.float32) for a in (x, kernel, b, r)]
-    refs = jax.grad(loss_ref, argnums=(0, 1, 2, 3))(*f32)
+    refs = jax.jit(jax.grad(loss_ref, argnums=(0, 1, 2, 3)))(*f32)
     for name, g, ref, primal in zip(("x", "kernel", "bias", "residual"), grads, refs, (x, kernel, b, r)):
         assert g.dtype == primal.dtype and g.shape == primal.shape, name
         assert_close(g, ref, dtype, scale=scale)
@@ -415,32 +418,48 @@ def test_fallback_sizes_lower_no_kernel(fresh_cache):
 
 GPU_M = [1, 7, 128, 1000, 8192]
 GPU_KN = [(64, 64), (64, 128), (128, 4096), (4096, 128), (4096, 4096)]
-# Every activation shares the epilogue's loads and stores; the full shape matrix runs for the
-# plain and the gelu epilogue, the others on shapes that cover each config class and the tails.
-GPU_SHAPES_FULL = [(m, k, n) for m in GPU_M for k, n in GPU_KN]
-GPU_SHAPES_SPOT = [(7, 64, 128), (1000, 128, 4096), (8192, 4096, 4096)]
+# Every activation shares the epilogue's loads and stores: the plain and the gelu epilogue run every
+# row count at every (K, N), the others one row count at the (K, N) of each config class and tail.
+GPU_SPOT_M = {(64, 128): [7], (128, 4096): [1000], (4096, 4096): [8192]}
+GPU_DTYPES = ["bfloat16", "float16"]
 
 
-def gpu_shapes(activation):
-    return GPU_SHAPES_FULL if activation in ("none", "gelu") else GPU_SHAPES_SPOT
+def gpu_rows(activation, k, n):
+    return GPU_M if activation in ("none", "gelu") else GPU_SPOT_M.get((k, n), [])
+
+
+def same_worker(group: str, *values, id: str):
+    """A case of xdist group ``group``: under ``--dist loadgroup`` one worker runs a whole group, so
+    the kernels its cases share compile once (the row count is symbolic: the row counts of one
+    config class share a forward, and every activation shares dx and dkernel)."""
+    return pytest.param(*values, id=id, marks=pytest.mark.xdist_group(f"linear-{group}"))
+
+
+GPU_CASES = [same_worker(f"{dtype}-{k}x{n}", dtype, k, n, act, gpu_rows(act, k, n), id=f"{dtype}-{k}x{n}-{act}")
+             for dtype in GPU_DTYPES for k, n in GPU_KN for act in ACTS if gpu_rows(act, k, n)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("activation", ACTS)
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_kernel_values_gpu(activation, dtype, rng):
+@pytest.mark.parametrize("dtype,k,n,activation,rows", GPU_CASES)
+def test_kernel_values_gpu(dtype, k, n, activation, rows, rng):
     with cl.use_backend("cute"):
-        for m, k, n in gpu_shapes(activation):
+        for m in rows:
             check_values(rng, (m,), k, n, dtype, activation)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,activation", [same_worker(f"{dtype}-optional", dtype, act, id=f"{dtype}-{act}")
+                                              for dtype in GPU_DTYPES for act in ACTS])
+def test_kernel_values_without_bias_or_residual_gpu(dtype, activation, rng):
+    with cl.use_backend("cute"):
         check_values(rng, (3, 37), 128, 64, dtype, activation, bias=False, residual=False)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("activation", ACTS)
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_kernel_grads_gpu(activation, dtype, rng):
+@pytest.mark.parametrize("dtype,k,n,activation,rows", GPU_CASES)
+def test_kernel_grads_gpu(dtype, k, n, activation, rows, rng):
     with cl.use_backend("cute"):
-        for m, k, n in gpu_shapes(activation):
+        for m in rows:
             check_grads(rng, (m,), k, n, dtype, activation, scale=3.0)
 
 
