@@ -104,25 +104,30 @@ def markdown_tables(text: str) -> list[tuple[list[str], list[list[str]]]]:
 
 
 def headline(text: str) -> str:
-    """Each ratio-to-XLA column of the family's tables: range and geometric mean over its rows
-    (rows of the XLA baseline itself left out)."""
+    """Each ratio-to-XLA column of the family's tables, per (op, pass) where the table has those
+    columns: range and geometric mean over the rows (rows of the XLA baseline itself left out)."""
     parts = []
     for header, rows in markdown_tables(text):
+        keys = [header.index(k) for k in ("op", "pass") if k in header]
         for i, name in enumerate(header):
             if not RATIO_HEADER.search(name):
                 continue
-            values = []
+            groups = collections.defaultdict(list)
             for row in rows:
-                if i < len(row) and row[0].lower() != "xla":
+                if len(row) == len(header) and row[0].lower() != "xla":
                     try:
-                        values.append(float(row[i]))
+                        groups[" ".join(row[k] for k in keys)].append(float(row[i]))
                     except ValueError:
                         pass
-            if values and all(v > 0 for v in values):
-                gmean = math.exp(sum(map(math.log, values)) / len(values))
-                spread = f"{values[0]:.2f}" if len(values) == 1 else f"{min(values):.2f}-{max(values):.2f}"
-                parts.append(f"{name} {spread} (geomean {gmean:.2f}, {len(values)} rows)")
-    return "; ".join(parts) or "no ratio column (see bench.log)"
+            for group, values in groups.items():
+                label = f"{group} {name}".strip()
+                if len(values) == 1:
+                    parts.append(f"{label} {values[0]:.2f}")
+                elif all(v > 0 for v in values):
+                    gmean = math.exp(sum(map(math.log, values)) / len(values))
+                    parts.append(f"{label} {min(values):.2f}-{max(values):.2f} (geomean {gmean:.2f}, {len(values)} shapes)")
+    last = next((line for line in reversed(text.splitlines()) if line.strip()), "no output")
+    return "; ".join(parts) or f"no ratio to XLA; last line: {last[:100]}"
 
 
 def bench_table(out: Path) -> list[str]:
