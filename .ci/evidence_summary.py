@@ -49,20 +49,21 @@ def tests_table(out: Path) -> list[str]:
         for line in (out / "tests-collected.txt").read_text().splitlines():
             if node := NODE.match(line):
                 collected[node[1]] += 1
-    timing = collections.defaultdict(lambda: collections.Counter())
+    records = []
     if (out / "test-timings.jsonl").exists():
         for line in (out / "test-timings.jsonl").read_text().splitlines():
             try:
-                record = json.loads(line)
+                records.append(json.loads(line))
             except json.JSONDecodeError:  # a line cut short by a killed worker
-                continue
-            file = record.pop("test").split("::")[0]
-            timing[file].update({k: v for k, v in record.items() if isinstance(v, (int, float))})
+                pass
+    timing = collections.defaultdict(collections.Counter)
+    for record in records:
+        timing[record["test"].split("::")[0]].update({k: v for k, v in record.items() if k != "test"})
     per_file = collections.defaultdict(collections.Counter)
     for nodeid, outcome in outcomes.items():
         per_file[nodeid.split("::")[0]][outcome] += 1
     lines = ["| test file | collected | passed | failed | skipped | not run | test s | CuTe compile s (kernels) "
-             "| XLA compile s | trace+lower s | rest s |", "|" + "---|" * 11]
+             "| XLA compile s | trace+lower s | run and other s |", "|" + "---|" * 11]
     total = collections.Counter()
     for file in sorted(set(per_file) | set(collected)):
         c, t = per_file[file], timing[file]
@@ -76,8 +77,13 @@ def tests_table(out: Path) -> list[str]:
     crashes = log.count("node down")
     tail = [line for line in log.splitlines() if re.match(r"=+ .* in [\d.]+s( \(.*\))? =+$", line)]
     lines.append("")
+    lines.append("Seconds are summed over the tests (the workers run side by side; the step table has the wall time).")
     lines.append(f"pytest: {tail[-1].strip('= ') if tail else 'no final line (cut short)'}; "
                  f"workers lost: {crashes} (a crash, or a test past --timeout: its worker is ended and replaced)")
+    lines += ["", "| slowest tests | s | CuTe compile s (kernels) | XLA compile s | trace+lower s |", "|---|---|---|---|---|"]
+    for r in sorted(records, key=lambda r: -r["seconds"])[:10]:
+        lines.append(f"| {r['test']} | {r['seconds']:.1f} | {r['cute_compile_s']:.1f} ({r['cute_compiles']}) | "
+                     f"{r['xla_compile_s']:.1f} | {r['lowering_s']:.1f} |")
     return lines
 
 

@@ -22,8 +22,8 @@ def np_ce(x, labels, ignore_index=None, smoothing=0.0, z=0.0):
     """float64 reference: per-row loss and dlogits for dloss = 1."""
     v = x.shape[-1]
     lse = np_lse(x)
-    # (rows, V) only: np.eye(V)[labels] would build V x V float64 (128 GiB at V = 131072; numpy
-    # backs it with huge pages, so even the untouched part is resident) -- it killed test workers.
+    # (rows, V) only: np.eye(V)[labels] builds V x V float64 (128 GiB at V = 131072), and writing its
+    # diagonal touches every huge page numpy asks for, so all of it becomes resident: it killed workers.
     onehot = np.clip(labels, 0, v - 1)[..., None] == np.arange(v)
     target = (1 - smoothing) * onehot + smoothing / v
     loss = lse - (target * x).sum(-1) + z * lse**2
