@@ -425,19 +425,19 @@ def gpu_rows(activation, k, n):
     return GPU_M if activation in ("none", "gelu") else GPU_SPOT_M.get((k, n), [])
 
 
-def same_worker(group: str, *values, id: str):
-    """A case of xdist group ``group``: under ``--dist loadgroup`` one worker runs a whole group, so
-    the kernels its cases share compile once (the row count is symbolic: the row counts of one
-    config class share a forward, and every activation shares dx and dkernel)."""
-    return pytest.param(*values, id=id, marks=pytest.mark.xdist_group(f"linear-{group}"))
-
-
-GPU_CASES = [same_worker(f"{dtype}-{k}x{n}", dtype, k, n, act, gpu_rows(act, k, n), id=f"{dtype}-{k}x{n}-{act}")
-             for dtype in GPU_DTYPES for k, n in GPU_KN for act in ACTS if gpu_rows(act, k, n)]
+def gpu_cases(grouped: bool):
+    """(dtype, K, N, activation, row counts) of the GEMM gpu tests. ``grouped``: one xdist group per
+    (dtype, K, N), which ``--dist loadgroup`` runs on one worker, so the dx and dkernel kernels that
+    every activation's gradient shares compile once (the row count is symbolic: the row counts of
+    one config class share a kernel). A forward kernel belongs to one activation: values tests need
+    no group and spread over the workers."""
+    return [pytest.param(dtype, k, n, act, gpu_rows(act, k, n), id=f"{dtype}-{k}x{n}-{act}",
+                         marks=[pytest.mark.xdist_group(f"linear-{dtype}-{k}x{n}")] if grouped else [])
+            for dtype in GPU_DTYPES for k, n in GPU_KN for act in ACTS if gpu_rows(act, k, n)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,k,n,activation,rows", GPU_CASES)
+@pytest.mark.parametrize("dtype,k,n,activation,rows", gpu_cases(grouped=False))
 def test_kernel_values_gpu(dtype, k, n, activation, rows, rng):
     with cl.use_backend("cute"):
         for m in rows:
@@ -445,15 +445,15 @@ def test_kernel_values_gpu(dtype, k, n, activation, rows, rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,activation", [same_worker(f"{dtype}-optional", dtype, act, id=f"{dtype}-{act}")
-                                              for dtype in GPU_DTYPES for act in ACTS])
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
 def test_kernel_values_without_bias_or_residual_gpu(dtype, activation, rng):
     with cl.use_backend("cute"):
         check_values(rng, (3, 37), 128, 64, dtype, activation, bias=False, residual=False)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,k,n,activation,rows", GPU_CASES)
+@pytest.mark.parametrize("dtype,k,n,activation,rows", gpu_cases(grouped=True))
 def test_kernel_grads_gpu(dtype, k, n, activation, rows, rng):
     with cl.use_backend("cute"):
         for m in rows:
