@@ -3,7 +3,7 @@
 Reads what the stages left in OUT_DIR (any may be missing: a stage that was cut short still gets
 its line):
 
-* steps.tsv            -- one line per step: name, exit status, seconds (written by the script);
+* steps.tsv            -- one line per step: name, exit status, seconds, its log's last telling line;
 * tests.log            -- pytest -v output (xdist lines "[gw3] [ 12%] PASSED tests/f.py::t");
 * tests-collected.txt  -- pytest --collect-only -q: what should have run, per file;
 * test-timings.jsonl   -- per test: seconds, CuTe compiles and seconds, lowering, XLA compile
@@ -62,8 +62,9 @@ def tests_table(out: Path) -> list[str]:
     per_file = collections.defaultdict(collections.Counter)
     for nodeid, outcome in outcomes.items():
         per_file[nodeid.split("::")[0]][outcome] += 1
-    lines = ["| test file | collected | passed | failed | skipped | not run | test s | CuTe compile s (kernels) "
-             "| XLA compile s | trace+lower s | run and other s |", "|" + "---|" * 11]
+    header = ("| test file | collected | passed | failed | skipped | not run | test s | CuTe compile s (kernels) "
+              "| XLA compile s | trace+lower s | run and other s |")
+    lines = [header, "|" + "---|" * 11]
     total = collections.Counter()
     for file in sorted(set(per_file) | set(collected)):
         c, t = per_file[file], timing[file]
