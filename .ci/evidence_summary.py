@@ -32,7 +32,7 @@ def test_outcomes(log: str) -> dict[str, str]:
     for line in log.splitlines():
         outcome, node = OUTCOME.search(line), NODE.search(line)
         if outcome and node and not line.startswith(("FAILED ", "ERROR ")):  # -r summary repeats them
-            nodeid = f"{node[1]}::{node[2].split('@')[0]}"  # xdist_group appends "@group"
+            nodeid = f"{node[1]}::{node[2]}"
             if outcomes.get(nodeid) not in ("FAILED", "ERROR"):
                 outcomes[nodeid] = outcome[1]
     return outcomes
