@@ -1,7 +1,11 @@
-"""Test setup: four fake CPU devices, CuTe compiles for sm_90a, a `gpu` marker, fresh randomness."""
+"""Test setup: four fake CPU devices, CuTe compiles for sm_90a, a `gpu` marker, fresh randomness;
+with ``CUTELAYERS_TEST_TIMINGS=<file>``, one JSON line per test of where its time went."""
 
+import collections
+import json
 import os
 import secrets
+import time
 
 # Before JAX is imported anywhere: fake devices for placement/sharding tests, and a target arch so
 # CuTe kernels compile on machines without a GPU.
@@ -50,3 +54,67 @@ def rng(request):
 @pytest.fixture
 def cpu():
     return jax.devices("cpu")[0]
+
+
+# --- where the time goes: CuTe compiles, XLA compiles, the rest ----------------------------------
+
+TIMINGS = os.environ.get("CUTELAYERS_TEST_TIMINGS")
+TRACE_AND_LOWER = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration")
+XLA_COMPILE = "/jax/core/compile/backend_compile_duration"
+_jax_seconds = collections.Counter()  # JAX's compile-phase durations in this process, by event
+_spent = pytest.StashKey[list]()  # per test: [CuTe compiles, CuTe s, trace + lower s, XLA compile s]
+
+
+def _totals():
+    """(CuTe compiles, CuTe compile s, JAX trace + lower s (CuTe compiles included), XLA compile s)
+    so far in this process."""
+    import cutelayers
+
+    info = cutelayers.cache_info().values()
+    return (sum(s.compiles for s in info), sum(s.compile_seconds for s in info),
+            sum(_jax_seconds[e] for e in TRACE_AND_LOWER), _jax_seconds[XLA_COMPILE])
+
+
+def _measure(item):
+    """A hookwrapper body adding one phase's compile work to the test's totals."""
+    before = _totals()
+    yield
+    after = _totals()
+    if after[0] < before[0]:  # a fixture or the test cleared the kernel cache and its statistics
+        before = (0, 0.0, *before[2:])
+    spent = item.stash.setdefault(_spent, [0, 0.0, 0.0, 0.0])
+    for i, (a, b) in enumerate(zip(after, before)):
+        spent[i] += a - b
+
+
+if TIMINGS:
+    jax.monitoring.register_event_duration_secs_listener(lambda event, secs, **_: _jax_seconds.update({event: secs}))
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_setup(item):
+        yield from _measure(item)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_call(item):
+        yield from _measure(item)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_teardown(item):
+        yield from _measure(item)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        """Appends ``{test, seconds, cute_compiles, cute_compile_s, lowering_s, xla_compile_s}``
+        to $CUTELAYERS_TEST_TIMINGS, one line per test (xdist workers append to one file);
+        ``lowering_s``: JAX's tracing and lowering less the CuTe compiles it ran."""
+        start = time.perf_counter()
+        yield
+        compiles, cute_s, lower_s, xla_s = item.stash.get(_spent, [0, 0.0, 0.0, 0.0])
+        record = dict(test=item.nodeid, seconds=round(time.perf_counter() - start, 3), cute_compiles=compiles,
+                      cute_compile_s=round(cute_s, 3), lowering_s=round(max(lower_s - cute_s, 0.0), 3),
+                      xla_compile_s=round(xla_s, 3))
+        fd = os.open(TIMINGS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:  # one write per line: appends from several processes do not interleave
+            os.write(fd, (json.dumps(record) + "\n").encode())
+        finally:
+            os.close(fd)
