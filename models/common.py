@@ -7,6 +7,7 @@ framework's modules and exposes ``init(config, key, *, stock=False) -> Functiona
 * ``params`` -- the parameters, a pytree of float32 arrays (an ``nnx.State``, a linen params dict,
   or the array leaves of the Equinox model);
 * ``loss(params, inputs, targets)`` -- mean next-token cross-entropy, a pure function (jit it);
+* ``logits(params, inputs)`` -- float32 next-token logits (batch, seq, vocab), for sampling;
 * ``model`` -- the framework object itself.
 
 ``stock=True`` builds the twin from the framework's own layers (Dense / Linear / LayerNorm, and a
@@ -39,6 +40,7 @@ class Functional:
 
     params: Any
     loss: Callable[[Any, jax.Array, jax.Array], jax.Array]
+    logits: Callable[[Any, jax.Array], jax.Array]
     model: Any
     config: GPTConfig
     stock: bool
@@ -141,6 +143,12 @@ def transfer_params(src, like):
         diff = next(((x, y) for x, y in zip(a, b) if x != y), (len(a), len(b)))
         raise ValueError(f"parameter trees differ (first difference: {diff[0]} vs {diff[1]})")
     return jax.tree.unflatten(jax.tree.structure(like), jax.tree.leaves(src))
+
+
+def head_logits(h: jax.Array, kernel: jax.Array) -> jax.Array:
+    """float32 logits of the final hidden states ``h`` (..., d) and the head's (d, vocab) kernel:
+    what both twins' heads compute before their loss (sampling needs them, training does not)."""
+    return h.astype(jnp.float32) @ kernel.astype(jnp.float32)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from cutelayers import equinox as cl_eqx
-from models.common import Functional, causal_attention, cross_entropy, positions
+from models.common import Functional, causal_attention, cross_entropy, head_logits, positions
 from models.configs import GPTConfig
 
 
@@ -140,11 +140,18 @@ class GPT(eqx.Module):
         self.ln_f = LayerNorm(d, eps=config.norm_eps)
         self.head = _linear(Head, d, config.vocab_size, std, k_head, use_bias=False)
 
-    def __call__(self, inputs, targets):
+    def hidden(self, inputs):
+        """The final hidden states (..., seq, d_model): the head's input."""
         x = self.wte.weight[inputs] + self.wpe.weight[positions(inputs.shape[-1], self.config)]
         for block in self.blocks:
             x = block(x)
-        return self.head(_on_rows(self.ln_f, x), targets)
+        return _on_rows(self.ln_f, x)
+
+    def __call__(self, inputs, targets):
+        return self.head(self.hidden(inputs), targets)
+
+    def logits(self, inputs):
+        return head_logits(self.hidden(inputs), self.head.weight.T)
 
 
 def _is_float_leaf(x) -> bool:
@@ -160,11 +167,17 @@ def init(config: GPTConfig, key: jax.Array, *, stock: bool = False, abstract: bo
     params, static = eqx.partition(model, _is_float_leaf)
     dtype = config.compute_dtype
 
-    def loss(params, inputs, targets):
+    def compute_model(params):
         params = jax.tree.map(lambda p: p.astype(dtype), params)  # mixed precision: see module docstring
-        return eqx.combine(params, static)(inputs, targets)
+        return eqx.combine(params, static)
 
-    return Functional(params=params, loss=loss, model=model, config=config, stock=stock)
+    def loss(params, inputs, targets):
+        return compute_model(params)(inputs, targets)
+
+    def logits(params, inputs):
+        return compute_model(params).logits(inputs)
+
+    return Functional(params=params, loss=loss, logits=logits, model=model, config=config, stock=stock)
 
 
 __all__ = ["GPT", "Block", "init"]
