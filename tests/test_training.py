@@ -197,8 +197,8 @@ def test_bad_flags_are_clear_errors(argv, message, capsys):
 def test_default_warmup_longer_than_the_run_is_clamped_with_a_note():
     args = parse_args(["--steps", "50"])  # tiny's default warmup is 50
     assert args.warmup == 5
-    assert args.notes == ["note: the tiny config's default warmup of 50 steps is not shorter than --steps 50; "
-                          "using --warmup 5 (a tenth of the run; pass --warmup to choose)"]
+    assert args.notes == [("note: the tiny config's default warmup of 50 steps is not shorter than --steps 50; "
+                           "using --warmup 5 (a tenth of the run; pass --warmup to choose)")]
     assert parse_args(["--steps", "51"]).warmup == 50 and parse_args(["--steps", "51"]).notes == []
 
 

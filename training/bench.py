@@ -130,13 +130,15 @@ def measure(case: Case) -> dict:
                 peak_bytes=memory_in_use(device), compiled_bytes=compiled_bytes, loss=final_loss)
 
 
-def measure_in_subprocess(case: Case, timeout: float) -> dict:
-    """:func:`measure` in a fresh process (the device's peak memory is then this case's own)."""
-    proc = subprocess.run([sys.executable, "-m", "training.bench", "--one-case", json.dumps(dataclasses.asdict(case))],
+def in_subprocess(flag: str, job: dict, timeout: float):
+    """The JSON that ``python -m training.bench FLAG JOB`` prints: every measurement runs in a fresh
+    process, so the device's peak memory is that job's own and this process never holds the GPU
+    (JAX would reserve most of its memory)."""
+    proc = subprocess.run([sys.executable, "-m", "training.bench", flag, json.dumps(job)],
                           cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(("{", "["))]
     if proc.returncode or not lines:
-        raise RuntimeError(f"benchmark case {case} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"benchmark {flag} {job} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(lines[-1])
 
 
@@ -189,7 +191,8 @@ def part_seconds(config: GPTConfig, batch_size: int, *, stock: bool) -> dict[str
 
 
 def breakdown_rows(config_name: str, batch_size: int, step_ms: dict[str, float]) -> list[dict]:
-    """Per-part rows, cutelayers vs stock; ``step_ms``: the full step of each (from the cases)."""
+    """Per-part rows, cutelayers vs stock; ``step_ms``: the full step of each (from the cases;
+    "other" is the step minus the parts)."""
     config = bench_config(config_name)
     ours, stock = (part_seconds(config, batch_size, stock=s) for s in (False, True))
     rows = [dict(part=name, ours_ms=ours[name] * 1e3, stock_ms=stock[name] * 1e3) for name in ours]
@@ -223,8 +226,9 @@ def results_table(rows: list[dict]) -> str:
 
 
 def breakdown_table(config: str, rows: list[dict]) -> str:
-    lines = [f"Per-part breakdown, {config} (ms per step; each part timed alone, forward + backward, times its "
-             "count per step):", "", "| part | cutelayers ms | stock ms | stock/ours |", "|---|---|---|---|"]
+    title = (f"Per-part breakdown, {config} (ms per step; each part timed alone, forward + backward, times its "
+             "count per step):")
+    lines = [title, "", "| part | cutelayers ms | stock ms | stock/ours |", "|---|---|---|---|"]
     for r in rows:
         ratio = r["stock_ms"] / r["ours_ms"] if r["ours_ms"] > 0 else float("nan")
         lines.append(f"| {r['part']} | {r['ours_ms']:.2f} | {r['stock_ms']:.2f} | {ratio:.2f} |")
@@ -255,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", type=Path, default=REPO / "docs" / "benchmarks.md",
                    help="markdown file the tables are appended to")
     p.add_argument("--one-case", help=argparse.SUPPRESS)  # internal: run one case, print its JSON row
+    p.add_argument("--one-breakdown", help=argparse.SUPPRESS)  # internal: the per-part rows as JSON
     return p
 
 
@@ -263,6 +268,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.one_case:
         print(json.dumps(measure(Case(**json.loads(args.one_case)))))
         return 0
+    if args.one_breakdown:
+        print(json.dumps(breakdown_rows(**json.loads(args.one_breakdown))))
+        return 0
     sections = []
     for config in args.config:
         batch_size = args.batch_size or DEFAULTS[config]["batch_size"]
@@ -270,19 +278,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         for model in args.model:
             for variant in args.variant:
                 case = Case(config, model, variant, batch_size, args.warmup_steps, args.steps)
-                rows.append(measure_in_subprocess(case, args.case_timeout))
+                rows.append(in_subprocess("--one-case", dataclasses.asdict(case), args.case_timeout))
                 print(f"# {config} {model} {variant}: {rows[-1]['tokens_per_s']:,.0f} tokens/s", flush=True)
         sections.append(results_table(rows))
         if args.breakdown:
             step_ms = {r["variant"]: r["step_ms"] for r in rows if r["model"] == args.model[0]}
-            sections.append(breakdown_table(config, breakdown_rows(config, batch_size, step_ms)))
+            job = dict(config_name=config, batch_size=batch_size, step_ms=step_ms)
+            sections.append(breakdown_table(config, in_subprocess("--one-breakdown", job, args.case_timeout)))
     command = "python -m training.bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    legend = ("tokens/s from `loop ms` (steady state: compile, warmup and evaluation excluded); "
+              "`step ms`: one step waited for; peak MiB: the device's peak_bytes_in_use in the "
+              "case's own process; compiled MiB: arguments + outputs + temporaries of the "
+              "compiled step (memory_analysis); memory `vs stock` uses peak where the device "
+              "reports it, else compiled.")
     report = "\n\n".join([f"## Training step (issue 14)\n\n{environment_line()}\n\nCommand: `{command}`", *sections,
-                          "tokens/s from `loop ms` (steady state: compile, warmup and evaluation excluded); "
-                          "`step ms`: one step waited for; peak MiB: the device's peak_bytes_in_use in the "
-                          "case's own process; compiled MiB: arguments + outputs + temporaries of the "
-                          "compiled step (memory_analysis); memory `vs stock` uses peak where the device "
-                          "reports it, else compiled."])
+                          legend])
     print(report)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     with open(args.output, "a") as f:

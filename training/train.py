@@ -747,10 +747,10 @@ def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
 def describe_run(args, config: GPTConfig, data: TextData, params, backend: str, schedule: Schedule) -> str:
     n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
     layers = "stock framework layers" if args.stock else "cutelayers layers"
-    lines = [f"model: {args.model} GPT, config {args.config} ({n_params:,} parameters, {config.n_layers} blocks, "
-             f"d={config.d_model}, vocab {config.vocab_size}, {config.dtype} compute), {layers}",
-             f"data: {len(data.train):,} train / {len(data.eval):,} eval bytes; batch {args.batch_size} x "
-             f"{args.seq_len} tokens; {args.steps} steps, {schedule.describe()}; backend {backend}"]
+    lines = [(f"model: {args.model} GPT, config {args.config} ({n_params:,} parameters, {config.n_layers} blocks, "
+              f"d={config.d_model}, vocab {config.vocab_size}, {config.dtype} compute), {layers}"),
+             (f"data: {len(data.train):,} train / {len(data.eval):,} eval bytes; batch {args.batch_size} x "
+              f"{args.seq_len} tokens; {args.steps} steps, {schedule.describe()}; backend {backend}")]
     if args.devices > 1:
         lines.append(f"data-parallel over {args.devices} {jax.default_backend()} devices: "
                      f"{args.batch_size // args.devices} sequences per device per step")
