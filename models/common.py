@@ -121,12 +121,14 @@ def causal_attention(qkv: jax.Array, n_heads: int) -> jax.Array:
     return out.reshape(*lead, t, d)
 
 
-def positions(seq_len: int, config: GPTConfig) -> jax.Array:
-    """Position ids 0..seq_len-1, after checking they fit the position table."""
+def positions(inputs: jax.Array, config: GPTConfig) -> jax.Array:
+    """Position ids 0..seq_len-1 of ``inputs`` (..., seq_len), shaped (1, ..., seq_len) to add to
+    its embeddings without rank promotion, after checking they fit the position table."""
+    seq_len = inputs.shape[-1]
     if seq_len > config.seq_len:
         raise ValueError(f"sequence length {seq_len} exceeds the model's position table "
                          f"(config.seq_len={config.seq_len})")
-    return jnp.arange(seq_len)
+    return jnp.arange(seq_len).reshape((1,) * (inputs.ndim - 1) + (seq_len,))
 
 
 def tree_signature(params) -> list[tuple[str, tuple[int, ...], str]]:

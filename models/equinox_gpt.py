@@ -142,7 +142,7 @@ class GPT(eqx.Module):
 
     def hidden(self, inputs):
         """The final hidden states (..., seq, d_model): the head's input."""
-        x = self.wte.weight[inputs] + self.wpe.weight[positions(inputs.shape[-1], self.config)]
+        x = self.wte.weight[inputs] + self.wpe.weight[positions(inputs, self.config)]
         for block in self.blocks:
             x = block(x)
         return _on_rows(self.ln_f, x)

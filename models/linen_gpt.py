@@ -91,7 +91,7 @@ class GPT(nn.Module):
         dt, init = cfg.compute_dtype, nn.initializers.normal(cfg.init_std)
         x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dt, embedding_init=init, name="wte")(inputs)
         x = x + nn.Embed(cfg.seq_len, cfg.d_model, dtype=dt, embedding_init=init, name="wpe")(
-            positions(inputs.shape[-1], cfg))
+            positions(inputs, cfg))
         for i in range(cfg.n_layers):
             x = Block(cfg, self.stock, name=f"blocks_{i}")(x)
         h = LayerNorm(epsilon=cfg.norm_eps, dtype=dt, name="ln_f")(x)

@@ -91,7 +91,7 @@ class GPT(nnx.Module):
 
     def hidden(self, inputs):
         """The final hidden states (batch, seq, d_model): the head's input."""
-        x = self.wte(inputs) + self.wpe(positions(inputs.shape[-1], self.config))
+        x = self.wte(inputs) + self.wpe(positions(inputs, self.config))
         for block in self.blocks:
             x = block(x)
         return self.ln_f(x)
