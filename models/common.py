@@ -7,6 +7,7 @@ framework's modules and exposes ``init(config, key, *, stock=False) -> Functiona
 * ``params`` -- the parameters, a pytree of float32 arrays (an ``nnx.State``, a linen params dict,
   or the array leaves of the Equinox model);
 * ``loss(params, inputs, targets)`` -- mean next-token cross-entropy, a pure function (jit it);
+* ``logits(params, inputs)`` -- float32 next-token logits (batch, seq, vocab), for sampling;
 * ``model`` -- the framework object itself.
 
 ``stock=True`` builds the twin from the framework's own layers (Dense / Linear / LayerNorm, and a
@@ -18,7 +19,9 @@ shapes and dtypes, so a checkpoint of one loads into the other (:func:`transfer_
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+import logging
 from typing import Any, Callable
 
 import jax
@@ -28,6 +31,7 @@ import optax
 from models.configs import GPTConfig
 
 FRAMEWORKS = ("nnx", "linen", "equinox")
+logger = logging.getLogger("models")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +40,7 @@ class Functional:
 
     params: Any
     loss: Callable[[Any, jax.Array, jax.Array], jax.Array]
+    logits: Callable[[Any, jax.Array], jax.Array]
     model: Any
     config: GPTConfig
     stock: bool
@@ -55,12 +60,55 @@ def init(framework: str, config: GPTConfig, key: jax.Array, *, stock: bool = Fal
     return load(framework).init(config, key, stock=stock, abstract=abstract)
 
 
+ATTENTION_DTYPES = ("bfloat16", "float16")  # what cuDNN's fused attention takes
+
+
+def attention_implementation(dtype, head_dim: int) -> str:
+    """``"cudnn"`` or ``"xla"``: which ``jax.nn.dot_product_attention`` implementation the GPTs (both
+    twins) use for attention of ``dtype`` and ``head_dim``, decided once per (dtype, head dim) and
+    logged once.
+
+    cuDNN's fused (flash) attention serves where JAX's default device is an NVIDIA GPU of compute
+    capability >= 8.0, the dtype is bfloat16 / float16 and the head dim is a multiple of 8 of at
+    most 128 (256 on Hopper and later) -- the conditions ``jax.nn.dot_product_attention`` checks
+    before it refuses. Everywhere else (float32, odd head dims, CPU -- also when lowering for CUDA
+    on a CPU-only host, where JAX cannot build the cuDNN call) XLA's attention runs.
+    """
+    return _attention_choice(jnp.dtype(dtype).name, int(head_dim), _cuda_compute_capability())
+
+
+def _cuda_compute_capability() -> tuple[int, int] | None:
+    """(major, minor) of JAX's default device if it is a CUDA GPU, else None."""
+    device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    if device.platform != "gpu" or capability is None:
+        return None
+    major, minor = (int(part) for part in str(capability).split(".")[:2])
+    return major, minor
+
+
+@functools.lru_cache(maxsize=None)  # one decision (and one log line) per distinct input
+def _attention_choice(dtype: str, head_dim: int, capability: tuple[int, int] | None) -> str:
+    max_head_dim = 256 if capability is not None and capability >= (9, 0) else 128
+    if capability is None or capability < (8, 0):
+        why = f"no CUDA GPU of compute capability >= 8.0 (default device: {jax.devices()[0].device_kind})"
+    elif dtype not in ATTENTION_DTYPES:
+        why = f"dtype {dtype}; cuDNN attention takes {' or '.join(ATTENTION_DTYPES)}"
+    elif head_dim % 8 or head_dim > max_head_dim:
+        why = f"head dim {head_dim}; cuDNN attention takes multiples of 8 up to {max_head_dim}"
+    else:
+        logger.info("attention: cuDNN fused attention (%s, head dim %d)", dtype, head_dim)
+        return "cudnn"
+    logger.info("attention: XLA (%s)", why)
+    return "xla"
+
+
 def causal_attention(qkv: jax.Array, n_heads: int) -> jax.Array:
     """Causal multi-head self-attention core.
 
     ``qkv``: (..., T, 3 * d) -- queries, keys and values side by side, as one fused projection
-    writes them. Returns (..., T, d) in qkv's dtype. ``jax.nn.dot_product_attention`` picks
-    cuDNN's fused attention on GPUs where it applies and XLA elsewhere.
+    writes them. Returns (..., T, d) in qkv's dtype, computed by cuDNN's fused attention or XLA's
+    (:func:`attention_implementation`).
     """
     *lead, t, three_d = qkv.shape
     d = three_d // 3
@@ -68,16 +116,19 @@ def causal_attention(qkv: jax.Array, n_heads: int) -> jax.Array:
     q, k, v = (a.squeeze(-3) for a in (q, k, v))  # (..., T, H, Dh)
     if len(lead) > 1:  # dot_product_attention takes (B, T, H, Dh) or (T, H, Dh)
         q, k, v = (a.reshape(-1, *a.shape[-3:]) for a in (q, k, v))
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    implementation = attention_implementation(qkv.dtype, d // n_heads)
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
     return out.reshape(*lead, t, d)
 
 
-def positions(seq_len: int, config: GPTConfig) -> jax.Array:
-    """Position ids 0..seq_len-1, after checking they fit the position table."""
+def positions(inputs: jax.Array, config: GPTConfig) -> jax.Array:
+    """Position ids 0..seq_len-1 of ``inputs`` (..., seq_len), shaped (1, ..., seq_len) to add to
+    its embeddings without rank promotion, after checking they fit the position table."""
+    seq_len = inputs.shape[-1]
     if seq_len > config.seq_len:
         raise ValueError(f"sequence length {seq_len} exceeds the model's position table "
                          f"(config.seq_len={config.seq_len})")
-    return jnp.arange(seq_len)
+    return jnp.arange(seq_len).reshape((1,) * (inputs.ndim - 1) + (seq_len,))
 
 
 def tree_signature(params) -> list[tuple[str, tuple[int, ...], str]]:
@@ -94,6 +145,12 @@ def transfer_params(src, like):
         diff = next(((x, y) for x, y in zip(a, b) if x != y), (len(a), len(b)))
         raise ValueError(f"parameter trees differ (first difference: {diff[0]} vs {diff[1]})")
     return jax.tree.unflatten(jax.tree.structure(like), jax.tree.leaves(src))
+
+
+def head_logits(h: jax.Array, kernel: jax.Array) -> jax.Array:
+    """float32 logits of the final hidden states ``h`` (..., d) and the head's (d, vocab) kernel:
+    what both twins' heads compute before their loss (sampling needs them, training does not)."""
+    return h.astype(jnp.float32) @ kernel.astype(jnp.float32)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:

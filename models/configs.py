@@ -7,6 +7,9 @@ presets:
 * ``small``  -- one Hopper GPU: ~25M parameters, bfloat16 compute, sequence 512.
 * ``deep24`` -- 24 identical blocks of a small width, bfloat16: the compile-once demonstration
   (every distinct kernel compiles once however deep the model; ``tests/test_models.py``).
+* ``gpt2``   -- GPT-2 small's shape (12 blocks, d 768, 12 heads, sequence 1024; 163M parameters with the
+  untied head), vocabulary padded to 50304 (a multiple of 128), bfloat16: the benchmark model. The
+  shipped corpus is bytes, so training it uses the first 256 ids of that vocabulary.
 """
 
 from __future__ import annotations
@@ -76,11 +79,12 @@ CONFIGS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(),
     "small": GPTConfig(seq_len=512, n_layers=8, d_model=512, n_heads=8, dtype="bfloat16"),
     "deep24": GPTConfig(seq_len=128, n_layers=24, d_model=128, n_heads=4, dtype="bfloat16"),
+    "gpt2": GPTConfig(vocab_size=50304, seq_len=1024, n_layers=12, d_model=768, n_heads=12, dtype="bfloat16"),
 }
 
 
 def get_config(name: str, **overrides) -> GPTConfig:
-    """The preset ``name`` (``tiny``, ``small``, ``deep24``) with optional field overrides."""
+    """The preset ``name`` (``tiny``, ``small``, ``deep24``, ``gpt2``) with optional field overrides."""
     if name not in CONFIGS:
         raise ValueError(f"unknown model config {name!r}; choose from {', '.join(CONFIGS)}")
     return dataclasses.replace(CONFIGS[name], **overrides)

@@ -12,11 +12,11 @@ Leaves (float32): ``wte.weight``, ``wpe.weight``, ``blocks[i].{ln1,ln2}.{weight,
 
 Two choices:
 
-* Batching. ``model(inputs, targets)`` takes (seq,) or (batch, seq) tokens and runs every linear
-  layer on all rows at once (one GEMM forward, one GEMM for the weight gradient). Calling the
-  layers under ``jax.vmap``, the usual Equinox style, runs the same GEMMs (``fused_linear`` folds
-  the vmap into rows before it is differentiated). The norms are called under ``jax.vmap`` as
-  usual (their batching rule folds rows into one kernel launch).
+* Batching. ``model(inputs, targets)`` takes (seq,) or (batch, seq) tokens and calls every
+  per-example layer (the library's ``Linear`` and ``LayerNorm``, as a user would) under one
+  ``jax.vmap`` over all rows: the ops fold the vmap into rows, so each linear layer is one GEMM
+  forward and one GEMM for the weight gradient, and each norm one kernel launch. The LM head
+  takes the whole batch (one loss).
 * Mixed precision. Equinox layers compute in the promoted dtype of input and parameters, so
   :func:`init`'s loss casts the float32 parameters to the compute dtype before the forward pass
   (the usual Equinox recipe); gradients flow back to the float32 parameters through the cast.
@@ -31,25 +31,13 @@ import jax
 import jax.numpy as jnp
 
 from cutelayers import equinox as cl_eqx
-from cutelayers.ops import fused_linear
-from models.common import Functional, causal_attention, cross_entropy, positions
+from models.common import Functional, causal_attention, cross_entropy, head_logits, positions
 from models.configs import GPTConfig
 
 
-class _Linear(cl_eqx.Linear):
-    """cutelayers' Linear on rows ``x`` (..., in_features), plus ``residual=``:
-    ``act(x @ weight.T + bias) + residual`` in one GEMM."""
-
-    def __call__(self, x, residual=None, *, key=None):
-        dtype = jnp.result_type(*(a for a in (x, self.weight, self.bias) if a is not None))
-        bias = self.bias.astype(dtype) if self.bias is not None else None
-        return fused_linear(x.astype(dtype), self.weight.T.astype(dtype), bias, activation=self.activation,
-                            residual=None if residual is None else residual.astype(dtype))
-
-
 class _StockLinear(eqx.nn.Linear):
-    """Equinox's Linear with the same call as :class:`_Linear`: vmapped over the rows of x,
-    activation and residual unfused."""
+    """Equinox's Linear with the call of cutelayers' Linear (``activation``, ``residual=``),
+    unfused."""
 
     activation: Any = eqx.field(static=True)
 
@@ -58,8 +46,7 @@ class _StockLinear(eqx.nn.Linear):
         self.activation = activation
 
     def __call__(self, x, residual=None, *, key=None):
-        rows = x.reshape(-1, x.shape[-1])
-        y = jax.vmap(lambda r: eqx.nn.Linear.__call__(self, r))(rows).reshape(*x.shape[:-1], -1)
+        y = super().__call__(x)
         if self.activation is not None:
             y = getattr(jax.nn, self.activation)(y)
         return y if residual is None else residual + y
@@ -70,14 +57,14 @@ class _StockHead(_StockLinear):
     mean cross-entropy (optax, on materialised float32 logits)."""
 
     def __call__(self, h, targets, *, key=None):
-        return cross_entropy(super().__call__(h), targets)
+        return cross_entropy(_on_rows(super().__call__, h), targets)
 
 
 def _layers(stock: bool):
     """(LayerNorm, Linear, LM head) classes of the stock twin or of the cutelayers model."""
     if stock:
         return eqx.nn.LayerNorm, _StockLinear, _StockHead
-    return cl_eqx.LayerNorm, _Linear, cl_eqx.LMHead
+    return cl_eqx.LayerNorm, cl_eqx.Linear, cl_eqx.LMHead
 
 
 def _linear(Linear, n_in, n_out, std, key, **kwargs):
@@ -91,9 +78,12 @@ def _linear(Linear, n_in, n_out, std, key, **kwargs):
     return layer
 
 
-def _on_rows(layer, x):
-    """Apply a per-example layer (a norm) to every row of x (..., features) with one vmap."""
-    return jax.vmap(layer)(x.reshape(-1, x.shape[-1])).reshape(x.shape)
+def _on_rows(layer, x, residual=None):
+    """Apply a per-example layer (a norm, a linear with an optional ``residual``) to every row of
+    x (..., features) with one vmap."""
+    operands = (x,) if residual is None else (x, residual)
+    y = jax.vmap(layer)(*(a.reshape(-1, a.shape[-1]) for a in operands))
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 class Block(eqx.Module):
@@ -120,8 +110,9 @@ class Block(eqx.Module):
         self.mlp_out = _linear(Linear, config.d_mlp, d, proj_std, k[3])
 
     def __call__(self, x):
-        x = self.attn_out(causal_attention(self.qkv(_on_rows(self.ln1, x)), self.n_heads), residual=x)
-        return self.mlp_out(self.mlp_in(_on_rows(self.ln2, x)), residual=x)
+        qkv = _on_rows(self.qkv, _on_rows(self.ln1, x))
+        x = _on_rows(self.attn_out, causal_attention(qkv, self.n_heads), residual=x)
+        return _on_rows(self.mlp_out, _on_rows(self.mlp_in, _on_rows(self.ln2, x)), residual=x)
 
 
 class GPT(eqx.Module):
@@ -149,11 +140,18 @@ class GPT(eqx.Module):
         self.ln_f = LayerNorm(d, eps=config.norm_eps)
         self.head = _linear(Head, d, config.vocab_size, std, k_head, use_bias=False)
 
-    def __call__(self, inputs, targets):
-        x = self.wte.weight[inputs] + self.wpe.weight[positions(inputs.shape[-1], self.config)]
+    def hidden(self, inputs):
+        """The final hidden states (..., seq, d_model): the head's input."""
+        x = self.wte.weight[inputs] + self.wpe.weight[positions(inputs, self.config)]
         for block in self.blocks:
             x = block(x)
-        return self.head(_on_rows(self.ln_f, x), targets)
+        return _on_rows(self.ln_f, x)
+
+    def __call__(self, inputs, targets):
+        return self.head(self.hidden(inputs), targets)
+
+    def logits(self, inputs):
+        return head_logits(self.hidden(inputs), self.head.weight.T)
 
 
 def _is_float_leaf(x) -> bool:
@@ -169,11 +167,17 @@ def init(config: GPTConfig, key: jax.Array, *, stock: bool = False, abstract: bo
     params, static = eqx.partition(model, _is_float_leaf)
     dtype = config.compute_dtype
 
-    def loss(params, inputs, targets):
+    def compute_model(params):
         params = jax.tree.map(lambda p: p.astype(dtype), params)  # mixed precision: see module docstring
-        return eqx.combine(params, static)(inputs, targets)
+        return eqx.combine(params, static)
 
-    return Functional(params=params, loss=loss, model=model, config=config, stock=stock)
+    def loss(params, inputs, targets):
+        return compute_model(params)(inputs, targets)
+
+    def logits(params, inputs):
+        return compute_model(params).logits(inputs)
+
+    return Functional(params=params, loss=loss, logits=logits, model=model, config=config, stock=stock)
 
 
 __all__ = ["GPT", "Block", "init"]

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from cutelayers.flax import linen as cl_linen
-from models.common import Functional, causal_attention, cross_entropy, positions
+from models.common import Functional, causal_attention, cross_entropy, head_logits, positions
 from models.configs import GPTConfig
 
 
@@ -75,7 +75,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """``GPT(config, stock=False)``; ``model.apply({"params": p}, inputs, targets)`` -> mean loss.
+    """``GPT(config, stock=False)``; ``model.apply({"params": p}, inputs, targets)`` -> mean loss;
+    without ``targets``, float32 logits (batch, seq, vocab).
 
     ``inputs`` / ``targets``: (batch, seq) integer token ids, seq <= config.seq_len.
     """
@@ -84,16 +85,18 @@ class GPT(nn.Module):
     stock: bool = False
 
     @nn.compact
-    def __call__(self, inputs, targets):
+    def __call__(self, inputs, targets=None):
         cfg = self.config
         LayerNorm, _, Head = _layers(self.stock)
         dt, init = cfg.compute_dtype, nn.initializers.normal(cfg.init_std)
         x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dt, embedding_init=init, name="wte")(inputs)
         x = x + nn.Embed(cfg.seq_len, cfg.d_model, dtype=dt, embedding_init=init, name="wpe")(
-            positions(inputs.shape[-1], cfg))
+            positions(inputs, cfg))
         for i in range(cfg.n_layers):
             x = Block(cfg, self.stock, name=f"blocks_{i}")(x)
         h = LayerNorm(epsilon=cfg.norm_eps, dtype=dt, name="ln_f")(x)
+        if targets is None:
+            return head_logits(h, self.variables["params"]["head"]["kernel"])
         return Head(cfg.vocab_size, use_bias=False, dtype=dt, kernel_init=init, name="head")(h, targets)
 
 
@@ -108,7 +111,10 @@ def init(config: GPTConfig, key: jax.Array, *, stock: bool = False, abstract: bo
     def loss(params, inputs, targets):
         return model.apply({"params": params}, inputs, targets)
 
-    return Functional(params=params, loss=loss, model=model, config=config, stock=stock)
+    def logits(params, inputs):
+        return model.apply({"params": params}, inputs)
+
+    return Functional(params=params, loss=loss, logits=logits, model=model, config=config, stock=stock)
 
 
 __all__ = ["GPT", "Block", "init"]

@@ -17,7 +17,7 @@ import jax
 from flax import nnx
 
 from cutelayers.flax import nnx as cl_nnx
-from models.common import Functional, causal_attention, cross_entropy, positions
+from models.common import Functional, causal_attention, cross_entropy, head_logits, positions
 from models.configs import GPTConfig
 
 
@@ -89,11 +89,18 @@ class GPT(nnx.Module):
         self.head = Head(config.d_model, config.vocab_size, use_bias=False, dtype=dt, kernel_init=init,
                          rngs=rngs)
 
-    def __call__(self, inputs, targets):
-        x = self.wte(inputs) + self.wpe(positions(inputs.shape[-1], self.config))
+    def hidden(self, inputs):
+        """The final hidden states (batch, seq, d_model): the head's input."""
+        x = self.wte(inputs) + self.wpe(positions(inputs, self.config))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x), targets)
+        return self.ln_f(x)
+
+    def __call__(self, inputs, targets):
+        return self.head(self.hidden(inputs), targets)
+
+    def logits(self, inputs):
+        return head_logits(self.hidden(inputs), self.head.kernel[...])
 
 
 def init(config: GPTConfig, key: jax.Array, *, stock: bool = False, abstract: bool = False) -> Functional:
@@ -106,7 +113,10 @@ def init(config: GPTConfig, key: jax.Array, *, stock: bool = False, abstract: bo
     def loss(params, inputs, targets):
         return nnx.merge(graphdef, params)(inputs, targets)
 
-    return Functional(params=params, loss=loss, model=model, config=config, stock=stock)
+    def logits(params, inputs):
+        return nnx.merge(graphdef, params).logits(inputs)
+
+    return Functional(params=params, loss=loss, logits=logits, model=model, config=config, stock=stock)
 
 
 __all__ = ["GPT", "Block", "init"]

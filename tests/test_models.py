@@ -33,8 +33,11 @@ def tiny():
 # --- configs -----------------------------------------------------------------------------------
 
 def test_configs():
-    assert set(CONFIGS) == {"tiny", "small", "deep24"}
+    assert set(CONFIGS) == {"tiny", "small", "deep24", "gpt2"}
     assert CONFIGS["deep24"].n_layers == 24
+    gpt2 = CONFIGS["gpt2"]
+    assert (gpt2.n_layers, gpt2.d_model, gpt2.n_heads, gpt2.vocab_size, gpt2.seq_len, gpt2.dtype) == (
+        12, 768, 12, 50304, 1024, "bfloat16")
     assert 20e6 <= CONFIGS["small"].num_params() <= 50e6
     assert CONFIGS["tiny"].num_params() < 1e6
     with pytest.raises(ValueError, match="multiple of n_heads"):
@@ -82,6 +85,17 @@ def test_forward_backward_and_stock_twin(framework, tiny):
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_logits_give_the_loss(framework, tiny):
+    for stock in (False, True):
+        model = common.init(framework, tiny, jax.random.key(0), stock=stock)
+        params = perturbed(model.params)
+        x, y = tokens(7, (2, 16))
+        logits = jax.jit(model.logits)(params, x)
+        assert logits.shape == (2, 16, tiny.vocab_size) and logits.dtype == jnp.float32
+        assert_close(common.cross_entropy(logits, y), jax.jit(model.loss)(params, x, y), jnp.float32, scale=4)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_stock_twin_bfloat16(framework, tiny):
     cfg = dataclasses.replace(tiny, dtype="bfloat16")
     stock = common.init(framework, cfg, jax.random.key(0), stock=True)
@@ -109,6 +123,45 @@ def test_transfer_params_rejects_other_trees(tiny):
         common.transfer_params(a, b)
 
 
+# --- attention: cuDNN where it serves, XLA elsewhere ------------------------------------------------
+
+@pytest.mark.parametrize("dtype,head_dim,capability,expected", [
+    ("bfloat16", 64, (9, 0), "cudnn"),
+    ("float16", 256, (9, 0), "cudnn"),
+    ("bfloat16", 192, (8, 0), "xla"),    # over 128: Hopper and later only
+    ("float32", 64, (9, 0), "xla"),      # cuDNN attention takes bf16 / fp16
+    ("bfloat16", 12, (9, 0), "xla"),     # not a multiple of 8
+    ("bfloat16", 264, (9, 0), "xla"),    # over 256
+    ("bfloat16", 64, (7, 5), "xla"),     # before Ampere
+    ("bfloat16", 64, None, "xla"),       # no CUDA GPU
+])
+def test_attention_choice(dtype, head_dim, capability, expected):
+    assert common._attention_choice(dtype, head_dim, capability) == expected
+
+
+def test_attention_falls_back_to_xla_without_a_gpu(caplog):
+    if jax.default_backend() == "gpu":
+        pytest.skip("the CPU fallback; test_cudnn_attention_in_the_step covers GPUs")
+    common._attention_choice.cache_clear()
+    with caplog.at_level("INFO", logger="models"):
+        assert common.attention_implementation(jnp.bfloat16, 64) == "xla"
+        assert common.attention_implementation("bfloat16", 64) == "xla"
+    assert [r.getMessage() for r in caplog.records] == [
+        "attention: XLA (no CUDA GPU of compute capability >= 8.0 (default device: cpu))"]  # once
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stock", [False, True])
+def test_cudnn_attention_in_the_step(stock):
+    """Both twins run cuDNN's fused attention, forward and backward, in bfloat16 on the GPU."""
+    cfg = get_config("small", seq_len=128, n_layers=2)
+    model = common.init("nnx", cfg, jax.random.key(0), stock=stock, abstract=True)
+    batch = jax.ShapeDtypeStruct((2, cfg.seq_len), jnp.int32)
+    hlo = jax.jit(jax.value_and_grad(model.loss)).trace(model.params, batch, batch).lower().as_text()
+    assert len(re.findall(r"__cudnn\$fmhaSoftmax\b", hlo)) == cfg.n_layers
+    assert len(re.findall(r"__cudnn\$fmhaSoftmaxBackward", hlo)) == cfg.n_layers
+
+
 # --- compile once: 24 blocks lowered for CUDA --------------------------------------------------------
 
 def kernel_calls(hlo: str) -> list[str]:
@@ -132,6 +185,7 @@ def test_deep24_compiles_each_kernel_once():
             model = common.init(framework, cfg, jax.random.key(0), abstract=True)
             hlo = (jax.jit(jax.value_and_grad(model.loss)).trace(model.params, batch, batch)
                    .lower(lowering_platforms=("cuda",)).as_text())
+            assert "__cudnn$fmha" not in hlo  # no GPU here: XLA attention (cuDNN's cannot be lowered)
             calls = kernel_calls(hlo)
             per_name = Counter(map(kernel_name, calls))
             n, blocks = cfg.n_layers, cfg.n_layers

@@ -18,7 +18,8 @@ from models.configs import get_config
 from numerics import assert_close
 from training import data as data_mod
 from training.checkpoint import Checkpointer
-from training.train import build_parser, main, parse_args, train
+from training import sample
+from training.train import DevicePrefetcher, build_parser, main, parse_args, train
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["--batch-size", "8", "--seq-len", "32", "--eval-batches", "2", "--warmup", "5", "--lr", "1e-2"]
@@ -179,6 +180,7 @@ def test_help_documents_every_flag():
     (["--seq-len", "65"], "argument --seq-len: 65 exceeds the tiny config's position table"),
     (["--steps", "10", "--warmup", "10"], "argument --warmup: 10 warmup steps must be fewer than --steps=10"),
     (["--resume"], "argument --resume: needs --checkpoint-dir"),
+    (["--reschedule"], "argument --reschedule: needs --resume"),
     (["--plot", "curve.jpg"], "argument --plot: expected a .png file name"),
     (["--weight-decay", "-0.1"], "argument --weight-decay: must be a finite number >= 0"),
     (["--devices", "0"], "argument --devices: must be >= 1; got 0"),
@@ -192,6 +194,101 @@ def test_bad_flags_are_clear_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_default_warmup_longer_than_the_run_is_clamped_with_a_note():
+    args = parse_args(["--steps", "50"])  # tiny's default warmup is 50
+    assert args.warmup == 5
+    assert args.notes == [("note: the tiny config's default warmup of 50 steps is not shorter than --steps 50; "
+                           "using --warmup 5 (a tenth of the run; pass --warmup to choose)")]
+    assert parse_args(["--steps", "51"]).warmup == 50 and parse_args(["--steps", "51"]).notes == []
+
+
 def test_cute_backend_without_a_gpu_is_a_clear_error(capsys):
     assert main(["--backend", "cute", "--steps", "8", *FAST]) == 2
     assert "--backend cute needs a Hopper GPU" in capsys.readouterr().err
+
+
+# --- the learning-rate schedule on resume -------------------------------------------------------------
+
+def test_resume_keeps_the_schedule_unless_rescheduled(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    base = ["--model", "linen", "--eval-every", "0", "--log-every", "2", "--checkpoint-dir", str(ckpt), *FAST]
+    first, _ = run([*base, "--steps", "8"])
+    assert (first.schedule.lr, first.schedule.warmup, first.schedule.steps) == (1e-2, 5, 8)
+    kept, text = run([*base, "--steps", "12", "--resume"])
+    assert kept.schedule == first.schedule
+    assert ("--resume: keeping the run's learning-rate schedule (lr 0.01, warmup 5, cosine decay to 0.001 at "
+            "step 8); steps 9..12 run at its final 0.001") in text
+    assert Checkpointer(ckpt).read_meta()["schedule"]["steps"] == 8  # what the continued run saved
+    shutil.rmtree(ckpt / "12")
+    new, text = run([*base, "--steps", "12", "--resume", "--reschedule", "--lr", "5e-3"])
+    assert (new.schedule.lr, new.schedule.steps) == (5e-3, 12)
+    assert "--reschedule: learning-rate schedule lr 0.005, warmup 5, cosine decay to 0.0005 at step 12" in text
+
+
+# --- what the loop shows ---------------------------------------------------------------------------
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_bar_on_a_terminal_plain_lines_elsewhere():
+    argv = ["--steps", "6", "--log-every", "2", "--eval-every", "0", *FAST]
+    tty = Terminal()
+    train(parse_args(argv), out=tty)
+    bar = tty.getvalue()
+    assert "\r" in bar and "step 6/6 [" in bar and "ETA" in bar and "tokens/s" in bar
+    assert "| loss " in bar and "step      2 | loss" not in bar  # the bar instead of the lines
+    _, plain = run(argv)
+    assert "\r" not in plain and "ETA" not in plain
+    assert [line.split("|")[0].strip() for line in plain.splitlines() if "| loss" in line] == [
+        "step      2", "step      4", "step      6"]
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_path_notes_are_one_line_of_the_same_format(checkpoint, tmp_path):
+    """The library's reasons for the reference path are one line, the same with --checkpoint-dir
+    (Orbax's logging on the root logger does not reformat them)."""
+    argv = ["--steps", "6", "--eval-every", "0", *FAST] + (["--checkpoint-dir", str(tmp_path)] if checkpoint else [])
+    proc = subprocess.run([sys.executable, "-m", "training.train", *argv], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    notes = [line for line in proc.stdout.splitlines() if "reference path" in line]
+    assert len(notes) == 1 and notes[0].startswith("notes: cutelayers: running the reference path"), proc.stdout
+    assert "reference path" not in proc.stderr, proc.stderr
+
+
+def test_prefetcher_keeps_order_and_raises_the_producers_error():
+    device = jax.devices("cpu")[0]
+    fetched = DevicePrefetcher(lambda step: np.full((2,), step), range(3, 9), device)
+    assert [int(b[0]) for b in fetched] == [3, 4, 5, 6, 7, 8]
+    fetched.close()
+
+    def make(step):
+        if step == 2:
+            raise ValueError("no batch 2")
+        return np.zeros(1)
+
+    failing = DevicePrefetcher(make, range(5), device)
+    with pytest.raises(ValueError, match="no batch 2"):
+        list(failing)
+    failing.close()
+
+
+# --- sampling ------------------------------------------------------------------------------------
+
+def test_sample_continues_the_prompt(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    trained, _ = run(["--model", "equinox", "--steps", "40", "--eval-every", "0", "--checkpoint-dir", str(ckpt),
+                      *FAST])
+    assert trained.end_loss < 3.5
+    argv = ["--checkpoint-dir", str(ckpt), "--prompt", "Alice was ", "--tokens", "40", "--temperature", "0"]
+    assert sample.main(argv) == 0
+    greedy = capsys.readouterr().out.rstrip("\n")
+    assert greedy.startswith("Alice was ") and len(greedy.encode()) >= len("Alice was ") + 20
+    assert sample.main(argv) == 0 and capsys.readouterr().out.rstrip("\n") == greedy  # deterministic
+    # trained on English: mostly letters and spaces, not uniform noise over 256 bytes
+    generated = greedy[len("Alice was "):]
+    assert sum(c.isalpha() or c == " " for c in generated) > 0.8 * len(generated), generated
+    assert sample.main(["--checkpoint-dir", str(tmp_path / "none")]) == 2
+    assert "--checkpoint-dir: no checkpoint in" in capsys.readouterr().err

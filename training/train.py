@@ -1,17 +1,25 @@
 """Train a small GPT on the shipped corpus: ``python -m training.train [options]``.
 
-The defaults (``--model nnx --config tiny``: 137k parameters, 1000 steps of 16 x 64 bytes) train
-in under a minute on a 2-core CPU, the loss falling from ln(256) ~ 5.55 to ~1.8 (held out ~1.9).
-On a Hopper GPU the same command runs the CuTe kernels (in bfloat16 there, see ``--dtype``);
-``--config small`` is the GPU-sized model.
+The defaults (``--model nnx --config tiny``: 137k parameters, 1000 steps of 16 x 64 bytes) run on
+a CPU, the loss falling from ln(256) ~ 5.55 to ~1.8 (held out ~1.9). On a Hopper GPU the same
+command runs the CuTe kernels (in bfloat16 there, see ``--dtype``); ``--config small`` and
+``--config gpt2`` are the GPU-sized models.
 
-What it does: AdamW (weight decay on matrices only) with linear warmup + cosine decay and
-global-norm gradient clipping; a jit-compiled train step (compiled ahead of time, so the report
-can say whether the CuTe kernels are in it); eval loss on a fixed held-out set; Orbax checkpoints
-(``--checkpoint-dir``, ``--resume``); a progress line every ``--log-every`` steps with loss and
-tokens/s; JSON-lines metrics (``--metrics-file``); a loss-curve PNG (``--plot``, needs
-matplotlib). At the end: start / end loss, the backend setting and the path that actually ran,
-and ``cutelayers.cache_info()``.
+What it does, in the order :func:`train` runs it: the model and its data (byte-level tokens;
+configs with a larger vocabulary use its first 256 ids); AdamW (weight decay on matrices only)
+with linear warmup + cosine decay and global-norm gradient clipping; optionally the state of
+a checkpoint (``--resume``: the learning-rate schedule is part of the run and is kept unless
+``--reschedule``); a jit-compiled train step (compiled ahead of time, so the report can say
+whether the CuTe kernels are in it); the loop; a summary.
+
+The loop keeps the device busy: the train state is flattened once and the step takes and
+returns its leaves (donated), a background thread puts the next batches on the device ahead of
+use, and losses stay on the device until a log interval, fetched after the next step has been
+dispatched. On a terminal a progress bar shows loss, tokens/s and ETA; elsewhere (CI, a pipe) a
+plain line every ``--log-every`` steps. Evaluation on a fixed held-out set, Orbax checkpoints
+(``--checkpoint-dir``), JSON-lines metrics (``--metrics-file``), a loss-curve PNG (``--plot``,
+needs the ``plot`` extra: matplotlib). At the end: start / end loss, the backend setting and the
+path that actually ran, and ``cutelayers.cache_info()``.
 
 ``--devices N`` trains data-parallel: each batch is sharded over a 1-D mesh of N devices, the
 parameters and optimizer state are replicated, and XLA partitions the jitted step -- the kernels
@@ -27,11 +35,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import math
+import queue
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +52,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import cutelayers as cl
 from models import common
-from models.configs import CONFIGS, get_config
+from models.configs import CONFIGS, GPTConfig, get_config
 from training.data import VOCAB_SIZE, TextData
 
 # Per-config training defaults; any flag given on the command line wins.
@@ -49,6 +60,7 @@ DEFAULTS = {
     "tiny": dict(steps=1000, batch_size=16, lr=3e-3, warmup=50, eval_every=200),
     "small": dict(steps=2000, batch_size=32, lr=6e-4, warmup=200, eval_every=250),
     "deep24": dict(steps=1000, batch_size=16, lr=1e-3, warmup=100, eval_every=250),
+    "gpt2": dict(steps=2000, batch_size=16, lr=6e-4, warmup=100, eval_every=250),
 }
 
 
@@ -117,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which framework's implementation to train (models/<model>_gpt.py)")
     p.add_argument("--config", choices=tuple(CONFIGS), default="tiny",
                    help="model size (models/configs.py): tiny for CPU, small for one GPU, deep24 = "
-                        "24 narrow blocks")
+                        "24 narrow blocks, gpt2 = GPT-2 small's shape")
     p.add_argument("--steps", type=_int_at_least(1), default=None,
                    help="total optimizer steps (with --resume: up to this step); default per config")
     p.add_argument("--backend", choices=cl.BACKENDS, default="auto",
@@ -130,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=_positive_float, default=None,
                    help="peak learning rate (after warmup; cosine decay to 10%% of it); default per config")
     p.add_argument("--warmup", type=_int_at_least(0), default=None,
-                   help="linear warmup steps, fewer than --steps; default per config")
+                   help="linear warmup steps, fewer than --steps; default per config (clamped, with a "
+                        "note, to a tenth of a run shorter than it)")
     p.add_argument("--weight-decay", type=_nonneg_float, default=0.1,
                    help="AdamW weight decay, applied to weight matrices and embeddings only")
     p.add_argument("--grad-clip", type=_positive_float, default=1.0,
@@ -151,11 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="save Orbax checkpoints here (at every evaluation and at the end)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --checkpoint-dir (starts fresh, with a "
-                        "notice, if there is none); the checkpoint may come from the --stock twin")
+                        "notice, if there is none); the checkpoint may come from the --stock twin. The run's "
+                        "learning-rate schedule (--lr, --warmup, --steps of the run that wrote it) is kept")
+    p.add_argument("--reschedule", action="store_true",
+                   help="with --resume: replace the checkpoint's learning-rate schedule by this command's "
+                        "--lr / --warmup / --steps (the optimizer's step count carries on)")
     p.add_argument("--metrics-file", type=Path, default=None,
                    help="write metrics as JSON lines here (appended to with --resume)")
     p.add_argument("--plot", type=Path, default=None, metavar="PNG",
-                   help="save a loss-curve PNG here (needs matplotlib; skipped with a message otherwise)")
+                   help="save a loss-curve PNG here (needs matplotlib: pip install -e '.[plot]'; skipped "
+                        "with a message otherwise)")
     p.add_argument("--devices", type=_int_at_least(1), default=1,
                    help="train data-parallel over this many devices of JAX's default platform: each batch "
                         "is sharded over them (--batch-size must be a multiple), parameters and optimizer "
@@ -167,9 +185,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse and validate ``argv``; fills per-config defaults. Exits with status 2 on bad input."""
+    """Parse and validate ``argv``; fills per-config defaults (``args.notes``: what was adjusted,
+    for :func:`train` to print). Exits with status 2 on bad input."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.notes = []
+    if args.warmup is None and DEFAULTS[args.config]["warmup"] >= (args.steps or DEFAULTS[args.config]["steps"]):
+        args.warmup = args.steps // 10
+        args.notes.append(f"note: the {args.config} config's default warmup of {DEFAULTS[args.config]['warmup']} "
+                          f"steps is not shorter than --steps {args.steps}; using --warmup {args.warmup} "
+                          f"(a tenth of the run; pass --warmup to choose)")
     for key, value in DEFAULTS[args.config].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -183,6 +208,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"argument --warmup: {args.warmup} warmup steps must be fewer than --steps={args.steps}")
     if args.resume and args.checkpoint_dir is None:
         parser.error("argument --resume: needs --checkpoint-dir")
+    if args.reschedule and not args.resume:
+        parser.error("argument --reschedule: needs --resume (a new run always uses its own schedule)")
     if args.batch_size % args.devices:
         parser.error(f"argument --devices: --batch-size {args.batch_size} is not a multiple of --devices "
                      f"{args.devices} (every device takes an equal share of each batch)")
@@ -193,16 +220,30 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 # --- training pieces ------------------------------------------------------------------------------
 
-def make_optimizer(params, *, lr: float, warmup: int, steps: int, weight_decay: float, grad_clip: float):
-    """AdamW (decay on >= 2-D leaves only) after global-norm clipping; warmup + cosine schedule."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=lr, warmup_steps=warmup, decay_steps=steps, end_value=0.1 * lr)
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A run's learning rate: linear warmup from 0 to ``lr`` over ``warmup`` steps, cosine decay to
+    10% of it at step ``steps``, constant after. Saved with every checkpoint: it is part of the run."""
+
+    lr: float
+    warmup: int
+    steps: int
+
+    def __call__(self, step):
+        return optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=self.lr, warmup_steps=self.warmup,
+                                                  decay_steps=self.steps, end_value=0.1 * self.lr)(step)
+
+    def describe(self) -> str:
+        return f"lr {self.lr:g}, warmup {self.warmup}, cosine decay to {0.1 * self.lr:g} at step {self.steps}"
+
+
+def make_optimizer(params, schedule: Schedule, *, weight_decay: float, grad_clip: float):
+    """AdamW (decay on >= 2-D leaves only) after global-norm clipping, at ``schedule``'s rate."""
     decay_mask = jax.tree.map(lambda p: p.ndim >= 2, params)
-    tx = optax.chain(
+    return optax.chain(
         optax.clip_by_global_norm(grad_clip),
         optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=decay_mask),
     )
-    return tx, schedule
 
 
 def train_state(params, opt_state, step: int) -> dict:
@@ -219,6 +260,41 @@ def make_train_step(loss_fn, tx):
         return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
 
     return train_step
+
+
+@dataclasses.dataclass
+class CompiledStep:
+    """The train step compiled on the flat train state: ``run(leaves, inputs, targets) -> (leaves,
+    loss, grad_norm)``, the leaves donated. The (params, opt_state) pytree is flattened once
+    (``unflatten`` rebuilds it for evaluation and checkpoints), so a step's dispatch does no
+    Python work per parameter (an ``nnx.State`` would be flattened and rebuilt in Python)."""
+
+    run: Callable
+    treedef: Any
+    kernel_calls: int
+    seconds: float
+    hlo_text: str
+
+    def unflatten(self, leaves):
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def compile_train_step(loss_fn, tx, params, opt_state, inputs, targets, *, replicated) -> CompiledStep:
+    """Lower and compile the step for these arguments' shapes and shardings (ahead of time: the
+    compiled program says which path runs)."""
+    leaves, treedef = jax.tree.flatten((params, opt_state))
+    step = make_train_step(loss_fn, tx)
+
+    def flat_step(leaves, inputs, targets):
+        params, opt_state, loss, grad_norm = step(*jax.tree.unflatten(treedef, leaves), inputs, targets)
+        return tuple(jax.tree.leaves((params, opt_state))), loss, grad_norm
+
+    t0 = time.perf_counter()
+    compiled = jax.jit(flat_step, donate_argnums=0, out_shardings=replicated).lower(
+        tuple(leaves), inputs, targets).compile()
+    text = compiled.as_text()
+    return CompiledStep(run=compiled, treedef=treedef, kernel_calls=count_kernel_calls(text),
+                        seconds=time.perf_counter() - t0, hlo_text=text)
 
 
 def count_kernel_calls(hlo_text: str) -> int:
@@ -245,6 +321,124 @@ def data_parallel_mesh(n_devices: int) -> jax.sharding.Mesh:
                          axis_types=(jax.sharding.AxisType.Auto,))
 
 
+class DevicePrefetcher:
+    """Batches ``make(step)`` for ``steps``, put on the device ``depth`` steps ahead of use by a
+    background thread, so neither building a batch nor its host-to-device copy sits between two
+    train steps. Iterate once; :meth:`close` stops the thread (also on an early exit)."""
+
+    def __init__(self, make: Callable[[int], Any], steps: range, sharding, *, depth: int = 2):
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._steps = steps
+        self._thread = threading.Thread(target=self._fill, args=(make, sharding), daemon=True)
+        self._thread.start()
+
+    def _fill(self, make, sharding):
+        for step in self._steps:
+            try:
+                item = jax.device_put(make(step), sharding)
+            except Exception as error:  # noqa: BLE001  (re-raised in the consumer's thread)
+                item = error
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if self._stop.is_set() or isinstance(item, Exception):
+                return
+
+    def __iter__(self) -> Iterator:
+        for _ in self._steps:
+            item = self._queue.get()
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class Progress:
+    """What the loop shows: on a terminal a progress bar (step, loss, tokens/s, ETA) redrawn at most
+    10 times a second, with other lines printed above it; elsewhere a plain line per log interval."""
+
+    def __init__(self, out, first_step: int, last_step: int, tokens_per_step: int):
+        self.out, self.first, self.last, self._tokens_per_step = out, first_step, last_step, tokens_per_step
+        self.is_tty = bool(getattr(out, "isatty", lambda: False)())
+        self._loss = self._tps = None
+        self._drawn_at = 0.0
+
+    def print(self, text: str) -> None:
+        print(("\r\033[K" if self.is_tty else "") + text, file=self.out, flush=True)
+
+    def step(self, step: int) -> None:
+        """Called every step: only a terminal, at most every 0.1 s, gets anything."""
+        if self.is_tty and time.perf_counter() - self._drawn_at > 0.1:
+            self._draw(step)
+
+    def window(self, step: int, loss: float, lr: float, grad_norm: float, tokens_per_s: float) -> None:
+        self._loss, self._tps = loss, tokens_per_s
+        if self.is_tty:
+            self._draw(step)
+        else:
+            self.print(f"step {step:>6} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
+                       f"{tokens_per_s / 1e3:.1f}k tokens/s")
+
+    def _draw(self, step: int) -> None:
+        done = (step - self.first) / max(1, self.last - self.first)
+        bar = "#" * int(30 * done) + "-" * (30 - int(30 * done))
+        parts = [f"step {step}/{self.last} [{bar}]"]
+        if self._loss is not None:
+            tokens_left = (self.last - step) * self._tokens_per_step
+            eta = tokens_left / self._tps if self._tps else float("nan")
+            parts += [f"loss {self._loss:.4f}", f"{self._tps / 1e3:.1f}k tokens/s",
+                      f"ETA {int(eta) // 60}:{int(eta) % 60:02d}" if math.isfinite(eta) else "ETA ?"]
+        print("\r\033[K" + " | ".join(parts), end="", file=self.out, flush=True)
+        self._drawn_at = time.perf_counter()
+
+    def close(self) -> None:
+        if self.is_tty:
+            print(file=self.out, flush=True)
+
+
+class LibraryNotes(logging.Handler):
+    """Collects what cutelayers and the models log (which path runs and why, the attention
+    implementation) while :func:`train` builds and compiles, so the run prints it as one line of
+    its own format, whatever handlers other libraries (Orbax's absl) put on the root logger."""
+
+    LOGGERS = ("cutelayers", "models")
+
+    def __init__(self):
+        super().__init__(level=logging.INFO)
+        self.messages: list[str] = []
+        self._saved: list[tuple[logging.Logger, int, bool]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> "LibraryNotes":
+        for name in self.LOGGERS:
+            logger = logging.getLogger(name)
+            self._saved.append((logger, logger.level, logger.propagate))
+            logger.setLevel(logging.INFO)
+            logger.propagate = False
+            logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for logger, level, propagate in self._saved:
+            logger.removeHandler(self)
+            logger.setLevel(level)
+            logger.propagate = propagate
+
+    def take(self) -> str | None:
+        """The messages so far as one line (None if there were none), and forget them."""
+        text, self.messages = " | ".join(self.messages), []
+        return f"notes: {text}" if text else None
+
+
 def _path_report(n_calls: int) -> str:
     platform = jax.default_backend()
     if n_calls:
@@ -263,27 +457,175 @@ def _cache_report() -> str:
                        for k, v in info.items()})
 
 
-def _plot(path: Path, history: list[dict]) -> str:
+def _plot(path: Path, train_curve: list[tuple[int, float]], eval_losses: list[tuple[int, float]]) -> str:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return f"--plot: matplotlib is not installed; skipped {path} (pip install matplotlib)"
+        return f"--plot: matplotlib is not installed; skipped {path} (pip install -e '.[plot]')"
     fig, ax = plt.subplots(figsize=(6, 4))
-    for split in ("train", "eval"):
-        pts = [(h["step"], h["loss"]) for h in history if h["split"] == split]
-        if pts:
-            ax.plot(*zip(*pts), marker="o" if split == "eval" else None, label=split)
+    for label, points in (("train (every step)", train_curve), ("eval", eval_losses)):
+        if points:  # markers: a short run's curve has few points, a one-point line is invisible
+            ax.plot(*zip(*points), marker="o", markersize=2 if len(points) > 50 else 4, linewidth=1, label=label)
     ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats / byte)")
+    ax.set_ylabel("cross-entropy (nats / token)")
     ax.legend()
     ax.grid(alpha=0.3)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return f"loss curve: {path}"
+
+
+# --- the run, step by step ------------------------------------------------------------------------
+
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    """The preset of ``--config`` in the compute dtype of ``--dtype`` (default: bfloat16 on a GPU)."""
+    dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else None)
+    config = get_config(args.config, **({"dtype": dtype} if dtype else {}))
+    if config.vocab_size < VOCAB_SIZE:
+        raise UsageError(f"--config {args.config}: vocab_size={config.vocab_size} is smaller than the data's "
+                         f"byte vocabulary ({VOCAB_SIZE})")
+    if args.backend == "cute" and jax.default_backend() != "gpu":
+        raise UsageError(f"--backend cute needs a Hopper GPU; JAX's platform here is "
+                         f"{jax.default_backend()!r}. Use --backend auto (the default) or reference.")
+    return config
+
+
+def run_meta(args: argparse.Namespace, config: GPTConfig) -> dict:
+    """What a checkpoint records about the run besides its arrays."""
+    return dict(model=args.model, config=args.config, model_config=dataclasses.asdict(config), stock=args.stock,
+                seed=args.seed, batch_size=args.batch_size, seq_len=args.seq_len,
+                schedule=dataclasses.asdict(Schedule(args.lr, args.warmup, args.steps)))
+
+
+def open_checkpoint(args: argparse.Namespace, meta: dict, say):
+    """(Checkpointer or None, metadata of the checkpoint to resume from or None); checks that the
+    checkpoint is one of this model and config."""
+    if args.checkpoint_dir is None:
+        return None, None
+    from training.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(args.checkpoint_dir)
+    if not args.resume:
+        return ckpt, None
+    if ckpt.latest_step() is None:
+        say(f"--resume: no checkpoint in {ckpt.directory} yet; starting from step 0")
+        return ckpt, None
+    saved = ckpt.read_meta()
+    if saved.get("model") != args.model:
+        raise UsageError(f"--resume: the checkpoint in {ckpt.directory} is for --model {saved.get('model')}; "
+                         f"this run is --model {args.model}")
+    # parameters are float32 whatever the compute dtype: a checkpoint serves any --dtype
+    shape_of = lambda c: {k: v for k, v in (c or {}).items() if k != "dtype"}  # noqa: E731
+    if shape_of(saved.get("model_config")) != shape_of(meta["model_config"]):
+        raise UsageError(
+            f"--resume: the checkpoint in {ckpt.directory} is for --config {saved.get('config')} "
+            f"{shape_of(saved.get('model_config'))}; this run is --config {args.config} "
+            f"{shape_of(meta['model_config'])}")
+    return ckpt, saved
+
+
+def choose_schedule(args: argparse.Namespace, saved: dict | None, say) -> Schedule:
+    """This command's schedule for a new run (or with --reschedule); the checkpoint's when resuming.
+    Says what it did whenever the two differ."""
+    requested = Schedule(args.lr, args.warmup, args.steps)
+    if saved is None:
+        return requested
+    if "schedule" not in saved:
+        say(f"--resume: the checkpoint records no learning-rate schedule; using this command's ({requested.describe()})")
+        return requested
+    kept = Schedule(**saved["schedule"])
+    if kept == requested:
+        return kept
+    if args.reschedule:
+        say(f"--reschedule: learning-rate schedule {requested.describe()} (the checkpoint's was {kept.describe()})")
+        return requested
+    beyond = (f"; steps {kept.steps + 1}..{args.steps} run at its final {0.1 * kept.lr:g}"
+              if args.steps > kept.steps else "")
+    say(f"--resume: keeping the run's learning-rate schedule ({kept.describe()}){beyond}. --reschedule uses "
+        f"this command's ({requested.describe()}) instead")
+    return kept
+
+
+def initial_state(model, tx, ckpt, saved: dict | None, stock: bool, say):
+    """(params, opt_state, step): fresh, or restored from the latest checkpoint when resuming."""
+    params, opt_state = model.params, tx.init(model.params)
+    if saved is None:
+        return params, opt_state, 0
+    state, _ = ckpt.restore(train_state(params, opt_state, 0))
+    step = int(state["step"])
+    say(f"resumed from {ckpt.directory} at step {step}"
+        + (f" (written by the {'stock' if saved.get('stock') else 'cutelayers'} model)"
+           if saved.get("stock") != stock else ""))
+    return state["params"], state["opt_state"], step
+
+
+@dataclasses.dataclass
+class _Window:
+    """The steps since the last log line: per-step losses still on the device."""
+
+    last_step: int
+    losses: list
+    grad_norm: jax.Array
+
+
+@dataclasses.dataclass
+class LoopResult:
+    leaves: tuple
+    train_curve: list[tuple[int, float]]  # (step, loss) of every step
+    window_means: list[tuple[float, int]]  # (mean loss, steps) per log interval
+    eval_losses: list[tuple[int, float]]
+    train_seconds: float  # time in train steps: evaluation and checkpoints excluded
+
+
+def run_loop(args, step_fn: CompiledStep, leaves, batches, schedule: Schedule, *, first_step: int,
+             evaluate, save, record, progress: Progress) -> LoopResult:
+    """Steps ``first_step..args.steps``. Nothing here waits for the device except evaluation and
+    the metrics of a log interval, fetched after the next step is dispatched."""
+    tokens_per_step = args.batch_size * args.seq_len
+    out = LoopResult(leaves=leaves, train_curve=[], window_means=[], eval_losses=[], train_seconds=0.0)
+    losses: list[jax.Array] = []
+    pending: _Window | None = None
+    mark, excluded = time.perf_counter(), 0.0
+
+    def report(window: _Window):
+        nonlocal mark, excluded
+        values, grad_norm = jax.device_get((window.losses, window.grad_norm))  # waits for its last step
+        now = time.perf_counter()
+        seconds, mark, excluded = now - mark - excluded, now, 0.0
+        out.train_seconds += seconds
+        first = window.last_step - len(values) + 1
+        out.train_curve += [(first + i, float(v)) for i, v in enumerate(values)]
+        mean, lr, tps = float(np.mean(values)), float(schedule(window.last_step)), len(values) * tokens_per_step / seconds
+        out.window_means.append((mean, len(values)))
+        record(step=window.last_step, split="train", loss=mean, lr=lr, grad_norm=float(grad_norm),
+               tokens_per_s=tps, elapsed_s=out.train_seconds)
+        progress.window(window.last_step, mean, lr, float(grad_norm), tps)
+
+    for step, (inputs, targets) in zip(range(first_step, args.steps + 1), batches):
+        leaves, loss, grad_norm = step_fn.run(leaves, inputs, targets)
+        losses.append(loss)
+        if pending is not None:  # the previous interval's metrics, while this step runs
+            report(pending)
+            pending = None
+        if step % args.log_every == 0 or step == args.steps:
+            pending, losses = _Window(step, losses, grad_norm), []
+        if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
+            if pending is not None:
+                report(pending)
+                pending = None
+            started = time.perf_counter()
+            out.eval_losses.append((step, evaluate(step, leaves)))
+            save(step, leaves)
+            excluded += time.perf_counter() - started
+        progress.step(step)
+    if pending is not None:
+        report(pending)
+    out.leaves = leaves
+    return out
 
 
 @dataclasses.dataclass
@@ -295,13 +637,16 @@ class Result:
     start_loss: float | None
     end_loss: float | None
     eval_losses: list[tuple[int, float]]
+    train_curve: list[tuple[int, float]]
     backend: str
     path: str
     kernel_calls: int
     params: Any
     opt_state: Any
-    seconds: float
-    tokens_per_s: float
+    schedule: Schedule
+    compile_seconds: float
+    seconds: float  # the loop's wall time, evaluation and checkpoints included
+    tokens_per_s: float  # over the train steps only
 
 
 def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
@@ -310,165 +655,128 @@ def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
     def say(*parts):
         print(*parts, file=out, flush=True)
 
-    dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else None)
-    config = get_config(args.config, **({"dtype": dtype} if dtype else {}))
-    if config.vocab_size != VOCAB_SIZE:
-        raise UsageError(f"config vocab_size={config.vocab_size} but the data is bytes (vocab {VOCAB_SIZE})")
-    if args.backend == "cute" and jax.default_backend() != "gpu":
-        raise UsageError(f"--backend cute needs a Hopper GPU; JAX's platform here is "
-                         f"{jax.default_backend()!r}. Use --backend auto (the default) or reference.")
+    for note in getattr(args, "notes", ()):
+        say(note)
+    config = model_config(args)
     data = TextData.load()
     data.check_seq_len(args.seq_len)
     mesh = data_parallel_mesh(args.devices)
     replicated = NamedSharding(mesh, PartitionSpec())
     batch_sharded = NamedSharding(mesh, PartitionSpec("data"))
-    eval_set = jax.device_put(data.eval_batches(args.batch_size, args.seq_len, args.eval_batches),
-                              batch_sharded)
+    eval_set = jax.device_put(data.eval_batches(args.batch_size, args.seq_len, args.eval_batches), batch_sharded)
+    meta = run_meta(args, config)
 
-    with cl.use_backend(args.backend):
+    with cl.use_backend(args.backend), LibraryNotes() as notes:
         backend = cl.current_backend()
         model = common.init(args.model, config, jax.random.key(args.seed), stock=args.stock)
-        tx, schedule = make_optimizer(model.params, lr=args.lr, warmup=args.warmup, steps=args.steps,
-                                      weight_decay=args.weight_decay, grad_clip=args.grad_clip)
-        params, opt_state, start_step = model.params, tx.init(model.params), 0
-        meta = dict(model=args.model, config=args.config, model_config=dataclasses.asdict(config),
-                    stock=args.stock, seed=args.seed, batch_size=args.batch_size, seq_len=args.seq_len)
-
-        ckpt = None
-        if args.checkpoint_dir is not None:
-            from training.checkpoint import Checkpointer
-
-            ckpt = Checkpointer(args.checkpoint_dir)
-            if args.resume and ckpt.latest_step() is not None:
-                saved = ckpt.read_meta()
-                if saved.get("model") != args.model:
-                    raise UsageError(f"--resume: the checkpoint in {ckpt.directory} is for --model "
-                                     f"{saved.get('model')}; this run is --model {args.model}")
-                # parameters are float32 whatever the compute dtype: a checkpoint serves any --dtype
-                shape_of = lambda c: {k: v for k, v in (c or {}).items() if k != "dtype"}  # noqa: E731
-                if shape_of(saved.get("model_config")) != shape_of(meta["model_config"]):
-                    raise UsageError(
-                        f"--resume: the checkpoint in {ckpt.directory} is for --config {saved.get('config')} "
-                        f"{shape_of(saved.get('model_config'))}; this run is --config {args.config} "
-                        f"{shape_of(meta['model_config'])}")
-                state, _ = ckpt.restore(train_state(params, opt_state, 0))
-                params, opt_state, start_step = state["params"], state["opt_state"], int(state["step"])
-                say(f"resumed from {ckpt.directory} at step {start_step}"
-                    + (f" (written by the {'stock' if saved.get('stock') else 'cutelayers'} model)"
-                       if saved.get("stock") != args.stock else ""))
-            elif args.resume:
-                say(f"--resume: no checkpoint in {ckpt.directory} yet; starting from step 0")
-
+        ckpt, saved = open_checkpoint(args, meta, say)
+        schedule = choose_schedule(args, saved, say)
+        meta["schedule"] = dataclasses.asdict(schedule)
+        tx = make_optimizer(model.params, schedule, weight_decay=args.weight_decay, grad_clip=args.grad_clip)
+        params, opt_state, start_step = initial_state(model, tx, ckpt, saved, args.stock, say)
         params, opt_state = jax.device_put((params, opt_state), replicated)
-        n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
-        layers = "stock framework layers" if args.stock else "cutelayers layers"
-        say(f"model: {args.model} GPT, config {args.config} ({n_params:,} parameters, {config.n_layers} "
-            f"blocks, d={config.d_model}, {config.dtype} compute), {layers}")
-        say(f"data: {len(data.train):,} train / {len(data.eval):,} eval bytes; batch {args.batch_size} x "
-            f"{args.seq_len} tokens; {args.steps} steps, lr {args.lr:g}, warmup {args.warmup}; "
-            f"backend {backend}")
-        if args.devices > 1:
-            say(f"data-parallel over {args.devices} {jax.default_backend()} devices: "
-                f"{args.batch_size // args.devices} sequences per device per step")
+        say(describe_run(args, config, data, params, backend, schedule))
 
         def batch(step):
-            return jax.device_put(data.train_batch(step, args.batch_size, args.seq_len, args.seed),
-                                  batch_sharded)
+            return data.train_batch(step, args.batch_size, args.seq_len, args.seed)
 
-        # Compile the step ahead of time: the compiled program says which path runs.
-        t0 = time.perf_counter()
-        inputs, targets = batch(start_step)
-        step_fn = jax.jit(make_train_step(model.loss, tx), donate_argnums=(0, 1),
-                          out_shardings=replicated).lower(params, opt_state, inputs, targets).compile()
-        kernel_calls = count_kernel_calls(step_fn.as_text())
-        eval_fn = jax.jit(model.loss)
-        path = _path_report(kernel_calls)
-        if args.backend == "cute" and not kernel_calls:
+        first = jax.device_put(batch(start_step + 1), batch_sharded)
+        step_fn = compile_train_step(model.loss, tx, params, opt_state, *first, replicated=replicated)
+        path = _path_report(step_fn.kernel_calls)
+        if args.backend == "cute" and not step_fn.kernel_calls:
             raise UsageError(f"--backend cute, but the train step has no CuTe kernel calls: {path}")
-        say(f"compiled the train step in {time.perf_counter() - t0:.1f} s; path: {path}")
+        say(f"compiled the train step in {step_fn.seconds:.1f} s; path: {path}; attention: "
+            f"{common.attention_implementation(config.compute_dtype, config.head_dim)}")
+        for line in filter(None, [notes.take()]):
+            say(line)
+        leaves = tuple(jax.tree.leaves((params, opt_state)))
+        del params, opt_state  # donated to the first step: only `leaves` may be used from here
+        eval_loss = jax.jit(lambda leaves, x, y: model.loss(step_fn.unflatten(leaves)[0], x, y))
 
         metrics = None
         if args.metrics_file is not None:
             args.metrics_file.parent.mkdir(parents=True, exist_ok=True)
             metrics = open(args.metrics_file, "a" if args.resume else "w")
-        history: list[dict] = []
 
         def record(**row):
-            history.append(row)
             if metrics is not None:
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
 
-        def evaluate(step):
-            loss = float(np.mean([float(eval_fn(params, x, y)) for x, y in eval_set]))
+        progress = Progress(out, start_step, args.steps, args.batch_size * args.seq_len)
+
+        def evaluate(step, leaves):
+            loss = float(np.mean(jax.device_get([eval_loss(leaves, x, y) for x, y in eval_set])))
             record(step=step, split="eval", loss=loss)
-            say(f"step {step:>6} | eval loss {loss:.4f}")
+            progress.print(f"step {step:>6} | eval loss {loss:.4f}")
             return loss
 
-        def save(step):
+        def save(step, leaves):
             if ckpt is not None:
-                ckpt.save(step, train_state(params, opt_state, step), meta)
+                ckpt.save(step, train_state(*step_fn.unflatten(leaves), step), meta)
 
-        eval_losses = []
-        if start_step < args.steps:
-            eval_losses.append((start_step, evaluate(start_step)))
-        train_losses: list[tuple[float, int]] = []  # (mean loss, steps) per progress line
-        window: list[jax.Array] = []
-        start_loss = None
-        tokens_per_step = args.batch_size * args.seq_len
-        t_train = t_window = time.perf_counter()
-        steps_in_window = 0
-        for step in range(start_step + 1, args.steps + 1):
-            params, opt_state, loss, grad_norm = step_fn(params, opt_state, inputs, targets)
-            if step < args.steps:  # the next batch, prepared while the step runs
-                inputs, targets = batch(step)
-            window.append(loss)
-            steps_in_window += 1
-            if start_loss is None:
-                start_loss = float(loss)
-            if step % args.log_every == 0 or step == args.steps:
-                losses = [float(v) for v in window]  # waits for the step
-                now = time.perf_counter()
-                tps = steps_in_window * tokens_per_step / (now - t_window)
-                mean = float(np.mean(losses))
-                train_losses.append((mean, steps_in_window))
-                lr = float(schedule(step))
-                record(step=step, split="train", loss=mean, lr=lr, grad_norm=float(grad_norm),
-                       tokens_per_s=tps, elapsed_s=now - t_train)
-                say(f"step {step:>6} | loss {mean:.4f} | lr {lr:.2e} | grad norm {float(grad_norm):.3f} | "
-                    f"{tps / 1e3:.1f}k tokens/s")
-                window, steps_in_window, t_window = [], 0, now
-            if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
-                eval_losses.append((step, evaluate(step)))
-                save(step)
-        seconds = time.perf_counter() - t_train
-        steps_run = max(0, args.steps - start_step)
-        if ckpt is not None:
-            ckpt.close()
-        if metrics is not None:
-            metrics.close()
+        eval_losses = [(start_step, evaluate(start_step, leaves))] if start_step < args.steps else []
+        steps = range(start_step + 1, args.steps + 1)
+        batches = DevicePrefetcher(batch, steps, batch_sharded)
+        t_loop = time.perf_counter()
+        try:
+            loop = run_loop(args, step_fn, leaves, batches, schedule, first_step=start_step + 1,
+                            evaluate=evaluate, save=save, record=record, progress=progress)
+        finally:
+            batches.close()
+            progress.close()
+            if ckpt is not None:
+                ckpt.close()
+            if metrics is not None:
+                metrics.close()
+        seconds = time.perf_counter() - t_loop
+        eval_losses += loop.eval_losses
+        params, opt_state = step_fn.unflatten(loop.leaves)
+        result = Result(
+            steps_run=len(steps), final_step=args.steps if len(steps) else start_step,
+            start_loss=loop.train_curve[0][1] if loop.train_curve else None,
+            end_loss=loop.window_means[-1][0] if loop.window_means else None,
+            eval_losses=eval_losses, train_curve=loop.train_curve, backend=backend, path=path,
+            kernel_calls=step_fn.kernel_calls, params=params, opt_state=opt_state, schedule=schedule,
+            compile_seconds=step_fn.seconds, seconds=seconds,
+            tokens_per_s=len(steps) * args.batch_size * args.seq_len / loop.train_seconds if len(steps) else 0.0)
+        say(summary(result, loop, args, start_step, notes.take()))
+    return result
 
-        summary = [f"done: {steps_run} steps in {seconds:.1f} s"
-                   + (f", {steps_run * tokens_per_step / seconds / 1e3:.1f}k tokens/s" if steps_run else "")]
-        if steps_run:
-            end_loss, window_steps = train_losses[-1]
-            summary.append(f"loss: start {start_loss:.4f} (step {start_step + 1}) -> end {end_loss:.4f} "
-                           f"(mean of the last {window_steps} steps)")
-            summary.append(f"eval loss: {eval_losses[0][1]:.4f} (step {eval_losses[0][0]}) -> "
-                           f"{eval_losses[-1][1]:.4f} (step {eval_losses[-1][0]})")
-        else:
-            summary.append(f"nothing to do: the checkpoint is at step {start_step} >= --steps {args.steps}")
-        summary.append(f"backend: {backend} (cutelayers.current_backend()); ran: {path}")
-        summary.append(f"cutelayers.cache_info(): {_cache_report()}")
-        if args.plot is not None:
-            summary.append(_plot(args.plot, history))
-        say("\n".join(summary))
 
-    return Result(steps_run=steps_run, final_step=args.steps if steps_run else start_step,
-                  start_loss=start_loss, end_loss=train_losses[-1][0] if train_losses else None,
-                  eval_losses=eval_losses, backend=backend, path=path, kernel_calls=kernel_calls,
-                  params=params, opt_state=opt_state, seconds=seconds,
-                  tokens_per_s=steps_run * tokens_per_step / seconds if steps_run else 0.0)
+def describe_run(args, config: GPTConfig, data: TextData, params, backend: str, schedule: Schedule) -> str:
+    n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
+    layers = "stock framework layers" if args.stock else "cutelayers layers"
+    lines = [(f"model: {args.model} GPT, config {args.config} ({n_params:,} parameters, {config.n_layers} blocks, "
+              f"d={config.d_model}, vocab {config.vocab_size}, {config.dtype} compute), {layers}"),
+             (f"data: {len(data.train):,} train / {len(data.eval):,} eval bytes; batch {args.batch_size} x "
+              f"{args.seq_len} tokens; {args.steps} steps, {schedule.describe()}; backend {backend}")]
+    if args.devices > 1:
+        lines.append(f"data-parallel over {args.devices} {jax.default_backend()} devices: "
+                     f"{args.batch_size // args.devices} sequences per device per step")
+    return "\n".join(lines)
+
+
+def summary(result: Result, loop: LoopResult, args, start_step: int, notes: str | None) -> str:
+    lines = []
+    if result.steps_run:
+        lines.append(f"done: {result.steps_run} steps in {result.seconds:.1f} s ({loop.train_seconds:.1f} s in "
+                     f"train steps, {result.tokens_per_s / 1e3:.1f}k tokens/s; evaluation and checkpoints "
+                     f"excluded); compile {result.compile_seconds:.1f} s")
+        end_loss, window_steps = loop.window_means[-1]
+        lines.append(f"loss: start {result.start_loss:.4f} (step {start_step + 1}) -> end {end_loss:.4f} "
+                     f"(mean of the last {window_steps} steps)")
+        lines.append(f"eval loss: {result.eval_losses[0][1]:.4f} (step {result.eval_losses[0][0]}) -> "
+                     f"{result.eval_losses[-1][1]:.4f} (step {result.eval_losses[-1][0]})")
+    else:
+        lines.append(f"nothing to do: the checkpoint is at step {start_step} >= --steps {args.steps}")
+    if notes:
+        lines.append(notes)
+    lines.append(f"backend: {result.backend} (cutelayers.current_backend()); ran: {result.path}")
+    lines.append(f"cutelayers.cache_info(): {_cache_report()}")
+    if args.plot is not None:
+        lines.append(_plot(args.plot, result.train_curve, result.eval_losses))
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

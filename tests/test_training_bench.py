@@ -1,0 +1,32 @@
+"""python -m training.bench on CPU with the tiny config: every case runs (in its own process), the
+table compares with the stock twin, the per-part breakdown covers the step, the report is
+appended to the output file."""
+
+import re
+
+from training import bench
+
+
+def test_bench_tiny_cases_table_and_breakdown(tmp_path, capsys):
+    output = tmp_path / "bench.md"
+    output.write_text("# earlier results\n")
+    argv = ["--config", "tiny", "--model", "nnx", "--variant", "cutelayers", "stock", "--steps", "2",
+            "--warmup-steps", "1", "--breakdown", "--output", str(output)]
+    assert bench.main(argv) == 0
+    printed = capsys.readouterr().out
+    text = output.read_text()
+    assert text.startswith("# earlier results\n")  # appended, not overwritten
+    assert "Command: `python -m training.bench --config tiny --model nnx" in text and "jax " in text
+    rows = [line for line in text.splitlines() if line.startswith("| tiny |")]
+    assert [row.split("|")[3].strip() for row in rows] == ["cutelayers", "stock"]
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[3] == "xla" and cells[4] == "16 x 64"  # CPU: XLA attention; tiny's batch
+        assert float(cells[6]) > 0 and float(cells[7]) > 0 and int(cells[9].replace(",", "")) > 0
+        assert int(cells[12].replace(",", "")) > 0  # compiled memory (the CPU keeps no peak statistics)
+    assert rows[1].split("|")[11].strip() == "1.00x"  # stock vs itself
+    parts = re.findall(r"^\| (GEMM \w+ \(\d+x\d+\)|LayerNorm|attention|LM head \+ loss|optimizer \(AdamW\)|"
+                       r"other \(step - parts\)) \| ([\d.-]+) \| ([\d.-]+) \|", text, re.M)
+    assert len(parts) == 9
+    assert all(float(ours) > 0 and float(stock) > 0 for name, ours, stock in parts if not name.startswith("other"))
+    assert text.strip().endswith(printed.strip().splitlines()[-2].strip())  # printed what it appended
