@@ -113,7 +113,7 @@ def test_grad_matches_jnp(op, with_scale, with_bias, n, rng):
     g_ref = jax.grad(loss(ref), argnums=(0, 1, 2))(x, scale, bias)
     # dx = rstd * (g - mean(g) - y * mean(g * y)) with g = w * scale: at N = 1 it is an
     # epsilon-sized difference of terms of size |g| * rstd, so fp32 rounding is judged on that scale.
-    g_scale = jnp.abs(w * (1.0 if scale is None else scale))
+    g_scale = jnp.abs(w * (1.0 if scale is None else jnp.broadcast_to(scale, w.shape)))
     spread = jnp.var(x, -1, keepdims=True) if center else jnp.mean(x * x, -1, keepdims=True)
     terms = float(jnp.max(g_scale * jax.lax.rsqrt(spread + 1e-5)))
     for a, b in zip(g, g_ref):

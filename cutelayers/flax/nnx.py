@@ -91,14 +91,15 @@ class Linear(nnx.Linear):
         optional: added after the activation (cast to the result dtype)."""
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
-        inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
-        preferred = self.preferred_element_type
         why = (options_blocker(dot_general=None if self.dot_general is jax.lax.dot_general else self.dot_general,
                                out_sharding=out_sharding, promote_dtype=_custom(self.promote_dtype))
-               or array_blocker(inputs)
-               # the GEMM's result is in the compute dtype: asking for that one is honoured
-               or options_blocker(preferred_element_type=None if preferred is None
-                                  or jnp.dtype(preferred) == inputs.dtype else preferred))
+               or array_blocker(inputs, kernel=kernel.dtype, bias=getattr(bias, "dtype", None),
+                                dtype=self.dtype))
+        inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
+        preferred = self.preferred_element_type
+        # the GEMM's result is in the compute dtype: asking for that one is honoured
+        why = why or options_blocker(preferred_element_type=None if preferred is None
+                                     or jnp.dtype(preferred) == inputs.dtype else preferred)
         if not kernels_serve("Linear", why):
             return finish_linear(super().__call__(inputs, out_sharding), self.activation, residual)
         return fused_linear(inputs, kernel, bias, activation=self.activation, precision=self.precision,
