@@ -74,8 +74,7 @@ def norm_blocker(x, reduction_axes: Any, feature_axes: Any, **dtypes: Any) -> st
         return why
     rank = len(x.shape)
     for name, axes in (("reduction_axes", reduction_axes), ("feature_axes", feature_axes)):
-        axes = tuple(axes) if isinstance(axes, Iterable) else (axes,)
-        if sorted({a % rank for a in axes}) != [rank - 1]:
+        if sorted({a % rank for a in (axes if isinstance(axes, Iterable) else (axes,))}) != [rank - 1]:
             return f"{name}={axes!r}: the kernels normalize over the last axis only"
     return dtype_blocker(x=x.dtype, **dtypes)
 
