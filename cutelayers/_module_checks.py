@@ -1,6 +1,92 @@
-"""Argument checks shared by the Flax and Equinox modules (importing neither framework)."""
+"""What the Flax and Equinox modules share (importing neither framework): whether the kernels can
+serve a call, the fallback to the stock module's computation, and argument checks.
+
+Every module is a subclass of the stock one. A call runs the cutelayers op (its CuTe kernels on
+Hopper) where the op can serve the arguments; otherwise the module runs the stock module's own
+``__call__`` (the same numerics as stock) after :func:`cutelayers.backend.fall_back` has logged
+once why (or raised, under backend ``cute``). The ``*_blocker`` functions say why the op cannot
+serve a call, or None.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import jax.numpy as jnp
+
+from cutelayers import backend
+from cutelayers.ops.linear import ACTIVATION_FUNCTIONS, resolve_activation
+from cutelayers.runtime.tensors import FLOAT_DTYPES
+
+_KERNEL_DTYPES = ", ".join(d.name for d in FLOAT_DTYPES)
+
+
+def kernels_serve(module: str, why: str | None) -> bool:
+    """True where the op serves the call (``why`` is None); otherwise the fallback, routed through
+    the backend's one decision, and False: the caller runs the stock computation."""
+    if why is None:
+        return True
+    backend.fall_back(module, why)
+    return False
+
+
+def options_blocker(**options: Any) -> str | None:
+    """Why the kernels cannot serve: the first of ``options`` (name -> the caller's value, or None
+    where the caller left the default or chose what the op honours anyway) that is set."""
+    for name, value in options.items():
+        if value is not None:
+            shown = f"an array of shape {tuple(value.shape)}" if hasattr(value, "shape") else repr(value)[:80]
+            return f"{name} is {shown}, which only the stock computation implements"
+    return None
+
+
+def dtype_blocker(**dtypes: Any) -> str | None:
+    """Why the kernels cannot take these named dtypes (None: not given): they take bfloat16,
+    float16 and float32 only."""
+    for name, dtype in dtypes.items():
+        if dtype is not None and jnp.dtype(dtype) not in FLOAT_DTYPES:
+            return f"{name} has dtype {jnp.dtype(dtype).name}; the kernels take {_KERNEL_DTYPES}"
+    return None
+
+
+def shape_blocker(x) -> str | None:
+    """Why the row kernels cannot take ``x``: they need an array of rank >= 1 whose last axis is
+    not empty."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        return f"x is a {type(x).__name__}, not an array"
+    if len(x.shape) == 0:
+        return "x is a scalar"
+    if x.shape[-1] == 0:
+        return f"x has an empty last axis (shape {tuple(x.shape)})"
+    return None
+
+
+def array_blocker(x, **dtypes: Any) -> str | None:
+    """:func:`shape_blocker`, then :func:`dtype_blocker` of x and the other named dtypes."""
+    return shape_blocker(x) or dtype_blocker(x=x.dtype, **dtypes)
+
+
+def norm_blocker(x, reduction_axes: Any, feature_axes: Any, **dtypes: Any) -> str | None:
+    """Why the last-axis norm kernels cannot serve a Flax norm call on ``x`` (None: they can)."""
+    why = shape_blocker(x)
+    if why:
+        return why
+    rank = len(x.shape)
+    for name, axes in (("reduction_axes", reduction_axes), ("feature_axes", feature_axes)):
+        if sorted({a % rank for a in (axes if isinstance(axes, Iterable) else (axes,))}) != [rank - 1]:
+            return f"{name}={axes!r}: the kernels normalize over the last axis only"
+    return dtype_blocker(x=x.dtype, **dtypes)
+
+
+def finish_linear(y, activation, residual):
+    """A stock Dense / Linear result ``y`` -> ``activation(y) + residual``, what
+    :func:`cutelayers.ops.fused_linear` adds in its epilogue (here in y's dtype, which may be
+    complex)."""
+    if activation is not None:
+        fused, unfused = resolve_activation(activation)
+        y = (unfused or ACTIVATION_FUNCTIONS[fused])(y)
+    return y if residual is None else y + jnp.asarray(residual).astype(y.dtype)
 
 
 def check_tied_embedding(module: str, tie_embedding: bool, embedding, vocab_size: int, hidden: int) -> None:

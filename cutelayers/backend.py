@@ -9,6 +9,10 @@ The choice is made when lowering, per platform:
 elsewhere, and logs once which one runs and why. ``cute`` insists on kernels and raises where they
 cannot run. ``reference`` always lowers the jnp reference.
 
+Every fallback from the kernels to the reference -- no Hopper GPU, a platform other than CUDA, an
+op's dtype or size the kernels do not take, a module argument only the stock module implements --
+goes through :func:`fall_back`: one log line under ``auto``, an error under ``cute``.
+
 Set it with the ``CUTELAYERS_BACKEND`` environment variable or, for a region of code, with
 :func:`use_backend`. The setting is part of JAX's jit cache key, so a function jitted under one
 backend is re-traced, not silently reused, under another.
@@ -73,3 +77,13 @@ def warn_once(message: str) -> None:
 def log_once(backend: str, why: str) -> None:
     """Log which implementation runs and why, once per distinct (backend, reason)."""
     warn_once(f"running the {backend} path ({why})")
+
+
+def fall_back(op: str, why: str) -> None:
+    """The one place a call leaves the CuTe kernels for the reference: ``op`` cannot run its
+    kernels because ``why``. Logs that once under ``auto`` (and ``reference``); raises
+    ``RuntimeError`` under ``cute``, an explicit request for kernels that cannot be honoured."""
+    if current_backend() == "cute":
+        raise RuntimeError(f"{op}: backend 'cute' asks for the CuTe kernels, but {why}. Use backend 'auto' "
+                           "(falls back to the reference and logs why) or 'reference'.")
+    log_once("reference", f"{op}: {why}")

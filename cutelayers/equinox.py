@@ -1,19 +1,17 @@
 """Equinox ``LayerNorm``, ``RMSNorm``, ``Linear`` and heads backed by the cutelayers kernels.
 
-Drop-in replacements for ``equinox.nn.LayerNorm`` / ``equinox.nn.RMSNorm``: the same fields
-(``shape``, ``eps``, ``use_weight``, ``use_bias``; arrays ``weight`` / ``bias`` of ``shape``), the
-same constructor defaults (``eps=1e-5``; both weight and bias on, also for RMSNorm), the same
-unbatched call ``layer(x, state=..., *, key=None)`` with ``x.shape == shape``, returning ``out``
-or ``(out, state)``, and the same dtypes: computed in float32, returned in x's dtype.
+``LayerNorm``, ``RMSNorm`` and ``Linear`` subclass ``equinox.nn.LayerNorm`` / ``RMSNorm`` /
+``Linear``: the same constructor, fields, arrays (same initialisation: equal keys give equal
+arrays), unbatched call and dtypes, by construction, and ``isinstance`` holds. A call runs the
+cutelayers op where it serves the arguments -- the norms' statistics over the whole ``shape``
+(flattened to one row) in float32, result in x's dtype; the GEMM -- and otherwise the stock
+module's own computation, logged once (README, *Drop-in modules*, lists which arguments take which
+path). Under ``jax.vmap`` the op's batching rule folds the vmapped axes into rows, so a batch is
+one kernel launch; under ``jax.grad`` of the vmap, Linear's weight gradient is one GEMM over all
+rows, not one per example.
 
-The statistics span the whole ``shape`` (flattened to one row). Call them under ``jax.vmap`` as
-usual: the op's batching rule folds the vmapped axes into rows, so a batch is one kernel launch.
-
-``Linear`` is a drop-in for ``equinox.nn.Linear`` (arrays ``weight`` (out, in) and ``bias``
-(out,), the same uniform initialisation and "scalar" features, the unbatched call) running
-:func:`cutelayers.ops.fused_linear`, with an extra ``activation`` fused into the GEMM epilogue;
-under ``jax.vmap`` a batch is again one launch, and under ``jax.grad`` of the vmap the weight
-gradient is one (in, out) GEMM over all rows, not one per example.
+``Linear`` adds ``activation`` (static; fused into the GEMM epilogue) and a ``residual`` call
+argument.
 
 Heads: ``LMHead`` (a vocabulary projection shaped like ``Linear(in_features, vocab_size)`` and its
 cross-entropy loss in one, without the logits; optionally tied to an embedding table) and
@@ -23,8 +21,6 @@ cross-entropy loss in one, without the logits; optionally tied to an embedding t
 from __future__ import annotations
 
 import math
-import warnings
-from collections.abc import Sequence
 from typing import Any, Literal
 
 import equinox as eqx
@@ -32,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray
 
-from cutelayers._module_checks import check_tied_embedding
+from cutelayers._module_checks import array_blocker, check_tied_embedding, finish_linear, kernels_serve
 from cutelayers.ops.linear import fused_linear
 from cutelayers.ops.lm_head import linear_cross_entropy
 from cutelayers.ops.norm import layer_norm, rms_norm
@@ -41,89 +37,37 @@ from cutelayers.ops.pool import masked_mean_pool
 _NO_STATE = object()  # "no state passed": then only the output is returned
 
 
-def _default_float(dtype):
-    """``dtype``, or Equinox's default float (float64 under jax_enable_x64, else float32)."""
-    return jax.dtypes.canonicalize_dtype(jnp.float64) if dtype is None else dtype
+def _dtype(a):
+    return None if a is None else a.dtype
 
 
-def _shape(shape) -> tuple[int, ...]:
-    return (shape,) if isinstance(shape, int) else tuple(shape)
+class _Norm(eqx.Module):
+    """The call shared by :class:`LayerNorm` and :class:`RMSNorm`: the cutelayers op on x as one
+    row, else stock (which also raises for an ``x`` not of ``shape``)."""
 
-
-def _check_shape(module: str, shape, x) -> None:
-    if x.shape != shape:
-        raise ValueError(
-            f"`{module}(shape)(x)` needs x.shape == shape; got shape={shape} and x.shape={x.shape}. "
-            f"For a batch, use jax.vmap({module.lower()})(x)."
-        )
-
-
-def _apply(op, module, x, state):
-    _check_shape(type(module).__name__, module.shape, x)
-    size = x.size
-    weight = module.weight.reshape(size) if module.use_weight else None
-    bias = module.bias.reshape(size) if module.use_bias else None
-    out = op(x.reshape(size), weight, bias, epsilon=module.eps, dtype=x.dtype).reshape(x.shape)
-    return out if state is _NO_STATE else (out, state)
-
-
-class LayerNorm(eqx.Module):
-    """LayerNorm over the whole input array; see ``equinox.nn.LayerNorm``.
-
-    ``weight`` / ``bias``: arrays of ``shape`` (dtype ``dtype``, default float32) or None.
-    """
-
-    shape: tuple[int, ...] = eqx.field(static=True)
-    eps: float = eqx.field(static=True)
-    use_weight: bool = eqx.field(static=True)
-    use_bias: bool = eqx.field(static=True)
-    weight: Array | None
-    bias: Array | None
-
-    def __init__(self, shape: int | Sequence[int], eps: float = 1e-5, use_weight: bool = True,
-                 use_bias: bool = True, dtype=None, *, elementwise_affine: bool | None = None):
-        shape = _shape(shape)
-        if elementwise_affine is not None:
-            use_weight = use_bias = elementwise_affine
-            warnings.warn("LayerNorm(elementwise_affine=...) is deprecated in favour of "
-                          "LayerNorm(use_weight=...) and LayerNorm(use_bias=...)")
-        self.shape, self.eps, self.use_weight, self.use_bias = shape, eps, use_weight, use_bias
-        self.weight = jnp.ones(shape, dtype=dtype) if use_weight else None
-        self.bias = jnp.zeros(shape, dtype=dtype) if use_bias else None
-
-    def __call__(self, x: Array, state=_NO_STATE, *, key=None):
+    def __call__(self, x: Array, state=_NO_STATE, *, key: PRNGKeyArray | None = None):
         """``x`` of ``shape`` -> normalized array of ``shape`` in x's dtype (and ``state``,
-        unchanged, if one was passed)."""
-        return _apply(layer_norm, self, x, state)
+        unchanged, if one was passed). ``key`` is ignored."""
+        stock = super().__call__
+        if getattr(x, "shape", None) != self.shape or not kernels_serve(
+                type(self).__name__, array_blocker(x.reshape(-1), weight=_dtype(self.weight), bias=_dtype(self.bias))):
+            return stock(x, key=key) if state is _NO_STATE else stock(x, state, key=key)
+        op = layer_norm if isinstance(self, eqx.nn.LayerNorm) else rms_norm
+        flat = [None if a is None else a.reshape(-1) for a in (x, self.weight, self.bias)]
+        out = op(*flat, epsilon=self.eps, dtype=x.dtype).reshape(x.shape)
+        return out if state is _NO_STATE else (out, state)
 
 
-class RMSNorm(eqx.Module):
-    """RMSNorm over the whole input array, with optional weight and bias; see
-    ``equinox.nn.RMSNorm``.
+class LayerNorm(_Norm, eqx.nn.LayerNorm):
+    """``equinox.nn.LayerNorm`` on the cutelayers kernels (see the module docstring)."""
 
-    ``weight`` / ``bias``: arrays of ``shape`` (dtype ``dtype``, default JAX's default float) or
-    None.
-    """
+    __init__ = eqx.nn.LayerNorm.__init__  # the stock one, not a dataclass __init__ from the mixin
 
-    shape: tuple[int, ...] = eqx.field(static=True)
-    eps: float = eqx.field(static=True)
-    use_weight: bool = eqx.field(static=True)
-    use_bias: bool = eqx.field(static=True)
-    weight: Array | None
-    bias: Array | None
 
-    def __init__(self, shape: int | Sequence[int], eps: float = 1e-5, use_weight: bool = True,
-                 use_bias: bool = True, dtype=None):
-        dtype = _default_float(dtype)
-        shape = _shape(shape)
-        self.shape, self.eps, self.use_weight, self.use_bias = shape, eps, use_weight, use_bias
-        self.weight = jnp.ones(shape, dtype=dtype) if use_weight else None
-        self.bias = jnp.zeros(shape, dtype=dtype) if use_bias else None
+class RMSNorm(_Norm, eqx.nn.RMSNorm):
+    """``equinox.nn.RMSNorm`` on the cutelayers kernels (see the module docstring)."""
 
-    def __call__(self, x: Array, state=_NO_STATE, *, key=None):
-        """``x`` of ``shape`` -> normalized array of ``shape`` in x's dtype (and ``state``,
-        unchanged, if one was passed)."""
-        return _apply(rms_norm, self, x, state)
+    __init__ = eqx.nn.RMSNorm.__init__
 
 
 def _features(n: int | Literal["scalar"]) -> int:
@@ -134,7 +78,7 @@ def _linear_init(key, in_features, out_features, use_bias, dtype, with_weight=Tr
     """(weight (out, in) | None, bias (out,) | None) drawn as ``equinox.nn.Linear`` draws them:
     uniform in +-1/sqrt(in) (+-1 for in = 0) from ``key`` split in two, so equal keys give
     equal arrays."""
-    dtype = _default_float(dtype)
+    dtype = jax.dtypes.canonicalize_dtype(jnp.float64) if dtype is None else dtype  # Equinox's default float
     wkey, bkey = jax.random.split(key, 2)
     n_in, n_out = _features(in_features), _features(out_features)
     lim = 1.0 if n_in == 0 else 1 / math.sqrt(n_in)
@@ -149,45 +93,32 @@ def _promote(*arrays):
     return tuple(None if a is None else a.astype(dtype) for a in arrays)
 
 
-class Linear(eqx.Module):
-    """``activation(weight @ x + bias)``; see ``equinox.nn.Linear``.
+class Linear(eqx.nn.Linear):
+    """``equinox.nn.Linear`` on the fused GEMM, plus ``activation`` (static): None (Equinox's
+    Linear), a name or a ``jax.nn`` function fused into the GEMM's epilogue, or any other callable
+    applied after it (see :func:`cutelayers.ops.fused_linear`)."""
 
-    ``weight``: (out_features, in_features), ``bias``: (out_features,) or None, dtype ``dtype``
-    (default: Equinox's default float), drawn as Equinox does, so equal keys give equal arrays. A
-    "scalar" feature count means an input or output of shape ().
-
-    ``activation`` (static): None (Equinox's Linear), a name or a ``jax.nn`` function fused into
-    the GEMM's epilogue, or any other callable applied after it (see
-    :func:`cutelayers.ops.fused_linear`).
-    """
-
-    weight: Array
-    bias: Array | None
-    in_features: int | Literal["scalar"] = eqx.field(static=True)
-    out_features: int | Literal["scalar"] = eqx.field(static=True)
-    use_bias: bool = eqx.field(static=True)
     activation: Any = eqx.field(static=True)
 
     def __init__(self, in_features: int | Literal["scalar"], out_features: int | Literal["scalar"],
                  use_bias: bool = True, dtype=None, *, activation: Any = None, key: PRNGKeyArray):
-        self.weight, self.bias = _linear_init(key, in_features, out_features, use_bias, dtype)
-        self.in_features, self.out_features, self.use_bias = in_features, out_features, use_bias
+        super().__init__(in_features, out_features, use_bias, dtype, key=key)
         self.activation = activation
 
     def __call__(self, x: Array, residual: Array | None = None, *, key: PRNGKeyArray | None = None) -> Array:
         """``x`` (in_features,) -- () if "scalar" -- -> (out_features,) -- () if "scalar" --, in
         the promoted dtype of x and the parameters (as ``weight @ x + bias``). ``residual``, shaped
-        like the result, optional: added after the activation in the same kernel (cast to the
-        result dtype). ``key`` is ignored."""
+        like the result, optional: added after the activation (cast to the result dtype). ``key``
+        is ignored."""
         expected = () if self.in_features == "scalar" else (self.in_features,)
-        if x.shape != expected:
-            raise ValueError(f"Linear: x must have shape {expected} (in_features={self.in_features!r}); "
-                             f"got {x.shape}. For a batch, use jax.vmap(linear)(x).")
-        x, weight, bias = _promote(x, self.weight, self.bias)
+        if jnp.shape(x) != expected or not kernels_serve(
+                "Linear", array_blocker(jnp.reshape(x, -1), weight=self.weight.dtype, bias=_dtype(self.bias))):
+            return finish_linear(super().__call__(x, key=key), self.activation, residual)
+        x, weight, bias = _promote(jnp.reshape(x, -1), self.weight, self.bias)
         if residual is not None:
             residual = jnp.asarray(residual).astype(x.dtype).reshape(-1)
         # the transpose is of the weight, once per call, not of the (batched) activations
-        y = fused_linear(x.reshape(-1), weight.T, bias, activation=self.activation, residual=residual)
+        y = fused_linear(x, weight.T, bias, activation=self.activation, residual=residual)
         return y.reshape(()) if self.out_features == "scalar" else y
 
 

@@ -55,11 +55,11 @@ def ref_reduce_max(x):
 def ref_layer_norm(x, scale, bias, eps=1e-6):
     mean = jnp.mean(x, axis=-1, keepdims=True)
     var = jnp.mean((x - mean) ** 2, axis=-1, keepdims=True)
-    return (x - mean) / jnp.sqrt(var + eps) * scale + bias
+    return (x - mean) / jnp.sqrt(var + eps) * jnp.broadcast_to(scale, x.shape) + jnp.broadcast_to(bias, x.shape)
 
 
 def ref_rms_norm(x, scale, eps=1e-6):
-    return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+    return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * jnp.broadcast_to(scale, x.shape)
 
 
 def ref_logsumexp(x):
@@ -86,13 +86,14 @@ def ref_cross_entropy(logits, labels, ignore_index=None, label_smoothing=0.0, z_
 
 
 def ref_linear(x, kernel, bias=None, residual=None, activation=None):
-    y = x @ kernel + (0.0 if bias is None else bias)
+    y = x @ kernel
+    y = y if bias is None else y + jnp.broadcast_to(bias, y.shape)
     y = y if activation is None else activation(y)
     return y if residual is None else y + residual
 
 
 def ref_linear_cross_entropy(h, kernel, bias, labels, ignore_index):
-    losses = ref_cross_entropy(h @ kernel + bias, labels, ignore_index)
+    losses = ref_cross_entropy(ref_linear(h, kernel, bias), labels, ignore_index)
     return jnp.sum(losses) / jnp.maximum(jnp.sum(labels != ignore_index), 1)
 
 

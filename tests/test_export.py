@@ -29,7 +29,7 @@ H, V = 64, 128
 
 def head_loss(x, w, scale, labels):
     """A small LM head: norm, fused linear, cross-entropy; gradients through all of them."""
-    h = cl.ops.layer_norm(x, scale)
+    h = cl.ops.layer_norm(x, scale, dtype=x.dtype)  # default: promoted with the float32 scale
     logits = cl.ops.fused_linear(h, w, activation="gelu")
     return jnp.mean(cl.ops.softmax_cross_entropy(logits, labels))
 

@@ -53,7 +53,7 @@ def head_operands(rng, lead, hidden, vocab, dtype, ignore_index=None):
 
 def f32_logits(h, kernel, bias):
     logits = jnp.matmul(h.astype(F32), kernel.astype(F32), precision=HIGHEST)
-    return logits if bias is None else logits + bias.astype(F32)
+    return logits if bias is None else logits + jnp.broadcast_to(bias.astype(F32), logits.shape)
 
 
 # --- linear_cross_entropy --------------------------------------------------------------------------
@@ -156,7 +156,7 @@ def test_no_tokens_by_vocab_array(rng):
         return linear_cross_entropy(h, kernel, labels, bias=bias, chunk_size=chunk)
 
     def naive(h, kernel, bias, labels):
-        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(h @ kernel + bias, labels))
+        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(h @ kernel + bias[None, None], labels))
 
     def hlo(f):
         return jax.jit(jax.value_and_grad(f, (0, 1, 2))).trace(*avals).lower().as_text()
@@ -347,7 +347,7 @@ def test_linen_lm_head_tied(rng):
         return head.apply(v, h, labels, embedding=table)
 
     def ref(v, table):
-        return reference_loss(h @ table.T + v["params"]["bias"], labels, reduction="sum")
+        return reference_loss(h @ table.T + v["params"]["bias"][None, None], labels, reduction="sum")
 
     with jax.default_matmul_precision("highest"):
         np.testing.assert_allclose(ours(variables, table), ref(variables, table), rtol=1e-5)
@@ -407,7 +407,7 @@ def test_equinox_lm_head(rng):
         embed = eqx.nn.Embedding(40, 32, key=jax.random.key(5))
         ok = jnp.where(labels < 0, 3, labels)
         np.testing.assert_allclose(tied(h, ok, embedding=embed.weight),
-                                   reference_loss(h @ embed.weight.T + tied.bias, ok, reduction="none"), rtol=1e-5)
+                                   reference_loss(h @ embed.weight.T + tied.bias[None, None], ok, reduction="none"), rtol=1e-5)
 
 
 # --- MeanPoolClassifier modules ----------------------------------------------------------------------

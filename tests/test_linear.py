@@ -32,7 +32,7 @@ def plain(x, kernel, bias=None, residual=None, activation="none", saved_dtype=No
     f32 = lambda a: None if a is None else jnp.asarray(a, jnp.float32)
     z = jnp.matmul(f32(x), f32(kernel), precision=HIGHEST)
     if bias is not None:
-        z = z + f32(bias)
+        z = z + jnp.broadcast_to(f32(bias), z.shape)
     if saved_dtype is not None:
         z = z + jax.lax.stop_gradient(z.astype(saved_dtype).astype(jnp.float32) - z)
     y = ACTIVATION_FUNCTIONS[activation](z)
@@ -146,10 +146,10 @@ def test_other_callable_runs_unfused_before_the_residual(rng):
     fn = lambda z: jnp.sin(z) * 2
     assert resolve_activation(fn) == ("none", fn)
     out = fused_linear(x, kernel, b, activation=fn, residual=r)
-    ref = fn(jnp.matmul(x, kernel, precision=HIGHEST) + b) + r
+    ref = fn(jnp.matmul(x, kernel, precision=HIGHEST) + b[None]) + r
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
     g = jax.grad(lambda k: jnp.sum(fused_linear(x, k, b, activation=fn, residual=r)))(kernel)
-    g_ref = jax.grad(lambda k: jnp.sum(fn(jnp.matmul(x, k, precision=HIGHEST) + b) + r))(kernel)
+    g_ref = jax.grad(lambda k: jnp.sum(fn(jnp.matmul(x, k, precision=HIGHEST) + b[None]) + r))(kernel)
     np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-4)
 
 

@@ -1,5 +1,6 @@
 """Flax linen ``Dense``, NNX ``Linear`` and Equinox ``Linear``: drop-in compatibility with the stock
-modules, the fused ``activation``, unsupported options, and the CUDA lowering of a module.
+modules, the fused ``activation``, the stock computation for what only it serves, and the CUDA
+lowering of a module.
 
 Checkpoint compatibility: the stock module's parameters load into ours (same pytree paths,
 shapes, dtypes; equal seeds draw equal parameters) and outputs and gradients agree within the
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import cutelayers as cl
 from cutelayers import equinox as cl_eqx
 from cutelayers.flax import linen as cl_linen
 from cutelayers.flax import nnx as cl_nnx
@@ -80,14 +82,6 @@ def test_linen_dense_activation(activation, stock_fn, rng):
     assert_matches(dense.apply(variables, x), ref.astype(jnp.bfloat16))
 
 
-def test_linen_dense_unsupported_options_raise():
-    x = jnp.ones((2, 8))
-    with pytest.raises(NotImplementedError, match="Dense: dot_general=.* is not supported"):
-        cl_linen.Dense(4, dot_general=jax.lax.dot_general).init(jax.random.key(0), x)
-    with pytest.raises(NotImplementedError, match="dot_general_cls"):
-        cl_linen.Dense(4, dot_general_cls=object).init(jax.random.key(0), x)
-
-
 def test_linen_dense_lowers_to_the_gemm_kernels_for_cuda():
     S = jax.ShapeDtypeStruct
     dense = cl_linen.Dense(256, dtype=jnp.bfloat16, activation="gelu")
@@ -145,14 +139,31 @@ def test_nnx_linear_activation_and_jit(rng):
     assert_matches(nnx.jit(lambda m, x: m(x))(ours, x), jax.nn.silu(stock(x)))
 
 
-def test_nnx_linear_unsupported_options_raise():
-    x = jnp.ones((2, 8))
-    with pytest.raises(NotImplementedError, match="Linear: dot_general=.* is not supported"):
-        cl_nnx.Linear(8, 4, dot_general=jnp.einsum, rngs=nnx.Rngs(0))(x)
-    with pytest.raises(NotImplementedError, match="out_sharding"):
-        cl_nnx.Linear(8, 4, rngs=nnx.Rngs(0))(x, out_sharding=("data", None))
-    with pytest.raises(NotImplementedError, match="preferred_element_type"):
-        cl_nnx.Linear(8, 4, dtype=jnp.bfloat16, preferred_element_type=jnp.float32, rngs=nnx.Rngs(0))(x)
+def _dot_general(*args, **kwargs):
+    return jax.lax.dot_general(*args, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.complex64])
+def test_stock_options_keep_activation_and_residual(dtype, rng):
+    """Where only the stock computation serves an argument (a custom dot_general, complex
+    parameters), ``activation`` and ``residual`` still apply, after it; backend 'cute' refuses such
+    a call with an error naming the argument."""
+    x, r = random(rng, (3, 8), dtype), random(rng, (3, 4), dtype)
+    dense = cl_linen.Dense(4, dot_general_cls=lambda: _dot_general, activation="tanh")
+    variables = dense.init(jax.random.key(0), x)
+    linear = cl_nnx.Linear(8, 4, dot_general=_dot_general, activation="tanh", rngs=nnx.Rngs(0))
+    eqx_linear = cl_eqx.Linear(8, 4, dtype=jnp.complex64, activation="tanh", key=jax.random.key(0))
+    cases = {
+        "linen": (lambda x, r: dense.apply(variables, x, r), nn.Dense(4).apply(variables, x)),
+        "nnx": (lambda x, r: linear(x, residual=r), nnx.Linear(8, 4, rngs=nnx.Rngs(0))(x)),
+        "equinox": (jax.vmap(eqx_linear), jax.vmap(eqx.nn.Linear(8, 4, dtype=jnp.complex64, key=jax.random.key(0)))(x)),
+    }
+    for name, (call, stock) in cases.items():
+        out = call(x, r)
+        assert out.dtype == stock.dtype, name
+        np.testing.assert_allclose(out, jnp.tanh(stock) + r.astype(stock.dtype), rtol=1e-5, atol=1e-5)
+    with cl.use_backend("cute"), pytest.raises(RuntimeError, match="Linear: backend 'cute' .*dot_general is"):
+        linear(x)
 
 
 # --- equinox -------------------------------------------------------------------------------------
@@ -201,9 +212,10 @@ def test_equinox_linear_activation_and_shape_check(rng):
     stock = eqx.nn.Linear(32, 16, key=jax.random.key(0))
     x = random(rng, (6, 32), jnp.float32)
     assert_matches(jax.vmap(ours)(x), jnp.tanh(jax.vmap(stock)(x)))
-    with pytest.raises(ValueError, match=r"Linear: x must have shape \(32,\)"):
+    # a batch without vmap, a scalar layer's non-scalar input: Equinox's own errors
+    with pytest.raises(TypeError, match="dot_general requires contracting dimensions"):
         ours(x)
-    with pytest.raises(ValueError, match=r"x must have shape \(\)"):
+    with pytest.raises(ValueError, match="x must have scalar shape"):
         cl_eqx.Linear("scalar", 4, key=jax.random.key(0))(jnp.ones((1,)))
 
 

@@ -39,9 +39,9 @@ def plain(x, scale=None, bias=None, *, center=True, epsilon=1e-6):
     mean = jnp.mean(x, -1, keepdims=True) if center else 0.0
     y = (x - mean) * jax.lax.rsqrt(jnp.mean(jnp.square(x - mean), -1, keepdims=True) + epsilon)
     if scale is not None:
-        y = y * scale.astype(jnp.float32)
+        y = y * jnp.broadcast_to(scale.astype(jnp.float32), y.shape)
     if bias is not None:
-        y = y + bias.astype(jnp.float32)
+        y = y + jnp.broadcast_to(bias.astype(jnp.float32), y.shape)
     return y
 
 
@@ -58,7 +58,8 @@ def _check_values(op, x, scale, bias, epsilon=1e-6, tol_scale=1.0, **kw):
     else:
         out = fn(x, scale, bias, epsilon=epsilon, **kw)
     assert out.shape == x.shape
-    assert out.dtype == jnp.dtype(kw.get("dtype") or x.dtype)
+    # default: the promoted dtype of x and the parameters (Flax's rule)
+    assert out.dtype == jnp.dtype(kw.get("dtype") or jnp.result_type(*(a for a in (x, scale, bias) if a is not None)))
     assert_close(out, ref64(x, scale, bias, center=center, epsilon=epsilon), out.dtype, scale=tol_scale)
 
 
@@ -112,7 +113,7 @@ def test_grad_matches_jnp(op, with_scale, with_bias, n, rng):
     g_ref = jax.grad(loss(ref), argnums=(0, 1, 2))(x, scale, bias)
     # dx = rstd * (g - mean(g) - y * mean(g * y)) with g = w * scale: at N = 1 it is an
     # epsilon-sized difference of terms of size |g| * rstd, so fp32 rounding is judged on that scale.
-    g_scale = jnp.abs(w * (1.0 if scale is None else scale))
+    g_scale = jnp.abs(w * (1.0 if scale is None else jnp.broadcast_to(scale, w.shape)))
     spread = jnp.var(x, -1, keepdims=True) if center else jnp.mean(x * x, -1, keepdims=True)
     terms = float(jnp.max(g_scale * jax.lax.rsqrt(spread + 1e-5)))
     for a, b in zip(g, g_ref):
@@ -194,6 +195,9 @@ def test_empty_rows_and_output_dtype(rng):
     x = random(rng, (4, 16), jnp.bfloat16)
     assert layer_norm(x).dtype == jnp.bfloat16
     assert rms_norm(x, dtype=jnp.float32).dtype == jnp.float32
+    # mixed dtypes promote, as in the Flax modules
+    assert rms_norm(x, jnp.ones(16, jnp.float32)).dtype == jnp.float32
+    assert rms_norm(x.astype(jnp.float32), jnp.ones(16, jnp.bfloat16)).dtype == jnp.float32
 
 
 def test_bad_inputs_name_the_argument():

@@ -1,20 +1,13 @@
 """Flax linen ``LayerNorm``, ``RMSNorm``, ``Dense`` and heads backed by the cutelayers kernels.
 
-Drop-in replacements for ``flax.linen.LayerNorm`` / ``flax.linen.RMSNorm``: same attributes and
-defaults, same parameters (``scale``, ``bias``: shape (features,), ``param_dtype``, the same
-initializers) and the same result dtype -- ``dtype`` if given, else the promoted dtype of the input
-and the parameters (``flax.linen.dtypes.canonicalize_dtype``); a bf16 input with the default
-float32 parameters therefore gives float32, as in Flax.
+``LayerNorm``, ``RMSNorm`` and ``Dense`` subclass ``flax.linen.LayerNorm`` / ``RMSNorm`` /
+``Dense``: the same attributes, defaults, parameters and dtype rules, by construction, and
+``isinstance`` holds. A call runs the cutelayers op -- last-axis statistics in float32 (two-pass
+variance, so ``use_fast_variance`` and ``force_float32_reductions`` change only rounding), the
+fused GEMM -- where it serves the arguments, and otherwise the stock module's own computation,
+logged once (README, *Drop-in modules*, lists which arguments take which path).
 
-Differences: statistics always use the stable two-pass variance in float32, so
-``use_fast_variance`` and ``force_float32_reductions=False`` change nothing (results agree with
-Flax to float32 rounding); ``reduction_axes`` / ``feature_axes`` other than the last axis,
-``axis_name``, ``axis_index_groups`` and ``mask`` raise ``NotImplementedError``.
-
-``Dense`` is a drop-in for ``flax.linen.Dense`` (parameters ``kernel`` (in, features) and
-``bias`` (features,), the same initializers and ``promote_dtype`` rule) running
-:func:`cutelayers.ops.fused_linear`, with an extra ``activation`` fused into the GEMM epilogue. A
-custom ``dot_general`` / ``dot_general_cls`` raises ``NotImplementedError``.
+``Dense`` adds ``activation`` (fused into the GEMM epilogue) and a ``residual`` call argument.
 
 Heads: ``LMHead`` (a Dense-shaped vocabulary projection and its cross-entropy loss in one, without
 the logits; optionally tied to an embedding table) and ``MeanPoolClassifier`` (masked mean pooling
@@ -27,117 +20,69 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import flax.linen as nn
 from flax.linen import dtypes, initializers
 from flax.linen.linear import default_kernel_init
 from flax.linen.module import Module, compact
 
-from cutelayers._module_checks import check_tied_embedding
-from cutelayers.flax._common import check_dense_supported, check_supported
+from cutelayers._module_checks import (array_blocker, check_tied_embedding, finish_linear, kernels_serve, norm_blocker,
+                                       options_blocker)
 from cutelayers.ops.linear import fused_linear
 from cutelayers.ops.lm_head import linear_cross_entropy
 from cutelayers.ops.norm import layer_norm, rms_norm
 from cutelayers.ops.pool import masked_mean_pool
 
-Axes = Any
 Dtype = Any
 Initializer = Any
 PrecisionLike = Any
 
 
-class LayerNorm(Module):
-    """LayerNorm over the last axis; see ``flax.linen.LayerNorm`` for the attributes.
-
-    Input (..., features) in bfloat16, float16 or float32; output the same shape in ``dtype``
-    (default: promoted dtype of input and parameters).
-    """
-
-    epsilon: float = 1e-6
-    dtype: Dtype | None = None
-    param_dtype: Dtype = jnp.float32
-    use_bias: bool = True
-    use_scale: bool = True
-    bias_init: Initializer = initializers.zeros
-    scale_init: Initializer = initializers.ones
-    reduction_axes: Axes = -1
-    feature_axes: Axes = -1
-    axis_name: str | None = None
-    axis_index_groups: Any = None
-    use_fast_variance: bool = True
-    force_float32_reductions: bool = True
+class _Norm(Module):
+    """The call shared by :class:`LayerNorm` and :class:`RMSNorm`: the cutelayers op over the last
+    axis (parameters (features,), result in ``dtype`` or the promoted dtype), else stock."""
 
     @compact
     def __call__(self, x, *, mask: jax.Array | None = None):
-        """Normalize ``x`` (..., features); returns the same shape."""
-        check_supported("LayerNorm", x, reduction_axes=self.reduction_axes, feature_axes=self.feature_axes,
-                        axis_name=self.axis_name, axis_index_groups=self.axis_index_groups, mask=mask)
-        features = (x.shape[-1],)
-        scale = self.param("scale", self.scale_init, features, self.param_dtype) if self.use_scale else None
-        bias = self.param("bias", self.bias_init, features, self.param_dtype) if self.use_bias else None
-        present = [a for a in (x, scale, bias) if a is not None]
-        out_dtype = dtypes.canonicalize_dtype(*present, dtype=self.dtype)
-        return layer_norm(x, scale, bias, epsilon=self.epsilon, dtype=out_dtype)
+        """Normalize ``x``; returns the same shape. See the stock module for the arguments."""
+        center = isinstance(self, nn.LayerNorm)
+        names = ("scale",) * self.use_scale + ("bias",) * (center and self.use_bias)
+        why = (options_blocker(axis_name=self.axis_name, axis_index_groups=self.axis_index_groups, mask=mask)
+               or norm_blocker(x, self.reduction_axes, self.feature_axes, dtype=self.dtype,
+                               parameters=self.param_dtype if names else None))
+        if not kernels_serve(type(self).__name__, why):
+            return super().__call__(x, mask=mask)
+        init = {"scale": self.scale_init, "bias": getattr(self, "bias_init", None)}
+        params = {n: self.param(n, init[n], (x.shape[-1],), self.param_dtype) for n in names}
+        op = layer_norm if center else rms_norm
+        return op(x, params.get("scale"), params.get("bias"), epsilon=self.epsilon, dtype=self.dtype)
 
 
-class RMSNorm(Module):
-    """RMSNorm over the last axis; see ``flax.linen.RMSNorm`` for the attributes.
-
-    Input (..., features) in bfloat16, float16 or float32; output the same shape in ``dtype``
-    (default: promoted dtype of input and scale).
-    """
-
-    epsilon: float = 1e-6
-    dtype: Dtype | None = None
-    param_dtype: Dtype = jnp.float32
-    use_scale: bool = True
-    scale_init: Initializer = initializers.ones
-    reduction_axes: Axes = -1
-    feature_axes: Axes = -1
-    axis_name: str | None = None
-    axis_index_groups: Any = None
-    use_fast_variance: bool = True
-    force_float32_reductions: bool = True
-
-    @compact
-    def __call__(self, x, *, mask: jax.Array | None = None):
-        """Normalize ``x`` (..., features); returns the same shape."""
-        check_supported("RMSNorm", x, reduction_axes=self.reduction_axes, feature_axes=self.feature_axes,
-                        axis_name=self.axis_name, axis_index_groups=self.axis_index_groups, mask=mask)
-        scale = self.param("scale", self.scale_init, (x.shape[-1],), self.param_dtype) if self.use_scale else None
-        present = [a for a in (x, scale) if a is not None]
-        out_dtype = dtypes.canonicalize_dtype(*present, dtype=self.dtype)
-        return rms_norm(x, scale, epsilon=self.epsilon, dtype=out_dtype)
+class LayerNorm(_Norm, nn.LayerNorm):
+    """``flax.linen.LayerNorm`` on the cutelayers kernels (see the module docstring)."""
 
 
-class Dense(Module):
-    """``activation(x @ kernel + bias)`` over the last axis; see ``flax.linen.Dense`` for the
-    attributes.
+class RMSNorm(_Norm, nn.RMSNorm):
+    """``flax.linen.RMSNorm`` on the cutelayers kernels (see the module docstring)."""
 
-    Input (..., in_features) in bfloat16, float16 or float32; output (..., features). Input and
-    parameters are promoted with ``promote_dtype`` (to ``dtype`` if given) and the result has that
-    dtype, as in Flax; the GEMM accumulates in float32.
 
-    ``activation``: None (Flax's Dense), a name or a ``jax.nn`` function fused into the GEMM's
-    epilogue, or any other callable applied after it (see :func:`cutelayers.ops.fused_linear`).
-    ``precision`` applies to float32 GEMMs (bfloat16 / float16 products are exact).
-    """
+class Dense(nn.Dense):
+    """``flax.linen.Dense`` on the fused GEMM, plus ``activation``: None (Flax's Dense), a name or
+    a ``jax.nn`` function fused into the GEMM's epilogue, or any other callable applied after it
+    (see :func:`cutelayers.ops.fused_linear`). ``precision`` applies to float32 GEMMs (bfloat16 /
+    float16 products are exact)."""
 
-    features: int
-    use_bias: bool = True
-    dtype: Dtype | None = None
-    param_dtype: Dtype = jnp.float32
-    precision: PrecisionLike = None
-    kernel_init: Initializer = default_kernel_init
-    bias_init: Initializer = initializers.zeros_init()
-    promote_dtype: Any = dtypes.promote_dtype
-    dot_general: Any = None
-    dot_general_cls: Any = None
     activation: Any = None
 
     @compact
     def __call__(self, inputs, residual=None):
         """``inputs`` (..., in_features) -> (..., features). ``residual`` (..., features), optional:
-        added after the activation in the same kernel (cast to the result dtype)."""
-        check_dense_supported("Dense", dot_general=self.dot_general, dot_general_cls=self.dot_general_cls)
+        added after the activation (cast to the result dtype)."""
+        custom_promote = None if self.promote_dtype is dtypes.promote_dtype else self.promote_dtype
+        why = (options_blocker(dot_general=self.dot_general, dot_general_cls=self.dot_general_cls,
+                               promote_dtype=custom_promote)
+               or array_blocker(inputs, parameters=self.param_dtype, dtype=self.dtype))
+        if not kernels_serve("Dense", why):
+            return finish_linear(super().__call__(inputs), self.activation, residual)
         kernel = self.param("kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype)
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)

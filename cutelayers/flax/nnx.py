@@ -1,24 +1,16 @@
 """Flax NNX ``LayerNorm``, ``RMSNorm``, ``Linear`` and heads backed by the cutelayers kernels.
 
-Drop-in replacements for ``flax.nnx.LayerNorm`` / ``flax.nnx.RMSNorm``: the same constructor
-(``num_features``, keyword-only options, ``rngs``), the same ``nnx.Param`` attributes ``scale`` /
-``bias`` (shape (num_features,), ``param_dtype``, the same initializers and metadata), and the
-same dtype rule: input and parameters are promoted with ``promote_dtype`` (to ``dtype`` if given)
-and the result has that dtype.
+``LayerNorm``, ``RMSNorm`` and ``Linear`` subclass ``flax.nnx.LayerNorm`` / ``RMSNorm`` /
+``Linear``: the same constructor, ``nnx.Param`` attributes (same initializers, draws and metadata)
+and dtype rule (``promote_dtype``, to ``dtype`` if given), by construction, and ``isinstance``
+holds. A call runs the cutelayers op where it serves the arguments -- the norms over the last axis
+with float32 statistics (two-pass variance: ``use_fast_variance`` changes only rounding), the
+fused GEMM -- and otherwise the stock module's own computation, logged once (README, *Drop-in
+modules*, lists which arguments take which path). A widening promotion of the norms' input is
+skipped (the kernel reads x in its own dtype and computes in float32); a narrowing ``dtype``
+casts x first, as NNX does.
 
-The promotion is applied to the parameters and to a zero-size stand-in of the input: widening
-the input is exact, so it is skipped (the kernel reads the input in its own dtype and computes in
-float32) -- only a narrowing ``dtype`` casts the input first, as NNX does.
-
-Differences: the same as :mod:`cutelayers.flax.linen` (two-pass float32 statistics; last-axis
-only; no ``axis_name`` / ``axis_index_groups`` / ``mask``).
-
-``Linear`` is a drop-in for ``flax.nnx.Linear`` (``nnx.Param`` attributes ``kernel``
-(in_features, out_features) and ``bias`` (out_features,), the same initializers, metadata and
-``promote_dtype`` rule; the GEMM needs one dtype, so here the input is promoted too) running
-:func:`cutelayers.ops.fused_linear`, with an extra ``activation`` fused into the GEMM epilogue. A
-custom ``dot_general``, an ``out_sharding`` or a ``preferred_element_type`` other than the
-compute dtype raise ``NotImplementedError``.
+``Linear`` adds ``activation`` (fused into the GEMM epilogue) and a ``residual`` call argument.
 
 Heads: ``LMHead`` (a Linear-shaped vocabulary projection and its cross-entropy loss in one, without
 the logits; optionally tied to an embedding table) and ``MeanPoolClassifier`` (masked mean pooling
@@ -33,142 +25,85 @@ from types import MappingProxyType
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from flax.nnx.nn import dtypes, initializers
+from flax.nnx.nn import dtypes
 from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 
-from cutelayers._module_checks import check_tied_embedding
-from cutelayers.flax._common import check_dense_supported, check_supported
+from cutelayers._module_checks import (array_blocker, check_tied_embedding, finish_linear, kernels_serve, norm_blocker,
+                                       options_blocker)
 from cutelayers.ops.linear import fused_linear
 from cutelayers.ops.lm_head import linear_cross_entropy
 from cutelayers.ops.norm import layer_norm, rms_norm
 from cutelayers.ops.pool import masked_mean_pool
 
-Axes = tp.Any
 Dtype = tp.Any
 Initializer = tp.Any
 PrecisionLike = tp.Any
 
 
-def _promote(promote_dtype, x, params, dtype):
-    """(x, params, result dtype) after NNX's promotion rule, without widening x in memory."""
-    stand_in, *params = promote_dtype((jnp.zeros((0,), x.dtype), *params), dtype=dtype)
-    out_dtype = jnp.dtype(stand_in.dtype)
-    if jnp.promote_types(x.dtype, out_dtype) != out_dtype:
-        x = x.astype(out_dtype)  # a narrowing dtype: NNX normalizes the cast input
-    return x, params, out_dtype
+def _custom(promote_dtype):
+    """``promote_dtype`` where it is not NNX's own (whose rule the ops follow), else None."""
+    return None if promote_dtype is dtypes.promote_dtype else promote_dtype
 
 
-class LayerNorm(nnx.Module):
-    """LayerNorm over the last axis; see ``flax.nnx.LayerNorm`` for the arguments.
-
-    Input (..., num_features) in bfloat16, float16 or float32; output the same shape in the
-    promoted dtype.
-    """
-
-    def __init__(
-        self,
-        num_features: int,
-        *,
-        epsilon: float = 1e-6,
-        dtype: Dtype | None = None,
-        param_dtype: Dtype = jnp.float32,
-        use_bias: bool = True,
-        use_scale: bool = True,
-        bias_init: Initializer = initializers.zeros_init(),
-        scale_init: Initializer = initializers.ones_init(),
-        reduction_axes: Axes = -1,
-        feature_axes: Axes = -1,
-        axis_name: str | None = None,
-        axis_index_groups: tp.Any = None,
-        use_fast_variance: bool = True,
-        promote_dtype: tp.Callable = dtypes.promote_dtype,
-        rngs: nnx.Rngs,
-        bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
-        scale_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
-    ):
-        feature_shape = (num_features,)
-        self.scale: nnx.Param | None
-        if use_scale:
-            self.scale = nnx.Param(scale_init(rngs.params(), feature_shape, param_dtype), **scale_metadata)
-        else:
-            self.scale = nnx.data(None)
-        self.bias: nnx.Param | None
-        if use_bias:
-            self.bias = nnx.Param(bias_init(rngs.params(), feature_shape, param_dtype), **bias_metadata)
-        else:
-            self.bias = nnx.data(None)
-        self.num_features = num_features
-        self.epsilon = epsilon
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.use_bias = use_bias
-        self.use_scale = use_scale
-        self.reduction_axes = reduction_axes
-        self.feature_axes = feature_axes
-        self.axis_name = axis_name
-        self.axis_index_groups = axis_index_groups
-        self.use_fast_variance = use_fast_variance
-        self.promote_dtype = promote_dtype
+class _Norm(nnx.Module):
+    """The call shared by :class:`LayerNorm` and :class:`RMSNorm`: the cutelayers op over the last
+    axis, else stock."""
 
     def __call__(self, x, *, mask: jax.Array | None = None):
-        """Normalize ``x`` (..., num_features); returns the same shape."""
-        check_supported("LayerNorm", x, reduction_axes=self.reduction_axes, feature_axes=self.feature_axes,
-                        axis_name=self.axis_name, axis_index_groups=self.axis_index_groups, mask=mask)
-        scale = self.scale[...] if self.scale is not None else None
+        """Normalize ``x``; returns the same shape. See the stock module for the arguments."""
+        center = isinstance(self, nnx.LayerNorm)
+        params = [p[...] if p is not None else None for p in (self.scale, getattr(self, "bias", None))]
+        why = (options_blocker(axis_name=self.axis_name, axis_index_groups=self.axis_index_groups, mask=mask,
+                               promote_dtype=_custom(self.promote_dtype))
+               or norm_blocker(x, self.reduction_axes, self.feature_axes, dtype=self.dtype,
+                               **{n: p.dtype for n, p in zip(("scale", "bias"), params) if p is not None}))
+        if not kernels_serve(type(self).__name__, why):
+            return super().__call__(x, mask=mask)
+        if self.dtype is not None and jnp.promote_types(x.dtype, self.dtype) != jnp.dtype(self.dtype):
+            x = x.astype(self.dtype)  # a narrowing dtype: NNX normalizes the cast input
+        op = layer_norm if center else rms_norm
+        return op(x, *params, epsilon=self.epsilon, dtype=self.dtype)
+
+
+class LayerNorm(_Norm, nnx.LayerNorm):
+    """``flax.nnx.LayerNorm`` on the cutelayers kernels (see the module docstring)."""
+
+
+class RMSNorm(_Norm, nnx.RMSNorm):
+    """``flax.nnx.RMSNorm`` on the cutelayers kernels (see the module docstring)."""
+
+    def __call__(self, x, mask: jax.Array | None = None):  # NNX's RMSNorm takes mask positionally
+        return super().__call__(x, mask=mask)
+
+
+class Linear(nnx.Linear):
+    """``flax.nnx.Linear`` on the fused GEMM, plus ``activation``: None (NNX's Linear), a name or
+    a ``jax.nn`` function fused into the GEMM's epilogue, or any other callable applied after it
+    (see :func:`cutelayers.ops.fused_linear`). ``precision`` applies to float32 GEMMs (bfloat16 /
+    float16 products are exact)."""
+
+    def __init__(self, in_features: int, out_features: int, *, activation: tp.Any = None, **kwargs):
+        super().__init__(in_features, out_features, **kwargs)
+        self.activation = activation
+
+    def __call__(self, inputs, out_sharding=None, *, residual=None):
+        """``inputs`` (..., in_features) -> (..., out_features). ``residual`` (..., out_features),
+        optional: added after the activation (cast to the result dtype)."""
+        kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
-        x, (scale, bias), out_dtype = _promote(self.promote_dtype, x, (scale, bias), self.dtype)
-        return layer_norm(x, scale, bias, epsilon=self.epsilon, dtype=out_dtype)
-
-
-class RMSNorm(nnx.Module):
-    """RMSNorm over the last axis; see ``flax.nnx.RMSNorm`` for the arguments.
-
-    Input (..., num_features) in bfloat16, float16 or float32; output the same shape in the
-    promoted dtype.
-    """
-
-    def __init__(
-        self,
-        num_features: int,
-        *,
-        epsilon: float = 1e-6,
-        dtype: Dtype | None = None,
-        param_dtype: Dtype = jnp.float32,
-        use_scale: bool = True,
-        scale_init: Initializer = initializers.ones,
-        reduction_axes: Axes = -1,
-        feature_axes: Axes = -1,
-        axis_name: str | None = None,
-        axis_index_groups: tp.Any = None,
-        use_fast_variance: bool = True,
-        promote_dtype: tp.Callable = dtypes.promote_dtype,
-        rngs: nnx.Rngs,
-        scale_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
-    ):
-        self.scale: nnx.Param | None
-        if use_scale:
-            self.scale = nnx.Param(scale_init(rngs.params(), (num_features,), param_dtype), **scale_metadata)
-        else:
-            self.scale = nnx.data(None)
-        self.num_features = num_features
-        self.epsilon = epsilon
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.use_scale = use_scale
-        self.reduction_axes = reduction_axes
-        self.feature_axes = feature_axes
-        self.axis_name = axis_name
-        self.axis_index_groups = axis_index_groups
-        self.use_fast_variance = use_fast_variance
-        self.promote_dtype = promote_dtype
-
-    def __call__(self, x, mask: jax.Array | None = None):
-        """Normalize ``x`` (..., num_features); returns the same shape."""
-        check_supported("RMSNorm", x, reduction_axes=self.reduction_axes, feature_axes=self.feature_axes,
-                        axis_name=self.axis_name, axis_index_groups=self.axis_index_groups, mask=mask)
-        scale = self.scale[...] if self.scale is not None else None
-        x, (scale,), out_dtype = _promote(self.promote_dtype, x, (scale,), self.dtype)
-        return rms_norm(x, scale, epsilon=self.epsilon, dtype=out_dtype)
+        why = (options_blocker(dot_general=None if self.dot_general is jax.lax.dot_general else self.dot_general,
+                               out_sharding=out_sharding, promote_dtype=_custom(self.promote_dtype))
+               or array_blocker(inputs, kernel=kernel.dtype, bias=getattr(bias, "dtype", None),
+                                dtype=self.dtype))
+        inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
+        preferred = self.preferred_element_type
+        # the GEMM's result is in the compute dtype: asking for that one is honoured
+        why = why or options_blocker(preferred_element_type=None if preferred is None
+                                     or jnp.dtype(preferred) == inputs.dtype else preferred)
+        if not kernels_serve("Linear", why):
+            return finish_linear(super().__call__(inputs, out_sharding), self.activation, residual)
+        return fused_linear(inputs, kernel, bias, activation=self.activation, precision=self.precision,
+                            residual=None if residual is None else jnp.asarray(residual).astype(inputs.dtype))
 
 
 def _dense_params(in_features, out_features, with_kernel, use_bias, param_dtype, kernel_init, bias_init, rngs,
@@ -182,71 +117,6 @@ def _dense_params(in_features, out_features, with_kernel, use_bias, param_dtype,
     if use_bias:
         bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype), **bias_metadata)
     return kernel, bias
-
-
-class Linear(nnx.Module):
-    """``activation(x @ kernel + bias)`` over the last axis; see ``flax.nnx.Linear`` for the
-    arguments.
-
-    Input (..., in_features) in bfloat16, float16 or float32; output (..., out_features). Input
-    and parameters are promoted with ``promote_dtype`` (to ``dtype`` if given) and the result has
-    that dtype, as in NNX; the GEMM accumulates in float32.
-
-    ``activation``: None (NNX's Linear), a name or a ``jax.nn`` function fused into the GEMM's
-    epilogue, or any other callable applied after it (see :func:`cutelayers.ops.fused_linear`).
-    ``precision`` applies to float32 GEMMs (bfloat16 / float16 products are exact).
-    """
-
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        *,
-        use_bias: bool = True,
-        dtype: Dtype | None = None,
-        param_dtype: Dtype = jnp.float32,
-        precision: PrecisionLike = None,
-        kernel_init: Initializer = default_kernel_init,
-        bias_init: Initializer = default_bias_init,
-        dot_general: tp.Callable = jax.lax.dot_general,
-        promote_dtype: tp.Callable = dtypes.promote_dtype,
-        preferred_element_type: Dtype | None = None,
-        activation: tp.Any = None,
-        rngs: nnx.Rngs,
-        kernel_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
-        bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
-    ):
-        self.kernel: nnx.Param
-        self.bias: nnx.Param | None
-        self.kernel, self.bias = _dense_params(in_features, out_features, True, use_bias, param_dtype, kernel_init,
-                                               bias_init, rngs, kernel_metadata, bias_metadata)
-        self.in_features = in_features
-        self.out_features = out_features
-        self.use_bias = use_bias
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.precision = precision
-        self.dot_general = dot_general
-        self.promote_dtype = promote_dtype
-        self.preferred_element_type = preferred_element_type
-        self.activation = activation
-
-    def __call__(self, inputs, out_sharding=None, *, residual=None):
-        """``inputs`` (..., in_features) -> (..., out_features). ``residual`` (..., out_features),
-        optional: added after the activation in the same kernel (cast to the result dtype)."""
-        kernel = self.kernel[...]
-        bias = self.bias[...] if self.bias is not None else None
-        inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
-        preferred = self.preferred_element_type
-        check_dense_supported(
-            "Linear",
-            dot_general=None if self.dot_general is jax.lax.dot_general else self.dot_general,
-            out_sharding=out_sharding,
-            # the GEMM's result is already in the compute dtype: asking for that one is honoured
-            preferred_element_type=None if preferred is None or jnp.dtype(preferred) == inputs.dtype else preferred,
-        )
-        return fused_linear(inputs, kernel, bias, activation=self.activation, precision=self.precision,
-                            residual=None if residual is None else jnp.asarray(residual).astype(inputs.dtype))
 
 
 class LMHead(nnx.Module):

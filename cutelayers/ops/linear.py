@@ -184,7 +184,7 @@ class _GemmFamily(TunableFamily):
         device no multiple of 8 (TMA alignment)."""
         use_kernels, why = kernels_apply(operands[0].dtype, *self.layer_dims(operands))
         if not use_kernels:
-            _backend.log_once("reference", f"{self.name} on a shard: {why}")
+            _backend.fall_back(f"{self.name} on a shard", why)
             return tuple(self.reference(*operands))
         return run_kernel(self, *operands)
 
@@ -400,7 +400,7 @@ def apply_epilogue(product, bias, residual, activation: str, dtype):
     y = act(z) + residual, computed in fp32."""
     z = product.astype(jnp.float32)
     if bias is not None:
-        z = z + bias.astype(jnp.float32)
+        z = z + bias.astype(jnp.float32).reshape((1,) * (z.ndim - 1) + bias.shape)  # explicit broadcast
     y = ACTIVATION_FUNCTIONS[activation](z)
     if residual is not None:
         y = y + residual.astype(jnp.float32)
@@ -623,7 +623,7 @@ def fused_linear(x, kernel, bias=None, *, activation=None, residual=None, precis
 
     use_kernels, why = kernels_apply(x.dtype, k, n)
     if not use_kernels:
-        _backend.log_once("reference", f"{op}: {why}")
+        _backend.fall_back(op, why)
     has_bias = bias is not None
     kernel, bias = vary_like(x, kernel, bias)  # shared by every shard inside shard_map
     if unfused is None:

@@ -239,7 +239,7 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
         return jnp.zeros(lead if reduction == "none" else (), F32)
     use_kernels, why = kernels_apply(h.dtype, hidden, vocab)
     if not use_kernels:
-        _backend.log_once("reference", f"{op}: {why}")
+        _backend.fall_back(op, why)
     n_chunks, rows = chunk_layout(lead, vocab, chunk_size)
     pad = n_chunks * rows - tokens
     # strided chunks (module docstring): token t is row t // n_chunks of chunk t % n_chunks.

@@ -195,10 +195,16 @@ def forward_reference(x, scale, bias, *, center: bool, epsilon: float, out_dtype
     rstd = jax.lax.rsqrt(var + jnp.float32(epsilon))
     y = (x32 - mean[..., None]) * rstd[..., None]
     if scale is not None:
-        y = y * scale.astype(jnp.float32)
+        y = y * _per_feature(scale, y.ndim)
     if bias is not None:
-        y = y + bias.astype(jnp.float32)
+        y = y + _per_feature(bias, y.ndim)
     return y.astype(out_dtype), mean, rstd
+
+
+def _per_feature(p, ndim: int):
+    """A (N,) parameter as fp32 (1, ..., 1, N) of rank ``ndim``: explicit broadcasting, clean
+    under ``jax_numpy_rank_promotion="raise"``."""
+    return p.astype(jnp.float32).reshape((1,) * (ndim - 1) + p.shape)
 
 
 def _xhat(x, mean, rstd):
@@ -216,7 +222,7 @@ def backward_reference(x, dy, mean, rstd, scale):
     """
     xhat = _xhat(x, mean, rstd)
     dy32 = dy.astype(jnp.float32)
-    g = dy32 * scale.astype(jnp.float32) if scale is not None else dy32
+    g = dy32 * _per_feature(scale, dy32.ndim) if scale is not None else dy32
     n = x.shape[-1]
     inner = xhat * (jnp.sum(g * xhat, axis=-1, keepdims=True) / n)
     if mean is not None:
@@ -403,7 +409,9 @@ def _check(op: str, x, scale, bias, epsilon, dtype):
         raise TypeError(f"{op}: argument 'epsilon' must be a Python float; got {epsilon!r}") from None
     if not epsilon >= 0.0:
         raise ValueError(f"{op}: argument 'epsilon' must be >= 0; got {epsilon}")
-    out_dtype = x.dtype if dtype is None else jnp.dtype(dtype)
+    # Flax's rule (flax.linen.dtypes.canonicalize_dtype): by default, the promoted dtype of all three
+    promoted = functools.reduce(jnp.promote_types, [p.dtype for p in params.values()], x.dtype)
+    out_dtype = promoted if dtype is None else jnp.dtype(dtype)
     if out_dtype not in FLOAT_DTYPES:
         allowed = ", ".join(d.name for d in FLOAT_DTYPES)
         raise TypeError(f"{op}: argument 'dtype' is {out_dtype.name}; allowed: {allowed}")
@@ -426,7 +434,9 @@ def layer_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | N
       scale: (N,) or None (no scaling), any of those dtypes.
       bias: (N,) or None (no shift), any of those dtypes.
       epsilon: added to the variance (a Python float >= 0).
-      dtype: the result's dtype; None means x's dtype.
+      dtype: the result's dtype; None means the promoted dtype of x, scale and bias (Flax's
+        modules' rule: a bfloat16 x with a float32 scale gives float32, a float32 x with a
+        bfloat16 scale float32).
 
     Returns:
       (..., N) in ``dtype``. Mean and variance are computed in float32 (two-pass, so large-mean
@@ -444,7 +454,8 @@ def rms_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | Non
       scale: (N,) or None (no scaling), any of those dtypes.
       bias: (N,) or None (the usual RMSNorm has none; Equinox's has one).
       epsilon: added to the mean square (a Python float >= 0).
-      dtype: the result's dtype; None means x's dtype.
+      dtype: the result's dtype; None means the promoted dtype of x, scale and bias, as for
+        :func:`layer_norm`.
 
     Returns:
       (..., N) in ``dtype``; statistics in float32; gradients flow to x, scale and bias.

@@ -168,13 +168,9 @@ def choose_path(op: str) -> str:
     if kernels_supported(arch):
         _backend.log_once("CuTe kernel", f"{why}")
         return "cute"
-    if choice == "cute":
-        raise RuntimeError(
-            f"{op}: backend 'cute' needs a Hopper GPU (compute capability 9.x) but the target is "
-            f"{arch or 'unknown'} ({why}). Use backend 'auto' or 'reference', or set "
-            "CUTE_DSL_ARCH=sm_90a to compile for a GPU this machine does not have."
-        )
-    _backend.log_once("reference", f"kernels need compute capability 9.x; {why}")
+    _backend.fall_back(op, f"this call needs a Hopper GPU (compute capability 9.x) and the target is "
+                           f"{arch or 'unknown'} ({why}); CUTE_DSL_ARCH=sm_90a compiles for a GPU this machine "
+                           "does not have")
     return "reference"
 
 
@@ -329,7 +325,7 @@ def _cuda_lowering(ctx, *args, family: KernelFamily):
 
 def _other_platform_lowering(ctx, *args, family: KernelFamily):
     platforms = ", ".join(ctx.module_context.platforms)
-    _backend.log_once("reference", f"lowering for {platforms}: CuTe kernels run only on CUDA")
+    _backend.fall_back(family.name, f"it is lowered for {platforms} and CuTe kernels run only on CUDA")
     return _reference_lowering(ctx, *args, family=family)
 
 
