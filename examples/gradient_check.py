@@ -92,6 +92,10 @@ def ref_linear(x, kernel, bias=None, residual=None, activation=None):
     return y if residual is None else y + residual
 
 
+def ref_mlp(x, w1, b1, w2, b2, residual, activation):
+    return ref_linear(activation(ref_linear(x, w1, b1)), w2, b2, residual)
+
+
 def ref_linear_cross_entropy(h, kernel, bias, labels, ignore_index):
     losses = ref_cross_entropy(ref_linear(h, kernel, bias), labels, ignore_index)
     return jnp.sum(losses) / jnp.maximum(jnp.sum(labels != ignore_index), 1)
@@ -152,6 +156,12 @@ def cases(rng: np.random.Generator, dtype, quick: bool):
                    partial(cl.ops.fused_linear, activation=activation),
                    partial(ref_linear, activation=function),
                    {k: v for k, v in inputs.items() if k in ("x", "kernel", *extras)})
+
+    yield Case("mlp", "gelu, biases, residual", partial(cl.ops.mlp, activation="gelu"),
+               partial(ref_mlp, activation=jax.nn.gelu),
+               {"x": normal(2, tokens // 2, hidden), "w1": normal(hidden, out, scale=hidden**-0.5), "b1": normal(out),
+                "w2": normal(out, hidden, scale=out**-0.5), "b2": normal(hidden),
+                "residual": normal(2, tokens // 2, hidden)})
 
     options = dict(labels=labels((tokens,), vocab), ignore_index=IGNORE)
     yield Case("linear_cross_entropy", f"bias, ignore_index, chunk_size={tokens // 5}",

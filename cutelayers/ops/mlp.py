@@ -119,7 +119,7 @@ def mlp(x, w1, b1=None, w2=None, b2=None, *, activation="gelu", residual=None, p
     if use_kernels:
         use_kernels, why = kernels_apply(x.dtype, h_width, n)
     if not use_kernels:
-        _backend.log_once("reference", f"{op}: {why}")
+        _backend.fall_back(op, why)
     w1, b1, w2, b2 = vary_like(x, w1, b1, w2, b2)  # shared by every shard inside shard_map
     fn = _mlp_fn(fused, b1 is not None, b2 is not None, residual is not None, use_kernels, precision)
     return fn(x, w1, b1, w2, b2, residual)
