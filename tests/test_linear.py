@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 import cutelayers as cl
-from cutelayers.kernels.gemm import CONFIGS, config_class
-from cutelayers.ops.linear import ACTIVATION_FUNCTIONS, fused_linear, kernels_apply, resolve_activation
+from cutelayers.kernels.gemm import CONFIGS, config_class, split_count
+from cutelayers.ops.linear import (ACTIVATION_FUNCTIONS, LinearWeightGrad, fused_linear, kernels_apply,
+                                   resolve_activation)
 from numerics import assert_close, random
 
 ACTS = list(ACTIVATION_FUNCTIONS)  # "none" first, then every fused activation
@@ -473,3 +474,51 @@ def test_kernel_vmap_and_per_example_grads_gpu(rng):
     ref = jax.vmap(jax.grad(lambda x, k: jnp.sum(plain(x, k, activation="gelu")), 1), (0, None))(
         x.astype(jnp.float32), kernel.astype(jnp.float32))
     assert_close(per_example, ref, jnp.bfloat16, scale=2.0)
+
+
+# --- split-K weight gradients --------------------------------------------------------------------------
+
+def test_split_k_is_chosen_for_small_weight_gradients():
+    # GPT-2's layers at 16384 tokens: their (K, N) outputs are a few dozen 128x128 tiles.
+    for k, n in ((768, 768), (768, 2304), (768, 3072), (3072, 768)):
+        assert split_count(k, n, 16384) > 1, (k, n)
+    assert split_count(4096, 16384, 8192) == 1  # 4096 tiles: the output fills the GPU
+    assert split_count(256, 512, 100) == 1  # two k tiles: nothing to split
+
+
+def test_split_k_reference_adds_into_the_accumulator(rng):
+    x, dz = random(rng, (2, 40, 16), jnp.bfloat16), random(rng, (2, 40, 24), jnp.bfloat16)
+    acc = random(rng, (2, 16, 24), jnp.float32)
+    (out,) = LinearWeightGrad(splits=3).reference(x, dz, acc)
+    want = acc + jnp.einsum("lmk,lmn->lkn", x.astype(jnp.float32), dz.astype(jnp.float32), precision=HIGHEST)
+    assert out.dtype == jnp.float32
+    assert_close(out, want, jnp.float32, scale=10.0)
+
+
+def test_lowering_split_k_weight_grad(fresh_cache):
+    # The dkernel call adds its splits into a zeroed float32 buffer it aliases; the gradient is
+    # that sum in the kernel's dtype.
+    S = jax.ShapeDtypeStruct
+    m, k, n = 16384, 768, 768
+    splits = split_count(k, n, m)
+    grad = jax.grad(lambda x, w: jnp.sum(fused_linear(x, w).astype(jnp.float32) ** 2), 1)
+    hlo = lower_cuda(grad, S((m, k), jnp.bfloat16), S((k, n), jnp.bfloat16))
+    (call,) = [line for line in hlo.splitlines() if "@cutelayers_linear_dkernel" in line]
+    assert call.endswith(f"(tensor<1x{m}x{k}xbf16>, tensor<1x{m}x{n}xbf16>, tensor<1x{k}x{n}xf32>) -> "
+                         f"tensor<1x{k}x{n}xf32>")
+    assert "output_operand_aliases" in call
+    assert splits > 1 and cl.cache_info()["linear_dkernel"].compiles == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_split_k_weight_grad_gpu(dtype, rng):
+    m, k, n = 4096, 256, 512
+    assert split_count(k, n, m) > 1
+    x, kernel, _, _ = operands(rng, (m,), k, n, dtype, bias=False, residual=False)
+    dy = random(rng, (m, n), dtype)
+    with cl.use_backend("cute"):
+        dkernel = jax.jit(jax.grad(lambda w: jnp.sum(fused_linear(x, w).astype(jnp.float32) * dy)))(kernel)
+    want = jnp.matmul(x.astype(jnp.float32).T, dy.astype(jnp.float32), precision=HIGHEST)
+    assert dkernel.dtype == jnp.dtype(dtype)
+    assert_close(dkernel, want, dtype)

@@ -113,23 +113,24 @@ class GemmConfig:
         (their stmatrix stores go together), 32 columns."""
         return (64 * self.mma_warpgroups, 32)
 
-    def ring_bytes(self, elem_bytes: int, source: bool) -> int:
+    def ring_bytes(self, c_bytes: int, source: bool) -> int:
         """Shared memory of the epilogue rings: stores, plus sources if the epilogue reads one."""
         rows, cols = self.epi_tile()
         buffers = EPI_STAGES + (SOURCE_STAGES if source else 0)
-        return self.epilogue_groups * buffers * rows * cols * elem_bytes
+        return self.epilogue_groups * buffers * rows * cols * c_bytes
 
-    def stage_bytes(self, elem_bytes: int) -> int:
-        return (self.tile_m + self.tile_n) * self.tile_k * elem_bytes
+    def stage_bytes(self, ab_bytes: int) -> int:
+        return (self.tile_m + self.tile_n) * self.tile_k * ab_bytes
 
-    def stages_for(self, elem_bytes: int, source: bool) -> int:
+    def stages_for(self, ab_bytes: int, c_bytes: int, source: bool) -> int:
         """Mainloop stages: ``stages``, or fewer where the epilogue's rings leave less room."""
-        room = SMEM_CAPACITY - SMEM_RESERVED - self.ring_bytes(elem_bytes, source)
-        return min(self.stages, room // self.stage_bytes(elem_bytes))
+        room = SMEM_CAPACITY - SMEM_RESERVED - self.ring_bytes(c_bytes, source)
+        return min(self.stages, room // self.stage_bytes(ab_bytes))
 
-    def smem_bytes(self, elem_bytes: int, source: bool = False) -> int:
-        return (self.stages_for(elem_bytes, source) * self.stage_bytes(elem_bytes)
-                + self.ring_bytes(elem_bytes, source) + SMEM_RESERVED)
+    def smem_bytes(self, ab_bytes: int, c_bytes: int | None = None, source: bool = False) -> int:
+        c_bytes = ab_bytes if c_bytes is None else c_bytes
+        return (self.stages_for(ab_bytes, c_bytes, source) * self.stage_bytes(ab_bytes)
+                + self.ring_bytes(c_bytes, source) + SMEM_RESERVED)
 
 
 # Shape classes -> config (chosen from the H100 sweeps in docs/benchmarks.md). "small_m":
@@ -151,6 +152,33 @@ EXTRA_CONFIGS = (
     GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6, pingpong=True),
     GemmConfig(tile_m=64, tile_n=256, consumer_warpgroups=2, stages=6, pingpong=True),
 )
+
+
+# Split-K (the weight gradient's small (K, N) outputs, contracting many rows): a cooperative tile,
+# splits chosen by ``split_count``.
+SPLIT_K_CONFIG = GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6)
+SPLIT_K_MAX = 16
+SPLIT_K_MIN_K_TILES = 8  # k tiles per split at least
+SPLIT_K_EPILOGUE_K_TILES = 4  # a unit's fp32 reduce-store costs about this many k tiles of MMAs
+
+
+def split_count(m: int, n: int, k: int, batch: int = 1) -> int:
+    """Splits of the contraction for an (m, n) output per batch contracting k: the count that keeps
+    the most of the persistent grid busy (whole waves of work units), discounted by each unit's
+    epilogue; 1 when the output alone fills the GPU or k is short."""
+    tile = SPLIT_K_CONFIG
+    tiles = batch * -(-m // tile.tile_m) * -(-n // tile.tile_n)
+    k_tiles = -(-k // tile.tile_k)
+
+    def efficiency(s):
+        units = tiles * s
+        waves = -(-units // PERSISTENT_SMS)
+        per = -(-k_tiles // s)
+        return units / (waves * PERSISTENT_SMS) * per / (per + SPLIT_K_EPILOGUE_K_TILES)
+
+    candidates = [s for s in range(1, SPLIT_K_MAX + 1) if s == 1 or k_tiles >= SPLIT_K_MIN_K_TILES * s]
+    best = max(efficiency(s) for s in candidates)
+    return min(s for s in candidates if efficiency(s) >= best - 0.01)
 
 
 SMALL_M_MAX = 64  # rows up to this are "small_m"
@@ -282,8 +310,10 @@ class HopperGemmKernel:
       (M, N, L), N contiguous, c's dtype.
     """
 
-    def __init__(self, config: GemmConfig, epilogue: Epilogue):
-        self.config, self.epilogue = config, epilogue
+    def __init__(self, config: GemmConfig, epilogue: Epilogue, splits: int = 1):
+        self.config, self.epilogue, self.splits = config, epilogue, splits
+        if splits > 1 and (config.pingpong or epilogue != Epilogue()):
+            raise ValueError("split-K takes a cooperative config and a plain epilogue (partials are summed by TMA)")
         self.tile_mnk = (config.tile_m, config.tile_n, config.tile_k)
         if config.consumer_warpgroups not in (1, 2):
             raise ValueError("consumer_warpgroups must be 1 or 2")
@@ -308,7 +338,7 @@ class HopperGemmKernel:
         preact = rest.pop(0) if const_expr(epilogue.store_preact) else None
 
         self.a_dtype, self.b_dtype, self.c_dtype = a.element_type, b.element_type, c.element_type
-        self.stages = config.stages_for(c.element_type.width // 8, epilogue.has_source)
+        self.stages = config.stages_for(a.element_type.width // 8, c.element_type.width // 8, epilogue.has_source)
         a_layout = LayoutEnum.from_tensor(a)
         b_layout = LayoutEnum.from_tensor(b)
         c_layout = LayoutEnum.from_tensor(c)
@@ -326,7 +356,9 @@ class HopperGemmKernel:
         # A is shared by the cluster_n CTAs of a cluster row, B by the cluster_m of a column.
         tma_a, tma_tensor_a = self.load_atom(a, a_smem, (config.tile_m, config.tile_k), config.cluster_n)
         tma_b, tma_tensor_b = self.load_atom(b, b_smem, (config.tile_n, config.tile_k), config.cluster_m)
-        store = cpasync.CopyBulkTensorTileS2GOp()
+        # Split-K partials are added into c (zeroed by the caller) by the TMA unit itself.
+        store = cpasync.CopyReduceBulkTensorTileS2GOp() if const_expr(
+            self.splits > 1) else cpasync.CopyBulkTensorTileS2GOp()
         epi_smem_one = cute.slice_(epi_smem, (None, None, 0))
         tma_c, tma_tensor_c = cpasync.make_tiled_tma_atom(store, c, epi_smem_one, epi_tile)
         tma_z, tma_tensor_z = None, None
@@ -349,7 +381,9 @@ class HopperGemmKernel:
             ss: cute.struct.Align[cute.struct.MemRange[c.element_type, source_elems], 1024]
 
         self.shared_storage = SharedStorage
-        tiles = (cute.ceil_div(c.shape[0], config.tile_m), cute.ceil_div(c.shape[1], config.tile_n), c.shape[2])
+        # Work units: output tiles x batch x splits of the contraction (see ``work_unit``).
+        tiles = (cute.ceil_div(c.shape[0], config.tile_m), cute.ceil_div(c.shape[1], config.tile_n),
+                 c.shape[2] * self.splits)
         schedule = utils.PersistentTileSchedulerParams(
             tiles, (config.cluster_m, config.cluster_n, 1), self.raster_group(c.shape[1]), True
         )
@@ -476,10 +510,11 @@ class HopperGemmKernel:
                 producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 work = scheduler.initial_work_tile_info()
                 while work.is_valid_tile:
-                    m, n, batch = work.tile_idx
+                    m, n, batch, k0, k_count = self.work_unit(work.tile_idx, k_tiles)
                     tga_tile = tga[(None, m, None, batch)]
                     tgb_tile = tgb[(None, n, None, batch)]
-                    for k in cutlass.range(k_tiles, unroll=1):
+                    for kk in cutlass.range(k_count, unroll=1):
+                        k = k0 + kk
                         loads.producer_acquire(producer)
                         barrier = loads.producer_get_barrier(producer)
                         cute.copy(tma_a, tga_tile[(None, k)], tsa[(None, producer.index)], tma_bar_ptr=barrier,
@@ -533,11 +568,13 @@ class HopperGemmKernel:
                 if group == 1:
                     cute.arch.barrier_arrive(barrier_id=MMA_TURN_BARRIER, number_of_threads=2 * WARPGROUP)
             while work.is_valid_tile:
+                m, n, batch, _, k_count = self.work_unit(work.tile_idx, k_tiles)
+                tile_idx = (m, n, batch)
                 if const_expr(epilogue.has_source):
                     # The tile's first source subtiles load while its mainloop runs.
                     for e in cutlass.range_constexpr(min(SOURCE_STAGES, self.epi_tiles(epi_tile))):
                         self.load_source(sources, group, source_loaded, ring[6], tma_s, tma_tensor_s,
-                                         work.tile_idx, epi_tile, e, store_warp)
+                                         tile_idx, epi_tile, e, store_warp)
                 # Accumulate from zero rather than switching ACCUMULATE off for the first k tile:
                 # the flag is fixed when the loop body is traced.
                 acc.fill(0.0)
@@ -548,7 +585,7 @@ class HopperGemmKernel:
                     # (its parity could not tell those phases apart).
                     cute.arch.barrier(barrier_id=MMA_TURN_BARRIER + group, number_of_threads=2 * WARPGROUP)
                 warpgroup.fence()
-                for k in cutlass.range(k_tiles, unroll=1):
+                for k in cutlass.range(k_count, unroll=1):
                     loads.consumer_wait(consumer)
                     for kb in cutlass.range_constexpr(k_blocks):
                         stage = (None, None, kb, consumer.index)
@@ -567,7 +604,7 @@ class HopperGemmKernel:
                 loads.consumer_release(released)
                 released.advance()
 
-                self.epilogue_tile(acc, tile_coords_c, work.tile_idx, ring, sources, group, source_loaded,
+                self.epilogue_tile(acc, tile_coords_c, tile_idx, ring, sources, group, source_loaded,
                                    source_read, tma_c, tma_tensor_c, tma_z, tma_tensor_z, tma_s, tma_tensor_s,
                                    bias, epi_tile, stores, store_warp, tiles_done * stores_per_tile)
                 tiles_done += 1
@@ -582,6 +619,19 @@ class HopperGemmKernel:
             if store_warp:
                 stores.producer_tail()
 
+    @cute.jit
+    def work_unit(self, tile_idx, k_tiles):
+        """(tile row, tile column, batch, first k tile, k tiles) of a scheduler tile: its third
+        coordinate is batch x splits + split; split s of S takes k tiles [s * per, (s + 1) * per),
+        per = ceil(k_tiles / S), at least one (a k tile past K loads zeros and adds nothing)."""
+        m, n, l = tile_idx
+        if const_expr(self.splits == 1):
+            return m, n, l, 0, k_tiles
+        per = (k_tiles + self.splits - 1) // self.splits
+        split = l % self.splits
+        k0 = split * per
+        return m, n, l // self.splits, k0, cutlass.max(cutlass.min(per, k_tiles - k0), 1)
+
     def epi_tiles(self, epi_tile) -> int:
         return (self.config.tile_m // epi_tile[0]) * (self.config.tile_n // epi_tile[1])
 
@@ -591,8 +641,10 @@ class HopperGemmKernel:
         store ring, the shape of one subtile of its accumulators, the store ring, ldmatrix copy,
         its smem sources in the source ring, the source ring) -- copies laid out like the
         accumulators."""
+        # The stmatrix atom gives the accumulator-to-subtile layout (any 16-bit type describes it);
+        # a 32-bit c is then stored with plain shared-memory stores in that layout.
         c_atom = cute.make_tiled_copy_C_atom(
-            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.c_dtype), tiled_mma)
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), cutlass.Float16), tiled_mma)
         copy_r2s = cute.make_tiled_copy_S(sm90.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.c_dtype, Float32), c_atom)
         thr_r2s = copy_r2s.get_slice(gtidx)
         r2s_dst = thr_r2s.partition_D(sc)

@@ -198,10 +198,12 @@ class _GemmFamily(TunableFamily):
             "batched_out": (True, False, False),  # (L, K, N)
         }[kind]
 
+    splits = 1  # split-K (LinearWeightGrad only)
+
     def launcher(self, avals, out_avals):
         from cutelayers.kernels.gemm import HopperGemmKernel
 
-        return HopperGemmKernel(self.chosen_config(), self.epilogue())
+        return HopperGemmKernel(self.chosen_config(), self.epilogue(), self.splits)
 
     def epilogue(self):
         from cutelayers.kernels.gemm import Epilogue
@@ -332,24 +334,41 @@ class LinearInputGrad(_GemmFamily):
 
 @dataclasses.dataclass(frozen=True)
 class LinearWeightGrad(_GemmFamily):
-    """Kernel family: dkernel (L, K, N) = x (L, M, K)ᵀ @ dz (L, M, N) per batch index l."""
+    """Kernel family: dkernel (L, K, N) = x (L, M, K)ᵀ @ dz (L, M, N) per batch index l.
+
+    With ``splits`` > 1 -- split-K over the rows, for a (K, N) output with too few tiles to fill
+    the GPU -- also a zeroed float32 (L, K, N) accumulator operand, which the result is written
+    into: each split's partial product is added by the TMA unit. The result is then float32.
+    """
 
     config: GemmConfig | None = None
+    splits: int = 1
     contracts_rows = True
 
     name = "linear_dkernel"
-    arg_names = ("x", "dz")
+
+    @property
+    def arg_names(self):
+        return ("x", "dz") + ("accumulator",) * (self.splits > 1)
 
     def kinds(self):
-        return ("batched", "batched", "batched_out")
+        return ("batched", "batched") + ("batched_out",) * (self.splits > 1) + ("batched_out",)
 
     def modes_at(self, position):
         return _TRANSPOSED if position < 2 else _ROWS
 
     def factors(self):
         # The rows are the contraction: with row-sharded x and dz (data parallel) each device's
-        # dkernel is a partial sum, psum'd -- the data-parallel gradient all-reduce.
-        return ((("batch", "rows", "k"), ("batch", "rows", "n")), (("batch", "k", "n"),))
+        # dkernel is a partial sum, psum'd -- the data-parallel gradient all-reduce. (A zero
+        # accumulator adds nothing to that sum.)
+        out = ("batch", "k", "n")
+        return (("batch", "rows", "k"), ("batch", "rows", "n")) + (out,) * (self.splits > 1), (out,)
+
+    def operand_output_aliases(self):
+        return {2: 0} if self.splits > 1 else None
+
+    def kept_outputs(self, n_outputs):
+        return () if self.splits > 1 else tuple(range(n_outputs))
 
     def layer_dims(self, avals):
         return avals[0].shape[2], avals[1].shape[2]
@@ -357,12 +376,28 @@ class LinearWeightGrad(_GemmFamily):
     def gemm_shape(self, avals):
         return avals[0].shape[2], avals[1].shape[2], avals[0].shape[1]  # x (L, M, K), dz (L, M, N)
 
-    def out_avals(self, avals):
-        x, dz = avals
-        return (jax.ShapeDtypeStruct((x.shape[0], x.shape[2], dz.shape[2]), x.dtype),)
+    def tuning_key(self, avals):
+        dtype, dims = super().tuning_key(avals)
+        return dtype, dims + ((("splits", self.splits),) if self.splits > 1 else ())
 
-    def reference(self, x, dz):
-        return (_weight_grad_einsum(x, dz),)
+    def default_config(self, avals):
+        from cutelayers.kernels.gemm import SPLIT_K_CONFIG
+
+        return SPLIT_K_CONFIG if self.splits > 1 else super().default_config(avals)
+
+    def config_space(self, avals) -> tuple:
+        space = super().config_space(avals)
+        return tuple(c for c in space if not c.pingpong) if self.splits > 1 else space
+
+    def out_avals(self, avals):
+        x, dz = avals[:2]
+        dtype = jnp.float32 if self.splits > 1 else x.dtype
+        return (jax.ShapeDtypeStruct((x.shape[0], x.shape[2], dz.shape[2]), dtype),)
+
+    def reference(self, x, dz, *accumulator):
+        if not accumulator:
+            return (_weight_grad_einsum(x, dz),)
+        return (accumulator[0] + jnp.einsum("lmk,lmn->lkn", x, dz, preferred_element_type=jnp.float32),)
 
 
 # --- jnp reference: the kernels' decomposition -----------------------------------------------------
@@ -459,8 +494,16 @@ def _weight_grad_batched(x, dz, use_kernels, precision):
     dz = dz.reshape(dz.shape[0], -1, dz.shape[-1])
     if not use_kernels or x.shape[1] == 0:
         return _weight_grad_einsum(x, dz, precision)
-    (dw,) = kernel_call(LinearWeightGrad().resolved((x, dz)), x, dz)
-    return dw
+    from cutelayers.kernels.gemm import split_count
+
+    (batch, rows, k), n = x.shape, dz.shape[-1]
+    splits = split_count(k, n, rows, batch)
+    if splits == 1:
+        (dw,) = kernel_call(LinearWeightGrad().resolved((x, dz)), x, dz)
+        return dw
+    operands = (x, dz, jnp.zeros((batch, k, n), jnp.float32))
+    (dw,) = kernel_call(LinearWeightGrad(splits=splits).resolved(operands), *operands)
+    return dw.astype(x.dtype)
 
 
 @functools.cache
