@@ -158,27 +158,29 @@ EXTRA_CONFIGS = (
 # splits chosen by ``split_count``.
 SPLIT_K_CONFIG = GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6)
 SPLIT_K_MAX = 16
-SPLIT_K_MIN_K_TILES = 8  # k tiles per split at least
+SPLIT_K_MIN_ROWS = 2048  # contractions shorter than this are not split
+SPLIT_K_NOMINAL_K_TILES = 256  # the contraction the split count is chosen for (16384 rows)
 SPLIT_K_EPILOGUE_K_TILES = 4  # a unit's fp32 reduce-store costs about this many k tiles of MMAs
 
 
 def split_count(m: int, n: int, k: int, batch: int = 1) -> int:
-    """Splits of the contraction for an (m, n) output per batch contracting k: the count that keeps
-    the most of the persistent grid busy (whole waves of work units), discounted by each unit's
-    epilogue; 1 when the output alone fills the GPU or k is short."""
+    """Splits of the contraction for an (m, n) output per batch contracting k: 1 below
+    ``SPLIT_K_MIN_ROWS``, else the count that keeps the most of the persistent grid busy (whole
+    waves of work units), discounted by each unit's epilogue. It depends on k only through that
+    threshold, so every row count of a bucket (:func:`row_bucket`) shares one compiled kernel."""
+    if k < SPLIT_K_MIN_ROWS:
+        return 1
     tile = SPLIT_K_CONFIG
     tiles = batch * -(-m // tile.tile_m) * -(-n // tile.tile_n)
-    k_tiles = -(-k // tile.tile_k)
 
     def efficiency(s):
         units = tiles * s
         waves = -(-units // PERSISTENT_SMS)
-        per = -(-k_tiles // s)
+        per = SPLIT_K_NOMINAL_K_TILES / s
         return units / (waves * PERSISTENT_SMS) * per / (per + SPLIT_K_EPILOGUE_K_TILES)
 
-    candidates = [s for s in range(1, SPLIT_K_MAX + 1) if s == 1 or k_tiles >= SPLIT_K_MIN_K_TILES * s]
-    best = max(efficiency(s) for s in candidates)
-    return min(s for s in candidates if efficiency(s) >= best - 0.01)
+    best = max(efficiency(s) for s in range(1, SPLIT_K_MAX + 1))
+    return min(s for s in range(1, SPLIT_K_MAX + 1) if efficiency(s) >= best - 0.01)
 
 
 SMALL_M_MAX = 64  # rows up to this are "small_m"
