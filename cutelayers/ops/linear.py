@@ -616,6 +616,18 @@ def check_linear_operands(op: str, x_name: str, x, kernel, bias):
     return x, kernel, bias
 
 
+def check_residual(op: str, residual, x, n: int):
+    """Validate a residual (..., N) matching x's leading shape and dtype (None passes)."""
+    if residual is None:
+        return None
+    residual = check_float_array(op, "residual", residual)
+    if tuple(residual.shape) != (*x.shape[:-1], n):
+        raise ValueError(f"{op}: argument 'residual' must have shape {(*x.shape[:-1], n)}; "
+                         f"got {tuple(residual.shape)}")
+    check_same_dtype(op, "residual", residual, "x", x)
+    return residual
+
+
 def hashable_precision(precision):
     """``precision`` as a hashable static key (a list pair becomes a tuple); JAX validates it."""
     return tuple(precision) if isinstance(precision, list) else precision
@@ -655,12 +667,7 @@ def fused_linear(x, kernel, bias=None, *, activation=None, residual=None, precis
     op = "fused_linear"
     x, kernel, bias = check_linear_operands(op, "x", x, kernel, bias)
     k, n = kernel.shape
-    if residual is not None:
-        residual = check_float_array(op, "residual", residual)
-        if tuple(residual.shape) != (*x.shape[:-1], n):
-            raise ValueError(f"{op}: argument 'residual' must have shape {(*x.shape[:-1], n)}; "
-                             f"got {tuple(residual.shape)}")
-        check_same_dtype(op, "residual", residual, "x", x)
+    residual = check_residual(op, residual, x, n)
     fused, unfused = resolve_activation(activation)
     precision = hashable_precision(precision)
 

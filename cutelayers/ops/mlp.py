@@ -28,8 +28,9 @@ import jax.numpy as jnp
 
 from cutelayers import backend as _backend
 from cutelayers.ops._rowwise import check_float_array, row_batched_vjp
-from cutelayers.ops.linear import (check_same_dtype, hashable_precision, check_linear_operands, forward_fn,
-                                   fused_linear, input_grad_fn, kernels_apply, resolve_activation, weight_grad_fn)
+from cutelayers.ops.linear import (check_linear_operands, check_residual, check_same_dtype, forward_fn, fused_linear,
+                                   hashable_precision, input_grad_fn, kernels_apply, resolve_activation,
+                                   weight_grad_fn)
 from cutelayers.runtime.sharding import vary_like
 
 
@@ -104,12 +105,7 @@ def mlp(x, w1, b1=None, w2=None, b2=None, *, activation="gelu", residual=None, p
         if tuple(b2.shape) != (n,):
             raise ValueError(f"{op}: argument 'b2' must have shape ({n},); got {tuple(b2.shape)}")
         check_same_dtype(op, "b2", b2, "x", x)
-    if residual is not None:
-        residual = check_float_array(op, "residual", residual)
-        if tuple(residual.shape) != (*x.shape[:-1], n):
-            raise ValueError(f"{op}: argument 'residual' must have shape {(*x.shape[:-1], n)}; "
-                             f"got {tuple(residual.shape)}")
-        check_same_dtype(op, "residual", residual, "x", x)
+    residual = check_residual(op, residual, x, n)
     fused, unfused = resolve_activation(activation)
     if unfused is not None:
         h = unfused(fused_linear(x, w1, b1, precision=precision))
