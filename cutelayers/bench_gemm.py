@@ -118,10 +118,10 @@ def bench_mlp(blocks=BLOCKS, dtype=jnp.bfloat16) -> list[dict]:
                 normal(keys[3], (h, k), h**-0.5), normal(keys[4], (k,)), normal(keys[5], (m, k)))
         act = ACTIVATION_FUNCTIONS[block.activation]
 
-        def ours(x, w1, b1, w2, b2, r):
-            return cl.ops.mlp(x, w1, b1, w2, b2, activation=block.activation, residual=r)
+        def ours(x, w1, b1, w2, b2, r, activation=block.activation):
+            return cl.ops.mlp(x, w1, b1, w2, b2, activation=activation, residual=r)
 
-        def xla(x, w1, b1, w2, b2, r):
+        def xla(x, w1, b1, w2, b2, r, act=act):
             return act(x @ w1 + b1[None, :]) @ w2 + b2[None, :] + r
 
         results.append(_result(block.name, f"{m} x {k} -> {h} -> {k}", f"{block.activation} mlp", dtype,

@@ -5,12 +5,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numerics import assert_close, random
+from test_linear import lower_cuda
 
 import cutelayers as cl
 from cutelayers.ops.linear import ACTIVATION_FUNCTIONS, LinearInputGrad
 from cutelayers.ops.mlp import mlp
-from numerics import assert_close, random
-from test_linear import lower_cuda
 
 ACTS = list(ACTIVATION_FUNCTIONS)
 HIGHEST = jax.lax.Precision.HIGHEST

@@ -694,8 +694,7 @@ class HopperGemmKernel:
         (first_store + e) mod EPI_STAGES within the group's ring.
         """
         config, epilogue = self.config, self.epilogue
-        m, n, batch = tile_idx
-        n0 = n * config.tile_n
+        n0 = tile_idx[1] * config.tile_n
         if const_expr(epilogue.has_bias):
             for i in cutlass.range(cute.size(acc), unroll_full=True):
                 col = n0 + tile_coords_c[i][1]

@@ -28,9 +28,18 @@ import jax.numpy as jnp
 
 from cutelayers import backend as _backend
 from cutelayers.ops._rowwise import check_float_array, row_batched_vjp
-from cutelayers.ops.linear import (check_linear_operands, check_residual, check_same_dtype, forward_fn, fused_linear,
-                                   hashable_precision, input_grad_fn, kernels_apply, resolve_activation,
-                                   weight_grad_fn)
+from cutelayers.ops.linear import (
+    check_linear_operands,
+    check_residual,
+    check_same_dtype,
+    forward_fn,
+    fused_linear,
+    hashable_precision,
+    input_grad_fn,
+    kernels_apply,
+    resolve_activation,
+    weight_grad_fn,
+)
 from cutelayers.runtime.sharding import vary_like
 
 
