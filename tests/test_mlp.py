@@ -22,7 +22,7 @@ def plain_mlp(x, w1, b1, w2, b2, residual, activation, saved_dtype=None):
     f32 = lambda a: None if a is None else jnp.asarray(a, jnp.float32)
     z1 = jnp.matmul(f32(x), f32(w1), precision=HIGHEST)
     if b1 is not None:
-        z1 = z1 + f32(b1)
+        z1 = z1 + jnp.broadcast_to(f32(b1), z1.shape)
     if saved_dtype is not None:
         z1 = z1 + jax.lax.stop_gradient(z1.astype(saved_dtype).astype(jnp.float32) - z1)
     h = ACTIVATION_FUNCTIONS[activation](z1)
@@ -30,7 +30,7 @@ def plain_mlp(x, w1, b1, w2, b2, residual, activation, saved_dtype=None):
         h = h + jax.lax.stop_gradient(h.astype(saved_dtype).astype(jnp.float32) - h)
     y = jnp.matmul(h, f32(w2), precision=HIGHEST)
     if b2 is not None:
-        y = y + f32(b2)
+        y = y + jnp.broadcast_to(f32(b2), y.shape)
     return y if residual is None else y + f32(residual)
 
 
@@ -47,7 +47,7 @@ def block_operands(rng, lead, k, h, n, dtype, biases=True, residual=True):
 def check_block(rng, lead, k, h, n, dtype, activation, jit=True):
     args = block_operands(rng, lead, k, h, n, dtype)
     act = None if activation == "none" else activation
-    weights = jnp.asarray(rng.uniform(0.5, 1.5, (n,)), jnp.float32)
+    weights = jnp.asarray(rng.uniform(0.5, 1.5, (*lead, n)), jnp.float32)
 
     def loss(*a):
         return jnp.sum(mlp(*a[:5], activation=act, residual=a[5]).astype(jnp.float32) * weights)
