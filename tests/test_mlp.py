@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from numerics import assert_close, random
-from test_linear import lower_cuda
+from test_linear import lower_cuda, plain
 
 import cutelayers as cl
 from cutelayers.ops.linear import ACTIVATION_FUNCTIONS, LinearInputGrad
@@ -17,21 +17,13 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def plain_mlp(x, w1, b1, w2, b2, residual, activation, saved_dtype=None):
-    """The block in float32 with full-precision matmuls; ``saved_dtype`` evaluates act' at the
-    pre-activation rounded as the op saves it (see test_linear.plain)."""
-    f32 = lambda a: None if a is None else jnp.asarray(a, jnp.float32)
-    z1 = jnp.matmul(f32(x), f32(w1), precision=HIGHEST)
-    if b1 is not None:
-        z1 = z1 + jnp.broadcast_to(f32(b1), z1.shape)
+    """The block in float32 with full-precision matmuls (two of test_linear's ``plain`` layers);
+    ``saved_dtype`` evaluates act' at the pre-activation rounded as the op saves it, and the
+    second layer reads h rounded as the op stores it."""
+    h = plain(x, w1, b1, None, activation, saved_dtype)
     if saved_dtype is not None:
-        z1 = z1 + jax.lax.stop_gradient(z1.astype(saved_dtype).astype(jnp.float32) - z1)
-    h = ACTIVATION_FUNCTIONS[activation](z1)
-    if saved_dtype is not None:  # the op multiplies h rounded to its dtype
         h = h + jax.lax.stop_gradient(h.astype(saved_dtype).astype(jnp.float32) - h)
-    y = jnp.matmul(h, f32(w2), precision=HIGHEST)
-    if b2 is not None:
-        y = y + jnp.broadcast_to(f32(b2), y.shape)
-    return y if residual is None else y + f32(residual)
+    return plain(h, w2, b2, residual)
 
 
 def block_operands(rng, lead, k, h, n, dtype, biases=True, residual=True):
