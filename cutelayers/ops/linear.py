@@ -397,7 +397,7 @@ class LinearWeightGrad(_GemmFamily):
     def reference(self, x, dz, *accumulator):
         if not accumulator:
             return (_weight_grad_einsum(x, dz),)
-        return (accumulator[0] + jnp.einsum("lmk,lmn->lkn", x, dz, preferred_element_type=jnp.float32),)
+        return (accumulator[0] + _weight_grad_einsum(x, dz, dtype=jnp.float32),)
 
 
 # --- jnp reference: the kernels' decomposition -----------------------------------------------------
@@ -406,10 +406,16 @@ def _matmul(a, b, precision=None):
     return jnp.matmul(a, b, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _weight_grad_einsum(x, dz, precision=None):
-    """dkernel (L, K, N) = x (L, M, K)ᵀ @ dz (L, M, N), accumulated in fp32, in x's dtype."""
+def _weight_grad_einsum(x, dz, precision=None, dtype=None):
+    """dkernel (L, K, N) = x (L, M, K)ᵀ @ dz (L, M, N), accumulated in fp32, in ``dtype`` (default
+    x's)."""
     return jnp.einsum("lmk,lmn->lkn", x, dz, precision=precision, preferred_element_type=jnp.float32,
-                      out_sharding=_summed_rows_sharding(x, dz)).astype(x.dtype)
+                      out_sharding=_summed_rows_sharding(x, dz)).astype(dtype or x.dtype)
+
+
+def column_sum(d, dtype):
+    """Sum of d (..., N) over every row, accumulated in float32, in ``dtype``: a bias gradient."""
+    return jnp.sum(d.reshape(-1, d.shape[-1]).astype(jnp.float32), axis=0).astype(dtype)
 
 
 def _summed_rows_sharding(x, dz):
@@ -579,7 +585,7 @@ def _linear_fn(activation: str, has_bias: bool, has_residual: bool, use_kernels:
         dkernel = weight_grad(x[None], dz[None])[0]
         dbias = None
         if has_bias:
-            dbias = jnp.sum(dz32.reshape(-1, dz32.shape[-1]), axis=0).astype(bias.dtype)
+            dbias = column_sum(dz32, bias.dtype)
         return dx, dkernel, dbias, dy if has_residual else None
 
     linear.defvjp(fwd, bwd)

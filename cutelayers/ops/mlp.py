@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from cutelayers import backend as _backend
 from cutelayers.ops._rowwise import check_float_array, row_batched_vjp
@@ -32,6 +31,7 @@ from cutelayers.ops.linear import (
     check_linear_operands,
     check_residual,
     check_same_dtype,
+    column_sum,
     forward_fn,
     fused_linear,
     hashable_precision,
@@ -41,11 +41,6 @@ from cutelayers.ops.linear import (
     weight_grad_fn,
 )
 from cutelayers.runtime.sharding import vary_like
-
-
-def _column_sum(d, dtype):
-    """Sum over every row of d (..., N) in float32, in ``dtype``."""
-    return jnp.sum(d.reshape(-1, d.shape[-1]).astype(jnp.float32), axis=0).astype(dtype)
 
 
 @functools.cache
@@ -75,8 +70,8 @@ def _mlp_fn(activation: str, has_b1: bool, has_b2: bool, has_residual: bool, use
         dw2 = weight_grad(h[None], dy[None])[0]
         dx = input_grad(dz1, w1)
         dw1 = weight_grad(x[None], dz1[None])[0]
-        db1 = _column_sum(dz1, b1.dtype) if has_b1 else None
-        db2 = _column_sum(dy, b2.dtype) if has_b2 else None
+        db1 = column_sum(dz1, b1.dtype) if has_b1 else None
+        db2 = column_sum(dy, b2.dtype) if has_b2 else None
         return dx, dw1, db1, dw2, db2, dy if has_residual else None
 
     mlp.defvjp(fwd, bwd)
