@@ -659,6 +659,17 @@ class HopperGemmKernel:
             s2r_src = copy_s2r.get_slice(gtidx).partition_S(ss)
         return copy_r2s, r2s_dst, part_shape, sc, copy_s2r, s2r_src, ss
 
+    @cute.jit
+    def subtile_views(self, tma_atom, tma_tensor, ring, tile_idx, epi_tile: cutlass.Constexpr):
+        """(smem buffers of ``ring``, global subtiles of tile ``tile_idx`` of ``tma_tensor``, the
+        subtiles' row-major order) partitioned for ``tma_atom``: what a subtile's TMA copy takes."""
+        m, n, batch = tile_idx
+        g_tile = cute.local_tile(tma_tensor, self.tile_mnk, (m, n, None, batch), proj=(1, 1, None))
+        g_epi = cute.zipped_divide(g_tile, epi_tile)
+        s_tma, g_tma = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(ring, 0, 2), g_epi)
+        epi_grid = g_epi.shape[1]
+        return s_tma, g_tma, cute.make_layout(epi_grid, stride=(epi_grid[1], 1))
+
     def group_state(self, state, group):
         """``state`` of a group's own ring (SOURCE_STAGES long) as a position in the shared
         source pipeline, whose stages are the groups' rings one after the other."""
@@ -670,12 +681,7 @@ class HopperGemmKernel:
                     epi_tile: cutlass.Constexpr, e: cutlass.Constexpr, store_warp):
         """The group's sending warp TMA-loads source subtile ``e`` of tile ``tile_idx`` into the
         next buffer of its source ring; every thread of the group advances its producer state."""
-        m, n, batch = tile_idx
-        g_tile = cute.local_tile(tma_tensor_s, self.tile_mnk, (m, n, None, batch), proj=(1, 1, None))
-        g_epi = cute.zipped_divide(g_tile, epi_tile)
-        s_tma, g_tma = cpasync.tma_partition(tma_s, 0, cute.make_layout(1), cute.group_modes(ss, 0, 2), g_epi)
-        epi_grid = g_epi.shape[1]
-        epi_order = cute.make_layout(epi_grid, stride=(epi_grid[1], 1))
+        s_tma, g_tma, epi_order = self.subtile_views(tma_s, tma_tensor_s, ss, tile_idx, epi_tile)
         if store_warp:
             state = self.group_state(source_loaded, group)
             sources.producer_acquire(state)
@@ -721,7 +727,6 @@ class HopperGemmKernel:
         config, epilogue = self.config, self.epilogue
         copy_r2s, r2s_dst, part_shape, sc, copy_s2r, s2r_src, ss = ring
         mma_threads = WARPGROUP * config.mma_warpgroups
-        m, n, batch = tile_idx
         acc_view = copy_r2s.retile(acc)
         part_layout = cute.make_layout(part_shape)
         part = cute.make_rmem_tensor(part_layout, Float32)
@@ -731,13 +736,7 @@ class HopperGemmKernel:
             source_part = cute.make_rmem_tensor(part_layout, self.c_dtype)
         source_view = copy_s2r.retile(source_part) if const_expr(with_source) else None
 
-        g_tile = cute.local_tile(tma_tensor_out, self.tile_mnk, (m, n, None, batch), proj=(1, 1, None))
-        g_epi = cute.zipped_divide(g_tile, epi_tile)
-        s_tma, g_tma = cpasync.tma_partition(
-            tma_out, 0, cute.make_layout(1), cute.group_modes(sc, 0, 2), g_epi
-        )
-        epi_grid = g_epi.shape[1]
-        epi_order = cute.make_layout(epi_grid, stride=(epi_grid[1], 1))
+        s_tma, g_tma, epi_order = self.subtile_views(tma_out, tma_tensor_out, sc, tile_idx, epi_tile)
         subtiles = self.epi_tiles(epi_tile)
         for e in cutlass.range_constexpr(subtiles):
             for v in cutlass.range_constexpr(cute.size(part)):
