@@ -17,6 +17,7 @@ import optax
 import pytest
 from flax import nnx
 
+import cutelayers as cl
 from cutelayers import equinox as cl_eqx
 from cutelayers.flax import linen as cl_linen
 from cutelayers.flax import nnx as cl_nnx
@@ -116,6 +117,33 @@ def test_half_precision_through_the_kernel_path(dtype, rng):
         assert_close(g, g_ref, dtype, scale=2.0)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_kernel_path_gpu(reduction, rng):
+    """The kernels on the GPU, several chunks (the last one padded): loss and every gradient vs a
+    float32 reference, dkernel summed over the chunks by its GEMM."""
+    dtype = jnp.bfloat16
+    h, kernel, bias, labels = head_operands(rng, (3, 333), 256, 1000, dtype, ignore_index=-100)
+    weights = random(rng, labels.shape, F32)
+
+    def total(loss_fn):
+        def fn(h, kernel, bias):
+            out = loss_fn(h, kernel, bias)
+            return out if reduction == "mean" else jnp.sum(out * weights)
+        return fn
+
+    ours = total(lambda h, kernel, bias: linear_cross_entropy(
+        h, kernel, labels, bias=bias, ignore_index=-100, reduction=reduction, chunk_size=128))
+    ref = total(lambda h, kernel, bias: reference_loss(f32_logits(h, kernel, bias), labels, -100, reduction))
+    with cl.use_backend("cute"):
+        value, grads = jax.jit(jax.value_and_grad(ours, (0, 1, 2)))(h, kernel, bias)
+    want, refs = jax.jit(jax.value_and_grad(ref, (0, 1, 2)))(*(a.astype(F32) for a in (h, kernel, bias)))
+    assert_close(value, want, dtype)
+    for g, g_ref, primal in zip(grads, refs, (h, kernel, bias)):
+        assert g.dtype == primal.dtype and g.shape == primal.shape
+        assert_close(g, g_ref, dtype, scale=2.0)
+
+
 def test_vmap_jit_grad_compositions(rng):
     h, kernel, bias, labels = head_operands(rng, (3, 4, 9), 16, 24, F32, ignore_index=-100)
 
@@ -209,6 +237,13 @@ def test_lowers_to_the_kernels_for_cuda(reduction, logit_gemms):
     calls = collections.Counter(kernel_targets(hlo))
     assert calls == {"linear_fwd": logit_gemms, "cross_entropy_fwd": 1, "cross_entropy_bwd": 1,
                      "linear_dx": 1, "linear_dkernel": 1}
+    # dkernel is summed over the chunks by the GEMM itself: it adds into the float32 carry it
+    # aliases; no (H, V) add runs per chunk, and one cast gives the gradient its dtype at the end
+    (dkernel_call,) = [line for line in hlo.splitlines() if "@cutelayers_linear_dkernel" in line]
+    assert dkernel_call.endswith(f"tensor<1x{hidden}x{vocab}xf32>) -> tensor<1x{hidden}x{vocab}xf32>")
+    assert "output_operand_aliases" in dkernel_call
+    assert not re.findall(rf"stablehlo\.add .*tensor<(1x)?{hidden}x{vocab}x", hlo)
+    assert len(re.findall(rf"stablehlo\.convert .*tensor<{hidden}x{vocab}xf32>\) ->", hlo)) == 1
     # without differentiation: the forward GEMM and cross-entropy pass only
     assert collections.Counter(kernel_targets(lower_cuda(loss, *avals))) == {"linear_fwd": 1, "cross_entropy_fwd": 1}
     assert f"{tokens}x{vocab}x" not in hlo

@@ -489,7 +489,7 @@ def test_split_k_is_chosen_for_small_weight_gradients():
 def test_split_k_reference_adds_into_the_accumulator(rng):
     x, dz = random(rng, (2, 40, 16), jnp.bfloat16), random(rng, (2, 40, 24), jnp.bfloat16)
     acc = random(rng, (2, 16, 24), jnp.float32)
-    (out,) = LinearWeightGrad(splits=3).reference(x, dz, acc)
+    (out,) = LinearWeightGrad(splits=3, accumulate=True).reference(x, dz, acc)
     want = acc + jnp.einsum("lmk,lmn->lkn", x.astype(jnp.float32), dz.astype(jnp.float32), precision=HIGHEST)
     assert out.dtype == jnp.float32
     assert_close(out, want, jnp.float32, scale=10.0)

@@ -310,12 +310,18 @@ class HopperGemmKernel:
       multiple of 8;
     * bias: (N,) in c's dtype; residual, preact_in (the source of ``grad_of``), c, preact:
       (M, N, L), N contiguous, c's dtype.
+
+    ``accumulate``: C += A @ Bᵀ, each tile added into c by the TMA store (reduce-add): how
+    ``splits`` > 1 (split-K over the contraction) sums its partials, and how a caller adds into
+    a running float32 sum without a pass of its own.
     """
 
-    def __init__(self, config: GemmConfig, epilogue: Epilogue, splits: int = 1):
-        self.config, self.epilogue, self.splits = config, epilogue, splits
-        if splits > 1 and (config.pingpong or epilogue != Epilogue()):
-            raise ValueError("split-K takes a cooperative config and a plain epilogue (partials are summed by TMA)")
+    def __init__(self, config: GemmConfig, epilogue: Epilogue, splits: int = 1, accumulate: bool = False):
+        self.config, self.epilogue, self.splits, self.accumulate = config, epilogue, splits, accumulate
+        if splits > 1 and not accumulate:
+            raise ValueError("split-K partials are summed into c: splits > 1 needs accumulate=True")
+        if accumulate and (config.pingpong or epilogue != Epilogue()):
+            raise ValueError("accumulate takes a cooperative config and a plain epilogue (c += A @ Bᵀ by TMA)")
         self.tile_mnk = (config.tile_m, config.tile_n, config.tile_k)
         if config.consumer_warpgroups not in (1, 2):
             raise ValueError("consumer_warpgroups must be 1 or 2")
@@ -358,9 +364,10 @@ class HopperGemmKernel:
         # A is shared by the cluster_n CTAs of a cluster row, B by the cluster_m of a column.
         tma_a, tma_tensor_a = self.load_atom(a, a_smem, (config.tile_m, config.tile_k), config.cluster_n)
         tma_b, tma_tensor_b = self.load_atom(b, b_smem, (config.tile_n, config.tile_k), config.cluster_m)
-        # Split-K partials are added into c (zeroed by the caller) by the TMA unit itself.
+        # accumulate: the TMA unit adds each tile into c (split-K partials into a zeroed c, or a
+        # running sum such as the LM head's dkernel over token chunks).
         store = cpasync.CopyReduceBulkTensorTileS2GOp() if const_expr(
-            self.splits > 1) else cpasync.CopyBulkTensorTileS2GOp()
+            self.accumulate) else cpasync.CopyBulkTensorTileS2GOp()
         epi_smem_one = cute.slice_(epi_smem, (None, None, 0))
         tma_c, tma_tensor_c = cpasync.make_tiled_tma_atom(store, c, epi_smem_one, epi_tile)
         tma_z, tma_tensor_z = None, None

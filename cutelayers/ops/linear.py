@@ -199,11 +199,12 @@ class _GemmFamily(TunableFamily):
         }[kind]
 
     splits = 1  # split-K (LinearWeightGrad only)
+    accumulate = False  # result added into a float32 operand (LinearWeightGrad only)
 
     def launcher(self, avals, out_avals):
         from cutelayers.kernels.gemm import HopperGemmKernel
 
-        return HopperGemmKernel(self.chosen_config(), self.epilogue(), self.splits)
+        return HopperGemmKernel(self.chosen_config(), self.epilogue(), self.splits, self.accumulate)
 
     def epilogue(self):
         from cutelayers.kernels.gemm import Epilogue
@@ -336,23 +337,29 @@ class LinearInputGrad(_GemmFamily):
 class LinearWeightGrad(_GemmFamily):
     """Kernel family: dkernel (L, K, N) = x (L, M, K)ᵀ @ dz (L, M, N) per batch index l.
 
-    With ``splits`` > 1 -- split-K over the rows, for a (K, N) output with too few tiles to fill
-    the GPU -- also a zeroed float32 (L, K, N) accumulator operand, which the result is written
-    into: each split's partial product is added by the TMA unit. The result is then float32.
+    With ``accumulate``: a float32 (L, K, N) accumulator operand too, which the product is added
+    into by the TMA unit (the result, float32, is that buffer). ``splits`` > 1 -- split-K over
+    the rows, for a (K, N) output with too few tiles to fill the GPU -- sums its partials that
+    way, into zeros; the LM head adds each token chunk's dkernel into its running sum.
     """
 
     config: GemmConfig | None = None
     splits: int = 1
+    accumulate: bool = False
     contracts_rows = True
 
     name = "linear_dkernel"
 
+    def __post_init__(self):
+        if self.splits > 1 and not self.accumulate:
+            raise ValueError("LinearWeightGrad: splits > 1 sums partials into an accumulator (accumulate=True)")
+
     @property
     def arg_names(self):
-        return ("x", "dz") + ("accumulator",) * (self.splits > 1)
+        return ("x", "dz") + ("accumulator",) * self.accumulate
 
     def kinds(self):
-        return ("batched", "batched") + ("batched_out",) * (self.splits > 1) + ("batched_out",)
+        return ("batched", "batched") + ("batched_out",) * self.accumulate + ("batched_out",)
 
     def modes_at(self, position):
         return _TRANSPOSED if position < 2 else _ROWS
@@ -362,13 +369,13 @@ class LinearWeightGrad(_GemmFamily):
         # dkernel is a partial sum, psum'd -- the data-parallel gradient all-reduce. (A zero
         # accumulator adds nothing to that sum.)
         out = ("batch", "k", "n")
-        return (("batch", "rows", "k"), ("batch", "rows", "n")) + (out,) * (self.splits > 1), (out,)
+        return (("batch", "rows", "k"), ("batch", "rows", "n")) + (out,) * self.accumulate, (out,)
 
     def operand_output_aliases(self):
-        return {2: 0} if self.splits > 1 else None
+        return {2: 0} if self.accumulate else None
 
     def kept_outputs(self, n_outputs):
-        return () if self.splits > 1 else tuple(range(n_outputs))
+        return () if self.accumulate else tuple(range(n_outputs))
 
     def layer_dims(self, avals):
         return avals[0].shape[2], avals[1].shape[2]
@@ -378,20 +385,24 @@ class LinearWeightGrad(_GemmFamily):
 
     def tuning_key(self, avals):
         dtype, dims = super().tuning_key(avals)
-        return dtype, dims + ((("splits", self.splits),) if self.splits > 1 else ())
+        return dtype, dims + ((("splits", self.splits),) if self.accumulate else ())
 
     def default_config(self, avals):
+        # the reduce-add store takes a cooperative config (HopperGemmKernel)
         from cutelayers.kernels.gemm import SPLIT_K_CONFIG
 
-        return SPLIT_K_CONFIG if self.splits > 1 else super().default_config(avals)
+        if self.splits > 1:
+            return SPLIT_K_CONFIG
+        config = super().default_config(avals)
+        return SPLIT_K_CONFIG if self.accumulate and config.pingpong else config
 
     def config_space(self, avals) -> tuple:
         space = super().config_space(avals)
-        return tuple(c for c in space if not c.pingpong) if self.splits > 1 else space
+        return tuple(c for c in space if not c.pingpong) if self.accumulate else space
 
     def out_avals(self, avals):
         x, dz = avals[:2]
-        dtype = jnp.float32 if self.splits > 1 else x.dtype
+        dtype = jnp.float32 if self.accumulate else x.dtype
         return (jax.ShapeDtypeStruct((x.shape[0], x.shape[2], dz.shape[2]), dtype),)
 
     def reference(self, x, dz, *accumulator):
@@ -494,22 +505,26 @@ def _input_grad_rows(dz, kernel, preact, grad_of, use_kernels, precision):
     return dx.reshape(*lead, k)
 
 
-def _weight_grad_batched(x, dz, use_kernels, precision):
-    """dkernel (L, K, N) from x (L, ..., K), dz (L, ..., N): one launch, L the kernel's batch."""
+def _weight_grad_batched(x, dz, accumulator, use_kernels, precision):
+    """dkernel (L, K, N) from x (L, ..., K), dz (L, ..., N): one launch, L the kernel's batch.
+    With a float32 (L, K, N) ``accumulator`` (else None): ``accumulator + dkernel`` in float32,
+    the kernel adding into it as it stores (no pass of its own)."""
     x = x.reshape(x.shape[0], -1, x.shape[-1])
     dz = dz.reshape(dz.shape[0], -1, dz.shape[-1])
     if not use_kernels or x.shape[1] == 0:
-        return _weight_grad_einsum(x, dz, precision)
+        if accumulator is None:
+            return _weight_grad_einsum(x, dz, precision)
+        return accumulator + _weight_grad_einsum(x, dz, precision, dtype=jnp.float32)
     from cutelayers.kernels.gemm import split_count
 
     (batch, rows, k), n = x.shape, dz.shape[-1]
     splits = split_count(k, n, rows, batch)
-    if splits == 1:
+    if splits == 1 and accumulator is None:
         (dw,) = kernel_call(LinearWeightGrad().resolved((x, dz)), x, dz)
         return dw
-    operands = (x, dz, jnp.zeros((batch, k, n), jnp.float32))
-    (dw,) = kernel_call(LinearWeightGrad(splits=splits).resolved(operands), *operands)
-    return dw.astype(x.dtype)
+    operands = (x, dz, jnp.zeros((batch, k, n), jnp.float32) if accumulator is None else accumulator)
+    (dw,) = kernel_call(LinearWeightGrad(splits=splits, accumulate=True).resolved(operands), *operands)
+    return dw if accumulator is not None else dw.astype(x.dtype)
 
 
 @functools.cache
@@ -529,18 +544,19 @@ def input_grad_fn(use_kernels: bool, precision=None, grad_of: str = "none"):
 
 @functools.cache
 def weight_grad_fn(use_kernels: bool, precision=None):
-    """dkernel of batch-leading (L, ..., K) x and (L, ..., N) dz, vmappable: a vmap adds its batch
-    to L (the kernel's batch mode), so per-example dkernel is still one launch. Shared with
-    :mod:`cutelayers.ops.lm_head`."""
+    """``weight_grad(x, dz [, accumulator])``: dkernel (L, K, N) of batch-leading (L, ..., K) x and
+    (L, ..., N) dz in x's dtype, or ``accumulator + dkernel`` for a float32 (L, K, N)
+    accumulator; vmappable: a vmap adds its batch to L (the kernel's batch mode), so per-example
+    dkernel is still one launch. Shared with :mod:`cutelayers.ops.lm_head`."""
 
     @custom_vmap
-    def weight_grad(x, dz):
-        return _weight_grad_batched(x, dz, use_kernels, precision)
+    def weight_grad(x, dz, *accumulator):
+        return _weight_grad_batched(x, dz, *accumulator or (None,), use_kernels, precision)
 
     @weight_grad.def_vmap
-    def rule(axis_size, in_batched, x, dz):
-        x, dz = (a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip((x, dz), in_batched))
-        out = weight_grad(x.reshape(-1, *x.shape[2:]), dz.reshape(-1, *dz.shape[2:]))
+    def rule(axis_size, in_batched, *operands):
+        operands = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(operands, in_batched)]
+        out = weight_grad(*(a.reshape(-1, *a.shape[2:]) for a in operands))
         return out.reshape(axis_size, -1, *out.shape[1:]), True
 
     return weight_grad

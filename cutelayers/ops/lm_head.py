@@ -22,7 +22,8 @@ is transposed.
   labels, kernel, bias and lse (tokens,) in float32 -- no logits. Backward, per chunk: recompute
   ``z`` (one more GEMM: the price of not storing the logits); the cross-entropy backward kernel
   gives ``dz`` from (z, labels, lse, dloss); ``dh_c = dz @ kernelᵀ`` (kernel read as stored);
-  ``dkernel += h_cᵀ @ dz`` and ``dbias += sum(dz)``, accumulated in float32 in the scan's carry.
+  ``dkernel += h_cᵀ @ dz`` and ``dbias += sum(dz)``, accumulated in float32 in the scan's carry
+  (the dkernel GEMM adds its product into the carry as it stores: no pass over (H, V) of its own).
 * ``"mean"`` / ``"sum"``: the loss is a weighted total, so every token's cotangent is the same
   scalar ``g`` (times 1 / count for the mean) -- known up to that factor in the forward. When
   differentiated, the forward therefore computes the gradients of the plain sum while it has each
@@ -125,7 +126,7 @@ def _chunked_fns(ignore_index, use_kernels: bool):
         dz = ce_backward(z, _chunk(labels, c), lse_c, dloss_c)
         # dh_c written in place into its column: stacking (C, R, H) would need a transpose
         dh = jax.lax.dynamic_update_index_in_dim(dh, input_grad(dz, kernel), c, axis=1)
-        dkernel = dkernel + weight_grad(_chunk(h, c)[None], dz[None])[0].astype(F32)
+        dkernel = weight_grad(_chunk(h, c)[None], dz[None], dkernel[None])[0]  # added as stored
         if dbias is not None:
             dbias = dbias + jnp.sum(dz.astype(F32), axis=0)
         return dh, dkernel, dbias
