@@ -222,7 +222,7 @@ def _compile(family: KernelFamily, avals, out_avals, target: str, entry) -> Comp
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
-    from cutelayers.kernels.launch import call_launcher
+    from cutelayers.runtime.launch import call_launcher
 
     symbols: dict[int, Any] = {}
     every = (*avals, *out_avals)
