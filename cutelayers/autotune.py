@@ -43,7 +43,8 @@ from cutelayers.ops.linear import LinearForward, LinearInputGrad, LinearWeightGr
 from cutelayers.ops.norm import NormBackward, NormForward, forward_reference
 from cutelayers.ops.reduce import RowReduce
 from cutelayers.ops.softmax import CrossEntropyBackward, CrossEntropyForward, SoftmaxBackward, SoftmaxForward
-from cutelayers.runtime.primitive import kernel_call, kernels_supported, target_arch
+from cutelayers.runtime.primitive import kernels_supported, target_arch
+from cutelayers.runtime.sharding import kernel_call
 from cutelayers.runtime.tensors import FLOAT_DTYPES
 
 F32 = jnp.float32

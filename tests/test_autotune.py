@@ -37,7 +37,7 @@ from cutelayers.ops.linear import LinearForward, LinearInputGrad, LinearWeightGr
 from cutelayers.ops.norm import NormBackward, NormForward
 from cutelayers.ops.reduce import RowReduce
 from cutelayers.ops.softmax import CrossEntropyBackward, CrossEntropyForward, SoftmaxBackward, SoftmaxForward
-from cutelayers.runtime.primitive import kernel_call
+from cutelayers.runtime.sharding import kernel_call
 from conftest import HAS_GPU
 from test_linear import lower_cuda
 

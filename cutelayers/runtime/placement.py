@@ -52,7 +52,7 @@ def check_lowering_context(ctx, op: str, arg_names) -> None:
             raise ValueError(
                 f"{op}: the kernel-call primitive for its arguments ({', '.join(arg_names)}) was "
                 f"bound directly in a computation partitioned over {axis_context.num_devices} "
-                "devices. Call it through cutelayers.runtime.primitive.kernel_call (which applies "
+                "devices. Call it through cutelayers.runtime.sharding.kernel_call (which applies "
                 "the family's sharding rule), or inside jax.shard_map over your mesh."
             )
     elif isinstance(axis_context, sharding_impls.SPMDAxisContext):

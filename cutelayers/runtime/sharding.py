@@ -1,4 +1,5 @@
-"""Sharding rules of the kernel-call primitive: kernels under ``jax.jit`` with sharded inputs.
+"""Sharding rules of the kernel-call primitive, and :func:`kernel_call`, through which ops call
+kernels: kernels under ``jax.jit`` with sharded inputs.
 
 A CuTe kernel runs on one device's arrays. Inside ``jax.shard_map`` every array already is one
 device's shard, so kernel calls bind the primitive directly (ops pass their shared parameters
@@ -334,8 +335,9 @@ def _explicit_call(family, avals, arrays, shardings):
     return tuple(program(*operands))
 
 
-def call(family: KernelFamily, arrays: Sequence) -> tuple[jax.Array, ...]:
-    """Call ``family``'s kernel on ``arrays``, partitioned per its rule where arrays are sharded.
+def kernel_call(family: KernelFamily, *arrays) -> tuple[jax.Array, ...]:
+    """Call ``family``'s kernel on ``arrays``; returns the tuple of results. Where arrays are
+    sharded, each device runs it on its shard per the family's rule:
 
     * inside ``jax.shard_map``, eagerly (ops accept only single-device concrete arrays, see
       :mod:`cutelayers.runtime.placement`), or under a transformation (grad, vmap of the raw call:
