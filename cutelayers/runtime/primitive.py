@@ -33,12 +33,12 @@ from typing import Any, Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax._src import dispatch
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from cutelayers import backend as _backend
 from cutelayers.runtime import disk_cache, placement
+from cutelayers.runtime._jax_compat import apply_primitive
 from cutelayers.runtime.cache import COMPILE_CACHE
 from cutelayers.runtime.tensors import fake_tensor
 
@@ -289,7 +289,7 @@ def ffi_target_for(family: KernelFamily, avals, out_avals) -> str:
 
 kernel_call_p = Primitive("cutelayers_kernel_call")
 kernel_call_p.multiple_results = True
-kernel_call_p.def_impl(functools.partial(dispatch.apply_primitive, kernel_call_p))
+kernel_call_p.def_impl(functools.partial(apply_primitive, kernel_call_p))
 
 
 @kernel_call_p.def_abstract_eval

@@ -39,11 +39,10 @@ from typing import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax._src import core as _core
-from jax._src.interpreters.partial_eval import DynamicJaxprTracer
 from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
+from cutelayers.runtime._jax_compat import DynamicJaxprTracer, Tracer
 from cutelayers.runtime.primitive import KernelFamily, kernel_call_p
 
 Factors = tuple[str | None, ...]  # per dim: a factor name, or None (the kernel needs it whole)
@@ -348,7 +347,7 @@ def kernel_call(family: KernelFamily, *arrays) -> tuple[jax.Array, ...]:
       ``custom_partitioning``, whose rule XLA applies when it partitions the program (one device
       inlines it).
     """
-    tracers = [a for a in arrays if isinstance(a, _core.Tracer)]
+    tracers = [a for a in arrays if isinstance(a, Tracer)]
     staged = tracers and all(isinstance(t, DynamicJaxprTracer) for t in tracers)
     if not staged or _inside_shard_map():
         return run_kernel(family, *arrays)
