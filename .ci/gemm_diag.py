@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from cutelayers.kernels.gemm import CONFIGS, EXTRA_CONFIGS
 from cutelayers.ops.linear import LinearForward, LinearInputGrad
-from cutelayers.runtime.primitive import kernel_call
+from cutelayers.runtime.sharding import kernel_call
 
 configs = dict(CONFIGS, **{f"extra{i}": c for i, c in enumerate(EXTRA_CONFIGS)})
 config, epilogue, m, k, n = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])

@@ -24,7 +24,7 @@ import logging
 import os
 from typing import Iterator
 
-from jax._src import config as _jax_config
+from cutelayers.runtime._jax_compat import enum_state
 
 BACKENDS = ("auto", "cute", "reference")
 
@@ -38,7 +38,7 @@ if _env not in BACKENDS:
 
 # A JAX config state rather than a plain context variable: JAX then keys its jit and trace caches
 # on it, so switching backends can never reuse an executable lowered for the other one.
-_backend_state = _jax_config.enum_state(
+_backend_state = enum_state(
     name="cutelayers_backend",
     enum_values=list(BACKENDS),
     default=_env,

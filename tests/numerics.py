@@ -6,7 +6,7 @@ import numpy as np
 
 # Relative-error tolerances (‖out − ref‖ / ‖ref‖) for a result stored in the given dtype: one table,
 # the autotuner checks its candidates with it too.
-from cutelayers.autotune import REL_TOL
+from cutelayers.bench.autotune import REL_TOL
 
 
 def rel_error(out, ref, scale_ref=None) -> float:

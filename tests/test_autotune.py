@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 import cutelayers as cl
-from cutelayers import autotune, tuning
+from cutelayers import tuning
+from cutelayers.bench import autotune
 from cutelayers.kernels.gemm import (CONFIGS, EXTRA_CONFIGS, SMEM_CAPACITY, Epilogue, HopperGemmKernel, config_class,
                                      row_bucket)
 from cutelayers.kernels import norm as norm_kernels
@@ -37,7 +38,7 @@ from cutelayers.ops.linear import LinearForward, LinearInputGrad, LinearWeightGr
 from cutelayers.ops.norm import NormBackward, NormForward
 from cutelayers.ops.reduce import RowReduce
 from cutelayers.ops.softmax import CrossEntropyBackward, CrossEntropyForward, SoftmaxBackward, SoftmaxForward
-from cutelayers.runtime.primitive import kernel_call
+from cutelayers.runtime.sharding import kernel_call
 from conftest import HAS_GPU
 from test_linear import lower_cuda
 
@@ -485,7 +486,7 @@ def test_cli_usage_errors(capsys):
 @pytest.mark.skipif(HAS_GPU, reason="checks the error raised without a Hopper GPU")
 def test_cli_without_a_gpu_fails_with_a_clear_message(tmp_path):
     env = {**os.environ, "CUTELAYERS_TUNING_FILE": str(tmp_path / "t.json")}
-    proc = subprocess.run([sys.executable, "-m", "cutelayers.autotune", "--op", "softmax", "--shape", "64x1024"],
+    proc = subprocess.run([sys.executable, "-m", "cutelayers.bench.autotune", "--op", "softmax", "--shape", "64x1024"],
                           capture_output=True, text=True, env=env, cwd=Path(__file__).parents[1], timeout=300)
     assert proc.returncode == 2
     assert "times kernels on a Hopper GPU (compute capability 9.x)" in proc.stderr

@@ -1,12 +1,10 @@
 """The LM-head benchmark's memory analysis (on CPU: the ops' reference path, chunked the same way)
-and its ``python -m cutelayers.bench lm_head`` subcommand."""
+and its rows on a GPU; its subcommand is tested with the others in test_bench.py."""
 
 import jax.numpy as jnp
 import pytest
-from conftest import HAS_GPU
 
-from cutelayers import bench
-from cutelayers.bench_heads import bench_lm_head, head_memory
+from cutelayers.bench.lm_head import bench_lm_head, head_memory
 
 F32 = jnp.float32
 
@@ -28,12 +26,6 @@ def test_chunked_head_temp_memory_does_not_grow_with_tokens():
     small, large = (head_memory(t, 128, 8192, F32, chunk_size=128) for t in (1024, 4096))
     assert large["xla"]["temp"] >= 3 * small["xla"]["temp"]
     assert large["fused"]["temp"] <= 1.25 * small["fused"]["temp"]
-
-
-@pytest.mark.skipif(HAS_GPU, reason="checks the message given without a GPU")
-def test_lm_head_subcommand_needs_a_gpu(capsys):
-    assert bench.main(["lm_head", "--t", "64", "--h", "64", "--v", "256", "--dtype", "float32"]) == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
 @pytest.mark.gpu

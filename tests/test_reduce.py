@@ -11,7 +11,7 @@ import pytest
 
 import cutelayers as cl
 from cutelayers.ops.reduce import RowReduce
-from cutelayers.runtime.primitive import kernel_call
+from cutelayers.runtime.sharding import kernel_call
 from numerics import assert_close, random
 
 OPS = {

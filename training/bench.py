@@ -46,7 +46,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 import cutelayers as cl
-from cutelayers.bench import time_fn
+from cutelayers.bench.timing import time_fn
 from models import common
 from models.configs import CONFIGS, GPTConfig, get_config
 from training.train import DEFAULTS, Schedule, _int_at_least, compile_train_step, make_optimizer

@@ -13,7 +13,7 @@ from jax.extend.core import Primitive, jaxpr_as_fun
 from jax.interpreters import ad, batching, mlir
 
 from cutelayers.runtime.placement import check_arrays
-from cutelayers.runtime.primitive import kernel_call
+from cutelayers.runtime.sharding import kernel_call
 from cutelayers.runtime.tensors import FLOAT_DTYPES
 from cutelayers.tuning import TunableFamily, dtype_names
 

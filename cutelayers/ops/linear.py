@@ -43,8 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from cutelayers import backend as _backend
 from cutelayers.ops._rowwise import check_float_array, row_batched, row_batched_vjp
-from cutelayers.runtime.primitive import kernel_call
-from cutelayers.runtime.sharding import ShardingRule, run_kernel, sum_partials, vary_like
+from cutelayers.runtime.sharding import ShardingRule, kernel_call, run_kernel, sum_partials, vary_like
 from cutelayers.tuning import TunableFamily
 
 if TYPE_CHECKING:

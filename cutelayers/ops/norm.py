@@ -29,8 +29,7 @@ import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
 from cutelayers.ops._rowwise import RowKernelFamily, check_float_array
-from cutelayers.runtime.primitive import kernel_call
-from cutelayers.runtime.sharding import ShardingRule, run_kernel, vary_like
+from cutelayers.runtime.sharding import ShardingRule, kernel_call, run_kernel, vary_like
 from cutelayers.runtime.tensors import FLOAT_DTYPES
 
 if TYPE_CHECKING:

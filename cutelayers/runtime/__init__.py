@@ -1,1 +1,2 @@
-"""The CuTe <-> JAX bridge: the kernel-call primitive, its compile cache and placement checks."""
+"""The CuTe <-> JAX bridge: the kernel-call primitive, the launch shim, sharding rules, the compile
+caches and placement checks."""

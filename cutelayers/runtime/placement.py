@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Mapping
 
 import jax
-from jax._src import core as _core
-from jax._src import sharding_impls
+
+from cutelayers.runtime._jax_compat import ShardingContext, SPMDAxisContext, Tracer
 
 
 def check_arrays(arrays: Mapping[str, object], op: str) -> None:
@@ -24,7 +24,7 @@ def check_arrays(arrays: Mapping[str, object], op: str) -> None:
     """
     device_sets = {}
     for name, x in arrays.items():
-        if x is None or isinstance(x, _core.Tracer) or not isinstance(x, jax.Array):
+        if x is None or isinstance(x, Tracer) or not isinstance(x, jax.Array):
             continue
         devices = x.sharding.device_set
         if len(devices) > 1:
@@ -47,15 +47,15 @@ def check_lowering_context(ctx, op: str, arg_names) -> None:
     """Lowering-time check for the kernel path: refuse multi-device SPMD where no sharding rule
     runs the kernel per device."""
     axis_context = ctx.module_context.axis_context
-    if isinstance(axis_context, sharding_impls.ShardingContext):
+    if isinstance(axis_context, ShardingContext):
         if axis_context.num_devices > 1:
             raise ValueError(
                 f"{op}: the kernel-call primitive for its arguments ({', '.join(arg_names)}) was "
                 f"bound directly in a computation partitioned over {axis_context.num_devices} "
-                "devices. Call it through cutelayers.runtime.primitive.kernel_call (which applies "
+                "devices. Call it through cutelayers.runtime.sharding.kernel_call (which applies "
                 "the family's sharding rule), or inside jax.shard_map over your mesh."
             )
-    elif isinstance(axis_context, sharding_impls.SPMDAxisContext):
+    elif isinstance(axis_context, SPMDAxisContext):
         mesh = axis_context.mesh
         auto = [a for a in mesh.axis_names if a not in axis_context.manual_axes and mesh.shape[a] > 1]
         if auto:

@@ -16,6 +16,9 @@ compile-once cache, whose statistics we report.
 The raw primitive has no JVP, transpose or batching rule on purpose: differentiation and vmap
 belong to the ops (``custom_vjp`` + ``custom_vmap``), which pick the right backward kernels and fold
 batch dims into rows.
+
+Ops call kernels through :func:`cutelayers.runtime.sharding.kernel_call`, which binds this
+primitive per device by the family's sharding rule; this module knows nothing of sharding.
 """
 
 from __future__ import annotations
@@ -30,12 +33,12 @@ from typing import Any, Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax._src import dispatch
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from cutelayers import backend as _backend
 from cutelayers.runtime import disk_cache, placement
+from cutelayers.runtime._jax_compat import apply_primitive
 from cutelayers.runtime.cache import COMPILE_CACHE
 from cutelayers.runtime.tensors import fake_tensor
 
@@ -222,7 +225,7 @@ def _compile(family: KernelFamily, avals, out_avals, target: str, entry) -> Comp
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
-    from cutelayers.kernels.launch import call_launcher
+    from cutelayers.runtime.launch import call_launcher
 
     symbols: dict[int, Any] = {}
     every = (*avals, *out_avals)
@@ -286,15 +289,7 @@ def ffi_target_for(family: KernelFamily, avals, out_avals) -> str:
 
 kernel_call_p = Primitive("cutelayers_kernel_call")
 kernel_call_p.multiple_results = True
-kernel_call_p.def_impl(functools.partial(dispatch.apply_primitive, kernel_call_p))
-
-
-def kernel_call(family: KernelFamily, *arrays) -> tuple[jax.Array, ...]:
-    """Call ``family``'s kernel on ``arrays``; returns the tuple of results. Sharded arrays run
-    per device by the family's sharding rule (:mod:`cutelayers.runtime.sharding`)."""
-    from cutelayers.runtime import sharding  # imported here: it builds on this module
-
-    return sharding.call(family, arrays)
+kernel_call_p.def_impl(functools.partial(apply_primitive, kernel_call_p))
 
 
 @kernel_call_p.def_abstract_eval

@@ -1,4 +1,5 @@
-"""Sharding rules of the kernel-call primitive: kernels under ``jax.jit`` with sharded inputs.
+"""Sharding rules of the kernel-call primitive, and :func:`kernel_call`, through which ops call
+kernels: kernels under ``jax.jit`` with sharded inputs.
 
 A CuTe kernel runs on one device's arrays. Inside ``jax.shard_map`` every array already is one
 device's shard, so kernel calls bind the primitive directly (ops pass their shared parameters
@@ -38,11 +39,10 @@ from typing import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax._src import core as _core
-from jax._src.interpreters.partial_eval import DynamicJaxprTracer
 from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
+from cutelayers.runtime._jax_compat import DynamicJaxprTracer, Tracer
 from cutelayers.runtime.primitive import KernelFamily, kernel_call_p
 
 Factors = tuple[str | None, ...]  # per dim: a factor name, or None (the kernel needs it whole)
@@ -334,8 +334,9 @@ def _explicit_call(family, avals, arrays, shardings):
     return tuple(program(*operands))
 
 
-def call(family: KernelFamily, arrays: Sequence) -> tuple[jax.Array, ...]:
-    """Call ``family``'s kernel on ``arrays``, partitioned per its rule where arrays are sharded.
+def kernel_call(family: KernelFamily, *arrays) -> tuple[jax.Array, ...]:
+    """Call ``family``'s kernel on ``arrays``; returns the tuple of results. Where arrays are
+    sharded, each device runs it on its shard per the family's rule:
 
     * inside ``jax.shard_map``, eagerly (ops accept only single-device concrete arrays, see
       :mod:`cutelayers.runtime.placement`), or under a transformation (grad, vmap of the raw call:
@@ -346,7 +347,7 @@ def call(family: KernelFamily, arrays: Sequence) -> tuple[jax.Array, ...]:
       ``custom_partitioning``, whose rule XLA applies when it partitions the program (one device
       inlines it).
     """
-    tracers = [a for a in arrays if isinstance(a, _core.Tracer)]
+    tracers = [a for a in arrays if isinstance(a, Tracer)]
     staged = tracers and all(isinstance(t, DynamicJaxprTracer) for t in tracers)
     if not staged or _inside_shard_map():
         return run_kernel(family, *arrays)

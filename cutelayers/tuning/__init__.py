@@ -1,4 +1,4 @@
-"""Tuned kernel configs: a JSON table the runtime reads and :mod:`cutelayers.autotune` writes.
+"""Tuned kernel configs: a JSON table the runtime reads and :mod:`cutelayers.bench.autotune` writes.
 
 Every tunable kernel family (:class:`TunableFamily`) has a heuristic config (the table in its
 kernel module) and a config space (the candidates the autotuner sweeps; the heuristic's config is
@@ -19,7 +19,7 @@ Tables, later ones winning for the same key:
   GPU sweep has been run for it. Until one is, every kernel runs its heuristic config;
 * the user's: ``$CUTELAYERS_TUNING_FILE`` if set (empty: no user table), otherwise
   ``$XDG_CACHE_HOME/cutelayers/tuned_configs.json`` or ``~/.cache/cutelayers/tuned_configs.json``
-  -- where ``python -m cutelayers.autotune`` writes by default.
+  -- where ``python -m cutelayers.bench.autotune`` writes by default.
 
 Format::
 

@@ -7,7 +7,7 @@
   both passes, y and dx written, dy read; parameters and row statistics are negligible).
 
 Parameters have x's dtype, so every row operand moves in 128-bit vectors. Results carry the same
-keys as :func:`cutelayers.bench.bench_reduce`'s, plus ``pass``.
+keys as :func:`cutelayers.bench.reduce.bench_reduce`'s, plus ``pass``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 import cutelayers as cl
-from cutelayers.bench import measured_bandwidth, result_row, time_fn
+from cutelayers.bench.timing import measured_bandwidth, result_row, time_fn
 from cutelayers.ops.norm import layer_norm, rms_norm
 
 X_BYTES = 256 << 20

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 import cutelayers as cl
-from cutelayers.bench import time_fn
+from cutelayers.bench.timing import time_fn
 from cutelayers.ops.linear import ACTIVATION_FUNCTIONS, fused_linear
 
 PEAK_TFLOPS = 989.0  # H100 SXM dense bf16 / fp16

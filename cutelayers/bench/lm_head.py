@@ -23,7 +23,7 @@ import numpy as np
 import optax
 
 import cutelayers as cl
-from cutelayers.bench import time_fn
+from cutelayers.bench.timing import time_fn
 
 F32 = jnp.float32
 GB = 1e9

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import optax
 
 import cutelayers as cl
-from cutelayers.bench import measured_bandwidth, result_row, time_fn
+from cutelayers.bench.timing import measured_bandwidth, result_row, time_fn
 
 SOFTMAX_ROWS = 32768
 CE_ROWS = 8192

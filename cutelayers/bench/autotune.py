@@ -1,8 +1,8 @@
 """Autotuning: sweep each kernel family's configs on the GPU and store the winners.
 
-    python -m cutelayers.autotune --op layer_norm --shape 32768x4096 --dtype bfloat16
-    python -m cutelayers.autotune --op linear --shape 8192x4096x4096 4096x1024x4096 --output table.json
-    python -m cutelayers.autotune --op cross_entropy --shape 8192x32768 --dry-run   # no GPU needed
+    python -m cutelayers.bench.autotune --op layer_norm --shape 32768x4096 --dtype bfloat16
+    python -m cutelayers.bench.autotune --op linear --shape 8192x4096x4096 4096x1024x4096 --output table.json
+    python -m cutelayers.bench.autotune --op cross_entropy --shape 8192x32768 --dry-run   # no GPU needed
 
 An op names the kernel families it runs (``layer_norm``: ``layer_norm_fwd`` and ``layer_norm_bwd``;
 ``linear``: ``linear_fwd``, ``linear_dx``, ``linear_dkernel``); a family's own name tunes only
@@ -11,7 +11,7 @@ shape, dtype), each candidate config of the family's space
 (:meth:`cutelayers.tuning.TunableFamily.config_space`) is compiled and run on random operands,
 its results checked against the family's jnp reference (relative error within the tolerance of
 the least precise dtype involved, ``REL_TOL`` x ``CHECK_SCALE``; a broken config is off by O(1)),
-then timed with :func:`cutelayers.bench.time_fn`. The fastest correct config wins -- unless it
+then timed with :func:`cutelayers.bench.timing.time_fn`. The fastest correct config wins -- unless it
 beats the heuristic's by less than ``min_gain`` (2%: noise), in which case the heuristic's is
 kept. A progress line per candidate, then a table of heuristic vs tuned time per shape.
 
@@ -38,12 +38,13 @@ import jax.numpy as jnp
 
 from cutelayers import tuning
 from cutelayers.backend import use_backend
-from cutelayers.bench import time_fn
+from cutelayers.bench.timing import time_fn
 from cutelayers.ops.linear import LinearForward, LinearInputGrad, LinearWeightGrad, kernels_apply
 from cutelayers.ops.norm import NormBackward, NormForward, forward_reference
 from cutelayers.ops.reduce import RowReduce
 from cutelayers.ops.softmax import CrossEntropyBackward, CrossEntropyForward, SoftmaxBackward, SoftmaxForward
-from cutelayers.runtime.primitive import kernel_call, kernels_supported, target_arch
+from cutelayers.runtime.primitive import kernels_supported, target_arch
+from cutelayers.runtime.sharding import kernel_call
 from cutelayers.runtime.tensors import FLOAT_DTYPES
 
 F32 = jnp.float32
@@ -430,7 +431,7 @@ def _parse_shape(text: str) -> tuple[int, ...]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cutelayers.autotune", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m cutelayers.bench.autotune", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--op", required=True, metavar="NAME",
                         help=f"an op ({', '.join(OPS)}) or one of its kernels ({', '.join(FAMILY_OPS)})")
@@ -452,7 +453,7 @@ def main(argv=None) -> int:
             return 0
         autotune(args.op, args.shape, args.dtype, output=args.output, min_gain=args.min_gain)
     except (ValueError, NoGpuError) as e:
-        print(f"cutelayers.autotune: {e}", file=sys.stderr)
+        print(f"cutelayers.bench.autotune: {e}", file=sys.stderr)
         return 2
     return 0
 

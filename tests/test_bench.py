@@ -1,0 +1,34 @@
+"""The benchmark command line, ``python -m cutelayers.bench FAMILY``: its families and their flags,
+and the message given without a GPU (the families' measurements need one)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import HAS_GPU
+
+from cutelayers.bench.__main__ import main
+
+FAMILIES = ("reduce", "norms", "softmax", "gemm", "lm_head", "compile")
+
+
+def test_help_lists_every_family():
+    proc = subprocess.run([sys.executable, "-m", "cutelayers.bench", "--help"], capture_output=True, text=True,
+                          cwd=Path(__file__).parents[1], timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: python -m cutelayers.bench")
+    assert "{" + ",".join(FAMILIES) + "}" in proc.stdout
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the message given without a GPU")
+@pytest.mark.parametrize("argv", [
+    ["reduce", "--rows", "64", "--n", "128", "--dtype", "float32"],
+    ["norms", "--n", "128", "--dtype", "float16"],
+    ["softmax", "--n", "128"],
+    ["gemm", "--shapes", "64x128x256", "--epilogue", "bias", "--dtype", "float16"],
+    ["lm_head", "--t", "64", "--h", "64", "--v", "256", "--dtype", "float32", "--chunk-size", "32"],
+], ids=lambda argv: argv[0])
+def test_gpu_families_need_a_gpu(argv, capsys):
+    assert main(argv) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
