@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     red.add_argument("--n", type=int, nargs="+", default=[4096], help="feature sizes N (default 4096)")
     red.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     norms = sub.add_parser("norms", help="layer_norm / rms_norm fwd and fwd+bwd vs XLA (x = 256 MiB)")
-    norms.add_argument("--n", type=int, nargs="+", default=[1024, 4096, 8192, 16384, 65536])
+    norms.add_argument("--n", type=int, nargs="+", default=[768, 1024, 4096, 8192, 16384, 65536])
     norms.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     soft = sub.add_parser("softmax", help="softmax fwd/bwd and cross-entropy fwd+bwd vs XLA/optax")
     soft.add_argument("--n", type=int, nargs="+", default=[4096, 32768, 131072])
