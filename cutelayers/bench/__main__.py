@@ -19,7 +19,7 @@ import cutelayers as cl
 from cutelayers.bench import gemm
 from cutelayers.bench.compile import bench_compile
 from cutelayers.bench.lm_head import bench_lm_head
-from cutelayers.bench.norms import bench_norms
+from cutelayers.bench.norms import DEFAULT_NS as NORM_NS, bench_norms
 from cutelayers.bench.reduce import bench_reduce
 from cutelayers.bench.softmax import bench_softmax
 from cutelayers.bench.timing import print_table
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     red.add_argument("--n", type=int, nargs="+", default=[4096], help="feature sizes N (default 4096)")
     red.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     norms = sub.add_parser("norms", help="layer_norm / rms_norm fwd and fwd+bwd vs XLA (x = 256 MiB)")
-    norms.add_argument("--n", type=int, nargs="+", default=[768, 1024, 4096, 8192, 16384, 65536])
+    norms.add_argument("--n", type=int, nargs="+", default=NORM_NS)
     norms.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     soft = sub.add_parser("softmax", help="softmax fwd/bwd and cross-entropy fwd+bwd vs XLA/optax")
     soft.add_argument("--n", type=int, nargs="+", default=[4096, 32768, 131072])

@@ -20,7 +20,7 @@ from cutelayers.bench.timing import measured_bandwidth, result_row, time_fn
 from cutelayers.ops.norm import layer_norm, rms_norm
 
 X_BYTES = 256 << 20
-DEFAULT_NS = [1024, 4096, 8192, 16384, 65536]
+DEFAULT_NS = [768, 1024, 4096, 8192, 16384, 65536]  # 768: GPT-2's width
 
 
 def _plain(center: bool):
