@@ -5,6 +5,7 @@ compose.
 """
 
 import collections
+import functools
 import math
 import re
 
@@ -30,10 +31,16 @@ F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def reference_loss(logits, labels, ignore_index=None, reduction="mean"):
-    """optax's per-token cross-entropy in float32, ignored tokens zeroed, then reduced."""
+def reference_loss(logits, labels, ignore_index=None, reduction="mean", label_smoothing=0.0, z_loss=0.0,
+                   logit_soft_cap=None):
+    """optax's per-token cross-entropy in float32 (soft-capped logits, smoothed targets, plus
+    z_loss * lse^2), ignored tokens zeroed, then reduced."""
+    logits = logits.astype(F32)
+    if logit_soft_cap is not None:
+        logits = logit_soft_cap * jnp.tanh(logits / logit_soft_cap)
     ignored = labels == ignore_index if ignore_index is not None else jnp.zeros(labels.shape, bool)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(F32), jnp.where(ignored, 0, labels))
+    targets = optax.smooth_labels(jax.nn.one_hot(jnp.where(ignored, 0, labels), logits.shape[-1]), label_smoothing)
+    losses = optax.softmax_cross_entropy(logits, targets) + z_loss * jax.nn.logsumexp(logits, axis=-1) ** 2
     losses = jnp.where(ignored, 0.0, losses)
     if reduction == "none":
         return losses
@@ -117,14 +124,75 @@ def test_half_precision_through_the_kernel_path(dtype, rng):
         assert_close(g, g_ref, dtype, scale=2.0)
 
 
-@pytest.mark.gpu
+OPTIONS = [  # the loss options, each alone and all together, with an (H, V) or (V, H) kernel
+    dict(label_smoothing=0.1),
+    dict(z_loss=1e-2),
+    dict(logit_soft_cap=3.0),
+    dict(kernel_layout="vh"),
+    dict(label_smoothing=0.2, z_loss=1e-3, logit_soft_cap=5.0, kernel_layout="vh"),
+]
+
+
+def head_call(options, labels, ignore_index, reduction, chunk):
+    """(ours, ref): loss functions of (h, kernel as the test draws it (H, V), bias) with
+    ``options``; a "vh" layout hands our op the transposed table."""
+    options = dict(options)
+    layout = options.pop("kernel_layout", "hv")
+
+    def ours(h, kernel, bias):
+        table = kernel.T if layout == "vh" else kernel
+        return linear_cross_entropy(h, table, labels, bias=bias, ignore_index=ignore_index, reduction=reduction,
+                                    chunk_size=chunk, kernel_layout=layout, **options)
+
+    def ref(h, kernel, bias):
+        return reference_loss(f32_logits(h, kernel, bias), labels, ignore_index, reduction, **options)
+
+    return ours, ref
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_kernel_path_gpu(reduction, rng):
+def test_loss_options(options, reduction, rng):
+    lead, ignore_index = (3, 13), -100
+    h, kernel, bias, labels = head_operands(rng, lead, 16, 40, F32, ignore_index)
+    ours, ref = head_call(options, labels, ignore_index, reduction, chunk=7)
+    weights = jnp.asarray(rng.uniform(0.5, 1.5, lead if reduction == "none" else ()), F32)
+    with jax.default_matmul_precision("highest"):
+        np.testing.assert_allclose(ours(h, kernel, bias), ref(h, kernel, bias), rtol=1e-5, atol=1e-6)
+        grads = jax.jit(jax.grad(lambda *a: jnp.sum(weights * ours(*a)), (0, 1, 2)))(h, kernel, bias)
+        refs = jax.grad(lambda *a: jnp.sum(weights * ref(*a)), (0, 1, 2))(h, kernel, bias)
+    for g, g_ref in zip(grads, refs):
+        np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-6)
+
+
+def test_return_lse(rng):
+    h, kernel, bias, labels = head_operands(rng, (2, 9), 16, 40, F32, ignore_index=-100)
+    for reduction in ("mean", "sum", "none"):
+        loss, lse = linear_cross_entropy(h, kernel, labels, bias=bias, ignore_index=-100, reduction=reduction,
+                                         logit_soft_cap=4.0, chunk_size=4, return_lse=True)
+        assert lse.shape == (2, 9) and lse.dtype == F32
+        logits = f32_logits(h, kernel, bias)
+        want = jax.nn.logsumexp(4.0 * jnp.tanh(logits / 4.0), axis=-1)
+        np.testing.assert_allclose(lse, want, rtol=1e-5, atol=1e-5)
+        assert loss.shape == ((2, 9) if reduction == "none" else ())
+    # lse carries no gradient; the loss's gradient is the same with or without it
+    head = functools.partial(linear_cross_entropy, kernel=kernel, labels=labels, ignore_index=-100)
+    g_with = jax.grad(lambda h: jnp.sum(head(h, return_lse=True)[1]))(h)
+    assert not np.any(g_with)
+    g = jax.grad(lambda h: head(h, return_lse=True)[0])(h)
+    np.testing.assert_allclose(g, jax.grad(head)(h))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [{}, OPTIONS[-1]], ids=["plain", "all-options"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_kernel_path_gpu(options, reduction, rng):
     """The kernels on the GPU, several chunks (the last one padded): loss and every gradient vs a
     float32 reference, dkernel summed over the chunks by its GEMM."""
     dtype = jnp.bfloat16
     h, kernel, bias, labels = head_operands(rng, (3, 333), 256, 1000, dtype, ignore_index=-100)
     weights = random(rng, labels.shape, F32)
+    ours_fn, ref_fn = head_call(options, labels, -100, reduction, chunk=128)
 
     def total(loss_fn):
         def fn(h, kernel, bias):
@@ -132,9 +200,7 @@ def test_kernel_path_gpu(reduction, rng):
             return out if reduction == "mean" else jnp.sum(out * weights)
         return fn
 
-    ours = total(lambda h, kernel, bias: linear_cross_entropy(
-        h, kernel, labels, bias=bias, ignore_index=-100, reduction=reduction, chunk_size=128))
-    ref = total(lambda h, kernel, bias: reference_loss(f32_logits(h, kernel, bias), labels, -100, reduction))
+    ours, ref = total(ours_fn), total(ref_fn)
     with cl.use_backend("cute"):
         value, grads = jax.jit(jax.value_and_grad(ours, (0, 1, 2)))(h, kernel, bias)
     want, refs = jax.jit(jax.value_and_grad(ref, (0, 1, 2)))(*(a.astype(F32) for a in (h, kernel, bias)))
@@ -294,6 +360,18 @@ def test_linear_cross_entropy_errors():
         linear_cross_entropy(h, kernel, labels, chunk_size=0)
     with pytest.raises(TypeError, match="chunk_size must be an int"):
         linear_cross_entropy(h, kernel, labels, chunk_size=2.5)
+    with pytest.raises(ValueError, match="kernel_layout must be one of 'hv', 'vh'; got 'kn'"):
+        linear_cross_entropy(h, kernel, labels, kernel_layout="kn")
+    with pytest.raises(ValueError, match=r"'h' has 8 features .* 'kernel' expects K=10 \(shape \(8, 10\)\)"):
+        linear_cross_entropy(h, kernel, labels, kernel_layout="vh")  # a (V, H) table wanted
+    with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 1\); got 1.0"):
+        linear_cross_entropy(h, kernel, labels, label_smoothing=1.0)
+    with pytest.raises(ValueError, match="z_loss must be >= 0; got -1"):
+        linear_cross_entropy(h, kernel, labels, z_loss=-1)
+    with pytest.raises(ValueError, match="logit_soft_cap must be None or a finite number > 0; got 0"):
+        linear_cross_entropy(h, kernel, labels, logit_soft_cap=0)
+    with pytest.raises(TypeError, match="logit_soft_cap must be a number; got 'big'"):
+        linear_cross_entropy(h, kernel, labels, logit_soft_cap="big")
     # under jit out-of-range labels cannot be checked: NaN for that token
     out = jax.jit(lambda l: linear_cross_entropy(h, kernel, l, reduction="none"))(jnp.array([0, 11, 1, 2]))
     assert np.isnan(out[1]) and np.all(np.isfinite(np.asarray(out)[[0, 2, 3]]))

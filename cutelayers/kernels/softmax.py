@@ -56,6 +56,14 @@ def exp(values):
 
 
 @cute.jit
+def soft_capped(values, cap: cutlass.Constexpr):
+    """(cap * tanh(values / cap), tanh(values / cap)): logit soft-capping and its tanh, whose
+    1 - tanh^2 is the derivative."""
+    t = cute.math.tanh(values * (1.0 / cap), fastmath=True)
+    return t * cap, t
+
+
+@cute.jit
 def online_lse_step(vals, size: cutlass.Constexpr, mx, c, s):
     """Fold one step's values (masked columns already -inf) into a thread's (max, shift, sum)."""
     local = -Float32.inf
@@ -201,15 +209,17 @@ class SoftmaxBackwardKernel:
 
 class CrossEntropyForwardKernel:
     """Per row: lse, and with labels the loss lse - (1-a) x[label] - (a/V) sum(x) + z lse^2
-    (0 for ``ignore_index``, NaN for other labels outside [0, V)). One read of x.
+    (0 for ``ignore_index``, NaN for other labels outside [0, V)), where with ``soft_cap`` c > 0
+    x is the capped c tanh(logits / c). One read of the logits.
     Launcher ``(stream, x, [labels], lse, [loss])``."""
 
     VALUES_PER_THREAD = FORWARD_VALUES_PER_THREAD
 
-    def __init__(self, geometry: RowGeometry, with_labels: bool, ignore_index, smoothing: float, z_loss: float):
+    def __init__(self, geometry: RowGeometry, with_labels: bool, ignore_index, smoothing: float, z_loss: float,
+                 soft_cap: float = 0.0):
         self.geometry = geometry
         self.with_labels, self.ignore_index = with_labels, ignore_index
-        self.smoothing, self.z_loss = smoothing, z_loss
+        self.smoothing, self.z_loss, self.soft_cap = smoothing, z_loss, soft_cap
 
     @cute.jit
     def __call__(self, stream, *tensors):
@@ -242,7 +252,9 @@ class CrossEntropyForwardKernel:
         for step in cutlass.range(g.num_steps, unroll=1):
             if valid_row:
                 load_step(opx, step)
-            vals = opx.frag.load().to(Float32)  # columns past N hold 0
+            vals = opx.frag.load().to(Float32)  # columns past N hold 0 (capped: still 0)
+            if const_expr(self.soft_cap > 0.0):
+                vals, _ = soft_capped(vals, self.soft_cap)
             if const_expr(self.with_labels):
                 total = total + row_sum(vals)
                 picked = picked + row_sum(cute.where(label_mask(opx, step, label), vals, Float32(0.0)))
@@ -267,14 +279,15 @@ class CrossEntropyForwardKernel:
 
 
 class CrossEntropyBackwardKernel:
-    """dx = dloss (exp(x - lse)(1 + 2 z lse) - (1-a) onehot(label) - a/V): one read of x, one write
+    """dx = dloss (exp(x - lse)(1 + 2 z lse) - (1-a) onehot(label) - a/V), times 1 - tanh^2 of
+    the capping with ``soft_cap`` (x then the capped logits): one read of the logits, one write
     of dx, no reduction. Launcher ``(stream, x, labels, lse, dloss, dx)``."""
 
     VALUES_PER_THREAD = FORWARD_VALUES_PER_THREAD
 
-    def __init__(self, geometry: RowGeometry, ignore_index, smoothing: float, z_loss: float):
+    def __init__(self, geometry: RowGeometry, ignore_index, smoothing: float, z_loss: float, soft_cap: float = 0.0):
         self.geometry = geometry
-        self.ignore_index, self.smoothing, self.z_loss = ignore_index, smoothing, z_loss
+        self.ignore_index, self.smoothing, self.z_loss, self.soft_cap = ignore_index, smoothing, z_loss, soft_cap
 
     @cute.jit
     def __call__(self, stream, x, labels, lse, dloss, dx):
@@ -307,6 +320,11 @@ class CrossEntropyBackwardKernel:
             prob_coef = 1.0 + 2.0 * self.z_loss * lse
             for step in cutlass.range(g.num_steps, unroll=1):
                 vals = load_step(opx, step)
+                t = vals
+                if const_expr(self.soft_cap > 0.0):
+                    vals, t = soft_capped(vals, self.soft_cap)
                 d = exp(vals - lse) * prob_coef - self.smoothing / n
                 d = cute.where(label_mask(opx, step, label), d - (1.0 - self.smoothing), d)
+                if const_expr(self.soft_cap > 0.0):
+                    d = d * (1.0 - t * t)
                 store_step(opd, step, d * scale)

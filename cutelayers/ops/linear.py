@@ -617,14 +617,16 @@ def check_same_dtype(op, name, a, x_name, x):
         )
 
 
-def check_linear_operands(op: str, x_name: str, x, kernel, bias):
-    """Validate x (..., K), kernel (K, N), bias (N,) | None of one float dtype; returns them as
-    arrays. Shared by :func:`fused_linear` and :func:`cutelayers.ops.linear_cross_entropy`."""
+def check_linear_operands(op: str, x_name: str, x, kernel, bias, *, kernel_transposed: bool = False):
+    """Validate x (..., K), kernel (K, N) -- (N, K) if ``kernel_transposed`` --, bias (N,) | None of
+    one float dtype; returns them as arrays. Shared by :func:`fused_linear` and
+    :func:`cutelayers.ops.linear_cross_entropy`."""
     x = check_float_array(op, x_name, x)
     kernel = check_float_array(op, "kernel", kernel)
+    layout = "(N, K)" if kernel_transposed else "(K, N)"
     if kernel.ndim != 2:
-        raise ValueError(f"{op}: argument 'kernel' must have rank 2 (K, N); got shape {tuple(kernel.shape)}")
-    k, n = kernel.shape
+        raise ValueError(f"{op}: argument 'kernel' must have rank 2 {layout}; got shape {tuple(kernel.shape)}")
+    n, k = kernel.shape if kernel_transposed else kernel.shape[::-1]
     if x.shape[-1] != k:
         raise ValueError(f"{op}: argument {x_name!r} has {x.shape[-1]} features (shape {tuple(x.shape)}) "
                          f"but 'kernel' expects K={k} (shape {tuple(kernel.shape)})")

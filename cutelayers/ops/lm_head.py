@@ -57,14 +57,15 @@ import jax
 import jax.numpy as jnp
 
 from cutelayers import backend as _backend
-from cutelayers.ops.linear import (check_linear_operands, fused_linear, input_grad_fn, kernels_apply,
+from cutelayers.ops.linear import (check_linear_operands, forward_fn, fused_linear, input_grad_fn, kernels_apply,
                                    weight_grad_fn)
-from cutelayers.ops.softmax import check_labels, cross_entropy_kernels
+from cutelayers.ops.softmax import check_labels, check_loss_options, cross_entropy_kernels
 from cutelayers.runtime.sharding import vary_like
 
 F32 = jnp.float32
 LOGITS_CHUNK_BYTES = 256 * 2**20  # default bound on one chunk's float32 logits
 REDUCTIONS = ("mean", "sum", "none")
+KERNEL_LAYOUTS = ("hv", "vh")
 
 
 def chunk_layout(lead: tuple[int, ...], vocab: int, chunk_size: int | None) -> tuple[int, int]:
@@ -101,20 +102,36 @@ def _zeros_of_type(a, dtype=None):
 
 
 @functools.cache
-def _chunked_fns(ignore_index, use_kernels: bool):
+def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major: bool, use_kernels: bool):
     """``(losses, weighted_total)`` over h (R, C, H), labels (R, C) in the strided layout (chunk
-    ``c`` is column ``c``), kernel (H, V), bias (V,) | None:
+    ``c`` is column ``c``), kernel (H, V) -- (V, H) if ``vocab_major`` --, bias (V,) | None; the
+    cross-entropy ``options`` (smoothing, z_loss, soft_cap) of :func:`check_loss_options`:
 
-    * ``losses(h, labels, kernel, bias)``: per-token losses (R, C) float32; the backward
-      recomputes each chunk's logits;
-    * ``weighted_total(h, labels, kernel, bias, weights)``: ``sum(weights * losses)`` for
-      constant (R, C) float32 weights; its forward computes the gradients too (module docstring).
+    * ``losses(h, labels, kernel, bias)``: (per-token losses, lse), each (R, C) float32; the
+      backward recomputes each chunk's logits;
+    * ``weighted_total(h, labels, kernel, bias, weights)``: (``sum(weights * losses)``, lse)
+      for constant (R, C) float32 weights; its forward computes the gradients too (module
+      docstring). The lse output has no gradient (its cotangent is dropped).
     """
-    ce_forward, ce_backward = cross_entropy_kernels(ignore_index)
-    input_grad, weight_grad = input_grad_fn(use_kernels), weight_grad_fn(use_kernels)
+    ce_forward, ce_backward = cross_entropy_kernels(ignore_index, *options)
+    plain_gemm, input_grad = forward_fn("none", False, use_kernels), input_grad_fn(use_kernels)
+    weight_grad = weight_grad_fn(use_kernels)
+    # A (V, H) kernel (a tied embedding table) swaps the roles of the forward and dx GEMMs and
+    # of dkernel's operands; every GEMM reads the table as stored.
 
     def chunk_logits(h, kernel, bias, c):
-        return fused_linear(_chunk(h, c), kernel, bias)
+        if not vocab_major:
+            return fused_linear(_chunk(h, c), kernel, bias)  # the bias in the GEMM's epilogue
+        z = input_grad(_chunk(h, c), kernel)  # h_c @ tableᵀ
+        return z if bias is None else (z + bias).astype(z.dtype)
+
+    def chunk_input_grad(dz, kernel):
+        return plain_gemm(dz, kernel, None, None)[0] if vocab_major else input_grad(dz, kernel)
+
+    def add_kernel_grad(dkernel, h_c, dz):
+        """dkernel + the chunk's gradient, added by the GEMM as it stores (float32)."""
+        operands = (dz, h_c) if vocab_major else (h_c, dz)
+        return weight_grad(*(a[None] for a in operands), dkernel[None])[0]
 
     def zero_grads(h, kernel, bias):
         return (_zeros_of_type(h), _zeros_of_type(kernel, F32),
@@ -125,8 +142,8 @@ def _chunked_fns(ignore_index, use_kernels: bool):
         dh, dkernel, dbias = grads
         dz = ce_backward(z, _chunk(labels, c), lse_c, dloss_c)
         # dh_c written in place into its column: stacking (C, R, H) would need a transpose
-        dh = jax.lax.dynamic_update_index_in_dim(dh, input_grad(dz, kernel), c, axis=1)
-        dkernel = weight_grad(_chunk(h, c)[None], dz[None], dkernel[None])[0]  # added as stored
+        dh = jax.lax.dynamic_update_index_in_dim(dh, chunk_input_grad(dz, kernel), c, axis=1)
+        dkernel = add_kernel_grad(dkernel, _chunk(h, c), dz)
         if dbias is not None:
             dbias = dbias + jnp.sum(dz.astype(F32), axis=0)
         return dh, dkernel, dbias
@@ -149,15 +166,16 @@ def _chunked_fns(ignore_index, use_kernels: bool):
 
     @jax.custom_vjp
     def losses(h, labels, kernel, bias):
-        return forward(h, labels, kernel, bias)[1]
+        lse, loss = forward(h, labels, kernel, bias)
+        return loss, lse
 
     def losses_fwd(h, labels, kernel, bias):
         lse, loss = forward(h, labels, kernel, bias)
-        return loss, (h, labels, kernel, bias, lse)
+        return (loss, lse), (h, labels, kernel, bias, lse)
 
-    def losses_bwd(res, dloss):
+    def losses_bwd(res, cotangents_out):
         h, labels, kernel, bias, lse = res
-        dloss = dloss.astype(F32)
+        dloss = cotangents_out[0].astype(F32)  # lse's is dropped (the op stops its gradient)
 
         def step(grads, chunk):
             c, lse_c = chunk
@@ -171,7 +189,8 @@ def _chunked_fns(ignore_index, use_kernels: bool):
 
     @jax.custom_vjp
     def weighted_total(h, labels, kernel, bias, weights):
-        return jnp.sum(forward(h, labels, kernel, bias)[1] * weights)
+        lse, loss = forward(h, labels, kernel, bias)
+        return jnp.sum(loss * weights), lse
 
     def total_fwd(h, labels, kernel, bias, weights):
         def step(carry, c):
@@ -180,36 +199,48 @@ def _chunked_fns(ignore_index, use_kernels: bool):
             lse_c, loss_c = ce_forward(z, _chunk(labels, c))
             w_c = _chunk(weights, c)
             grads = add_chunk_grads(grads, h, labels, kernel, c, z, lse_c, w_c)
-            return (grads, total + jnp.sum(loss_c * w_c)), None
+            return (grads, total + jnp.sum(loss_c * w_c)), lse_c
 
         # the total varies as the weights do inside shard_map (a scan's carry keeps its type)
         init = (zero_grads(h, kernel, bias), _zeros_of_type(weights[0, 0]))
-        (grads, total), _ = jax.lax.scan(step, init, jnp.arange(h.shape[1]))
-        return total, (grads, kernel, bias)
+        (grads, total), lse = jax.lax.scan(step, init, jnp.arange(h.shape[1]))
+        return (total, lse), (grads, kernel, bias)
 
-    def total_bwd(res, g):
+    def total_bwd(res, cotangents_out):
         grads, kernel, bias = res
-        return *cotangents(grads, kernel, bias, scale=g), None
+        return *cotangents(grads, kernel, bias, scale=cotangents_out[0]), None
 
     weighted_total.defvjp(total_fwd, total_bwd)
     return losses, weighted_total
 
 
 def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | None = None,
-                         reduction: str = "mean", chunk_size: int | None = None) -> jax.Array:
+                         reduction: str = "mean", label_smoothing: float = 0.0, z_loss: float = 0.0,
+                         logit_soft_cap: float | None = None, kernel_layout: str = "hv",
+                         return_lse: bool = False, chunk_size: int | None = None):
     """Cross-entropy of ``h @ kernel + bias`` against integer labels, never materialising the
     (tokens, V) logits; differentiable (h, kernel, bias) and vmappable.
 
     Args:
       h: (..., H) hidden states, any leading shape (the tokens), bfloat16, float16 or float32.
-      kernel: (H, V) in h's dtype (``flax.linen.Dense`` layout; for a tied (V, H) embedding
-        table pass its transpose).
+      kernel: (H, V) in h's dtype (``flax.linen.Dense`` layout), or (V, H) with
+        ``kernel_layout="vh"``.
       labels: (...) integers in [0, V), h's leading shape. Tokens equal to ``ignore_index`` give
         loss 0 and no gradient; any other label outside [0, V) raises when the labels are
         concrete and gives a NaN loss (and gradient) for that token under jit.
       bias: (V,) in h's dtype, or None.
       ignore_index: label value of tokens to ignore (e.g. -100 or a padding id), or None.
       reduction: "mean" over the tokens that are not ignored (0 when all are), "sum", or "none".
+      label_smoothing: a in [0, 1): targets (1 - a) onehot + a / V, as ``optax.smooth_labels``.
+      z_loss: coefficient of the auxiliary loss z * lse^2 added per token (PaLM's z-loss).
+      logit_soft_cap: None, or c > 0: the loss is of the capped logits c * tanh(logits / c)
+        (Gemma 2), capped inside the cross-entropy kernels.
+      kernel_layout: "hv" for an (H, V) kernel, or "vh" for a (V, H) one such as a tied
+        embedding table (``nnx.Embed.embedding``), which every GEMM reads as stored (no transpose
+        copy). With "vh" a bias is added to each chunk's logits by XLA (a tied head rarely has one).
+      return_lse: also return the per-token logsumexp of the (capped) logits, float32 with h's
+        leading shape, for monitoring; it carries no gradient (``z_loss`` is the differentiable
+        way to penalise it).
       chunk_size: tokens per chunk (an int >= 1); default: as many as fit ~256 MiB of float32
         logits. Larger chunks mean fewer, larger GEMMs; smaller ones less memory. Under
         ``jax.jit`` with the tokens row-sharded over D devices a chunk spans them, chunk_size / D
@@ -218,15 +249,22 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
         module docstring).
 
     Returns:
-      float32: a scalar for "mean" / "sum", else (...) per-token losses. The logits are computed
-      in h's dtype with float32 accumulation, the loss statistics in float32.
+      float32: a scalar for "mean" / "sum", else (...) per-token losses; with ``return_lse`` a
+      pair (loss, lse). The logits are computed in h's dtype with float32 accumulation, the loss
+      statistics in float32.
     """
     op = "linear_cross_entropy"
-    h, kernel, bias = check_linear_operands(op, "h", h, kernel, bias)
-    lead, (hidden, vocab) = h.shape[:-1], kernel.shape
+    if kernel_layout not in KERNEL_LAYOUTS:
+        raise ValueError(f"{op}: kernel_layout must be one of {', '.join(map(repr, KERNEL_LAYOUTS))}; "
+                         f"got {kernel_layout!r}")
+    vocab_major = kernel_layout == "vh"
+    h, kernel, bias = check_linear_operands(op, "h", h, kernel, bias, kernel_transposed=vocab_major)
+    hidden, vocab = kernel.shape[::-1] if vocab_major else kernel.shape
+    lead = h.shape[:-1]
     labels, ignore_index = check_labels(op, labels, ignore_index, lead, vocab, "h's shape without the feature axis")
     if reduction not in REDUCTIONS:
         raise ValueError(f"{op}: reduction must be one of {', '.join(map(repr, REDUCTIONS))}; got {reduction!r}")
+    options = check_loss_options(op, label_smoothing, z_loss, logit_soft_cap)
     if chunk_size is not None:
         try:
             chunk_size = operator.index(chunk_size)
@@ -237,7 +275,8 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
 
     tokens = labels.size
     if tokens == 0:
-        return jnp.zeros(lead if reduction == "none" else (), F32)
+        loss = jnp.zeros(lead if reduction == "none" else (), F32)
+        return (loss, jnp.zeros(lead, F32)) if return_lse else loss
     use_kernels, why = kernels_apply(h.dtype, hidden, vocab)
     if not use_kernels:
         _backend.fall_back(op, why)
@@ -249,14 +288,21 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
     h_strided = jnp.pad(h.reshape(tokens, hidden), ((0, pad), (0, 0))).reshape(rows, n_chunks, hidden)
     labels_strided = jnp.pad(labels.reshape(tokens), (0, pad)).reshape(rows, n_chunks)
     kernel, bias = vary_like(h, kernel, bias)  # shared by every shard inside shard_map
-    per_token, weighted_total = _chunked_fns(ignore_index, use_kernels)
+    per_token, weighted_total = _chunked_fns(ignore_index, options, vocab_major, use_kernels)
+
+    def per_token_order(a):  # (R, C) strided -> the tokens' leading shape
+        return a.reshape(-1)[:tokens].reshape(lead)
+
     if reduction == "none":
-        losses = per_token(h_strided, labels_strided, kernel, bias)
-        return losses.reshape(-1)[:tokens].reshape(lead)
-    # weight 1 per token, 0 per padded row; laid out (and sharded) as the labels are
-    real = jnp.pad(_zeros_of_type(labels.reshape(tokens), F32) + 1.0, (0, pad)).reshape(rows, n_chunks)
-    total = weighted_total(h_strided, labels_strided, kernel, bias, real)
-    if reduction == "sum":
-        return total
-    counted = tokens if ignore_index is None else jnp.sum(labels != ignore_index)
-    return total / jnp.maximum(counted, 1).astype(F32)
+        loss, lse = per_token(h_strided, labels_strided, kernel, bias)
+        loss = per_token_order(loss)
+    else:
+        # weight 1 per token, 0 per padded row; laid out (and sharded) as the labels are
+        real = jnp.pad(_zeros_of_type(labels.reshape(tokens), F32) + 1.0, (0, pad)).reshape(rows, n_chunks)
+        loss, lse = weighted_total(h_strided, labels_strided, kernel, bias, real)
+        if reduction == "mean":
+            counted = tokens if ignore_index is None else jnp.sum(labels != ignore_index)
+            loss = loss / jnp.maximum(counted, 1).astype(F32)
+    if not return_lse:
+        return loss
+    return loss, jax.lax.stop_gradient(per_token_order(lse.T))  # lse is chunk-major (C, R)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import TYPE_CHECKING
 
 import jax
@@ -105,12 +106,14 @@ class SoftmaxBackward(RowKernelFamily):
 
 @dataclasses.dataclass(frozen=True)
 class CrossEntropyForward(RowKernelFamily):
-    """Per-row lse (fp32), and with labels the per-row loss (fp32): one streaming read of x."""
+    """Per-row lse (fp32), and with labels the per-row loss (fp32): one streaming read of x.
+    ``soft_cap`` > 0: of the capped logits soft_cap * tanh(x / soft_cap)."""
 
     with_labels: bool
     ignore_index: int | None = None
     smoothing: float = 0.0
     z_loss: float = 0.0
+    soft_cap: float = 0.0
     config: RowConfig | None = None
 
     @property
@@ -127,6 +130,7 @@ class CrossEntropyForward(RowKernelFamily):
         return (lse, jax.ShapeDtypeStruct(m, F32)) if self.with_labels else (lse,)
 
     def reference(self, x, labels=None):
+        x = _capped(x, self.soft_cap)[0]
         lse = _lse(x)
         if not self.with_labels:
             return (lse,)
@@ -139,7 +143,7 @@ class CrossEntropyForward(RowKernelFamily):
 
     def launcher(self, avals, out_avals):
         return self.kernel_class()(self.geometry(avals), self.with_labels, self.ignore_index,
-                                   self.smoothing, self.z_loss)
+                                   self.smoothing, self.z_loss, self.soft_cap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +153,7 @@ class CrossEntropyBackward(RowKernelFamily):
     ignore_index: int | None = None
     smoothing: float = 0.0
     z_loss: float = 0.0
+    soft_cap: float = 0.0
     config: RowConfig | None = None
     arg_names = ("logits", "labels", "lse", "dloss")
 
@@ -168,10 +173,20 @@ class CrossEntropyBackward(RowKernelFamily):
         return CrossEntropyBackwardKernel
 
     def launcher(self, avals, out_avals):
-        return self.kernel_class()(self.geometry(avals), self.ignore_index, self.smoothing, self.z_loss)
+        return self.kernel_class()(self.geometry(avals), self.ignore_index, self.smoothing, self.z_loss,
+                                   self.soft_cap)
 
 
 # --- jnp references (the same decomposition as the kernels) -------------------------------------
+
+
+def _capped(x, cap):
+    """(cap * tanh(x / cap), tanh(x / cap)) in float32 for cap > 0, else (x, None): logit
+    soft-capping."""
+    if cap <= 0.0:
+        return x, None
+    t = jnp.tanh(x.astype(F32) / cap)
+    return cap * t, t
 
 
 def _lse(x):
@@ -199,10 +214,11 @@ def _ce_loss(x, labels, lse, cfg):
 def _ce_grad(x, labels, lse, dloss, cfg):
     v = x.shape[-1]
     ignored, valid = _label_masks(labels, v, cfg)
+    x, t = _capped(x, cfg.soft_cap)
     p = jnp.exp(x.astype(F32) - lse[:, None])
     onehot = jnp.arange(v)[None, :] == labels[:, None]
     d = p * (1.0 + 2.0 * cfg.z_loss * lse[:, None]) - (1.0 - cfg.smoothing) * onehot - cfg.smoothing / v
-    d = d * dloss[:, None]
+    d = d * dloss[:, None] if t is None else d * dloss[:, None] * (1.0 - t * t)
     return jnp.where(ignored[:, None], 0.0, jnp.where(valid[:, None], d, jnp.nan))
 
 
@@ -281,14 +297,15 @@ def logsumexp(x: jax.Array) -> jax.Array:
 
 
 @functools.cache
-def cross_entropy_kernels(ignore_index, smoothing=0.0, z_loss=0.0):
+def cross_entropy_kernels(ignore_index, smoothing=0.0, z_loss=0.0, soft_cap=0.0):
     """The cross-entropy kernel calls, vmappable, without a custom_vjp (shared with
     :mod:`cutelayers.ops.lm_head`, which differentiates them itself):
 
-    * ``forward(logits (..., V), labels (...)) -> (lse, loss)``, both (...) float32;
+    * ``forward(logits (..., V), labels (...)) -> (lse, loss)``, both (...) float32 (lse of the
+      capped logits when ``soft_cap`` > 0);
     * ``backward(logits, labels, lse, dloss (...) float32) -> dlogits`` in logits' dtype.
     """
-    cfg = dict(ignore_index=ignore_index, smoothing=smoothing, z_loss=z_loss)
+    cfg = dict(ignore_index=ignore_index, smoothing=smoothing, z_loss=z_loss, soft_cap=soft_cap)
     forward = row_batched(lambda x, labels: call_on_rows(CrossEntropyForward(True, **cfg), x, labels))
     backward = row_batched(
         lambda x, labels, lse, g: call_on_rows(CrossEntropyBackward(**cfg), x, labels, lse, g)[0])
@@ -296,8 +313,8 @@ def cross_entropy_kernels(ignore_index, smoothing=0.0, z_loss=0.0):
 
 
 @functools.cache
-def _cross_entropy_fn(ignore_index, smoothing, z_loss):
-    forward, backward = cross_entropy_kernels(ignore_index, smoothing, z_loss)
+def _cross_entropy_fn(ignore_index, smoothing, z_loss, soft_cap):
+    forward, backward = cross_entropy_kernels(ignore_index, smoothing, z_loss, soft_cap)
 
     @jax.custom_vjp
     def op(logits, labels):
@@ -316,7 +333,8 @@ def _cross_entropy_fn(ignore_index, smoothing, z_loss):
 
 
 def softmax_cross_entropy(logits: jax.Array, labels: jax.Array, *, ignore_index: int | None = None,
-                          label_smoothing: float = 0.0, z_loss: float = 0.0) -> jax.Array:
+                          label_smoothing: float = 0.0, z_loss: float = 0.0,
+                          logit_soft_cap: float | None = None) -> jax.Array:
     """Cross-entropy of integer labels, per row, over the last axis of ``logits``.
 
     Args:
@@ -325,6 +343,8 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array, *, ignore_index:
       ignore_index: label value of rows to ignore (e.g. -100 or a padding id), or None.
       label_smoothing: a in [0, 1): targets (1 - a) onehot + a / V, as ``optax.smooth_labels``.
       z_loss: coefficient of the auxiliary z-loss z * logsumexp(logits)^2 added per row.
+      logit_soft_cap: None, or c > 0: the loss is of c * tanh(logits / c) (Gemma-style soft
+        capping), computed in the kernel on the fly.
 
     Returns:
       (...,) float32 losses. Gradients flow to ``logits`` only (labels are integers).
@@ -333,11 +353,28 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array, *, ignore_index:
     logits = check_float_array(op, "logits", logits)
     labels, ignore_index = check_labels(op, labels, ignore_index, logits.shape[:-1], logits.shape[-1],
                                         "logits' shape without the class axis")
-    if not 0.0 <= float(label_smoothing) < 1.0:
+    options = check_loss_options(op, label_smoothing, z_loss, logit_soft_cap)
+    return _cross_entropy_fn(ignore_index, *options)(logits, labels)
+
+
+def check_loss_options(op: str, label_smoothing, z_loss, logit_soft_cap) -> tuple[float, float, float]:
+    """Validate the cross-entropy options; returns (smoothing, z_loss, soft_cap) as floats, the
+    cap 0.0 when off (the kernels' static key)."""
+    def number(name, value):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise TypeError(f"{op}: {name} must be a number; got {value!r}") from None
+
+    smoothing, z = number("label_smoothing", label_smoothing), number("z_loss", z_loss)
+    if not 0.0 <= smoothing < 1.0:
         raise ValueError(f"{op}: label_smoothing must be in [0, 1); got {label_smoothing}")
-    if float(z_loss) < 0.0:
+    if not z >= 0.0:
         raise ValueError(f"{op}: z_loss must be >= 0; got {z_loss}")
-    return _cross_entropy_fn(ignore_index, float(label_smoothing), float(z_loss))(logits, labels)
+    cap = 0.0 if logit_soft_cap is None else number("logit_soft_cap", logit_soft_cap)
+    if logit_soft_cap is not None and not (cap > 0.0 and math.isfinite(cap)):
+        raise ValueError(f"{op}: logit_soft_cap must be None or a finite number > 0; got {logit_soft_cap}")
+    return smoothing, z, cap
 
 
 def check_labels(op: str, labels, ignore_index, shape: tuple, v: int, shape_source: str):
