@@ -62,6 +62,20 @@ def ref_rms_norm(x, scale, eps=1e-6):
     return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * jnp.broadcast_to(scale, x.shape)
 
 
+def ref_add_norm(norm):
+    """The reference of a fused residual add + norm: (norm(x + residual), x + residual) side by
+    side, so the gradient flows through both results."""
+    def ref(x, residual, **params):
+        summed = x + residual
+        return jnp.concatenate([norm(summed, **params), summed], axis=-1)
+    return ref
+
+
+def both_results(add_norm):
+    """``add_norm``'s (normed, summed) side by side, as :func:`ref_add_norm` gives them."""
+    return lambda **inputs: jnp.concatenate(add_norm(**inputs), axis=-1)
+
+
 def ref_logsumexp(x):
     m = jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))  # any shift is exact
     return (m + jnp.log(jnp.sum(jnp.exp(x - m), axis=-1, keepdims=True)))[..., 0]
@@ -138,6 +152,11 @@ def cases(rng: np.random.Generator, dtype, quick: bool):
                {"x": normal(*lead, n, scale=2.0, loc=3.0), "scale": normal(n), "bias": normal(n)})
     yield Case("rms_norm", "scale", cl.ops.rms_norm, ref_rms_norm,
                {"x": normal(*lead, n), "scale": normal(n)})
+    yield Case("add_layer_norm", "scale, bias; normed and summed", both_results(cl.ops.add_layer_norm),
+               ref_add_norm(ref_layer_norm), {"x": normal(*lead, n), "residual": normal(*lead, n, scale=2.0, loc=3.0),
+                                              "scale": normal(n), "bias": normal(n)})
+    yield Case("add_rms_norm", "scale; normed and summed", both_results(cl.ops.add_rms_norm),
+               ref_add_norm(ref_rms_norm), {"x": normal(*lead, n), "residual": normal(*lead, n), "scale": normal(n)})
 
     plain = jnp.asarray(rng.integers(0, n, lead), jnp.int32)
     yield Case("softmax_cross_entropy", "", partial(cl.ops.softmax_cross_entropy, labels=plain),
