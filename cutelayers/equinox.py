@@ -35,8 +35,15 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray
 
-from cutelayers._module_checks import (array_blocker, check_tied_embedding, finish_linear, kernels_serve, norm_op,
-                                       residual_blocker, stock_norm)
+from cutelayers._module_checks import (
+    array_blocker,
+    check_tied_embedding,
+    finish_linear,
+    kernels_serve,
+    norm_op,
+    residual_blocker,
+    stock_norm,
+)
 from cutelayers.ops.linear import fused_linear
 from cutelayers.ops.lm_head import linear_cross_entropy
 from cutelayers.ops.pool import masked_mean_pool

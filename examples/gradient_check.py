@@ -161,7 +161,7 @@ def cases(rng: np.random.Generator, dtype, quick: bool):
     plain = jnp.asarray(rng.integers(0, n, lead), jnp.int32)
     yield Case("softmax_cross_entropy", "", partial(cl.ops.softmax_cross_entropy, labels=plain),
                partial(ref_cross_entropy, labels=plain), {"logits": normal(*lead, n, scale=3.0)})
-    options = dict(labels=labels(lead, n), ignore_index=IGNORE, label_smoothing=0.1, z_loss=1e-2)
+    options = {"labels": labels(lead, n), "ignore_index": IGNORE, "label_smoothing": 0.1, "z_loss": 1e-2}
     yield Case("softmax_cross_entropy", "ignore_index, label_smoothing, z_loss",
                partial(cl.ops.softmax_cross_entropy, **options), partial(ref_cross_entropy, **options),
                {"logits": normal(*lead, n, scale=3.0)})
@@ -182,7 +182,7 @@ def cases(rng: np.random.Generator, dtype, quick: bool):
                 "w2": normal(out, hidden, scale=out**-0.5), "b2": normal(hidden),
                 "residual": normal(2, tokens // 2, hidden)})
 
-    options = dict(labels=labels((tokens,), vocab), ignore_index=IGNORE)
+    options = {"labels": labels((tokens,), vocab), "ignore_index": IGNORE}
     yield Case("linear_cross_entropy", f"bias, ignore_index, chunk_size={tokens // 5}",
                partial(cl.ops.linear_cross_entropy, chunk_size=tokens // 5, **options),
                partial(ref_linear_cross_entropy, **options),
@@ -221,9 +221,9 @@ def check(case: Case, rng: np.random.Generator) -> dict:
     errors = {f"d{k}": relative_error(jnp.asarray(ours[k], F32), ref[k]) for k in case.inputs}
     worst = float(np.max(list(errors.values())))  # NaN if any is (Python's max would skip it)
     ok = worst <= TOLERANCE[dtype]  # NaN compares False: fails
-    return dict(op=case.op, variant=case.variant, dtype=dtype, shape=str(first.shape),
-                grads=" ".join(f"{k}={e:.1e}" for k, e in errors.items()), max=worst, tol=TOLERANCE[dtype],
-                ok="ok" if ok else "FAIL")
+    return {"op": case.op, "variant": case.variant, "dtype": dtype, "shape": str(first.shape),
+            "grads": " ".join(f"{k}={e:.1e}" for k, e in errors.items()), "max": worst, "tol": TOLERANCE[dtype],
+            "ok": "ok" if ok else "FAIL"}
 
 
 def print_table(rows: list[dict]) -> None:

@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numerics import assert_close, random
 
 import cutelayers as cl
 from cutelayers.ops.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
-from numerics import assert_close, random
 
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
 OPS = {"layer_norm": (layer_norm, True), "rms_norm": (rms_norm, False)}
@@ -155,7 +155,7 @@ def test_vmap_jit_grad_compositions(op, rng):
     def loss(f):
         return lambda x, s, b: jnp.sum(jnp.sin(f(x, s, b)))
 
-    kw = dict(rtol=1e-5, atol=1e-5)
+    kw = {"rtol": 1e-5, "atol": 1e-5}
     np.testing.assert_allclose(jax.vmap(jax.vmap(ours))(x), ref(x), **kw)
     np.testing.assert_allclose(jax.vmap(ours, in_axes=2, out_axes=2)(x), ref(x), **kw)
     args = (x, scale, bias)
@@ -466,14 +466,14 @@ def test_add_lowers_for_cuda_to_one_kernel_each_way(op, n, xdt, rdt, pdt, odt, w
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [1, 3, 64, 1000, 1024, 4095, 8192, 50257, 65536, 262144])
 def test_kernel_values_and_grads_gpu(op, dtype, n, rng):
-    fn, center = OPS[op]
+    fn, _ = OPS[op]
     lead = (37,) if n <= 65536 else (3,)
     x = random(rng, (*lead, n), dtype, loc=2.0)
     for pdt, with_scale, with_bias in ((jnp.float32, True, True), (dtype, True, False), (dtype, False, False)):
         scale, bias = _params(rng, n, pdt, with_scale, with_bias)
         w = random(rng, x.shape, jnp.float32)
 
-        def loss(x, s, b):
+        def loss(x, s, b, w=w):
             return jnp.sum(fn(x, s, b).astype(jnp.float32) * w)
 
         with cl.use_backend("cute"):

@@ -11,26 +11,25 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from numerics import assert_matches, assert_trees_match, perturbed_stock_checkpoint, random, same_tree
 
 import cutelayers as cl
 from cutelayers import equinox as cl_eqx
 from cutelayers.flax import linen as cl_linen
 from cutelayers.flax import nnx as cl_nnx
-from numerics import assert_matches, assert_trees_match, perturbed_stock_checkpoint, random, same_tree
-
 
 # --- linen ---------------------------------------------------------------------------------------
 
 LINEN_CASES = [
     ("LayerNorm", {}),
-    ("LayerNorm", dict(use_bias=False, epsilon=1e-3)),
-    ("LayerNorm", dict(use_scale=False, dtype=jnp.bfloat16)),
-    ("LayerNorm", dict(param_dtype=jnp.bfloat16, bias_init=nn.initializers.normal(1.0),
-                       scale_init=nn.initializers.normal(1.0))),
-    ("LayerNorm", dict(use_fast_variance=False, force_float32_reductions=False)),
+    ("LayerNorm", {"use_bias": False, "epsilon": 1e-3}),
+    ("LayerNorm", {"use_scale": False, "dtype": jnp.bfloat16}),
+    ("LayerNorm", {"param_dtype": jnp.bfloat16, "bias_init": nn.initializers.normal(1.0),
+                   "scale_init": nn.initializers.normal(1.0)}),
+    ("LayerNorm", {"use_fast_variance": False, "force_float32_reductions": False}),
     ("RMSNorm", {}),
-    ("RMSNorm", dict(use_scale=False, epsilon=1e-5)),
-    ("RMSNorm", dict(dtype=jnp.float16, param_dtype=jnp.bfloat16, scale_init=nn.initializers.normal(1.0))),
+    ("RMSNorm", {"use_scale": False, "epsilon": 1e-5}),
+    ("RMSNorm", {"dtype": jnp.float16, "param_dtype": jnp.bfloat16, "scale_init": nn.initializers.normal(1.0)}),
 ]
 
 
@@ -54,9 +53,9 @@ def test_linen_drop_in(name, kwargs, xdtype, rng):
 
 
 @pytest.mark.parametrize("kwargs,call,named", [
-    (dict(reduction_axes=(1, 2)), {}, "reduction_axes=\\(1, 2\\)"),
-    (dict(reduction_axes=(1, 2), feature_axes=(1, 2)), {}, "reduction_axes"),
-    ({}, dict(mask=True), "mask is an array of shape \\(2, 3, 4\\)"),
+    ({"reduction_axes": (1, 2)}, {}, "reduction_axes=\\(1, 2\\)"),
+    ({"reduction_axes": (1, 2), "feature_axes": (1, 2)}, {}, "reduction_axes"),
+    ({}, {"mask": True}, "mask is an array of shape \\(2, 3, 4\\)"),
 ])
 def test_linen_stock_options_fall_back(kwargs, call, named, rng):
     """What only Flax's computation implements runs it (the same result), and backend 'cute',
@@ -79,12 +78,12 @@ def test_linen_stock_options_fall_back(kwargs, call, named, rng):
 
 NNX_CASES = [
     ("LayerNorm", {}),
-    ("LayerNorm", dict(use_bias=False, epsilon=1e-3, param_dtype=jnp.bfloat16)),
-    ("LayerNorm", dict(use_scale=False, dtype=jnp.bfloat16)),
-    ("LayerNorm", dict(scale_init=nnx.initializers.normal(1.0), bias_init=nnx.initializers.normal(1.0))),
+    ("LayerNorm", {"use_bias": False, "epsilon": 1e-3, "param_dtype": jnp.bfloat16}),
+    ("LayerNorm", {"use_scale": False, "dtype": jnp.bfloat16}),
+    ("LayerNorm", {"scale_init": nnx.initializers.normal(1.0), "bias_init": nnx.initializers.normal(1.0)}),
     ("RMSNorm", {}),
-    ("RMSNorm", dict(use_scale=False)),
-    ("RMSNorm", dict(dtype=jnp.float16, scale_init=nnx.initializers.normal(1.0))),
+    ("RMSNorm", {"use_scale": False}),
+    ("RMSNorm", {"dtype": jnp.float16, "scale_init": nnx.initializers.normal(1.0)}),
 ]
 
 
@@ -121,12 +120,12 @@ def test_nnx_jit_and_stock_options(rng):
 
 EQX_CASES = [
     ("LayerNorm", 48, {}),
-    ("LayerNorm", (4, 12), dict(use_bias=False, eps=1e-3)),
-    ("LayerNorm", 48, dict(use_weight=False, dtype=jnp.bfloat16)),
+    ("LayerNorm", (4, 12), {"use_bias": False, "eps": 1e-3}),
+    ("LayerNorm", 48, {"use_weight": False, "dtype": jnp.bfloat16}),
     ("LayerNorm", (), {}),
     ("RMSNorm", 48, {}),
-    ("RMSNorm", (6, 8), dict(use_bias=False)),
-    ("RMSNorm", 48, dict(use_weight=False, eps=1e-6)),
+    ("RMSNorm", (6, 8), {"use_bias": False}),
+    ("RMSNorm", 48, {"use_weight": False, "eps": 1e-6}),
 ]
 
 

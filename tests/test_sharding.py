@@ -24,16 +24,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from conftest import HAS_GPU
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from numerics import assert_close, assert_trees_match, random
 
 import cutelayers as cl
-from conftest import HAS_GPU
-from numerics import assert_close, assert_trees_match, random
 
 ROWS = P("data")  # batch axis sharded over the mesh's data axis
 REPLICATED = P()

@@ -25,15 +25,24 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import flax.linen as nn
 from flax.linen import dtypes, initializers
 from flax.linen.linear import default_kernel_init
 from flax.linen.module import Module, compact
 
-from cutelayers._module_checks import (array_blocker, check_tied_embedding, finish_linear, kernels_serve, norm_blocker,
-                                       norm_op, options_blocker, residual_blocker, stock_norm)
+from cutelayers._module_checks import (
+    array_blocker,
+    check_tied_embedding,
+    finish_linear,
+    kernels_serve,
+    norm_blocker,
+    norm_op,
+    options_blocker,
+    residual_blocker,
+    stock_norm,
+)
 from cutelayers.ops.linear import fused_linear
 from cutelayers.ops.lm_head import linear_cross_entropy
 from cutelayers.ops.pool import masked_mean_pool

@@ -36,8 +36,17 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 
-from cutelayers._module_checks import (array_blocker, check_tied_embedding, finish_linear, kernels_serve, norm_blocker,
-                                       norm_op, options_blocker, residual_blocker, stock_norm)
+from cutelayers._module_checks import (
+    array_blocker,
+    check_tied_embedding,
+    finish_linear,
+    kernels_serve,
+    norm_blocker,
+    norm_op,
+    options_blocker,
+    residual_blocker,
+    stock_norm,
+)
 from cutelayers.ops.linear import fused_linear
 from cutelayers.ops.lm_head import linear_cross_entropy
 from cutelayers.ops.pool import masked_mean_pool

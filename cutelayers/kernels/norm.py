@@ -40,8 +40,7 @@ from __future__ import annotations
 import operator
 
 import cutlass
-from cutlass import cute
-from cutlass import Float32, const_expr
+from cutlass import Float32, const_expr, cute
 
 from cutelayers.kernels.reduction import (
     RowConfig,
