@@ -1,5 +1,6 @@
 """What the Flax and Equinox modules share (importing neither framework): whether the kernels can
-serve a call, the fallback to the stock module's computation, and argument checks.
+serve a call, the fallback to the stock module's computation, argument checks, and the norm
+modules' fused residual add.
 
 Every module is a subclass of the stock one. A call runs the cutelayers op (its CuTe kernels on
 Hopper) where the op can serve the arguments; otherwise the module runs the stock module's own
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 
 from cutelayers import backend
 from cutelayers.ops.linear import ACTIVATION_FUNCTIONS, resolve_activation
+from cutelayers.ops.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from cutelayers.runtime.tensors import FLOAT_DTYPES
 
 _KERNEL_DTYPES = ", ".join(d.name for d in FLOAT_DTYPES)
@@ -77,6 +79,38 @@ def norm_blocker(x, reduction_axes: Any, feature_axes: Any, **dtypes: Any) -> st
         if sorted({a % rank for a in (axes if isinstance(axes, Iterable) else (axes,))}) != [rank - 1]:
             return f"{name}={axes!r}: the kernels normalize over the last axis only"
     return dtype_blocker(x=x.dtype, **dtypes)
+
+
+def residual_blocker(x, residual) -> str | None:
+    """Why the fused residual add of a norm cannot take ``residual`` (None: there is none, or it
+    can): it needs an array of x's shape, bfloat16, float16 or float32."""
+    if residual is None:
+        return None
+    if not hasattr(residual, "shape") or not hasattr(residual, "dtype"):
+        return f"residual is a {type(residual).__name__}, not an array"
+    if tuple(residual.shape) != tuple(x.shape):
+        return f"residual has shape {tuple(residual.shape)}, not x's {tuple(x.shape)}"
+    return dtype_blocker(residual=residual.dtype)
+
+
+def norm_op(center: bool, residual):
+    """``op(x, scale, bias, *, epsilon, dtype)`` for a norm module's call: ``layer_norm`` /
+    ``rms_norm``, or with a residual ``add_layer_norm`` / ``add_rms_norm`` of (x, residual), which
+    returns (normed, summed)."""
+    if residual is None:
+        return layer_norm if center else rms_norm
+    add = add_layer_norm if center else add_rms_norm
+    return lambda x, *params, **kwargs: add(x, residual, *params, **kwargs)
+
+
+def stock_norm(norm, x, residual):
+    """The stock computation of a norm module's call: ``norm(x)``, or with a residual
+    ``(norm(summed), summed)`` for summed = x + residual in the residual's dtype, as the fused op
+    returns it."""
+    if residual is None:
+        return norm(x)
+    summed = (x + residual).astype(jnp.asarray(residual).dtype)
+    return norm(summed), summed
 
 
 def finish_linear(y, activation, residual):

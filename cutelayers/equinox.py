@@ -13,6 +13,12 @@ rows, not one per example.
 ``Linear`` adds ``activation`` (static; fused into the GEMM epilogue) and a ``residual`` call
 argument.
 
+``LayerNorm`` and ``RMSNorm`` add a keyword ``residual`` call argument: ``norm(x, residual=r)``
+returns ``(norm(x + r), x + r)``, the add fused into the norm's kernels (see
+:func:`cutelayers.ops.add_layer_norm`). An argument rather than ``AddLayerNorm`` modules: the
+module and its arrays are those of a plain norm, so a pre-norm block switches to the fused add
+without touching its checkpoints.
+
 Heads: ``LMHead`` (a vocabulary projection shaped like ``Linear(in_features, vocab_size)`` and its
 cross-entropy loss in one, without the logits; optionally tied to an embedding table) and
 ``MeanPoolClassifier`` (masked mean pooling and a ``Linear`` to the classes).
@@ -20,6 +26,7 @@ cross-entropy loss in one, without the logits; optionally tied to an embedding t
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Literal
 
@@ -28,10 +35,17 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray
 
-from cutelayers._module_checks import array_blocker, check_tied_embedding, finish_linear, kernels_serve
+from cutelayers._module_checks import (
+    array_blocker,
+    check_tied_embedding,
+    finish_linear,
+    kernels_serve,
+    norm_op,
+    residual_blocker,
+    stock_norm,
+)
 from cutelayers.ops.linear import fused_linear
 from cutelayers.ops.lm_head import linear_cross_entropy
-from cutelayers.ops.norm import layer_norm, rms_norm
 from cutelayers.ops.pool import masked_mean_pool
 
 _NO_STATE = object()  # "no state passed": then only the output is returned
@@ -45,16 +59,25 @@ class _Norm(eqx.Module):
     """The call shared by :class:`LayerNorm` and :class:`RMSNorm`: the cutelayers op on x as one
     row, else stock (which also raises for an ``x`` not of ``shape``)."""
 
-    def __call__(self, x: Array, state=_NO_STATE, *, key: PRNGKeyArray | None = None):
+    def __call__(self, x: Array, state=_NO_STATE, *, residual: Array | None = None,
+                 key: PRNGKeyArray | None = None):
         """``x`` of ``shape`` -> normalized array of ``shape`` in x's dtype (and ``state``,
-        unchanged, if one was passed). ``key`` is ignored."""
-        stock = super().__call__
+        unchanged, if one was passed). ``key`` is ignored.
+
+        ``residual`` (x's shape), optional: normalize summed = x + residual instead (in the
+        residual's dtype) and return ``(normed, summed)`` in place of the normalized array -- the
+        pre-norm transformer's residual add fused into the norm's kernels
+        (:func:`cutelayers.ops.add_layer_norm`); normed then has the residual's dtype."""
         if getattr(x, "shape", None) != self.shape or not kernels_serve(
-                type(self).__name__, array_blocker(x.reshape(-1), weight=_dtype(self.weight), bias=_dtype(self.bias))):
-            return stock(x, key=key) if state is _NO_STATE else stock(x, state, key=key)
-        op = layer_norm if isinstance(self, eqx.nn.LayerNorm) else rms_norm
-        flat = [None if a is None else a.reshape(-1) for a in (x, self.weight, self.bias)]
-        out = op(*flat, epsilon=self.eps, dtype=x.dtype).reshape(x.shape)
+                type(self).__name__, array_blocker(x.reshape(-1), weight=_dtype(self.weight), bias=_dtype(self.bias))
+                or residual_blocker(x, residual)):
+            out = stock_norm(functools.partial(super().__call__, key=key), x, residual)
+        else:
+            center = isinstance(self, eqx.nn.LayerNorm)
+            source = x if residual is None else residual  # the normalized input has its dtype
+            flat = [None if a is None else a.reshape(-1) for a in (x, residual, self.weight, self.bias)]
+            out = norm_op(center, flat[1])(flat[0], *flat[2:], epsilon=self.eps, dtype=source.dtype)
+            out = jax.tree.map(lambda a: a.reshape(x.shape), out)
         return out if state is _NO_STATE else (out, state)
 
 

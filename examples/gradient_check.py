@@ -62,6 +62,20 @@ def ref_rms_norm(x, scale, eps=1e-6):
     return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * jnp.broadcast_to(scale, x.shape)
 
 
+def ref_add_norm(norm):
+    """The reference of a fused residual add + norm: (norm(x + residual), x + residual) side by
+    side, so the gradient flows through both results."""
+    def ref(x, residual, **params):
+        summed = x + residual
+        return jnp.concatenate([norm(summed, **params), summed], axis=-1)
+    return ref
+
+
+def both_results(add_norm):
+    """``add_norm``'s (normed, summed) side by side, as :func:`ref_add_norm` gives them."""
+    return lambda **inputs: jnp.concatenate(add_norm(**inputs), axis=-1)
+
+
 def ref_logsumexp(x):
     m = jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))  # any shift is exact
     return (m + jnp.log(jnp.sum(jnp.exp(x - m), axis=-1, keepdims=True)))[..., 0]
@@ -138,11 +152,16 @@ def cases(rng: np.random.Generator, dtype, quick: bool):
                {"x": normal(*lead, n, scale=2.0, loc=3.0), "scale": normal(n), "bias": normal(n)})
     yield Case("rms_norm", "scale", cl.ops.rms_norm, ref_rms_norm,
                {"x": normal(*lead, n), "scale": normal(n)})
+    yield Case("add_layer_norm", "scale, bias; normed and summed", both_results(cl.ops.add_layer_norm),
+               ref_add_norm(ref_layer_norm), {"x": normal(*lead, n), "residual": normal(*lead, n, scale=2.0, loc=3.0),
+                                              "scale": normal(n), "bias": normal(n)})
+    yield Case("add_rms_norm", "scale; normed and summed", both_results(cl.ops.add_rms_norm),
+               ref_add_norm(ref_rms_norm), {"x": normal(*lead, n), "residual": normal(*lead, n), "scale": normal(n)})
 
     plain = jnp.asarray(rng.integers(0, n, lead), jnp.int32)
     yield Case("softmax_cross_entropy", "", partial(cl.ops.softmax_cross_entropy, labels=plain),
                partial(ref_cross_entropy, labels=plain), {"logits": normal(*lead, n, scale=3.0)})
-    options = dict(labels=labels(lead, n), ignore_index=IGNORE, label_smoothing=0.1, z_loss=1e-2)
+    options = {"labels": labels(lead, n), "ignore_index": IGNORE, "label_smoothing": 0.1, "z_loss": 1e-2}
     yield Case("softmax_cross_entropy", "ignore_index, label_smoothing, z_loss",
                partial(cl.ops.softmax_cross_entropy, **options), partial(ref_cross_entropy, **options),
                {"logits": normal(*lead, n, scale=3.0)})
@@ -163,7 +182,7 @@ def cases(rng: np.random.Generator, dtype, quick: bool):
                 "w2": normal(out, hidden, scale=out**-0.5), "b2": normal(hidden),
                 "residual": normal(2, tokens // 2, hidden)})
 
-    options = dict(labels=labels((tokens,), vocab), ignore_index=IGNORE)
+    options = {"labels": labels((tokens,), vocab), "ignore_index": IGNORE}
     yield Case("linear_cross_entropy", f"bias, ignore_index, chunk_size={tokens // 5}",
                partial(cl.ops.linear_cross_entropy, chunk_size=tokens // 5, **options),
                partial(ref_linear_cross_entropy, **options),
@@ -202,9 +221,9 @@ def check(case: Case, rng: np.random.Generator) -> dict:
     errors = {f"d{k}": relative_error(jnp.asarray(ours[k], F32), ref[k]) for k in case.inputs}
     worst = float(np.max(list(errors.values())))  # NaN if any is (Python's max would skip it)
     ok = worst <= TOLERANCE[dtype]  # NaN compares False: fails
-    return dict(op=case.op, variant=case.variant, dtype=dtype, shape=str(first.shape),
-                grads=" ".join(f"{k}={e:.1e}" for k, e in errors.items()), max=worst, tol=TOLERANCE[dtype],
-                ok="ok" if ok else "FAIL")
+    return {"op": case.op, "variant": case.variant, "dtype": dtype, "shape": str(first.shape),
+            "grads": " ".join(f"{k}={e:.1e}" for k, e in errors.items()), "max": worst, "tol": TOLERANCE[dtype],
+            "ok": "ok" if ok else "FAIL"}
 
 
 def print_table(rows: list[dict]) -> None:

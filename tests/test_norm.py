@@ -5,17 +5,20 @@ so the custom_vjp/custom_vmap plumbing and the backward formulas are checked aga
 the plain jnp formula; `gpu` tests run the CuTe kernels; the lowering test compiles them on CPU.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numerics import assert_close, random
 
 import cutelayers as cl
-from cutelayers.ops.norm import layer_norm, rms_norm
-from numerics import assert_close, random
+from cutelayers.ops.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
 OPS = {"layer_norm": (layer_norm, True), "rms_norm": (rms_norm, False)}
+ADD_OPS = {"add_layer_norm": (add_layer_norm, True), "add_rms_norm": (add_rms_norm, False)}
 # (N, leading shape): large N with few rows keeps CPU time modest.
 SHAPES = [(1, (3, 5)), (3, ()), (64, (3, 5)), (1000, (1,)), (1024, (3, 5)), (4095, (2,)),
           (8192, (2,)), (50257, ()), (65536, (1,))]
@@ -111,11 +114,19 @@ def test_grad_matches_jnp(op, with_scale, with_bias, n, rng):
     ref = lambda x, s, b: plain(x, s, b, center=center, epsilon=1e-5)
     g = jax.grad(loss(ours), argnums=(0, 1, 2))(x, scale, bias)
     g_ref = jax.grad(loss(ref), argnums=(0, 1, 2))(x, scale, bias)
-    # dx = rstd * (g - mean(g) - y * mean(g * y)) with g = w * scale: at N = 1 it is an
-    # epsilon-sized difference of terms of size |g| * rstd, so fp32 rounding is judged on that scale.
+    _assert_grads_close(g, g_ref, x, w, scale, center=center, epsilon=1e-5)
+
+
+def _assert_grads_close(g, g_ref, normalized, w, scale, *, center, epsilon):
+    """fp32 gradients against the jnp reference's, for a loss sum(norm(normalized) * w).
+
+    dx = rstd * (g - mean(g) - y * mean(g * y)) with g = w * scale: at N = 1 it is an
+    epsilon-sized difference of terms of size |g| * rstd, so fp32 rounding is judged on that scale.
+    """
     g_scale = jnp.abs(w * (1.0 if scale is None else jnp.broadcast_to(scale, w.shape)))
-    spread = jnp.var(x, -1, keepdims=True) if center else jnp.mean(x * x, -1, keepdims=True)
-    terms = float(jnp.max(g_scale * jax.lax.rsqrt(spread + 1e-5)))
+    spread = (jnp.var(normalized, -1, keepdims=True) if center
+              else jnp.mean(normalized * normalized, -1, keepdims=True))
+    terms = float(jnp.max(g_scale * jax.lax.rsqrt(spread + epsilon)))
     for a, b in zip(g, g_ref):
         if b is None:
             assert a is None
@@ -144,7 +155,7 @@ def test_vmap_jit_grad_compositions(op, rng):
     def loss(f):
         return lambda x, s, b: jnp.sum(jnp.sin(f(x, s, b)))
 
-    kw = dict(rtol=1e-5, atol=1e-5)
+    kw = {"rtol": 1e-5, "atol": 1e-5}
     np.testing.assert_allclose(jax.vmap(jax.vmap(ours))(x), ref(x), **kw)
     np.testing.assert_allclose(jax.vmap(ours, in_axes=2, out_axes=2)(x), ref(x), **kw)
     args = (x, scale, bias)
@@ -224,6 +235,163 @@ def test_bad_inputs_name_the_argument():
         jax.jit(lambda e: rms_norm(x, epsilon=e))(1e-6)
 
 
+# --- the fused residual add: add_layer_norm / add_rms_norm ---------------------------------------
+
+def summed_reference(x, residual):
+    """The documented sum: added in float32, rounded to the residual's dtype."""
+    return (x.astype(jnp.float32) + residual.astype(jnp.float32)).astype(residual.dtype)
+
+
+def plain_add(x, residual, scale=None, bias=None, *, center=True, epsilon=1e-6):
+    """(normed, summed) by the plain jnp formula, differentiated by jax.grad."""
+    summed = summed_reference(x, residual)
+    return plain(summed, scale, bias, center=center, epsilon=epsilon), summed
+
+
+def _two_output_loss(f, w_normed, w_summed, through=("normed", "summed")):
+    """A loss of ``f``'s (normed, summed) through the named outputs only."""
+
+    def loss(x, r, s, b):
+        normed, summed = f(x, r, s, b)
+        parts = {"normed": jnp.sum(normed.astype(jnp.float32) * w_normed),
+                 "summed": jnp.sum(jnp.sin(summed.astype(jnp.float32)) * w_summed)}
+        return sum(parts[name] for name in through)
+
+    return loss
+
+
+@pytest.mark.parametrize("op", ADD_OPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,lead", [(777, (3, 5)), (777, (1,)), (1, (4,)), (64, ()), (4095, (2,)),
+                                    (65536, (1,))])
+def test_add_values_reference(op, dtype, n, lead, rng):
+    fn, center = ADD_OPS[op]
+    x = random(rng, (*lead, n), dtype)
+    # the residual stream in x's dtype with parameters, and in float32 (mixed precision) without
+    for rdtype, with_params in ((dtype, True), (jnp.float32, False)):
+        residual = random(rng, x.shape, rdtype, loc=1.0)
+        scale, bias = _params(rng, n, dtype, with_params, with_params)
+        normed, summed = fn(x, residual, scale, bias)
+        assert summed.dtype == jnp.dtype(rdtype) and summed.shape == x.shape
+        np.testing.assert_array_equal(summed, summed_reference(x, residual))
+        # default dtype: what the plain norm of summed gives (Flax's rule)
+        assert normed.dtype == jnp.result_type(summed, *(p for p in (scale, bias) if p is not None))
+        assert_close(normed, ref64(summed, scale, bias, center=center), normed.dtype)
+    assert fn(x, residual, dtype=jnp.float16)[0].dtype == jnp.float16
+
+
+@pytest.mark.parametrize("op", ADD_OPS)
+@pytest.mark.parametrize("through", [("normed",), ("summed",), ("normed", "summed")], ids="+".join)
+@pytest.mark.parametrize("with_scale,with_bias", [(True, True), (True, False), (False, False)])
+@pytest.mark.parametrize("n", [1, 37, 777])
+def test_add_grads_match_jnp(op, through, with_scale, with_bias, n, rng):
+    """Gradients through normed, through summed alone (the one peer libraries have dropped: dx must
+    be exactly d_summed there) and through both."""
+    fn, center = ADD_OPS[op]
+    x = random(rng, (3, 4, n), jnp.float32, loc=2.0)
+    residual = random(rng, x.shape, jnp.float32)
+    scale, bias = _params(rng, n, jnp.float32, with_scale, with_bias)
+    w_normed, w_summed = random(rng, x.shape, jnp.float32), random(rng, x.shape, jnp.float32)
+    ours = lambda x, r, s, b: fn(x, r, s, b, epsilon=1e-5)
+    ref = lambda x, r, s, b: plain_add(x, r, s, b, center=center, epsilon=1e-5)
+    argnums = (0, 1, 2, 3)
+    g = jax.grad(_two_output_loss(ours, w_normed, w_summed, through), argnums)(x, residual, scale, bias)
+    g_ref = jax.grad(_two_output_loss(ref, w_normed, w_summed, through), argnums)(x, residual, scale, bias)
+    _assert_grads_close(g, g_ref, x + residual, w_normed, scale, center=center, epsilon=1e-5)
+    np.testing.assert_array_equal(g[0], g[1])  # x and the residual: the same gradient
+    if through == ("summed",):
+        np.testing.assert_allclose(g[0], jnp.cos(x + residual) * w_summed, rtol=1e-6, atol=1e-6)
+
+
+def test_add_grad_dtypes(rng):
+    """Mixed precision: a bfloat16 block output added to a float32 residual stream; each input's
+    gradient comes back in its dtype."""
+    x = random(rng, (6, 64), jnp.bfloat16)
+    residual = random(rng, (6, 64), jnp.float32)
+    scale, bias = _params(rng, 64, jnp.bfloat16, True, True)
+    w_normed, w_summed = random(rng, x.shape, jnp.float32), random(rng, x.shape, jnp.float32)
+    argnums = (0, 1, 2, 3)
+    g = jax.grad(_two_output_loss(add_layer_norm, w_normed, w_summed), argnums)(x, residual, scale, bias)
+    g_ref = jax.grad(_two_output_loss(plain_add, w_normed, w_summed), argnums)(x, residual, scale, bias)
+    assert [a.dtype.name for a in g] == ["bfloat16", "float32", "bfloat16", "bfloat16"]
+    for a, b in zip(g, g_ref):
+        assert_close(a, np.asarray(jnp.asarray(b, jnp.float32)), a.dtype)
+
+
+@pytest.mark.parametrize("op", ADD_OPS)
+def test_add_vmap_jit_grad_compositions(op, rng):
+    fn, center = ADD_OPS[op]
+    x = random(rng, (2, 3, 4, 50), jnp.float32)
+    residual = random(rng, x.shape, jnp.float32)
+    scale, bias = _params(rng, 50, jnp.float32, True, True)
+    ref = lambda x, r, s, b: plain_add(x, r, s, b, center=center)
+    kw = {"rtol": 1e-5, "atol": 1e-5}
+
+    def check(got, want):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert a.shape == b.shape
+            np.testing.assert_allclose(a, b, **kw)
+
+    # vmap over two axes; and a residual shared across the inner axis (broadcast into the rows)
+    check(jax.vmap(jax.vmap(lambda x, r: fn(x, r, scale, bias)))(x, residual), ref(x, residual, scale, bias))
+    inner_shared = jax.vmap(jax.vmap(lambda x, r: fn(x, r, scale, bias), in_axes=(0, None)))
+    check(inner_shared(x, residual[:, 0]), ref(x, jnp.broadcast_to(residual[:, :1], x.shape), scale, bias))
+    w_normed, w_summed = random(rng, x.shape, jnp.float32), random(rng, x.shape, jnp.float32)
+    args, argnums, shared = (x, residual, scale, bias), (0, 1, 2, 3), (0, 0, None, None)
+    g_ref = jax.grad(_two_output_loss(ref, w_normed, w_summed), argnums)(*args)
+    # grad(jit(vmap(vmap))): folded into one launch each way
+    nested = jax.vmap(jax.vmap(fn, in_axes=shared), in_axes=shared)
+    check(jax.grad(jax.jit(_two_output_loss(nested, w_normed, w_summed)), argnums)(*args), g_ref)
+    # vmap(grad): per-example gradients, also of the shared scale and bias
+    def per_example(f):
+        return jax.vmap(jax.grad(_two_output_loss(f, w_normed[0], w_summed[0]), argnums), in_axes=shared)
+
+    check(jax.jit(per_example(fn))(*args), per_example(ref)(*args))
+
+
+@pytest.mark.parametrize("op", ADD_OPS)
+def test_add_per_example_params_under_vmap(op, rng):
+    fn, center = ADD_OPS[op]
+    x = random(rng, (3, 5, 40), jnp.float32)
+    residual = random(rng, x.shape, jnp.float32)
+    scales, biases = random(rng, (3, 40), jnp.float32), random(rng, (3, 40), jnp.float32)
+    w_normed, w_summed = random(rng, x.shape, jnp.float32), random(rng, x.shape, jnp.float32)
+    argnums = (0, 1, 2, 3)
+    args = (x, residual, scales, biases)
+    normed, summed = jax.vmap(fn)(*args)
+    np.testing.assert_allclose(normed, ref64(summed, scales[:, None], biases[:, None], center=center),
+                               rtol=1e-5, atol=1e-5)
+    g = jax.jit(jax.grad(_two_output_loss(jax.vmap(fn), w_normed, w_summed), argnums))(*args)
+    ref = jax.vmap(lambda x, r, s, b: plain_add(x, r, s, b, center=center))
+    g_ref = jax.grad(_two_output_loss(ref, w_normed, w_summed), argnums)(*args)
+    for a, b in zip(g, g_ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_add_empty_rows():
+    normed, summed = add_rms_norm(jnp.ones((0, 5)), jnp.ones((0, 5), jnp.bfloat16))
+    assert normed.shape == summed.shape == (0, 5) and normed.dtype == summed.dtype == jnp.bfloat16
+    g = jax.grad(lambda s: jnp.sum(add_layer_norm(jnp.ones((0, 5)), jnp.ones((0, 5)), s)[0]))(jnp.ones(5))
+    np.testing.assert_array_equal(g, 0.0)
+
+
+def test_add_bad_inputs_name_the_argument():
+    x = jnp.ones((3, 4))
+    residual_shape = r"add_layer_norm: argument 'residual' has shape \(4,\); expected \(3, 4\)"
+    with pytest.raises(ValueError, match=residual_shape):
+        add_layer_norm(x, jnp.ones(4))
+    with pytest.raises(TypeError, match="add_rms_norm: argument 'residual' has dtype int32"):
+        add_rms_norm(x, jnp.ones((3, 4), jnp.int32))
+    with pytest.raises(TypeError, match="add_layer_norm: argument 'residual' must be an array"):
+        add_layer_norm(x, [[0.0] * 4] * 3)
+    with pytest.raises(TypeError, match="add_rms_norm: argument 'x' has dtype int32"):
+        add_rms_norm(jnp.ones((3, 4), jnp.int32), x)
+    with pytest.raises(ValueError, match=r"add_layer_norm: argument 'scale' has shape \(5,\); expected"):
+        add_layer_norm(x, x, jnp.ones(5))
+    with pytest.raises(ValueError, match="add_rms_norm: argument 'epsilon' must be >= 0"):
+        add_rms_norm(x, x, epsilon=-1.0)
+
+
 # --- CUDA lowering on CPU: compiles every kernel variant ----------------------------------------
 
 LOWERING_CASES = [
@@ -259,6 +427,38 @@ def test_lowers_for_cuda_and_compiles_kernels(op, n, xdt, pdt, odt, with_scale, 
     assert f"custom_call @cutelayers_{op}_bwd_" in text
 
 
+ADD_LOWERING_CASES = [
+    # (op, N, x dtype, residual dtype, param dtype, out dtype, scale, bias)
+    ("add_layer_norm", 1, "float16", "float16", "float16", None, False, False),
+    ("add_layer_norm", 777, "bfloat16", "float32", "float32", None, True, True),
+    ("add_layer_norm", 4096, "bfloat16", "bfloat16", "bfloat16", None, True, True),
+    ("add_layer_norm", 65536, "float32", "bfloat16", "float32", "bfloat16", True, True),  # streamed rows
+    ("add_rms_norm", 777, "float16", "float16", "float32", None, True, False),
+    ("add_rms_norm", 4096, "bfloat16", "float32", "bfloat16", None, True, False),
+    ("add_rms_norm", 262144, "bfloat16", "bfloat16", "bfloat16", None, True, True),  # streamed rows
+]
+
+
+@pytest.mark.parametrize("op,n,xdt,rdt,pdt,odt,with_scale,with_bias", ADD_LOWERING_CASES)
+def test_add_lowers_for_cuda_to_one_kernel_each_way(op, n, xdt, rdt, pdt, odt, with_scale, with_bias):
+    """The residual add, the norm and both outputs' gradients: one forward kernel and one backward
+    kernel (with dscale/dbias partials; under vmap the dx-only one), nothing else."""
+    fn, _ = ADD_OPS[op]
+    x, r = (jax.ShapeDtypeStruct((2, 3, n), jnp.dtype(d)) for d in (xdt, rdt))
+    p = jax.ShapeDtypeStruct((n,), jnp.dtype(pdt))
+
+    def f(x, r, s, b):
+        normed, summed = fn(x, r, s if with_scale else None, b if with_bias else None, dtype=odt)
+        return jnp.sum(normed.astype(jnp.float32) ** 2) + jnp.sum(jnp.sin(summed.astype(jnp.float32)))
+
+    for g in (f, lambda *args: jnp.sum(jax.vmap(f, in_axes=(0, 0, None, None))(*args))):
+        with cl.use_backend("cute"):
+            traced = jax.jit(jax.grad(g, argnums=(0, 1, 2, 3))).trace(x, r, p, p)
+        hlo = traced.lower(lowering_platforms=("cuda",)).as_text()
+        kernels = re.findall(r"stablehlo\.custom_call @cutelayers_(\w+)_[0-9a-f]{16}\(", hlo)
+        assert kernels == [f"{op}_fwd", f"{op}_bwd"]
+
+
 # --- on the GPU: the CuTe kernels themselves ----------------------------------------------------
 
 @pytest.mark.gpu
@@ -266,14 +466,14 @@ def test_lowers_for_cuda_and_compiles_kernels(op, n, xdt, pdt, odt, with_scale, 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [1, 3, 64, 1000, 1024, 4095, 8192, 50257, 65536, 262144])
 def test_kernel_values_and_grads_gpu(op, dtype, n, rng):
-    fn, center = OPS[op]
+    fn, _ = OPS[op]
     lead = (37,) if n <= 65536 else (3,)
     x = random(rng, (*lead, n), dtype, loc=2.0)
     for pdt, with_scale, with_bias in ((jnp.float32, True, True), (dtype, True, False), (dtype, False, False)):
         scale, bias = _params(rng, n, pdt, with_scale, with_bias)
         w = random(rng, x.shape, jnp.float32)
 
-        def loss(x, s, b):
+        def loss(x, s, b, w=w):
             return jnp.sum(fn(x, s, b).astype(jnp.float32) * w)
 
         with cl.use_backend("cute"):
@@ -303,3 +503,60 @@ def test_kernel_vmap_and_large_mean_gpu(op, rng):
         g_ref = jax.jit(jax.grad(lambda x, s: jnp.sum(jnp.sin(fn(x, s))), argnums=(0, 1)))(x, scale)
     for a, b in zip(g, g_ref):
         assert_close(a, np.asarray(b), jnp.float32, scale=100.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ADD_OPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 3, 777, 1024, 4095, 8192, 65536, 262144])
+def test_add_kernel_values_and_grads_gpu(op, dtype, n, rng):
+    fn, center = ADD_OPS[op]
+    lead = (37,) if n <= 65536 else (3,)
+    x = random(rng, (*lead, n), dtype)
+    argnums = (0, 1, 2, 3)
+    # (residual dtype, parameter dtype, scale, bias): a float32 residual stream with a float32 scale
+    for rdtype, pdt, with_scale, with_bias in [(dtype, dtype, True, True), (jnp.float32, jnp.float32, True, False),
+                                               (dtype, dtype, False, False)]:
+        residual = random(rng, x.shape, rdtype, loc=2.0)
+        scale, bias = _params(rng, n, pdt, with_scale, with_bias)
+        w_normed, w_summed = random(rng, x.shape, jnp.float32), random(rng, x.shape, jnp.float32)
+        args = (x, residual, scale, bias)
+
+        def grads(through, w_normed=w_normed, w_summed=w_summed, args=args):
+            return jax.jit(jax.grad(_two_output_loss(fn, w_normed, w_summed, through), argnums))(*args)
+
+        with cl.use_backend("cute"):
+            normed, summed = jax.jit(fn)(*args)
+            g_both, g_summed = grads(("normed", "summed")), grads(("summed",))
+        np.testing.assert_array_equal(summed, summed_reference(x, residual))
+        assert_close(normed, ref64(summed, scale, bias, center=center), normed.dtype)
+        with cl.use_backend("reference"):
+            g_ref, g_summed_ref = grads(("normed", "summed")), grads(("summed",))
+        for a, b in zip(g_both, g_ref):
+            if b is not None:
+                # N = 1 gradients are ~epsilon-sized differences: compare against their scale.
+                assert_close(a, np.asarray(jnp.asarray(b, jnp.float32)), a.dtype, scale=10.0 if n > 1 else 1e4)
+        # through summed alone, d_normed is zero: dx = dresidual = d_summed exactly
+        for a, b in zip(g_summed[:2], g_summed_ref[:2]):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ADD_OPS)
+def test_add_kernel_vmap_gpu(op, rng):
+    fn, center = ADD_OPS[op]
+    x = random(rng, (4, 33, 1000), jnp.bfloat16)
+    residual = random(rng, x.shape, jnp.float32)
+    scale, bias = _params(rng, 1000, jnp.float32, True, True)
+    w_normed, w_summed = random(rng, x.shape, jnp.float32), random(rng, x.shape, jnp.float32)
+    shared = (0, 0, None, None)
+    nested = jax.vmap(jax.vmap(fn, in_axes=shared), in_axes=shared)
+    args, argnums = (x, residual, scale, bias), (0, 1, 2, 3)
+    with cl.use_backend("cute"):
+        normed, summed = jax.jit(nested)(*args)
+        g = jax.jit(jax.grad(_two_output_loss(nested, w_normed, w_summed), argnums))(*args)
+    assert_close(normed, ref64(summed, scale, bias, center=center), jnp.float32, scale=10.0)
+    with cl.use_backend("reference"):
+        g_ref = jax.jit(jax.grad(_two_output_loss(fn, w_normed, w_summed), argnums))(*args)
+    for a, b in zip(g, g_ref):
+        assert_close(a, np.asarray(jnp.asarray(b, jnp.float32)), a.dtype, scale=10.0)

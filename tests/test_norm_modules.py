@@ -11,26 +11,25 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from numerics import assert_matches, assert_trees_match, perturbed_stock_checkpoint, random, same_tree
 
 import cutelayers as cl
 from cutelayers import equinox as cl_eqx
 from cutelayers.flax import linen as cl_linen
 from cutelayers.flax import nnx as cl_nnx
-from numerics import assert_matches, assert_trees_match, perturbed_stock_checkpoint, random, same_tree
-
 
 # --- linen ---------------------------------------------------------------------------------------
 
 LINEN_CASES = [
     ("LayerNorm", {}),
-    ("LayerNorm", dict(use_bias=False, epsilon=1e-3)),
-    ("LayerNorm", dict(use_scale=False, dtype=jnp.bfloat16)),
-    ("LayerNorm", dict(param_dtype=jnp.bfloat16, bias_init=nn.initializers.normal(1.0),
-                       scale_init=nn.initializers.normal(1.0))),
-    ("LayerNorm", dict(use_fast_variance=False, force_float32_reductions=False)),
+    ("LayerNorm", {"use_bias": False, "epsilon": 1e-3}),
+    ("LayerNorm", {"use_scale": False, "dtype": jnp.bfloat16}),
+    ("LayerNorm", {"param_dtype": jnp.bfloat16, "bias_init": nn.initializers.normal(1.0),
+                   "scale_init": nn.initializers.normal(1.0)}),
+    ("LayerNorm", {"use_fast_variance": False, "force_float32_reductions": False}),
     ("RMSNorm", {}),
-    ("RMSNorm", dict(use_scale=False, epsilon=1e-5)),
-    ("RMSNorm", dict(dtype=jnp.float16, param_dtype=jnp.bfloat16, scale_init=nn.initializers.normal(1.0))),
+    ("RMSNorm", {"use_scale": False, "epsilon": 1e-5}),
+    ("RMSNorm", {"dtype": jnp.float16, "param_dtype": jnp.bfloat16, "scale_init": nn.initializers.normal(1.0)}),
 ]
 
 
@@ -54,9 +53,9 @@ def test_linen_drop_in(name, kwargs, xdtype, rng):
 
 
 @pytest.mark.parametrize("kwargs,call,named", [
-    (dict(reduction_axes=(1, 2)), {}, "reduction_axes=\\(1, 2\\)"),
-    (dict(reduction_axes=(1, 2), feature_axes=(1, 2)), {}, "reduction_axes"),
-    ({}, dict(mask=True), "mask is an array of shape \\(2, 3, 4\\)"),
+    ({"reduction_axes": (1, 2)}, {}, "reduction_axes=\\(1, 2\\)"),
+    ({"reduction_axes": (1, 2), "feature_axes": (1, 2)}, {}, "reduction_axes"),
+    ({}, {"mask": True}, "mask is an array of shape \\(2, 3, 4\\)"),
 ])
 def test_linen_stock_options_fall_back(kwargs, call, named, rng):
     """What only Flax's computation implements runs it (the same result), and backend 'cute',
@@ -79,12 +78,12 @@ def test_linen_stock_options_fall_back(kwargs, call, named, rng):
 
 NNX_CASES = [
     ("LayerNorm", {}),
-    ("LayerNorm", dict(use_bias=False, epsilon=1e-3, param_dtype=jnp.bfloat16)),
-    ("LayerNorm", dict(use_scale=False, dtype=jnp.bfloat16)),
-    ("LayerNorm", dict(scale_init=nnx.initializers.normal(1.0), bias_init=nnx.initializers.normal(1.0))),
+    ("LayerNorm", {"use_bias": False, "epsilon": 1e-3, "param_dtype": jnp.bfloat16}),
+    ("LayerNorm", {"use_scale": False, "dtype": jnp.bfloat16}),
+    ("LayerNorm", {"scale_init": nnx.initializers.normal(1.0), "bias_init": nnx.initializers.normal(1.0)}),
     ("RMSNorm", {}),
-    ("RMSNorm", dict(use_scale=False)),
-    ("RMSNorm", dict(dtype=jnp.float16, scale_init=nnx.initializers.normal(1.0))),
+    ("RMSNorm", {"use_scale": False}),
+    ("RMSNorm", {"dtype": jnp.float16, "scale_init": nnx.initializers.normal(1.0)}),
 ]
 
 
@@ -121,12 +120,12 @@ def test_nnx_jit_and_stock_options(rng):
 
 EQX_CASES = [
     ("LayerNorm", 48, {}),
-    ("LayerNorm", (4, 12), dict(use_bias=False, eps=1e-3)),
-    ("LayerNorm", 48, dict(use_weight=False, dtype=jnp.bfloat16)),
+    ("LayerNorm", (4, 12), {"use_bias": False, "eps": 1e-3}),
+    ("LayerNorm", 48, {"use_weight": False, "dtype": jnp.bfloat16}),
     ("LayerNorm", (), {}),
     ("RMSNorm", 48, {}),
-    ("RMSNorm", (6, 8), dict(use_bias=False)),
-    ("RMSNorm", 48, dict(use_weight=False, eps=1e-6)),
+    ("RMSNorm", (6, 8), {"use_bias": False}),
+    ("RMSNorm", 48, {"use_weight": False, "eps": 1e-6}),
 ]
 
 
@@ -158,6 +157,116 @@ def test_equinox_shape_check():
         cl_eqx.LayerNorm(8)(jnp.ones((2, 8)))
 
 
+# --- the residual call argument: the fused add, against stock norm(x + residual) -----------------
+
+RESIDUAL_DTYPES = [(jnp.bfloat16, jnp.bfloat16), (jnp.bfloat16, jnp.float32), (jnp.float32, jnp.float32)]
+
+
+def stock_add(norm, x, residual):
+    """What ``norm(x, residual=residual)`` stands for: the stock norm of the sum, and the sum (in the
+    residual's dtype)."""
+    summed = (x + residual).astype(residual.dtype)
+    return norm(summed), summed
+
+
+def _add_loss(outputs):
+    normed, summed = outputs
+    return jnp.sum(jnp.sin(normed.astype(jnp.float32))) + jnp.sum(jnp.cos(summed.astype(jnp.float32)))
+
+
+def _check_add(got, ref):
+    (normed, summed), (ref_normed, ref_summed) = got, ref
+    np.testing.assert_array_equal(summed, ref_summed)
+    assert_matches(normed, ref_normed)
+
+
+@pytest.mark.parametrize("name,kwargs", [("LayerNorm", {}), ("LayerNorm", {"use_bias": False, "dtype": jnp.bfloat16}),
+                                         ("RMSNorm", {}), ("RMSNorm", {"param_dtype": jnp.bfloat16})])
+@pytest.mark.parametrize("xdtype,rdtype", RESIDUAL_DTYPES)
+def test_linen_residual(name, kwargs, xdtype, rdtype, rng):
+    stock, ours = getattr(nn, name)(**kwargs), getattr(cl_linen, name)(**kwargs)
+    x = random(rng, (2, 5, 48), xdtype, loc=0.5)
+    r = random(rng, x.shape, rdtype)
+    variables = stock.init(jax.random.key(0), x)
+    same_tree(variables, ours.init(jax.random.key(0), x, residual=r))  # a plain norm's parameters
+    ref = stock_add(lambda s: stock.apply(variables, s), x, r)
+    _check_add(ours.apply(variables, x, residual=r), ref)
+    g = jax.grad(lambda v, x, r: _add_loss(ours.apply(v, x, residual=r)), argnums=(0, 1, 2))(variables, x, r)
+    g_ref = jax.grad(lambda v, x, r: _add_loss(stock_add(lambda s: stock.apply(v, s), x, r)),
+                     argnums=(0, 1, 2))(variables, x, r)
+    assert_trees_match(g, g_ref, ref[0].dtype)
+
+
+@pytest.mark.parametrize("name,kwargs", [("LayerNorm", {}), ("LayerNorm", {"use_scale": False}),
+                                         ("LayerNorm", {"dtype": jnp.bfloat16}),
+                                         ("RMSNorm", {}), ("RMSNorm", {"param_dtype": jnp.bfloat16})])
+@pytest.mark.parametrize("xdtype,rdtype", RESIDUAL_DTYPES)
+def test_nnx_residual(name, kwargs, xdtype, rdtype, rng):
+    """(A narrowing dtype: NNX rounds the sum to it before normalizing, the kernel only its result;
+    both are within that dtype's tolerance.)"""
+    stock = getattr(nnx, name)(48, rngs=nnx.Rngs(0), **kwargs)
+    ours = getattr(cl_nnx, name)(48, rngs=nnx.Rngs(0), **kwargs)
+    x = random(rng, (3, 7, 48), xdtype, loc=0.5)
+    r = random(rng, x.shape, rdtype)
+    ref = stock_add(stock, x, r)
+    _check_add(ours(x, residual=r), ref)
+    _check_add(nnx.jit(lambda m, x, r: m(x, residual=r))(ours, x, r), ref)
+
+    def loss(m, x, r):
+        return _add_loss(m(x, residual=r) if m is ours else stock_add(m, x, r))
+
+    g, g_ref = (nnx.grad(loss, argnums=(0, 1, 2))(m, x, r) for m in (ours, stock))
+    assert_trees_match(g, g_ref, ref[0].dtype)
+
+
+@pytest.mark.parametrize("name,shape", [("LayerNorm", 48), ("LayerNorm", (4, 12)), ("RMSNorm", 48)])
+@pytest.mark.parametrize("xdtype,rdtype", RESIDUAL_DTYPES)
+def test_equinox_residual(name, shape, xdtype, rdtype, rng):
+    stock = getattr(eqx.nn, name)(shape)
+    ours = getattr(cl_eqx, name)(shape)
+    stock, ours = perturbed_stock_checkpoint(stock, ours, rng)
+    x = random(rng, (5, *ours.shape), xdtype, loc=0.5)
+    r = random(rng, x.shape, rdtype)
+    ref = stock_add(jax.vmap(stock), x, r)
+    _check_add(jax.vmap(lambda x, r: ours(x, residual=r))(x, r), ref)
+    (normed, summed), state = ours(x[0], "state", residual=r[0])
+    assert state == "state"
+    _check_add((normed, summed), stock_add(stock, x[0], r[0]))
+
+    def loss(mxr):
+        m, x, r = mxr
+        if m is ours:
+            return _add_loss(jax.vmap(lambda x, r: m(x, residual=r))(x, r))
+        return _add_loss(stock_add(jax.vmap(m), x, r))
+
+    g, g_ref = (eqx.filter_grad(loss)((m, x, r)) for m in (ours, stock))
+    assert_trees_match(g, g_ref, ref[0].dtype)
+
+
+def test_residual_stock_paths(rng):
+    """A call the op cannot serve runs the stock norm of the sum (the same result), and backend
+    'cute' refuses it naming why: linen's mask, and a residual of another shape (stock broadcasts)."""
+    x = random(rng, (2, 3, 8), jnp.float32)
+    r = random(rng, x.shape, jnp.float32)
+    mask = x > 0
+    stock, ours = nn.LayerNorm(), cl_linen.LayerNorm()
+    v = stock.init(jax.random.key(0), x)
+    got = ours.apply(v, x, residual=r, mask=mask)
+    ref = stock_add(lambda s: stock.apply(v, s, mask=mask), x, r)
+    for a, b in zip(got, ref, strict=True):
+        np.testing.assert_array_equal(a, b)
+    with cl.use_backend("cute"), pytest.raises(RuntimeError, match="LayerNorm: backend 'cute' .*mask"):
+        ours.apply(v, x, residual=r, mask=mask)
+    row = r[0, 0]
+    m_stock, m_ours = nnx.RMSNorm(8, rngs=nnx.Rngs(0)), cl_nnx.RMSNorm(8, rngs=nnx.Rngs(0))
+    for a, b in zip(m_ours(x, residual=row), stock_add(m_stock, x, row), strict=True):
+        np.testing.assert_array_equal(a, b)
+    with cl.use_backend("cute"), pytest.raises(RuntimeError, match=r"RMSNorm: .*residual has shape \(8,\)"):
+        m_ours(x, residual=row)
+    with cl.use_backend("cute"), pytest.raises(RuntimeError, match="LayerNorm: .*residual has dtype int32"):
+        cl_eqx.LayerNorm(8)(x[0, 0], residual=jnp.ones(8, jnp.int32))
+
+
 @pytest.mark.gpu
 def test_modules_on_kernels_gpu(rng):
     x = random(rng, (4, 16, 1024), jnp.bfloat16)
@@ -169,3 +278,10 @@ def test_modules_on_kernels_gpu(rng):
         assert_matches(jax.jit(jax.vmap(jax.vmap(e_ours)))(x), jax.vmap(jax.vmap(e_stock))(x))
         n_stock, n_ours = nnx.RMSNorm(1024, rngs=nnx.Rngs(0)), cl_nnx.RMSNorm(1024, rngs=nnx.Rngs(0))
         assert_matches(nnx.jit(lambda m, x: m(x))(n_ours, x), n_stock(x))
+        # the fused residual add, a float32 residual stream
+        r = random(rng, x.shape, jnp.float32)
+        _check_add(jax.jit(lambda v, x, r: ours.apply(v, x, residual=r))(v, x, r),
+                   stock_add(lambda s: stock.apply(v, s), x, r))
+        _check_add(jax.jit(jax.vmap(jax.vmap(lambda x, r: e_ours(x, residual=r))))(x, r),
+                   stock_add(jax.vmap(jax.vmap(e_stock)), x, r))
+        _check_add(nnx.jit(lambda m, x, r: m(x, residual=r))(n_ours, x, r), stock_add(n_stock, x, r))

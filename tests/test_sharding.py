@@ -24,16 +24,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from conftest import HAS_GPU
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from numerics import assert_close, assert_trees_match, random
 
 import cutelayers as cl
-from conftest import HAS_GPU
-from numerics import assert_close, assert_trees_match, random
 
 ROWS = P("data")  # batch axis sharded over the mesh's data axis
 REPLICATED = P()
@@ -102,6 +103,12 @@ CASES = [
          (True, False, False), (0, 1, 2)),
     Case("rms_norm", cl.ops.rms_norm,
          lambda r, d: (_x(r, d, 96), random(r, (96,), d)), (True, False), (0, 1)),
+    # both results side by side: gradients flow through normed and summed
+    Case("add_layer_norm", lambda *a: jnp.concatenate(cl.ops.add_layer_norm(*a), axis=-1),
+         lambda r, d: (_x(r, d, 96), _x(r, d, 96), random(r, (96,), d), random(r, (96,), d)),
+         (True, True, False, False), (0, 1, 2, 3)),
+    Case("add_rms_norm", lambda *a: jnp.concatenate(cl.ops.add_rms_norm(*a), axis=-1),
+         lambda r, d: (_x(r, d, 96), _x(r, d, 96), random(r, (96,), d)), (True, True, False), (0, 1, 2)),
     Case("softmax", cl.ops.softmax, lambda r, d: (_x(r, d),), (True,), (0,)),
     Case("log_softmax", cl.ops.log_softmax, lambda r, d: (_x(r, d),), (True,), (0,)),
     Case("logsumexp", cl.ops.logsumexp, lambda r, d: (_x(r, d),), (True,), (0,)),

@@ -9,6 +9,12 @@ logged once (README, *Drop-in modules*, lists which arguments take which path).
 
 ``Dense`` adds ``activation`` (fused into the GEMM epilogue) and a ``residual`` call argument.
 
+``LayerNorm`` and ``RMSNorm`` add a ``residual`` call argument: ``norm(x, residual=r)`` returns
+``(norm(x + r), x + r)``, the add fused into the norm's kernels (see
+:func:`cutelayers.ops.add_layer_norm`). An argument rather than ``AddLayerNorm`` modules: the
+module, its parameters and their automatic names (``LayerNorm_0``) are those of a plain norm, so a
+pre-norm block switches to the fused add without touching its checkpoints.
+
 Heads: ``LMHead`` (a Dense-shaped vocabulary projection and its cross-entropy loss in one, without
 the logits; optionally tied to an embedding table) and ``MeanPoolClassifier`` (masked mean pooling
 and a ``Dense`` to the classes).
@@ -16,20 +22,29 @@ and a ``Dense`` to the classes).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import flax.linen as nn
 from flax.linen import dtypes, initializers
 from flax.linen.linear import default_kernel_init
 from flax.linen.module import Module, compact
 
-from cutelayers._module_checks import (array_blocker, check_tied_embedding, finish_linear, kernels_serve, norm_blocker,
-                                       options_blocker)
+from cutelayers._module_checks import (
+    array_blocker,
+    check_tied_embedding,
+    finish_linear,
+    kernels_serve,
+    norm_blocker,
+    norm_op,
+    options_blocker,
+    residual_blocker,
+    stock_norm,
+)
 from cutelayers.ops.linear import fused_linear
 from cutelayers.ops.lm_head import linear_cross_entropy
-from cutelayers.ops.norm import layer_norm, rms_norm
 from cutelayers.ops.pool import masked_mean_pool
 
 Dtype = Any
@@ -42,19 +57,24 @@ class _Norm(Module):
     axis (parameters (features,), result in ``dtype`` or the promoted dtype), else stock."""
 
     @compact
-    def __call__(self, x, *, mask: jax.Array | None = None):
-        """Normalize ``x``; returns the same shape. See the stock module for the arguments."""
+    def __call__(self, x, *, residual: jax.Array | None = None, mask: jax.Array | None = None):
+        """Normalize ``x``; returns the same shape. See the stock module for the arguments.
+
+        ``residual`` (x's shape), optional: normalize summed = x + residual instead (in the
+        residual's dtype) and return ``(normed, summed)`` -- the pre-norm transformer's residual
+        add fused into the norm's kernels (:func:`cutelayers.ops.add_layer_norm`)."""
         center = isinstance(self, nn.LayerNorm)
         names = ("scale",) * self.use_scale + ("bias",) * (center and self.use_bias)
         why = (options_blocker(axis_name=self.axis_name, axis_index_groups=self.axis_index_groups, mask=mask)
                or norm_blocker(x, self.reduction_axes, self.feature_axes, dtype=self.dtype,
-                               parameters=self.param_dtype if names else None))
+                               parameters=self.param_dtype if names else None)
+               or residual_blocker(x, residual))
         if not kernels_serve(type(self).__name__, why):
-            return super().__call__(x, mask=mask)
+            return stock_norm(functools.partial(super().__call__, mask=mask), x, residual)
         init = {"scale": self.scale_init, "bias": getattr(self, "bias_init", None)}
         params = {n: self.param(n, init[n], (x.shape[-1],), self.param_dtype) for n in names}
-        op = layer_norm if center else rms_norm
-        return op(x, params.get("scale"), params.get("bias"), epsilon=self.epsilon, dtype=self.dtype)
+        return norm_op(center, residual)(x, params.get("scale"), params.get("bias"), epsilon=self.epsilon,
+                                         dtype=self.dtype)
 
 
 class LayerNorm(_Norm, nn.LayerNorm):

@@ -12,6 +12,13 @@ casts x first, as NNX does.
 
 ``Linear`` adds ``activation`` (fused into the GEMM epilogue) and a ``residual`` call argument.
 
+``LayerNorm`` and ``RMSNorm`` add a keyword ``residual`` call argument: ``norm(x, residual=r)``
+returns ``(norm(x + r), x + r)``, the add fused into the norm's kernels (see
+:func:`cutelayers.ops.add_layer_norm`). An argument rather than ``AddLayerNorm`` modules: the
+module and its ``nnx.Param`` s are those of a plain norm, so a pre-norm block switches to the fused
+add without touching its state. The sum keeps the residual's dtype and is normalized in float32:
+a narrowing ``dtype`` rounds only the result, not the sum first as NNX's own computation does.
+
 Heads: ``LMHead`` (a Linear-shaped vocabulary projection and its cross-entropy loss in one, without
 the logits; optionally tied to an embedding table) and ``MeanPoolClassifier`` (masked mean pooling
 and a ``Linear`` to the classes).
@@ -19,6 +26,7 @@ and a ``Linear`` to the classes).
 
 from __future__ import annotations
 
+import functools
 import typing as tp
 from types import MappingProxyType
 
@@ -28,11 +36,19 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 
-from cutelayers._module_checks import (array_blocker, check_tied_embedding, finish_linear, kernels_serve, norm_blocker,
-                                       options_blocker)
+from cutelayers._module_checks import (
+    array_blocker,
+    check_tied_embedding,
+    finish_linear,
+    kernels_serve,
+    norm_blocker,
+    norm_op,
+    options_blocker,
+    residual_blocker,
+    stock_norm,
+)
 from cutelayers.ops.linear import fused_linear
 from cutelayers.ops.lm_head import linear_cross_entropy
-from cutelayers.ops.norm import layer_norm, rms_norm
 from cutelayers.ops.pool import masked_mean_pool
 
 Dtype = tp.Any
@@ -49,20 +65,25 @@ class _Norm(nnx.Module):
     """The call shared by :class:`LayerNorm` and :class:`RMSNorm`: the cutelayers op over the last
     axis, else stock."""
 
-    def __call__(self, x, *, mask: jax.Array | None = None):
-        """Normalize ``x``; returns the same shape. See the stock module for the arguments."""
+    def __call__(self, x, *, residual: jax.Array | None = None, mask: jax.Array | None = None):
+        """Normalize ``x``; returns the same shape. See the stock module for the arguments.
+
+        ``residual`` (x's shape), optional: normalize summed = x + residual instead (in the
+        residual's dtype) and return ``(normed, summed)`` -- the pre-norm transformer's residual
+        add fused into the norm's kernels (:func:`cutelayers.ops.add_layer_norm`)."""
         center = isinstance(self, nnx.LayerNorm)
         params = [p[...] if p is not None else None for p in (self.scale, getattr(self, "bias", None))]
         why = (options_blocker(axis_name=self.axis_name, axis_index_groups=self.axis_index_groups, mask=mask,
                                promote_dtype=_custom(self.promote_dtype))
                or norm_blocker(x, self.reduction_axes, self.feature_axes, dtype=self.dtype,
-                               **{n: p.dtype for n, p in zip(("scale", "bias"), params) if p is not None}))
+                               **{n: p.dtype for n, p in zip(("scale", "bias"), params) if p is not None})
+               or residual_blocker(x, residual))
         if not kernels_serve(type(self).__name__, why):
-            return super().__call__(x, mask=mask)
-        if self.dtype is not None and jnp.promote_types(x.dtype, self.dtype) != jnp.dtype(self.dtype):
+            return stock_norm(functools.partial(super().__call__, mask=mask), x, residual)
+        if (residual is None and self.dtype is not None
+                and jnp.promote_types(x.dtype, self.dtype) != jnp.dtype(self.dtype)):
             x = x.astype(self.dtype)  # a narrowing dtype: NNX normalizes the cast input
-        op = layer_norm if center else rms_norm
-        return op(x, *params, epsilon=self.epsilon, dtype=self.dtype)
+        return norm_op(center, residual)(x, *params, epsilon=self.epsilon, dtype=self.dtype)
 
 
 class LayerNorm(_Norm, nnx.LayerNorm):
@@ -72,8 +93,9 @@ class LayerNorm(_Norm, nnx.LayerNorm):
 class RMSNorm(_Norm, nnx.RMSNorm):
     """``flax.nnx.RMSNorm`` on the cutelayers kernels (see the module docstring)."""
 
-    def __call__(self, x, mask: jax.Array | None = None):  # NNX's RMSNorm takes mask positionally
-        return super().__call__(x, mask=mask)
+    def __call__(self, x, mask: jax.Array | None = None, *, residual: jax.Array | None = None):
+        # NNX's RMSNorm takes mask positionally
+        return super().__call__(x, residual=residual, mask=mask)
 
 
 class Linear(nnx.Linear):

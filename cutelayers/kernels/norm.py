@@ -18,12 +18,21 @@ them as M2 = sum(M2_t + n_t (mean_t - mean)^2), a sum of non-negative terms.
 
 Tensors as the launchers take them (M is the symbolic row count):
 
-* forward: ``x (M, N)``, [``scale (N,)``], [``bias (N,)``] -> ``y (M, N)``, [``mean (M, 1)``],
-  ``rstd (M, 1)`` -- mean only for LayerNorm (``center``), fp32 statistics;
-* backward: ``x (M, N)``, ``dy (M, N)``, [``mean (M, 1)``], ``rstd (M, 1)``, [``scale (N,)``]
-  -> ``dx (M, N)``, [``dscale_partial (P*N,)``], [``dbias_partial (P*N,)``]: fp32 partial sums
-  of dscale / dbias, one row of N per (CTA, row slot) of a fixed persistent grid, summed by the
-  caller (deterministic, no atomics). Partials exist only for register-resident rows.
+* forward: ``x (M, N)``, [``residual (M, N)``], [``scale (N,)``], [``bias (N,)``] -> ``y (M, N)``,
+  [``summed (M, N)``], [``mean (M, 1)``], ``rstd (M, 1)`` -- mean only for LayerNorm (``center``),
+  fp32 statistics;
+* backward: ``x (M, N)``, ``dy (M, N)``, [``dsummed (M, N)``], [``mean (M, 1)``], ``rstd (M, 1)``,
+  [``scale (N,)``] -> ``dx (M, N)``, [``dscale_partial (P*N,)``], [``dbias_partial (P*N,)``]: fp32
+  partial sums of dscale / dbias, one row of N per (CTA, row slot) of a fixed persistent grid,
+  summed by the caller (deterministic, no atomics). Partials exist only for register-resident rows.
+
+The fused residual add (``has_residual``, for pre-norm transformers): the forward's row is
+s = x + residual, added in fp32 and rounded to ``summed``'s dtype; it writes s as ``summed`` and
+normalizes s as stored (so y is the norm of the ``summed`` it returns, as if the add ran
+separately). A register-resident row stays in registers as s; a streamed one reads s back from
+``summed`` for the normalize pass (one read of s instead of x and the residual again). The
+backward takes s as its ``x`` and the gradient of ``summed`` as ``dsummed``, which it adds to dx:
+dx = norm_backward(dy) + dsummed, the gradient of both x and the residual.
 """
 
 from __future__ import annotations
@@ -31,8 +40,7 @@ from __future__ import annotations
 import operator
 
 import cutlass
-import cutlass.cute as cute
-from cutlass import Float32, const_expr
+from cutlass import Float32, const_expr, cute
 
 from cutelayers.kernels.reduction import (
     RowConfig,
@@ -73,34 +81,41 @@ def _broadcast_rows(vector, config: RowGeometry):
 
 
 class NormForwardKernel:
-    """y = (x - mean) * rstd * scale + bias (``center``) or y = x * rstd * scale (RMSNorm).
+    """y = (x - mean) * rstd * scale + bias (``center``) or y = x * rstd * scale (RMSNorm); with
+    ``has_residual``, of the row s = x + residual, also written as ``summed``.
 
-    Launcher ``(stream, x, [scale], [bias], y, [mean], rstd)``; which optional tensors are present
-    is fixed at construction (``has_scale``, ``has_bias``, ``center``).
+    Launcher ``(stream, x, [residual], [scale], [bias], y, [summed], [mean], rstd)``; which
+    optional tensors are present is fixed at construction (``has_residual``, ``has_scale``,
+    ``has_bias``, ``center``).
     """
 
     VALUES_PER_THREAD = FORWARD_VALUES_PER_THREAD
 
-    def __init__(self, config: RowGeometry, *, center: bool, has_scale: bool, has_bias: bool, epsilon: float):
-        self.config, self.center, self.has_scale, self.has_bias = config, center, has_scale, has_bias
-        self.epsilon = epsilon
+    def __init__(self, config: RowGeometry, *, center: bool, has_residual: bool, has_scale: bool,
+                 has_bias: bool, epsilon: float):
+        self.config, self.center, self.has_residual = config, center, has_residual
+        self.has_scale, self.has_bias, self.epsilon = has_scale, has_bias, epsilon
 
     @cute.jit
     def __call__(self, stream, *tensors):
         rest = list(tensors)
         x = rest.pop(0)
+        residual = rest.pop(0) if const_expr(self.has_residual) else None
         scale = rest.pop(0) if const_expr(self.has_scale) else None
         bias = rest.pop(0) if const_expr(self.has_bias) else None
         y = rest.pop(0)
+        summed = rest.pop(0) if const_expr(self.has_residual) else None
         mean = rest.pop(0) if const_expr(self.center) else None
         rstd = rest.pop(0)
         config = self.config
         self.kernel(
-            x, scale, bias, y, mean, rstd,
+            x, residual, scale, bias, y, summed, mean, rstd,
             row_tiled_copy(x.element_type, config),
+            row_tiled_copy(residual.element_type, config) if const_expr(self.has_residual) else None,
             row_tiled_copy(scale.element_type, config) if const_expr(self.has_scale) else None,
             row_tiled_copy(bias.element_type, config) if const_expr(self.has_bias) else None,
             row_tiled_copy(y.element_type, config),
+            row_tiled_copy(summed.element_type, config) if const_expr(self.has_residual) else None,
         ).launch(
             grid=[cute.ceil_div(x.shape[0], config.row.rows_per_cta), 1, 1],
             block=[config.row.num_threads, 1, 1],
@@ -109,7 +124,8 @@ class NormForwardKernel:
         )
 
     @cute.kernel
-    def kernel(self, x, scale, bias, y, mean, rstd, copy_x, copy_scale, copy_bias, copy_y):
+    def kernel(self, x, residual, scale, bias, y, summed, mean, rstd,
+               copy_x, copy_residual, copy_scale, copy_bias, copy_y, copy_summed):
         config = self.config
         n = config.n
         tidx, _, _ = cute.arch.thread_idx()
@@ -117,25 +133,29 @@ class NormForwardKernel:
         buffers = shared_buffers(config, 2)
         coords = cute.make_identity_tensor(x.shape)
         opx = row_operand(x, copy_x, coords, config, (bidx, None), tidx)
+        opr = row_operand(residual, copy_residual, coords, config, (bidx, None), tidx) if const_expr(self.has_residual) else None
+        ops_sum = row_operand(summed, copy_summed, coords, config, (bidx, None), tidx) if const_expr(self.has_residual) else None
         opy = row_operand(y, copy_y, coords, config, (bidx, None), tidx)
         pcoords = cute.make_identity_tensor((config.row.rows_per_cta, n))
         ops = row_operand(_broadcast_rows(scale, config), copy_scale, pcoords, config, (0, None), tidx) if const_expr(self.has_scale) else None
         opb = row_operand(_broadcast_rows(bias, config), copy_bias, pcoords, config, (0, None), tidx) if const_expr(self.has_bias) else None
-        row = opx.coords[0][0]
+        # The row being normalized, a step at a time: x's fragment, or summed's (x + residual).
+        src = ops_sum if const_expr(self.has_residual) else opx
+        row = src.coords[0][0]
         valid_row = row < x.shape[0]
-        opx.frag.fill(0.0)
+        src.frag.fill(0.0)
 
         # --- statistics ------------------------------------------------------------------------
         row_mean = Float32(0.0)
         if const_expr(config.resident):
             if valid_row:
-                load_step(opx, 0)
-            vals = opx.frag.load().to(Float32)
+                self.load_row_step(opx, opr, ops_sum, 0)
+            vals = src.frag.load().to(Float32)
             if const_expr(self.center):
                 row_mean = row_allreduce(row_sum(vals), operator.add, Float32(0.0), config.row, buffers[0]) / n
                 dev = vals - row_mean
                 if const_expr(config.ragged):
-                    dev = cute.where(column_mask(opx.coords[None, None, None, 0], opx.frag, n), dev, Float32(0.0))
+                    dev = cute.where(column_mask(src.coords[None, None, None, 0], src.frag, n), dev, Float32(0.0))
                 sq = row_sum(dev * dev)
             else:
                 sq = row_sum(vals * vals)
@@ -146,13 +166,13 @@ class NormForwardKernel:
             t_m2 = Float32(0.0)
             for step in cutlass.range(config.num_steps, unroll=1):
                 if valid_row:
-                    load_step(opx, step)
-                vals = opx.frag.load().to(Float32)
+                    self.load_row_step(opx, opr, ops_sum, step)
+                vals = src.frag.load().to(Float32)
                 if const_expr(config.ragged):
-                    mask = column_mask(opx.coords[None, None, None, step], opx.frag, n)
+                    mask = column_mask(src.coords[None, None, None, step], src.frag, n)
                     s_count = row_sum(cute.where(mask, cute.full_like(vals, 1.0), Float32(0.0)))
                 else:
-                    s_count = Float32(cute.size(opx.frag))
+                    s_count = Float32(cute.size(src.frag))
                 s_mean = row_sum(vals) / cute.arch.fmax(s_count, Float32(1.0))
                 dev = vals - s_mean
                 if const_expr(config.ragged):
@@ -171,8 +191,8 @@ class NormForwardKernel:
             sq = Float32(0.0)
             for step in cutlass.range(config.num_steps, unroll=1):
                 if valid_row:
-                    load_step(opx, step)
-                vals = opx.frag.load().to(Float32)
+                    self.load_row_step(opx, opr, ops_sum, step)
+                vals = src.frag.load().to(Float32)
                 sq = sq + row_sum(vals * vals)
             var = row_allreduce(sq, operator.add, Float32(0.0), config.row, buffers[0]) / n
         row_rstd = cute.math.rsqrt(var + self.epsilon)
@@ -184,13 +204,22 @@ class NormForwardKernel:
         # --- normalize -----------------------------------------------------------------------
         for step in cutlass.range(config.num_steps, unroll=1):
             if valid_row:
-                self.normalize_step(opx, ops, opb, opy, step, row_mean, row_rstd)
+                self.normalize_step(src, ops, opb, opy, step, row_mean, row_rstd)
 
     @cute.jit
-    def normalize_step(self, opx, ops, opb, opy, step, row_mean, row_rstd):
+    def load_row_step(self, opx, opr, ops_sum, step):
+        """Load ``step`` of the row into its fragment: x's; with a residual, summed's -- x +
+        residual added in fp32, rounded to summed's dtype and stored to summed as well."""
+        load_step(opx, step)
+        if const_expr(self.has_residual):
+            residual = load_step(opr, step).reshape(opx.frag.shape)
+            store_step(ops_sum, step, opx.frag.load().to(Float32) + residual)
+
+    @cute.jit
+    def normalize_step(self, src, ops, opb, opy, step, row_mean, row_rstd):
         if const_expr(not self.config.resident):
-            load_step(opx, step)
-        vals = opx.frag.load().to(Float32)
+            load_step(src, step)  # a streamed row: x again, or summed as this thread stored it
+        vals = src.frag.load().to(Float32)
         out = (vals - row_mean) * row_rstd if const_expr(self.center) else vals * row_rstd
         if const_expr(self.has_scale):
             out = out * load_step(ops, step).reshape(out.shape)
@@ -203,18 +232,21 @@ class NormBackwardKernel:
     """dx (and dscale/dbias partials) of :class:`NormForwardKernel`.
 
     With g = dy * scale and xhat = (x - mean) * rstd (x * rstd without ``center``):
-    dx = rstd * (g - xhat * mean(g * xhat) - mean(g)), the last term only with ``center``;
+    dx = rstd * (g - xhat * mean(g * xhat) - mean(g)), the last term only with ``center``, plus
+    dsummed with ``has_residual`` (x is then the forward's ``summed``);
     dscale = sum_rows dy * xhat, dbias = sum_rows dy (as per-CTA partials, ``partials=True``).
 
-    Launcher ``(stream, x, dy, [mean], rstd, [scale], dx, [dscale_partial], [dbias_partial])``.
+    Launcher ``(stream, x, dy, [dsummed], [mean], rstd, [scale], dx, [dscale_partial],
+    [dbias_partial])``.
     """
 
     VALUES_PER_THREAD = BACKWARD_VALUES_PER_THREAD
 
-    def __init__(self, config: RowGeometry, *, center: bool, has_scale: bool, want_dscale: bool, want_dbias: bool):
+    def __init__(self, config: RowGeometry, *, center: bool, has_residual: bool, has_scale: bool,
+                 want_dscale: bool, want_dbias: bool):
         if (want_dscale or want_dbias) and not config.resident:
             raise ValueError("dscale/dbias partials need a register-resident row")
-        self.config, self.center, self.has_scale = config, center, has_scale
+        self.config, self.center, self.has_residual, self.has_scale = config, center, has_residual, has_scale
         self.want_dscale, self.want_dbias = want_dscale, want_dbias
         self.persistent = want_dscale or want_dbias
 
@@ -223,6 +255,7 @@ class NormBackwardKernel:
         rest = list(tensors)
         x = rest.pop(0)
         dy = rest.pop(0)
+        dsummed = rest.pop(0) if const_expr(self.has_residual) else None
         mean = rest.pop(0) if const_expr(self.center) else None
         rstd = rest.pop(0)
         scale = rest.pop(0) if const_expr(self.has_scale) else None
@@ -234,11 +267,12 @@ class NormBackwardKernel:
         grid = backward_grid(config.row) if const_expr(self.persistent) else groups
         partials = (partial_rows(config.row), config.n)
         self.kernel(
-            x, dy, mean, rstd, scale, dx,
+            x, dy, dsummed, mean, rstd, scale, dx,
             cute.make_tensor(dscale.iterator, cute.make_layout(partials, stride=(config.n, 1))) if const_expr(self.want_dscale) else None,
             cute.make_tensor(dbias.iterator, cute.make_layout(partials, stride=(config.n, 1))) if const_expr(self.want_dbias) else None,
             row_tiled_copy(x.element_type, config),
             row_tiled_copy(dy.element_type, config),
+            row_tiled_copy(dsummed.element_type, config) if const_expr(self.has_residual) else None,
             row_tiled_copy(scale.element_type, config) if const_expr(self.has_scale) else None,
             row_tiled_copy(dx.element_type, config),
             row_tiled_copy(Float32, config),
@@ -250,7 +284,8 @@ class NormBackwardKernel:
         )
 
     @cute.kernel
-    def kernel(self, x, dy, mean, rstd, scale, dx, dscale, dbias, copy_x, copy_dy, copy_scale, copy_dx, copy_partial):
+    def kernel(self, x, dy, dsummed, mean, rstd, scale, dx, dscale, dbias,
+               copy_x, copy_dy, copy_dsummed, copy_scale, copy_dx, copy_partial):
         config = self.config
         n = config.n
         tidx, _, _ = cute.arch.thread_idx()
@@ -271,8 +306,8 @@ class NormBackwardKernel:
         groups = cute.ceil_div(x.shape[0], config.row.rows_per_cta)
 
         for group in cutlass.range(bidx, groups, gdim, unroll=1):
-            self.backward_rows(x, dy, mean, rstd, dx, ops, acc_scale, acc_bias, copy_x, copy_dy, copy_dx,
-                               coords, buffers, group, tidx)
+            self.backward_rows(x, dy, dsummed, mean, rstd, dx, ops, acc_scale, acc_bias, copy_x, copy_dy,
+                               copy_dsummed, copy_dx, coords, buffers, group, tidx)
 
         if const_expr(self.persistent):
             pcoords_all = cute.make_identity_tensor((partial_rows(config.row), n))
@@ -282,14 +317,15 @@ class NormBackwardKernel:
                 store_step(row_operand(dbias, copy_partial, pcoords_all, config, (bidx, None), tidx), 0, acc_bias.load())
 
     @cute.jit
-    def backward_rows(self, x, dy, mean, rstd, dx, ops, acc_scale, acc_bias, copy_x, copy_dy, copy_dx,
-                      coords, buffers, group, tidx):
+    def backward_rows(self, x, dy, dsummed, mean, rstd, dx, ops, acc_scale, acc_bias, copy_x, copy_dy,
+                      copy_dsummed, copy_dx, coords, buffers, group, tidx):
         """dx of the ``rows_per_cta`` rows of ``group``; adds their dscale/dbias terms to the
         accumulators."""
         config = self.config
         n = config.n
         opx = row_operand(x, copy_x, coords, config, (group, None), tidx)
         opg = row_operand(dy, copy_dy, coords, config, (group, None), tidx)
+        opds = row_operand(dsummed, copy_dsummed, coords, config, (group, None), tidx) if const_expr(self.has_residual) else None
         opd = row_operand(dx, copy_dx, coords, config, (group, None), tidx)
         row = opx.coords[0][0]
         valid_row = row < x.shape[0]
@@ -325,10 +361,11 @@ class NormBackwardKernel:
             cute.arch.barrier()  # the next row's reduction reuses buffers[0]
         for step in cutlass.range(config.num_steps, unroll=1):
             if valid_row:
-                self.dx_step(opx, opg, ops, opd, acc_scale, acc_bias, step, row_mean, row_rstd, c_dot, c_sum)
+                self.dx_step(opx, opg, opds, ops, opd, acc_scale, acc_bias, step, row_mean, row_rstd, c_dot,
+                             c_sum)
 
     @cute.jit
-    def dx_step(self, opx, opg, ops, opd, acc_scale, acc_bias, step, row_mean, row_rstd, c_dot, c_sum):
+    def dx_step(self, opx, opg, opds, ops, opd, acc_scale, acc_bias, step, row_mean, row_rstd, c_dot, c_sum):
         if const_expr(not self.config.resident):
             load_step(opx, step)
             load_step(opg, step)
@@ -339,7 +376,10 @@ class NormBackwardKernel:
         g = dyv
         if const_expr(self.has_scale):
             g = g * ops.frag.load().to(Float32).reshape(g.shape)
-        store_step(opd, step, (g - xhat * c_dot - c_sum) * row_rstd)
+        dxv = (g - xhat * c_dot - c_sum) * row_rstd
+        if const_expr(self.has_residual):
+            dxv = dxv + load_step(opds, step).reshape(dxv.shape)
+        store_step(opd, step, dxv)
         if const_expr(self.want_dscale):
             acc_scale.store(acc_scale.load() + dyv * xhat)
         if const_expr(self.want_dbias):

@@ -1,4 +1,6 @@
-"""LayerNorm and RMSNorm over the last axis: ``layer_norm``, ``rms_norm``.
+"""LayerNorm and RMSNorm over the last axis: ``layer_norm``, ``rms_norm``; and fused with the
+residual add before them (pre-norm transformers): ``add_layer_norm``, ``add_rms_norm``, which return
+``(normed, x + residual)``.
 
 Forward: one CuTe kernel writes y and the fp32 row statistics (mean for LayerNorm, rstd = 1 /
 sqrt(var + epsilon)) that the backward reuses. Backward: one CuTe kernel writes dx and, for rows
@@ -6,6 +8,11 @@ that fit in registers, per-CTA fp32 partial sums of dscale / dbias, which the op
 ``jnp.sum`` (a (P, N) -> (N,) reduction, P a few hundred: small next to x, deterministic). For rows
 too long to stay in registers (see :mod:`cutelayers.kernels.norm`) the kernel writes dx only and
 dscale / dbias are an XLA reduction that reads x and dy once more.
+
+The fused residual add is an option of the same kernels, not other ones: the forward also reads
+the residual and writes summed = x + residual (in the residual's dtype), whose statistics it
+takes; the backward reads summed where the plain one reads x, and the gradient of summed, which
+it adds to dx (x and the residual share that gradient).
 
 vmap: a batched x with shared scale / bias folds the batch into rows (one launch). Per-example
 scale / bias cannot share one kernel launch; they fall back to ``jax.vmap`` of the jnp reference,
@@ -44,12 +51,26 @@ class _RowsFamily(RowKernelFamily):
         return tuple(len(aval.shape) == 2 and i == 0 for i in range(len(aval.shape)))
 
 
+def _kernel_name(center: bool, has_residual: bool, direction: str) -> str:
+    return f"{'add_' * has_residual}{'layer' if center else 'rms'}_norm_{direction}"
+
+
+def _optional(args, *present: bool) -> tuple:
+    """``args`` holding, in order, those of some optional arguments that are ``present`` -> one
+    value per flag, None where absent."""
+    it = iter(args)
+    return tuple(next(it) if p else None for p in present)
+
+
 @dataclasses.dataclass(frozen=True)
 class NormForward(_RowsFamily):
-    """Kernel family: y (M, N), [mean (M, 1)], rstd (M, 1) from x (M, N), [scale (N,)], [bias (N,)].
+    """Kernel family: y (M, N), [summed (M, N)], [mean (M, 1)], rstd (M, 1) from x (M, N),
+    [residual (M, N)], [scale (N,)], [bias (N,)].
 
     ``center``: LayerNorm (subtract the mean) rather than RMSNorm. ``out_dtype``: y's dtype name.
-    ``config``: the kernel's :class:`~cutelayers.kernels.reduction.RowConfig` (see
+    ``has_residual``: the fused residual add -- the row is summed = x + residual (in the
+    residual's dtype, see :func:`residual_sum`), written as the second result. ``config``: the
+    kernel's :class:`~cutelayers.kernels.reduction.RowConfig` (see
     :class:`~cutelayers.tuning.TunableFamily`).
     """
 
@@ -58,26 +79,38 @@ class NormForward(_RowsFamily):
     has_bias: bool
     epsilon: float
     out_dtype: str
+    has_residual: bool = False
     config: RowConfig | None = None
 
     @property
     def name(self) -> str:
-        return "layer_norm_fwd" if self.center else "rms_norm_fwd"
+        return _kernel_name(self.center, self.has_residual, "fwd")
 
     @property
     def arg_names(self) -> tuple[str, ...]:
-        return ("x",) + ("scale",) * self.has_scale + ("bias",) * self.has_bias
+        optional = (("residual", self.has_residual), ("scale", self.has_scale), ("bias", self.has_bias))
+        return ("x",) + tuple(name for name, present in optional if present)
 
     def out_avals(self, avals):
         m, n = avals[0].shape
         stat = jax.ShapeDtypeStruct((m, 1), jnp.float32)
-        return (jax.ShapeDtypeStruct((m, n), jnp.dtype(self.out_dtype)),) + (stat,) * self.center + (stat,)
+        summed = (jax.ShapeDtypeStruct((m, n), avals[1].dtype),) if self.has_residual else ()
+        y = jax.ShapeDtypeStruct((m, n), jnp.dtype(self.out_dtype))
+        return (y, *summed) + (stat,) * self.center + (stat,)
 
-    def reference(self, x, *params):
-        scale, bias = _split_params(params, self.has_scale, self.has_bias)
-        y, mean, rstd = forward_reference(x, scale, bias, center=self.center, epsilon=self.epsilon,
+    def reference(self, *args):
+        outs = self.outputs_reference(*args)
+        rows = 1 + self.has_residual
+        return outs[:rows] + tuple(stat[:, None] for stat in outs[rows:])
+
+    def outputs_reference(self, x, *rest):
+        """The results of :func:`forward_reference` on x (..., N): y and [summed] (..., N), the
+        statistics (...,)."""
+        residual, scale, bias = _optional(rest, self.has_residual, self.has_scale, self.has_bias)
+        summed = x if residual is None else residual_sum(x, residual)
+        y, mean, rstd = forward_reference(summed, scale, bias, center=self.center, epsilon=self.epsilon,
                                           out_dtype=self.out_dtype)
-        return (y,) + (mean[:, None],) * self.center + (rstd[:, None],)
+        return (y,) + (summed,) * self.has_residual + (mean,) * self.center + (rstd,)
 
     def kernel_class(self):
         from cutelayers.kernels.norm import NormForwardKernel
@@ -85,40 +118,46 @@ class NormForward(_RowsFamily):
         return NormForwardKernel
 
     def row_dtypes(self, avals):
-        return (*(a.dtype for a in avals), self.out_dtype)  # x, scale, bias and y
+        # x, residual, scale, bias and y (summed has the residual's dtype)
+        return (*(a.dtype for a in avals), self.out_dtype)
 
     def launcher(self, avals, out_avals):
-        return self.kernel_class()(self.geometry(avals), center=self.center, has_scale=self.has_scale,
-                                   has_bias=self.has_bias, epsilon=self.epsilon)
+        return self.kernel_class()(self.geometry(avals), center=self.center, has_residual=self.has_residual,
+                                   has_scale=self.has_scale, has_bias=self.has_bias, epsilon=self.epsilon)
 
 
 @dataclasses.dataclass(frozen=True)
 class NormBackward(_RowsFamily):
     """Kernel family: dx (M, N), [dscale_partial (P*N,)], [dbias_partial (P*N,)] from x (M, N),
-    dy (M, N), [mean (M, 1)], rstd (M, 1), [scale (N,)].
+    dy (M, N), [dsummed (M, N)], [mean (M, 1)], rstd (M, 1), [scale (N,)].
 
     Partials are fp32; their row sum (over P) is dscale / dbias. P comes from the config
     (:func:`cutelayers.kernels.norm.partial_rows`), so it is fixed per compile key.
+    ``has_residual``: the backward of the fused residual add -- x is the forward's summed, and
+    dsummed (the gradient of summed) is added to dx, which is then the gradient of both x and
+    the residual.
     """
 
     center: bool
     has_scale: bool
     want_dscale: bool
     want_dbias: bool
+    has_residual: bool = False
     config: RowConfig | None = None
 
     @property
     def name(self) -> str:
-        return "layer_norm_bwd" if self.center else "rms_norm_bwd"
+        return _kernel_name(self.center, self.has_residual, "bwd")
 
     @property
     def arg_names(self) -> tuple[str, ...]:
-        return ("x", "dy") + ("mean",) * self.center + ("rstd",) + ("scale",) * self.has_scale
+        rows = ("summed", "dy", "dsummed") if self.has_residual else ("x", "dy")
+        return rows + ("mean",) * self.center + ("rstd",) + ("scale",) * self.has_scale
 
     def sharding_rule(self, avals) -> ShardingRule:
         # Rows may be sharded; the partials lack them, so they are summed across devices.
         per_row = ("rows", None)
-        operands = (per_row,) * (3 + self.center) + ((None,),) * self.has_scale
+        operands = (per_row,) * (3 + self.has_residual + self.center) + ((None,),) * self.has_scale
         results = (per_row,) + ((None,),) * (self.want_dscale + self.want_dbias)
         return ShardingRule(operands, results, per_shard=self.per_shard)
 
@@ -143,12 +182,11 @@ class NormBackward(_RowsFamily):
 
         return partial_rows(self.chosen_config())
 
-    def reference(self, x, dy, *rest):
-        rest = list(rest)
-        mean = rest.pop(0)[:, 0] if self.center else None
-        rstd = rest.pop(0)[:, 0]
-        scale = rest.pop(0) if self.has_scale else None
-        dx, dscale, dbias = backward_reference(x, dy, mean, rstd, scale)
+    def reference(self, *args):
+        x, dy, dsummed, mean, rstd, scale = _split_backward(args, self.center, self.has_residual,
+                                                            self.has_scale)
+        mean = None if mean is None else mean[:, 0]
+        dx, dscale, dbias = backward_reference(x, dy, mean, rstd[:, 0], scale, dsummed)
         p = self.partial_rows()
         # The whole sum in the first partial row: summing over P gives the same result.
         pad = lambda v: jnp.zeros((p, x.shape[1]), jnp.float32).at[0].set(v).reshape(-1)
@@ -160,23 +198,30 @@ class NormBackward(_RowsFamily):
         return NormBackwardKernel
 
     def row_dtypes(self, avals):
-        # x, dy and scale are the row-shaped operands whose loads share one vector width (dx has x's
-        # dtype); the (M, 1) statistics are read one value per row.
-        return (avals[0].dtype, avals[1].dtype) + ((avals[-1].dtype,) if self.has_scale else ())
+        # x, dy, dsummed and scale are the row-shaped operands whose loads share one vector width
+        # (dx has x's dtype); the (M, 1) statistics are read one value per row.
+        rows = 2 + self.has_residual
+        return tuple(a.dtype for a in avals[:rows]) + ((avals[-1].dtype,) if self.has_scale else ())
 
     def launcher(self, avals, out_avals):
-        return self.kernel_class()(self.geometry(avals), center=self.center, has_scale=self.has_scale,
-                                   want_dscale=self.want_dscale, want_dbias=self.want_dbias)
+        return self.kernel_class()(self.geometry(avals), center=self.center, has_residual=self.has_residual,
+                                   has_scale=self.has_scale, want_dscale=self.want_dscale,
+                                   want_dbias=self.want_dbias)
 
 
-def _split_params(params, has_scale: bool, has_bias: bool):
-    params = list(params)
-    scale = params.pop(0) if has_scale else None
-    bias = params.pop(0) if has_bias else None
-    return scale, bias
+def _split_backward(args, center: bool, has_residual: bool, has_scale: bool) -> tuple:
+    """The backward's operands ``(x, dy, [dsummed], [mean], rstd, [scale])`` -> (x, dy, dsummed,
+    mean, rstd, scale), None where absent."""
+    return _optional(args, True, True, has_residual, center, True, has_scale)
 
 
 # --- jnp reference: the kernels' decomposition --------------------------------------------------
+
+def residual_sum(x, residual):
+    """x + residual as the fused kernels form it: added in fp32, rounded to the residual's dtype
+    (the residual stream keeps its dtype)."""
+    return (x.astype(jnp.float32) + residual.astype(jnp.float32)).astype(residual.dtype)
+
 
 def forward_reference(x, scale, bias, *, center: bool, epsilon: float, out_dtype):
     """y, mean, rstd over the last axis, statistics in fp32 (two-pass variance).
@@ -213,11 +258,12 @@ def _xhat(x, mean, rstd):
     return x32 * rstd[..., None]
 
 
-def backward_reference(x, dy, mean, rstd, scale):
-    """dx, dscale, dbias of :func:`forward_reference` (``mean=None``: RMSNorm).
+def backward_reference(x, dy, mean, rstd, scale, dsummed=None):
+    """dx, dscale, dbias of :func:`forward_reference` (``mean=None``: RMSNorm); ``dsummed``, if
+    given, is added to dx (the fused residual add's backward, x being the summed input).
 
-    Shapes: x, dy (..., N); mean, rstd (...,) fp32; scale (N,) or None -> dx (..., N) in x's
-    dtype, dscale and dbias (N,) fp32 summed over all leading axes.
+    Shapes: x, dy, dsummed (..., N); mean, rstd (...,) fp32; scale (N,) or None -> dx (..., N) in
+    x's dtype, dscale and dbias (N,) fp32 summed over all leading axes.
     """
     xhat = _xhat(x, mean, rstd)
     dy32 = dy.astype(jnp.float32)
@@ -226,9 +272,11 @@ def backward_reference(x, dy, mean, rstd, scale):
     inner = xhat * (jnp.sum(g * xhat, axis=-1, keepdims=True) / n)
     if mean is not None:
         inner = inner + jnp.sum(g, axis=-1, keepdims=True) / n
-    dx = ((g - inner) * rstd[..., None]).astype(x.dtype)
+    dx = (g - inner) * rstd[..., None]
+    if dsummed is not None:
+        dx = dx + dsummed.astype(jnp.float32)
     lead = tuple(range(x.ndim - 1))
-    return dx, jnp.sum(dy32 * xhat, axis=lead), jnp.sum(dy32, axis=lead)
+    return dx.astype(x.dtype), jnp.sum(dy32 * xhat, axis=lead), jnp.sum(dy32, axis=lead)
 
 
 # --- kernel calls on (rows, N) views ------------------------------------------------------------
@@ -242,69 +290,67 @@ def _call_rows(family: _RowsFamily, args):
     return kernel_call(family, *args)
 
 
-def _backward_args(args, center: bool):
-    """(x, dy, [mean], rstd, [scale]) with x, dy as (rows, N) and statistics as (rows, 1)."""
+def _backward_args(args, center: bool, has_residual: bool):
+    """(x, dy, [dsummed], [mean], rstd, [scale]) with x, dy, dsummed as (rows, N) and statistics
+    as (rows, 1)."""
     n = args[0].shape[-1]
-    stats = 3 if center else 2
-    return ([a.reshape(-1, n) for a in args[:2]] + [a.reshape(-1, 1) for a in args[2:stats + 1]]
-            + list(args[stats + 1:]))
+    rows = 2 + has_residual
+    stats = rows + 1 + center
+    return ([a.reshape(-1, n) for a in args[:rows]] + [a.reshape(-1, 1) for a in args[rows:stats]]
+            + list(args[stats:]))
 
 
-def _forward_core(center: bool, has_scale: bool, has_bias: bool, epsilon: float, out_dtype: str):
-    """custom_vmap'd ``(x, *params) -> (y, mean, rstd)`` for LayerNorm, ``(y, rstd)`` for RMSNorm;
-    y is (..., N), the statistics (...,) fp32."""
-    family = NormForward(center, has_scale, has_bias, epsilon, out_dtype)
+def _batch_rows(args, in_batched, axis_size: int, shared: int):
+    """Give every per-row operand (all but the ``shared`` trailing parameters) the batch dim in
+    front."""
+    per_row = len(args) - shared
+    return [a if b or i >= per_row else jnp.broadcast_to(a, (axis_size, *a.shape))
+            for i, (a, b) in enumerate(zip(args, in_batched))]
 
-    def unbatched(x, *params):
-        outs = _call_rows(family, (x.reshape(-1, x.shape[-1]), *params))
-        lead = x.shape[:-1]
-        return (outs[0].reshape(x.shape),) + tuple(o.reshape(lead) for o in outs[1:])
 
-    def reference(x, *params):
-        scale, bias = _split_params(params, has_scale, has_bias)
-        y, mean, rstd = forward_reference(x, scale, bias, center=center, epsilon=epsilon, out_dtype=out_dtype)
-        return (y, mean, rstd) if center else (y, rstd)
+def _forward_core(center: bool, has_residual: bool, has_scale: bool, has_bias: bool, epsilon: float,
+                  out_dtype: str):
+    """custom_vmap'd ``(x, [residual], *params) -> (y, [summed], [mean], rstd)``: y and summed
+    (..., N), the statistics (...,) fp32."""
+    family = NormForward(center, has_scale, has_bias, epsilon, out_dtype, has_residual)
+    rows = 1 + has_residual  # row-shaped operands, and row-shaped results
+
+    def unbatched(*args):
+        x = args[0]
+        outs = _call_rows(family, (*(a.reshape(-1, x.shape[-1]) for a in args[:rows]), *args[rows:]))
+        return (tuple(o.reshape(x.shape) for o in outs[:rows])
+                + tuple(o.reshape(x.shape[:-1]) for o in outs[rows:]))
 
     core = custom_vmap(unbatched)
 
     @core.def_vmap
-    def rule(axis_size, in_batched, x, *params):
-        x_batched, *params_batched = in_batched
-        if any(params_batched):
+    def rule(axis_size, in_batched, *args):
+        if any(in_batched[rows:]):
             # Per-example parameters: one launch takes one set, so vmap the jnp reference.
             axes = [0 if b else None for b in in_batched]
-            out = jax.vmap(reference, in_axes=axes, axis_size=axis_size)(x, *params)
+            out = jax.vmap(family.outputs_reference, in_axes=axes, axis_size=axis_size)(*args)
         else:
-            out = core(x, *params)  # batch dim in front: it folds into the rows
+            # the batch dim in front of every row-shaped operand: it folds into the rows
+            out = core(*_batch_rows(args, in_batched, axis_size, len(args) - rows))
         return out, tuple(True for _ in out)
 
     return core
 
 
-def _batch_rows(args, in_batched, axis_size: int, has_scale: bool):
-    """Give every per-row operand (all but a trailing shared scale) the batch dim in front."""
-    per_row = len(args) - has_scale
-    return [a if b or i >= per_row else jnp.broadcast_to(a, (axis_size, *a.shape))
-            for i, (a, b) in enumerate(zip(args, in_batched))]
+def _backward_core(center: bool, has_residual: bool, has_scale: bool, has_bias: bool):
+    """custom_vmap'd ``(x, dy, [dsummed], [mean], rstd, [scale]) -> (dx, [dscale], [dbias])``
+    (fp32 dparams)."""
+    dx_only = _dx_core(center, has_residual, has_scale)
 
-
-def _backward_core(center: bool, has_scale: bool, has_bias: bool):
-    """custom_vmap'd ``(x, dy, [mean], rstd, [scale]) -> (dx, [dscale], [dbias])`` (fp32 dparams)."""
-
-    def split(args):
-        args = list(args)
-        x, dy = args.pop(0), args.pop(0)
-        mean = args.pop(0) if center else None
-        rstd = args.pop(0)
-        scale = args.pop(0) if has_scale else None
-        return x, dy, mean, rstd, scale
-
-    dx_only = _dx_core(center, has_scale)
+    def reference(*args):
+        x, dy, dsummed, mean, rstd, scale = _split_backward(args, center, has_residual, has_scale)
+        dx, dscale, dbias = backward_reference(x, dy, mean, rstd, scale, dsummed)
+        return (dx,) + (dscale,) * has_scale + (dbias,) * has_bias
 
     def unbatched(*args):
-        x, dy, mean, rstd, scale = split(args)
-        rows = _backward_args(args, center)
-        family = NormBackward(center, has_scale, has_scale, has_bias).resolved(rows)
+        x, dy, _, mean, rstd, _ = _split_backward(args, center, has_residual, has_scale)
+        rows = _backward_args(args, center, has_residual)
+        family = NormBackward(center, has_scale, has_scale, has_bias, has_residual).resolved(rows)
         # Every candidate config keeps a row resident exactly when the heuristic does, so this
         # choice agrees with the dx-only family's config.
         if not family.geometry(rows).resident:
@@ -322,16 +368,10 @@ def _backward_core(center: bool, has_scale: bool, has_bias: bool):
     def rule(axis_size, in_batched, *args):
         if has_scale and in_batched[-1]:
             axes = [0 if b else None for b in in_batched]
-
-            def reference(*a):
-                x, dy, mean, rstd, scale = split(a)
-                dx, dscale, dbias = backward_reference(x, dy, mean, rstd, scale)
-                return (dx,) + (dscale,) * has_scale + (dbias,) * has_bias
-
             out = jax.vmap(reference, in_axes=axes, axis_size=axis_size)(*args)
             return out, tuple(True for _ in out)
         args = _batch_rows(args, in_batched, axis_size, has_scale)
-        x, dy, mean, rstd, scale = split(args)
+        x, dy, _, mean, rstd, _ = _split_backward(args, center, has_residual, has_scale)
         dx = dx_only(*args)
         # dscale / dbias per example (batch axis 0): grad(vmap) sums them, vmap(grad) keeps them.
         xhat = _xhat(x, mean, rstd)
@@ -343,12 +383,12 @@ def _backward_core(center: bool, has_scale: bool, has_bias: bool):
     return core
 
 
-def _dx_core(center: bool, has_scale: bool):
+def _dx_core(center: bool, has_residual: bool, has_scale: bool):
     """custom_vmap'd dx-only backward; batched rows fold (shared scale) like the forward."""
-    family = NormBackward(center, has_scale, False, False)
+    family = NormBackward(center, has_scale, False, False, has_residual)
 
     def unbatched(*args):
-        return _call_rows(family, _backward_args(args, center))[0].reshape(args[0].shape)
+        return _call_rows(family, _backward_args(args, center, has_residual))[0].reshape(args[0].shape)
 
     core = custom_vmap(unbatched)
 
@@ -356,8 +396,8 @@ def _dx_core(center: bool, has_scale: bool):
     def rule(axis_size, in_batched, *args):
         if has_scale and in_batched[-1]:  # per-example scale (reached only under nested vmaps)
             def reference(*a):
-                mean = a[2] if center else None
-                return backward_reference(a[0], a[1], mean, a[-2], a[-1])[0]
+                x, dy, dsummed, mean, rstd, scale = _split_backward(a, center, has_residual, has_scale)
+                return backward_reference(x, dy, mean, rstd, scale, dsummed)[0]
 
             axes = [0 if b else None for b in in_batched]
             return jax.vmap(reference, in_axes=axes, axis_size=axis_size)(*args), True
@@ -368,30 +408,46 @@ def _dx_core(center: bool, has_scale: bool):
 
 
 @functools.cache
-def _norm_fn(center: bool, has_scale: bool, has_bias: bool, epsilon: float, out_dtype: str):
-    forward = _forward_core(center, has_scale, has_bias, epsilon, out_dtype)
-    backward = _backward_core(center, has_scale, has_bias)
+def _norm_fn(center: bool, has_residual: bool, has_scale: bool, has_bias: bool, epsilon: float,
+             out_dtype: str, x_dtype: str):
+    """The differentiable op on ``(x, [residual], *params)``: y, or (y, summed) with a residual."""
+    forward = _forward_core(center, has_residual, has_scale, has_bias, epsilon, out_dtype)
+    backward = _backward_core(center, has_residual, has_scale, has_bias)
+    rows = 1 + has_residual
+
+    def results(outs):
+        return outs[:rows] if has_residual else outs[0]
 
     @jax.custom_vjp
-    def norm(x, *params):
-        return forward(x, *params)[0]
+    def norm(*args):
+        return results(forward(*args))
 
-    def fwd(x, *params):
-        y, *stats = forward(x, *params)
-        return y, (x, stats, params)
+    def fwd(*args):
+        outs = forward(*args)
+        # The row the statistics are of: x, or summed (which the forward writes anyway).
+        source = outs[1] if has_residual else args[0]
+        return results(outs), (source, outs[rows:], args[rows:])
 
-    def bwd(res, dy):
-        x, stats, params = res
-        scale, _ = _split_params(params, has_scale, has_bias)
-        dx, *dparams = backward(x, dy, *stats, *((scale,) if has_scale else ()))
-        return (dx, *(d.astype(p.dtype) for d, p in zip(dparams, params)))
+    def bwd(res, cotangents):
+        source, stats, params = res
+        scale, _ = _optional(params, has_scale, has_bias)
+        grads = cotangents if has_residual else (cotangents,)  # dy, [dsummed]
+        dx, *dparams = backward(source, *grads, *stats, *((scale,) if has_scale else ()))
+        # x and the residual get the same gradient, each in its dtype.
+        dparams = tuple(d.astype(p.dtype) for d, p in zip(dparams, params))
+        return (dx.astype(x_dtype),) + (dx,) * has_residual + dparams
 
     norm.defvjp(fwd, bwd)
     return norm
 
 
-def _check(op: str, x, scale, bias, epsilon, dtype):
+def _check(op: str, x, residual, scale, bias, epsilon, dtype):
     x = check_float_array(op, "x", x)
+    if residual is not None:
+        residual = check_float_array(op, "residual", residual)
+        if tuple(residual.shape) != tuple(x.shape):
+            raise ValueError(f"{op}: argument 'residual' has shape {tuple(residual.shape)}; expected "
+                             f"{tuple(x.shape)}, the shape of x")
     n = x.shape[-1]
     params = {}
     for name, p in (("scale", scale), ("bias", bias)):
@@ -408,20 +464,23 @@ def _check(op: str, x, scale, bias, epsilon, dtype):
         raise TypeError(f"{op}: argument 'epsilon' must be a Python float; got {epsilon!r}") from None
     if not epsilon >= 0.0:
         raise ValueError(f"{op}: argument 'epsilon' must be >= 0; got {epsilon}")
-    # Flax's rule (flax.linen.dtypes.canonicalize_dtype): by default, the promoted dtype of all three
-    promoted = functools.reduce(jnp.promote_types, [p.dtype for p in params.values()], x.dtype)
+    # Flax's rule (flax.linen.dtypes.canonicalize_dtype): by default, the promoted dtype of the
+    # normalized input (x, or the sum, in the residual's dtype) and the parameters
+    normalized = x if residual is None else residual
+    promoted = functools.reduce(jnp.promote_types, [p.dtype for p in params.values()], normalized.dtype)
     out_dtype = promoted if dtype is None else jnp.dtype(dtype)
     if out_dtype not in FLOAT_DTYPES:
         allowed = ", ".join(d.name for d in FLOAT_DTYPES)
         raise TypeError(f"{op}: argument 'dtype' is {out_dtype.name}; allowed: {allowed}")
-    return x, params, epsilon, out_dtype
+    return x, residual, params, epsilon, out_dtype
 
 
-def _norm(op: str, center: bool, x, scale, bias, epsilon, dtype):
-    x, params, epsilon, out_dtype = _check(op, x, scale, bias, epsilon, dtype)
-    has_scale, has_bias = "scale" in params, "bias" in params
-    fn = _norm_fn(center, has_scale, has_bias, epsilon, out_dtype.name)
-    return fn(x, *vary_like(x, *params.values()))
+def _norm(op: str, center: bool, x, residual, scale, bias, epsilon, dtype):
+    x, residual, params, epsilon, out_dtype = _check(op, x, residual, scale, bias, epsilon, dtype)
+    fn = _norm_fn(center, residual is not None, "scale" in params, "bias" in params, epsilon, out_dtype.name,
+                  x.dtype.name)
+    inputs = (x,) if residual is None else (x, *vary_like(x, residual))
+    return fn(*inputs, *vary_like(x, *params.values()))
 
 
 def layer_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | None = None, *,
@@ -441,7 +500,7 @@ def layer_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | N
       (..., N) in ``dtype``. Mean and variance are computed in float32 (two-pass, so large-mean
       inputs keep their precision); gradients flow to x, scale and bias, in their dtypes.
     """
-    return _norm("layer_norm", True, x, scale, bias, epsilon, dtype)
+    return _norm("layer_norm", True, x, None, scale, bias, epsilon, dtype)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | None = None, *,
@@ -459,4 +518,39 @@ def rms_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | Non
     Returns:
       (..., N) in ``dtype``; statistics in float32; gradients flow to x, scale and bias.
     """
-    return _norm("rms_norm", False, x, scale, bias, epsilon, dtype)
+    return _norm("rms_norm", False, x, None, scale, bias, epsilon, dtype)
+
+
+def add_layer_norm(x: jax.Array, residual: jax.Array, scale: jax.Array | None = None,
+                   bias: jax.Array | None = None, *, epsilon: float = 1e-6,
+                   dtype=None) -> tuple[jax.Array, jax.Array]:
+    """The pre-norm transformer's residual add and LayerNorm in one kernel:
+    ``summed = x + residual`` and ``normed = layer_norm(summed, scale, bias)``.
+
+    One read of x and of the residual, one write of each result, forward; the backward is one
+    kernel too, whose dx -- the norm's backward plus the gradient of ``summed`` -- is the gradient
+    of both x and the residual.
+
+    Args:
+      x: (..., N), N >= 1, bfloat16, float16 or float32 (a block's output).
+      residual: x's shape, any of those dtypes (the residual stream).
+      scale, bias, epsilon: as for :func:`layer_norm`.
+      dtype: normed's dtype; None means the promoted dtype of summed (the residual's dtype), scale
+        and bias -- what :func:`layer_norm` of summed gives.
+
+    Returns:
+      ``(normed, summed)``. summed is x + residual added in float32 and rounded to the residual's
+      dtype (the residual stream keeps its dtype); normed is the LayerNorm of summed as returned
+      (statistics in float32), exactly as if the add ran first. Gradients flow through both
+      results to x and the residual (each in its dtype), scale and bias.
+    """
+    return _norm("add_layer_norm", True, x, residual, scale, bias, epsilon, dtype)
+
+
+def add_rms_norm(x: jax.Array, residual: jax.Array, scale: jax.Array | None = None,
+                 bias: jax.Array | None = None, *, epsilon: float = 1e-6,
+                 dtype=None) -> tuple[jax.Array, jax.Array]:
+    """The residual add and RMSNorm in one kernel: ``summed = x + residual`` and ``normed =
+    rms_norm(summed, scale, bias)``; returns ``(normed, summed)``. Arguments and results as for
+    :func:`add_layer_norm` and :func:`rms_norm`."""
+    return _norm("add_rms_norm", False, x, residual, scale, bias, epsilon, dtype)
