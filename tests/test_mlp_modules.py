@@ -42,6 +42,7 @@ def stock_activation(activation):
 
 
 def add_residual(y, residual):
+    """``y + residual`` in y's dtype, as a stock block adds its residual (None: none)."""
     return y if residual is None else y + residual.astype(y.dtype)
 
 
@@ -186,6 +187,7 @@ def vmapped(module, n):
 
 
 def call_vmapped(module, n, *args):
+    """``module(*args)`` batched over the ``n`` leading axes of every argument."""
     return vmapped(module, n)(*args)
 
 
