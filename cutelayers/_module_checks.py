@@ -123,6 +123,33 @@ def finish_linear(y, activation, residual):
     return y if residual is None else y + jnp.asarray(residual).astype(y.dtype)
 
 
+def finish_mlp(fc1, fc2, x, activation, residual):
+    """The stock two-layer computation ``fc2(activation(fc1(x))) + residual`` of stock Dense /
+    Linear layers ``fc1`` and ``fc2``: what :func:`cutelayers.ops.mlp` computes."""
+    return finish_linear(fc2(finish_linear(fc1(x), activation, None)), None, residual)
+
+
+def residual_like(residual, x):
+    """A ``residual`` call argument (None passes) as an array in x's dtype, for the ops' epilogue."""
+    return None if residual is None else jnp.asarray(residual).astype(x.dtype)
+
+
+def check_mlp(module: str, activation, **features) -> None:
+    """An MLP's arguments: ``activation`` None, a name the GEMM epilogue fuses or a callable (as
+    :func:`cutelayers.ops.mlp` takes), and the named feature counts positive integers."""
+    for name, value in features.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{module}: argument {name!r} must be a positive integer; got {value!r}")
+    if activation is None or callable(activation):
+        return
+    names = ", ".join(repr(a) for a in ACTIVATION_FUNCTIONS if a != "none")
+    allowed = f"None, one of {names}, or a callable"
+    if not isinstance(activation, str):
+        raise TypeError(f"{module}: argument 'activation' must be {allowed}; got {activation!r}")
+    if activation not in ACTIVATION_FUNCTIONS:
+        raise ValueError(f"{module}: argument 'activation' must be {allowed}; got {activation!r}")
+
+
 def check_tied_embedding(module: str, tie_embedding: bool, embedding, vocab_size: int, hidden: int) -> None:
     """A tied LM head takes the (vocab_size, hidden) embedding table at call time; an untied one
     uses its own kernel and takes none."""

@@ -1,4 +1,4 @@
-"""Equinox ``LayerNorm``, ``RMSNorm``, ``Linear`` and heads backed by the cutelayers kernels.
+"""Equinox ``LayerNorm``, ``RMSNorm``, ``Linear``, ``MLP`` and heads backed by the cutelayers kernels.
 
 ``LayerNorm``, ``RMSNorm`` and ``Linear`` subclass ``equinox.nn.LayerNorm`` / ``RMSNorm`` /
 ``Linear``: the same constructor, fields, arrays (same initialisation: equal keys give equal
@@ -19,6 +19,9 @@ returns ``(norm(x + r), x + r)``, the add fused into the norm's kernels (see
 module and its arrays are those of a plain norm, so a pre-norm block switches to the fused add
 without touching its checkpoints.
 
+``MLP``: a transformer feed-forward block, ``Linear`` -> activation -> ``Linear`` (+ residual), as
+one :func:`cutelayers.ops.mlp` call; its arrays are those of two ``equinox.nn.Linear`` fields.
+
 Heads: ``LMHead`` (a vocabulary projection shaped like ``Linear(in_features, vocab_size)`` and its
 cross-entropy loss in one, without the logits; optionally tied to an embedding table) and
 ``MeanPoolClassifier`` (masked mean pooling and a ``Linear`` to the classes).
@@ -37,15 +40,19 @@ from jaxtyping import Array, PRNGKeyArray
 
 from cutelayers._module_checks import (
     array_blocker,
+    check_mlp,
     check_tied_embedding,
     finish_linear,
+    finish_mlp,
     kernels_serve,
     norm_op,
     residual_blocker,
+    residual_like,
     stock_norm,
 )
 from cutelayers.ops.linear import fused_linear
 from cutelayers.ops.lm_head import linear_cross_entropy
+from cutelayers.ops.mlp import mlp
 from cutelayers.ops.pool import masked_mean_pool
 
 _NO_STATE = object()  # "no state passed": then only the output is returned
@@ -97,6 +104,11 @@ def _features(n: int | Literal["scalar"]) -> int:
     return 1 if n == "scalar" else n
 
 
+def _shape(n: int | Literal["scalar"]) -> tuple[int, ...]:
+    """The shape of a layer's unbatched input or output of ``n`` features: () for "scalar"."""
+    return () if n == "scalar" else (n,)
+
+
 def _linear_init(key, in_features, out_features, use_bias, dtype, with_weight=True):
     """(weight (out, in) | None, bias (out,) | None) drawn as ``equinox.nn.Linear`` draws them:
     uniform in +-1/sqrt(in) (+-1 for in = 0) from ``key`` split in two, so equal keys give
@@ -116,6 +128,11 @@ def _promote(*arrays):
     return tuple(None if a is None else a.astype(dtype) for a in arrays)
 
 
+def _flat_residual(residual, x):
+    """A per-example ``residual`` (None passes) as the (features,) row the ops take, in x's dtype."""
+    return None if residual is None else residual_like(residual, x).reshape(-1)
+
+
 class Linear(eqx.nn.Linear):
     """``equinox.nn.Linear`` on the fused GEMM, plus ``activation`` (static): None (Equinox's
     Linear), a name or a ``jax.nn`` function fused into the GEMM's epilogue, or any other callable
@@ -133,16 +150,69 @@ class Linear(eqx.nn.Linear):
         the promoted dtype of x and the parameters (as ``weight @ x + bias``). ``residual``, shaped
         like the result, optional: added after the activation (cast to the result dtype). ``key``
         is ignored."""
-        expected = () if self.in_features == "scalar" else (self.in_features,)
-        if jnp.shape(x) != expected or not kernels_serve(
+        if jnp.shape(x) != _shape(self.in_features) or not kernels_serve(
                 "Linear", array_blocker(jnp.reshape(x, -1), weight=self.weight.dtype, bias=_dtype(self.bias))):
             return finish_linear(super().__call__(x, key=key), self.activation, residual)
         x, weight, bias = _promote(jnp.reshape(x, -1), self.weight, self.bias)
-        if residual is not None:
-            residual = jnp.asarray(residual).astype(x.dtype).reshape(-1)
         # the transpose is of the weight, once per call, not of the (batched) activations
-        y = fused_linear(x, weight.T, bias, activation=self.activation, residual=residual)
-        return y.reshape(()) if self.out_features == "scalar" else y
+        y = fused_linear(x, weight.T, bias, activation=self.activation, residual=_flat_residual(residual, x))
+        return y.reshape(_shape(self.out_features))
+
+
+class MLP(eqx.Module):
+    """Transformer feed-forward block, ``fc1`` -> ``activation`` -> ``fc2`` (+ ``residual``), as one
+    :func:`cutelayers.ops.mlp` call: two fused GEMMs, and in the backward the activation's
+    derivative inside the hidden-gradient GEMM.
+
+    Arrays: those of the two ``equinox.nn.Linear`` fields ``fc1`` (in_features -> hidden_features)
+    and ``fc2`` (hidden_features -> out_features), initialised as Equinox initialises them from
+    ``key`` split in two (``fc1`` from the first half, ``fc2`` from the second), so a stock module
+    with two such fields loads unchanged and equal keys give equal arrays. (``equinox.nn.MLP`` keeps
+    its layers in a ``layers`` tuple instead; this is not a drop-in for it.)
+
+    Args:
+      in_features, hidden_features, out_features: the widths of the input (or "scalar"), the
+        hidden layer and the output (or "scalar").
+      use_bias, dtype: as ``equinox.nn.Linear``'s, for both layers.
+      activation (static): between the layers: a name or ``jax.nn`` function fused into the GEMM
+        epilogue ('gelu', jax.nn.gelu's tanh approximation, by default; see
+        :func:`cutelayers.ops.fused_linear` for the list), None for none, or any other callable,
+        applied unfused.
+      key: the initialisation's random key.
+
+    Unbatched, as Equinox layers are; under ``jax.vmap`` the op folds the batch into rows (one
+    launch per GEMM, the weight gradients one GEMM over all rows). The computation runs in the
+    promoted dtype of x and all the arrays. Arrays the op cannot take (complex or other dtypes),
+    ``in_features=0`` or an ``x`` of another shape run the stock computation, ``fc1`` and
+    ``fc2``'s own calls (Equinox's own result or error).
+    """
+
+    fc1: eqx.nn.Linear
+    fc2: eqx.nn.Linear
+    activation: Any = eqx.field(static=True)
+
+    def __init__(self, in_features: int | Literal["scalar"], hidden_features: int,
+                 out_features: int | Literal["scalar"], use_bias: bool = True, dtype=None, *,
+                 activation: Any = "gelu", key: PRNGKeyArray):
+        check_mlp("MLP", activation, hidden_features=hidden_features)
+        k1, k2 = jax.random.split(key)
+        self.fc1 = eqx.nn.Linear(in_features, hidden_features, use_bias, dtype, key=k1)
+        self.fc2 = eqx.nn.Linear(hidden_features, out_features, use_bias, dtype, key=k2)
+        self.activation = activation
+
+    def __call__(self, x: Array, residual: Array | None = None, *, key: PRNGKeyArray | None = None) -> Array:
+        """``x`` (in_features,) -- () if "scalar" -- -> (out_features,) -- () if "scalar" --.
+        ``residual``, shaped like the result, optional: added to ``fc2``'s output (cast to the
+        result dtype). ``key`` is ignored."""
+        fc1, fc2 = self.fc1, self.fc2
+        arrays = (fc1.weight, fc1.bias, fc2.weight, fc2.bias)
+        names = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
+        if jnp.shape(x) != _shape(fc1.in_features) or not kernels_serve(
+                "MLP", array_blocker(jnp.reshape(x, -1), **{n: _dtype(a) for n, a in zip(names, arrays)})):
+            return finish_mlp(fc1, fc2, x, self.activation, residual)
+        x, w1, b1, w2, b2 = _promote(jnp.reshape(x, -1), *arrays)
+        y = mlp(x, w1.T, b1, w2.T, b2, activation=self.activation, residual=_flat_residual(residual, x))
+        return y.reshape(_shape(fc2.out_features))
 
 
 class LMHead(eqx.Module):

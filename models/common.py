@@ -10,10 +10,10 @@ framework's modules and exposes ``init(config, key, *, stock=False) -> Functiona
 * ``logits(params, inputs)`` -- float32 next-token logits (batch, seq, vocab), for sampling;
 * ``model`` -- the framework object itself.
 
-``stock=True`` builds the twin from the framework's own layers (Dense / Linear / LayerNorm, and a
-Dense / Linear head with ``optax`` cross-entropy where ours has cutelayers' ``LMHead``) with the
-same parameter tree: the same key paths,
-shapes and dtypes, so a checkpoint of one loads into the other (:func:`transfer_params`).
+``stock=True`` builds the twin from the framework's own layers (Dense / Linear / LayerNorm; two
+Dense / Linear layers where ours has cutelayers' ``MLP``; a Dense / Linear head with ``optax``
+cross-entropy where ours has cutelayers' ``LMHead``) with the same parameter tree: the same key
+paths, shapes and dtypes, so a checkpoint of one loads into the other (:func:`transfer_params`).
 """
 
 from __future__ import annotations

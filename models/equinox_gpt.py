@@ -3,28 +3,27 @@
 
     x = wte(tokens) + wpe(positions)
     per block:  x = attn_out(attention(qkv(ln1(x))), residual=x)      # fused residual add
-                x = mlp_out(mlp_in(ln2(x)), residual=x)               # mlp_in: fused GELU
+                x = mlp(ln2(x), residual=x)           # fc2(gelu(fc1(.))) + x: one ops.mlp
     loss = head(ln_f(x), targets)                # LMHead: linear + cross-entropy, no logits
 
 Leaves (float32): ``wte.weight``, ``wpe.weight``, ``blocks[i].{ln1,ln2}.{weight,bias}``,
-``blocks[i].{qkv,attn_out,mlp_in,mlp_out}.{weight,bias}`` (weights (out, in) as in
-``eqx.nn.Linear``), ``ln_f.{weight,bias}``, ``head.weight`` (vocab, d_model) -- in both twins.
+``blocks[i].{qkv,attn_out}.{weight,bias}``, ``blocks[i].mlp.{fc1,fc2}.{weight,bias}`` (weights
+(out, in) as in ``eqx.nn.Linear``), ``ln_f.{weight,bias}``, ``head.weight`` (vocab, d_model) -- in
+both twins (the stock twin's MLP has two ``eqx.nn.Linear`` fields ``fc1``, ``fc2``).
 
 Two choices:
 
 * Batching. ``model(inputs, targets)`` takes (seq,) or (batch, seq) tokens and calls every
-  per-example layer (the library's ``Linear`` and ``LayerNorm``, as a user would) under one
-  ``jax.vmap`` over all rows: the ops fold the vmap into rows, so each linear layer is one GEMM
-  forward and one GEMM for the weight gradient, and each norm one kernel launch. The LM head
-  takes the whole batch (one loss).
+  per-example layer (the library's ``Linear``, ``MLP`` and ``LayerNorm``, as a user would) under
+  one ``jax.vmap`` over all rows: the ops fold the vmap into rows, so each linear layer (and each
+  of the MLP's two) is one GEMM forward and one GEMM for the weight gradient, and each norm one
+  kernel launch. The LM head takes the whole batch (one loss).
 * Mixed precision. Equinox layers compute in the promoted dtype of input and parameters, so
   :func:`init`'s loss casts the float32 parameters to the compute dtype before the forward pass
   (the usual Equinox recipe); gradients flow back to the float32 parameters through the cast.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import equinox as eqx
 import jax
@@ -36,20 +35,27 @@ from models.configs import GPTConfig
 
 
 class _StockLinear(eqx.nn.Linear):
-    """Equinox's Linear with the call of cutelayers' Linear (``activation``, ``residual=``),
-    unfused."""
-
-    activation: Any = eqx.field(static=True)
-
-    def __init__(self, *args, activation=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.activation = activation
+    """Equinox's Linear with the call of cutelayers' Linear (``residual=``), unfused."""
 
     def __call__(self, x, residual=None, *, key=None):
         y = super().__call__(x)
-        if self.activation is not None:
-            y = getattr(jax.nn, self.activation)(y)
         return y if residual is None else residual + y
+
+
+class _StockMLP(eqx.Module):
+    """Two Equinox Linears, ``fc1`` and ``fc2``, with the constructor and call of cutelayers' MLP
+    (as the GPT uses it): ``fc2(gelu(fc1(x))) + residual``, unfused."""
+
+    fc1: eqx.nn.Linear
+    fc2: eqx.nn.Linear
+
+    def __init__(self, in_features, hidden_features, out_features, *, key):
+        k1, k2 = jax.random.split(key)
+        self.fc1 = eqx.nn.Linear(in_features, hidden_features, key=k1)
+        self.fc2 = eqx.nn.Linear(hidden_features, out_features, key=k2)
+
+    def __call__(self, x, residual, *, key=None):
+        return residual + self.fc2(jax.nn.gelu(self.fc1(x)))
 
 
 class _StockHead(_StockLinear):
@@ -61,16 +67,14 @@ class _StockHead(_StockLinear):
 
 
 def _layers(stock: bool):
-    """(LayerNorm, Linear, LM head) classes of the stock twin or of the cutelayers model."""
+    """(LayerNorm, Linear, MLP, LM head) classes of the stock twin or of the cutelayers model."""
     if stock:
-        return eqx.nn.LayerNorm, _StockLinear, _StockHead
-    return cl_eqx.LayerNorm, cl_eqx.Linear, cl_eqx.LMHead
+        return eqx.nn.LayerNorm, _StockLinear, _StockMLP, _StockHead
+    return cl_eqx.LayerNorm, cl_eqx.Linear, cl_eqx.MLP, cl_eqx.LMHead
 
 
-def _linear(Linear, n_in, n_out, std, key, **kwargs):
-    """A Linear with GPT-2's init: weight ~ N(0, std^2), bias zero."""
-    init_key, key = jax.random.split(key)
-    layer = Linear(n_in, n_out, key=init_key, **kwargs)
+def _gpt2_init(layer, std, key):
+    """``layer`` (a Linear) with GPT-2's init: weight ~ N(0, std^2), bias zero."""
     weight = std * jax.random.normal(key, layer.weight.shape, layer.weight.dtype)
     layer = eqx.tree_at(lambda l: l.weight, layer, weight)
     if layer.bias is not None:
@@ -78,9 +82,24 @@ def _linear(Linear, n_in, n_out, std, key, **kwargs):
     return layer
 
 
+def _linear(Linear, n_in, n_out, std, key, **kwargs):
+    """A Linear with GPT-2's init (:func:`_gpt2_init`)."""
+    init_key, key = jax.random.split(key)
+    return _gpt2_init(Linear(n_in, n_out, key=init_key, **kwargs), std, key)
+
+
+def _mlp(MLP, d, hidden, std, proj_std, key):
+    """An MLP d -> hidden -> d with GPT-2's init: std for fc1, the scaled proj_std for fc2 (it
+    writes into the residual stream)."""
+    init_key, k1, k2 = jax.random.split(key, 3)
+    mlp = MLP(d, hidden, d, key=init_key)
+    return eqx.tree_at(lambda m: (m.fc1, m.fc2), mlp,
+                       (_gpt2_init(mlp.fc1, std, k1), _gpt2_init(mlp.fc2, proj_std, k2)))
+
+
 def _on_rows(layer, x, residual=None):
-    """Apply a per-example layer (a norm, a linear with an optional ``residual``) to every row of
-    x (..., features) with one vmap."""
+    """Apply a per-example layer (a norm; a linear or an MLP with an optional ``residual``) to every
+    row of x (..., features) with one vmap."""
     operands = (x,) if residual is None else (x, residual)
     y = jax.vmap(layer)(*(a.reshape(-1, a.shape[-1]) for a in operands))
     return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -93,26 +112,24 @@ class Block(eqx.Module):
     qkv: eqx.Module
     attn_out: eqx.Module
     ln2: eqx.Module
-    mlp_in: eqx.Module
-    mlp_out: eqx.Module
+    mlp: eqx.Module
     n_heads: int = eqx.field(static=True)
 
     def __init__(self, config: GPTConfig, *, stock: bool, key: jax.Array):
-        LayerNorm, Linear, _ = _layers(stock)
+        LayerNorm, Linear, MLP, _ = _layers(stock)
         d, std, proj_std = config.d_model, config.init_std, config.proj_init_std
-        k = jax.random.split(key, 4)
+        k = jax.random.split(key, 3)
         self.n_heads = config.n_heads
         self.ln1 = LayerNorm(d, eps=config.norm_eps)
         self.qkv = _linear(Linear, d, 3 * d, std, k[0])
         self.attn_out = _linear(Linear, d, d, proj_std, k[1])
         self.ln2 = LayerNorm(d, eps=config.norm_eps)
-        self.mlp_in = _linear(Linear, d, config.d_mlp, std, k[2], activation="gelu")
-        self.mlp_out = _linear(Linear, config.d_mlp, d, proj_std, k[3])
+        self.mlp = _mlp(MLP, d, config.d_mlp, std, proj_std, k[2])
 
     def __call__(self, x):
         qkv = _on_rows(self.qkv, _on_rows(self.ln1, x))
         x = _on_rows(self.attn_out, causal_attention(qkv, self.n_heads), residual=x)
-        return _on_rows(self.mlp_out, _on_rows(self.mlp_in, _on_rows(self.ln2, x)), residual=x)
+        return _on_rows(self.mlp, _on_rows(self.ln2, x), residual=x)
 
 
 class GPT(eqx.Module):
@@ -130,7 +147,7 @@ class GPT(eqx.Module):
     stock: bool = eqx.field(static=True)
 
     def __init__(self, config: GPTConfig, *, stock: bool = False, key: jax.Array):
-        LayerNorm, _, Head = _layers(stock)
+        LayerNorm, _, _, Head = _layers(stock)
         d, std = config.d_model, config.init_std
         k_wte, k_wpe, k_head, *k_blocks = jax.random.split(key, 3 + config.n_layers)
         self.config, self.stock = config, stock

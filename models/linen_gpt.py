@@ -3,13 +3,14 @@
 
     x = wte(tokens) + wpe(positions)
     per block:  x = attn_out(attention(qkv(ln1(x))), residual=x)      # fused residual add
-                x = mlp_out(mlp_in(ln2(x)), residual=x)               # mlp_in: fused GELU
+                x = mlp(ln2(x), residual=x)           # Dense(gelu(Dense(.))) + x: one ops.mlp
     loss = head(ln_f(x), targets)                # LMHead: linear + cross-entropy, no logits
 
 Parameters (float32), ``params`` collection: ``wte.embedding``, ``wpe.embedding``,
-``blocks_{i}.{ln1,ln2}.{scale,bias}``, ``blocks_{i}.{qkv,attn_out,mlp_in,mlp_out}.{kernel,bias}``,
-``ln_f.{scale,bias}``, ``head.kernel`` -- the names linen's ``Embed`` / ``LayerNorm`` / ``Dense``
-use, in both twins.
+``blocks_{i}.{ln1,ln2}.{scale,bias}``, ``blocks_{i}.{qkv,attn_out}.{kernel,bias}``,
+``blocks_{i}.mlp.{Dense_0,Dense_1}.{kernel,bias}``, ``ln_f.{scale,bias}``, ``head.kernel`` -- the
+names linen's ``Embed`` / ``LayerNorm`` / ``Dense`` use, in both twins (the stock twin's MLP is a
+compact module calling ``nn.Dense`` twice).
 """
 
 from __future__ import annotations
@@ -26,16 +27,29 @@ from models.configs import GPTConfig
 
 
 class _StockDense(nn.Dense):
-    """linen's Dense with the call of cutelayers' Dense (``activation``, ``residual=``), unfused."""
-
-    activation: Any = None
+    """linen's Dense with the call of cutelayers' Dense (``residual=``), unfused."""
 
     @nn.compact
     def __call__(self, inputs, residual=None):
         y = super().__call__(inputs)
-        if self.activation is not None:
-            y = getattr(jax.nn, self.activation)(y)
         return y if residual is None else residual + y
+
+
+class _StockMLP(nn.Module):
+    """Two linen Dense layers (``Dense_0``, ``Dense_1``: a compact module's names) with the
+    attributes and call of cutelayers' MLP (as the GPT uses it): ``fc2(gelu(fc1(x))) + residual``,
+    unfused."""
+
+    hidden_features: int
+    features: int
+    dtype: Any
+    kernel_init: Any
+    out_kernel_init: Any
+
+    @nn.compact
+    def __call__(self, x, residual):
+        h = jax.nn.gelu(nn.Dense(self.hidden_features, dtype=self.dtype, kernel_init=self.kernel_init)(x))
+        return residual + nn.Dense(self.features, dtype=self.dtype, kernel_init=self.out_kernel_init)(h)
 
 
 class _StockHead(nn.Dense):
@@ -48,10 +62,10 @@ class _StockHead(nn.Dense):
 
 
 def _layers(stock: bool):
-    """(LayerNorm, Dense, LM head) classes of the stock twin or of the cutelayers model."""
+    """(LayerNorm, Dense, MLP, LM head) classes of the stock twin or of the cutelayers model."""
     if stock:
-        return nn.LayerNorm, _StockDense, _StockHead
-    return cl_linen.LayerNorm, cl_linen.Dense, cl_linen.LMHead
+        return nn.LayerNorm, _StockDense, _StockMLP, _StockHead
+    return cl_linen.LayerNorm, cl_linen.Dense, cl_linen.MLP, cl_linen.LMHead
 
 
 class Block(nn.Module):
@@ -63,15 +77,15 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x):
         cfg = self.config
-        LayerNorm, Dense, _ = _layers(self.stock)
+        LayerNorm, Dense, MLP, _ = _layers(self.stock)
         d, dt = cfg.d_model, cfg.compute_dtype
         init, proj_init = nn.initializers.normal(cfg.init_std), nn.initializers.normal(cfg.proj_init_std)
         h = LayerNorm(epsilon=cfg.norm_eps, dtype=dt, name="ln1")(x)
         a = causal_attention(Dense(3 * d, dtype=dt, kernel_init=init, name="qkv")(h), cfg.n_heads)
         x = Dense(d, dtype=dt, kernel_init=proj_init, name="attn_out")(a, residual=x)
         h = LayerNorm(epsilon=cfg.norm_eps, dtype=dt, name="ln2")(x)
-        u = Dense(cfg.d_mlp, dtype=dt, kernel_init=init, activation="gelu", name="mlp_in")(h)
-        return Dense(d, dtype=dt, kernel_init=proj_init, name="mlp_out")(u, residual=x)
+        mlp = MLP(cfg.d_mlp, d, dtype=dt, kernel_init=init, out_kernel_init=proj_init, name="mlp")
+        return mlp(h, residual=x)
 
 
 class GPT(nn.Module):
@@ -87,7 +101,7 @@ class GPT(nn.Module):
     @nn.compact
     def __call__(self, inputs, targets=None):
         cfg = self.config
-        LayerNorm, _, Head = _layers(self.stock)
+        LayerNorm, _, _, Head = _layers(self.stock)
         dt, init = cfg.compute_dtype, nn.initializers.normal(cfg.init_std)
         x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dt, embedding_init=init, name="wte")(inputs)
         x = x + nn.Embed(cfg.seq_len, cfg.d_model, dtype=dt, embedding_init=init, name="wpe")(

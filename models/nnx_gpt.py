@@ -3,12 +3,13 @@
 
     x = wte(tokens) + wpe(positions)
     per block:  x = attn_out(attention(qkv(ln1(x))), residual=x)      # fused residual add
-                x = mlp_out(mlp_in(ln2(x)), residual=x)               # mlp_in: fused GELU
+                x = mlp(ln2(x), residual=x)           # fc2(gelu(fc1(.))) + x: one ops.mlp
     loss = head(ln_f(x), targets)                # LMHead: linear + cross-entropy, no logits
 
 Parameters (float32): ``wte.embedding``, ``wpe.embedding``, ``blocks[i].{ln1,ln2}.{scale,bias}``,
-``blocks[i].{qkv,attn_out,mlp_in,mlp_out}.{kernel,bias}``, ``ln_f.{scale,bias}``,
-``head.kernel`` -- the names NNX's ``Embed`` / ``LayerNorm`` / ``Linear`` use, in both twins.
+``blocks[i].{qkv,attn_out}.{kernel,bias}``, ``blocks[i].mlp.{fc1,fc2}.{kernel,bias}``,
+``ln_f.{scale,bias}``, ``head.kernel`` -- the names NNX's ``Embed`` / ``LayerNorm`` / ``Linear``
+use, in both twins (the stock twin's MLP is two ``nnx.Linear`` attributes ``fc1``, ``fc2``).
 """
 
 from __future__ import annotations
@@ -22,17 +23,25 @@ from models.configs import GPTConfig
 
 
 class _StockLinear(nnx.Linear):
-    """NNX's Linear with the call of cutelayers' Linear (``activation``, ``residual=``), unfused."""
-
-    def __init__(self, *args, activation=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.activation = activation
+    """NNX's Linear with the call of cutelayers' Linear (``residual=``), unfused."""
 
     def __call__(self, inputs, residual=None):
         y = super().__call__(inputs)
-        if self.activation is not None:
-            y = getattr(jax.nn, self.activation)(y)
         return y if residual is None else residual + y
+
+
+class _StockMLP(nnx.Module):
+    """Two NNX Linears, ``fc1`` and ``fc2``, with the constructor and call of cutelayers' MLP (as
+    the GPT uses it): ``fc2(gelu(fc1(x))) + residual``, unfused."""
+
+    def __init__(self, in_features, hidden_features, out_features, *, dtype, kernel_init, out_kernel_init,
+                 rngs):
+        self.fc1 = nnx.Linear(in_features, hidden_features, dtype=dtype, kernel_init=kernel_init, rngs=rngs)
+        self.fc2 = nnx.Linear(hidden_features, out_features, dtype=dtype, kernel_init=out_kernel_init,
+                              rngs=rngs)
+
+    def __call__(self, x, residual):
+        return residual + self.fc2(jax.nn.gelu(self.fc1(x)))
 
 
 class _StockHead(nnx.Linear):
@@ -44,17 +53,17 @@ class _StockHead(nnx.Linear):
 
 
 def _layers(stock: bool):
-    """(LayerNorm, Linear, LM head) classes of the stock twin or of the cutelayers model."""
+    """(LayerNorm, Linear, MLP, LM head) classes of the stock twin or of the cutelayers model."""
     if stock:
-        return nnx.LayerNorm, _StockLinear, _StockHead
-    return cl_nnx.LayerNorm, cl_nnx.Linear, cl_nnx.LMHead
+        return nnx.LayerNorm, _StockLinear, _StockMLP, _StockHead
+    return cl_nnx.LayerNorm, cl_nnx.Linear, cl_nnx.MLP, cl_nnx.LMHead
 
 
 class Block(nnx.Module):
     """Pre-norm transformer block: causal self-attention and a GELU MLP, each with a residual."""
 
     def __init__(self, config: GPTConfig, *, stock: bool, rngs: nnx.Rngs):
-        LayerNorm, Linear, _ = _layers(stock)
+        LayerNorm, Linear, MLP, _ = _layers(stock)
         d, dt = config.d_model, config.compute_dtype
         init = nnx.initializers.normal(config.init_std)
         proj_init = nnx.initializers.normal(config.proj_init_std)
@@ -64,12 +73,11 @@ class Block(nnx.Module):
         self.qkv = Linear(d, 3 * d, dtype=dt, kernel_init=init, rngs=rngs)
         self.attn_out = Linear(d, d, dtype=dt, kernel_init=proj_init, rngs=rngs)
         self.ln2 = LayerNorm(d, **norm)
-        self.mlp_in = Linear(d, config.d_mlp, dtype=dt, kernel_init=init, activation="gelu", rngs=rngs)
-        self.mlp_out = Linear(config.d_mlp, d, dtype=dt, kernel_init=proj_init, rngs=rngs)
+        self.mlp = MLP(d, config.d_mlp, d, dtype=dt, kernel_init=init, out_kernel_init=proj_init, rngs=rngs)
 
     def __call__(self, x):
         x = self.attn_out(causal_attention(self.qkv(self.ln1(x)), self.n_heads), residual=x)
-        return self.mlp_out(self.mlp_in(self.ln2(x)), residual=x)
+        return self.mlp(self.ln2(x), residual=x)
 
 
 class GPT(nnx.Module):
@@ -79,7 +87,7 @@ class GPT(nnx.Module):
     """
 
     def __init__(self, config: GPTConfig, *, stock: bool = False, rngs: nnx.Rngs):
-        LayerNorm, _, Head = _layers(stock)
+        LayerNorm, _, _, Head = _layers(stock)
         dt, init = config.compute_dtype, nnx.initializers.normal(config.init_std)
         self.config = config
         self.wte = nnx.Embed(config.vocab_size, config.d_model, dtype=dt, embedding_init=init, rngs=rngs)

@@ -6,6 +6,7 @@ CuTe kernels for sm_90a without a GPU; `gpu` tests run the kernels.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -314,6 +315,13 @@ def kernel_targets(hlo: str) -> list[str]:
     """Kernel names of the custom calls, in order (the target name less its hash)."""
     return [line.split("@cutelayers_")[1].split("(")[0].rsplit("_", 1)[0]
             for line in hlo.splitlines() if "stablehlo.custom_call @cutelayers_" in line]
+
+
+def kernel_operand_counts(hlo: str, name: str) -> list[int]:
+    """Operand counts of the custom calls of kernel ``name`` (e.g. "linear_dx"), in order: the
+    hidden-gradient GEMM of an MLP is the linear_dx call with three (dz, kernel, pre-activation)."""
+    pattern = rf"stablehlo\.custom_call @cutelayers_{name}_[0-9a-f]+\(([^)]*)\)"
+    return [len(operands.split(",")) for operands in re.findall(pattern, hlo)]
 
 
 # (rows, K, N) picking each config class

@@ -1,6 +1,7 @@
 """The GPT models (models/): forward / backward per framework on CPU, the stock twins (same
-parameter tree, parameters move across, same loss), and the compile-once property of a 24-block
-model lowered for CUDA on this machine (CUTE_DSL_ARCH=sm_90a, set by conftest)."""
+parameter tree, parameters move across, same loss), and, lowered for CUDA on this machine
+(CUTE_DSL_ARCH=sm_90a, set by conftest), each block's MLP as one ``ops.mlp`` and the compile-once
+property of a 24-block model."""
 
 import dataclasses
 import math
@@ -16,6 +17,7 @@ import cutelayers as cl
 from models import common
 from models.configs import CONFIGS, GPTConfig, get_config
 from numerics import assert_close
+from test_linear import kernel_operand_counts
 
 FRAMEWORKS = common.FRAMEWORKS
 
@@ -162,7 +164,30 @@ def test_cudnn_attention_in_the_step(stock):
     assert len(re.findall(r"__cudnn\$fmhaSoftmaxBackward", hlo)) == cfg.n_layers
 
 
-# --- compile once: 24 blocks lowered for CUDA --------------------------------------------------------
+# --- lowered for CUDA ------------------------------------------------------------------------------
+
+def train_step_hlo(model, batch) -> str:
+    """The model's loss and gradients, lowered for CUDA (StableHLO text)."""
+    return (jax.jit(jax.value_and_grad(model.loss)).trace(model.params, batch, batch)
+            .lower(lowering_platforms=("cuda",)).as_text())
+
+
+def test_each_mlp_is_one_op_in_the_train_step():
+    """Each block's fc1 -> gelu -> fc2 (+ residual) is one ``ops.mlp`` (backend 'cute': no
+    fallback anywhere): fc1's forward stores its pre-activation (a linear_fwd with two results),
+    the hidden-gradient GEMM applies gelu's derivative in its epilogue (the linear_dx with three
+    operands), and no GELU is left to XLA."""
+    cfg = get_config("deep24", n_layers=2, seq_len=32)
+    batch = jax.ShapeDtypeStruct((2, cfg.seq_len), jnp.int32)
+    for framework in FRAMEWORKS:
+        model = common.init(framework, cfg, jax.random.key(0), abstract=True)
+        with cl.use_backend("cute"):
+            hlo = train_step_hlo(model, batch)
+        assert kernel_operand_counts(hlo, "linear_dx").count(3) == cfg.n_layers, framework
+        fc1_forwards = re.findall(r"%\S+:2 = stablehlo\.custom_call @cutelayers_linear_fwd_", hlo)
+        assert len(fc1_forwards) == cfg.n_layers, framework
+        assert "tanh" not in hlo, framework
+
 
 def kernel_calls(hlo: str) -> list[str]:
     """FFI targets of the cutelayers custom calls, one entry per call."""
@@ -183,15 +208,14 @@ def test_deep24_compiles_each_kernel_once():
     try:
         for framework in FRAMEWORKS:  # the three lower to (mostly) the same kernels: shared cache
             model = common.init(framework, cfg, jax.random.key(0), abstract=True)
-            hlo = (jax.jit(jax.value_and_grad(model.loss)).trace(model.params, batch, batch)
-                   .lower(lowering_platforms=("cuda",)).as_text())
+            hlo = train_step_hlo(model, batch)
             assert "__cudnn$fmha" not in hlo  # no GPU here: XLA attention (cuDNN's cannot be lowered)
             calls = kernel_calls(hlo)
             per_name = Counter(map(kernel_name, calls))
             n, blocks = cfg.n_layers, cfg.n_layers
             # two LayerNorms per block + the final one, forward and backward
             assert per_name["layer_norm_fwd"] == per_name["layer_norm_bwd"] == 2 * blocks + 1, framework
-            # four projections per block (+ the LM head's GEMMs), forward, dx and dkernel
+            # four GEMMs per block (qkv, attn_out, the MLP's two) + the LM head's: forward, dx, dkernel
             for name in ("linear_fwd", "linear_dx", "linear_dkernel"):
                 assert per_name[name] >= 4 * n, (framework, name, per_name)
             assert per_name["cross_entropy_fwd"] >= 1 and per_name["cross_entropy_bwd"] >= 1

@@ -25,8 +25,9 @@ def test_bench_tiny_cases_table_and_breakdown(tmp_path, capsys):
         assert float(cells[6]) > 0 and float(cells[7]) > 0 and int(cells[9].replace(",", "")) > 0
         assert int(cells[12].replace(",", "")) > 0  # compiled memory (the CPU keeps no peak statistics)
     assert rows[1].split("|")[11].strip() == "1.00x"  # stock vs itself
-    parts = re.findall(r"^\| (GEMM \w+ \(\d+x\d+\)|LayerNorm|attention|LM head \+ loss|optimizer \(AdamW\)|"
-                       r"other \(step - parts\)) \| ([\d.-]+) \| ([\d.-]+) \|", text, re.M)
-    assert len(parts) == 9
+    parts = re.findall(r"^\| (GEMM \w+ \(\d+x\d+\)|MLP \(\d+x\d+x\d+\)|LayerNorm|attention|LM head \+ loss|"
+                       r"optimizer \(AdamW\)|other \(step - parts\)) \| ([\d.-]+) \| ([\d.-]+) \|",
+                       text, re.M)
+    assert len(parts) == 8
     assert all(float(ours) > 0 and float(stock) > 0 for name, ours, stock in parts if not name.startswith("other"))
     assert text.strip().endswith(printed.strip().splitlines()[-2].strip())  # printed what it appended

@@ -16,9 +16,9 @@ the jnp reference backend) -- one train step (value_and_grad + AdamW, the step
   statistics (CPU).
 
 ``--breakdown`` adds a per-part table, cutelayers vs stock: each part of one step timed alone at the
-model's shapes (forward + backward, times its count per step): the four GEMMs of a block, the
-LayerNorms, attention, the LM head + loss, the optimizer update, and the rest of the step
-(``other`` = step - parts).
+model's shapes (forward + backward, times its count per step): the two attention GEMMs and the
+MLP of a block, the LayerNorms, attention, the LM head + loss, the optimizer update, and the rest
+of the step (``other`` = step - parts).
 
 The tables are printed and appended to ``--output`` (default docs/benchmarks.md) with the GPU,
 versions, date and command. On CPU, tiny settings (``--config tiny --steps 3``) check it runs.
@@ -150,7 +150,7 @@ def part_seconds(config: GPTConfig, batch_size: int, *, stock: bool) -> dict[str
     from models import linen_gpt
 
     dt, d, n_layers = config.compute_dtype, config.d_model, config.n_layers
-    LayerNorm, Dense, Head = linen_gpt._layers(stock)
+    LayerNorm, Dense, MLP, Head = linen_gpt._layers(stock)
     rng = np.random.default_rng(0)
     rows = (batch_size, config.seq_len)
 
@@ -167,12 +167,11 @@ def part_seconds(config: GPTConfig, batch_size: int, *, stock: bool) -> dict[str
 
     x = act(*rows, d)
     parts = {}
-    for name, n_out, activation, n_in in (("qkv", 3 * d, None, d), ("attn_out", d, None, d),
-                                          ("mlp_in", config.d_mlp, "gelu", d), ("mlp_out", d, None, config.d_mlp)):
-        inputs = act(*rows, n_in)
-        residual = {"residual": act(*rows, d)} if name in ("attn_out", "mlp_out") else {}
-        parts[f"GEMM {name} ({n_in}x{n_out})"] = n_layers * fwd_bwd(
-            Dense(n_out, dtype=dt, activation=activation), inputs, **residual)
+    for name, n_out, residual in (("qkv", 3 * d, {}), ("attn_out", d, {"residual": x})):
+        parts[f"GEMM {name} ({d}x{n_out})"] = n_layers * fwd_bwd(Dense(n_out, dtype=dt), x, **residual)
+    mlp = MLP(config.d_mlp, d, dtype=dt, kernel_init=jax.nn.initializers.normal(config.init_std),
+              out_kernel_init=jax.nn.initializers.normal(config.proj_init_std))
+    parts[f"MLP ({d}x{config.d_mlp}x{d})"] = n_layers * fwd_bwd(mlp, x, residual=x)
     parts["LayerNorm"] = (2 * n_layers + 1) * fwd_bwd(LayerNorm(epsilon=config.norm_eps, dtype=dt), x)
     qkv = act(*rows, 3 * d)
     attention = jax.jit(lambda q: jax.vjp(lambda a: common.causal_attention(a, config.n_heads), q)[1](

@@ -1,4 +1,4 @@
-"""Flax linen ``LayerNorm``, ``RMSNorm``, ``Dense`` and heads backed by the cutelayers kernels.
+"""Flax linen ``LayerNorm``, ``RMSNorm``, ``Dense``, ``MLP`` and heads backed by the cutelayers kernels.
 
 ``LayerNorm``, ``RMSNorm`` and ``Dense`` subclass ``flax.linen.LayerNorm`` / ``RMSNorm`` /
 ``Dense``: the same attributes, defaults, parameters and dtype rules, by construction, and
@@ -14,6 +14,9 @@ logged once (README, *Drop-in modules*, lists which arguments take which path).
 :func:`cutelayers.ops.add_layer_norm`). An argument rather than ``AddLayerNorm`` modules: the
 module, its parameters and their automatic names (``LayerNorm_0``) are those of a plain norm, so a
 pre-norm block switches to the fused add without touching its checkpoints.
+
+``MLP``: a transformer feed-forward block, ``Dense`` -> activation -> ``Dense`` (+ residual), as one
+:func:`cutelayers.ops.mlp` call; its parameters are those of two ``Dense`` children.
 
 Heads: ``LMHead`` (a Dense-shaped vocabulary projection and its cross-entropy loss in one, without
 the logits; optionally tied to an embedding table) and ``MeanPoolClassifier`` (masked mean pooling
@@ -34,17 +37,21 @@ from flax.linen.module import Module, compact
 
 from cutelayers._module_checks import (
     array_blocker,
+    check_mlp,
     check_tied_embedding,
     finish_linear,
+    finish_mlp,
     kernels_serve,
     norm_blocker,
     norm_op,
     options_blocker,
     residual_blocker,
+    residual_like,
     stock_norm,
 )
 from cutelayers.ops.linear import fused_linear
 from cutelayers.ops.lm_head import linear_cross_entropy
+from cutelayers.ops.mlp import mlp
 from cutelayers.ops.pool import masked_mean_pool
 
 Dtype = Any
@@ -85,6 +92,14 @@ class RMSNorm(_Norm, nn.RMSNorm):
     """``flax.linen.RMSNorm`` on the cutelayers kernels (see the module docstring)."""
 
 
+def _dense_params(dense: nn.Dense, in_features: int):
+    """``kernel`` (in_features, features) and ``bias`` (features,) or None, declared in ``dense``'s
+    scope as ``flax.linen.Dense`` declares them (names, shapes, initializers, ``param_dtype``)."""
+    kernel = dense.param("kernel", dense.kernel_init, (in_features, dense.features), dense.param_dtype)
+    bias = dense.param("bias", dense.bias_init, (dense.features,), dense.param_dtype) if dense.use_bias else None
+    return kernel, bias
+
+
 class Dense(nn.Dense):
     """``flax.linen.Dense`` on the fused GEMM, plus ``activation``: None (Flax's Dense), a name or
     a ``jax.nn`` function fused into the GEMM's epilogue, or any other callable applied after it
@@ -103,11 +118,80 @@ class Dense(nn.Dense):
                or array_blocker(inputs, parameters=self.param_dtype, dtype=self.dtype))
         if not kernels_serve("Dense", why):
             return finish_linear(super().__call__(inputs), self.activation, residual)
-        kernel = self.param("kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype)
-        bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
+        kernel, bias = _dense_params(self, jnp.shape(inputs)[-1])
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
         return fused_linear(inputs, kernel, bias, activation=self.activation, precision=self.precision,
-                            residual=None if residual is None else jnp.asarray(residual).astype(inputs.dtype))
+                            residual=residual_like(residual, inputs))
+
+
+class _DenseParams(nn.Dense):
+    """A ``Dense``'s parameters without its product: ``(kernel, bias)`` for ``in_features``
+    inputs, declared where and as the ``Dense`` would declare them (an ``MLP``'s layers)."""
+
+    @compact
+    def __call__(self, in_features: int):
+        return _dense_params(self, in_features)
+
+
+class MLP(Module):
+    """Transformer feed-forward block, ``Dense(hidden_features)`` -> ``activation`` ->
+    ``Dense(features)`` (+ ``residual``), as one :func:`cutelayers.ops.mlp` call: two fused GEMMs,
+    and in the backward the activation's derivative inside the hidden-gradient GEMM.
+
+    Parameters: those of two ``flax.linen.Dense`` children named ``Dense_0`` (``kernel``
+    (in_features, hidden_features), ``bias``) and ``Dense_1`` (``kernel`` (hidden_features,
+    features), ``bias``) -- the names a compact module calling ``nn.Dense`` twice gets -- with
+    Dense's initializers and draws, so such a stock MLP's parameters load unchanged (and equal keys
+    give equal parameters).
+
+    Attributes:
+      hidden_features: the first layer's output width.
+      features: the block's output width.
+      activation: between the layers: a name or ``jax.nn`` function fused into the GEMM epilogue
+        ('gelu', jax.nn.gelu's tanh approximation, by default; see
+        :func:`cutelayers.ops.fused_linear` for the list), None for none, or any other callable,
+        applied unfused.
+      use_bias, dtype, param_dtype, precision, kernel_init, bias_init: as ``Dense``'s, for both
+        layers. The computation runs in ``dtype`` if given, else in the promoted dtype of the
+        input and the parameters (Dense's rule, for the block as a whole); ``precision`` applies
+        to float32 GEMMs (bfloat16 / float16 products are exact).
+      out_kernel_init: the second layer's kernel initializer; None: ``kernel_init`` (e.g. GPT-2's
+        scaled initialization of a projection into the residual stream).
+
+    Input and parameters that the op cannot take (complex or other dtypes, a scalar input or an
+    empty last axis) run the stock computation, two ``flax.linen.Dense`` layers, logged once.
+    """
+
+    hidden_features: int
+    features: int
+    activation: Any = "gelu"
+    use_bias: bool = True
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    precision: PrecisionLike = None
+    kernel_init: Initializer = default_kernel_init
+    out_kernel_init: Initializer | None = None
+    bias_init: Initializer = initializers.zeros_init()
+
+    @compact
+    def __call__(self, inputs, residual=None):
+        """``inputs`` (..., in_features) -> (..., features). ``residual`` (..., features),
+        optional: added to the second layer's output (cast to the result dtype)."""
+        check_mlp("MLP", self.activation, hidden_features=self.hidden_features, features=self.features)
+        stock = not kernels_serve("MLP", array_blocker(inputs, parameters=self.param_dtype, dtype=self.dtype))
+        Layer = nn.Dense if stock else _DenseParams
+        shared = {"use_bias": self.use_bias, "dtype": self.dtype, "param_dtype": self.param_dtype,
+                  "precision": self.precision, "bias_init": self.bias_init}
+        out_kernel_init = self.out_kernel_init or self.kernel_init
+        fc1 = Layer(self.hidden_features, kernel_init=self.kernel_init, name="Dense_0", **shared)
+        fc2 = Layer(self.features, kernel_init=out_kernel_init, name="Dense_1", **shared)
+        if stock:
+            return finish_mlp(fc1, fc2, inputs, self.activation, residual)
+        w1, b1 = fc1(jnp.shape(inputs)[-1])
+        w2, b2 = fc2(self.hidden_features)
+        inputs, w1, b1, w2, b2 = dtypes.promote_dtype(inputs, w1, b1, w2, b2, dtype=self.dtype)
+        return mlp(inputs, w1, b1, w2, b2, activation=self.activation, precision=self.precision,
+                   residual=residual_like(residual, inputs))
 
 
 class LMHead(Module):

@@ -1,4 +1,4 @@
-"""Flax NNX ``LayerNorm``, ``RMSNorm``, ``Linear`` and heads backed by the cutelayers kernels.
+"""Flax NNX ``LayerNorm``, ``RMSNorm``, ``Linear``, ``MLP`` and heads backed by the cutelayers kernels.
 
 ``LayerNorm``, ``RMSNorm`` and ``Linear`` subclass ``flax.nnx.LayerNorm`` / ``RMSNorm`` /
 ``Linear``: the same constructor, ``nnx.Param`` attributes (same initializers, draws and metadata)
@@ -19,6 +19,9 @@ module and its ``nnx.Param`` s are those of a plain norm, so a pre-norm block sw
 add without touching its state. The sum keeps the residual's dtype and is normalized in float32:
 a narrowing ``dtype`` rounds only the result, not the sum first as NNX's own computation does.
 
+``MLP``: a transformer feed-forward block, ``Linear`` -> activation -> ``Linear`` (+ residual), as
+one :func:`cutelayers.ops.mlp` call; its parameters are those of two ``nnx.Linear`` children.
+
 Heads: ``LMHead`` (a Linear-shaped vocabulary projection and its cross-entropy loss in one, without
 the logits; optionally tied to an embedding table) and ``MeanPoolClassifier`` (masked mean pooling
 and a ``Linear`` to the classes).
@@ -38,17 +41,21 @@ from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 
 from cutelayers._module_checks import (
     array_blocker,
+    check_mlp,
     check_tied_embedding,
     finish_linear,
+    finish_mlp,
     kernels_serve,
     norm_blocker,
     norm_op,
     options_blocker,
     residual_blocker,
+    residual_like,
     stock_norm,
 )
 from cutelayers.ops.linear import fused_linear
 from cutelayers.ops.lm_head import linear_cross_entropy
+from cutelayers.ops.mlp import mlp
 from cutelayers.ops.pool import masked_mean_pool
 
 Dtype = tp.Any
@@ -125,7 +132,67 @@ class Linear(nnx.Linear):
         if not kernels_serve("Linear", why):
             return finish_linear(super().__call__(inputs, out_sharding), self.activation, residual)
         return fused_linear(inputs, kernel, bias, activation=self.activation, precision=self.precision,
-                            residual=None if residual is None else jnp.asarray(residual).astype(inputs.dtype))
+                            residual=residual_like(residual, inputs))
+
+
+class MLP(nnx.Module):
+    """Transformer feed-forward block, ``fc1`` -> ``activation`` -> ``fc2`` (+ ``residual``), as one
+    :func:`cutelayers.ops.mlp` call: two fused GEMMs, and in the backward the activation's
+    derivative inside the hidden-gradient GEMM.
+
+    Parameters: those of the two ``nnx.Linear`` attributes ``fc1`` (in_features ->
+    hidden_features) and ``fc2`` (hidden_features -> out_features), built in that order from
+    ``rngs``: a stock module with two such attributes has the same state (it loads unchanged) and,
+    from equal Rngs, the same parameters.
+
+    Args:
+      in_features, hidden_features, out_features: the widths of the input, the hidden layer and
+        the output.
+      activation: between the layers: a name or ``jax.nn`` function fused into the GEMM epilogue
+        ('gelu', jax.nn.gelu's tanh approximation, by default; see
+        :func:`cutelayers.ops.fused_linear` for the list), None for none, or any other callable,
+        applied unfused.
+      use_bias, dtype, param_dtype, precision, kernel_init, bias_init: as ``nnx.Linear``'s, for
+        both layers. The computation runs in ``dtype`` if given, else in the promoted dtype of
+        the input and the parameters (Linear's rule, for the block as a whole); ``precision``
+        applies to float32 GEMMs (bfloat16 / float16 products are exact). The call reads ``fc1``'s
+        ``dtype`` and ``precision``.
+      out_kernel_init: ``fc2``'s kernel initializer; None: ``kernel_init`` (e.g. GPT-2's scaled
+        initialization of a projection into the residual stream).
+      rngs: the parameters' random streams.
+
+    Input and parameters that the op cannot take (complex or other dtypes, an empty last axis) run
+    the stock computation, ``fc1`` and ``fc2``'s own calls, logged once.
+    """
+
+    def __init__(self, in_features: int, hidden_features: int, out_features: int, *,
+                 activation: tp.Any = "gelu", use_bias: bool = True, dtype: Dtype | None = None,
+                 param_dtype: Dtype = jnp.float32, precision: PrecisionLike = None,
+                 kernel_init: Initializer = default_kernel_init,
+                 out_kernel_init: Initializer | None = None, bias_init: Initializer = default_bias_init,
+                 rngs: nnx.Rngs):
+        check_mlp("MLP", activation, in_features=in_features, hidden_features=hidden_features,
+                  out_features=out_features)
+        shared = {"use_bias": use_bias, "dtype": dtype, "param_dtype": param_dtype, "precision": precision,
+                  "bias_init": bias_init, "rngs": rngs}
+        self.fc1 = nnx.Linear(in_features, hidden_features, kernel_init=kernel_init, **shared)
+        self.fc2 = nnx.Linear(hidden_features, out_features, kernel_init=out_kernel_init or kernel_init,
+                              **shared)
+        self.activation = activation
+
+    def __call__(self, inputs, residual=None):
+        """``inputs`` (..., in_features) -> (..., out_features). ``residual`` (..., out_features),
+        optional: added to ``fc2``'s output (cast to the result dtype)."""
+        fc1, fc2 = self.fc1, self.fc2
+        params = [p[...] if p is not None else None for p in (fc1.kernel, fc1.bias, fc2.kernel, fc2.bias)]
+        names = ("fc1.kernel", "fc1.bias", "fc2.kernel", "fc2.bias")
+        why = array_blocker(inputs, dtype=fc1.dtype,
+                            **{n: p.dtype for n, p in zip(names, params) if p is not None})
+        if not kernels_serve("MLP", why):
+            return finish_mlp(fc1, fc2, inputs, self.activation, residual)
+        inputs, w1, b1, w2, b2 = dtypes.promote_dtype((inputs, *params), dtype=fc1.dtype)
+        return mlp(inputs, w1, b1, w2, b2, activation=self.activation, precision=fc1.precision,
+                   residual=residual_like(residual, inputs))
 
 
 def _dense_params(in_features, out_features, with_kernel, use_bias, param_dtype, kernel_init, bias_init, rngs,
