@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from cutelayers import backend
 from cutelayers.ops.linear import ACTIVATION_FUNCTIONS, resolve_activation
+from cutelayers.ops.lm_head import linear_cross_entropy
 from cutelayers.ops.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from cutelayers.runtime.tensors import FLOAT_DTYPES
 
@@ -127,6 +128,16 @@ def finish_mlp(fc1, fc2, x, activation, residual):
     """The stock two-layer computation ``fc2(activation(fc1(x))) + residual`` of stock Dense /
     Linear layers ``fc1`` and ``fc2``: what :func:`cutelayers.ops.mlp` computes."""
     return finish_linear(fc2(finish_linear(fc1(x), activation, None)), None, residual)
+
+
+def lm_head_loss(head, h, weight, bias, labels, vocab_major: bool):
+    """An ``LMHead`` module's loss: :func:`linear_cross_entropy` with the head's options, on an
+    (H, V) ``weight`` or, with ``vocab_major``, a (V, H) one (a tied table, Equinox's layout)
+    read as stored."""
+    return linear_cross_entropy(h, weight, labels, bias=bias, kernel_layout="vh" if vocab_major else "hv",
+                                ignore_index=head.ignore_index, reduction=head.reduction,
+                                label_smoothing=head.label_smoothing, z_loss=head.z_loss,
+                                logit_soft_cap=head.logit_soft_cap, chunk_size=head.chunk_size)
 
 
 def residual_like(residual, x):

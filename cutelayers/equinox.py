@@ -45,13 +45,13 @@ from cutelayers._module_checks import (
     finish_linear,
     finish_mlp,
     kernels_serve,
+    lm_head_loss,
     norm_op,
     residual_blocker,
     residual_like,
     stock_norm,
 )
 from cutelayers.ops.linear import fused_linear
-from cutelayers.ops.lm_head import linear_cross_entropy
 from cutelayers.ops.mlp import mlp
 from cutelayers.ops.pool import masked_mean_pool
 
@@ -222,8 +222,7 @@ class LMHead(eqx.Module):
 
     Arrays as ``equinox.nn.Linear(in_features, vocab_size)``'s -- ``weight`` (vocab_size,
     in_features), ``bias`` (vocab_size,) or None, the same initialisation -- so a Linear head's
-    checkpoint loads unchanged. The op takes the (in_features, vocab_size) transpose, made once
-    per call.
+    checkpoint loads unchanged. The op reads that (vocab_size, in_features) weight as stored.
 
     Unlike ``Linear``, the call takes the whole batch: ``h`` (..., in_features) and ``labels``
     (...) of any leading shape, reduced to one loss -- better than ``jax.vmap``, under which each
@@ -234,7 +233,8 @@ class LMHead(eqx.Module):
     embedding=table)`` (e.g. an ``equinox.nn.Embedding``'s ``weight``).
 
     ``reduction`` ("mean" over the tokens that are not ``ignore_index``, "sum" or "none"),
-    ``ignore_index`` and ``chunk_size`` (static fields) are those of ``linear_cross_entropy``.
+    ``ignore_index``, ``label_smoothing``, ``z_loss``, ``logit_soft_cap`` and ``chunk_size``
+    (static fields) are those of ``linear_cross_entropy``.
     """
 
     weight: Array | None
@@ -245,16 +245,21 @@ class LMHead(eqx.Module):
     tie_embedding: bool = eqx.field(static=True)
     reduction: str = eqx.field(static=True)
     ignore_index: int | None = eqx.field(static=True)
+    label_smoothing: float = eqx.field(static=True)
+    z_loss: float = eqx.field(static=True)
+    logit_soft_cap: float | None = eqx.field(static=True)
     chunk_size: int | None = eqx.field(static=True)
 
     def __init__(self, in_features: int, vocab_size: int, use_bias: bool = True, dtype=None, *,
                  tie_embedding: bool = False, reduction: str = "mean", ignore_index: int | None = None,
+                 label_smoothing: float = 0.0, z_loss: float = 0.0, logit_soft_cap: float | None = None,
                  chunk_size: int | None = None, key: PRNGKeyArray):
         self.weight, self.bias = _linear_init(key, in_features, vocab_size, use_bias, dtype,
                                               with_weight=not tie_embedding)
         self.in_features, self.vocab_size, self.use_bias = in_features, vocab_size, use_bias
         self.tie_embedding, self.reduction = tie_embedding, reduction
         self.ignore_index, self.chunk_size = ignore_index, chunk_size
+        self.label_smoothing, self.z_loss, self.logit_soft_cap = label_smoothing, z_loss, logit_soft_cap
 
     def __call__(self, h: Array, labels: Array, *, embedding: Array | None = None,
                  key: PRNGKeyArray | None = None) -> Array:
@@ -262,8 +267,7 @@ class LMHead(eqx.Module):
         for reduction="none"; ``key`` is ignored."""
         check_tied_embedding("LMHead", self.tie_embedding, embedding, self.vocab_size, self.in_features)
         h, weight, bias = _promote(h, embedding if self.tie_embedding else self.weight, self.bias)
-        return linear_cross_entropy(h, weight.T, labels, bias=bias, ignore_index=self.ignore_index,
-                                    reduction=self.reduction, chunk_size=self.chunk_size)
+        return lm_head_loss(self, h, weight, bias, labels, vocab_major=True)
 
 
 class MeanPoolClassifier(eqx.Module):

@@ -523,6 +523,37 @@ def test_equinox_lm_head(rng):
                                    reference_loss(h @ embed.weight.T + tied.bias[None, None], ok, reduction="none"), rtol=1e-5)
 
 
+@pytest.mark.parametrize("framework", ["linen", "nnx", "equinox"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_lm_head_modules_pass_the_loss_options(framework, tied, rng):
+    """Every LMHead hands its loss options (and a tied or Equinox (V, H) table, read as stored) to
+    linear_cross_entropy: the module's loss is the op's on the same arrays."""
+    h, kernel, _, labels = head_operands(rng, (2, 7), 16, 24, F32, ignore_index=-1)
+    options = dict(ignore_index=-1, label_smoothing=0.1, z_loss=1e-2, logit_soft_cap=2.0, chunk_size=5)
+    table = kernel.T  # (V, H)
+    embedding = dict(embedding=table) if tied else {}
+    if framework == "linen":
+        head = cl_linen.LMHead(24, use_bias=False, tie_embedding=tied, **options)
+        variables = head.init(jax.random.key(0), h, labels, **embedding)
+        if not tied:
+            variables = {"params": {"kernel": kernel}}
+        loss = head.apply(variables, h, labels, **embedding)
+    elif framework == "nnx":
+        head = cl_nnx.LMHead(16, 24, use_bias=False, tie_embedding=tied, rngs=nnx.Rngs(0), **options)
+        if not tied:
+            head.kernel[...] = kernel
+        loss = head(h, labels, **embedding)
+    else:
+        head = cl_eqx.LMHead(16, 24, use_bias=False, tie_embedding=tied, key=jax.random.key(0), **options)
+        if not tied:
+            head = eqx.tree_at(lambda m: m.weight, head, table)
+        loss = head(h, labels, **embedding)
+    with jax.default_matmul_precision("highest"):
+        np.testing.assert_allclose(loss, linear_cross_entropy(h, kernel, labels, **options), rtol=1e-5)
+        np.testing.assert_allclose(loss, reference_loss(h @ kernel, labels, -1, label_smoothing=0.1, z_loss=1e-2,
+                                                        logit_soft_cap=2.0), rtol=1e-5)
+
+
 # --- MeanPoolClassifier modules ----------------------------------------------------------------------
 
 def pooled_operands(rng, lead, dtype):

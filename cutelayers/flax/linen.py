@@ -42,6 +42,7 @@ from cutelayers._module_checks import (
     finish_linear,
     finish_mlp,
     kernels_serve,
+    lm_head_loss,
     norm_blocker,
     norm_op,
     options_blocker,
@@ -50,7 +51,6 @@ from cutelayers._module_checks import (
     stock_norm,
 )
 from cutelayers.ops.linear import fused_linear
-from cutelayers.ops.lm_head import linear_cross_entropy
 from cutelayers.ops.mlp import mlp
 from cutelayers.ops.pool import masked_mean_pool
 
@@ -209,7 +209,8 @@ class LMHead(Module):
     ``nn.Embed``'s ``embedding``), and the logits are ``h @ table.T + bias``.
 
     ``reduction`` ("mean" over the tokens that are not ``ignore_index``, "sum" or "none"),
-    ``ignore_index`` and ``chunk_size`` are those of ``linear_cross_entropy``.
+    ``ignore_index``, ``label_smoothing``, ``z_loss``, ``logit_soft_cap`` and ``chunk_size`` are
+    those of ``linear_cross_entropy``.
     """
 
     vocab_size: int
@@ -222,6 +223,9 @@ class LMHead(Module):
     tie_embedding: bool = False
     reduction: str = "mean"
     ignore_index: int | None = None
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    logit_soft_cap: float | None = None
     chunk_size: int | None = None
 
     @compact
@@ -236,9 +240,7 @@ class LMHead(Module):
             weight = self.param("kernel", self.kernel_init, (hidden, self.vocab_size), self.param_dtype)
         bias = self.param("bias", self.bias_init, (self.vocab_size,), self.param_dtype) if self.use_bias else None
         h, weight, bias = self.promote_dtype(h, weight, bias, dtype=self.dtype)
-        kernel = weight.T if self.tie_embedding else weight
-        return linear_cross_entropy(h, kernel, labels, bias=bias, ignore_index=self.ignore_index,
-                                    reduction=self.reduction, chunk_size=self.chunk_size)
+        return lm_head_loss(self, h, weight, bias, labels, vocab_major=self.tie_embedding)
 
 
 class MeanPoolClassifier(Module):

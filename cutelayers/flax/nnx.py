@@ -46,6 +46,7 @@ from cutelayers._module_checks import (
     finish_linear,
     finish_mlp,
     kernels_serve,
+    lm_head_loss,
     norm_blocker,
     norm_op,
     options_blocker,
@@ -54,7 +55,6 @@ from cutelayers._module_checks import (
     stock_norm,
 )
 from cutelayers.ops.linear import fused_linear
-from cutelayers.ops.lm_head import linear_cross_entropy
 from cutelayers.ops.mlp import mlp
 from cutelayers.ops.pool import masked_mean_pool
 
@@ -222,7 +222,8 @@ class LMHead(nnx.Module):
     ``embed.embedding[...]`` of an ``nnx.Embed``), and the logits are ``h @ table.T + bias``.
 
     ``reduction`` ("mean" over the tokens that are not ``ignore_index``, "sum" or "none"),
-    ``ignore_index`` and ``chunk_size`` are those of ``linear_cross_entropy``.
+    ``ignore_index``, ``label_smoothing``, ``z_loss``, ``logit_soft_cap`` and ``chunk_size`` are
+    those of ``linear_cross_entropy``.
     """
 
     def __init__(
@@ -239,6 +240,9 @@ class LMHead(nnx.Module):
         tie_embedding: bool = False,
         reduction: str = "mean",
         ignore_index: int | None = None,
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        logit_soft_cap: float | None = None,
         chunk_size: int | None = None,
         rngs: nnx.Rngs,
         kernel_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
@@ -257,6 +261,7 @@ class LMHead(nnx.Module):
         self.tie_embedding = tie_embedding
         self.reduction = reduction
         self.ignore_index = ignore_index
+        self.label_smoothing, self.z_loss, self.logit_soft_cap = label_smoothing, z_loss, logit_soft_cap
         self.chunk_size = chunk_size
 
     def __call__(self, h, labels, *, embedding=None):
@@ -266,9 +271,7 @@ class LMHead(nnx.Module):
         weight = embedding if self.tie_embedding else self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         h, weight, bias = self.promote_dtype((h, weight, bias), dtype=self.dtype)
-        kernel = weight.T if self.tie_embedding else weight
-        return linear_cross_entropy(h, kernel, labels, bias=bias, ignore_index=self.ignore_index,
-                                    reduction=self.reduction, chunk_size=self.chunk_size)
+        return lm_head_loss(self, h, weight, bias, labels, vocab_major=self.tie_embedding)
 
 
 class MeanPoolClassifier(nnx.Module):

@@ -120,10 +120,9 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
     # of dkernel's operands; every GEMM reads the table as stored.
 
     def chunk_logits(h, kernel, bias, c):
-        if not vocab_major:
-            return fused_linear(_chunk(h, c), kernel, bias)  # the bias in the GEMM's epilogue
-        z = input_grad(_chunk(h, c), kernel)  # h_c @ tableᵀ
-        return z if bias is None else (z + bias).astype(z.dtype)
+        if vocab_major:  # never with a bias (linear_cross_entropy)
+            return input_grad(_chunk(h, c), kernel)  # h_c @ tableᵀ
+        return fused_linear(_chunk(h, c), kernel, bias)  # the bias in the GEMM's epilogue
 
     def chunk_input_grad(dz, kernel):
         return plain_gemm(dz, kernel, None, None)[0] if vocab_major else input_grad(dz, kernel)
@@ -237,7 +236,9 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
         (Gemma 2), capped inside the cross-entropy kernels.
       kernel_layout: "hv" for an (H, V) kernel, or "vh" for a (V, H) one such as a tied
         embedding table (``nnx.Embed.embedding``), which every GEMM reads as stored (no transpose
-        copy). With "vh" a bias is added to each chunk's logits by XLA (a tied head rarely has one).
+        copy) -- unless there is a bias: that rides the logits GEMM's epilogue with an (H, V)
+        kernel only, so the table is then transposed once per call (cheaper than a bias pass
+        over every chunk's logits).
       return_lse: also return the per-token logsumexp of the (capped) logits, float32 with h's
         leading shape, for monitoring; it carries no gradient (``z_loss`` is the differentiable
         way to penalise it).
@@ -287,6 +288,8 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
     # cotangents) and their weight in a total is 0, so they contribute nothing to the gradients.
     h_strided = jnp.pad(h.reshape(tokens, hidden), ((0, pad), (0, 0))).reshape(rows, n_chunks, hidden)
     labels_strided = jnp.pad(labels.reshape(tokens), (0, pad)).reshape(rows, n_chunks)
+    if vocab_major and bias is not None:
+        kernel, vocab_major = kernel.T, False  # see kernel_layout above
     kernel, bias = vary_like(h, kernel, bias)  # shared by every shard inside shard_map
     per_token, weighted_total = _chunked_fns(ignore_index, options, vocab_major, use_kernels)
 
