@@ -100,7 +100,8 @@ class StockEqxMLP(eqx.Module):
 
 # --- linen ---------------------------------------------------------------------------------------
 
-LINEN_CASES = [
+# the Flax modules' options, shared by linen and nnx
+FLAX_CASES = [
     {},
     {"use_bias": False},
     {"dtype": jnp.bfloat16, "bias_init": NORMAL},
@@ -110,7 +111,7 @@ LINEN_CASES = [
 
 
 @pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("kwargs", LINEN_CASES)
+@pytest.mark.parametrize("kwargs", FLAX_CASES)
 @pytest.mark.parametrize("xdtype", [jnp.bfloat16, jnp.float32])
 def test_linen_mlp_matches_stock(kwargs, xdtype, with_residual, rng):
     stock, ours = StockLinenMLP(HIDDEN, OUT, **kwargs), cl_linen.MLP(HIDDEN, OUT, **kwargs)
@@ -135,17 +136,8 @@ def test_linen_mlp_matches_stock(kwargs, xdtype, with_residual, rng):
 
 # --- nnx -----------------------------------------------------------------------------------------
 
-NNX_CASES = [
-    {},
-    {"use_bias": False},
-    {"dtype": jnp.bfloat16, "bias_init": NORMAL},
-    {"param_dtype": jnp.bfloat16, "bias_init": NORMAL},
-    {"precision": HIGHEST, "bias_init": NORMAL},
-]
-
-
 @pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("kwargs", NNX_CASES)
+@pytest.mark.parametrize("kwargs", FLAX_CASES)
 @pytest.mark.parametrize("xdtype", [jnp.bfloat16, jnp.float32])
 def test_nnx_mlp_matches_stock(kwargs, xdtype, with_residual, rng):
     stock = StockNnxMLP(IN, HIDDEN, OUT, rngs=nnx.Rngs(0), **kwargs)
