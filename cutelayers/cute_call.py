@@ -32,9 +32,9 @@ import jax
 import jax.numpy as jnp
 
 from cutelayers.ops._rowwise import row_batched
+from cutelayers.runtime.family import KernelFamily, ShardingRule
 from cutelayers.runtime.placement import check_arrays
-from cutelayers.runtime.primitive import KernelFamily
-from cutelayers.runtime.sharding import ShardingRule, kernel_call
+from cutelayers.runtime.sharding import kernel_call
 from cutelayers.runtime.tensors import cutlass_dtype
 
 __all__ = ["cute_call", "custom_op", "rowwise_vmap"]

@@ -12,15 +12,16 @@ from jax.custom_batching import custom_vmap
 from jax.extend.core import Primitive, jaxpr_as_fun
 from jax.interpreters import ad, batching, mlir
 
+from cutelayers.runtime.family import TunableFamily
 from cutelayers.runtime.placement import check_arrays
 from cutelayers.runtime.sharding import kernel_call
 from cutelayers.runtime.tensors import FLOAT_DTYPES
-from cutelayers.tuning import TunableFamily, dtype_names
+from cutelayers.tuning import dtype_names, resolve
 
 
 class RowKernelFamily(TunableFamily):
-    """A tunable family of row kernels on (rows, n) operands; its config is a
-    :class:`cutelayers.kernels.reduction.RowConfig`.
+    """The row kernels' shared implementation of :class:`~cutelayers.runtime.family.TunableFamily`:
+    kernels on (rows, n) operands whose config is a :class:`cutelayers.kernels.reduction.RowConfig`.
 
     Subclasses give ``kernel_class()`` (imported when called: importing cutelayers does not import
     CuTe), whose ``VALUES_PER_THREAD`` selects the heuristic (:func:`.row_geometry`) and the space
@@ -28,8 +29,17 @@ class RowKernelFamily(TunableFamily):
     kernels -- or override ``default_config`` and ``config_space`` (the row-reduce kernel) -- and
     may override ``row_dtypes(avals)``: the dtypes of the operands the kernel walks along the row
     (the widest sets the vector width; default: the first operand's). The tuned table's key is
-    those dtypes and N.
+    those dtypes and N. ``per_row_rank`` says which operands have a symbolic row count.
     """
+
+    per_row_rank: int | None = None
+    """The rank of the operands and results that hold one value per row (their leading dim the
+    symbolic row count); None: all of them. The norms' are rank 2: their rank-1 arrays are
+    per-feature parameters and flat partial sums, fully static."""
+
+    def dynamic_dims_at(self, position, aval) -> tuple[bool, ...]:
+        per_row = self.per_row_rank in (None, len(aval.shape))
+        return tuple(per_row and i == 0 for i in range(len(aval.shape)))
 
     def kernel_class(self):
         raise NotImplementedError
@@ -98,23 +108,24 @@ def normalize_axis(op: str, axis, ndim: int) -> int:
     return axis % ndim
 
 
-def call_on_rows(family: RowKernelFamily, *row_args: jax.Array, params: tuple = ()) -> tuple[jax.Array, ...]:
-    """Run ``family`` (its config chosen for these operands) on row-wise arrays viewed as
-    (rows, ...), then restore the leading shape.
+def call_kernel(family: TunableFamily, *operands: jax.Array) -> tuple[jax.Array, ...]:
+    """``family``, its config chosen for these operands, called on them; the first operand is
+    (rows, ...), and zero rows skip the launch."""
+    family = resolve(family, operands)
+    if operands[0].shape[0] == 0:
+        return tuple(jnp.zeros(o.shape, o.dtype) for o in family.out_avals(operands))
+    return kernel_call(family, *operands)
 
-    The first argument's leading dims (all but the last) are the rows; every row-wise argument
-    has those leading dims plus its own trailing ones (x (..., N), labels (...)). ``params`` pass
-    through unchanged. Each result of the kernel is (rows, ...); zero rows skip the launch.
+
+def call_on_rows(family: RowKernelFamily, *row_args: jax.Array) -> tuple[jax.Array, ...]:
+    """Run ``family`` on row-wise arrays viewed as (rows, ...), then restore the leading shape.
+
+    The first argument's leading dims (all but the last) are the rows; every argument has those
+    leading dims plus its own trailing ones (x (..., N), labels (...)), and so has every result.
     """
     lead = row_args[0].shape[:-1]
     rows = tuple(a.reshape(-1, *a.shape[len(lead):]) for a in row_args)
-    operands = (*rows, *params)
-    family = family.resolved(operands)
-    if rows[0].shape[0] == 0:
-        outs = [jnp.zeros(o.shape, o.dtype) for o in family.out_avals(operands)]
-    else:
-        outs = kernel_call(family, *operands)
-    return tuple(o.reshape(*lead, *o.shape[1:]) for o in outs)
+    return tuple(o.reshape(*lead, *o.shape[1:]) for o in call_kernel(family, *rows))
 
 
 def row_batched(fn, shared: tuple[int, ...] = ()):

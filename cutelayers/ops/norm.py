@@ -35,20 +35,14 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-from cutelayers.ops._rowwise import RowKernelFamily, check_float_array
-from cutelayers.runtime.sharding import ShardingRule, kernel_call, run_kernel, vary_like
+from cutelayers.ops._rowwise import RowKernelFamily, call_kernel, check_float_array
+from cutelayers.runtime.family import ShardingRule
+from cutelayers.runtime.sharding import run_kernel, vary_like
 from cutelayers.runtime.tensors import FLOAT_DTYPES
+from cutelayers.tuning import resolve
 
 if TYPE_CHECKING:
     from cutelayers.kernels.reduction import RowConfig
-
-
-class _RowsFamily(RowKernelFamily):
-    """Operand convention of the norm kernels: rank-2 arrays are per-row (rows, ...) with a
-    symbolic row count; rank-1 arrays (scale, bias, flat partials) are fully static."""
-
-    def dynamic_dims(self, aval) -> tuple[bool, ...]:
-        return tuple(len(aval.shape) == 2 and i == 0 for i in range(len(aval.shape)))
 
 
 def _kernel_name(center: bool, has_residual: bool, direction: str) -> str:
@@ -63,7 +57,7 @@ def _optional(args, *present: bool) -> tuple:
 
 
 @dataclasses.dataclass(frozen=True)
-class NormForward(_RowsFamily):
+class NormForward(RowKernelFamily):
     """Kernel family: y (M, N), [summed (M, N)], [mean (M, 1)], rstd (M, 1) from x (M, N),
     [residual (M, N)], [scale (N,)], [bias (N,)].
 
@@ -71,7 +65,7 @@ class NormForward(_RowsFamily):
     ``has_residual``: the fused residual add -- the row is summed = x + residual (in the
     residual's dtype, see :func:`residual_sum`), written as the second result. ``config``: the
     kernel's :class:`~cutelayers.kernels.reduction.RowConfig` (see
-    :class:`~cutelayers.tuning.TunableFamily`).
+    :class:`~cutelayers.runtime.family.TunableFamily`).
     """
 
     center: bool
@@ -81,6 +75,7 @@ class NormForward(_RowsFamily):
     out_dtype: str
     has_residual: bool = False
     config: RowConfig | None = None
+    per_row_rank = 2
 
     @property
     def name(self) -> str:
@@ -127,7 +122,7 @@ class NormForward(_RowsFamily):
 
 
 @dataclasses.dataclass(frozen=True)
-class NormBackward(_RowsFamily):
+class NormBackward(RowKernelFamily):
     """Kernel family: dx (M, N), [dscale_partial (P*N,)], [dbias_partial (P*N,)] from x (M, N),
     dy (M, N), [dsummed (M, N)], [mean (M, 1)], rstd (M, 1), [scale (N,)].
 
@@ -144,6 +139,7 @@ class NormBackward(_RowsFamily):
     want_dbias: bool
     has_residual: bool = False
     config: RowConfig | None = None
+    per_row_rank = 2
 
     @property
     def name(self) -> str:
@@ -281,15 +277,6 @@ def backward_reference(x, dy, mean, rstd, scale, dsummed=None):
 
 # --- kernel calls on (rows, N) views ------------------------------------------------------------
 
-def _call_rows(family: _RowsFamily, args):
-    """``family`` (its config chosen for ``args``) on already (rows, ...)-shaped ``args``; an empty
-    row count skips the launch."""
-    family = family.resolved(args)
-    if args[0].shape[0] == 0:
-        return tuple(jnp.zeros(o.shape, o.dtype) for o in family.out_avals(args))
-    return kernel_call(family, *args)
-
-
 def _backward_args(args, center: bool, has_residual: bool):
     """(x, dy, [dsummed], [mean], rstd, [scale]) with x, dy, dsummed as (rows, N) and statistics
     as (rows, 1)."""
@@ -317,7 +304,7 @@ def _forward_core(center: bool, has_residual: bool, has_scale: bool, has_bias: b
 
     def unbatched(*args):
         x = args[0]
-        outs = _call_rows(family, (*(a.reshape(-1, x.shape[-1]) for a in args[:rows]), *args[rows:]))
+        outs = call_kernel(family, *(a.reshape(-1, x.shape[-1]) for a in args[:rows]), *args[rows:])
         return (tuple(o.reshape(x.shape) for o in outs[:rows])
                 + tuple(o.reshape(x.shape[:-1]) for o in outs[rows:]))
 
@@ -350,7 +337,7 @@ def _backward_core(center: bool, has_residual: bool, has_scale: bool, has_bias: 
     def unbatched(*args):
         x, dy, _, mean, rstd, _ = _split_backward(args, center, has_residual, has_scale)
         rows = _backward_args(args, center, has_residual)
-        family = NormBackward(center, has_scale, has_scale, has_bias, has_residual).resolved(rows)
+        family = resolve(NormBackward(center, has_scale, has_scale, has_bias, has_residual), rows)
         # Every candidate config keeps a row resident exactly when the heuristic does, so this
         # choice agrees with the dx-only family's config.
         if not family.geometry(rows).resident:
@@ -358,7 +345,7 @@ def _backward_core(center: bool, has_residual: bool, has_scale: bool, has_bias: 
             dx = dx_only(*args)
             _, dscale, dbias = backward_reference(x, dy, mean, rstd, None)
             return (dx,) + (dscale,) * has_scale + (dbias,) * has_bias
-        dx, *partials = _call_rows(family, rows)
+        dx, *partials = call_kernel(family, *rows)
         n = x.shape[-1]
         return (dx.reshape(x.shape),) + tuple(jnp.sum(p.reshape(-1, n), axis=0) for p in partials)
 
@@ -388,7 +375,7 @@ def _dx_core(center: bool, has_residual: bool, has_scale: bool):
     family = NormBackward(center, has_scale, False, False, has_residual)
 
     def unbatched(*args):
-        return _call_rows(family, _backward_args(args, center, has_residual))[0].reshape(args[0].shape)
+        return call_kernel(family, *_backward_args(args, center, has_residual))[0].reshape(args[0].shape)
 
     core = custom_vmap(unbatched)
 
