@@ -22,12 +22,12 @@ the same decomposition with XLA GEMMs, and logs once why. ``precision`` (as in `
 applies to those XLA GEMMs; the kernels multiply bfloat16 / float16 exactly and accumulate in
 float32, at least as precise as any ``precision`` asks.
 
-vmap: batch dims of x / residual fold into rows (one launch) while kernel / bias are shared;
-per-example kernel or bias falls back to ``jax.lax.map`` (one launch per example). The fold happens
-before differentiation (:func:`~cutelayers.ops._rowwise.row_batched_vjp`), so ``grad(vmap(...))``
--- the usual Equinox style -- runs the backward once on all rows: dkernel is one (K, N) GEMM, as
-for a call on the whole batch. ``vmap(grad(...))`` asks for per-example gradients and gets them:
-dkernel (B, K, N) in one batched launch (the batch is the kernel's L mode).
+vmap (:mod:`cutelayers.ops._batching`): batch dims of x / residual fold into rows (one launch)
+while kernel / bias are shared; per-example kernel or bias falls back to ``jax.lax.map`` (one
+launch per example). The fold happens before differentiation (the rule is around the custom_vjp),
+so ``grad(vmap(...))`` -- the usual Equinox style -- runs the backward once on all rows: dkernel is
+one (K, N) GEMM, as for a call on the whole batch. ``vmap(grad(...))`` asks for per-example
+gradients and gets them: dkernel (B, K, N) in one batched launch (the batch is the kernel's L mode).
 """
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
-from jax.custom_batching import custom_vmap
 from jax.sharding import NamedSharding, PartitionSpec
 
 from cutelayers import backend as _backend
-from cutelayers.ops._rowwise import check_float_array, row_batched, row_batched_vjp
+from cutelayers.ops._batching import fold_batch
+from cutelayers.ops._rowwise import check_float_array
 from cutelayers.runtime.family import ShardingRule, TunableFamily
 from cutelayers.runtime.sharding import kernel_call, run_kernel, sum_partials, vary_like
 from cutelayers.tuning import resolve
@@ -536,12 +536,11 @@ def input_grad_fn(use_kernels: bool, precision=None, grad_of: str = "none"):
 
     With ``grad_of`` an activation: ``input_grad(dz, kernel, preact)`` multiplies the product by
     act'(preact) in the GEMM's epilogue (:mod:`cutelayers.ops.mlp`'s hidden layer)."""
-    if grad_of == "none":
-        return row_batched(lambda dz, kernel: _input_grad_rows(dz, kernel, None, "none", use_kernels, precision),
-                           shared=(1,))
-    return row_batched(
-        lambda dz, kernel, preact: _input_grad_rows(dz, kernel, preact, grad_of, use_kernels, precision),
-        shared=(1,))
+
+    def input_grad(dz, kernel, *preact):
+        return _input_grad_rows(dz, kernel, *preact or (None,), grad_of, use_kernels, precision)
+
+    return fold_batch(input_grad, shared=(1,))
 
 
 @functools.cache
@@ -551,17 +550,16 @@ def weight_grad_fn(use_kernels: bool, precision=None):
     accumulator; vmappable: a vmap adds its batch to L (the kernel's batch mode), so per-example
     dkernel is still one launch. Shared with :mod:`cutelayers.ops.lm_head`."""
 
-    @custom_vmap
     def weight_grad(x, dz, *accumulator):
         return _weight_grad_batched(x, dz, *accumulator or (None,), use_kernels, precision)
 
-    @weight_grad.def_vmap
-    def rule(axis_size, in_batched, *operands):
-        operands = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(operands, in_batched)]
-        out = weight_grad(*(a.reshape(-1, *a.shape[2:]) for a in operands))
-        return out.reshape(axis_size, -1, *out.shape[1:]), True
+    def batched(*operands):
+        # Each example's dkernel sums over its own rows: the batch joins L, not the rows.
+        out = vmappable(*(a.reshape(-1, *a.shape[2:]) for a in operands))
+        return out.reshape(operands[0].shape[0], -1, *out.shape[1:])
 
-    return weight_grad
+    vmappable = fold_batch(weight_grad, batched=batched)
+    return vmappable
 
 
 @functools.cache
@@ -572,7 +570,7 @@ def forward_fn(activation: str, store_preact: bool, use_kernels: bool, precision
     def fn(x, kernel, bias, residual):
         return _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kernels, precision)
 
-    return row_batched(fn, shared=(1, 2))
+    return fold_batch(fn, shared=(1, 2))
 
 
 @functools.cache
@@ -607,7 +605,7 @@ def _linear_fn(activation: str, has_bias: bool, has_residual: bool, use_kernels:
         return dx, dkernel, dbias, dy if has_residual else None
 
     linear.defvjp(fwd, bwd)
-    return row_batched_vjp(linear, shared=(1, 2))
+    return fold_batch(linear, shared=(1, 2), per_example=linear)
 
 
 # --- the op ------------------------------------------------------------------------------------------

@@ -14,11 +14,12 @@ the residual and writes summed = x + residual (in the residual's dtype), whose s
 takes; the backward reads summed where the plain one reads x, and the gradient of summed, which
 it adds to dx (x and the residual share that gradient).
 
-vmap: a batched x with shared scale / bias folds the batch into rows (one launch). Per-example
-scale / bias cannot share one kernel launch; they fall back to ``jax.vmap`` of the jnp reference,
-which computes the same decomposition. Under vmap the backward keeps dscale / dbias per example
-(``vmap(grad(...))`` over a shared scale asks for exactly that), so the batched backward runs the
-dx kernel on folded rows and reduces dscale / dbias per example with XLA.
+vmap (:mod:`cutelayers.ops._batching`, around the forward and backward kernel calls): a batched x
+with shared scale / bias folds the batch into rows (one launch). Per-example scale / bias cannot
+share one kernel launch; they fall back to ``jax.vmap`` of the jnp reference, which computes the
+same decomposition. Under vmap the backward keeps dscale / dbias per example (``vmap(grad(...))``
+over a shared scale asks for exactly that), so the batched backward runs the dx kernel on folded
+rows and reduces dscale / dbias per example with XLA.
 
 The reference (``forward_reference`` / ``backward_reference``) is what runs off CUDA and under the
 ``reference`` backend; it implements the kernels' decomposition (same residuals), so CPU tests of
@@ -33,8 +34,8 @@ from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
-from jax.custom_batching import custom_vmap
 
+from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import RowKernelFamily, call_kernel, check_float_array
 from cutelayers.runtime.family import ShardingRule
 from cutelayers.runtime.sharding import run_kernel, vary_like
@@ -211,6 +212,11 @@ def _split_backward(args, center: bool, has_residual: bool, has_scale: bool) -> 
     return _optional(args, True, True, has_residual, center, True, has_scale)
 
 
+def _scale_position(center: bool, has_residual: bool, has_scale: bool) -> tuple[int, ...]:
+    """Where the backward's operands hold scale, the one shared by every row (none without it)."""
+    return (3 + has_residual + center,) if has_scale else ()
+
+
 # --- jnp reference: the kernels' decomposition --------------------------------------------------
 
 def residual_sum(x, residual):
@@ -287,54 +293,36 @@ def _backward_args(args, center: bool, has_residual: bool):
             + list(args[stats:]))
 
 
-def _batch_rows(args, in_batched, axis_size: int, shared: int):
-    """Give every per-row operand (all but the ``shared`` trailing parameters) the batch dim in
-    front."""
-    per_row = len(args) - shared
-    return [a if b or i >= per_row else jnp.broadcast_to(a, (axis_size, *a.shape))
-            for i, (a, b) in enumerate(zip(args, in_batched))]
+def _backward_of_args(args, center: bool, has_residual: bool, has_scale: bool):
+    """:func:`backward_reference` of the backward's operands ``(x, dy, [dsummed], [mean], rstd,
+    [scale])``: (dx, dscale, dbias)."""
+    x, dy, dsummed, mean, rstd, scale = _split_backward(args, center, has_residual, has_scale)
+    return backward_reference(x, dy, mean, rstd, scale, dsummed)
 
 
 def _forward_core(center: bool, has_residual: bool, has_scale: bool, has_bias: bool, epsilon: float,
                   out_dtype: str):
-    """custom_vmap'd ``(x, [residual], *params) -> (y, [summed], [mean], rstd)``: y and summed
-    (..., N), the statistics (...,) fp32."""
+    """``(x, [residual], *params) -> (y, [summed], [mean], rstd)``: y and summed (..., N), the
+    statistics (...,) fp32; vmappable (module docstring)."""
     family = NormForward(center, has_scale, has_bias, epsilon, out_dtype, has_residual)
     rows = 1 + has_residual  # row-shaped operands, and row-shaped results
 
-    def unbatched(*args):
+    def forward(*args):
         x = args[0]
         outs = call_kernel(family, *(a.reshape(-1, x.shape[-1]) for a in args[:rows]), *args[rows:])
         return (tuple(o.reshape(x.shape) for o in outs[:rows])
                 + tuple(o.reshape(x.shape[:-1]) for o in outs[rows:]))
 
-    core = custom_vmap(unbatched)
-
-    @core.def_vmap
-    def rule(axis_size, in_batched, *args):
-        if any(in_batched[rows:]):
-            # Per-example parameters: one launch takes one set, so vmap the jnp reference.
-            axes = [0 if b else None for b in in_batched]
-            out = jax.vmap(family.outputs_reference, in_axes=axes, axis_size=axis_size)(*args)
-        else:
-            # the batch dim in front of every row-shaped operand: it folds into the rows
-            out = core(*_batch_rows(args, in_batched, axis_size, len(args) - rows))
-        return out, tuple(True for _ in out)
-
-    return core
+    params = tuple(range(rows, rows + has_scale + has_bias))
+    return fold_batch(forward, shared=params, per_example=family.outputs_reference)
 
 
 def _backward_core(center: bool, has_residual: bool, has_scale: bool, has_bias: bool):
-    """custom_vmap'd ``(x, dy, [dsummed], [mean], rstd, [scale]) -> (dx, [dscale], [dbias])``
-    (fp32 dparams)."""
+    """``(x, dy, [dsummed], [mean], rstd, [scale]) -> (dx, [dscale], [dbias])`` (fp32 dparams);
+    vmappable (module docstring)."""
     dx_only = _dx_core(center, has_residual, has_scale)
 
-    def reference(*args):
-        x, dy, dsummed, mean, rstd, scale = _split_backward(args, center, has_residual, has_scale)
-        dx, dscale, dbias = backward_reference(x, dy, mean, rstd, scale, dsummed)
-        return (dx,) + (dscale,) * has_scale + (dbias,) * has_bias
-
-    def unbatched(*args):
+    def backward(*args):
         x, dy, _, mean, rstd, _ = _split_backward(args, center, has_residual, has_scale)
         rows = _backward_args(args, center, has_residual)
         family = resolve(NormBackward(center, has_scale, has_scale, has_bias, has_residual), rows)
@@ -349,49 +337,34 @@ def _backward_core(center: bool, has_residual: bool, has_scale: bool, has_bias: 
         n = x.shape[-1]
         return (dx.reshape(x.shape),) + tuple(jnp.sum(p.reshape(-1, n), axis=0) for p in partials)
 
-    core = custom_vmap(unbatched)
+    def per_example(*args):
+        dx, dscale, dbias = _backward_of_args(args, center, has_residual, has_scale)
+        return (dx,) + (dscale,) * has_scale + (dbias,) * has_bias
 
-    @core.def_vmap
-    def rule(axis_size, in_batched, *args):
-        if has_scale and in_batched[-1]:
-            axes = [0 if b else None for b in in_batched]
-            out = jax.vmap(reference, in_axes=axes, axis_size=axis_size)(*args)
-            return out, tuple(True for _ in out)
-        args = _batch_rows(args, in_batched, axis_size, has_scale)
+    def batched(*args):
         x, dy, _, mean, rstd, _ = _split_backward(args, center, has_residual, has_scale)
         dx = dx_only(*args)
-        # dscale / dbias per example (batch axis 0): grad(vmap) sums them, vmap(grad) keeps them.
+        # dscale / dbias per example (the batch leads): sums over the rows of each
         xhat = _xhat(x, mean, rstd)
         dy32 = dy.astype(jnp.float32)
         lead = tuple(range(1, x.ndim - 1))
-        out = (dx,) + (jnp.sum(dy32 * xhat, axis=lead),) * has_scale + (jnp.sum(dy32, axis=lead),) * has_bias
-        return out, tuple(True for _ in out)
+        return (dx,) + (jnp.sum(dy32 * xhat, axis=lead),) * has_scale + (jnp.sum(dy32, axis=lead),) * has_bias
 
-    return core
+    return fold_batch(backward, shared=_scale_position(center, has_residual, has_scale), per_example=per_example,
+                      batched=batched)
 
 
 def _dx_core(center: bool, has_residual: bool, has_scale: bool):
-    """custom_vmap'd dx-only backward; batched rows fold (shared scale) like the forward."""
+    """The dx-only backward of the same operands; vmappable (module docstring)."""
     family = NormBackward(center, has_scale, False, False, has_residual)
 
-    def unbatched(*args):
+    def dx(*args):
         return call_kernel(family, *_backward_args(args, center, has_residual))[0].reshape(args[0].shape)
 
-    core = custom_vmap(unbatched)
+    def per_example(*args):
+        return _backward_of_args(args, center, has_residual, has_scale)[0]
 
-    @core.def_vmap
-    def rule(axis_size, in_batched, *args):
-        if has_scale and in_batched[-1]:  # per-example scale (reached only under nested vmaps)
-            def reference(*a):
-                x, dy, dsummed, mean, rstd, scale = _split_backward(a, center, has_residual, has_scale)
-                return backward_reference(x, dy, mean, rstd, scale, dsummed)[0]
-
-            axes = [0 if b else None for b in in_batched]
-            return jax.vmap(reference, in_axes=axes, axis_size=axis_size)(*args), True
-        args = _batch_rows(args, in_batched, axis_size, has_scale)
-        return core(*args), True
-
-    return core
+    return fold_batch(dx, shared=_scale_position(center, has_residual, has_scale), per_example=per_example)
 
 
 @functools.cache

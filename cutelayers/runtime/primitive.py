@@ -14,8 +14,8 @@ lets us compile with our own fake tensors (symbolic row count, 16-byte alignment
 compile-once cache, whose statistics we report.
 
 The raw primitive has no JVP, transpose or batching rule on purpose: differentiation and vmap
-belong to the ops (``custom_vjp`` + ``custom_vmap``), which pick the right backward kernels and fold
-batch dims into rows.
+belong to the ops (``custom_vjp``, and :mod:`cutelayers.ops._batching`'s vmap rule), which pick
+the right backward kernels and fold batch dims into rows.
 
 Ops call kernels through :func:`cutelayers.runtime.sharding.kernel_call`, which binds this
 primitive per device by the family's sharding rule; this module knows nothing of sharding.
@@ -272,7 +272,7 @@ def _no_transform(kind: str):
     def rule(*args, family: KernelFamily, **kwargs):
         raise NotImplementedError(
             f"{kind} of the raw kernel call for {family.name!r} is not defined. Use the cutelayers "
-            "op that wraps it (it carries jax.custom_vjp and jax.custom_batching.custom_vmap rules)."
+            "op that wraps it (it carries jax.custom_vjp and vmap rules)."
         )
 
     return rule
