@@ -31,10 +31,10 @@ from typing import Any, Callable, Hashable, Sequence
 import jax
 import jax.numpy as jnp
 
-from cutelayers.ops._rowwise import row_batched
+from cutelayers.ops._batching import fold_batch
+from cutelayers.runtime.family import KernelFamily, ShardingRule
 from cutelayers.runtime.placement import check_arrays
-from cutelayers.runtime.primitive import KernelFamily
-from cutelayers.runtime.sharding import ShardingRule, kernel_call
+from cutelayers.runtime.sharding import kernel_call
 from cutelayers.runtime.tensors import cutlass_dtype
 
 __all__ = ["cute_call", "custom_op", "rowwise_vmap"]
@@ -284,7 +284,7 @@ def rowwise_vmap(fn: Callable, *, shared: tuple[int, ...] = ()) -> Callable:
     arrays) whose leading dims are rows, lined up across arguments, with outputs row-wise too.
     A batched ``shared`` argument (per-example parameters) falls back to ``jax.lax.map``.
     """
-    return row_batched(fn, shared=tuple(shared))
+    return fold_batch(fn, shared=tuple(shared))
 
 
 def custom_op(forward: Callable, backward: Callable, *, rowwise: bool = False):
@@ -298,7 +298,8 @@ def custom_op(forward: Callable, backward: Callable, *, rowwise: bool = False):
         ``shared=`` and ``jax.custom_vjp`` directly, as ``cutelayers.ops`` does.)
 
     Returns:
-      ``op(*args) -> outputs`` with ``jax.custom_vjp`` rules (and ``custom_vmap`` if rowwise).
+      ``op(*args) -> outputs`` with ``jax.custom_vjp`` rules (and the row-folding vmap rule if
+      rowwise).
     """
     fwd = rowwise_vmap(forward) if rowwise else forward
     bwd = rowwise_vmap(backward) if rowwise else backward

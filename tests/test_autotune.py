@@ -155,19 +155,19 @@ def families_and_avals():
 def test_without_a_table_every_family_gets_the_heuristic(monkeypatch):
     for family, avals, expected in families_and_avals():
         assert family.default_config(avals) == expected, family
-        assert family.resolved(avals).config == expected, family  # FAKE_GPU, empty tables
+        assert tuning.resolve(family, avals).config == expected, family  # FAKE_GPU, empty tables
         assert expected in family.config_space(avals), family
     monkeypatch.setattr(tuning, "device_kind", lambda: None)  # no GPU: no lookup at all
     for family, avals, expected in families_and_avals():
-        assert family.resolved(avals).config == expected
+        assert tuning.resolve(family, avals).config == expected
 
 
 def test_an_unchosen_config_is_refused_and_a_chosen_one_kept():
     avals = (S((4, 8), F32),)
-    with pytest.raises(ValueError, match=r"reduce_sum: no config chosen; build the family with \.resolved"):
+    with pytest.raises(ValueError, match=r"reduce_sum: no config chosen; build the family with .*tuning\.resolve"):
         RowReduce("sum").launcher(avals, ())
     configured = RowReduce("sum", row_config_space(8, 32)[-1])
-    assert configured.resolved(avals) is configured
+    assert tuning.resolve(configured, avals) is configured
 
 
 # --- every candidate compiles for sm_90a (on CPU) ---------------------------------------------------
@@ -230,18 +230,18 @@ def test_a_table_entry_changes_the_config_and_the_compiled_kernel(tmp_path, monk
 
     use_table(monkeypatch, write_table(tmp_path / "user.json",
                                        [entry("layer_norm_fwd", "bfloat16", {"n": 1024}, fields(tuned))]))
-    assert family.resolved(LN_AVALS).config == tuned
+    assert tuning.resolve(family, LN_AVALS).config == tuned
     tuned_targets = targets(lower_cuda(cl.ops.layer_norm, *LN_AVALS))
     assert len(heuristic_targets) == len(tuned_targets) == 1 and heuristic_targets != tuned_targets
     assert cl.cache_info()["layer_norm_fwd"].compiles == 2  # one kernel per config
 
     # Other operands (another N, another dtype, another GPU) keep the heuristic.
     other_n = (S((64, 2048), BF16), S((2048,), BF16), S((2048,), BF16))
-    assert family.resolved(other_n).config == family.default_config(other_n)
+    assert tuning.resolve(family, other_n).config == family.default_config(other_n)
     other_dtype = (S((64, 1024), F16), S((1024,), F16), S((1024,), F16))
-    assert family.resolved(other_dtype).config == family.default_config(other_dtype)
+    assert tuning.resolve(family, other_dtype).config == family.default_config(other_dtype)
     monkeypatch.setattr(tuning, "device_kind", lambda: "Another GPU")
-    assert family.resolved(LN_AVALS).config == family.default_config(LN_AVALS)
+    assert tuning.resolve(family, LN_AVALS).config == family.default_config(LN_AVALS)
 
 
 def test_a_gemm_entry_covers_its_row_bucket(tmp_path, monkeypatch):
@@ -258,9 +258,9 @@ def test_a_gemm_entry_covers_its_row_bucket(tmp_path, monkeypatch):
     assert before != after
     family = LinearForward("none", False, False, False)
     for rows in (65, 1000, 2047):  # the whole bucket, one kernel
-        assert family.resolved((S((1, rows, 256), BF16), S((1, 256, 512), BF16))).config == wide
-    assert family.resolved((S((1, 2048, 256), BF16), S((1, 256, 512), BF16))).config == CONFIGS["default"]
-    assert family.resolved((S((1, 64, 256), BF16), S((1, 256, 512), BF16))).config == CONFIGS["small_m"]
+        assert tuning.resolve(family, (S((1, rows, 256), BF16), S((1, 256, 512), BF16))).config == wide
+    assert tuning.resolve(family, (S((1, 2048, 256), BF16), S((1, 256, 512), BF16))).config == CONFIGS["default"]
+    assert tuning.resolve(family, (S((1, 64, 256), BF16), S((1, 256, 512), BF16))).config == CONFIGS["small_m"]
 
 
 def test_user_table_overrides_the_shipped_one(tmp_path, monkeypatch):
@@ -270,11 +270,11 @@ def test_user_table_overrides_the_shipped_one(tmp_path, monkeypatch):
     shipped_b = other_candidate(family, avals_b)
     write_table(tuning.SHIPPED_TABLE, [entry("softmax_fwd", "bfloat16", {"n": 4096}, fields(shipped_a)),
                                        entry("softmax_fwd", "bfloat16", {"n": 1024}, fields(shipped_b))])
-    assert family.resolved(avals_a).config == shipped_a
+    assert tuning.resolve(family, avals_a).config == shipped_a
     use_table(monkeypatch, write_table(tmp_path / "user.json",
                                        [entry("softmax_fwd", "bfloat16", {"n": 4096}, fields(user_a))]))
-    assert family.resolved(avals_a).config == user_a  # the user's entry wins
-    assert family.resolved(avals_b).config == shipped_b  # the shipped one still serves its key
+    assert tuning.resolve(family, avals_a).config == user_a  # the user's entry wins
+    assert tuning.resolve(family, avals_b).config == shipped_b  # the shipped one still serves its key
 
 
 BAD_TABLES = {
@@ -293,7 +293,7 @@ def test_an_unreadable_table_warns_and_the_heuristic_runs(name, tmp_path, monkey
     family = SoftmaxForward(False)
     avals = (S((8, 4096), BF16),)
     with pytest.warns(tuning.TuningTableWarning, match=rf"{re.escape(str(path))}.*{message}"):
-        assert family.resolved(avals).config == family.default_config(avals)
+        assert tuning.resolve(family, avals).config == family.default_config(avals)
 
 
 def test_malformed_entries_warn_with_file_and_key_and_the_heuristic_runs(tmp_path, monkeypatch):
@@ -301,7 +301,7 @@ def test_malformed_entries_warn_with_file_and_key_and_the_heuristic_runs(tmp_pat
     avals = (S((8, 4096), BF16),)
     good = other_candidate(family, avals)
     default = family.default_config(avals)
-    default_kernel = targets(lower_cuda(functools.partial(kernel_call, family.resolved(avals)), *avals))
+    default_kernel = targets(lower_cuda(functools.partial(kernel_call, tuning.resolve(family, avals)), *avals))
     bad_entries = [
         ({"device": FAKE_GPU, "kernel": "softmax_fwd", "dtype": "bfloat16", "dims": {"n": 4096}},
          r"entry 0 ignored: field 'config' must be a JSON object"),
@@ -318,7 +318,7 @@ def test_malformed_entries_warn_with_file_and_key_and_the_heuristic_runs(tmp_pat
         path = write_table(tmp_path / f"bad{i}.json", [bad])
         use_table(monkeypatch, path)
         with pytest.warns(tuning.TuningTableWarning, match=rf"{re.escape(str(path))}.*{message}"):
-            assert family.resolved(avals).config == default
+            assert tuning.resolve(family, avals).config == default
             # The op falls back the same way: the kernel it builds is the heuristic's.
             assert targets(lower_cuda(cl.ops.softmax, *avals)) == default_kernel
     # A malformed entry does not spoil the good ones next to it.
@@ -326,7 +326,7 @@ def test_malformed_entries_warn_with_file_and_key_and_the_heuristic_runs(tmp_pat
                                                   entry("softmax_fwd", "bfloat16", {"n": 4096}, fields(good))])
     use_table(monkeypatch, path)
     with pytest.warns(tuning.TuningTableWarning, match="entry 0 ignored"):
-        assert family.resolved(avals).config == good
+        assert tuning.resolve(family, avals).config == good
 
 
 def test_the_shipped_table_loads_cleanly_and_is_packaged(recwarn):
@@ -437,7 +437,7 @@ def test_autotune_writes_winners_that_the_runtime_then_uses(tmp_path, monkeypatc
     assert summary.startswith("| kernel |") and "| softmax_fwd | float16 | n=2048 |" in summary and "| 10.00 |" in summary
     assert "wrote 2 tuned config(s)" in lines[-1]
     use_table(monkeypatch, output)
-    assert family.resolved(avals).config == tuned
+    assert tuning.resolve(family, avals).config == tuned
 
 
 def test_autotune_argument_errors_name_what_is_allowed():
@@ -512,4 +512,4 @@ def test_gpu_sweep_every_candidate_is_correct(op, shape, dtype, tmp_path, monkey
         assert r.winner is not None
     use_table(monkeypatch, tmp_path / "t.json")
     for r in results:
-        assert r.case.family.resolved(r.case.avals).config == r.winner
+        assert tuning.resolve(r.case.family, r.case.avals).config == r.winner

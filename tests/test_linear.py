@@ -1,6 +1,6 @@
 """fused_linear: values, gradients, vmap/jit/grad, activation resolution, errors, CUDA lowering.
 
-CPU runs the reference lowering of the same op (so the custom_vjp / custom_vmap plumbing and the
+CPU runs the reference lowering of the same op (so the custom_vjp / vmap plumbing and the
 backward decomposition are checked against jax.grad of plain jnp); the lowering tests compile the
 CuTe kernels for sm_90a without a GPU; `gpu` tests run the kernels.
 """

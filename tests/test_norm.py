@@ -1,7 +1,7 @@
 """layer_norm / rms_norm: values, gradients, vmap/jit/grad, errors, CUDA lowering.
 
 CPU runs the reference lowering of the same ops (same decomposition and residuals as the kernels),
-so the custom_vjp/custom_vmap plumbing and the backward formulas are checked against jax.grad of
+so the custom_vjp/vmap plumbing and the backward formulas are checked against jax.grad of
 the plain jnp formula; `gpu` tests run the CuTe kernels; the lowering test compiles them on CPU.
 """
 

@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import cutelayers as cl
+from cutelayers import tuning
 from cutelayers.ops.reduce import RowReduce
 from cutelayers.runtime.primitive import kernel_call_p
 from numerics import random
@@ -73,6 +74,6 @@ def test_shard_map_that_leaves_an_axis_automatic_is_refused(rng):
 
 def test_raw_primitive_in_sharded_jit_is_refused(mesh):
     aval = jax.ShapeDtypeStruct((16, 64), jnp.float32, sharding=NamedSharding(mesh, P("data")))
-    family = RowReduce("sum").resolved((aval,))
+    family = tuning.resolve(RowReduce("sum"), (aval,))
     with pytest.raises(ValueError, match=r"bound directly in a computation partitioned over 4 devices"):
         lower_cuda(lambda x: kernel_call_p.bind(x, family=family), aval)

@@ -1,6 +1,6 @@
 """reduce_sum / reduce_mean / reduce_max: values, gradients, vmap/jit/grad, errors.
 
-CPU runs the reference lowering of the same op (so the custom_vjp/custom_vmap plumbing and the
+CPU runs the reference lowering of the same op (so the custom_vjp/vmap plumbing and the
 backward formulas are checked against jax.grad of plain jnp); `gpu` tests run the CuTe kernels.
 """
 

@@ -8,12 +8,13 @@ An op names the kernel families it runs (``layer_norm``: ``layer_norm_fwd`` and 
 ``linear``: ``linear_fwd``, ``linear_dx``, ``linear_dkernel``); a family's own name tunes only
 that family. Shapes are ``ROWSxN`` for the row ops and ``MxKxN`` for ``linear``. For every (family,
 shape, dtype), each candidate config of the family's space
-(:meth:`cutelayers.tuning.TunableFamily.config_space`) is compiled and run on random operands,
-its results checked against the family's jnp reference (relative error within the tolerance of
-the least precise dtype involved, ``REL_TOL`` x ``CHECK_SCALE``; a broken config is off by O(1)),
-then timed with :func:`cutelayers.bench.timing.time_fn`. The fastest correct config wins -- unless it
-beats the heuristic's by less than ``min_gain`` (2%: noise), in which case the heuristic's is
-kept. A progress line per candidate, then a table of heuristic vs tuned time per shape.
+(:meth:`cutelayers.runtime.family.TunableFamily.config_space`) is compiled and run on random
+operands, its results checked against the family's jnp reference (relative error within the
+tolerance of the least precise dtype involved, ``REL_TOL`` x ``CHECK_SCALE``; a broken config is off
+by O(1)), then timed with :func:`cutelayers.bench.timing.time_fn`. The fastest correct config wins
+-- unless it beats the heuristic's by less than ``min_gain`` (2%: noise), in which case the
+heuristic's is kept. A progress line per candidate, then a table of heuristic vs tuned time per
+shape.
 
 Winners go into a tuned-config table (see :mod:`cutelayers.tuning`): by default the user's, which
 the runtime reads, so functions traced afterwards run the tuned kernels. Entries are keyed by the
@@ -43,6 +44,7 @@ from cutelayers.ops.linear import LinearForward, LinearInputGrad, LinearWeightGr
 from cutelayers.ops.norm import NormBackward, NormForward, forward_reference
 from cutelayers.ops.reduce import RowReduce
 from cutelayers.ops.softmax import CrossEntropyBackward, CrossEntropyForward, SoftmaxBackward, SoftmaxForward
+from cutelayers.runtime.family import TunableFamily
 from cutelayers.runtime.primitive import kernels_supported, target_arch
 from cutelayers.runtime.sharding import kernel_call
 from cutelayers.runtime.tensors import FLOAT_DTYPES
@@ -68,7 +70,7 @@ class Case:
     """
 
     op: str
-    family: tuning.TunableFamily
+    family: TunableFamily
     avals: tuple[jax.ShapeDtypeStruct, ...]
     make_operands: Callable[[], tuple]
     observe: Callable[[tuple], tuple] = tuple
@@ -119,7 +121,7 @@ def _norm_cases(op: str, center: bool, shape, dtype) -> list[Case]:
 
     backward_avals = (x, x) + (stat,) * center + (stat, vec)
     backward = NormBackward(center, True, True, center)
-    if not backward.resolved(backward_avals).geometry(backward_avals).resident:
+    if not tuning.resolve(backward, backward_avals).geometry(backward_avals).resident:
         backward = NormBackward(center, True, False, False)  # as the op: too long for partials, dx only
     return [
         Case(op, NormForward(center, True, center, EPSILON, dtype.name), (x, vec) + (vec,) * center,

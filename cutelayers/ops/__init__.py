@@ -1,4 +1,4 @@
-"""Differentiable, vmappable cutelayers ops (custom_vjp + custom_vmap over CuTe kernels)."""
+"""Differentiable, vmappable cutelayers ops (custom_vjp, and vmap folded into rows, over CuTe kernels)."""
 
 from cutelayers.ops.linear import fused_linear
 from cutelayers.ops.lm_head import linear_cross_entropy

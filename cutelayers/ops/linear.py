@@ -22,29 +22,31 @@ the same decomposition with XLA GEMMs, and logs once why. ``precision`` (as in `
 applies to those XLA GEMMs; the kernels multiply bfloat16 / float16 exactly and accumulate in
 float32, at least as precise as any ``precision`` asks.
 
-vmap: batch dims of x / residual fold into rows (one launch) while kernel / bias are shared;
-per-example kernel or bias falls back to ``jax.lax.map`` (one launch per example). The fold happens
-before differentiation (:func:`~cutelayers.ops._rowwise.row_batched_vjp`), so ``grad(vmap(...))``
--- the usual Equinox style -- runs the backward once on all rows: dkernel is one (K, N) GEMM, as
-for a call on the whole batch. ``vmap(grad(...))`` asks for per-example gradients and gets them:
-dkernel (B, K, N) in one batched launch (the batch is the kernel's L mode).
+vmap (:mod:`cutelayers.ops._batching`): batch dims of x / residual fold into rows (one launch)
+while kernel / bias are shared; per-example kernel or bias falls back to ``jax.lax.map`` (one
+launch per example). The fold happens before differentiation (the rule is around the custom_vjp),
+so ``grad(vmap(...))`` -- the usual Equinox style -- runs the backward once on all rows: dkernel is
+one (K, N) GEMM, as for a call on the whole batch. ``vmap(grad(...))`` asks for per-example
+gradients and gets them: dkernel (B, K, N) in one batched launch (the batch is the kernel's L mode).
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import functools
 from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
-from jax.custom_batching import custom_vmap
 from jax.sharding import NamedSharding, PartitionSpec
 
 from cutelayers import backend as _backend
-from cutelayers.ops._rowwise import check_float_array, row_batched, row_batched_vjp
-from cutelayers.runtime.sharding import ShardingRule, kernel_call, run_kernel, sum_partials, vary_like
-from cutelayers.tuning import TunableFamily
+from cutelayers.ops._batching import fold_batch
+from cutelayers.ops._rowwise import check_float_array
+from cutelayers.runtime.family import ShardingRule, TunableFamily
+from cutelayers.runtime.sharding import kernel_call, run_kernel, sum_partials, vary_like
+from cutelayers.tuning import resolve
 
 if TYPE_CHECKING:
     from cutelayers.kernels.gemm import GemmConfig
@@ -112,38 +114,39 @@ def resolve_activation(activation) -> tuple[str, object]:
 # Every GEMM operand reaches the kernel as a rank-3 (L, rows, features) array; ``modes`` present
 # it in the kernel's (M|N, K, L) order without copying. Forward and dx use L = 1 (a static dim);
 # dkernel uses L for the vmap batch. ``config``: the kernel's GemmConfig, chosen for the operands by
-# :meth:`~cutelayers.tuning.TunableFamily.resolved` (tuned table, else ``config_class``); the
-# heuristic depends on the concrete row count, which the compile key leaves out, so a family
-# carries its config.
+# :func:`cutelayers.tuning.resolve` (tuned table, else ``config_class``); the heuristic depends on
+# the concrete row count, which the compile key leaves out, so a family carries its config.
 
 _ROWS = (1, 2, 0)  # (1, M, F) -> (M, F, 1): rows M, features F contiguous
 _WEIGHT_AS_N_K = (2, 1, 0)  # (1, K, N) -> (N, K, 1): kernel as the forward's B, N contiguous
 _TRANSPOSED = (2, 1, 0)  # (L, M, F) -> (F, M, L): the rows become the contraction
 
 
-class _GemmFamily(TunableFamily):
-    """Shared plumbing: operand kinds decide modes and symbolic dims; sharding factors decide how
-    the GEMM runs on a mesh (:mod:`cutelayers.runtime.sharding`)."""
+class GemmFamily(TunableFamily):
+    """The GEMM families' shared implementation of the family interface
+    (:mod:`cutelayers.runtime.family`). Each family gives its operands' kinds (which decide mode
+    orders and symbolic dims), their sharding factors (how the GEMM runs on a mesh), the layer's
+    (K, N), the GEMM's (M, N, K) and its epilogue."""
 
+    @abc.abstractmethod
     def kinds(self) -> tuple[str, ...]:
         """Kind of every operand and result: rows / weight / vector / batched / batched_out."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def factors(self) -> tuple[tuple, tuple]:
         """Sharding factor per dim of every operand and of every result (einsum-like)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def layer_dims(self, avals) -> tuple[int, int]:
         """The layer's (K, N) as these operands hold them."""
-        raise NotImplementedError
 
     # --- configs: every entry of the kernel's CONFIGS is valid for every shape (TMA clips tails)
 
     contracts_rows = False  # dkernel: the symbolic rows are the GEMM's contraction
 
+    @abc.abstractmethod
     def gemm_shape(self, avals) -> tuple[int, int, int]:
         """(M, N, K) of the GEMM on these operands: output (M, N), contraction K."""
-        raise NotImplementedError
 
     def default_config(self, avals):
         from cutelayers.kernels.gemm import CONFIGS, config_class
@@ -212,7 +215,7 @@ class _GemmFamily(TunableFamily):
 
 
 @dataclasses.dataclass(frozen=True)
-class LinearForward(_GemmFamily):
+class LinearForward(GemmFamily):
     """Kernel family: y (1, M, N) [, z (1, M, N)] from x (1, M, K), kernel (1, K, N)
     [, bias (N,)] [, residual (1, M, N)]; all one dtype (bfloat16 / float16)."""
 
@@ -281,7 +284,7 @@ class LinearForward(_GemmFamily):
 
 
 @dataclasses.dataclass(frozen=True)
-class LinearInputGrad(_GemmFamily):
+class LinearInputGrad(GemmFamily):
     """Kernel family: dx (1, M, K) = dz (1, M, N) @ kernelᵀ, kernel (1, K, N) read as stored.
 
     With ``grad_of`` an activation, also a pre-activation (1, M, K) operand and
@@ -333,7 +336,7 @@ class LinearInputGrad(_GemmFamily):
 
 
 @dataclasses.dataclass(frozen=True)
-class LinearWeightGrad(_GemmFamily):
+class LinearWeightGrad(GemmFamily):
     """Kernel family: dkernel (L, K, N) = x (L, M, K)ᵀ @ dz (L, M, N) per batch index l.
 
     With ``accumulate``: a float32 (L, K, N) accumulator operand too, which the product is added
@@ -492,7 +495,7 @@ def _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kerne
         operands.append(bias)
     if residual is not None:
         operands.append(residual.reshape(1, m, n))
-    family = LinearForward(activation, bias is not None, residual is not None, store_preact).resolved(operands)
+    family = resolve(LinearForward(activation, bias is not None, residual is not None, store_preact), operands)
     return tuple(o.reshape(*lead, n) for o in kernel_call(family, *operands))
 
 
@@ -508,7 +511,7 @@ def _input_grad_rows(dz, kernel, preact, grad_of, use_kernels, precision):
     if rows.shape[1] == 0:
         return jnp.zeros((*lead, k), dz.dtype)
     operands = (rows, kernel[None]) + (() if preact is None else (preact.reshape(1, -1, k),))
-    (dx,) = kernel_call(LinearInputGrad(grad_of).resolved(operands), *operands)
+    (dx,) = kernel_call(resolve(LinearInputGrad(grad_of), operands), *operands)
     return dx.reshape(*lead, k)
 
 
@@ -527,10 +530,10 @@ def _weight_grad_batched(x, dz, accumulator, use_kernels, precision):
     (batch, rows, k), n = x.shape, dz.shape[-1]
     splits = split_count(k, n, rows, batch)
     if splits == 1 and accumulator is None:
-        (dw,) = kernel_call(LinearWeightGrad().resolved((x, dz)), x, dz)
+        (dw,) = kernel_call(resolve(LinearWeightGrad(), (x, dz)), x, dz)
         return dw
     operands = (x, dz, jnp.zeros((batch, k, n), jnp.float32) if accumulator is None else accumulator)
-    (dw,) = kernel_call(LinearWeightGrad(splits=splits, accumulate=True).resolved(operands), *operands)
+    (dw,) = kernel_call(resolve(LinearWeightGrad(splits=splits, accumulate=True), operands), *operands)
     return dw if accumulator is not None else dw.astype(x.dtype)
 
 
@@ -541,12 +544,11 @@ def input_grad_fn(use_kernels: bool, precision=None, grad_of: str = "none"):
 
     With ``grad_of`` an activation: ``input_grad(dz, kernel, preact)`` multiplies the product by
     act'(preact) in the GEMM's epilogue (:mod:`cutelayers.ops.mlp`'s hidden layer)."""
-    if grad_of == "none":
-        return row_batched(lambda dz, kernel: _input_grad_rows(dz, kernel, None, "none", use_kernels, precision),
-                           shared=(1,))
-    return row_batched(
-        lambda dz, kernel, preact: _input_grad_rows(dz, kernel, preact, grad_of, use_kernels, precision),
-        shared=(1,))
+
+    def input_grad(dz, kernel, *preact):
+        return _input_grad_rows(dz, kernel, *preact or (None,), grad_of, use_kernels, precision)
+
+    return fold_batch(input_grad, shared=(1,))
 
 
 @functools.cache
@@ -556,17 +558,16 @@ def weight_grad_fn(use_kernels: bool, precision=None):
     accumulator; vmappable: a vmap adds its batch to L (the kernel's batch mode), so per-example
     dkernel is still one launch. Shared with :mod:`cutelayers.ops.lm_head`."""
 
-    @custom_vmap
     def weight_grad(x, dz, *accumulator):
         return _weight_grad_batched(x, dz, *accumulator or (None,), use_kernels, precision)
 
-    @weight_grad.def_vmap
-    def rule(axis_size, in_batched, *operands):
-        operands = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(operands, in_batched)]
-        out = weight_grad(*(a.reshape(-1, *a.shape[2:]) for a in operands))
-        return out.reshape(axis_size, -1, *out.shape[1:]), True
+    def batched(*operands):
+        # Each example's dkernel sums over its own rows: the batch joins L, not the rows.
+        out = vmappable(*(a.reshape(-1, *a.shape[2:]) for a in operands))
+        return out.reshape(operands[0].shape[0], -1, *out.shape[1:])
 
-    return weight_grad
+    vmappable = fold_batch(weight_grad, batched=batched)
+    return vmappable
 
 
 @functools.cache
@@ -577,7 +578,7 @@ def forward_fn(activation: str, store_preact: bool, use_kernels: bool, precision
     def fn(x, kernel, bias, residual):
         return _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kernels, precision)
 
-    return row_batched(fn, shared=(1, 2))
+    return fold_batch(fn, shared=(1, 2))
 
 
 @functools.cache
@@ -612,7 +613,7 @@ def _linear_fn(activation: str, has_bias: bool, has_residual: bool, use_kernels:
         return dx, dkernel, dbias, dy if has_residual else None
 
     linear.defvjp(fwd, bwd)
-    return row_batched_vjp(linear, shared=(1, 2))
+    return fold_batch(linear, shared=(1, 2), per_example=linear)
 
 
 # --- the op ------------------------------------------------------------------------------------------

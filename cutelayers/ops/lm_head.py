@@ -40,10 +40,10 @@ padding fewer rows than there are chunks.
 Kernels run where :func:`cutelayers.ops.fused_linear`'s do (bfloat16 / float16, H and V multiples
 of 8); elsewhere the same decomposition runs as XLA GEMMs.
 
-vmap: h / labels batch dims fold into the kernels' rows; unlike ``fused_linear`` (whose batching
-folds before differentiation), ``grad`` of a vmapped call computes a per-example dkernel
-(B, H, V) before summing -- call the op on the whole batch (any leading shape works) rather than
-under ``jax.vmap`` when training.
+vmap: h / labels batch dims fold into the kernels' rows (:mod:`cutelayers.ops._batching`, around
+the kernel calls); unlike ``fused_linear`` (whose batching folds before differentiation), ``grad``
+of a vmapped call computes a per-example dkernel (B, H, V) before summing -- call the op on the
+whole batch (any leading shape works) rather than under ``jax.vmap`` when training.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ import functools
 import jax
 
 from cutelayers import backend as _backend
-from cutelayers.ops._rowwise import check_float_array, row_batched_vjp
+from cutelayers.ops._batching import fold_batch
+from cutelayers.ops._rowwise import check_float_array
 from cutelayers.ops.linear import (
     check_linear_operands,
     check_residual,
@@ -75,7 +76,7 @@ def _mlp_fn(activation: str, has_b1: bool, has_b2: bool, has_residual: bool, use
         return dx, dw1, db1, dw2, db2, dy if has_residual else None
 
     mlp.defvjp(fwd, bwd)
-    return row_batched_vjp(mlp, shared=(1, 2, 3, 4))
+    return fold_batch(mlp, shared=(1, 2, 3, 4), per_example=mlp)
 
 
 def mlp(x, w1, b1=None, w2=None, b2=None, *, activation="gelu", residual=None, precision=None) -> jax.Array:

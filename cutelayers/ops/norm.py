@@ -14,11 +14,12 @@ the residual and writes summed = x + residual (in the residual's dtype), whose s
 takes; the backward reads summed where the plain one reads x, and the gradient of summed, which
 it adds to dx (x and the residual share that gradient).
 
-vmap: a batched x with shared scale / bias folds the batch into rows (one launch). Per-example
-scale / bias cannot share one kernel launch; they fall back to ``jax.vmap`` of the jnp reference,
-which computes the same decomposition. Under vmap the backward keeps dscale / dbias per example
-(``vmap(grad(...))`` over a shared scale asks for exactly that), so the batched backward runs the
-dx kernel on folded rows and reduces dscale / dbias per example with XLA.
+vmap (:mod:`cutelayers.ops._batching`, around the forward and backward kernel calls): a batched x
+with shared scale / bias folds the batch into rows (one launch). Per-example scale / bias cannot
+share one kernel launch; they fall back to ``jax.vmap`` of the jnp reference, which computes the
+same decomposition. Under vmap the backward keeps dscale / dbias per example (``vmap(grad(...))``
+over a shared scale asks for exactly that), so the batched backward runs the dx kernel on folded
+rows and reduces dscale / dbias per example with XLA.
 
 The reference (``forward_reference`` / ``backward_reference``) is what runs off CUDA and under the
 ``reference`` backend; it implements the kernels' decomposition (same residuals), so CPU tests of
@@ -33,22 +34,16 @@ from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
-from jax.custom_batching import custom_vmap
 
-from cutelayers.ops._rowwise import RowKernelFamily, check_float_array
-from cutelayers.runtime.sharding import ShardingRule, kernel_call, run_kernel, vary_like
+from cutelayers.ops._batching import fold_batch
+from cutelayers.ops._rowwise import RowKernelFamily, call_kernel, check_float_array
+from cutelayers.runtime.family import ShardingRule
+from cutelayers.runtime.sharding import run_kernel, vary_like
 from cutelayers.runtime.tensors import FLOAT_DTYPES
+from cutelayers.tuning import resolve
 
 if TYPE_CHECKING:
     from cutelayers.kernels.reduction import RowConfig
-
-
-class _RowsFamily(RowKernelFamily):
-    """Operand convention of the norm kernels: rank-2 arrays are per-row (rows, ...) with a
-    symbolic row count; rank-1 arrays (scale, bias, flat partials) are fully static."""
-
-    def dynamic_dims(self, aval) -> tuple[bool, ...]:
-        return tuple(len(aval.shape) == 2 and i == 0 for i in range(len(aval.shape)))
 
 
 def _kernel_name(center: bool, has_residual: bool, direction: str) -> str:
@@ -63,7 +58,7 @@ def _optional(args, *present: bool) -> tuple:
 
 
 @dataclasses.dataclass(frozen=True)
-class NormForward(_RowsFamily):
+class NormForward(RowKernelFamily):
     """Kernel family: y (M, N), [summed (M, N)], [mean (M, 1)], rstd (M, 1) from x (M, N),
     [residual (M, N)], [scale (N,)], [bias (N,)].
 
@@ -71,7 +66,7 @@ class NormForward(_RowsFamily):
     ``has_residual``: the fused residual add -- the row is summed = x + residual (in the
     residual's dtype, see :func:`residual_sum`), written as the second result. ``config``: the
     kernel's :class:`~cutelayers.kernels.reduction.RowConfig` (see
-    :class:`~cutelayers.tuning.TunableFamily`).
+    :class:`~cutelayers.runtime.family.TunableFamily`).
     """
 
     center: bool
@@ -81,6 +76,7 @@ class NormForward(_RowsFamily):
     out_dtype: str
     has_residual: bool = False
     config: RowConfig | None = None
+    per_row_rank = 2
 
     @property
     def name(self) -> str:
@@ -127,7 +123,7 @@ class NormForward(_RowsFamily):
 
 
 @dataclasses.dataclass(frozen=True)
-class NormBackward(_RowsFamily):
+class NormBackward(RowKernelFamily):
     """Kernel family: dx (M, N), [dscale_partial (P*N,)], [dbias_partial (P*N,)] from x (M, N),
     dy (M, N), [dsummed (M, N)], [mean (M, 1)], rstd (M, 1), [scale (N,)].
 
@@ -144,6 +140,7 @@ class NormBackward(_RowsFamily):
     want_dbias: bool
     has_residual: bool = False
     config: RowConfig | None = None
+    per_row_rank = 2
 
     @property
     def name(self) -> str:
@@ -215,6 +212,11 @@ def _split_backward(args, center: bool, has_residual: bool, has_scale: bool) -> 
     return _optional(args, True, True, has_residual, center, True, has_scale)
 
 
+def _scale_position(center: bool, has_residual: bool, has_scale: bool) -> tuple[int, ...]:
+    """Where the backward's operands hold scale, the one shared by every row (none without it)."""
+    return (3 + has_residual + center,) if has_scale else ()
+
+
 # --- jnp reference: the kernels' decomposition --------------------------------------------------
 
 def residual_sum(x, residual):
@@ -281,15 +283,6 @@ def backward_reference(x, dy, mean, rstd, scale, dsummed=None):
 
 # --- kernel calls on (rows, N) views ------------------------------------------------------------
 
-def _call_rows(family: _RowsFamily, args):
-    """``family`` (its config chosen for ``args``) on already (rows, ...)-shaped ``args``; an empty
-    row count skips the launch."""
-    family = family.resolved(args)
-    if args[0].shape[0] == 0:
-        return tuple(jnp.zeros(o.shape, o.dtype) for o in family.out_avals(args))
-    return kernel_call(family, *args)
-
-
 def _backward_args(args, center: bool, has_residual: bool):
     """(x, dy, [dsummed], [mean], rstd, [scale]) with x, dy, dsummed as (rows, N) and statistics
     as (rows, 1)."""
@@ -300,57 +293,39 @@ def _backward_args(args, center: bool, has_residual: bool):
             + list(args[stats:]))
 
 
-def _batch_rows(args, in_batched, axis_size: int, shared: int):
-    """Give every per-row operand (all but the ``shared`` trailing parameters) the batch dim in
-    front."""
-    per_row = len(args) - shared
-    return [a if b or i >= per_row else jnp.broadcast_to(a, (axis_size, *a.shape))
-            for i, (a, b) in enumerate(zip(args, in_batched))]
+def _backward_of_args(args, center: bool, has_residual: bool, has_scale: bool):
+    """:func:`backward_reference` of the backward's operands ``(x, dy, [dsummed], [mean], rstd,
+    [scale])``: (dx, dscale, dbias)."""
+    x, dy, dsummed, mean, rstd, scale = _split_backward(args, center, has_residual, has_scale)
+    return backward_reference(x, dy, mean, rstd, scale, dsummed)
 
 
 def _forward_core(center: bool, has_residual: bool, has_scale: bool, has_bias: bool, epsilon: float,
                   out_dtype: str):
-    """custom_vmap'd ``(x, [residual], *params) -> (y, [summed], [mean], rstd)``: y and summed
-    (..., N), the statistics (...,) fp32."""
+    """``(x, [residual], *params) -> (y, [summed], [mean], rstd)``: y and summed (..., N), the
+    statistics (...,) fp32; vmappable (module docstring)."""
     family = NormForward(center, has_scale, has_bias, epsilon, out_dtype, has_residual)
     rows = 1 + has_residual  # row-shaped operands, and row-shaped results
 
-    def unbatched(*args):
+    def forward(*args):
         x = args[0]
-        outs = _call_rows(family, (*(a.reshape(-1, x.shape[-1]) for a in args[:rows]), *args[rows:]))
+        outs = call_kernel(family, *(a.reshape(-1, x.shape[-1]) for a in args[:rows]), *args[rows:])
         return (tuple(o.reshape(x.shape) for o in outs[:rows])
                 + tuple(o.reshape(x.shape[:-1]) for o in outs[rows:]))
 
-    core = custom_vmap(unbatched)
-
-    @core.def_vmap
-    def rule(axis_size, in_batched, *args):
-        if any(in_batched[rows:]):
-            # Per-example parameters: one launch takes one set, so vmap the jnp reference.
-            axes = [0 if b else None for b in in_batched]
-            out = jax.vmap(family.outputs_reference, in_axes=axes, axis_size=axis_size)(*args)
-        else:
-            # the batch dim in front of every row-shaped operand: it folds into the rows
-            out = core(*_batch_rows(args, in_batched, axis_size, len(args) - rows))
-        return out, tuple(True for _ in out)
-
-    return core
+    params = tuple(range(rows, rows + has_scale + has_bias))
+    return fold_batch(forward, shared=params, per_example=family.outputs_reference)
 
 
 def _backward_core(center: bool, has_residual: bool, has_scale: bool, has_bias: bool):
-    """custom_vmap'd ``(x, dy, [dsummed], [mean], rstd, [scale]) -> (dx, [dscale], [dbias])``
-    (fp32 dparams)."""
+    """``(x, dy, [dsummed], [mean], rstd, [scale]) -> (dx, [dscale], [dbias])`` (fp32 dparams);
+    vmappable (module docstring)."""
     dx_only = _dx_core(center, has_residual, has_scale)
 
-    def reference(*args):
-        x, dy, dsummed, mean, rstd, scale = _split_backward(args, center, has_residual, has_scale)
-        dx, dscale, dbias = backward_reference(x, dy, mean, rstd, scale, dsummed)
-        return (dx,) + (dscale,) * has_scale + (dbias,) * has_bias
-
-    def unbatched(*args):
+    def backward(*args):
         x, dy, _, mean, rstd, _ = _split_backward(args, center, has_residual, has_scale)
         rows = _backward_args(args, center, has_residual)
-        family = NormBackward(center, has_scale, has_scale, has_bias, has_residual).resolved(rows)
+        family = resolve(NormBackward(center, has_scale, has_scale, has_bias, has_residual), rows)
         # Every candidate config keeps a row resident exactly when the heuristic does, so this
         # choice agrees with the dx-only family's config.
         if not family.geometry(rows).resident:
@@ -358,53 +333,38 @@ def _backward_core(center: bool, has_residual: bool, has_scale: bool, has_bias: 
             dx = dx_only(*args)
             _, dscale, dbias = backward_reference(x, dy, mean, rstd, None)
             return (dx,) + (dscale,) * has_scale + (dbias,) * has_bias
-        dx, *partials = _call_rows(family, rows)
+        dx, *partials = call_kernel(family, *rows)
         n = x.shape[-1]
         return (dx.reshape(x.shape),) + tuple(jnp.sum(p.reshape(-1, n), axis=0) for p in partials)
 
-    core = custom_vmap(unbatched)
+    def per_example(*args):
+        dx, dscale, dbias = _backward_of_args(args, center, has_residual, has_scale)
+        return (dx,) + (dscale,) * has_scale + (dbias,) * has_bias
 
-    @core.def_vmap
-    def rule(axis_size, in_batched, *args):
-        if has_scale and in_batched[-1]:
-            axes = [0 if b else None for b in in_batched]
-            out = jax.vmap(reference, in_axes=axes, axis_size=axis_size)(*args)
-            return out, tuple(True for _ in out)
-        args = _batch_rows(args, in_batched, axis_size, has_scale)
+    def batched(*args):
         x, dy, _, mean, rstd, _ = _split_backward(args, center, has_residual, has_scale)
         dx = dx_only(*args)
-        # dscale / dbias per example (batch axis 0): grad(vmap) sums them, vmap(grad) keeps them.
+        # dscale / dbias per example (the batch leads): sums over the rows of each
         xhat = _xhat(x, mean, rstd)
         dy32 = dy.astype(jnp.float32)
         lead = tuple(range(1, x.ndim - 1))
-        out = (dx,) + (jnp.sum(dy32 * xhat, axis=lead),) * has_scale + (jnp.sum(dy32, axis=lead),) * has_bias
-        return out, tuple(True for _ in out)
+        return (dx,) + (jnp.sum(dy32 * xhat, axis=lead),) * has_scale + (jnp.sum(dy32, axis=lead),) * has_bias
 
-    return core
+    return fold_batch(backward, shared=_scale_position(center, has_residual, has_scale), per_example=per_example,
+                      batched=batched)
 
 
 def _dx_core(center: bool, has_residual: bool, has_scale: bool):
-    """custom_vmap'd dx-only backward; batched rows fold (shared scale) like the forward."""
+    """The dx-only backward of the same operands; vmappable (module docstring)."""
     family = NormBackward(center, has_scale, False, False, has_residual)
 
-    def unbatched(*args):
-        return _call_rows(family, _backward_args(args, center, has_residual))[0].reshape(args[0].shape)
+    def dx(*args):
+        return call_kernel(family, *_backward_args(args, center, has_residual))[0].reshape(args[0].shape)
 
-    core = custom_vmap(unbatched)
+    def per_example(*args):
+        return _backward_of_args(args, center, has_residual, has_scale)[0]
 
-    @core.def_vmap
-    def rule(axis_size, in_batched, *args):
-        if has_scale and in_batched[-1]:  # per-example scale (reached only under nested vmaps)
-            def reference(*a):
-                x, dy, dsummed, mean, rstd, scale = _split_backward(a, center, has_residual, has_scale)
-                return backward_reference(x, dy, mean, rstd, scale, dsummed)[0]
-
-            axes = [0 if b else None for b in in_batched]
-            return jax.vmap(reference, in_axes=axes, axis_size=axis_size)(*args), True
-        args = _batch_rows(args, in_batched, axis_size, has_scale)
-        return core(*args), True
-
-    return core
+    return fold_batch(dx, shared=_scale_position(center, has_residual, has_scale), per_example=per_example)
 
 
 @functools.cache

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
-from cutelayers.ops._rowwise import RowKernelFamily, call_on_rows, check_float_array, normalize_axis, row_batched
+from cutelayers.ops._batching import fold_batch
+from cutelayers.ops._rowwise import RowKernelFamily, call_on_rows, check_float_array, normalize_axis
 
 if TYPE_CHECKING:
     from cutelayers.kernels.reduction import RowConfig
@@ -76,7 +77,7 @@ def reference(kind: str, x: jax.Array) -> jax.Array:
 @functools.cache
 def _reduce_fn(kind: str):
     family = RowReduce(kind)
-    forward = row_batched(lambda x: call_on_rows(family, x)[0])
+    forward = fold_batch(lambda x: call_on_rows(family, x)[0])
 
     @jax.custom_vjp
     def reduce(x):

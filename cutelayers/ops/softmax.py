@@ -1,6 +1,7 @@
 """Softmax family over the last axis: ``softmax``, ``log_softmax``, ``logsumexp`` and
 ``softmax_cross_entropy`` -- CuTe kernels forward and backward, jnp references that follow the
-same decomposition (the same residuals), custom_vjp + custom_vmap.
+same decomposition (the same residuals), custom_vjp; vmap folds into rows
+(:mod:`cutelayers.ops._batching`).
 
 Decomposition (all statistics fp32):
 
@@ -25,7 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cutelayers.ops._rowwise import RowKernelFamily, call_on_rows, check_float_array, row_batched
+from cutelayers.ops._batching import fold_batch
+from cutelayers.ops._rowwise import RowKernelFamily, call_on_rows, check_float_array
 
 if TYPE_CHECKING:
     from cutelayers.kernels.reduction import RowConfig
@@ -227,8 +229,8 @@ def _ce_grad(x, labels, lse, dloss, cfg):
 
 @functools.cache
 def _softmax_fn(log: bool):
-    forward = row_batched(lambda x: call_on_rows(SoftmaxForward(log), x)[0])
-    backward = row_batched(lambda y, g: call_on_rows(SoftmaxBackward(log), y, g)[0])
+    forward = fold_batch(lambda x: call_on_rows(SoftmaxForward(log), x)[0])
+    backward = fold_batch(lambda y, g: call_on_rows(SoftmaxBackward(log), y, g)[0])
 
     @jax.custom_vjp
     def op(x):
@@ -265,7 +267,7 @@ def log_softmax(x: jax.Array) -> jax.Array:
 @functools.cache
 def _logsumexp_fn():
     family = CrossEntropyForward(with_labels=False)
-    forward = row_batched(lambda x: call_on_rows(family, x)[0])
+    forward = fold_batch(lambda x: call_on_rows(family, x)[0])
 
     @jax.custom_vjp
     def op(x):
@@ -306,8 +308,8 @@ def cross_entropy_kernels(ignore_index, smoothing=0.0, z_loss=0.0, soft_cap=0.0)
     * ``backward(logits, labels, lse, dloss (...) float32) -> dlogits`` in logits' dtype.
     """
     cfg = dict(ignore_index=ignore_index, smoothing=smoothing, z_loss=z_loss, soft_cap=soft_cap)
-    forward = row_batched(lambda x, labels: call_on_rows(CrossEntropyForward(True, **cfg), x, labels))
-    backward = row_batched(
+    forward = fold_batch(lambda x, labels: call_on_rows(CrossEntropyForward(True, **cfg), x, labels))
+    backward = fold_batch(
         lambda x, labels, lse, g: call_on_rows(CrossEntropyBackward(**cfg), x, labels, lse, g)[0])
     return forward, backward
 

@@ -14,8 +14,8 @@ lets us compile with our own fake tensors (symbolic row count, 16-byte alignment
 compile-once cache, whose statistics we report.
 
 The raw primitive has no JVP, transpose or batching rule on purpose: differentiation and vmap
-belong to the ops (``custom_vjp`` + ``custom_vmap``), which pick the right backward kernels and fold
-batch dims into rows.
+belong to the ops (``custom_vjp``, and :mod:`cutelayers.ops._batching`'s vmap rule), which pick
+the right backward kernels and fold batch dims into rows.
 
 Ops call kernels through :func:`cutelayers.runtime.sharding.kernel_call`, which binds this
 primitive per device by the family's sharding rule; this module knows nothing of sharding.
@@ -29,7 +29,7 @@ import hashlib
 import importlib.metadata
 import itertools
 import threading
-from typing import Any, Hashable, Sequence
+from typing import Any, Hashable
 
 import jax
 import jax.numpy as jnp
@@ -40,82 +40,8 @@ from cutelayers import backend as _backend
 from cutelayers.runtime import disk_cache, placement
 from cutelayers.runtime._jax_compat import apply_primitive
 from cutelayers.runtime.cache import COMPILE_CACHE
+from cutelayers.runtime.family import KernelFamily
 from cutelayers.runtime.tensors import fake_tensor
-
-
-class KernelFamily:
-    """One family of CuTe kernels, as the kernel-call primitive sees it.
-
-    Subclasses are small frozen descriptions (hashable: they are primitive parameters) that give
-
-    * ``name`` -- kernel name for cache statistics and FFI target names;
-    * ``arg_names`` -- operand names, for error messages;
-    * ``out_avals(avals)`` -- the output contract (``jax.ShapeDtypeStruct`` per result);
-    * ``reference(*arrays)`` -- the jnp implementation (non-CUDA platforms, reference backend);
-    * ``launcher(avals, out_avals)`` -- the ``@cute.jit`` callable
-      ``launcher(stream, *inputs, *outputs)`` for these dtypes and static dims;
-    * ``dynamic_dims(aval)`` -- which dims of an operand/result are symbolic (default: the leading
-      one, the row count; everything else is static and part of the compile key).
-    """
-
-    name: str = "kernel"
-    arg_names: tuple[str, ...] = ()
-    graph_safe: bool = True
-
-    def out_avals(self, avals: Sequence[jax.core.ShapedArray]) -> tuple[jax.ShapeDtypeStruct, ...]:
-        raise NotImplementedError
-
-    def reference(self, *arrays):
-        raise NotImplementedError
-
-    def launcher(self, avals, out_avals):
-        raise NotImplementedError
-
-    def dynamic_dims(self, aval) -> tuple[bool, ...]:
-        return tuple(i == 0 for i in range(len(aval.shape)))
-
-    def dynamic_dims_at(self, position: int, aval) -> tuple[bool, ...]:
-        """Dynamic dims of operand/result ``position`` (results follow operands)."""
-        return self.dynamic_dims(aval)
-
-    def modes_at(self, position: int):
-        """The mode order the kernel sees for operand/result ``position`` (None: as stored)."""
-        return None
-
-    def kept_outputs(self, n_outputs: int) -> tuple[int, ...]:
-        """Indices of the results the launcher receives (the others are written in place)."""
-        return tuple(range(n_outputs))
-
-    def constexpr_items(self) -> tuple[tuple[str, Hashable], ...]:
-        """Compile-time keyword arguments passed to the launcher."""
-        return ()
-
-    def operand_output_aliases(self) -> dict[int, int] | None:
-        """{operand index: result index} for results written in place of an operand."""
-        return None
-
-    def static_key(self, avals, out_avals) -> Hashable:
-        """Everything that decides a recompile: dtypes, static dims, which dynamic dims are equal
-        (they share one symbol), the family's own fields. Never the dynamic sizes themselves."""
-        classes: dict[int, int] = {}
-
-        def describe(position, a):
-            dyn = self.dynamic_dims_at(position, a)
-            dims = tuple(("dyn", classes.setdefault(s, len(classes))) if d else s for s, d in zip(a.shape, dyn))
-            return (jnp.dtype(a.dtype).name, dims)
-
-        every = (*avals, *out_avals)
-        return (self.identity(), tuple(describe(i, a) for i, a in enumerate(every)))
-
-    def identity(self) -> Hashable:
-        """What identifies the kernel in the compile key (the family itself by default)."""
-        return self
-
-    def source_files(self) -> tuple[str, ...]:
-        """Source files, besides the cutelayers package, whose change must invalidate the disk cache
-        (a user kernel's module)."""
-        return ()
-
 
 LIBRARIES = ("cutelayers", "nvidia-cutlass-dsl", "jax", "apache-tvm-ffi")  # whose versions key kernels
 
@@ -265,11 +191,25 @@ def _load(entry, target: str, graph_safe: bool) -> CompiledKernel | None:
     return kernel
 
 
+def static_key(family: KernelFamily, avals, out_avals) -> Hashable:
+    """Everything that decides a recompile: the family's identity, dtypes, static dims, which
+    dynamic dims are equal (they share one symbol). Never the dynamic sizes themselves."""
+    classes: dict[int, int] = {}
+
+    def describe(position, a):
+        dyn = family.dynamic_dims_at(position, a)
+        dims = tuple(("dyn", classes.setdefault(s, len(classes))) if d else s for s, d in zip(a.shape, dyn))
+        return (jnp.dtype(a.dtype).name, dims)
+
+    every = (*avals, *out_avals)
+    return (family.identity(), tuple(describe(i, a) for i, a in enumerate(every)))
+
+
 def ffi_target_for(family: KernelFamily, avals, out_avals) -> str:
     """The FFI target name of the compiled kernel for these avals: from this process's cache, else
     from the disk cache, else compiled (once)."""
     arch, _ = target_arch()
-    key = (family.static_key(avals, out_avals), arch, library_versions())
+    key = (static_key(family, avals, out_avals), arch, library_versions())
     key_text = disk_cache.stable_key_text((key, disk_cache.source_digest(family.source_files())))
     # A stable key names its target by content (the same name in every process, which exported
     # modules rely on); an unstable one (a user launcher without compile_key) gets a unique name.
@@ -332,7 +272,7 @@ def _no_transform(kind: str):
     def rule(*args, family: KernelFamily, **kwargs):
         raise NotImplementedError(
             f"{kind} of the raw kernel call for {family.name!r} is not defined. Use the cutelayers "
-            "op that wraps it (it carries jax.custom_vjp and jax.custom_batching.custom_vmap rules)."
+            "op that wraps it (it carries jax.custom_vjp and vmap rules)."
         )
 
     return rule

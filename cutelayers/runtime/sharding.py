@@ -15,15 +15,11 @@ with ``NamedSharding`` inputs:
 Either way every device runs the kernel on its own shard (no all-gather of activations), and
 results that are sums over a sharded dim are summed across devices with one ``psum``.
 
-A family describes its dims with a :class:`ShardingRule`, from a ``sharding_rule(avals)`` method
-when it has one, else :func:`rows_rule`. Every dim of every operand and result gets a factor:
-
-* a **name**: the dim may be sharded. Arrays that share the name are sharded alike (the rows of
-  a norm's x, y and statistics; the N of a GEMM's kernel, bias and output). A result that lacks a
-  name its operands have is a sum over that dim (einsum's rule: a GEMM's K, the rows of a weight
-  gradient), so each device's partial result is psum'd over the mesh axes that shard it.
-* ``None``: the kernel needs the whole dim (the feature axis a norm or softmax reduces over). An
-  operand sharded there is an error that names it; results are replicated there.
+A family describes its dims with a :class:`~cutelayers.runtime.family.ShardingRule`, from its
+``sharding_rule(avals)`` hook (:class:`~cutelayers.runtime.family.KernelFamily`; by default only
+rows may be sharded): every dim of every operand and result gets a factor, a name (the dim may be
+sharded; a result lacking a name of its operands is a sum over it) or ``None`` (the kernel needs
+the whole dim: an operand sharded there is an error that names it; results are replicated there).
 
 Mesh axes are given out first come, first served in operand order, so when two factors ask for
 the same mesh axis the activations (always the first operand) keep it and the weight is
@@ -43,28 +39,8 @@ from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, 
 from jax.sharding import NamedSharding, PartitionSpec
 
 from cutelayers.runtime._jax_compat import DynamicJaxprTracer, Tracer
-from cutelayers.runtime.primitive import KernelFamily, kernel_call_p
-
-Factors = tuple[str | None, ...]  # per dim: a factor name, or None (the kernel needs it whole)
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardingRule:
-    """The factor of every dim of every operand and result (see the module docstring).
-
-    ``per_shard(ctx, *operands) -> results``, if given, replaces the default per-device program
-    (the kernel, then a psum of each result over the sharded factors it lacks); ``ctx`` is the
-    :class:`ShardContext` of the chosen sharding.
-    """
-
-    operands: tuple[Factors, ...]
-    results: tuple[Factors, ...]
-    per_shard: Callable | None = None
-
-    def summed_factors(self, result: int) -> frozenset[str]:
-        """Named factors of the operands that result ``result`` lacks: it is a sum over them."""
-        named = {f for dims in self.operands for f in dims if f is not None}
-        return frozenset(named - set(self.results[result]))
+from cutelayers.runtime.family import KernelFamily, ShardingRule
+from cutelayers.runtime.primitive import kernel_call_p
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,33 +60,8 @@ class ShardContext:
         return jax.lax.psum(value, axes) if axes else value
 
 
-def rows_rule(family: KernelFamily, avals) -> ShardingRule:
-    """The default rule: the leading dim of operand 0 is the rows (M). Any operand or result whose
-    leading dim is M and symbolic (``family.dynamic_dims_at``: the kernel serves every row count)
-    is row-wise; every other dim is whole. If some result is not row-wise (a reduction over
-    rows), the default cannot tell how to combine shards, so nothing may be sharded: such a
-    family must declare its own rule.
-    """
-    out_avals = family.out_avals(avals)
-    every = (*avals, *out_avals)
-    m = avals[0].shape[0] if avals and avals[0].shape else None
-
-    def row_wise(position, aval) -> bool:
-        return bool(aval.shape) and aval.shape[0] == m and family.dynamic_dims_at(position, aval)[0]
-
-    shardable = m is not None and all(row_wise(len(avals) + j, o) for j, o in enumerate(out_avals))
-
-    def factors(position, aval) -> Factors:
-        lead = "rows" if shardable and row_wise(position, aval) else None
-        return (lead,) + (None,) * (len(aval.shape) - 1) if aval.shape else ()
-
-    dims = [factors(i, a) for i, a in enumerate(every)]
-    return ShardingRule(tuple(dims[:len(avals)]), tuple(dims[len(avals):]))
-
-
 def rule_for(family: KernelFamily, avals) -> ShardingRule:
-    rule_method = getattr(family, "sharding_rule", None)
-    rule = rule_method(avals) if rule_method is not None else rows_rule(family, avals)
+    rule = family.sharding_rule(avals)
     n_out = len(family.out_avals(avals))
     if len(rule.operands) != len(avals) or len(rule.results) != n_out:
         raise AssertionError(f"{family.name}: sharding rule covers {len(rule.operands)} operands and "

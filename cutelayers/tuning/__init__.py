@@ -1,9 +1,9 @@
 """Tuned kernel configs: a JSON table the runtime reads and :mod:`cutelayers.bench.autotune` writes.
 
-Every tunable kernel family (:class:`TunableFamily`) has a heuristic config (the table in its
-kernel module) and a config space (the candidates the autotuner sweeps; the heuristic's config is
-always one of them). When an op builds a family for its operands it calls
-:meth:`TunableFamily.resolved`, which picks
+Every tunable kernel family (:class:`cutelayers.runtime.family.TunableFamily`) has a heuristic
+config (the table in its kernel module) and a config space (the candidates the autotuner sweeps;
+the heuristic's config is always one of them). When an op builds a family for its operands it
+calls :func:`resolve`, which picks
 
 1. the tuned entry for (GPU, kernel, dtype, dims), if the tables hold one that names a config of
    the family's space for these operands;
@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 
 from cutelayers.runtime.disk_cache import user_cache_path, write_atomically
-from cutelayers.runtime.primitive import KernelFamily
+from cutelayers.runtime.family import Dims, TunableFamily
 
 FORMAT = 1
 SHIPPED_TABLE = Path(__file__).resolve().parent / "tuned_configs.json"
@@ -82,7 +82,6 @@ def device_kind() -> str | None:
     return gpus[0].device_kind if gpus else None
 
 
-Dims = tuple[tuple[str, Any], ...]
 TableKey = tuple[str, str, str, Dims]
 
 
@@ -226,43 +225,12 @@ def choose_config(family: TunableFamily, avals: Sequence) -> Any:
     return config
 
 
-class TunableFamily(KernelFamily):
-    """A kernel family whose kernel takes a config: a frozen dataclass, held in the family's
-    ``config`` field (None until :meth:`resolved` chooses it; the kernel needs it chosen).
-
-    Subclasses give, for operand avals (arrays or ``ShapeDtypeStruct``\\ s as the kernel sees them):
-
-    * ``default_config(avals)`` -- the heuristic;
-    * ``config_space(avals)`` -- every config the kernel compiles and computes correctly with for
-      these operands (the autotuner's candidates; includes the heuristic's);
-    * ``tuning_key(avals)`` -- ``(dtype, dims)``: with the GPU and the family's name, the table key
-      (dims a tuple of (name, value) pairs: what the heuristic and the space depend on);
-    * ``config_from_fields(fields)`` -- a config from its JSON form (:func:`config_fields`).
-    """
-
-    def default_config(self, avals):
-        raise NotImplementedError
-
-    def config_space(self, avals) -> tuple:
-        raise NotImplementedError
-
-    def tuning_key(self, avals) -> tuple[str, Dims]:
-        raise NotImplementedError
-
-    def config_from_fields(self, fields: dict):
-        raise NotImplementedError
-
-    def resolved(self, avals) -> TunableFamily:
-        """This family with its config chosen for ``avals`` (see :func:`choose_config`); itself
-        if it has one already."""
-        if self.config is not None:
-            return self
-        return dataclasses.replace(self, config=choose_config(self, avals))
-
-    def chosen_config(self):
-        if self.config is None:
-            raise ValueError(f"{self.name}: no config chosen; build the family with .resolved(operands)")
-        return self.config
+def resolve(family: TunableFamily, avals: Sequence) -> TunableFamily:
+    """``family`` with its config chosen for ``avals`` (see :func:`choose_config`); itself if it
+    has one already."""
+    if family.config is not None:
+        return family
+    return dataclasses.replace(family, config=choose_config(family, avals))
 
 
 def dtype_names(dtypes) -> str:
