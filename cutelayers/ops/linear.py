@@ -96,9 +96,9 @@ def resolve_activation(activation) -> tuple[str, object]:
                 f"{', '.join(repr(a) for a in ACTIVATION_FUNCTIONS if a != 'none')} or a callable"
             )
         return activation, None
-    if isinstance(activation, functools.partial) and activation.func is jax.nn.gelu and not activation.args:
-        if set(activation.keywords) <= {"approximate"}:
-            return ("gelu" if activation.keywords.get("approximate", True) else "gelu_exact"), None
+    if (isinstance(activation, functools.partial) and activation.func is jax.nn.gelu and not activation.args
+            and set(activation.keywords) <= {"approximate"}):
+        return ("gelu" if activation.keywords.get("approximate", True) else "gelu_exact"), None
     for fn, name in _KNOWN_FUNCTIONS:
         if activation is fn:
             return name, None
@@ -365,10 +365,18 @@ class LinearWeightGrad(_GemmFamily):
 
     def factors(self):
         # The rows are the contraction: with row-sharded x and dz (data parallel) each device's
-        # dkernel is a partial sum, psum'd -- the data-parallel gradient all-reduce. (A zero
-        # accumulator adds nothing to that sum.)
+        # dkernel is a partial sum, psum'd -- the data-parallel gradient all-reduce (per_shard
+        # keeps an accumulator out of it but once).
         out = ("batch", "k", "n")
         return (("batch", "rows", "k"), ("batch", "rows", "n")) + (out,) * self.accumulate, (out,)
+
+    def per_shard(self, rule, ctx, x, dz, *accumulator):
+        if accumulator and ctx.sharded("rows"):
+            # the devices that share the rows psum their results: the running sum enters that sum
+            # on the first of them, the others add their product into zeros
+            first = jax.lax.axis_index(ctx.axes["rows"]) == 0
+            accumulator = (jnp.where(first, accumulator[0], 0.0),)
+        return super().per_shard(rule, ctx, x, dz, *accumulator)
 
     def operand_output_aliases(self):
         return {2: 0} if self.accumulate else None
