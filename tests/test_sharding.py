@@ -24,16 +24,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from conftest import HAS_GPU
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from numerics import assert_close, assert_trees_match, random
 
 import cutelayers as cl
-from conftest import HAS_GPU
-from numerics import assert_close, assert_trees_match, random
 
 ROWS = P("data")  # batch axis sharded over the mesh's data axis
 REPLICATED = P()
@@ -153,9 +154,9 @@ def put(mesh, args, specs):
 
 def collectives(hlo: str) -> list[tuple[str, tuple[int, ...]]]:
     """(kind, element count of each array it moves) of every collective in HLO text (XLA
-    combines several all-reduces into one of a tuple)."""
+    combines several all-reduces into one of a tuple, whose shape may hold /*index=N*/ comments)."""
     found = []
-    for m in re.finditer(r"= (\([^=]*?\)|\S+) ([a-z-]+?)(?:-start)?\(", hlo):
+    for m in re.finditer(r"= (\(.*?\)|\S+) ([a-z-]+?)(?:-start)?\(", hlo):
         kind = m.group(2)
         if kind in FORBIDDEN + ("all-reduce",):
             shapes = re.findall(r"\[([\d,]*)\]", m.group(1))
@@ -354,6 +355,44 @@ def test_parallel_linear_collectives(layout, rng, tmp_path):
     else:
         assert {rows, 32 // 2, 64} <= dims
         assert collectives(hlo) == [("all-reduce", (rows * 64,))]
+
+
+# --- vocabulary-parallel cross-entropy ------------------------------------------------------------
+
+CLASS_SHARDED = {
+    # name: (fn, make_args, specs on a ("data", "model") mesh, wrt, dtype): the class axis over "model"
+    "softmax_cross_entropy": (
+        lambda x, labels: cl.ops.softmax_cross_entropy(x, labels, ignore_index=-1, label_smoothing=0.1,
+                                                       z_loss=1e-3),
+        lambda r, d: (_x(r, d), _labels(r, 64)), (P("data", None, "model"), ROWS), (0,), jnp.float32),
+    "logsumexp": (cl.ops.logsumexp, lambda r, d: (_x(r, d),), (P("data", None, "model"),), (0,), jnp.float32),
+    # an LM head whose kernel (and bias) is split over the vocabulary
+    "linear_cross_entropy": (
+        _lm_head_case("linear_cross_entropy", chunk_size=8).fn,
+        lambda r, d: (_x(r, d, 32), random(r, (32, 64), d) / 6, random(r, (64,), d), _labels(r, 64)),
+        (ROWS, P(None, "model"), P("model"), ROWS), (0, 1, 2), jnp.float16),
+}
+
+
+@pytest.mark.parametrize("name", CLASS_SHARDED)
+def test_class_sharded_cross_entropy_matches_one_device(name, rng):
+    """Logits sharded along the classes (vocabulary parallel): each device reduces its slice, the
+    rows' lse and the label's logit are combined across the "model" axis, values and gradients
+    are one device's, and nothing is gathered but (rows,) statistics."""
+    fn, make_args, specs, wrt, dtype = CLASS_SHARDED[name]
+    mesh = make_mesh((2, 2), ("data", "model"))
+    args = make_args(rng, dtype)
+    cotangent = random_cotangent(rng, Case(name, fn, make_args, (), wrt), args)
+    step = jax.jit(loss_and_grads, static_argnums=(0, 2))
+    ref = step(fn, args, wrt, cotangent)
+    sharded = put(mesh, args, specs)
+    compiled = step.lower(fn, sharded, wrt, cotangent).compile()
+    assert_step_matches(compiled(sharded, cotangent), ref, dtype)
+    found = collectives(compiled.as_text())
+    assert not [c for c in found if c[0] in FORBIDDEN], found
+    tokens_per_device = BATCH * SEQ // 2
+    largest = max([tokens_per_device * 32] + [a.size for a, spec in zip(args, specs) if spec != ROWS])
+    assert all(n <= largest for _, sizes in found for n in sizes), found
 
 
 def test_linear_shard_too_narrow_for_the_kernel_runs_as_xla_gemm(rng, tmp_path):
