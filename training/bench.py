@@ -99,7 +99,7 @@ def measure(case: Case) -> dict:
         tx = make_optimizer(model.params, Schedule(lr=1e-4, warmup=0, steps=10**6), weight_decay=0.1, grad_clip=1.0)
         params, opt_state = jax.device_put((model.params, tx.init(model.params)), sharding)
         batches = synthetic_batches(config, case.batch_size, sharding)
-        step = compile_train_step(model.loss, tx, params, opt_state, *batches[0], replicated=sharding)
+        step = compile_train_step(model.loss, tx, params, opt_state, *batches[0])
         analysis = step.run.memory_analysis()
         leaves = tuple(jax.tree.leaves((params, opt_state)))
         del params, opt_state  # donated

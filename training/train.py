@@ -21,10 +21,16 @@ plain line every ``--log-every`` steps. Evaluation on a fixed held-out set, Orba
 needs the ``plot`` extra: matplotlib). At the end: start / end loss, the backend setting and the
 path that actually ran, and ``cutelayers.cache_info()``.
 
-``--devices N`` trains data-parallel: each batch is sharded over a 1-D mesh of N devices, the
-parameters and optimizer state are replicated, and XLA partitions the jitted step -- the kernels
-run per device on their share of the rows by their sharding rules (cutelayers.runtime.sharding),
-and the weight gradients are summed across devices.
+``--mesh data=D,fsdp=F,tensor=T`` trains over a (data, fsdp, tensor) mesh of D x F x T devices
+(axes not named have size 1; ``--devices N`` is ``--mesh data=N``): each batch is split over data
+and fsdp; fsdp also shards the large parameters and their optimizer state; tensor splits the
+attention and MLP layers Megatron-style (qkv and mlp_in column-parallel, attn_out and mlp_out
+row-parallel) and the token embedding and LM head over the vocabulary, the LM head's
+cross-entropy combining its statistics across the vocabulary shards. ``training/sharding.py``
+holds the rules, one table for the three frameworks. The jitted step takes and returns the state
+in those shardings and XLA partitions it -- the kernels run per device on their shards by their
+sharding rules (cutelayers.runtime.sharding), and XLA adds the collectives (the gradient
+all-reduce, fsdp's parameter all-gathers, tensor parallel's all-reduces of the residual stream).
 
 The backend (``--backend``) is applied with ``cutelayers.use_backend`` around tracing *and*
 running: the setting is part of JAX's jit key, so everything inside sees one backend.
@@ -53,6 +59,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import cutelayers as cl
 from models import common
 from models.configs import CONFIGS, GPTConfig, get_config
+from training import sharding
 from training.data import VOCAB_SIZE, TextData
 
 # Per-config training defaults; any flag given on the command line wins.
@@ -174,10 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", type=Path, default=None, metavar="PNG",
                    help="save a loss-curve PNG here (needs matplotlib: pip install -e '.[plot]'; skipped "
                         "with a message otherwise)")
-    p.add_argument("--devices", type=_int_at_least(1), default=1,
-                   help="train data-parallel over this many devices of JAX's default platform: each batch "
-                        "is sharded over them (--batch-size must be a multiple), parameters and optimizer "
-                        "state are replicated")
+    p.add_argument("--mesh", type=sharding.parse_mesh, default=None, metavar="AXIS=N[,AXIS=N...]",
+                   help="train over a mesh of devices of JAX's default platform, axes data (batches split, "
+                        "state replicated), fsdp (batches split, large parameters and their optimizer state "
+                        "sharded) and tensor (attention, MLP, embedding and LM head split Megatron-style); "
+                        "unnamed axes have size 1. --batch-size must be a multiple of data x fsdp, and tensor "
+                        "must divide the config's heads, MLP width and vocabulary (default: data=1, one device)")
+    p.add_argument("--devices", type=_int_at_least(1), default=None, metavar="N",
+                   help="train data-parallel over N devices: the same as --mesh data=N")
     p.add_argument("--stock", action="store_true",
                    help="train the twin built from the framework's own layers (same parameter tree) "
                         "instead of the cutelayers layers")
@@ -210,9 +221,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("argument --resume: needs --checkpoint-dir")
     if args.reschedule and not args.resume:
         parser.error("argument --reschedule: needs --resume (a new run always uses its own schedule)")
-    if args.batch_size % args.devices:
-        parser.error(f"argument --devices: --batch-size {args.batch_size} is not a multiple of --devices "
-                     f"{args.devices} (every device takes an equal share of each batch)")
+    if args.devices is not None:
+        if args.mesh is not None:
+            parser.error(f"argument --devices: --devices {args.devices} is --mesh data={args.devices}; give "
+                         f"--devices or --mesh, not both")
+        flag, args.mesh = "--devices", sharding.parse_mesh(f"data={args.devices}")
+    else:
+        flag, args.mesh = "--mesh", args.mesh or sharding.parse_mesh("data=1")
+    args.mesh_flag = f"--devices {args.devices}" if flag == "--devices" else f"--mesh {sharding.describe(args.mesh)}"
+    shards = args.mesh["data"] * args.mesh["fsdp"]
+    if args.batch_size % shards:
+        parser.error(f"argument {flag}: --batch-size {args.batch_size} is not a multiple of {shards}, the batch "
+                     f"shards of {args.mesh_flag} (data x fsdp: each takes an equal share of every batch)")
+    if unsplittable := sharding.model_errors(args.mesh, cfg):
+        parser.error(f"argument --mesh: tensor={args.mesh['tensor']} must divide the {args.config} config's "
+                     f"{', '.join(unsplittable)} (the heads, MLP width and vocabulary it splits)")
     if args.plot is not None and args.plot.suffix.lower() != ".png":
         parser.error(f"argument --plot: expected a .png file name; got {str(args.plot)!r}")
     return args
@@ -279,9 +302,10 @@ class CompiledStep:
         return jax.tree.unflatten(self.treedef, leaves)
 
 
-def compile_train_step(loss_fn, tx, params, opt_state, inputs, targets, *, replicated) -> CompiledStep:
+def compile_train_step(loss_fn, tx, params, opt_state, inputs, targets) -> CompiledStep:
     """Lower and compile the step for these arguments' shapes and shardings (ahead of time: the
-    compiled program says which path runs)."""
+    compiled program says which path runs). The state comes back in the shardings it came in;
+    the loss and gradient norm replicated."""
     leaves, treedef = jax.tree.flatten((params, opt_state))
     step = make_train_step(loss_fn, tx)
 
@@ -289,8 +313,10 @@ def compile_train_step(loss_fn, tx, params, opt_state, inputs, targets, *, repli
         params, opt_state, loss, grad_norm = step(*jax.tree.unflatten(treedef, leaves), inputs, targets)
         return tuple(jax.tree.leaves((params, opt_state))), loss, grad_norm
 
+    replicated = NamedSharding(inputs.sharding.mesh, PartitionSpec())
+    out_shardings = (tuple(leaf.sharding for leaf in leaves), replicated, replicated)
     t0 = time.perf_counter()
-    compiled = jax.jit(flat_step, donate_argnums=0, out_shardings=replicated).lower(
+    compiled = jax.jit(flat_step, donate_argnums=0, out_shardings=out_shardings).lower(
         tuple(leaves), inputs, targets).compile()
     text = compiled.as_text()
     return CompiledStep(run=compiled, treedef=treedef, kernel_calls=count_kernel_calls(text),
@@ -304,21 +330,17 @@ def count_kernel_calls(hlo_text: str) -> int:
     return sum('custom_call_target="cutelayers_' in line for line in hlo_text.splitlines())
 
 
-def data_parallel_mesh(n_devices: int) -> jax.sharding.Mesh:
-    """A 1-D mesh ("data",) over the first ``n_devices`` devices of JAX's default platform.
-
-    Its axis is Auto: XLA partitions the step and applies the kernels' sharding rules when it
-    compiles. (Explicit axes would type every array's sharding, which jax 0.10 refuses for some
-    of the models' reshapes.)
-    """
+def training_mesh(args: argparse.Namespace) -> jax.sharding.Mesh:
+    """The (data, fsdp, tensor) mesh of ``--mesh`` over the first devices of JAX's default
+    platform (:func:`training.sharding.make_mesh`)."""
     available = jax.devices()
-    if n_devices > len(available):
+    n = math.prod(args.mesh.values())
+    if n > len(available):
         raise UsageError(
-            f"--devices {n_devices}: only {len(available)} {jax.default_backend()} device(s) visible. Use "
-            f"--devices {len(available)} or fewer (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count"
-            f"={n_devices} makes that many host devices).")
-    return jax.make_mesh((n_devices,), ("data",), devices=available[:n_devices],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+            f"{args.mesh_flag}: needs {n} devices; only {len(available)} {jax.default_backend()} device(s) "
+            f"visible. Use a mesh of {len(available)} or fewer (on CPU, "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={n} makes that many host devices).")
+    return sharding.make_mesh(args.mesh, available[:n])
 
 
 class DevicePrefetcher:
@@ -550,12 +572,17 @@ def choose_schedule(args: argparse.Namespace, saved: dict | None, say) -> Schedu
     return kept
 
 
-def initial_state(model, tx, ckpt, saved: dict | None, stock: bool, say):
-    """(params, opt_state, step): fresh, or restored from the latest checkpoint when resuming."""
+def initial_state(model, tx, mesh, ckpt, saved: dict | None, stock: bool, say):
+    """(params, opt_state, step) on ``mesh`` in the shardings of :mod:`training.sharding`: fresh,
+    or restored from the latest checkpoint when resuming (each device reads its shards, whatever
+    mesh wrote them)."""
     params, opt_state = model.params, tx.init(model.params)
+    shardings = sharding.state_shardings(mesh, (params, opt_state))
     if saved is None:
-        return params, opt_state, 0
-    state, _ = ckpt.restore(train_state(params, opt_state, 0))
+        return *jax.device_put((params, opt_state), shardings), 0
+    like = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), (params, opt_state),
+                        shardings)
+    state, _ = ckpt.restore(train_state(*like, 0))
     step = int(state["step"])
     say(f"resumed from {ckpt.directory} at step {step}"
         + (f" (written by the {'stock' if saved.get('stock') else 'cutelayers'} model)"
@@ -641,6 +668,7 @@ class Result:
     backend: str
     path: str
     kernel_calls: int
+    step_hlo: str  # the compiled train step: one device's program, collectives included
     params: Any
     opt_state: Any
     schedule: Schedule
@@ -660,9 +688,8 @@ def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
     config = model_config(args)
     data = TextData.load()
     data.check_seq_len(args.seq_len)
-    mesh = data_parallel_mesh(args.devices)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    batch_sharded = NamedSharding(mesh, PartitionSpec("data"))
+    mesh = training_mesh(args)
+    batch_sharded = sharding.batch_sharding(mesh)
     eval_set = jax.device_put(data.eval_batches(args.batch_size, args.seq_len, args.eval_batches), batch_sharded)
     meta = run_meta(args, config)
 
@@ -673,15 +700,14 @@ def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
         schedule = choose_schedule(args, saved, say)
         meta["schedule"] = dataclasses.asdict(schedule)
         tx = make_optimizer(model.params, schedule, weight_decay=args.weight_decay, grad_clip=args.grad_clip)
-        params, opt_state, start_step = initial_state(model, tx, ckpt, saved, args.stock, say)
-        params, opt_state = jax.device_put((params, opt_state), replicated)
+        params, opt_state, start_step = initial_state(model, tx, mesh, ckpt, saved, args.stock, say)
         say(describe_run(args, config, data, params, backend, schedule))
 
         def batch(step):
             return data.train_batch(step, args.batch_size, args.seq_len, args.seed)
 
         first = jax.device_put(batch(start_step + 1), batch_sharded)
-        step_fn = compile_train_step(model.loss, tx, params, opt_state, *first, replicated=replicated)
+        step_fn = compile_train_step(model.loss, tx, params, opt_state, *first)
         path = _path_report(step_fn.kernel_calls)
         if args.backend == "cute" and not step_fn.kernel_calls:
             raise UsageError(f"--backend cute, but the train step has no CuTe kernel calls: {path}")
@@ -737,7 +763,7 @@ def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
             start_loss=loop.train_curve[0][1] if loop.train_curve else None,
             end_loss=loop.window_means[-1][0] if loop.window_means else None,
             eval_losses=eval_losses, train_curve=loop.train_curve, backend=backend, path=path,
-            kernel_calls=step_fn.kernel_calls, params=params, opt_state=opt_state, schedule=schedule,
+            kernel_calls=step_fn.kernel_calls, step_hlo=step_fn.hlo_text, params=params, opt_state=opt_state, schedule=schedule,
             compile_seconds=step_fn.seconds, seconds=seconds,
             tokens_per_s=len(steps) * args.batch_size * args.seq_len / loop.train_seconds if len(steps) else 0.0)
         say(summary(result, loop, args, start_step, notes.take()))
@@ -751,9 +777,14 @@ def describe_run(args, config: GPTConfig, data: TextData, params, backend: str, 
               f"d={config.d_model}, vocab {config.vocab_size}, {config.dtype} compute), {layers}"),
              (f"data: {len(data.train):,} train / {len(data.eval):,} eval bytes; batch {args.batch_size} x "
               f"{args.seq_len} tokens; {args.steps} steps, {schedule.describe()}; backend {backend}")]
-    if args.devices > 1:
-        lines.append(f"data-parallel over {args.devices} {jax.default_backend()} devices: "
-                     f"{args.batch_size // args.devices} sequences per device per step")
+    n_devices = math.prod(args.mesh.values())
+    if n_devices > 1:
+        shards = args.mesh["data"] * args.mesh["fsdp"]
+        per_device = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(params))
+        total = sum(int(np.prod(p.shape)) * p.dtype.itemsize for p in jax.tree.leaves(params))
+        lines.append(f"mesh {sharding.describe(args.mesh)} over {n_devices} {jax.default_backend()} devices: "
+                     f"{args.batch_size // shards} sequences per batch shard per step; "
+                     f"{per_device / total:.0%} of the parameters on each device")
     return "\n".join(lines)
 
 
