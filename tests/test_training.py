@@ -1,10 +1,13 @@
-"""The training job (training/): data, a few steps per framework, checkpoints and resume, the
-command line and the metrics file. All on CPU with the tiny config and short sequences."""
+"""The training job (training/): data, a few steps per framework, meshes (data, fsdp, tensor
+parallel on the fake CPU devices), several processes, checkpoints and resume, the command line
+and the metrics file. All on CPU with the tiny config and short sequences."""
 
 import io
 import json
+import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -272,6 +275,15 @@ def test_help_documents_every_flag():
     (["--mesh", "data=two"], "argument --mesh: data: size must be an integer; got 'two'"),
     (["--mesh", "fsdp=0"], "argument --mesh: fsdp: size must be >= 1; got 0"),
     (["--mesh", "data=2,data=2"], "argument --mesh: axis 'data' given twice"),
+    (["--num-processes", "2", "--process-id", "0"],
+     "argument --num-processes: 2 processes need --coordinator (or $JAX_COORDINATOR_ADDRESS)"),
+    (["--num-processes", "2", "--coordinator", "localhost:1234"],
+     "argument --num-processes: 2 processes need --process-id (or $JAX_PROCESS_ID)"),
+    (["--num-processes", "2", "--coordinator", "localhost:1234", "--process-id", "2"],
+     "argument --process-id: 2 is not in 0..1 (--num-processes 2)"),
+    (["--num-processes", "2", "--coordinator", "localhost", "--process-id", "1"],
+     "argument --coordinator: expected HOST:PORT; got 'localhost'"),
+    (["--process-id", "1"], "argument --process-id: 1 needs --num-processes 2 or more (one process: 0)"),
     (["--devices", "2", "--mesh", "data=2"], ("argument --devices: --devices 2 is --mesh data=2; give "
                                               "--devices or --mesh, not both")),
 ])
@@ -280,6 +292,19 @@ def test_bad_flags_are_clear_errors(argv, message, capsys):
         main(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_process_flags_default_to_the_environment(monkeypatch, capsys):
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "4")
+    monkeypatch.setenv("JAX_PROCESS_ID", "3")
+    args = parse_args([])
+    assert (args.coordinator, args.num_processes, args.process_id) == ("10.0.0.1:1234", 4, 3)
+    assert parse_args(["--process-id", "1"]).process_id == 1  # a flag wins
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "many")
+    with pytest.raises(SystemExit):
+        parse_args([])
+    assert "environment variable JAX_NUM_PROCESSES: must be an integer; got 'many'" in capsys.readouterr().err
 
 
 def test_default_warmup_longer_than_the_run_is_clamped_with_a_note():
@@ -300,6 +325,74 @@ def test_more_devices_than_visible_is_a_clear_error(flags, capsys):
 def test_cute_backend_without_a_gpu_is_a_clear_error(capsys):
     assert main(["--backend", "cute", "--steps", "8", *FAST]) == 2
     assert "--backend cute needs a Hopper GPU" in capsys.readouterr().err
+
+
+# --- several processes ------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+def launch(argv, n_processes=2, devices_per_process=2):
+    """Starts ``python -m training.train argv`` as ``n_processes`` CPU processes on this host, each
+    with ``devices_per_process`` devices, connected by jax.distributed (JAX's gloo collectives).
+    Returns a function that waits for them and returns their outputs (asserting they succeeded)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_process}"}
+    common_flags = ["--coordinator", f"localhost:{free_port()}", "--num-processes", str(n_processes)]
+    procs = [subprocess.Popen([sys.executable, "-m", "training.train", *argv, *common_flags, "--process-id", str(i)],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(n_processes)]
+
+    def wait():
+        try:
+            outputs = [proc.communicate(timeout=240)[0] for proc in procs]
+        finally:
+            for proc in procs:
+                proc.kill()
+        for i, (proc, text) in enumerate(zip(procs, outputs)):
+            assert proc.returncode == 0, f"process {i} of {n_processes}:\n{text}"
+        return outputs
+
+    return wait
+
+
+def train_losses(metrics: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, metrics.read_text().splitlines()) if r["split"] == "train"}
+
+
+@pytest.mark.slow
+def test_two_processes_and_one_share_checkpoints(tmp_path):
+    """Two CPU processes of two devices each (--mesh data=2,fsdp=2: the parameters sharded over
+    both processes) train like one process; the checkpoint they write restores on one process
+    (into another mesh) and continues as an uninterrupted run does, and one process's checkpoint
+    continues on two. Only process 0 prints and writes metrics."""
+    base = ["--steps", "8", "--eval-every", "4", "--log-every", "1", "--eval-batches", "1", *FAST]
+    one, _ = run([*base, "--checkpoint-dir", str(tmp_path / "one")])  # the uninterrupted run
+    reference = dict(one.train_curve)
+    shutil.rmtree(tmp_path / "one" / "8")  # resume from step 4, written by one process
+    mesh = ["--mesh", "data=2,fsdp=2"]
+    fresh = launch([*base, *mesh, "--checkpoint-dir", str(tmp_path / "two"), "--metrics-file",
+                    str(tmp_path / "two.jsonl")])
+    continued = launch([*base, *mesh, "--checkpoint-dir", str(tmp_path / "one"), "--resume", "--metrics-file",
+                        str(tmp_path / "one.jsonl")])  # at once: two jobs of two processes
+    first, second = fresh()
+    assert "mesh data=2,fsdp=2 over 4 cpu devices" in first and "loss: start" in first
+    assert "loss" not in second  # process 1 prints nothing of its own
+    assert "at step 4" in continued()[0]
+    assert sorted(train_losses(tmp_path / "one.jsonl")) == [5, 6, 7, 8]
+    for metrics in ("two.jsonl", "one.jsonl"):
+        for step, loss in train_losses(tmp_path / metrics).items():
+            assert_close(loss, reference[step], "float32", scale=2)
+    assert Checkpointer(tmp_path / "two").latest_step() == 8
+
+    shutil.rmtree(tmp_path / "two" / "8")  # resume from step 4, written by two processes
+    resumed, text = run([*base, "--mesh", "tensor=2", "--checkpoint-dir", str(tmp_path / "two"), "--resume"])
+    assert "at step 4" in text and resumed.steps_run == 4
+    for step, loss in resumed.train_curve:
+        assert_close(loss, reference[step], "float32", scale=2)
 
 
 # --- the learning-rate schedule on resume -------------------------------------------------------------
@@ -355,7 +448,11 @@ def test_path_notes_are_one_line_of_the_same_format(checkpoint, tmp_path):
 
 def test_prefetcher_keeps_order_and_raises_the_producers_error():
     device = jax.devices("cpu")[0]
-    fetched = DevicePrefetcher(lambda step: np.full((2,), step), range(3, 9), device)
+
+    def place(batch):
+        return jax.device_put(batch, device)
+
+    fetched = DevicePrefetcher(lambda step: np.full((2,), step), range(3, 9), place)
     assert [int(b[0]) for b in fetched] == [3, 4, 5, 6, 7, 8]
     fetched.close()
 
@@ -364,7 +461,7 @@ def test_prefetcher_keeps_order_and_raises_the_producers_error():
             raise ValueError("no batch 2")
         return np.zeros(1)
 
-    failing = DevicePrefetcher(make, range(5), device)
+    failing = DevicePrefetcher(make, range(5), place)
     with pytest.raises(ValueError, match="no batch 2"):
         list(failing)
     failing.close()

@@ -26,6 +26,7 @@ import math
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models.configs import GPTConfig
@@ -147,3 +148,35 @@ def state_shardings(mesh: Mesh, tree) -> Any:
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """(batch, seq) token arrays: the batch split over ``data`` and ``fsdp``."""
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+
+
+def place(tree, shardings):
+    """``tree``'s arrays (the same values on every process: the same seed) laid out in
+    ``shardings``. With several processes each puts its own devices' shards from its copy
+    (``jax.device_put`` takes only host arrays there, and compares them across the processes)."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+
+    def put(x, sharding):
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(put, tree, shardings)
+
+
+def process_rows(sharding: NamedSharding, n: int) -> slice:
+    """The rows of an (n, ...) array in ``sharding`` that this process's devices hold: the rows of
+    every batch it builds (all of them on one process)."""
+    held = set()
+    for index in sharding.addressable_devices_indices_map((n,)).values():
+        held.update(range(*index[0].indices(n)))
+    rows = slice(min(held), max(held) + 1)
+    if len(held) != rows.stop - rows.start:  # make_mesh orders devices by process: not expected
+        raise ValueError(f"this process's devices hold rows {sorted(held)} of {n}, not one block")
+    return rows
+
+
+def global_batch(sharding: NamedSharding, local, n: int) -> tuple[jax.Array, ...]:
+    """Global (n, ...) arrays in ``sharding`` of the host arrays ``local`` holding this process's
+    rows (:func:`process_rows`) of each."""
+    return tuple(jax.make_array_from_process_local_data(sharding, a, (n, *a.shape[1:])) for a in local)

@@ -40,9 +40,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import json
 import logging
 import math
+import os
 import queue
 import sys
 import threading
@@ -51,7 +53,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -189,6 +190,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "must divide the config's heads, MLP width and vocabulary (default: data=1, one device)")
     p.add_argument("--devices", type=_int_at_least(1), default=None, metavar="N",
                    help="train data-parallel over N devices: the same as --mesh data=N")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="with several processes: the address of process 0's coordinator service, the same "
+                        "for every process (default: $JAX_COORDINATOR_ADDRESS)")
+    p.add_argument("--num-processes", type=_int_at_least(1), default=None, metavar="N",
+                   help="train as one of N processes (one per host, or per GPU): jax.distributed connects "
+                        "them, the mesh spans all their devices, each process builds only its devices' rows "
+                        "of every batch, process 0 prints and writes metrics (default: $JAX_NUM_PROCESSES, "
+                        "else 1)")
+    p.add_argument("--process-id", type=_int_at_least(0), default=None, metavar="I",
+                   help="this process's index, 0..N-1 (default: $JAX_PROCESS_ID)")
     p.add_argument("--stock", action="store_true",
                    help="train the twin built from the framework's own layers (same parameter tree) "
                         "instead of the cutelayers layers")
@@ -238,7 +249,54 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                      f"{', '.join(unsplittable)} (the heads, MLP width and vocabulary it splits)")
     if args.plot is not None and args.plot.suffix.lower() != ".png":
         parser.error(f"argument --plot: expected a .png file name; got {str(args.plot)!r}")
+    _process_args(parser, args)
     return args
+
+
+PROCESS_ENV = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
+               "process_id": "JAX_PROCESS_ID"}
+
+
+def _process_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fills --coordinator / --num-processes / --process-id from the environment where not given
+    and checks them: several processes need all three."""
+    for key, variable in PROCESS_ENV.items():
+        if getattr(args, key) is None and os.environ.get(variable):
+            value = os.environ[variable]
+            if key != "coordinator":
+                try:
+                    value = _int_at_least(1 if key == "num_processes" else 0)(value)
+                except argparse.ArgumentTypeError as e:
+                    parser.error(f"environment variable {variable}: {e}")
+            setattr(args, key, value)
+    flag = {key: "--" + key.replace("_", "-") for key in PROCESS_ENV}
+    if args.num_processes is None:
+        args.num_processes = 1
+    if args.num_processes == 1:
+        if args.process_id not in (None, 0):
+            parser.error(f"argument --process-id: {args.process_id} needs --num-processes {args.process_id + 1} "
+                         f"or more (one process: 0)")
+        args.process_id = 0
+        return
+    for key in ("coordinator", "process_id"):
+        if getattr(args, key) is None:
+            parser.error(f"argument --num-processes: {args.num_processes} processes need {flag[key]} (or "
+                         f"${PROCESS_ENV[key]})")
+    if args.process_id >= args.num_processes:
+        parser.error(f"argument --process-id: {args.process_id} is not in 0..{args.num_processes - 1} "
+                     f"(--num-processes {args.num_processes})")
+    host, _, port = args.coordinator.rpartition(":")
+    if not host or not port.isdigit():
+        parser.error(f"argument --coordinator: expected HOST:PORT; got {args.coordinator!r}")
+
+
+def start_processes(args: argparse.Namespace) -> None:
+    """``jax.distributed.initialize`` when this is one of several processes, before anything
+    touches the devices (once per process). On CPU, JAX's default cross-process collectives
+    (gloo over TCP) then serve the mesh."""
+    if args.num_processes > 1 and not jax.distributed.is_initialized():
+        jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
+                                   process_id=args.process_id)
 
 
 # --- training pieces ------------------------------------------------------------------------------
@@ -270,8 +328,8 @@ def make_optimizer(params, schedule: Schedule, *, weight_decay: float, grad_clip
 
 
 def train_state(params, opt_state, step: int) -> dict:
-    """What a checkpoint holds."""
-    return {"params": params, "opt_state": opt_state, "step": jnp.asarray(step, jnp.int32)}
+    """What a checkpoint holds (the step a host scalar: the same on every process)."""
+    return {"params": params, "opt_state": opt_state, "step": np.asarray(step, np.int32)}
 
 
 def make_train_step(loss_fn, tx):
@@ -332,9 +390,14 @@ def count_kernel_calls(hlo_text: str) -> int:
 
 def training_mesh(args: argparse.Namespace) -> jax.sharding.Mesh:
     """The (data, fsdp, tensor) mesh of ``--mesh`` over the first devices of JAX's default
-    platform (:func:`training.sharding.make_mesh`)."""
+    platform (:func:`training.sharding.make_mesh`); with several processes, over all of theirs."""
     available = jax.devices()
     n = math.prod(args.mesh.values())
+    if jax.process_count() > 1 and n != len(available):
+        raise UsageError(
+            f"{args.mesh_flag}: {n} devices; the {jax.process_count()} processes have {len(available)} "
+            f"{jax.default_backend()} devices together, and a mesh of several processes spans them all "
+            f"(each process takes part in every step). Use a mesh of {len(available)} devices.")
     if n > len(available):
         raise UsageError(
             f"{args.mesh_flag}: needs {n} devices; only {len(available)} {jax.default_backend()} device(s) "
@@ -344,21 +407,23 @@ def training_mesh(args: argparse.Namespace) -> jax.sharding.Mesh:
 
 
 class DevicePrefetcher:
-    """Batches ``make(step)`` for ``steps``, put on the device ``depth`` steps ahead of use by a
-    background thread, so neither building a batch nor its host-to-device copy sits between two
-    train steps. Iterate once; :meth:`close` stops the thread (also on an early exit)."""
+    """Batches ``place(make(step))`` for ``steps`` (``place``: host arrays to device arrays), put on
+    the devices ``depth`` steps ahead of use by a background thread, so neither building a batch
+    nor its host-to-device copy sits between two train steps. Iterate once; :meth:`close` stops
+    the thread (also on an early exit)."""
 
-    def __init__(self, make: Callable[[int], Any], steps: range, sharding, *, depth: int = 2):
+    def __init__(self, make: Callable[[int], Any], steps: range, place: Callable[[Any], Any], *,
+                 depth: int = 2):
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._steps = steps
-        self._thread = threading.Thread(target=self._fill, args=(make, sharding), daemon=True)
+        self._thread = threading.Thread(target=self._fill, args=(make, place), daemon=True)
         self._thread.start()
 
-    def _fill(self, make, sharding):
+    def _fill(self, make, place):
         for step in self._steps:
             try:
-                item = jax.device_put(make(step), sharding)
+                item = place(make(step))
             except Exception as error:  # noqa: BLE001  (re-raised in the consumer's thread)
                 item = error
             while not self._stop.is_set():
@@ -579,7 +644,7 @@ def initial_state(model, tx, mesh, ckpt, saved: dict | None, stock: bool, say):
     params, opt_state = model.params, tx.init(model.params)
     shardings = sharding.state_shardings(mesh, (params, opt_state))
     if saved is None:
-        return *jax.device_put((params, opt_state), shardings), 0
+        return *sharding.place((params, opt_state), shardings), 0
     like = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), (params, opt_state),
                         shardings)
     state, _ = ckpt.restore(train_state(*like, 0))
@@ -678,7 +743,13 @@ class Result:
 
 
 def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
-    """Run the training described by ``args`` (from :func:`parse_args`)."""
+    """Run the training described by ``args`` (from :func:`parse_args`). With several processes
+    (``--num-processes``) every process runs it; only process 0 prints, writes metrics and plots
+    (checkpoints: every process writes its shards)."""
+    start_processes(args)
+    is_main = jax.process_index() == 0
+    if not is_main:
+        out = io.StringIO()
 
     def say(*parts):
         print(*parts, file=out, flush=True)
@@ -690,7 +761,12 @@ def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
     data.check_seq_len(args.seq_len)
     mesh = training_mesh(args)
     batch_sharded = sharding.batch_sharding(mesh)
-    eval_set = jax.device_put(data.eval_batches(args.batch_size, args.seq_len, args.eval_batches), batch_sharded)
+    rows = sharding.process_rows(batch_sharded, args.batch_size)  # of every batch, this process's
+
+    def place(batch):
+        return sharding.global_batch(batch_sharded, batch, args.batch_size)
+
+    eval_set = [place(b) for b in data.eval_batches(args.batch_size, args.seq_len, args.eval_batches, rows=rows)]
     meta = run_meta(args, config)
 
     with cl.use_backend(args.backend), LibraryNotes() as notes:
@@ -704,9 +780,9 @@ def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
         say(describe_run(args, config, data, params, backend, schedule))
 
         def batch(step):
-            return data.train_batch(step, args.batch_size, args.seq_len, args.seed)
+            return data.train_batch(step, args.batch_size, args.seq_len, args.seed, rows=rows)
 
-        first = jax.device_put(batch(start_step + 1), batch_sharded)
+        first = place(batch(start_step + 1))
         step_fn = compile_train_step(model.loss, tx, params, opt_state, *first)
         path = _path_report(step_fn.kernel_calls)
         if args.backend == "cute" and not step_fn.kernel_calls:
@@ -720,7 +796,7 @@ def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
         eval_loss = jax.jit(lambda leaves, x, y: model.loss(step_fn.unflatten(leaves)[0], x, y))
 
         metrics = None
-        if args.metrics_file is not None:
+        if args.metrics_file is not None and is_main:
             args.metrics_file.parent.mkdir(parents=True, exist_ok=True)
             metrics = open(args.metrics_file, "a" if args.resume else "w")
 
@@ -743,7 +819,7 @@ def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
 
         eval_losses = [(start_step, evaluate(start_step, leaves))] if start_step < args.steps else []
         steps = range(start_step + 1, args.steps + 1)
-        batches = DevicePrefetcher(batch, steps, batch_sharded)
+        batches = DevicePrefetcher(batch, steps, place)
         t_loop = time.perf_counter()
         try:
             loop = run_loop(args, step_fn, leaves, batches, schedule, first_step=start_step + 1,
@@ -805,7 +881,7 @@ def summary(result: Result, loop: LoopResult, args, start_step: int, notes: str 
         lines.append(notes)
     lines.append(f"backend: {result.backend} (cutelayers.current_backend()); ran: {result.path}")
     lines.append(f"cutelayers.cache_info(): {_cache_report()}")
-    if args.plot is not None:
+    if args.plot is not None and jax.process_index() == 0:
         lines.append(_plot(args.plot, result.train_curve, result.eval_losses))
     return "\n".join(lines)
 
