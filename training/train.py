@@ -32,6 +32,15 @@ in those shardings and XLA partitions it -- the kernels run per device on their 
 sharding rules (cutelayers.runtime.sharding), and XLA adds the collectives (the gradient
 all-reduce, fsdp's parameter all-gathers, tensor parallel's all-reduces of the residual stream).
 
+Several processes (one per host or GPU): ``--coordinator HOST:PORT --num-processes N
+--process-id I`` (else ``$JAX_COORDINATOR_ADDRESS``, ``$JAX_NUM_PROCESSES``,
+``$JAX_PROCESS_ID``), the same command in every process. :func:`train` first calls
+``jax.distributed.initialize``; the mesh then spans all the processes' devices, each process
+builds only its devices' rows of every batch, process 0 alone prints, writes metrics and plots,
+and every process writes its shards of each (Orbax) checkpoint, which ``--resume`` reads into
+the current mesh whatever the number of processes that wrote it. The README's Multi-GPU section
+has examples and the collectives each mesh costs.
+
 The backend (``--backend``) is applied with ``cutelayers.use_backend`` around tracing *and*
 running: the setting is part of JAX's jit key, so everything inside sees one backend.
 """
