@@ -49,7 +49,7 @@ class TextData:
     eval: np.ndarray
 
     @classmethod
-    def load(cls, path: str | Path | None = None, *, eval_every_nth: int = 10) -> "TextData":
+    def load(cls, path: str | Path | None = None, *, eval_every_nth: int = 10) -> TextData:
         """Load the corpus and split it: every ``eval_every_nth`` 2 KiB chunk is eval data."""
         if eval_every_nth < 2:
             raise ValueError(f"eval_every_nth must be >= 2; got {eval_every_nth}")

@@ -58,8 +58,9 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Self
 
 import jax
 import numpy as np
@@ -74,10 +75,10 @@ from training.data import VOCAB_SIZE, TextData
 
 # Per-config training defaults; any flag given on the command line wins.
 DEFAULTS = {
-    "tiny": dict(steps=1000, batch_size=16, lr=3e-3, warmup=50, eval_every=200),
-    "small": dict(steps=2000, batch_size=32, lr=6e-4, warmup=200, eval_every=250),
-    "deep24": dict(steps=1000, batch_size=16, lr=1e-3, warmup=100, eval_every=250),
-    "gpt2": dict(steps=2000, batch_size=16, lr=6e-4, warmup=100, eval_every=250),
+    "tiny": {"steps": 1000, "batch_size": 16, "lr": 3e-3, "warmup": 50, "eval_every": 200},
+    "small": {"steps": 2000, "batch_size": 32, "lr": 6e-4, "warmup": 200, "eval_every": 250},
+    "deep24": {"steps": 1000, "batch_size": 16, "lr": 1e-3, "warmup": 100, "eval_every": 250},
+    "gpt2": {"steps": 2000, "batch_size": 16, "lr": 6e-4, "warmup": 100, "eval_every": 250},
 }
 
 
@@ -514,7 +515,7 @@ class LibraryNotes(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
 
-    def __enter__(self) -> "LibraryNotes":
+    def __enter__(self) -> Self:
         for name in self.LOGGERS:
             logger = logging.getLogger(name)
             self._saved.append((logger, logger.level, logger.propagate))
@@ -548,8 +549,8 @@ def _cache_report() -> str:
     info = cl.cache_info()
     if not info:
         return "{} (nothing compiled)"
-    return json.dumps({k: dict(compiles=v.compiles, memory_hits=v.memory_hits, disk_hits=v.disk_hits,
-                               compile_seconds=round(v.compile_seconds, 2), load_seconds=round(v.load_seconds, 2))
+    return json.dumps({k: {"compiles": v.compiles, "memory_hits": v.memory_hits, "disk_hits": v.disk_hits,
+                           "compile_seconds": round(v.compile_seconds, 2), "load_seconds": round(v.load_seconds, 2)}
                        for k, v in info.items()})
 
 
@@ -592,9 +593,9 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
 
 def run_meta(args: argparse.Namespace, config: GPTConfig) -> dict:
     """What a checkpoint records about the run besides its arrays."""
-    return dict(model=args.model, config=args.config, model_config=dataclasses.asdict(config), stock=args.stock,
-                seed=args.seed, batch_size=args.batch_size, seq_len=args.seq_len,
-                schedule=dataclasses.asdict(Schedule(args.lr, args.warmup, args.steps)))
+    return {"model": args.model, "config": args.config, "model_config": dataclasses.asdict(config),
+            "stock": args.stock, "seed": args.seed, "batch_size": args.batch_size, "seq_len": args.seq_len,
+            "schedule": dataclasses.asdict(Schedule(args.lr, args.warmup, args.steps))}
 
 
 def open_checkpoint(args: argparse.Namespace, meta: dict, say):
@@ -615,7 +616,7 @@ def open_checkpoint(args: argparse.Namespace, meta: dict, say):
         raise UsageError(f"--resume: the checkpoint in {ckpt.directory} is for --model {saved.get('model')}; "
                          f"this run is --model {args.model}")
     # parameters are float32 whatever the compute dtype: a checkpoint serves any --dtype
-    shape_of = lambda c: {k: v for k, v in (c or {}).items() if k != "dtype"}  # noqa: E731
+    shape_of = lambda c: {k: v for k, v in (c or {}).items() if k != "dtype"}
     if shape_of(saved.get("model_config")) != shape_of(meta["model_config"]):
         raise UsageError(
             f"--resume: the checkpoint in {ckpt.directory} is for --config {saved.get('config')} "
@@ -807,7 +808,7 @@ def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
         metrics = None
         if args.metrics_file is not None and is_main:
             args.metrics_file.parent.mkdir(parents=True, exist_ok=True)
-            metrics = open(args.metrics_file, "a" if args.resume else "w")
+            metrics = open(args.metrics_file, "a" if args.resume else "w")  # noqa: SIM115  (closed below)
 
         def record(**row):
             if metrics is not None:
