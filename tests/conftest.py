@@ -1,4 +1,4 @@
-"""Test setup: four fake CPU devices, CuTe compiles for sm_90a, a `gpu` marker, fresh randomness;
+"""Test setup: four fake CPU devices, CuTe compiles for sm_90a, `gpu` and `multigpu` markers, fresh randomness;
 with ``CUTELAYERS_TEST_TIMINGS=<file>``, one JSON line per test of where its time went."""
 
 import collections
@@ -15,31 +15,37 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 # off unless a test turns it on (tests/test_disk_cache.py, with its own directory).
 os.environ["CUTELAYERS_CACHE_DIR"] = ""
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import numpy as np
+import pytest
 
 
-def _has_hopper() -> bool:
+def _hopper_gpus() -> list:
     try:
         gpus = jax.devices("cuda")
     except RuntimeError:
-        return False
-    return any(str(getattr(d, "compute_capability", "0")).startswith("9") for d in gpus)
+        return []
+    return [d for d in gpus if str(getattr(d, "compute_capability", "0")).startswith("9")]
 
 
-HAS_GPU = _has_hopper()
+HOPPER_GPUS = _hopper_gpus()
+HAS_GPU = bool(HOPPER_GPUS)
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: runs CuTe kernels on a Hopper GPU (skipped without one)")
+    config.addinivalue_line("markers", "multigpu: runs on two Hopper GPUs of one host (skipped with fewer)")
 
 
 def pytest_collection_modifyitems(config, items):
-    skip = pytest.mark.skip(reason="needs a CUDA GPU of compute capability 9.x (none visible)")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU of compute capability 9.x (none visible)")
+    skip_multigpu = pytest.mark.skip(reason=f"needs 2 CUDA GPUs of compute capability 9.x; {len(HOPPER_GPUS)} visible")
     for item in items:
-        if "gpu" in item.keywords and not HAS_GPU:
-            item.add_marker(skip)
+        # markers, not keywords: a keyword is also any part of the test's node id (test_multigpu.py)
+        if item.get_closest_marker("gpu") and not HAS_GPU:
+            item.add_marker(skip_gpu)
+        elif item.get_closest_marker("multigpu") and len(HOPPER_GPUS) < 2:
+            item.add_marker(skip_multigpu)
 
 
 @pytest.fixture
@@ -110,9 +116,9 @@ if TIMINGS:
         start = time.perf_counter()
         yield
         compiles, cute_s, lower_s, xla_s = item.stash.get(_spent, [0, 0.0, 0.0, 0.0])
-        record = dict(test=item.nodeid, seconds=round(time.perf_counter() - start, 3), cute_compiles=compiles,
-                      cute_compile_s=round(cute_s, 3), lowering_s=round(max(lower_s - cute_s, 0.0), 3),
-                      xla_compile_s=round(xla_s, 3))
+        record = {"test": item.nodeid, "seconds": round(time.perf_counter() - start, 3), "cute_compiles": compiles,
+                  "cute_compile_s": round(cute_s, 3), "lowering_s": round(max(lower_s - cute_s, 0.0), 3),
+                  "xla_compile_s": round(xla_s, 3)}
         fd = os.open(TIMINGS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:  # one write per line: appends from several processes do not interleave
             os.write(fd, (json.dumps(record) + "\n").encode())

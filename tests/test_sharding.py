@@ -1,22 +1,21 @@
-"""Multi-device use on four fake CPU devices (see conftest): every op under ``jax.shard_map`` and
-under plain ``jax.jit`` with row-sharded ``NamedSharding`` inputs, column- and row-parallel
-``fused_linear``, and the errors for shardings a kernel cannot honour.
+"""Multi-device use on four fake CPU devices (see conftest): the op cases and helpers that
+``tests/test_multigpu.py`` runs on every platform (there: every op under ``jax.shard_map`` and
+plain ``jax.jit`` against one device, on CPU and on two GPUs), and here what needs the CPU: the
+programs lowered for CUDA, partitioned on this host; the LM head's chunking over sharded tokens;
+the vocabulary-parallel cross-entropy; and the errors for shardings a kernel cannot honour.
 
-What is checked, and how (no GPU is needed for any test here except the ``gpu``-marked ones):
+What is checked, and how (no GPU is needed for any test here):
 
 * **Values and gradients.** On CPU every kernel call lowers to its jnp reference, run per device
   by the same sharding rules (custom_partitioning, or shard_map for ``Explicit`` mesh axes) that
   run the CuTe kernels on GPUs. Results and gradients must equal one device's within the
   tolerances of ``tests/numerics.py``.
-* **Collectives, CPU program.** The program compiled for the CPU devices (XLA's partitioner runs
-  the rules) has no all-gather, all-to-all, collective-permute or reduce-scatter, and its only
-  all-reduces are parameter-sized (weight gradients, the scalar loss).
 * **Collectives, CUDA program.** The program lowered for CUDA (CuTe kernels compiled for sm_90a)
   is handed to the CPU compiler, whose partitioner runs the rules and emits the per-device
   program -- CuTe kernel calls included -- before compilation stops at the first kernel call (no
   CPU handler). The optimized HLO it dumps must hold kernel calls on per-device row counts and
   none of the collectives above. What this cannot check: that the CUDA compiler accepts the
-  program and the kernels run (the ``gpu`` tests at the end do, on a 2-GPU machine).
+  program and the kernels run (``tests/test_multigpu.py``'s ``gpu`` tests do, on a 2-GPU machine).
 """
 
 from __future__ import annotations
@@ -28,8 +27,8 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
-from conftest import HAS_GPU
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from numerics import assert_close, assert_trees_match, random
@@ -121,6 +120,11 @@ CASES = [
          lambda x, w, b, res: cl.ops.fused_linear(x, w, b, activation="gelu", residual=res),
          lambda r, d: (_x(r, d, 32), random(r, (32, 64), d) / 6, random(r, (64,), d), _x(r, d, 64)),
          (True, False, False, True), (0, 1, 2, 3), jnp.float16),
+    Case("mlp",
+         lambda x, w1, b1, w2, b2, res: cl.ops.mlp(x, w1, b1, w2, b2, residual=res),
+         lambda r, d: (_x(r, d, 32), random(r, (32, 64), d) / 6, random(r, (64,), d), random(r, (64, 32), d) / 8,
+                       random(r, (32,), d), _x(r, d, 32)),
+         (True, False, False, False, False, True), (0, 1, 2, 3, 4, 5), jnp.float16),
     _lm_head_case("linear_cross_entropy"),  # all 48 tokens in one chunk
     # 6 chunks of 8 tokens, 2 from each device: the token axis, sharded, stays within the chunks
     _lm_head_case("linear_cross_entropy_chunked", chunk_size=8),
@@ -150,8 +154,9 @@ def assert_step_matches(got, ref, dtype):
 
 
 def random_cotangent(rng, case, args):
+    """A host array: jit puts it where the computation runs, whichever platform that is."""
     out = jax.eval_shape(case.fn, *args)
-    return jnp.asarray(rng.standard_normal(out.shape), jnp.float32)
+    return np.asarray(rng.standard_normal(out.shape), np.float32)
 
 
 def put(mesh, args, specs):
@@ -160,9 +165,9 @@ def put(mesh, args, specs):
 
 def collectives(hlo: str) -> list[tuple[str, tuple[int, ...]]]:
     """(kind, element count of each array it moves) of every collective in HLO text (XLA
-    combines several all-reduces into one of a tuple)."""
+    combines several all-reduces into one of a tuple, whose shape may hold /*index=N*/ comments)."""
     found = []
-    for m in re.finditer(r"= (\([^=]*?\)|\S+) ([a-z-]+?)(?:-start)?\(", hlo):
+    for m in re.finditer(r"= (\(.*?\)|\S+) ([a-z-]+?)(?:-start)?\(", hlo):
         kind = m.group(2)
         if kind in FORBIDDEN + ("all-reduce",):
             shapes = re.findall(r"\[([\d,]*)\]", m.group(1))
@@ -180,51 +185,7 @@ def largest_parameter(case, args) -> int:
     return max([a.size for a, r in zip(args, case.row_wise) if not r] + [1])
 
 
-# --- values and gradients ---------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("axis_type", AXIS_TYPES)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_sharded_jit_matches_one_device(case, axis_type, rng):
-    mesh = make_mesh((4,), ("data",), axis_type)
-    args = case.make_args(rng, case.dtype)
-    cotangent = random_cotangent(rng, case, args)
-    ref_out = jax.jit(case.fn)(*args)
-    ref = jax.jit(loss_and_grads, static_argnums=(0, 2))(case.fn, args, case.wrt, cotangent)
-
-    sharded = put(mesh, args, case.specs())
-    out = jax.jit(case.fn)(*sharded)
-    got = jax.jit(loss_and_grads, static_argnums=(0, 2))(case.fn, sharded, case.wrt, cotangent)
-    assert_trees_match(out, ref_out, tol_dtype=case.dtype)
-    assert_step_matches(got, ref, case.dtype)
-    # results and row-wise gradients stay sharded over the rows: nothing was gathered to return them
-    assert out.sharding.spec[:1] == ("data",)
-    for i, g in zip(case.wrt, got[1]):
-        assert (g.sharding.spec[:1] == ("data",)) == case.row_wise[i], (i, g.sharding)
-
-
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_shard_map_matches_one_device(case, rng):
-    mesh = make_mesh((4,), ("data",))
-    args = case.make_args(rng, case.dtype)
-    cotangent = random_cotangent(rng, case, args)
-    ref = jax.jit(loss_and_grads, static_argnums=(0, 2))(case.fn, args, case.wrt, cotangent)
-    per_shard = jax.shard_map(case.fn, mesh=mesh, in_specs=case.specs(), out_specs=ROWS)
-    got = jax.jit(loss_and_grads, static_argnums=(0, 2))(per_shard, args, case.wrt, cotangent)
-    assert_step_matches(got, ref, case.dtype)
-
-
-# --- collectives ---------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_row_sharded_cpu_program_gathers_no_activations(case, rng):
-    mesh = make_mesh((4,), ("data",))
-    args = put(mesh, case.make_args(rng, case.dtype), case.specs())
-    cotangent = random_cotangent(rng, case, args)
-    step = jax.jit(loss_and_grads, static_argnums=(0, 2))
-    hlo = step.lower(case.fn, args, case.wrt, cotangent).compile().as_text()
-    assert_no_activation_collectives(hlo, largest_parameter(case, args))
+# --- the LM head over sharded tokens -------------------------------------------------------------
 
 
 @pytest.mark.parametrize("axis_type", AXIS_TYPES)
@@ -274,6 +235,9 @@ def test_lm_head_total_sharded_matches_one_device(mode, rng):
     assert_trees_match(grads, ref_grads, tol_dtype=dtype)
 
 
+# --- the programs lowered for CUDA, partitioned on this host ------------------------------------
+
+
 def partitioned_cuda_hlo(f, avals, dump_dir) -> str:
     """The per-device program XLA's partitioner makes of ``f`` lowered for CUDA (see the module
     docstring): compiled by the CPU client, which stops at the first CuTe kernel call."""
@@ -320,30 +284,6 @@ def _linear(x, w, b, res):
     return cl.ops.fused_linear(x, w, b, activation="silu", residual=res)
 
 
-@pytest.mark.parametrize("axis_type", AXIS_TYPES)
-@pytest.mark.parametrize("layout", PARALLEL)
-def test_parallel_linear_matches_one_device(layout, axis_type, rng):
-    """Column-parallel: the kernel sharded over N, y comes out sharded over N, dx is summed over
-    the model axis. Row-parallel: the kernel sharded over K, the partial products are summed and
-    the bias, activation and residual apply once, after the sum."""
-    mesh = make_mesh((2, 2), ("data", "model"), axis_type)
-    dtype = jnp.float16
-    args = (_x(rng, dtype, 32), random(rng, (32, 64), dtype) / 6, random(rng, (64,), dtype),
-            _x(rng, dtype, 64))
-    cotangent = jnp.asarray(rng.standard_normal((BATCH, SEQ, 64)), jnp.float32)
-    step = jax.jit(loss_and_grads, static_argnums=(0, 2))
-    ref_out, ref = jax.jit(_linear)(*args), step(_linear, args, (0, 1, 2, 3), cotangent)
-
-    sharded = put(mesh, args, PARALLEL[layout])
-    out, got = jax.jit(_linear)(*sharded), step(_linear, sharded, (0, 1, 2, 3), cotangent)
-    assert_trees_match(out, ref_out, tol_dtype=dtype)
-    assert_step_matches(got, ref, dtype)
-    expected_out = ("data", None, "model") if layout == "column" else ("data", None, None)
-    assert tuple(out.sharding.spec) + (None,) * (3 - len(out.sharding.spec)) == expected_out
-    # the kernel's gradient comes out sharded like the kernel (summed over the data axis)
-    assert got[1][1].sharding.is_equivalent_to(NamedSharding(mesh, PARALLEL[layout][1]), 2)
-
-
 @pytest.mark.parametrize("layout", PARALLEL)
 def test_parallel_linear_collectives(layout, rng, tmp_path):
     """CUDA-lowered forward, partitioned per device: column-parallel needs no collective at all;
@@ -361,6 +301,44 @@ def test_parallel_linear_collectives(layout, rng, tmp_path):
     else:
         assert {rows, 32 // 2, 64} <= dims
         assert collectives(hlo) == [("all-reduce", (rows * 64,))]
+
+
+# --- vocabulary-parallel cross-entropy ------------------------------------------------------------
+
+CLASS_SHARDED = {
+    # name: (fn, make_args, specs on a ("data", "model") mesh, wrt, dtype): the class axis over "model"
+    "softmax_cross_entropy": (
+        lambda x, labels: cl.ops.softmax_cross_entropy(x, labels, ignore_index=-1, label_smoothing=0.1,
+                                                       z_loss=1e-3),
+        lambda r, d: (_x(r, d), _labels(r, 64)), (P("data", None, "model"), ROWS), (0,), jnp.float32),
+    "logsumexp": (cl.ops.logsumexp, lambda r, d: (_x(r, d),), (P("data", None, "model"),), (0,), jnp.float32),
+    # an LM head whose kernel (and bias) is split over the vocabulary
+    "linear_cross_entropy": (
+        _lm_head_case("linear_cross_entropy", chunk_size=8).fn,
+        lambda r, d: (_x(r, d, 32), random(r, (32, 64), d) / 6, random(r, (64,), d), _labels(r, 64)),
+        (ROWS, P(None, "model"), P("model"), ROWS), (0, 1, 2), jnp.float16),
+}
+
+
+@pytest.mark.parametrize("name", CLASS_SHARDED)
+def test_class_sharded_cross_entropy_matches_one_device(name, rng):
+    """Logits sharded along the classes (vocabulary parallel): each device reduces its slice, the
+    rows' lse and the label's logit are combined across the "model" axis, values and gradients
+    are one device's, and nothing is gathered but (rows,) statistics."""
+    fn, make_args, specs, wrt, dtype = CLASS_SHARDED[name]
+    mesh = make_mesh((2, 2), ("data", "model"))
+    args = make_args(rng, dtype)
+    cotangent = random_cotangent(rng, Case(name, fn, make_args, (), wrt), args)
+    step = jax.jit(loss_and_grads, static_argnums=(0, 2))
+    ref = step(fn, args, wrt, cotangent)
+    sharded = put(mesh, args, specs)
+    compiled = step.lower(fn, sharded, wrt, cotangent).compile()
+    assert_step_matches(compiled(sharded, cotangent), ref, dtype)
+    found = collectives(compiled.as_text())
+    assert not [c for c in found if c[0] in FORBIDDEN], found
+    tokens_per_device = BATCH * SEQ // 2
+    largest = max([tokens_per_device * 32] + [a.size for a, spec in zip(args, specs) if spec != ROWS])
+    assert all(n <= largest for _, sizes in found for n in sizes), found
 
 
 def test_linear_shard_too_narrow_for_the_kernel_runs_as_xla_gemm(rng, tmp_path):
@@ -436,49 +414,3 @@ def test_feature_axis_sharding_in_explicit_mode_fails_while_tracing(rng):
     with pytest.raises(ValueError, match=r"reduce_sum: argument 'x' is sharded over mesh axes \('model',\) "
                                          r"along dim 1"):
         jax.jit(cl.ops.reduce_sum).trace(x)
-
-
-# --- on two GPUs -------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def gpu_mesh():
-    gpus = jax.devices("cuda") if HAS_GPU else []
-    if len(gpus) < 2:
-        pytest.skip(f"needs 2 CUDA GPUs; {len(gpus)} visible")
-    return jax.make_mesh((2,), ("data",), devices=gpus[:2], axis_types=(jax.sharding.AxisType.Auto,))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: c.name)
-def test_two_gpus_run_the_kernels_per_device(case, gpu_mesh, rng):
-    """Row-sharded over two GPUs: the compiled program runs the CuTe kernels per device, gathers
-    nothing, and matches one GPU."""
-    args = jax.device_put(case.make_args(rng, jnp.bfloat16), jax.devices("cuda")[0])
-    cotangent = random_cotangent(rng, case, args)
-    step = jax.jit(loss_and_grads, static_argnums=(0, 2))
-    ref = step(case.fn, args, case.wrt, cotangent)
-    sharded = put(gpu_mesh, args, case.specs())
-    compiled = step.lower(case.fn, sharded, case.wrt, cotangent).compile()
-    hlo = compiled.as_text()
-    assert 'custom_call_target="cutelayers_' in hlo
-    assert_no_activation_collectives(hlo, largest_parameter(case, args))
-    assert_step_matches(compiled(sharded, cotangent), ref, jnp.bfloat16)  # static args baked in
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("layout", PARALLEL)
-def test_two_gpus_parallel_linear(layout, rng):
-    gpus = jax.devices("cuda") if HAS_GPU else []
-    if len(gpus) < 2:
-        pytest.skip(f"needs 2 CUDA GPUs; {len(gpus)} visible")
-    mesh = jax.make_mesh((1, 2), ("data", "model"), devices=gpus[:2],
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    dtype = jnp.bfloat16
-    args = (_x(rng, dtype, 64), random(rng, (64, 128), dtype) / 8, random(rng, (128,), dtype),
-            _x(rng, dtype, 128))
-    cotangent = jnp.asarray(rng.standard_normal((BATCH, SEQ, 128)), jnp.float32)
-    step = jax.jit(loss_and_grads, static_argnums=(0, 2))
-    ref = step(_linear, jax.device_put(args, gpus[0]), (0, 1, 2, 3), cotangent)
-    got = step(_linear, put(mesh, args, PARALLEL[layout]), (0, 1, 2, 3), cotangent)
-    assert_step_matches(got, ref, dtype)

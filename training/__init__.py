@@ -4,4 +4,6 @@
   batches, train / eval split.
 * :mod:`training.train`: the command line and :func:`training.train.train`.
 * :mod:`training.checkpoint`: Orbax checkpoints of (params, optimizer state, step).
+* :mod:`training.sharding`: the device mesh (``--mesh``) and the rule table that lays parameters,
+  optimizer state and batches over it.
 """

@@ -36,9 +36,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -99,7 +99,7 @@ def measure(case: Case) -> dict:
         tx = make_optimizer(model.params, Schedule(lr=1e-4, warmup=0, steps=10**6), weight_decay=0.1, grad_clip=1.0)
         params, opt_state = jax.device_put((model.params, tx.init(model.params)), sharding)
         batches = synthetic_batches(config, case.batch_size, sharding)
-        step = compile_train_step(model.loss, tx, params, opt_state, *batches[0], replicated=sharding)
+        step = compile_train_step(model.loss, tx, params, opt_state, *batches[0])
         analysis = step.run.memory_analysis()
         leaves = tuple(jax.tree.leaves((params, opt_state)))
         del params, opt_state  # donated
@@ -135,7 +135,7 @@ def in_subprocess(flag: str, job: dict, timeout: float):
     process, so the device's peak memory is that job's own and this process never holds the GPU
     (JAX would reserve most of its memory)."""
     proc = subprocess.run([sys.executable, "-m", "training.bench", flag, json.dumps(job)],
-                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(("{", "["))]
     if proc.returncode or not lines:
         raise RuntimeError(f"benchmark {flag} {job} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -160,7 +160,7 @@ def part_seconds(config: GPTConfig, batch_size: int, *, stock: bool) -> dict[str
     def fwd_bwd(module, *inputs, **kwargs):
         """Seconds of the forward and backward of ``module`` (gradients of params and inputs)."""
         params = module.init(jax.random.key(0), *inputs, **kwargs)["params"]
-        f = lambda p, *x: module.apply({"params": p}, *x, **kwargs)  # noqa: E731
+        f = lambda p, *x: module.apply({"params": p}, *x, **kwargs)
         out = jax.eval_shape(f, params, *inputs)
         cotangent = jnp.ones(out.shape, out.dtype)
         return time_fn(jax.jit(lambda p, *x: jax.vjp(f, p, *x)[1](cotangent)), params, *inputs)
@@ -194,10 +194,10 @@ def breakdown_rows(config_name: str, batch_size: int, step_ms: dict[str, float])
     "other" is the step minus the parts)."""
     config = bench_config(config_name)
     ours, stock = (part_seconds(config, batch_size, stock=s) for s in (False, True))
-    rows = [dict(part=name, ours_ms=ours[name] * 1e3, stock_ms=stock[name] * 1e3) for name in ours]
+    rows = [{"part": name, "ours_ms": ours[name] * 1e3, "stock_ms": stock[name] * 1e3} for name in ours]
     if {"cutelayers", "stock"} <= set(step_ms):
-        rows.append(dict(part="other (step - parts)", ours_ms=step_ms["cutelayers"] - sum(ours.values()) * 1e3,
-                         stock_ms=step_ms["stock"] - sum(stock.values()) * 1e3))
+        rows.append({"part": "other (step - parts)", "ours_ms": step_ms["cutelayers"] - sum(ours.values()) * 1e3,
+                     "stock_ms": step_ms["stock"] - sum(stock.values()) * 1e3})
     return rows
 
 
@@ -282,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sections.append(results_table(rows))
         if args.breakdown:
             step_ms = {r["variant"]: r["step_ms"] for r in rows if r["model"] == args.model[0]}
-            job = dict(config_name=config, batch_size=batch_size, step_ms=step_ms)
+            job = {"config_name": config, "batch_size": batch_size, "step_ms": step_ms}
             sections.append(breakdown_table(config, in_subprocess("--one-breakdown", job, args.case_timeout)))
     command = "python -m training.bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     legend = ("tokens/s from `loop ms` (steady state: compile, warmup and evaluation excluded); "

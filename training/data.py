@@ -49,7 +49,7 @@ class TextData:
     eval: np.ndarray
 
     @classmethod
-    def load(cls, path: str | Path | None = None, *, eval_every_nth: int = 10) -> "TextData":
+    def load(cls, path: str | Path | None = None, *, eval_every_nth: int = 10) -> TextData:
         """Load the corpus and split it: every ``eval_every_nth`` 2 KiB chunk is eval data."""
         if eval_every_nth < 2:
             raise ValueError(f"eval_every_nth must be >= 2; got {eval_every_nth}")
@@ -68,17 +68,20 @@ class TextData:
             if len(split) < seq_len + 1:
                 raise ValueError(f"seq_len={seq_len} is too long for the {name} split ({len(split)} tokens)")
 
-    def train_batch(self, step: int, batch_size: int, seq_len: int,
-                    seed: int) -> tuple[np.ndarray, np.ndarray]:
+    def train_batch(self, step: int, batch_size: int, seq_len: int, seed: int,
+                    rows: slice = slice(None)) -> tuple[np.ndarray, np.ndarray]:
         """(inputs, targets), each (batch_size, seq_len) int32: random windows of the train split,
-        a pure function of (seed, step); targets are inputs shifted by one token."""
+        a pure function of (seed, step); targets are inputs shifted by one token. ``rows``: only
+        those rows of the batch (one process's share), the same windows as in the whole batch."""
         rng = np.random.default_rng([seed, step])
         starts = rng.integers(0, len(self.train) - seq_len, size=batch_size)
-        return _windows(self.train, starts, seq_len)
+        return _windows(self.train, starts[rows], seq_len)
 
-    def eval_batches(self, batch_size: int, seq_len: int, max_batches: int | None = None):
+    def eval_batches(self, batch_size: int, seq_len: int, max_batches: int | None = None,
+                     rows: slice = slice(None)):
         """A fixed list of (inputs, targets) batches over the eval split: consecutive
-        non-overlapping windows (the last partial batch dropped; at least one batch)."""
+        non-overlapping windows (the last partial batch dropped; at least one batch); ``rows``
+        as for :meth:`train_batch`."""
         n_windows = (len(self.eval) - 1) // seq_len
         starts = np.arange(n_windows) * seq_len
         n_batches = max(1, n_windows // batch_size)
@@ -89,7 +92,7 @@ class TextData:
             s = starts[b * batch_size:(b + 1) * batch_size]
             if len(s) < batch_size:  # fewer windows than one batch: wrap around
                 s = np.resize(s, batch_size)
-            batches.append(_windows(self.eval, s, seq_len))
+            batches.append(_windows(self.eval, s[rows], seq_len))
         return batches
 
 

@@ -21,10 +21,25 @@ plain line every ``--log-every`` steps. Evaluation on a fixed held-out set, Orba
 needs the ``plot`` extra: matplotlib). At the end: start / end loss, the backend setting and the
 path that actually ran, and ``cutelayers.cache_info()``.
 
-``--devices N`` trains data-parallel: each batch is sharded over a 1-D mesh of N devices, the
-parameters and optimizer state are replicated, and XLA partitions the jitted step -- the kernels
-run per device on their share of the rows by their sharding rules (cutelayers.runtime.sharding),
-and the weight gradients are summed across devices.
+``--mesh data=D,fsdp=F,tensor=T`` trains over a (data, fsdp, tensor) mesh of D x F x T devices
+(axes not named have size 1; ``--devices N`` is ``--mesh data=N``): each batch is split over data
+and fsdp; fsdp also shards the large parameters and their optimizer state; tensor splits the
+attention and MLP layers Megatron-style (qkv and the MLP's fc1 column-parallel, attn_out and fc2
+row-parallel) and the token embedding and LM head over the vocabulary, the LM head's
+cross-entropy combining its statistics across the vocabulary shards. ``training/sharding.py``
+holds the rules, one table for the three frameworks. The jitted step takes and returns the state
+in those shardings and XLA partitions it -- the kernels run per device on their shards by their
+sharding rules (cutelayers.runtime.sharding), and XLA adds the collectives (the gradient
+all-reduce, fsdp's parameter all-gathers, tensor parallel's all-reduces of the residual stream).
+
+Several processes (one per host or GPU): ``--coordinator HOST:PORT --num-processes N
+--process-id I`` (else ``$JAX_COORDINATOR_ADDRESS``, ``$JAX_NUM_PROCESSES``,
+``$JAX_PROCESS_ID``), the same command in every process. :func:`train` first calls
+``jax.distributed.initialize``; the mesh then spans all the processes' devices, each process
+builds only its devices' rows of every batch, process 0 alone prints, writes metrics and plots,
+and every process writes its shards of each (Orbax) checkpoint, which ``--resume`` reads into
+the current mesh whatever the number of processes that wrote it. The README's Multi-GPU section
+has examples and the collectives each mesh costs.
 
 The backend (``--backend``) is applied with ``cutelayers.use_backend`` around tracing *and*
 running: the setting is part of JAX's jit key, so everything inside sees one backend.
@@ -34,18 +49,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import json
 import logging
 import math
+import os
 import queue
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Self
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -53,14 +70,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 import cutelayers as cl
 from models import common
 from models.configs import CONFIGS, GPTConfig, get_config
+from training import sharding
 from training.data import VOCAB_SIZE, TextData
 
 # Per-config training defaults; any flag given on the command line wins.
 DEFAULTS = {
-    "tiny": dict(steps=1000, batch_size=16, lr=3e-3, warmup=50, eval_every=200),
-    "small": dict(steps=2000, batch_size=32, lr=6e-4, warmup=200, eval_every=250),
-    "deep24": dict(steps=1000, batch_size=16, lr=1e-3, warmup=100, eval_every=250),
-    "gpt2": dict(steps=2000, batch_size=16, lr=6e-4, warmup=100, eval_every=250),
+    "tiny": {"steps": 1000, "batch_size": 16, "lr": 3e-3, "warmup": 50, "eval_every": 200},
+    "small": {"steps": 2000, "batch_size": 32, "lr": 6e-4, "warmup": 200, "eval_every": 250},
+    "deep24": {"steps": 1000, "batch_size": 16, "lr": 1e-3, "warmup": 100, "eval_every": 250},
+    "gpt2": {"steps": 2000, "batch_size": 16, "lr": 6e-4, "warmup": 100, "eval_every": 250},
 }
 
 
@@ -174,10 +192,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", type=Path, default=None, metavar="PNG",
                    help="save a loss-curve PNG here (needs matplotlib: pip install -e '.[plot]'; skipped "
                         "with a message otherwise)")
-    p.add_argument("--devices", type=_int_at_least(1), default=1,
-                   help="train data-parallel over this many devices of JAX's default platform: each batch "
-                        "is sharded over them (--batch-size must be a multiple), parameters and optimizer "
-                        "state are replicated")
+    p.add_argument("--mesh", type=sharding.parse_mesh, default=None, metavar="AXIS=N[,AXIS=N...]",
+                   help="train over a mesh of devices of JAX's default platform, axes data (batches split, "
+                        "state replicated), fsdp (batches split, large parameters and their optimizer state "
+                        "sharded) and tensor (attention, MLP, embedding and LM head split Megatron-style); "
+                        "unnamed axes have size 1. --batch-size must be a multiple of data x fsdp, and tensor "
+                        "must divide the config's heads, MLP width and vocabulary (default: data=1, one device)")
+    p.add_argument("--devices", type=_int_at_least(1), default=None, metavar="N",
+                   help="train data-parallel over N devices: the same as --mesh data=N")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="with several processes: the address of process 0's coordinator service, the same "
+                        "for every process (default: $JAX_COORDINATOR_ADDRESS)")
+    p.add_argument("--num-processes", type=_int_at_least(1), default=None, metavar="N",
+                   help="train as one of N processes (one per host, or per GPU): jax.distributed connects "
+                        "them, the mesh spans all their devices, each process builds only its devices' rows "
+                        "of every batch, process 0 prints and writes metrics (default: $JAX_NUM_PROCESSES, "
+                        "else 1)")
+    p.add_argument("--process-id", type=_int_at_least(0), default=None, metavar="I",
+                   help="this process's index, 0..N-1 (default: $JAX_PROCESS_ID)")
     p.add_argument("--stock", action="store_true",
                    help="train the twin built from the framework's own layers (same parameter tree) "
                         "instead of the cutelayers layers")
@@ -210,12 +242,71 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("argument --resume: needs --checkpoint-dir")
     if args.reschedule and not args.resume:
         parser.error("argument --reschedule: needs --resume (a new run always uses its own schedule)")
-    if args.batch_size % args.devices:
-        parser.error(f"argument --devices: --batch-size {args.batch_size} is not a multiple of --devices "
-                     f"{args.devices} (every device takes an equal share of each batch)")
+    if args.devices is not None:
+        if args.mesh is not None:
+            parser.error(f"argument --devices: --devices {args.devices} is --mesh data={args.devices}; give "
+                         f"--devices or --mesh, not both")
+        flag, args.mesh = "--devices", sharding.parse_mesh(f"data={args.devices}")
+    else:
+        flag, args.mesh = "--mesh", args.mesh or sharding.parse_mesh("data=1")
+    args.mesh_flag = f"--devices {args.devices}" if flag == "--devices" else f"--mesh {sharding.describe(args.mesh)}"
+    shards = args.mesh["data"] * args.mesh["fsdp"]
+    if args.batch_size % shards:
+        parser.error(f"argument {flag}: --batch-size {args.batch_size} is not a multiple of {shards}, the batch "
+                     f"shards of {args.mesh_flag} (data x fsdp: each takes an equal share of every batch)")
+    if unsplittable := sharding.model_errors(args.mesh, cfg):
+        parser.error(f"argument --mesh: tensor={args.mesh['tensor']} must divide the {args.config} config's "
+                     f"{', '.join(unsplittable)} (the heads, MLP width and vocabulary it splits)")
     if args.plot is not None and args.plot.suffix.lower() != ".png":
         parser.error(f"argument --plot: expected a .png file name; got {str(args.plot)!r}")
+    _process_args(parser, args)
     return args
+
+
+PROCESS_ENV = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
+               "process_id": "JAX_PROCESS_ID"}
+
+
+def _process_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fills --coordinator / --num-processes / --process-id from the environment where not given
+    and checks them: several processes need all three."""
+    for key, variable in PROCESS_ENV.items():
+        if getattr(args, key) is None and os.environ.get(variable):
+            value = os.environ[variable]
+            if key != "coordinator":
+                try:
+                    value = _int_at_least(1 if key == "num_processes" else 0)(value)
+                except argparse.ArgumentTypeError as e:
+                    parser.error(f"environment variable {variable}: {e}")
+            setattr(args, key, value)
+    flag = {key: "--" + key.replace("_", "-") for key in PROCESS_ENV}
+    if args.num_processes is None:
+        args.num_processes = 1
+    if args.num_processes == 1:
+        if args.process_id not in (None, 0):
+            parser.error(f"argument --process-id: {args.process_id} needs --num-processes {args.process_id + 1} "
+                         f"or more (one process: 0)")
+        args.process_id = 0
+        return
+    for key in ("coordinator", "process_id"):
+        if getattr(args, key) is None:
+            parser.error(f"argument --num-processes: {args.num_processes} processes need {flag[key]} (or "
+                         f"${PROCESS_ENV[key]})")
+    if args.process_id >= args.num_processes:
+        parser.error(f"argument --process-id: {args.process_id} is not in 0..{args.num_processes - 1} "
+                     f"(--num-processes {args.num_processes})")
+    host, _, port = args.coordinator.rpartition(":")
+    if not host or not port.isdigit():
+        parser.error(f"argument --coordinator: expected HOST:PORT; got {args.coordinator!r}")
+
+
+def start_processes(args: argparse.Namespace) -> None:
+    """``jax.distributed.initialize`` when this is one of several processes, before anything
+    touches the devices (once per process). On CPU, JAX's default cross-process collectives
+    (gloo over TCP) then serve the mesh."""
+    if args.num_processes > 1 and not jax.distributed.is_initialized():
+        jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
+                                   process_id=args.process_id)
 
 
 # --- training pieces ------------------------------------------------------------------------------
@@ -247,8 +338,8 @@ def make_optimizer(params, schedule: Schedule, *, weight_decay: float, grad_clip
 
 
 def train_state(params, opt_state, step: int) -> dict:
-    """What a checkpoint holds."""
-    return {"params": params, "opt_state": opt_state, "step": jnp.asarray(step, jnp.int32)}
+    """What a checkpoint holds (the step a host scalar: the same on every process)."""
+    return {"params": params, "opt_state": opt_state, "step": np.asarray(step, np.int32)}
 
 
 def make_train_step(loss_fn, tx):
@@ -279,9 +370,10 @@ class CompiledStep:
         return jax.tree.unflatten(self.treedef, leaves)
 
 
-def compile_train_step(loss_fn, tx, params, opt_state, inputs, targets, *, replicated) -> CompiledStep:
+def compile_train_step(loss_fn, tx, params, opt_state, inputs, targets) -> CompiledStep:
     """Lower and compile the step for these arguments' shapes and shardings (ahead of time: the
-    compiled program says which path runs)."""
+    compiled program says which path runs). The state comes back in the shardings it came in;
+    the loss and gradient norm replicated."""
     leaves, treedef = jax.tree.flatten((params, opt_state))
     step = make_train_step(loss_fn, tx)
 
@@ -289,8 +381,10 @@ def compile_train_step(loss_fn, tx, params, opt_state, inputs, targets, *, repli
         params, opt_state, loss, grad_norm = step(*jax.tree.unflatten(treedef, leaves), inputs, targets)
         return tuple(jax.tree.leaves((params, opt_state))), loss, grad_norm
 
+    replicated = NamedSharding(inputs.sharding.mesh, PartitionSpec())
+    out_shardings = (tuple(leaf.sharding for leaf in leaves), replicated, replicated)
     t0 = time.perf_counter()
-    compiled = jax.jit(flat_step, donate_argnums=0, out_shardings=replicated).lower(
+    compiled = jax.jit(flat_step, donate_argnums=0, out_shardings=out_shardings).lower(
         tuple(leaves), inputs, targets).compile()
     text = compiled.as_text()
     return CompiledStep(run=compiled, treedef=treedef, kernel_calls=count_kernel_calls(text),
@@ -304,39 +398,42 @@ def count_kernel_calls(hlo_text: str) -> int:
     return sum('custom_call_target="cutelayers_' in line for line in hlo_text.splitlines())
 
 
-def data_parallel_mesh(n_devices: int) -> jax.sharding.Mesh:
-    """A 1-D mesh ("data",) over the first ``n_devices`` devices of JAX's default platform.
-
-    Its axis is Auto: XLA partitions the step and applies the kernels' sharding rules when it
-    compiles. (Explicit axes would type every array's sharding, which jax 0.10 refuses for some
-    of the models' reshapes.)
-    """
+def training_mesh(args: argparse.Namespace) -> jax.sharding.Mesh:
+    """The (data, fsdp, tensor) mesh of ``--mesh`` over the first devices of JAX's default
+    platform (:func:`training.sharding.make_mesh`); with several processes, over all of theirs."""
     available = jax.devices()
-    if n_devices > len(available):
+    n = math.prod(args.mesh.values())
+    if jax.process_count() > 1 and n != len(available):
         raise UsageError(
-            f"--devices {n_devices}: only {len(available)} {jax.default_backend()} device(s) visible. Use "
-            f"--devices {len(available)} or fewer (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count"
-            f"={n_devices} makes that many host devices).")
-    return jax.make_mesh((n_devices,), ("data",), devices=available[:n_devices],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+            f"{args.mesh_flag}: {n} devices; the {jax.process_count()} processes have {len(available)} "
+            f"{jax.default_backend()} devices together, and a mesh of several processes spans them all "
+            f"(each process takes part in every step). Use a mesh of {len(available)} devices.")
+    if n > len(available):
+        raise UsageError(
+            f"{args.mesh_flag}: needs {n} devices; only {len(available)} {jax.default_backend()} device(s) "
+            f"visible. Use a mesh of {len(available)} or fewer (on CPU, "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={n} makes that many host devices).")
+    return sharding.make_mesh(args.mesh, available[:n])
 
 
 class DevicePrefetcher:
-    """Batches ``make(step)`` for ``steps``, put on the device ``depth`` steps ahead of use by a
-    background thread, so neither building a batch nor its host-to-device copy sits between two
-    train steps. Iterate once; :meth:`close` stops the thread (also on an early exit)."""
+    """Batches ``place(make(step))`` for ``steps`` (``place``: host arrays to device arrays), put on
+    the devices ``depth`` steps ahead of use by a background thread, so neither building a batch
+    nor its host-to-device copy sits between two train steps. Iterate once; :meth:`close` stops
+    the thread (also on an early exit)."""
 
-    def __init__(self, make: Callable[[int], Any], steps: range, sharding, *, depth: int = 2):
+    def __init__(self, make: Callable[[int], Any], steps: range, place: Callable[[Any], Any], *,
+                 depth: int = 2):
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._steps = steps
-        self._thread = threading.Thread(target=self._fill, args=(make, sharding), daemon=True)
+        self._thread = threading.Thread(target=self._fill, args=(make, place), daemon=True)
         self._thread.start()
 
-    def _fill(self, make, sharding):
+    def _fill(self, make, place):
         for step in self._steps:
             try:
-                item = jax.device_put(make(step), sharding)
+                item = place(make(step))
             except Exception as error:  # noqa: BLE001  (re-raised in the consumer's thread)
                 item = error
             while not self._stop.is_set():
@@ -418,7 +515,7 @@ class LibraryNotes(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
 
-    def __enter__(self) -> "LibraryNotes":
+    def __enter__(self) -> Self:
         for name in self.LOGGERS:
             logger = logging.getLogger(name)
             self._saved.append((logger, logger.level, logger.propagate))
@@ -452,8 +549,8 @@ def _cache_report() -> str:
     info = cl.cache_info()
     if not info:
         return "{} (nothing compiled)"
-    return json.dumps({k: dict(compiles=v.compiles, memory_hits=v.memory_hits, disk_hits=v.disk_hits,
-                               compile_seconds=round(v.compile_seconds, 2), load_seconds=round(v.load_seconds, 2))
+    return json.dumps({k: {"compiles": v.compiles, "memory_hits": v.memory_hits, "disk_hits": v.disk_hits,
+                           "compile_seconds": round(v.compile_seconds, 2), "load_seconds": round(v.load_seconds, 2)}
                        for k, v in info.items()})
 
 
@@ -496,9 +593,9 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
 
 def run_meta(args: argparse.Namespace, config: GPTConfig) -> dict:
     """What a checkpoint records about the run besides its arrays."""
-    return dict(model=args.model, config=args.config, model_config=dataclasses.asdict(config), stock=args.stock,
-                seed=args.seed, batch_size=args.batch_size, seq_len=args.seq_len,
-                schedule=dataclasses.asdict(Schedule(args.lr, args.warmup, args.steps)))
+    return {"model": args.model, "config": args.config, "model_config": dataclasses.asdict(config),
+            "stock": args.stock, "seed": args.seed, "batch_size": args.batch_size, "seq_len": args.seq_len,
+            "schedule": dataclasses.asdict(Schedule(args.lr, args.warmup, args.steps))}
 
 
 def open_checkpoint(args: argparse.Namespace, meta: dict, say):
@@ -519,7 +616,7 @@ def open_checkpoint(args: argparse.Namespace, meta: dict, say):
         raise UsageError(f"--resume: the checkpoint in {ckpt.directory} is for --model {saved.get('model')}; "
                          f"this run is --model {args.model}")
     # parameters are float32 whatever the compute dtype: a checkpoint serves any --dtype
-    shape_of = lambda c: {k: v for k, v in (c or {}).items() if k != "dtype"}  # noqa: E731
+    shape_of = lambda c: {k: v for k, v in (c or {}).items() if k != "dtype"}
     if shape_of(saved.get("model_config")) != shape_of(meta["model_config"]):
         raise UsageError(
             f"--resume: the checkpoint in {ckpt.directory} is for --config {saved.get('config')} "
@@ -550,12 +647,17 @@ def choose_schedule(args: argparse.Namespace, saved: dict | None, say) -> Schedu
     return kept
 
 
-def initial_state(model, tx, ckpt, saved: dict | None, stock: bool, say):
-    """(params, opt_state, step): fresh, or restored from the latest checkpoint when resuming."""
+def initial_state(model, tx, mesh, ckpt, saved: dict | None, stock: bool, say):
+    """(params, opt_state, step) on ``mesh`` in the shardings of :mod:`training.sharding`: fresh,
+    or restored from the latest checkpoint when resuming (each device reads its shards, whatever
+    mesh wrote them)."""
     params, opt_state = model.params, tx.init(model.params)
+    shardings = sharding.state_shardings(mesh, (params, opt_state))
     if saved is None:
-        return params, opt_state, 0
-    state, _ = ckpt.restore(train_state(params, opt_state, 0))
+        return *sharding.place((params, opt_state), shardings), 0
+    like = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), (params, opt_state),
+                        shardings)
+    state, _ = ckpt.restore(train_state(*like, 0))
     step = int(state["step"])
     say(f"resumed from {ckpt.directory} at step {step}"
         + (f" (written by the {'stock' if saved.get('stock') else 'cutelayers'} model)"
@@ -641,6 +743,7 @@ class Result:
     backend: str
     path: str
     kernel_calls: int
+    step_hlo: str  # the compiled train step: one device's program, collectives included
     params: Any
     opt_state: Any
     schedule: Schedule
@@ -650,7 +753,13 @@ class Result:
 
 
 def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
-    """Run the training described by ``args`` (from :func:`parse_args`)."""
+    """Run the training described by ``args`` (from :func:`parse_args`). With several processes
+    (``--num-processes``) every process runs it; only process 0 prints, writes metrics and plots
+    (checkpoints: every process writes its shards)."""
+    start_processes(args)
+    is_main = jax.process_index() == 0
+    if not is_main:
+        out = io.StringIO()
 
     def say(*parts):
         print(*parts, file=out, flush=True)
@@ -660,10 +769,14 @@ def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
     config = model_config(args)
     data = TextData.load()
     data.check_seq_len(args.seq_len)
-    mesh = data_parallel_mesh(args.devices)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    batch_sharded = NamedSharding(mesh, PartitionSpec("data"))
-    eval_set = jax.device_put(data.eval_batches(args.batch_size, args.seq_len, args.eval_batches), batch_sharded)
+    mesh = training_mesh(args)
+    batch_sharded = sharding.batch_sharding(mesh)
+    rows = sharding.process_rows(batch_sharded, args.batch_size)  # of every batch, this process's
+
+    def place(batch):
+        return sharding.global_batch(batch_sharded, batch, args.batch_size)
+
+    eval_set = [place(b) for b in data.eval_batches(args.batch_size, args.seq_len, args.eval_batches, rows=rows)]
     meta = run_meta(args, config)
 
     with cl.use_backend(args.backend), LibraryNotes() as notes:
@@ -673,15 +786,14 @@ def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
         schedule = choose_schedule(args, saved, say)
         meta["schedule"] = dataclasses.asdict(schedule)
         tx = make_optimizer(model.params, schedule, weight_decay=args.weight_decay, grad_clip=args.grad_clip)
-        params, opt_state, start_step = initial_state(model, tx, ckpt, saved, args.stock, say)
-        params, opt_state = jax.device_put((params, opt_state), replicated)
+        params, opt_state, start_step = initial_state(model, tx, mesh, ckpt, saved, args.stock, say)
         say(describe_run(args, config, data, params, backend, schedule))
 
         def batch(step):
-            return data.train_batch(step, args.batch_size, args.seq_len, args.seed)
+            return data.train_batch(step, args.batch_size, args.seq_len, args.seed, rows=rows)
 
-        first = jax.device_put(batch(start_step + 1), batch_sharded)
-        step_fn = compile_train_step(model.loss, tx, params, opt_state, *first, replicated=replicated)
+        first = place(batch(start_step + 1))
+        step_fn = compile_train_step(model.loss, tx, params, opt_state, *first)
         path = _path_report(step_fn.kernel_calls)
         if args.backend == "cute" and not step_fn.kernel_calls:
             raise UsageError(f"--backend cute, but the train step has no CuTe kernel calls: {path}")
@@ -694,9 +806,9 @@ def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
         eval_loss = jax.jit(lambda leaves, x, y: model.loss(step_fn.unflatten(leaves)[0], x, y))
 
         metrics = None
-        if args.metrics_file is not None:
+        if args.metrics_file is not None and is_main:
             args.metrics_file.parent.mkdir(parents=True, exist_ok=True)
-            metrics = open(args.metrics_file, "a" if args.resume else "w")
+            metrics = open(args.metrics_file, "a" if args.resume else "w")  # noqa: SIM115  (closed below)
 
         def record(**row):
             if metrics is not None:
@@ -717,7 +829,7 @@ def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
 
         eval_losses = [(start_step, evaluate(start_step, leaves))] if start_step < args.steps else []
         steps = range(start_step + 1, args.steps + 1)
-        batches = DevicePrefetcher(batch, steps, batch_sharded)
+        batches = DevicePrefetcher(batch, steps, place)
         t_loop = time.perf_counter()
         try:
             loop = run_loop(args, step_fn, leaves, batches, schedule, first_step=start_step + 1,
@@ -737,7 +849,7 @@ def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
             start_loss=loop.train_curve[0][1] if loop.train_curve else None,
             end_loss=loop.window_means[-1][0] if loop.window_means else None,
             eval_losses=eval_losses, train_curve=loop.train_curve, backend=backend, path=path,
-            kernel_calls=step_fn.kernel_calls, params=params, opt_state=opt_state, schedule=schedule,
+            kernel_calls=step_fn.kernel_calls, step_hlo=step_fn.hlo_text, params=params, opt_state=opt_state, schedule=schedule,
             compile_seconds=step_fn.seconds, seconds=seconds,
             tokens_per_s=len(steps) * args.batch_size * args.seq_len / loop.train_seconds if len(steps) else 0.0)
         say(summary(result, loop, args, start_step, notes.take()))
@@ -751,9 +863,14 @@ def describe_run(args, config: GPTConfig, data: TextData, params, backend: str, 
               f"d={config.d_model}, vocab {config.vocab_size}, {config.dtype} compute), {layers}"),
              (f"data: {len(data.train):,} train / {len(data.eval):,} eval bytes; batch {args.batch_size} x "
               f"{args.seq_len} tokens; {args.steps} steps, {schedule.describe()}; backend {backend}")]
-    if args.devices > 1:
-        lines.append(f"data-parallel over {args.devices} {jax.default_backend()} devices: "
-                     f"{args.batch_size // args.devices} sequences per device per step")
+    n_devices = math.prod(args.mesh.values())
+    if n_devices > 1:
+        shards = args.mesh["data"] * args.mesh["fsdp"]
+        per_device = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(params))
+        total = sum(int(np.prod(p.shape)) * p.dtype.itemsize for p in jax.tree.leaves(params))
+        lines.append(f"mesh {sharding.describe(args.mesh)} over {n_devices} {jax.default_backend()} devices: "
+                     f"{args.batch_size // shards} sequences per batch shard per step; "
+                     f"{per_device / total:.0%} of the parameters on each device")
     return "\n".join(lines)
 
 
@@ -774,7 +891,7 @@ def summary(result: Result, loop: LoopResult, args, start_step: int, notes: str 
         lines.append(notes)
     lines.append(f"backend: {result.backend} (cutelayers.current_backend()); ran: {result.path}")
     lines.append(f"cutelayers.cache_info(): {_cache_report()}")
-    if args.plot is not None:
+    if args.plot is not None and jax.process_index() == 0:
         lines.append(_plot(args.plot, result.train_curve, result.eval_losses))
     return "\n".join(lines)
 

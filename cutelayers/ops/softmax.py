@@ -13,6 +13,13 @@ Decomposition (all statistics fp32):
   dx = dloss * (exp(x - lse) (1 + 2 z lse) - (1 - a) onehot(label) - a / V).
   Rows whose label is ``ignore_index`` give loss 0 and gradient 0; any other label outside
   [0, V) gives a NaN loss and NaN gradient for that row (checked eagerly when labels are concrete).
+
+Vocabulary parallel: under ``jax.jit`` the cross-entropy (and logsumexp) kernels take logits
+sharded along the class axis as well as the rows (an LM head whose kernel is sharded over the
+vocabulary). Each device computes its slice's lse with the kernel; the lse is combined across the
+devices (a max and a sum of (rows,) floats), the label's logit and the smoothing sum are summed
+from the device that holds them, and each device computes the gradient of its slice of the logits
+(as jnp: the kernel expects a whole row). Softmax and log_softmax still need the class axis whole.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ import numpy as np
 
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import RowKernelFamily, call_on_rows, check_float_array
+from cutelayers.runtime.sharding import ShardContext, ShardingRule, run_kernel
+from cutelayers.tuning import resolve
 
 if TYPE_CHECKING:
     from cutelayers.kernels.reduction import RowConfig
@@ -138,6 +147,21 @@ class CrossEntropyForward(RowKernelFamily):
             return (lse,)
         return lse, _ce_loss(x, labels, lse, self)
 
+    def sharding_rule(self, avals) -> ShardingRule:
+        # rows and classes may be sharded: per_shard combines a row's statistics over its classes
+        operands = (("rows", "classes"),) + ((("rows",),) if self.with_labels else ())
+        return ShardingRule(operands, (("rows",),) * (1 + self.with_labels), per_shard=self.per_shard)
+
+    def per_shard(self, ctx: ShardContext, x, *labels):
+        if not ctx.sharded("classes"):
+            return run_kernel(self, x, *labels)
+        lse_family = resolve(dataclasses.replace(self, with_labels=False, config=None), (x,))
+        (local_lse,) = run_kernel(lse_family, x)
+        classes = _ClassShard.of(ctx, x)
+        lse = classes.combine_lse(local_lse)
+        return (lse,) if not self.with_labels else (
+            lse, _ce_loss(_capped(x, self.soft_cap)[0], labels[0], lse, self, classes))
+
     def kernel_class(self):
         from cutelayers.kernels.softmax import CrossEntropyForwardKernel
 
@@ -169,6 +193,16 @@ class CrossEntropyBackward(RowKernelFamily):
     def reference(self, x, labels, lse, dloss):
         return (_ce_grad(x, labels, lse, dloss, self).astype(x.dtype),)
 
+    def sharding_rule(self, avals) -> ShardingRule:
+        rows = ("rows",)
+        return ShardingRule((("rows", "classes"), rows, rows, rows), (("rows", "classes"),),
+                            per_shard=self.per_shard)
+
+    def per_shard(self, ctx: ShardContext, x, labels, lse, dloss):
+        if not ctx.sharded("classes"):
+            return run_kernel(self, x, labels, lse, dloss)
+        return (_ce_grad(x, labels, lse, dloss, self, _ClassShard.of(ctx, x)).astype(x.dtype),)
+
     def kernel_class(self):
         from cutelayers.kernels.softmax import CrossEntropyBackwardKernel
 
@@ -198,27 +232,63 @@ def _lse(x):
     return m + jnp.log(jnp.sum(jnp.exp(x32 - m[:, None]), axis=-1))
 
 
+@dataclasses.dataclass(frozen=True)
+class _ClassShard:
+    """The classes one device's logits hold: ``offset`` .. ``offset`` + its width, of ``total``;
+    ``ctx`` sums over the devices that share a row (None: the row is whole here)."""
+
+    offset: jax.Array | int = 0
+    total: int | None = None
+    ctx: ShardContext | None = None
+
+    @classmethod
+    def of(cls, ctx: ShardContext, x) -> _ClassShard:
+        """This device's slice of the classes of logits ``x`` (rows, classes / devices)."""
+        axes = ctx.axes["classes"]
+        devices = jax.lax.psum(1, axes)
+        return cls(jax.lax.axis_index(axes) * x.shape[-1], x.shape[-1] * devices, ctx)
+
+    def width(self, x) -> int:
+        return x.shape[-1] if self.total is None else self.total
+
+    def sum(self, value):
+        return value if self.ctx is None else self.ctx.psum(value, {"classes"})
+
+    def combine_lse(self, local_lse):
+        """The rows' lse over all classes, from each device's lse over its slice."""
+        m = jax.lax.pmax(local_lse, self.ctx.axes["classes"])
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        return m + jnp.log(self.sum(jnp.exp(local_lse - m)))
+
+
+WHOLE = _ClassShard()
+
+
 def _label_masks(labels, v, cfg):
     ignored = labels == cfg.ignore_index if cfg.ignore_index is not None else jnp.zeros(labels.shape, bool)
     valid = (labels >= 0) & (labels < v)
     return ignored, valid
 
 
-def _ce_loss(x, labels, lse, cfg):
-    v = x.shape[-1]
+def _ce_loss(x, labels, lse, cfg, classes: _ClassShard = WHOLE):
+    v, here = classes.width(x), x.shape[-1]
     x32 = x.astype(F32)
     ignored, valid = _label_masks(labels, v, cfg)
-    picked = jnp.take_along_axis(x32, jnp.clip(labels, 0, v - 1)[:, None], axis=-1)[:, 0]
-    loss = lse - (1.0 - cfg.smoothing) * picked - (cfg.smoothing / v) * jnp.sum(x32, -1) + cfg.z_loss * lse**2
+    local = labels - classes.offset
+    picked = jnp.take_along_axis(x32, jnp.clip(local, 0, here - 1)[:, None], axis=-1)[:, 0]
+    if classes.ctx is not None:  # the label's logit is on one of the devices
+        picked = classes.sum(jnp.where((local >= 0) & (local < here), picked, 0.0))
+    smoothing = (cfg.smoothing / v) * classes.sum(jnp.sum(x32, -1)) if cfg.smoothing else 0.0
+    loss = lse - (1.0 - cfg.smoothing) * picked - smoothing + cfg.z_loss * lse**2
     return jnp.where(ignored, 0.0, jnp.where(valid, loss, jnp.nan))
 
 
-def _ce_grad(x, labels, lse, dloss, cfg):
-    v = x.shape[-1]
+def _ce_grad(x, labels, lse, dloss, cfg, classes: _ClassShard = WHOLE):
+    v = classes.width(x)
     ignored, valid = _label_masks(labels, v, cfg)
     x, t = _capped(x, cfg.soft_cap)
     p = jnp.exp(x.astype(F32) - lse[:, None])
-    onehot = jnp.arange(v)[None, :] == labels[:, None]
+    onehot = (jnp.arange(x.shape[-1]) + classes.offset)[None, :] == labels[:, None]
     d = p * (1.0 + 2.0 * cfg.z_loss * lse[:, None]) - (1.0 - cfg.smoothing) * onehot - cfg.smoothing / v
     d = d * dloss[:, None] if t is None else d * dloss[:, None] * (1.0 - t * t)
     return jnp.where(ignored[:, None], 0.0, jnp.where(valid[:, None], d, jnp.nan))
@@ -307,7 +377,7 @@ def cross_entropy_kernels(ignore_index, smoothing=0.0, z_loss=0.0, soft_cap=0.0)
       capped logits when ``soft_cap`` > 0);
     * ``backward(logits, labels, lse, dloss (...) float32) -> dlogits`` in logits' dtype.
     """
-    cfg = dict(ignore_index=ignore_index, smoothing=smoothing, z_loss=z_loss, soft_cap=soft_cap)
+    cfg = {"ignore_index": ignore_index, "smoothing": smoothing, "z_loss": z_loss, "soft_cap": soft_cap}
     forward = fold_batch(lambda x, labels: call_on_rows(CrossEntropyForward(True, **cfg), x, labels))
     backward = fold_batch(
         lambda x, labels, lse, g: call_on_rows(CrossEntropyBackward(**cfg), x, labels, lse, g)[0])

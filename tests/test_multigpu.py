@@ -1,0 +1,192 @@
+"""Every op on several devices against one device, values and gradients, on each platform: the
+fake CPU devices (see conftest: four; every kernel call runs its jnp reference, partitioned by
+the same sharding rules that run the kernels on GPUs) and, on a host with two or more Hopper
+GPUs, two GPUs, where the CuTe kernels run on every device's shard (the ``gpu`` and ``multigpu``
+markers: skipped with fewer GPUs). One test body per check, parametrized over the platform, so
+CI runs the plumbing on CPU and a 2-GPU host runs the kernels:
+
+* every op of ``tests/test_sharding.py``'s cases (norms, softmax family, cross-entropy,
+  fused_linear, mlp, the LM head, reductions) under plain ``jax.jit`` with row-sharded
+  ``NamedSharding`` inputs (``Auto`` mesh axes, and ``Explicit`` ones on jax >= 0.11): results
+  and gradients match one device, stay sharded, and the compiled program gathers no activations
+  (on GPUs: it calls the CuTe kernels);
+* the same ops per shard inside ``jax.shard_map``;
+* column- and row-parallel ``fused_linear``, and the Megatron MLP (``mlp`` with its hidden
+  layer split: fc1 column-parallel, fc2 row-parallel: one all-reduce of the output rows);
+* a short ``training.train --mesh data=2`` run on the platform's devices.
+
+On GPUs the operands are bfloat16 (the kernels' dtype) where a case runs kernels; on CPU each
+case's own dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import HOPPER_GPUS
+from jax.sharding import PartitionSpec as P
+from numerics import assert_trees_match, random
+from test_sharding import (
+    AXIS_TYPES,
+    BATCH,
+    CASES,
+    PARALLEL,
+    REPLICATED,
+    ROWS,
+    SEQ,
+    _linear,
+    _x,
+    assert_no_activation_collectives,
+    assert_step_matches,
+    collectives,
+    largest_parameter,
+    loss_and_grads,
+    put,
+    random_cotangent,
+)
+
+import cutelayers as cl
+from training.train import parse_args, train
+
+KERNEL_CALL = 'custom_call_target="cutelayers_'
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    name: str  # "cpu" or "gpu"
+    devices: list
+
+    def mesh(self, shape, names, axis_type="Auto"):
+        kind = getattr(jax.sharding.AxisType, axis_type)
+        return jax.make_mesh(shape, names, devices=self.devices[:math.prod(shape)],
+                             axis_types=(kind,) * len(shape))
+
+    def dtype(self, case_dtype, kernels: bool = True):
+        """GPUs take bfloat16 where the kernels run; CPU the case's dtype."""
+        return jnp.bfloat16 if self.name == "gpu" and kernels else case_dtype
+
+    def one_device(self, args):
+        return jax.device_put(args, self.devices[0])
+
+
+@pytest.fixture(params=["cpu", pytest.param("gpu", marks=[pytest.mark.gpu, pytest.mark.multigpu])])
+def platform(request) -> Platform:
+    if request.param == "gpu":
+        return Platform("gpu", HOPPER_GPUS[:2])
+    devices = jax.devices("cpu")
+    if len(devices) < 4:
+        pytest.skip("needs 4 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=4)")
+    return Platform("cpu", devices[:4])
+
+
+STEP = jax.jit(loss_and_grads, static_argnums=(0, 2))
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_sharded_jit_matches_one_device(case, axis_type, platform, rng):
+    mesh = platform.mesh((len(platform.devices),), ("data",), axis_type)
+    dtype = platform.dtype(case.dtype, case.kernels)
+    args = platform.one_device(case.make_args(rng, dtype))
+    cotangent = random_cotangent(rng, case, args)
+    ref_out, ref = jax.jit(case.fn)(*args), STEP(case.fn, args, case.wrt, cotangent)
+
+    sharded = put(mesh, args, case.specs())
+    out = jax.jit(case.fn)(*sharded)
+    compiled = STEP.lower(case.fn, sharded, case.wrt, cotangent).compile()
+    got = compiled(sharded, cotangent)  # static args baked in
+    assert_trees_match(out, ref_out, tol_dtype=dtype)
+    assert_step_matches(got, ref, dtype)
+    # results and row-wise gradients stay sharded over the rows: nothing was gathered to return them
+    assert out.sharding.spec[:1] == ("data",)
+    for i, g in zip(case.wrt, got[1]):
+        assert (g.sharding.spec[:1] == ("data",)) == case.row_wise[i], (i, g.sharding)
+    hlo = compiled.as_text()
+    if axis_type == "Auto":  # the partitioned program: per-device kernels, parameter-sized all-reduces
+        assert_no_activation_collectives(hlo, largest_parameter(case, args))
+    assert (KERNEL_CALL in hlo) == (platform.name == "gpu" and case.kernels)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_shard_map_matches_one_device(case, platform, rng):
+    mesh = platform.mesh((len(platform.devices),), ("data",))
+    dtype = platform.dtype(case.dtype, case.kernels)
+    args = platform.one_device(case.make_args(rng, dtype))
+    cotangent = random_cotangent(rng, case, args)
+    ref = STEP(case.fn, args, case.wrt, cotangent)
+    per_shard = jax.shard_map(case.fn, mesh=mesh, in_specs=case.specs(), out_specs=ROWS)
+    assert_step_matches(STEP(per_shard, put(mesh, args, case.specs()), case.wrt, cotangent), ref, dtype)
+
+
+def parallel_mesh(platform, axis_type="Auto"):
+    """("data", "model") with two devices on the model axis."""
+    return platform.mesh((len(platform.devices) // 2, 2), ("data", "model"), axis_type)
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+@pytest.mark.parametrize("layout", PARALLEL)
+def test_parallel_linear_matches_one_device(layout, axis_type, platform, rng):
+    """Column-parallel: the kernel sharded over N, y comes out sharded over N, dx is summed over
+    the model axis. Row-parallel: the kernel sharded over K, the partial products are summed and
+    the bias, activation and residual apply once, after the sum."""
+    mesh = parallel_mesh(platform, axis_type)
+    dtype = platform.dtype(jnp.float16)
+    args = platform.one_device((_x(rng, dtype, 64), random(rng, (64, 128), dtype) / 8, random(rng, (128,), dtype),
+                                _x(rng, dtype, 128)))
+    cotangent = np.asarray(rng.standard_normal((BATCH, SEQ, 128)), np.float32)  # host: jit places it
+    ref_out, ref = jax.jit(_linear)(*args), STEP(_linear, args, (0, 1, 2, 3), cotangent)
+
+    sharded = put(mesh, args, PARALLEL[layout])
+    out, got = jax.jit(_linear)(*sharded), STEP(_linear, sharded, (0, 1, 2, 3), cotangent)
+    assert_trees_match(out, ref_out, tol_dtype=dtype)
+    assert_step_matches(got, ref, dtype)
+    expected_out = ("data", None, "model") if layout == "column" else ("data", None, None)
+    assert tuple(out.sharding.spec) + (None,) * (3 - len(out.sharding.spec)) == expected_out
+    # the kernel's gradient comes out sharded like the kernel (summed over the data axis)
+    assert got[1][1].sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, PARALLEL[layout][1]), 2)
+
+
+def _mlp(x, w1, b1, w2, b2, residual):
+    return cl.ops.mlp(x, w1, b1, w2, b2, residual=residual)
+
+
+def test_megatron_mlp_matches_one_device(platform, rng):
+    """fc1 column-parallel (w1, b1 split over the hidden width), fc2 row-parallel (w2 split over
+    its input): the hidden activations stay split, and the forward's only activation collective
+    is the all-reduce of fc2's (rows, 64) partial products -- none of the (rows, 256) hidden."""
+    mesh = parallel_mesh(platform)
+    dtype = platform.dtype(jnp.float16)
+    args = platform.one_device((_x(rng, dtype, 64), random(rng, (64, 256), dtype) / 8, random(rng, (256,), dtype),
+                                random(rng, (256, 64), dtype) / 16, random(rng, (64,), dtype), _x(rng, dtype, 64)))
+    specs = (ROWS, P(None, "model"), P("model"), P("model", None), REPLICATED, ROWS)
+    wrt = tuple(range(6))
+    cotangent = np.asarray(rng.standard_normal((BATCH, SEQ, 64)), np.float32)  # host: jit places it
+    ref = STEP(_mlp, args, wrt, cotangent)
+    sharded = put(mesh, args, specs)
+    compiled = STEP.lower(_mlp, sharded, wrt, cotangent).compile()
+    assert_step_matches(compiled(sharded, cotangent), ref, dtype)
+    found = collectives(compiled.as_text())
+    rows = BATCH * SEQ // mesh.shape["data"]
+    assert {kind for kind, _ in found} <= {"all-reduce"}, found
+    assert rows * 256 not in {n for _, sizes in found for n in sizes}, found
+    assert any(rows * 64 in sizes for _, sizes in found), found
+
+
+def test_training_over_a_data_mesh_of_two(platform):
+    """``python -m training.train --mesh data=2`` for a few steps on the platform's devices (the
+    command trains on JAX's default platform): it trains, the state sits on both devices, and on
+    GPUs the compiled step calls the CuTe kernels."""
+    if jax.default_backend() != platform.name:
+        pytest.skip(f"training.train runs on JAX's default platform, {jax.default_backend()}")
+    argv = ["--mesh", "data=2", "--steps", "8", "--batch-size", "8", "--seq-len", "32", "--eval-every", "0",
+            "--eval-batches", "1", "--warmup", "2", "--lr", "1e-2", "--log-every", "4"]
+    result = train(parse_args(argv), out=io.StringIO())
+    assert result.steps_run == 8 and np.isfinite(result.end_loss) and result.end_loss < result.start_loss - 0.5
+    assert all(len(p.sharding.device_set) == 2 for p in jax.tree.leaves(result.params))
+    assert (result.kernel_calls > 0) == (platform.name == "gpu"), result.path
