@@ -536,9 +536,14 @@ def test_add_kernel_values_and_grads_gpu(op, dtype, n, rng):
             if b is not None:
                 # N = 1 gradients are ~epsilon-sized differences: compare against their scale.
                 assert_close(a, np.asarray(jnp.asarray(b, jnp.float32)), a.dtype, scale=10.0 if n > 1 else 1e4)
-        # through summed alone, d_normed is zero: dx = dresidual = d_summed exactly
+        # through summed alone, d_normed is zero: dx = dresidual = d_summed. Not bit-equal to the
+        # reference program's: XLA may keep that program's summed in float32 inside a fusion
+        # (excess precision) where ours is the rounded kernel output, so cos(summed) differs by
+        # an ulp of the dtype.
         for a, b in zip(g_summed[:2], g_summed_ref[:2]):
-            np.testing.assert_array_equal(a, b)
+            assert_close(a, np.asarray(jnp.asarray(b, jnp.float32)), a.dtype)
+        if rdtype == dtype:  # x and the residual share one gradient
+            np.testing.assert_array_equal(g_summed[0], g_summed[1])
 
 
 @pytest.mark.gpu

@@ -53,6 +53,8 @@ def main(argv=None) -> int:
                      help="MxKxN ... (default: the transformer layers of cutelayers.bench.gemm.LAYERS)")
     lin.add_argument("--epilogue", choices=gemm.EPILOGUES, default="bias+gelu", help="epilogue of --shapes")
     lin.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    lin.add_argument("--parts", action="store_true",
+                     help="then each layer's backward GEMMs (dx, dkernel) alone vs XLA's")
     head = sub.add_parser("lm_head", help="linear_cross_entropy fwd+bwd time and temp memory vs unfused XLA")
     head.add_argument("--t", type=int, default=8192, help="tokens T (default 8192)")
     head.add_argument("--h", type=int, default=4096, help="hidden size H (default 4096)")
@@ -84,6 +86,8 @@ def main(argv=None) -> int:
         if not args.shapes:
             results += gemm.bench_mlp(dtype=jnp.dtype(args.dtype))
         gemm.print_table(results)
+        if args.parts:
+            gemm.print_parts(gemm.bench_parts(layers, jnp.dtype(args.dtype)))
     elif args.suite == "lm_head":
         print(f"# device: {jax.devices()[0].device_kind}")
         print_records(bench_lm_head(args.t, args.h, args.v, jnp.dtype(args.dtype), args.chunk_size))

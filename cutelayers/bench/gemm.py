@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 import cutelayers as cl
 from cutelayers.bench.timing import time_fn
-from cutelayers.ops.linear import ACTIVATION_FUNCTIONS, fused_linear
+from cutelayers.ops.linear import ACTIVATION_FUNCTIONS, fused_linear, input_grad_fn, weight_grad_fn
 
 PEAK_TFLOPS = 989.0  # H100 SXM dense bf16 / fp16
 EPILOGUES = ("plain", "bias", "bias+gelu", "bias+residual")
@@ -144,6 +144,38 @@ def bench_gemm(layers=LAYERS, dtype=jnp.bfloat16) -> list[dict]:
         results.append(_result(layer.name, f"{m} x {k} x {n}", layer.epilogue, dtype, 2.0 * m * n * k, ours, xla,
                                (x, w, b, r), dy))
     return results
+
+
+def bench_parts(layers=LAYERS, dtype=jnp.bfloat16) -> list[dict]:
+    """Each layer's backward GEMMs alone, next to XLA's: dx = dz @ wᵀ (M x N x K) and
+    dkernel = xᵀ @ dz (K x M x N), 2MNK flops each -- which of the three GEMMs a fwd+bwd gap is in."""
+    input_grad, weight_grad = input_grad_fn(True), weight_grad_fn(True)
+    parts = {
+        "dx": (lambda x, w, dz: input_grad(dz, w), lambda x, w, dz: dz @ w.T),
+        "dkernel": (lambda x, w, dz: weight_grad(x[None], dz[None])[0],
+                    lambda x, w, dz: jnp.einsum("mk,mn->kn", x, dz, preferred_element_type=jnp.float32).astype(x.dtype)),
+    }
+    results = []
+    for layer in layers:
+        m, k, n = layer.m, layer.k, layer.n
+        keys = jax.random.split(jax.random.key(0), 3)
+        x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(dtype)
+        w = (jax.random.normal(keys[1], (k, n), jnp.float32) / k**0.5).astype(dtype)
+        dz = jax.random.normal(keys[2], (m, n), jnp.float32).astype(dtype)
+        for part, (ours, xla) in parts.items():
+            t, t_xla = _time_pair(ours, xla, (x, w, dz))
+            flops = 2.0 * m * n * k
+            results.append(dict(layer=layer.name, part=part, ms=t * 1e3, xla_ms=t_xla * 1e3,
+                                tflops=flops / t / 1e12, xla_tflops=flops / t_xla / 1e12, vs_xla=t_xla / t))
+    return results
+
+
+def print_parts(results: list[dict]) -> None:
+    print(f"| layer | GEMM | ms | XLA ms | TFLOP/s (% of {PEAK_TFLOPS:.0f}) | XLA TFLOP/s | XLA/ours |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['layer']} | {r['part']} | {r['ms']:.3f} | {r['xla_ms']:.3f} | {r['tflops']:.0f} "
+              f"({100 * r['tflops'] / PEAK_TFLOPS:.0f}%) | {r['xla_tflops']:.0f} | {r['vs_xla']:.2f} |")
 
 
 def print_table(results: list[dict]) -> None:
