@@ -23,9 +23,12 @@ def configs():
 
     return {
         "128x128": GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6),
-        "128x256": GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, stages=4),
         "128x128 c2x1": GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6, cluster_m=2),
         "128x256 c2x1": GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, stages=4, cluster_m=2),
+        "128x128 pp": GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6, pingpong=True),
+        "128x128 pp c2x1": GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6, cluster_m=2,
+                                      pingpong=True),
+        "64x256 pp": GemmConfig(tile_m=64, tile_n=256, consumer_warpgroups=2, stages=6, pingpong=True),
     }
 
 

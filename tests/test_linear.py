@@ -12,12 +12,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numerics import assert_close, random
 
 import cutelayers as cl
-from cutelayers.kernels.gemm import CONFIGS, config_class, split_count
-from cutelayers.ops.linear import (ACTIVATION_FUNCTIONS, LinearWeightGrad, fused_linear, kernels_apply,
-                                   resolve_activation)
-from numerics import assert_close, random
+from cutelayers.kernels.gemm import CONFIGS, EXTRA_CONFIGS, SPLIT_K_CONFIG, config_class, split_count
+from cutelayers.ops.linear import (
+    ACTIVATION_FUNCTIONS,
+    LinearWeightGrad,
+    fused_linear,
+    kernels_apply,
+    resolve_activation,
+)
+from cutelayers.runtime.sharding import kernel_call
 
 ACTS = list(ACTIVATION_FUNCTIONS)  # "none" first, then every fused activation
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
@@ -516,6 +522,39 @@ def test_lowering_split_k_weight_grad(fresh_cache):
                          f"tensor<1x{k}x{n}xf32>")
     assert "output_operand_aliases" in call
     assert splits > 1 and cl.cache_info()["linear_dkernel"].compiles == 1
+
+
+# every GEMM config adds into an accumulator, split or not (pingpong skips its partner's units)
+ACCUMULATE_CONFIGS = list(dict.fromkeys([*CONFIGS.values(), *EXTRA_CONFIGS, SPLIT_K_CONFIG]))
+
+
+def _accumulate_case(config, splits, dtype=jnp.bfloat16):
+    """A dkernel family adding into an accumulator, and its operands' avals: 4296 rows, 67 k tiles,
+    so a split of 3 leaves the last one shorter (23, 23, 21)."""
+    family = LinearWeightGrad(config=config, splits=splits, accumulate=True)
+    S = jax.ShapeDtypeStruct
+    return family, (S((1, 4296, 256), dtype), S((1, 4296, 512), dtype), S((1, 256, 512), jnp.float32))
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_accumulating_weight_grad_compiles_for_every_config(splits, fresh_cache):
+    for config in ACCUMULATE_CONFIGS:
+        family, avals = _accumulate_case(config, splits)
+        assert kernel_targets(lower_cuda(functools.partial(kernel_call, family), *avals)) == ["linear_dkernel"]
+    assert cl.cache_info()["linear_dkernel"].compiles == len(ACCUMULATE_CONFIGS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("config", ACCUMULATE_CONFIGS, ids=str)
+def test_accumulating_weight_grad_every_config_gpu(config, splits, rng):
+    family, avals = _accumulate_case(config, splits)
+    x, dz = (random(rng, a.shape, a.dtype) for a in avals[:2])
+    acc = random(rng, avals[2].shape, jnp.float32)
+    with cl.use_backend("cute"):
+        (out,) = jax.jit(functools.partial(kernel_call, family))(x, dz, acc)
+    want = acc + jnp.einsum("lmk,lmn->lkn", x.astype(jnp.float32), dz.astype(jnp.float32), precision=HIGHEST)
+    assert_close(out, want, jnp.float32, scale=100.0)  # bf16 products summed in fp32, in another order
 
 
 @pytest.mark.gpu

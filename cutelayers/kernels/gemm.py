@@ -154,13 +154,17 @@ EXTRA_CONFIGS = (
 )
 
 
-# Split-K (the weight gradient's small (K, N) outputs, contracting many rows): a cooperative tile,
-# splits chosen by ``split_count``.
-SPLIT_K_CONFIG = GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6)
+# Split-K (the weight gradient's small (K, N) outputs, contracting many rows): splits chosen by
+# ``split_count``. The tile: 128 x 256 with B multicast over a 2x1 cluster -- 128 x 128 tiles need
+# more L2 bandwidth per MMA than the H100 gives a full grid of them (the sweep of
+# .ci/dkernel_sweep.py at GPT-2's layers, docs/benchmarks.md).
+SPLIT_K_CONFIG = GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, stages=4, cluster_m=2)
 SPLIT_K_MAX = 16
 SPLIT_K_MIN_ROWS = 2048  # contractions shorter than this are not split
 SPLIT_K_NOMINAL_K_TILES = 256  # the contraction the split count is chosen for (16384 rows)
-SPLIT_K_EPILOGUE_K_TILES = 4  # a unit's fp32 reduce-store costs about this many k tiles of MMAs
+# What a work unit costs besides its MMAs (the fp32 reduce-store, the pipeline's fill), in k tiles:
+# fitted to that sweep (it picks the fastest split count measured at 3 of GPT-2's 4 layers).
+SPLIT_K_EPILOGUE_K_TILES = 16
 
 
 def split_count(m: int, n: int, k: int, batch: int = 1) -> int:
@@ -320,8 +324,8 @@ class HopperGemmKernel:
         self.config, self.epilogue, self.splits, self.accumulate = config, epilogue, splits, accumulate
         if splits > 1 and not accumulate:
             raise ValueError("split-K partials are summed into c: splits > 1 needs accumulate=True")
-        if accumulate and (config.pingpong or epilogue != Epilogue()):
-            raise ValueError("accumulate takes a cooperative config and a plain epilogue (c += A @ Bᵀ by TMA)")
+        if accumulate and epilogue != Epilogue():
+            raise ValueError("accumulate takes a plain epilogue (c += A @ Bᵀ by TMA)")
         self.tile_mnk = (config.tile_m, config.tile_n, config.tile_k)
         if config.consumer_warpgroups not in (1, 2):
             raise ValueError("consumer_warpgroups must be 1 or 2")
@@ -568,12 +572,13 @@ class HopperGemmKernel:
             tiles_done = Int32(0)
             work = scheduler.initial_work_tile_info()
             if const_expr(config.pingpong):
-                # Warpgroup 1 takes the odd tiles: it starts one tile (and its stages) later, and
+                # Warpgroup 1 takes the odd units: it starts one unit (and its stages) later, and
                 # lets warpgroup 0 take the first mainloop turn.
+                skipped = self.work_unit(work.tile_idx, k_tiles)[4] * group
                 scheduler.advance_to_next_work(advance_count=group)
                 work = scheduler.get_current_work()
-                consumer.advance(k_tiles * group)
-                released.advance(k_tiles * group)
+                consumer.advance(skipped)
+                released.advance(skipped)
                 if group == 1:
                     cute.arch.barrier_arrive(barrier_id=MMA_TURN_BARRIER, number_of_threads=2 * WARPGROUP)
             while work.is_valid_tile:
@@ -618,10 +623,12 @@ class HopperGemmKernel:
                                    bias, epi_tile, stores, store_warp, tiles_done * stores_per_tile)
                 tiles_done += 1
                 if const_expr(config.pingpong):
-                    # Past the other warpgroup's next tile and its stages.
-                    scheduler.advance_to_next_work(advance_count=2)
-                    consumer.advance(k_tiles)
-                    released.advance(k_tiles)
+                    # Past the other warpgroup's next unit and its stages (a split's k tiles).
+                    scheduler.advance_to_next_work()
+                    skipped = self.work_unit(scheduler.get_current_work().tile_idx, k_tiles)[4]
+                    scheduler.advance_to_next_work()
+                    consumer.advance(skipped)
+                    released.advance(skipped)
                 else:
                     scheduler.advance_to_next_work()
                 work = scheduler.get_current_work()

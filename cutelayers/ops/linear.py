@@ -398,17 +398,9 @@ class LinearWeightGrad(GemmFamily):
         return dtype, dims + ((("splits", self.splits),) if self.accumulate else ())
 
     def default_config(self, avals):
-        # the reduce-add store takes a cooperative config (HopperGemmKernel)
         from cutelayers.kernels.gemm import SPLIT_K_CONFIG
 
-        if self.splits > 1:
-            return SPLIT_K_CONFIG
-        config = super().default_config(avals)
-        return SPLIT_K_CONFIG if self.accumulate and config.pingpong else config
-
-    def config_space(self, avals) -> tuple:
-        space = super().config_space(avals)
-        return tuple(c for c in space if not c.pingpong) if self.accumulate else space
+        return SPLIT_K_CONFIG if self.splits > 1 else super().default_config(avals)
 
     def out_avals(self, avals):
         x, dz = avals[:2]
