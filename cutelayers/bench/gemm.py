@@ -134,16 +134,21 @@ def bench_gemm(layers=LAYERS, dtype=jnp.bfloat16) -> list[dict]:
     results = []
     for layer in layers:
         m, k, n = layer.m, layer.k, layer.n
-        keys = jax.random.split(jax.random.key(0), 5)
-        x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(dtype)
-        w = (jax.random.normal(keys[1], (k, n), jnp.float32) / k**0.5).astype(dtype)
-        b = jax.random.normal(keys[2], (n,), jnp.float32).astype(dtype)
-        r = jax.random.normal(keys[3], (m, n), jnp.float32).astype(dtype)
-        dy = jax.random.normal(keys[4], (m, n), jnp.float32).astype(dtype)
+        x, w, dy, b, r = _layer_operands(layer, dtype)
         ours, xla = _layer_fns(layer.epilogue)
         results.append(_result(layer.name, f"{m} x {k} x {n}", layer.epilogue, dtype, 2.0 * m * n * k, ours, xla,
                                (x, w, b, r), dy))
     return results
+
+
+def _layer_operands(layer: Layer, dtype):
+    """Random normal x (M, K), w (K, N) scaled by K^-1/2, dy (M, N), bias (N,), residual (M, N)."""
+    m, k, n = layer.m, layer.k, layer.n
+    keys = jax.random.split(jax.random.key(0), 5)
+    normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32)
+    return (normal(keys[0], (m, k)).astype(dtype), (normal(keys[1], (k, n)) / k**0.5).astype(dtype),
+            normal(keys[2], (m, n)).astype(dtype), normal(keys[3], (n,)).astype(dtype),
+            normal(keys[4], (m, n)).astype(dtype))
 
 
 def bench_parts(layers=LAYERS, dtype=jnp.bfloat16) -> list[dict]:
@@ -158,10 +163,7 @@ def bench_parts(layers=LAYERS, dtype=jnp.bfloat16) -> list[dict]:
     results = []
     for layer in layers:
         m, k, n = layer.m, layer.k, layer.n
-        keys = jax.random.split(jax.random.key(0), 3)
-        x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(dtype)
-        w = (jax.random.normal(keys[1], (k, n), jnp.float32) / k**0.5).astype(dtype)
-        dz = jax.random.normal(keys[2], (m, n), jnp.float32).astype(dtype)
+        x, w, dz = _layer_operands(layer, dtype)[:3]
         for part, (ours, xla) in parts.items():
             t, t_xla = _time_pair(ours, xla, (x, w, dz))
             flops = 2.0 * m * n * k
