@@ -311,6 +311,10 @@ CLASS_SHARDED = {
         lambda x, labels: cl.ops.softmax_cross_entropy(x, labels, ignore_index=-1, label_smoothing=0.1,
                                                        z_loss=1e-3),
         lambda r, d: (_x(r, d), _labels(r, 64)), (P("data", None, "model"), ROWS), (0,), jnp.float32),
+    "softmax_cross_entropy_soft_capped": (
+        lambda x, labels: cl.ops.softmax_cross_entropy(x, labels, ignore_index=-1, label_smoothing=0.1,
+                                                       logit_soft_cap=3.0),
+        lambda r, d: (_x(r, d), _labels(r, 64)), (P("data", None, "model"), ROWS), (0,), jnp.float32),
     "logsumexp": (cl.ops.logsumexp, lambda r, d: (_x(r, d),), (P("data", None, "model"),), (0,), jnp.float32),
     # an LM head whose kernel (and bias) is split over the vocabulary
     "linear_cross_entropy": (

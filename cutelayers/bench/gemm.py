@@ -164,9 +164,9 @@ def bench_parts(layers=LAYERS, dtype=jnp.bfloat16) -> list[dict]:
     for layer in layers:
         m, k, n = layer.m, layer.k, layer.n
         x, w, dz = _layer_operands(layer, dtype)[:3]
+        flops = 2.0 * m * n * k
         for part, (ours, xla) in parts.items():
             t, t_xla = _time_pair(ours, xla, (x, w, dz))
-            flops = 2.0 * m * n * k
             results.append(dict(layer=layer.name, part=part, ms=t * 1e3, xla_ms=t_xla * 1e3,
                                 tflops=flops / t / 1e12, xla_tflops=flops / t_xla / 1e12, vs_xla=t_xla / t))
     return results

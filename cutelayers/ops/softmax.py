@@ -141,8 +141,7 @@ class CrossEntropyForward(RowKernelFamily):
         return (lse, jax.ShapeDtypeStruct(m, F32)) if self.with_labels else (lse,)
 
     def reference(self, x, labels=None):
-        x = _capped(x, self.soft_cap)[0]
-        lse = _lse(x)
+        lse = _lse(_capped(x, self.soft_cap)[0])
         if not self.with_labels:
             return (lse,)
         return lse, _ce_loss(x, labels, lse, self)
@@ -159,8 +158,7 @@ class CrossEntropyForward(RowKernelFamily):
         (local_lse,) = run_kernel(lse_family, x)
         classes = _ClassShard.of(ctx, x)
         lse = classes.combine_lse(local_lse)
-        return (lse,) if not self.with_labels else (
-            lse, _ce_loss(_capped(x, self.soft_cap)[0], labels[0], lse, self, classes))
+        return (lse,) if not self.with_labels else (lse, _ce_loss(x, labels[0], lse, self, classes))
 
     def kernel_class(self):
         from cutelayers.kernels.softmax import CrossEntropyForwardKernel
@@ -271,8 +269,9 @@ def _label_masks(labels, v, cfg):
 
 
 def _ce_loss(x, labels, lse, cfg, classes: _ClassShard = WHOLE):
+    """Per-row loss from the raw logits x (capped here, as in :func:`_ce_grad`) and their lse."""
     v, here = classes.width(x), x.shape[-1]
-    x32 = x.astype(F32)
+    x32 = _capped(x, cfg.soft_cap)[0].astype(F32)
     ignored, valid = _label_masks(labels, v, cfg)
     local = labels - classes.offset
     picked = jnp.take_along_axis(x32, jnp.clip(local, 0, here - 1)[:, None], axis=-1)[:, 0]
