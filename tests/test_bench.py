@@ -27,7 +27,7 @@ def test_help_lists_every_family():
     ["norms", "--n", "128", "--dtype", "float16"],
     ["softmax", "--n", "128"],
     ["gemm", "--shapes", "64x128x256", "--epilogue", "bias", "--dtype", "float16", "--parts"],
-    ["lm_head", "--t", "64", "--h", "64", "--v", "256", "--dtype", "float32", "--chunk-size", "32"],
+    ["lm_head", "--tokens", "64", "--hidden", "64", "--vocab", "256", "--dtype", "float32", "--chunk-size", "32"],
 ], ids=lambda argv: argv[0])
 def test_gpu_families_need_a_gpu(argv, capsys):
     assert main(argv) == 2

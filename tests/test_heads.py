@@ -317,7 +317,8 @@ def test_lowers_to_the_kernels_for_cuda(reduction, logit_gemms):
 
 
 def test_chunk_layout():
-    assert chunk_layout((10_000,), 50_000, None) == (8, 1250)  # <= 1342 rows of 50k float32 logits
+    assert chunk_layout((16384,), 50304, None) == (4, 4096)  # CHUNK_ROWS
+    assert chunk_layout((10_000,), 500_000, None) == (10, 1000)  # <= 1073 rows of 500k float32 logits
     assert chunk_layout((5,), 2**30, None) == (5, 1)
     # chunk counts from the fewest (here 5) up to twice that: the first dividing the tokens
     assert chunk_layout((48,), 40, 10) == (6, 8)  # not 5 chunks of 10, 2 rows padded

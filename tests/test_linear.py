@@ -528,12 +528,12 @@ def test_lowering_split_k_weight_grad(fresh_cache):
 ACCUMULATE_CONFIGS = list(dict.fromkeys([*CONFIGS.values(), *EXTRA_CONFIGS, SPLIT_K_CONFIG]))
 
 
-def _accumulate_case(config, splits, dtype=jnp.bfloat16):
+def _accumulate_case(config, splits, k=256, n=512, dtype=jnp.bfloat16):
     """A dkernel family adding into an accumulator, and its operands' avals: 4296 rows, 67 k tiles,
     so a split of 3 leaves the last one shorter (23, 23, 21)."""
     family = LinearWeightGrad(config=config, splits=splits, accumulate=True)
     S = jax.ShapeDtypeStruct
-    return family, (S((1, 4296, 256), dtype), S((1, 4296, 512), dtype), S((1, 256, 512), jnp.float32))
+    return family, (S((1, 4296, k), dtype), S((1, 4296, n), dtype), S((1, k, n), jnp.float32))
 
 
 @pytest.mark.parametrize("splits", [1, 3])
@@ -545,10 +545,12 @@ def test_accumulating_weight_grad_compiles_for_every_config(splits, fresh_cache)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("k,n", [(256, 512), (64, 128)], ids=["2x2-tiles", "one-tile"])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("config", ACCUMULATE_CONFIGS, ids=str)
-def test_accumulating_weight_grad_every_config_gpu(config, splits, rng):
-    family, avals = _accumulate_case(config, splits)
+def test_accumulating_weight_grad_every_config_gpu(config, splits, k, n, rng):
+    # one tile: a 2-CTA cluster's padding tile aliases tile 0 and must not add it a second time
+    family, avals = _accumulate_case(config, splits, k, n)
     x, dz = (random(rng, a.shape, a.dtype) for a in avals[:2])
     acc = random(rng, avals[2].shape, jnp.float32)
     with cl.use_backend("cute"):

@@ -56,11 +56,14 @@ def main(argv=None) -> int:
     lin.add_argument("--parts", action="store_true",
                      help="then each layer's backward GEMMs (dx, dkernel) alone vs XLA's")
     head = sub.add_parser("lm_head", help="linear_cross_entropy fwd+bwd time and temp memory vs unfused XLA")
-    head.add_argument("--t", type=int, default=8192, help="tokens T (default 8192)")
-    head.add_argument("--h", type=int, default=4096, help="hidden size H (default 4096)")
-    head.add_argument("--v", type=int, default=131072, help="vocabulary size V (default 131072)")
+    # not "--h": the CuTe DSL parses sys.argv for its own flags at every compile, and "--h" is a
+    # prefix of its "--help" (it printed its usage and exited mid-benchmark)
+    head.add_argument("--tokens", type=int, default=8192, help="tokens T (default 8192)")
+    head.add_argument("--hidden", type=int, default=4096, help="hidden size H (default 4096)")
+    head.add_argument("--vocab", type=int, default=131072, help="vocabulary size V (default 131072)")
     head.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    head.add_argument("--chunk-size", type=int, default=None, help="tokens per chunk (default: the op's)")
+    head.add_argument("--chunk-size", type=int, nargs="+", default=[None],
+                      help="tokens per chunk of the fused head, one row each (default: the op's)")
     comp = sub.add_parser("compile", help="compile seconds per kernel family and disk-cache load seconds (no GPU needed)")
     comp.add_argument("--n", type=int, default=4096, help="feature size N (default 4096)")
     comp.add_argument("--k", type=int, default=4096, help="GEMM inner size K (default 4096)")
@@ -90,7 +93,7 @@ def main(argv=None) -> int:
             gemm.print_parts(gemm.bench_parts(layers, jnp.dtype(args.dtype)))
     elif args.suite == "lm_head":
         print(f"# device: {jax.devices()[0].device_kind}")
-        print_records(bench_lm_head(args.t, args.h, args.v, jnp.dtype(args.dtype), args.chunk_size))
+        print_records(bench_lm_head(args.tokens, args.hidden, args.vocab, jnp.dtype(args.dtype), args.chunk_size))
     print("# cache:", {k: (v.compiles, v.memory_hits, v.disk_hits, round(v.compile_seconds, 2)) for k, v in cl.cache_info().items()})
     return 0
 

@@ -1,4 +1,5 @@
-"""LM-head benchmark: ``python -m cutelayers.bench lm_head [--t --h --v --dtype --chunk-size]``.
+"""LM-head benchmark: ``python -m cutelayers.bench lm_head [--tokens --hidden --vocab --dtype
+--chunk-size ...]``.
 
 Loss and gradients (h and kernel) of a language-model head, two ways, in the same run:
 
@@ -75,21 +76,23 @@ def head_operands(t: int, h: int, v: int, dtype, seed: int = 0):
     return hidden, kernel, jax.random.randint(kl, (t,), 0, v, jnp.int32)
 
 
-def bench_lm_head(t: int, h: int, v: int, dtype, chunk_size: int | None = None) -> list[dict]:
-    """One row per head: loss, ms per forward+backward, temp GB and arguments+outputs GB, and
-    the ratios of time and temp memory to the XLA head's. Runs the kernels (backend "cute")."""
+def bench_lm_head(t: int, h: int, v: int, dtype, chunk_sizes=(None,)) -> list[dict]:
+    """One row per head -- the fused head at each of ``chunk_sizes`` (None: the op's default),
+    then XLA's: loss, ms per forward+backward, temp GB and arguments+outputs GB, and the ratios of
+    time and temp memory to the XLA head's. Runs the kernels (backend "cute")."""
     operands = head_operands(t, h, v, dtype)
+    heads = [("fused", chunk) for chunk in chunk_sizes] + [("xla", None)]
     with cl.use_backend("cute"):  # chosen at lowering: the executables keep it
-        compiled = {head: compile_head(head, operands, chunk_size) for head in HEADS}
-    memory = {head: memory_stats(fn) for head, fn in compiled.items()}
-    losses = {head: float(fn(*operands)[0]) for head, fn in compiled.items()}
-    times = {head: time_fn(fn, *operands) for head, fn in compiled.items()}
+        compiled = [compile_head(head, operands, chunk) for head, chunk in heads]
+    memory = [memory_stats(fn) for fn in compiled]
+    losses = [float(fn(*operands)[0]) for fn in compiled]
+    times = [time_fn(fn, *operands) for fn in compiled]
+    xla_time, xla_temp = times[-1], max(memory[-1]["temp"], 1)
     rows = []
-    for head in HEADS:
-        mem = memory[head]
-        rows.append(dict(head=head, t=t, h=h, v=v, dtype=jnp.dtype(dtype).name, loss=f"{losses[head]:.4f}",
-                         ms=f"{times[head] * 1e3:.2f}", temp_gb=f"{mem['temp'] / GB:.3f}",
+    for (head, chunk), mem, loss, seconds in zip(heads, memory, losses, times):
+        rows.append(dict(head=head, chunk="default" if chunk is None and head == "fused" else chunk or "-",
+                         t=t, h=h, v=v, dtype=jnp.dtype(dtype).name, loss=f"{loss:.4f}",
+                         ms=f"{seconds * 1e3:.2f}", temp_gb=f"{mem['temp'] / GB:.3f}",
                          args_out_gb=f"{(mem['arguments'] + mem['outputs']) / GB:.3f}",
-                         time_vs_xla=f"{times[head] / times['xla']:.2f}",
-                         temp_vs_xla=f"{mem['temp'] / max(memory['xla']['temp'], 1):.3f}"))
+                         time_vs_xla=f"{seconds / xla_time:.2f}", temp_vs_xla=f"{mem['temp'] / xla_temp:.3f}"))
     return rows

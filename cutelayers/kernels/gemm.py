@@ -154,15 +154,15 @@ EXTRA_CONFIGS = (
 )
 
 
-# Split-K (the weight gradient's small (K, N) outputs, contracting many rows): a cooperative tile,
-# splits chosen by ``split_count``. (128 x 256 over a 2x1 cluster, 16 k tiles a unit's overhead,
-# measured 15-20 % faster at three of GPT-2's layers -- .ci/dkernel_sweep.py, docs/benchmarks.md --
-# but with it some gpu gradient tests of tests/test_linear.py failed: issue 15.)
-SPLIT_K_CONFIG = GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6)
+# Split-K (the weight gradient's small (K, N) outputs, contracting many rows): 128 x 256 tiles over
+# a 2x1 cluster, splits chosen by ``split_count`` with a unit's reduce-store costing about 16 k
+# tiles -- 15-20 % faster than cooperative 128 x 128 at three of GPT-2's layers
+# (.ci/dkernel_sweep.py, docs/benchmarks.md).
+SPLIT_K_CONFIG = GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, stages=4, cluster_m=2)
 SPLIT_K_MAX = 16
 SPLIT_K_MIN_ROWS = 2048  # contractions shorter than this are not split
 SPLIT_K_NOMINAL_K_TILES = 256  # the contraction the split count is chosen for (16384 rows)
-SPLIT_K_EPILOGUE_K_TILES = 4  # a unit's fp32 reduce-store costs about this many k tiles of MMAs
+SPLIT_K_EPILOGUE_K_TILES = 16  # a unit's fp32 reduce-store costs about this many k tiles of MMAs
 
 
 def split_count(m: int, n: int, k: int, batch: int = 1) -> int:
@@ -582,6 +582,10 @@ class HopperGemmKernel:
             while work.is_valid_tile:
                 m, n, batch, _, k_count = self.work_unit(work.tile_idx, k_tiles)
                 tile_idx = (m, n, batch)
+                # A cluster's padding tile (past the output) is computed but not stored: along a
+                # static extent of one tile its coordinate aliases tile 0 (a size-1 mode has
+                # stride 0), and an accumulating store would add that tile twice.
+                inside = (m * config.tile_m < tma_tensor_c.shape[0]) & (n * config.tile_n < tma_tensor_c.shape[1])
                 if const_expr(epilogue.has_source):
                     # The tile's first source subtiles load while its mainloop runs.
                     for e in cutlass.range_constexpr(min(SOURCE_STAGES, self.epi_tiles(epi_tile))):
@@ -618,7 +622,7 @@ class HopperGemmKernel:
 
                 self.epilogue_tile(acc, tile_coords_c, tile_idx, ring, sources, group, source_loaded,
                                    source_read, tma_c, tma_tensor_c, tma_z, tma_tensor_z, tma_s, tma_tensor_s,
-                                   bias, epi_tile, stores, store_warp, tiles_done * stores_per_tile)
+                                   bias, epi_tile, stores, store_warp, inside, tiles_done * stores_per_tile)
                 tiles_done += 1
                 if const_expr(config.pingpong):
                     # Past the other warpgroup's next unit and its stages (a split's k tiles).
@@ -705,11 +709,12 @@ class HopperGemmKernel:
     @cute.jit
     def epilogue_tile(self, acc, tile_coords_c, tile_idx, ring, sources, group, source_loaded, source_read,
                       tma_c, tma_tensor_c, tma_z, tma_tensor_z, tma_s, tma_tensor_s, bias,
-                      epi_tile: cutlass.Constexpr, stores, store_warp, first_store):
+                      epi_tile: cutlass.Constexpr, stores, store_warp, inside, first_store):
         """Bias, [pre-activation store], activation, source and the store of one finished tile.
 
         ``first_store``: stores this group made before, so the ring buffer of each subtile is
-        (first_store + e) mod EPI_STAGES within the group's ring.
+        (first_store + e) mod EPI_STAGES within the group's ring. ``inside``: whether the tile
+        lies in the output at all (a cluster's padding tile runs every step but the TMA stores).
         """
         config, epilogue = self.config, self.epilogue
         n0 = tile_idx[1] * config.tile_n
@@ -720,18 +725,18 @@ class HopperGemmKernel:
                     acc[i] = acc[i] + bias[col].to(Float32)
         if const_expr(epilogue.store_preact):
             self.store_tile(acc, False, ring, sources, group, source_loaded, source_read, tma_z, tma_tensor_z,
-                            tma_s, tma_tensor_s, tile_idx, epi_tile, stores, store_warp, first_store)
+                            tma_s, tma_tensor_s, tile_idx, epi_tile, stores, store_warp, inside, first_store)
             first_store += self.epi_tiles(epi_tile)
         if const_expr(epilogue.activation != "none"):
             for i in cutlass.range(cute.size(acc), unroll_full=True):
                 acc[i] = apply_activation(acc[i], epilogue.activation)
         self.store_tile(acc, epilogue.has_source, ring, sources, group, source_loaded, source_read, tma_c,
-                        tma_tensor_c, tma_s, tma_tensor_s, tile_idx, epi_tile, stores, store_warp, first_store)
+                        tma_tensor_c, tma_s, tma_tensor_s, tile_idx, epi_tile, stores, store_warp, inside, first_store)
 
     @cute.jit
     def store_tile(self, acc, with_source: cutlass.Constexpr, ring, sources, group, source_loaded, source_read,
                    tma_out, tma_tensor_out, tma_s, tma_tensor_s, tile_idx, epi_tile: cutlass.Constexpr, stores,
-                   store_warp, first_store):
+                   store_warp, inside, first_store):
         """Write the fp32 accumulators ``acc`` (combined with the source tile if ``with_source``:
         + residual, or x act'(preact)) to ``tma_tensor_out``'s tile in its dtype: registers ->
         smem (stmatrix) -> global (TMA store), one epilogue subtile at a time through the group's
@@ -775,7 +780,8 @@ class HopperGemmKernel:
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=1 + group, number_of_threads=mma_threads)
             if store_warp:
-                cute.copy(tma_out, s_tma[(None, buffer)], g_tma[(None, epi_order.get_hier_coord(e))])
+                if inside:
+                    cute.copy(tma_out, s_tma[(None, buffer)], g_tma[(None, epi_order.get_hier_coord(e))])
                 stores.producer_commit()
                 stores.producer_acquire()
             cute.arch.barrier(barrier_id=1 + group, number_of_threads=mma_threads)

@@ -33,7 +33,8 @@ is transposed.
   float32. Without differentiation only the forward GEMM runs.
 
 Memory: O(chunk × V) for the logits plus the float32 (H, V) gradient accumulator. The chunk is at
-most ~256 MiB of float32 logits unless ``chunk_size`` says otherwise; the tokens are split into
+most 4096 tokens and 2 GiB of float32-equivalent logits unless ``chunk_size`` says otherwise (a
+bf16 chunk and its gradient are half that: 2 GiB at V = 131072); the tokens are split into
 equal chunks, a number that divides the tokens where one is near (see :func:`chunk_layout`), else
 padding fewer rows than there are chunks.
 
@@ -63,14 +64,21 @@ from cutelayers.ops.softmax import check_labels, check_loss_options, cross_entro
 from cutelayers.runtime.sharding import vary_like
 
 F32 = jnp.float32
-LOGITS_CHUNK_BYTES = 256 * 2**20  # default bound on one chunk's float32 logits
+# The default chunk: CHUNK_ROWS tokens, fewer where their float32-equivalent logits would pass
+# LOGITS_CHUNK_BYTES. Each chunk reads and writes the float32 (H, V) dkernel sum once, 8·H·V
+# bytes against its 6·rows·H·V FLOPs: ~300 / rows of the GEMM time on an H100, so 4096 rows keep
+# it under 8 % (the H100 sweep in docs/benchmarks.md: 1024 → 4096 rows took the GPT-2 head from
+# 11.3 to 8.6 ms and the Llama-size one from 50 to 43 ms).
+CHUNK_ROWS = 4096
+LOGITS_CHUNK_BYTES = 2 * 2**30
 REDUCTIONS = ("mean", "sum", "none")
 KERNEL_LAYOUTS = ("hv", "vh")
 
 
 def chunk_layout(lead: tuple[int, ...], vocab: int, chunk_size: int | None) -> tuple[int, int]:
     """(number of chunks, rows per chunk) covering tokens of shape ``lead`` with equal chunks of
-    at most ``chunk_size`` rows (default: ~256 MiB of float32 logits).
+    at most ``chunk_size`` rows (default: ``CHUNK_ROWS``, fewer above ``LOGITS_CHUNK_BYTES`` of
+    float32 logits).
 
     Row-sharded tokens stay on their devices when the chunk count divides every device's token
     count (module docstring); padding breaks that. So the count is the first, from the fewest
@@ -79,7 +87,7 @@ def chunk_layout(lead: tuple[int, ...], vocab: int, chunk_size: int | None) -> t
     divides all the tokens; else (e.g. a prime token count) the fewest chunks, padded.
     """
     tokens, per_leading_index = math.prod(lead), math.prod(lead[1:])
-    max_rows = chunk_size if chunk_size is not None else max(1, LOGITS_CHUNK_BYTES // (4 * vocab))
+    max_rows = chunk_size if chunk_size is not None else max(1, min(CHUNK_ROWS, LOGITS_CHUNK_BYTES // (4 * vocab)))
     fewest = -(-tokens // max_rows)
     near = range(fewest, min(2 * fewest, tokens) + 1)
     dividing = itertools.chain((n for n in near if per_leading_index % n == 0),
@@ -242,8 +250,9 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
       return_lse: also return the per-token logsumexp of the (capped) logits, float32 with h's
         leading shape, for monitoring; it carries no gradient (``z_loss`` is the differentiable
         way to penalise it).
-      chunk_size: tokens per chunk (an int >= 1); default: as many as fit ~256 MiB of float32
-        logits. Larger chunks mean fewer, larger GEMMs; smaller ones less memory. Under
+      chunk_size: tokens per chunk (an int >= 1); default: 4096, fewer where that many tokens'
+        float32 logits pass 2 GiB. Larger chunks mean fewer, larger GEMMs and fewer passes over
+        the float32 dkernel sum; smaller ones less memory. Under
         ``jax.jit`` with the tokens row-sharded over D devices a chunk spans them, chunk_size / D
         rows on each; with the leading (batch) axis sharded, a chunk_size that is a multiple of D
         and divides the tokens of one batch row keeps every device's tokens on it (see the
