@@ -309,6 +309,9 @@ def test_lowers_to_the_kernels_for_cuda(reduction, logit_gemms):
     (dkernel_call,) = [line for line in hlo.splitlines() if "@cutelayers_linear_dkernel" in line]
     assert dkernel_call.endswith(f"tensor<1x{hidden}x{vocab}xf32>) -> tensor<1x{hidden}x{vocab}xf32>")
     assert "output_operand_aliases" in dkernel_call
+    # a chunk's dz is written over its logits (they die there)
+    (ce_bwd_call,) = [line for line in hlo.splitlines() if "@cutelayers_cross_entropy_bwd" in line]
+    assert "output_operand_aliases" in ce_bwd_call
     assert not re.findall(rf"stablehlo\.add .*tensor<(1x)?{hidden}x{vocab}x", hlo)
     assert len(re.findall(rf"stablehlo\.convert .*tensor<{hidden}x{vocab}xf32>\) ->", hlo)) == 1
     # without differentiation: the forward GEMM and cross-entropy pass only

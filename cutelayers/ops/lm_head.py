@@ -121,7 +121,8 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
       for constant (R, C) float32 weights; its forward computes the gradients too (module
       docstring). The lse output has no gradient (its cotangent is dropped).
     """
-    ce_forward, ce_backward = cross_entropy_kernels(ignore_index, *options)
+    # a chunk's logits die in the backward kernel: dz takes their buffer
+    ce_forward, ce_backward = cross_entropy_kernels(ignore_index, *options, in_place=True)
     plain_gemm, input_grad = forward_fn("none", False, use_kernels), input_grad_fn(use_kernels)
     weight_grad = weight_grad_fn(use_kernels)
     # A (V, H) kernel (a tied embedding table) swaps the roles of the forward and dx GEMMs and

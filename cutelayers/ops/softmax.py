@@ -172,18 +172,31 @@ class CrossEntropyForward(RowKernelFamily):
 
 @dataclasses.dataclass(frozen=True)
 class CrossEntropyBackward(RowKernelFamily):
-    """dlogits from (logits, labels, lse, dloss) in one pass (no reduction)."""
+    """dlogits from (logits, labels, lse, dloss) in one pass (no reduction).
+
+    ``in_place``: dlogits is written over the logits (each thread reads its values before it
+    writes them) -- for logits that die here, like an LM head's chunk: one (rows, V) buffer
+    fewer. Where the logits live on (a jit argument), XLA copies them first, so it is off by
+    default.
+    """
 
     ignore_index: int | None = None
     smoothing: float = 0.0
     z_loss: float = 0.0
     soft_cap: float = 0.0
     config: RowConfig | None = None
+    in_place: bool = False
     arg_names = ("logits", "labels", "lse", "dloss")
 
     @property
     def name(self):
         return "cross_entropy_bwd"
+
+    def identity(self):
+        return dataclasses.replace(self, in_place=False)  # the same kernel either way
+
+    def operand_output_aliases(self):
+        return {0: 0} if self.in_place else None
 
     def out_avals(self, avals):
         return (jax.ShapeDtypeStruct(avals[0].shape, avals[0].dtype),)
@@ -368,18 +381,19 @@ def logsumexp(x: jax.Array) -> jax.Array:
 
 
 @functools.cache
-def cross_entropy_kernels(ignore_index, smoothing=0.0, z_loss=0.0, soft_cap=0.0):
+def cross_entropy_kernels(ignore_index, smoothing=0.0, z_loss=0.0, soft_cap=0.0, in_place=False):
     """The cross-entropy kernel calls, vmappable, without a custom_vjp (shared with
     :mod:`cutelayers.ops.lm_head`, which differentiates them itself):
 
     * ``forward(logits (..., V), labels (...)) -> (lse, loss)``, both (...) float32 (lse of the
       capped logits when ``soft_cap`` > 0);
-    * ``backward(logits, labels, lse, dloss (...) float32) -> dlogits`` in logits' dtype.
+    * ``backward(logits, labels, lse, dloss (...) float32) -> dlogits`` in logits' dtype, over
+      the logits' buffer with ``in_place`` (see :class:`CrossEntropyBackward`).
     """
     cfg = {"ignore_index": ignore_index, "smoothing": smoothing, "z_loss": z_loss, "soft_cap": soft_cap}
     forward = fold_batch(lambda x, labels: call_on_rows(CrossEntropyForward(True, **cfg), x, labels))
-    backward = fold_batch(
-        lambda x, labels, lse, g: call_on_rows(CrossEntropyBackward(**cfg), x, labels, lse, g)[0])
+    backward = fold_batch(lambda x, labels, lse, g: call_on_rows(
+        CrossEntropyBackward(**cfg, in_place=in_place), x, labels, lse, g)[0])
     return forward, backward
 
 
