@@ -31,3 +31,22 @@ def test_bench_tiny_cases_table_and_breakdown(tmp_path, capsys):
     assert len(parts) == 8
     assert all(float(ours) > 0 and float(stock) > 0 for name, ours, stock in parts if not name.startswith("other"))
     assert text.strip().endswith(printed.strip().splitlines()[-2].strip())  # printed what it appended
+
+
+def test_corpus_batches_are_the_training_runs_windows():
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from training.data import TextData
+
+    config = bench.bench_config("gpt2")  # vocabulary 50304, of which the corpus uses bytes
+    sharding = NamedSharding(jax.make_mesh((1,), ("data",)), PartitionSpec())
+    uniform = bench.synthetic_batches(config, 4, sharding)
+    corpus = bench.synthetic_batches(config, 4, sharding, tokens="corpus")
+    want = TextData.load().train_batch(1, 4, config.seq_len, seed=0)
+    for got, expected in zip(corpus[1], want):
+        np.testing.assert_array_equal(np.asarray(got), expected)
+    inputs, targets = (np.asarray(a) for a in corpus[0])
+    np.testing.assert_array_equal(inputs[:, 1:], targets[:, :-1])  # targets: the next token
+    assert inputs.max() < 256 and len(np.unique(np.asarray(uniform[0][0]))) > 256

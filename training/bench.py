@@ -3,7 +3,8 @@
 For every (config, framework, variant) -- variants ``cutelayers`` (the model on the CuTe kernels),
 ``stock`` (its twin from the framework's own layers) and ``reference`` (the cutelayers model on
 the jnp reference backend) -- one train step (value_and_grad + AdamW, the step
-:mod:`training.train` runs) on synthetic tokens of the config's vocabulary:
+:mod:`training.train` runs) on random tokens of the config's vocabulary (``--tokens corpus``: the
+shipped byte-level corpus, as training.train reads it):
 
 * compile seconds of the train step;
 * ``loop ms``: steady-state time per step of back-to-back steps (compile and ``--warmup-steps``
@@ -49,6 +50,7 @@ import cutelayers as cl
 from cutelayers.bench.timing import time_fn
 from models import common
 from models.configs import CONFIGS, GPTConfig, get_config
+from training.data import TextData
 from training.train import DEFAULTS, Schedule, _int_at_least, compile_train_step, make_optimizer
 
 VARIANTS = ("cutelayers", "stock", "reference")
@@ -63,6 +65,7 @@ class Case:
     batch_size: int
     warmup_steps: int
     steps: int
+    tokens: str = "uniform"
 
     @property
     def backend(self) -> str:
@@ -74,13 +77,22 @@ def bench_config(name: str) -> GPTConfig:
     return get_config(name, **({"dtype": "bfloat16"} if jax.default_backend() == "gpu" else {}))
 
 
-def synthetic_batches(config: GPTConfig, batch_size: int, sharding, count: int = 2):
-    """``count`` device batches of random tokens over the whole vocabulary, targets shifted by one."""
+TOKENS = ("uniform", "corpus")
+
+
+def synthetic_batches(config: GPTConfig, batch_size: int, sharding, count: int = 2, tokens: str = "uniform"):
+    """``count`` device batches, targets shifted by one: ``tokens`` "uniform", random tokens over the
+    whole vocabulary; "corpus", windows of the shipped byte-level corpus, as training.train draws
+    them (a few dozen distinct tokens: the embedding gradient's scatter-add collides far more)."""
+    if tokens == "corpus":
+        data = TextData.load()
+        return [jax.device_put(data.train_batch(i, batch_size, config.seq_len, seed=0), sharding)
+                for i in range(count)]
     rng = np.random.default_rng(0)
     batches = []
     for _ in range(count):
-        tokens = rng.integers(0, config.vocab_size, size=(batch_size, config.seq_len + 1), dtype=np.int32)
-        batches.append(jax.device_put((tokens[:, :-1], tokens[:, 1:]), sharding))
+        drawn = rng.integers(0, config.vocab_size, size=(batch_size, config.seq_len + 1), dtype=np.int32)
+        batches.append(jax.device_put((drawn[:, :-1], drawn[:, 1:]), sharding))
     return batches
 
 
@@ -98,7 +110,7 @@ def measure(case: Case) -> dict:
         model = common.init(case.model, config, jax.random.key(0), stock=case.variant == "stock")
         tx = make_optimizer(model.params, Schedule(lr=1e-4, warmup=0, steps=10**6), weight_decay=0.1, grad_clip=1.0)
         params, opt_state = jax.device_put((model.params, tx.init(model.params)), sharding)
-        batches = synthetic_batches(config, case.batch_size, sharding)
+        batches = synthetic_batches(config, case.batch_size, sharding, tokens=case.tokens)
         step = compile_train_step(model.loss, tx, params, opt_state, *batches[0])
         analysis = step.run.memory_analysis()
         leaves = tuple(jax.tree.leaves((params, opt_state)))
@@ -253,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequences per step (default: the config's training default)")
     p.add_argument("--warmup-steps", type=_int_at_least(0), default=3, help="untimed steps after compiling")
     p.add_argument("--steps", type=_int_at_least(1), default=20, help="timed steps (loop and one-at-a-time each)")
+    p.add_argument("--tokens", choices=TOKENS, default="uniform",
+                   help="batches: random tokens over the vocabulary, or the shipped corpus as training.train reads it")
     p.add_argument("--breakdown", action="store_true", help="add the per-part table (cutelayers vs stock)")
     p.add_argument("--case-timeout", type=_int_at_least(1), default=600, help="seconds allowed per case")
     p.add_argument("--output", type=Path, default=REPO / "docs" / "benchmarks.md",
@@ -276,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = []
         for model in args.model:
             for variant in args.variant:
-                case = Case(config, model, variant, batch_size, args.warmup_steps, args.steps)
+                case = Case(config, model, variant, batch_size, args.warmup_steps, args.steps, args.tokens)
                 rows.append(in_subprocess("--one-case", dataclasses.asdict(case), args.case_timeout))
                 print(f"# {config} {model} {variant}: {rows[-1]['tokens_per_s']:,.0f} tokens/s", flush=True)
         sections.append(results_table(rows))
