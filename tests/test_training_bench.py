@@ -4,7 +4,12 @@ appended to the output file."""
 
 import re
 
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
 from training import bench
+from training.data import TextData
 
 
 def test_bench_tiny_cases_table_and_breakdown(tmp_path, capsys):
@@ -34,16 +39,10 @@ def test_bench_tiny_cases_table_and_breakdown(tmp_path, capsys):
 
 
 def test_corpus_batches_are_the_training_runs_windows():
-    import jax
-    import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from training.data import TextData
-
     config = bench.bench_config("gpt2")  # vocabulary 50304, of which the corpus uses bytes
     sharding = NamedSharding(jax.make_mesh((1,), ("data",)), PartitionSpec())
-    uniform = bench.synthetic_batches(config, 4, sharding)
-    corpus = bench.synthetic_batches(config, 4, sharding, tokens="corpus")
+    uniform = bench.step_batches(config, 4, sharding)
+    corpus = bench.step_batches(config, 4, sharding, tokens="corpus")
     want = TextData.load().train_batch(1, 4, config.seq_len, seed=0)
     for got, expected in zip(corpus[1], want):
         np.testing.assert_array_equal(np.asarray(got), expected)

@@ -80,7 +80,7 @@ def bench_config(name: str) -> GPTConfig:
 TOKENS = ("uniform", "corpus")
 
 
-def synthetic_batches(config: GPTConfig, batch_size: int, sharding, count: int = 2, tokens: str = "uniform"):
+def step_batches(config: GPTConfig, batch_size: int, sharding, count: int = 2, tokens: str = "uniform"):
     """``count`` device batches, targets shifted by one: ``tokens`` "uniform", random tokens over the
     whole vocabulary; "corpus", windows of the shipped byte-level corpus, as training.train draws
     them (a few dozen distinct tokens: the embedding gradient's scatter-add collides far more)."""
@@ -110,7 +110,7 @@ def measure(case: Case) -> dict:
         model = common.init(case.model, config, jax.random.key(0), stock=case.variant == "stock")
         tx = make_optimizer(model.params, Schedule(lr=1e-4, warmup=0, steps=10**6), weight_decay=0.1, grad_clip=1.0)
         params, opt_state = jax.device_put((model.params, tx.init(model.params)), sharding)
-        batches = synthetic_batches(config, case.batch_size, sharding, tokens=case.tokens)
+        batches = step_batches(config, case.batch_size, sharding, tokens=case.tokens)
         step = compile_train_step(model.loss, tx, params, opt_state, *batches[0])
         analysis = step.run.memory_analysis()
         leaves = tuple(jax.tree.leaves((params, opt_state)))
