@@ -20,11 +20,9 @@ import pytest
 import cutelayers as cl
 from cutelayers import tuning
 from cutelayers.bench import autotune
-from cutelayers.kernels.gemm import (CONFIGS, EXTRA_CONFIGS, SMEM_CAPACITY, Epilogue, HopperGemmKernel, config_class,
-                                     row_bucket)
-from cutelayers.kernels import norm as norm_kernels
-from cutelayers.kernels import softmax as softmax_kernels
-from cutelayers.kernels.reduction import (
+from cutelayers.kernels import norm_config, softmax_config
+from cutelayers.kernels.gemm_config import CONFIGS, EXTRA_CONFIGS, SMEM_CAPACITY, config_class, row_bucket
+from cutelayers.kernels.reduction_config import (
     CTA_THREADS,
     MAX_THREADS_PER_ROW,
     MIN_THREADS_PER_ROW,
@@ -119,6 +117,8 @@ def test_row_reduce_space_holds_the_heuristic(bits):
 
 
 def test_gemm_space_is_the_config_table():
+    from cutelayers.kernels.gemm import Epilogue, HopperGemmKernel
+
     family = LinearForward("none", False, False, False)
     avals = (S((1, 100, 256), BF16), S((1, 256, 512), BF16))
     assert family.config_space(avals) == tuple(CONFIGS.values()) + EXTRA_CONFIGS
@@ -128,9 +128,9 @@ def test_gemm_space_is_the_config_table():
 
 
 def families_and_avals():
-    """(family, operand avals, the heuristic config computed from the kernel modules directly)."""
-    norm_fwd, norm_bwd = norm_kernels.FORWARD_VALUES_PER_THREAD, norm_kernels.BACKWARD_VALUES_PER_THREAD
-    soft_fwd, soft_bwd = softmax_kernels.FORWARD_VALUES_PER_THREAD, softmax_kernels.BACKWARD_VALUES_PER_THREAD
+    """(family, operand avals, the heuristic config computed from the kernels' config modules directly)."""
+    norm_fwd, norm_bwd = norm_config.FORWARD_VALUES_PER_THREAD, norm_config.BACKWARD_VALUES_PER_THREAD
+    soft_fwd, soft_bwd = softmax_config.FORWARD_VALUES_PER_THREAD, softmax_config.BACKWARD_VALUES_PER_THREAD
     ln = (S((64, 1000), BF16), S((1000,), F32), S((1000,), BF16))
     ln_bwd = (S((64, 4096), BF16), S((64, 4096), BF16), S((64, 1), F32), S((64, 1), F32), S((4096,), BF16))
     rms_bwd = (S((8, 65536), F32), S((8, 65536), F32), S((8, 1), F32), S((65536,), F32))

@@ -15,7 +15,7 @@ import pytest
 from numerics import assert_close, random
 
 import cutelayers as cl
-from cutelayers.kernels.gemm import CONFIGS, EXTRA_CONFIGS, SPLIT_K_CONFIG, config_class, split_count
+from cutelayers.kernels.gemm_config import CONFIGS, EXTRA_CONFIGS, SPLIT_K_CONFIG, config_class, split_count
 from cutelayers.ops.linear import (
     ACTIVATION_FUNCTIONS,
     LinearWeightGrad,
