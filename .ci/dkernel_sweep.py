@@ -19,7 +19,7 @@ SPLITS = (1, 2, 3, 4, 6, 8, 12)
 
 
 def configs():
-    from cutelayers.kernels.gemm import GemmConfig
+    from cutelayers.kernels.gemm_config import GemmConfig
 
     return {
         "128x128": GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6),

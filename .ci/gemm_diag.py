@@ -5,7 +5,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from cutelayers.kernels.gemm import CONFIGS, EXTRA_CONFIGS
+from cutelayers.kernels.gemm_config import CONFIGS, EXTRA_CONFIGS
 from cutelayers.ops.linear import LinearForward, LinearInputGrad
 from cutelayers.runtime.sharding import kernel_call
 

@@ -9,9 +9,10 @@ The choice is made when lowering, per platform:
 elsewhere, and logs once which one runs and why. ``cute`` insists on kernels and raises where they
 cannot run. ``reference`` always lowers the jnp reference.
 
-Every fallback from the kernels to the reference -- no Hopper GPU, a platform other than CUDA, an
-op's dtype or size the kernels do not take, a module argument only the stock module implements --
-goes through :func:`fall_back`: one log line under ``auto``, an error under ``cute``.
+Every fallback from the kernels to the reference -- the CuTe DSL not installed (the ``cute`` extra),
+no Hopper GPU, a platform other than CUDA, an op's dtype or size the kernels do not take, a module
+argument only the stock module implements -- goes through :func:`fall_back`: one log line under
+``auto``, an error under ``cute``.
 
 Set it with the ``CUTELAYERS_BACKEND`` environment variable or, for a region of code, with
 :func:`use_backend`. The setting is part of JAX's jit cache key, so a function jitted under one

@@ -4,7 +4,8 @@
     python examples/custom_kernel.py
 
 On a Hopper GPU the kernel runs; elsewhere the jnp reference given to ``cute_call`` runs (and with
-``CUTE_DSL_ARCH=sm_90a`` the script also lowers the kernel for CUDA to show it compiles).
+``CUTE_DSL_ARCH=sm_90a`` the script also lowers the kernel for CUDA to show it compiles). Writing a
+kernel needs the CuTe DSL: ``pip install 'cutelayers[cute]'`` (the other examples run without it).
 """
 
 import cutlass

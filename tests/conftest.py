@@ -1,5 +1,5 @@
-"""Test setup: four fake CPU devices, CuTe compiles for sm_90a, `gpu` and `multigpu` markers, fresh randomness;
-with ``CUTELAYERS_TEST_TIMINGS=<file>``, one JSON line per test of where its time went."""
+"""Test setup: four fake CPU devices, CuTe compiles for sm_90a, `gpu`, `multigpu` and `cute` markers, fresh
+randomness; with ``CUTELAYERS_TEST_TIMINGS=<file>``, one JSON line per test of where its time went."""
 
 import collections
 import json
@@ -19,6 +19,8 @@ import jax
 import numpy as np
 import pytest
 
+from cutelayers.runtime.primitive import cute_dsl_missing
+
 
 def _hopper_gpus() -> list:
     try:
@@ -30,22 +32,30 @@ def _hopper_gpus() -> list:
 
 HOPPER_GPUS = _hopper_gpus()
 HAS_GPU = bool(HOPPER_GPUS)
+# Why CuTe kernels cannot be built here, or None (the library's own check): `cute` tests (and `gpu`
+# tests, which run kernels) are skipped without the CuTe DSL, as in a plain `pip install -e .`.
+CUTE_MISSING = cute_dsl_missing()
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: runs CuTe kernels on a Hopper GPU (skipped without one)")
     config.addinivalue_line("markers", "multigpu: runs on two Hopper GPUs of one host (skipped with fewer)")
+    config.addinivalue_line("markers", "cute: needs the CuTe DSL, the 'cute' extra: builds kernels or checks their "
+                                       "CUDA lowering (skipped without it)")
 
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU of compute capability 9.x (none visible)")
     skip_multigpu = pytest.mark.skip(reason=f"needs 2 CUDA GPUs of compute capability 9.x; {len(HOPPER_GPUS)} visible")
+    skip_cute = pytest.mark.skip(reason=str(CUTE_MISSING))
     for item in items:
         # markers, not keywords: a keyword is also any part of the test's node id (test_multigpu.py)
         if item.get_closest_marker("gpu") and not HAS_GPU:
             item.add_marker(skip_gpu)
         elif item.get_closest_marker("multigpu") and len(HOPPER_GPUS) < 2:
             item.add_marker(skip_multigpu)
+        elif CUTE_MISSING and (item.get_closest_marker("cute") or item.get_closest_marker("gpu")):
+            item.add_marker(skip_cute)
 
 
 @pytest.fixture

@@ -20,11 +20,9 @@ import pytest
 import cutelayers as cl
 from cutelayers import tuning
 from cutelayers.bench import autotune
-from cutelayers.kernels.gemm import (CONFIGS, EXTRA_CONFIGS, SMEM_CAPACITY, Epilogue, HopperGemmKernel, config_class,
-                                     row_bucket)
-from cutelayers.kernels import norm as norm_kernels
-from cutelayers.kernels import softmax as softmax_kernels
-from cutelayers.kernels.reduction import (
+from cutelayers.kernels import norm_config, softmax_config
+from cutelayers.kernels.gemm_config import CONFIGS, EXTRA_CONFIGS, SMEM_CAPACITY, config_class, row_bucket
+from cutelayers.kernels.reduction_config import (
     CTA_THREADS,
     MAX_THREADS_PER_ROW,
     MIN_THREADS_PER_ROW,
@@ -118,7 +116,10 @@ def test_row_reduce_space_holds_the_heuristic(bits):
             assert c.num_threads % c.threads_per_row == 0
 
 
+@pytest.mark.cute
 def test_gemm_space_is_the_config_table():
+    from cutelayers.kernels.gemm import Epilogue, HopperGemmKernel
+
     family = LinearForward("none", False, False, False)
     avals = (S((1, 100, 256), BF16), S((1, 256, 512), BF16))
     assert family.config_space(avals) == tuple(CONFIGS.values()) + EXTRA_CONFIGS
@@ -128,9 +129,9 @@ def test_gemm_space_is_the_config_table():
 
 
 def families_and_avals():
-    """(family, operand avals, the heuristic config computed from the kernel modules directly)."""
-    norm_fwd, norm_bwd = norm_kernels.FORWARD_VALUES_PER_THREAD, norm_kernels.BACKWARD_VALUES_PER_THREAD
-    soft_fwd, soft_bwd = softmax_kernels.FORWARD_VALUES_PER_THREAD, softmax_kernels.BACKWARD_VALUES_PER_THREAD
+    """(family, operand avals, the heuristic config computed from the kernels' config modules directly)."""
+    norm_fwd, norm_bwd = norm_config.FORWARD_VALUES_PER_THREAD, norm_config.BACKWARD_VALUES_PER_THREAD
+    soft_fwd, soft_bwd = softmax_config.FORWARD_VALUES_PER_THREAD, softmax_config.BACKWARD_VALUES_PER_THREAD
     ln = (S((64, 1000), BF16), S((1000,), F32), S((1000,), BF16))
     ln_bwd = (S((64, 4096), BF16), S((64, 4096), BF16), S((64, 1), F32), S((64, 1), F32), S((4096,), BF16))
     rms_bwd = (S((8, 65536), F32), S((8, 65536), F32), S((8, 1), F32), S((65536,), F32))
@@ -162,6 +163,7 @@ def test_without_a_table_every_family_gets_the_heuristic(monkeypatch):
         assert tuning.resolve(family, avals).config == expected
 
 
+@pytest.mark.cute
 def test_an_unchosen_config_is_refused_and_a_chosen_one_kept():
     avals = (S((4, 8), F32),)
     with pytest.raises(ValueError, match=r"reduce_sum: no config chosen; build the family with .*tuning\.resolve"):
@@ -186,6 +188,7 @@ def sample(configs, default):
     return list(dict.fromkeys([configs[0], configs[len(configs) // 2], configs[-1], default]))
 
 
+@pytest.mark.cute
 @pytest.mark.parametrize("op, shape, dtype, every", [
     ("layer_norm", (8, 1000), "bfloat16", True),  # register-resident rows, backward with partials
     ("linear", (100, 256, 512), "bfloat16", True),
@@ -223,6 +226,7 @@ def other_candidate(family, avals):
     return next(c for c in family.config_space(avals) if c != default)
 
 
+@pytest.mark.cute
 def test_a_table_entry_changes_the_config_and_the_compiled_kernel(tmp_path, monkeypatch):
     family = LN_FWD
     tuned = other_candidate(family, LN_AVALS)
@@ -244,6 +248,7 @@ def test_a_table_entry_changes_the_config_and_the_compiled_kernel(tmp_path, monk
     assert tuning.resolve(family, LN_AVALS).config == family.default_config(LN_AVALS)
 
 
+@pytest.mark.cute
 def test_a_gemm_entry_covers_its_row_bucket(tmp_path, monkeypatch):
     def fwd(x, w):
         return cl.ops.fused_linear(x, w)
@@ -296,6 +301,7 @@ def test_an_unreadable_table_warns_and_the_heuristic_runs(name, tmp_path, monkey
         assert tuning.resolve(family, avals).config == family.default_config(avals)
 
 
+@pytest.mark.cute
 def test_malformed_entries_warn_with_file_and_key_and_the_heuristic_runs(tmp_path, monkeypatch):
     family = SoftmaxForward(False)
     avals = (S((8, 4096), BF16),)

@@ -19,7 +19,6 @@ from test_linear import lower_cuda
 from cutelayers import ops
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-import custom_kernel as ck
 
 B1, B2 = 2, 3  # batch sizes of the outer and inner vmap
 LEAD = (4,)  # leading (row) dims of one example
@@ -39,6 +38,7 @@ class Case:
     dtype: object = jnp.float32
     rows_fold: bool = True  # vmap's kernel calls are one call's on all the rows (the LM head's chunks
     # are each example's tokens)
+    cute: bool = False  # fn is CuTe DSL code (a user kernel): the case needs the DSL even off CUDA
 
     def args(self, rng, lead=LEAD, dtype=None):
         return self.make(rng, lead, dtype or self.dtype)
@@ -95,6 +95,13 @@ def _row_scale(rng, lead, dtype, n=64):
     return random(rng, (*lead, n), dtype), random(rng, lead, dtype)
 
 
+def _row_scale_op(x, s):
+    """examples/custom_kernel.py's op, imported when first called (it defines a CuTe kernel)."""
+    import custom_kernel
+
+    return custom_kernel.row_scale(x, s)
+
+
 BF16 = jnp.bfloat16
 
 CASES = [
@@ -116,8 +123,13 @@ CASES = [
     Case("linear_cross_entropy", lambda h, labels, k, b: ops.linear_cross_entropy(h, k, labels, bias=b), _lm_head,
          (2, 3), (0, 2, 3), BF16, rows_fold=False),
     Case("masked_mean_pool", ops.masked_mean_pool, _pool),
-    Case("cute_call custom_op", ck.row_scale, _row_scale, (), (0, 1)),
+    Case("cute_call custom_op", _row_scale_op, _row_scale, (), (0, 1), cute=True),
 ]
+
+
+def params(cases):
+    """``cases`` as pytest parameters, the user kernel's marked `cute`."""
+    return [pytest.param(c, id=c.name, marks=[pytest.mark.cute] if c.cute else []) for c in cases]
 
 
 # --- the op one example at a time ---------------------------------------------------------------------
@@ -163,7 +175,7 @@ def _in_axes(args, batched, axis=0):
 # --- values -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("axis", [0, 1])
-@pytest.mark.parametrize("case", CASES, ids=repr)
+@pytest.mark.parametrize("case", params(CASES))
 def test_vmap_matches_the_op_per_example(case, axis, rng):
     args, batched = _batched(case, rng, (B1,))
     want = _stack([case.fn(*e) for e in _examples(args, batched, (B1,))], (B1,))
@@ -172,7 +184,7 @@ def test_vmap_matches_the_op_per_example(case, axis, rng):
     _assert_trees_close(got, want, case.dtype)
 
 
-@pytest.mark.parametrize("case", CASES, ids=repr)
+@pytest.mark.parametrize("case", params(CASES))
 def test_nested_vmap_under_jit_matches_the_op_per_example(case, rng):
     args, batched = _batched(case, rng, (B1, B2))
     want = _stack([case.fn(*e) for e in _examples(args, batched, (B1, B2))], (B1, B2))
@@ -181,7 +193,7 @@ def test_nested_vmap_under_jit_matches_the_op_per_example(case, rng):
     _assert_trees_close(got, want, case.dtype)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.shared], ids=repr)
+@pytest.mark.parametrize("case", params([c for c in CASES if c.shared]))
 def test_per_example_parameters(case, rng):
     args, batched = _batched(case, rng, (B1,), per_example_params=True)
     examples = _examples(args, batched, (B1,))
@@ -194,7 +206,7 @@ def test_per_example_parameters(case, rng):
 
 # --- gradients ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("case", CASES, ids=repr)
+@pytest.mark.parametrize("case", params(CASES))
 def test_vmap_of_grad_gives_per_example_gradients(case, rng):
     args, batched = _batched(case, rng, (B1,))
     grad = jax.grad(_loss(case.fn), case.wrt)
@@ -202,7 +214,7 @@ def test_vmap_of_grad_gives_per_example_gradients(case, rng):
     _assert_trees_close(jax.vmap(grad, _in_axes(args, batched))(*args), want, case.dtype)
 
 
-@pytest.mark.parametrize("case", CASES, ids=repr)
+@pytest.mark.parametrize("case", params(CASES))
 def test_grad_of_vmap_sums_shared_gradients(case, rng):
     args, batched = _batched(case, rng, (B1, B2))
     grad = jax.grad(_loss(case.fn), case.wrt)
@@ -236,7 +248,8 @@ def _avals(case, rng, batch):
     return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args], batched
 
 
-@pytest.mark.parametrize("case", CASES, ids=repr)
+@pytest.mark.cute
+@pytest.mark.parametrize("case", params(CASES))
 def test_vmapped_calls_lower_to_the_kernels_of_one_call(case, rng):
     """vmap(vmap(f)) and grad(vmap(vmap(f))): the kernels of f called once on all the rows (row
     folds: the same rows in each call); vmap(grad(f)): the kernels of grad(f), each launched once."""

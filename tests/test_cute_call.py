@@ -3,8 +3,6 @@
 import os
 import sys
 
-import cutlass
-import cutlass.cute as cute
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,31 +12,24 @@ import cutelayers as cl
 from numerics import random
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-import custom_kernel as ck  # noqa: E402
+
+pytestmark = pytest.mark.cute  # every test here builds a user's CuTe kernel
 
 
-@cute.kernel
-def _add_kernel(x: cute.Tensor, y: cute.Tensor, amount: cutlass.Constexpr):
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
-    i = bidx * 128 + tidx
-    if i < x.shape[0]:
-        y[i] = x[i] + amount
+@pytest.fixture(scope="module")
+def uk():
+    """tests/user_kernels.py: the kernels these tests call (CuTe DSL code)."""
+    import user_kernels
+
+    return user_kernels
 
 
-@cute.jit
-def add_launcher(stream, x: cute.Tensor, y: cute.Tensor, *, amount: cutlass.Constexpr = 1.0):
-    _add_kernel(x, y, amount).launch(grid=[cute.ceil_div(x.shape[0], 128), 1, 1], block=[128, 1, 1], stream=stream)
+@pytest.fixture(scope="module")
+def ck():
+    """examples/custom_kernel.py: the documented example (CuTe DSL code)."""
+    import custom_kernel
 
-
-@cute.jit
-def add_in_place_launcher(stream, x: cute.Tensor, *, amount: cutlass.Constexpr = 1.0):
-    _add_kernel(x, x, amount).launch(grid=[cute.ceil_div(x.shape[0], 128), 1, 1], block=[128, 1, 1], stream=stream)
-
-
-def add(x, amount=1.0, **kw):
-    return cl.cute_call(add_launcher, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), name="add",
-                        reference=lambda x, amount: x + amount, amount=amount, **kw)(x)
+    return custom_kernel
 
 
 def lower_cuda(f, *avals):
@@ -51,21 +42,23 @@ def fresh():
     jax.clear_caches()
 
 
-def test_reference_runs_off_gpu_and_kernel_lowers_for_cuda():
+def test_reference_runs_off_gpu_and_kernel_lowers_for_cuda(uk):
     x = jnp.arange(5.0)
-    np.testing.assert_allclose(jax.jit(lambda x: add(x, 2.5))(x), x + 2.5)
-    hlo = lower_cuda(lambda x: add(x, 2.5), jax.ShapeDtypeStruct((300,), jnp.float32))
+    np.testing.assert_allclose(jax.jit(lambda x: uk.add(x, 2.5))(x), x + 2.5)
+    hlo = lower_cuda(lambda x: uk.add(x, 2.5), jax.ShapeDtypeStruct((300,), jnp.float32))
     assert "custom_call @cutelayers_add_" in hlo
-    lower_cuda(lambda x: add(x, 2.5), jax.ShapeDtypeStruct((7,), jnp.float32))  # new size: no compile
-    lower_cuda(lambda x: add(x, 4.0), jax.ShapeDtypeStruct((7,), jnp.float32))  # new constexpr: compile
+    lower_cuda(lambda x: uk.add(x, 2.5), jax.ShapeDtypeStruct((7,), jnp.float32))  # new size: no compile
+    lower_cuda(lambda x: uk.add(x, 4.0), jax.ShapeDtypeStruct((7,), jnp.float32))  # new constexpr: compile
     assert cl.cache_info()["add"].compiles == 2
 
 
-def test_compile_key_shares_compiles_between_launcher_objects():
+def test_compile_key_shares_compiles_between_launcher_objects(uk):
+    from cutlass import cute
+
     def make():
         @cute.jit
         def launcher(stream, x: cute.Tensor, y: cute.Tensor):
-            _add_kernel(x, y, 1.0).launch(grid=[cute.ceil_div(x.shape[0], 128), 1, 1], block=[128, 1, 1], stream=stream)
+            uk.add_kernel(x, y, 1.0).launch(grid=[cute.ceil_div(x.shape[0], 128), 1, 1], block=[128, 1, 1], stream=stream)
         return launcher
 
     aval = jax.ShapeDtypeStruct((64,), jnp.float32)
@@ -79,14 +72,16 @@ def test_compile_key_shares_compiles_between_launcher_objects():
     assert cl.cache_info()["unkeyed"].compiles == 2  # two launcher objects, no key: two kernels
 
 
-def test_aliases_lower_to_output_operand_aliases():
-    f = cl.cute_call(add_in_place_launcher, out_shape=jax.ShapeDtypeStruct((256,), jnp.float32),
+def test_aliases_lower_to_output_operand_aliases(uk):
+    f = cl.cute_call(uk.add_in_place_launcher, out_shape=jax.ShapeDtypeStruct((256,), jnp.float32),
                      input_output_aliases={0: 0}, name="add_in_place")
     hlo = lower_cuda(f, jax.ShapeDtypeStruct((256,), jnp.float32))
     assert "output_operand_aliases" in hlo
 
 
 def test_pytree_inputs_outputs_and_modes():
+    from cutlass import cute
+
     @cute.jit
     def launcher(stream, a: cute.Tensor, b: cute.Tensor, out_t: cute.Tensor, out_s: cute.Tensor):
         pass  # compile-only: the structure and the mode view are what is tested
@@ -101,39 +96,39 @@ def test_pytree_inputs_outputs_and_modes():
     assert cl.cache_info()["tree"].compiles == 1
 
 
-def test_misuse_errors():
+def test_misuse_errors(uk):
     x = jnp.ones((8,), jnp.float32)
     aval = jax.ShapeDtypeStruct((8,), jnp.float32)
     with pytest.raises(TypeError, match=r"keyword 'amount' holds a JAX array"):
-        cl.cute_call(add_launcher, out_shape=aval, amount=jnp.float32(1.0))
+        cl.cute_call(uk.add_launcher, out_shape=aval, amount=jnp.float32(1.0))
     with pytest.raises(TypeError, match=r"keyword 'amount' holds a JAX array"):
-        cl.cute_call(add_launcher, out_shape=aval, amount={"a": jnp.ones(2)})
+        cl.cute_call(uk.add_launcher, out_shape=aval, amount={"a": jnp.ones(2)})
     with pytest.raises(TypeError, match="not hashable"):
-        cl.cute_call(add_launcher, out_shape=aval, amount=[1.0])
+        cl.cute_call(uk.add_launcher, out_shape=aval, amount=[1.0])
     with pytest.raises(TypeError, match=r"takes 2 tensors after stream, but the call passes 2 input\(s\) and 1 output"):
-        cl.cute_call(add_launcher, out_shape=aval)(x, x)
+        cl.cute_call(uk.add_launcher, out_shape=aval)(x, x)
     with pytest.raises(TypeError, match="input leaf 0: dtype complex64 has no CuTe DSL equivalent"):
-        cl.cute_call(add_launcher, out_shape=aval)(jnp.ones((8,), jnp.complex64))
+        cl.cute_call(uk.add_launcher, out_shape=aval)(jnp.ones((8,), jnp.complex64))
     with pytest.raises(TypeError, match="out_shape leaf 0"):
-        cl.cute_call(add_launcher, out_shape=[(8,)])
+        cl.cute_call(uk.add_launcher, out_shape=[(8,)])
     with pytest.raises(ValueError, match=r"input_modes\[0\] = \(0, 1\) is not a permutation of the dims of a rank-1"):
-        cl.cute_call(add_launcher, out_shape=aval, input_modes=[(0, 1)])(x)
+        cl.cute_call(uk.add_launcher, out_shape=aval, input_modes=[(0, 1)])(x)
     with pytest.raises(ValueError, match="input_modes has 2 entries; there are 1 input arrays"):
-        cl.cute_call(add_launcher, out_shape=aval, input_modes=[None, None])(x)
+        cl.cute_call(uk.add_launcher, out_shape=aval, input_modes=[None, None])(x)
     with pytest.raises(ValueError, match=r"input 0 \(shape/dtype \(\(8,\), 'float32'\)\) is aliased to output 0, which out_shape declares as \(\(4,\), 'float32'\)"):
-        cl.cute_call(add_in_place_launcher, out_shape=jax.ShapeDtypeStruct((4,), jnp.float32),
+        cl.cute_call(uk.add_in_place_launcher, out_shape=jax.ShapeDtypeStruct((4,), jnp.float32),
                      input_output_aliases={0: 0})(x)
     with pytest.raises(ValueError, match="dynamic_dims entry 0 names dim 3"):
-        cl.cute_call(add_launcher, out_shape=aval, dynamic_dims=(3,))(x)
+        cl.cute_call(uk.add_launcher, out_shape=aval, dynamic_dims=(3,))(x)
     with pytest.raises(NotImplementedError, match="has no reference implementation"):
-        cl.cute_call(add_launcher, out_shape=aval)(x)  # CPU, no reference given
+        cl.cute_call(uk.add_launcher, out_shape=aval)(x)  # CPU, no reference given
     with pytest.raises(NotImplementedError, match="Use the cutelayers op"):
-        jax.grad(lambda x: add(x).sum())(x)
+        jax.grad(lambda x: uk.add(x).sum())(x)
     with pytest.raises(NotImplementedError, match="Batching"):
-        jax.vmap(add)(jnp.ones((2, 8)))
+        jax.vmap(uk.add)(jnp.ones((2, 8)))
 
 
-def test_example_custom_op_grads_and_vmap(rng):
+def test_example_custom_op_grads_and_vmap(rng, ck):
     ck.main()  # values, grads, nested vmap vs jnp (reference lowering here)
     x = random(rng, (3, 50), jnp.float32)
     s = random(rng, (3,), jnp.float32)
@@ -142,7 +137,7 @@ def test_example_custom_op_grads_and_vmap(rng):
 
 
 @pytest.mark.gpu
-def test_example_on_gpu(rng):
+def test_example_on_gpu(rng, uk, ck):
     with cl.use_backend("cute"):
         ck.main()
         x = random(rng, (5, 7, 1000), jnp.bfloat16)
@@ -150,13 +145,13 @@ def test_example_on_gpu(rng):
         np.testing.assert_allclose(np.asarray(ck.row_scale(x, s), np.float32),
                                    np.asarray(x, np.float32) * np.asarray(s, np.float32)[..., None], rtol=1e-2, atol=1e-2)
         for dyn in [(0,), ()]:
-            y = jax.jit(lambda x: add(x, 3.0, dynamic_dims=dyn))(jnp.arange(1000.0))
+            y = jax.jit(lambda x: uk.add(x, 3.0, dynamic_dims=dyn))(jnp.arange(1000.0))
             np.testing.assert_allclose(y, np.arange(1000.0) + 3.0)
 
 
 @pytest.mark.gpu
-def test_in_place_alias_writes_in_place_gpu():
-    f = cl.cute_call(add_in_place_launcher, out_shape=jax.ShapeDtypeStruct((4096,), jnp.float32),
+def test_in_place_alias_writes_in_place_gpu(uk):
+    f = cl.cute_call(uk.add_in_place_launcher, out_shape=jax.ShapeDtypeStruct((4096,), jnp.float32),
                      input_output_aliases={0: 0}, name="add_in_place", amount=2.0)
     x = jnp.arange(4096.0)
     pointer = x.unsafe_buffer_pointer()
@@ -166,36 +161,16 @@ def test_in_place_alias_writes_in_place_gpu():
     assert y.unsafe_buffer_pointer() == pointer  # the kernel wrote into the donated input buffer
 
 
-@cute.kernel
-def _copy_rows_kernel(src: cute.Tensor, dst: cute.Tensor):
-    tidx, _, _ = cute.arch.thread_idx()
-    row, _, _ = cute.arch.block_idx()
-    for col in cutlass.range(tidx, src.shape[1], 128):
-        dst[row, col] = src[row, col]
-
-
-@cute.jit
-def copy_rows_launcher(stream, src: cute.Tensor, dst: cute.Tensor):
-    """dst[r, c] = src[r, c]: with input_modes=(1, 0), src is x seen as x.T (no copy)."""
-    _copy_rows_kernel(src, dst).launch(grid=[dst.shape[0], 1, 1], block=[128, 1, 1], stream=stream)
-
-
-def transpose_call(x):
-    return cl.cute_call(copy_rows_launcher, out_shape=jax.ShapeDtypeStruct(x.shape[::-1], x.dtype),
-                        input_modes=[(1, 0)], dynamic_dims=[(0,), (1,)], name="transpose_view",
-                        reference=lambda x: x.T)(x)
-
-
-def test_mode_view_reference_and_lowering():
+def test_mode_view_reference_and_lowering(uk):
     x = jnp.arange(12.0).reshape(3, 4)
-    np.testing.assert_allclose(transpose_call(x), x.T)
-    hlo = lower_cuda(transpose_call, jax.ShapeDtypeStruct((64, 48), jnp.float32))
+    np.testing.assert_allclose(uk.transpose_call(x), x.T)
+    hlo = lower_cuda(uk.transpose_call, jax.ShapeDtypeStruct((64, 48), jnp.float32))
     assert "custom_call @cutelayers_transpose_view_" in hlo
 
 
 @pytest.mark.gpu
-def test_mode_view_gpu(rng):
+def test_mode_view_gpu(rng, uk):
     with cl.use_backend("cute"):
         for rows in (5, 300):
             x = random(rng, (rows, 48), jnp.bfloat16)
-            np.testing.assert_array_equal(np.asarray(jax.jit(transpose_call)(x), np.float32), np.asarray(x, np.float32).T)
+            np.testing.assert_array_equal(np.asarray(jax.jit(uk.transpose_call)(x), np.float32), np.asarray(x, np.float32).T)

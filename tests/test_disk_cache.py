@@ -68,6 +68,7 @@ def lower_in_process(cache_dir, monkeypatch, n=512):
     return cl.cache_info()["layer_norm_fwd"]
 
 
+@pytest.mark.cute
 def test_second_process_compiles_nothing(tmp_path):
     first = run_process(tmp_path)
     assert set(first) == KERNELS
@@ -77,6 +78,7 @@ def test_second_process_compiles_nothing(tmp_path):
     assert all(compiles == 0 and hits == 1 for compiles, hits in second.values()), second
 
 
+@pytest.mark.cute
 @pytest.mark.parametrize("damage", ["truncate", "flip_byte", "garbage_meta", "other_key", "missing_object"])
 def test_damaged_entry_is_recompiled_and_replaced(tmp_path, monkeypatch, damage):
     first = lower_in_process(tmp_path, monkeypatch)
@@ -104,6 +106,7 @@ def test_damaged_entry_is_recompiled_and_replaced(tmp_path, monkeypatch, damage)
     assert (third.compiles, third.disk_hits) == (0, 1)
 
 
+@pytest.mark.cute
 def test_key_covers_shapes_and_source(tmp_path, monkeypatch):
     lower_in_process(tmp_path, monkeypatch, n=512)
     other = lower_in_process(tmp_path, monkeypatch, n=520)
@@ -114,6 +117,7 @@ def test_key_covers_shapes_and_source(tmp_path, monkeypatch):
     assert (edited.compiles, edited.disk_hits) == (1, 0)
 
 
+@pytest.mark.cute
 def test_disabled_by_empty_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("CUTELAYERS_CACHE_DIR", "")
     assert disk_cache.cache_dir() is None
@@ -130,6 +134,7 @@ def test_default_directory_is_the_user_cache(monkeypatch, tmp_path):
     assert disk_cache.cache_dir() == tmp_path / "cutelayers" / "kernels"
 
 
+@pytest.mark.cute
 def test_unwritable_directory_warns_and_still_compiles(tmp_path, monkeypatch, caplog):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
@@ -138,6 +143,7 @@ def test_unwritable_directory_warns_and_still_compiles(tmp_path, monkeypatch, ca
     assert "not written" in caplog.text
 
 
+@pytest.mark.cute
 def test_concurrent_processes_leave_valid_entries(tmp_path):
     for process in [start_process(tmp_path) for _ in range(3)]:
         finish_process(process)
@@ -149,8 +155,9 @@ def test_concurrent_processes_leave_valid_entries(tmp_path):
     assert all(compiles == 0 for compiles, _ in again.values()), again
 
 
+@pytest.mark.cute
 def test_user_kernels_persist_only_with_a_compile_key(tmp_path, monkeypatch):
-    from test_cute_call import add_launcher  # a user launcher defined in a test module
+    from user_kernels import add_launcher  # a user launcher defined outside the package
 
     monkeypatch.setenv("CUTELAYERS_CACHE_DIR", str(tmp_path))
     x = jax.ShapeDtypeStruct((16, 64), jnp.float32)

@@ -303,6 +303,7 @@ def test_every_upstream_argument_is_covered(module):
     assert issubclass(ours, stock)
 
 
+@pytest.mark.cute  # without the CuTe DSL, that is what the error names (tests/test_without_cute.py)
 def test_cute_backend_fails_when_run_off_cuda():
     """An explicit request for kernels fails where they cannot run: here, lowered for the CPU."""
     x = jax.ShapeDtypeStruct((2, FEATURES), jnp.float32)

@@ -24,6 +24,8 @@ from numerics import assert_close
 
 from conftest import HAS_GPU
 
+pytestmark = pytest.mark.cute  # a bundle holds compiled kernels
+
 H, V = 64, 128
 
 

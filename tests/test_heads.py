@@ -287,6 +287,7 @@ def test_strided_chunks_never_copy_h_whole():
     assert token_sized_copies(hlo, tokens * hidden) == []
 
 
+@pytest.mark.cute
 @pytest.mark.parametrize("reduction,logit_gemms", [("mean", 1), ("sum", 1), ("none", 2)])
 def test_lowers_to_the_kernels_for_cuda(reduction, logit_gemms):
     """Every chunk's GEMMs and cross-entropy passes are our kernels. A mean or sum computes the

@@ -15,7 +15,7 @@ import pytest
 from numerics import assert_close, random
 
 import cutelayers as cl
-from cutelayers.kernels.gemm import CONFIGS, EXTRA_CONFIGS, SPLIT_K_CONFIG, config_class, split_count
+from cutelayers.kernels.gemm_config import CONFIGS, EXTRA_CONFIGS, SPLIT_K_CONFIG, config_class, split_count
 from cutelayers.ops.linear import (
     ACTIVATION_FUNCTIONS,
     LinearWeightGrad,
@@ -364,6 +364,7 @@ def fresh_cache():
     cl.clear_cache()
 
 
+@pytest.mark.cute
 @pytest.mark.parametrize("activation", ACTS)
 def test_lowering_every_activation(activation, fresh_cache):
     # Each activation compiles its plain and z-saving forward in one config class (cycling
@@ -375,11 +376,13 @@ def test_lowering_every_activation(activation, fresh_cache):
     assert info["linear_dx"].compiles == 1 and info["linear_dkernel"].compiles == 1
 
 
+@pytest.mark.cute
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_lowering_every_config(config, fresh_cache):
     _lower_fwd_and_bwd(config, "gelu", jnp.float16)
 
 
+@pytest.mark.cute
 def test_lowering_compiles_once_across_row_counts_and_batches(fresh_cache):
     S = jax.ShapeDtypeStruct
 
@@ -394,6 +397,7 @@ def test_lowering_compiles_once_across_row_counts_and_batches(fresh_cache):
     assert info["linear_dkernel"].compiles == 1
 
 
+@pytest.mark.cute
 def test_lowering_grad_of_vmap_is_one_weight_grad_on_all_rows(fresh_cache):
     # The Equinox style, grad(vmap(layer)) with a shared kernel (vmapped over two axes): one dkernel
     # launch contracting all 6 * 4 * 25 rows into (K, N) = (64, 128), no per-example (6, 64, 128).
@@ -411,6 +415,7 @@ def test_lowering_grad_of_vmap_is_one_weight_grad_on_all_rows(fresh_cache):
     assert "6x64x128" not in hlo
 
 
+@pytest.mark.cute
 def test_lowering_vmapped_weight_grad_is_one_batched_launch(fresh_cache):
     S = jax.ShapeDtypeStruct
     per_example = jax.vmap(jax.grad(lambda x, w: jnp.sum(fused_linear(x, w, activation="silu").astype(jnp.float32)), 1),
@@ -509,6 +514,7 @@ def test_split_k_reference_adds_into_the_accumulator(rng):
     assert_close(out, want, jnp.float32, scale=10.0)
 
 
+@pytest.mark.cute
 def test_lowering_split_k_weight_grad(fresh_cache):
     # The dkernel call adds its splits into a zeroed float32 buffer it aliases; the gradient is
     # that sum in the kernel's dtype.
@@ -536,6 +542,7 @@ def _accumulate_case(config, splits, k=256, n=512, dtype=jnp.bfloat16):
     return family, (S((1, 4296, k), dtype), S((1, 4296, n), dtype), S((1, k, n), jnp.float32))
 
 
+@pytest.mark.cute
 @pytest.mark.parametrize("splits", [1, 3])
 def test_accumulating_weight_grad_compiles_for_every_config(splits, fresh_cache):
     for config in ACCUMULATE_CONFIGS:

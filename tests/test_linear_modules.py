@@ -82,6 +82,7 @@ def test_linen_dense_activation(activation, stock_fn, rng):
     assert_matches(dense.apply(variables, x), ref.astype(jnp.bfloat16))
 
 
+@pytest.mark.cute
 def test_linen_dense_lowers_to_the_gemm_kernels_for_cuda():
     S = jax.ShapeDtypeStruct
     dense = cl_linen.Dense(256, dtype=jnp.bfloat16, activation="gelu")

@@ -33,6 +33,7 @@ def fresh_cache():
     cl.clear_cache()
 
 
+@pytest.mark.cute
 def test_twelve_blocks_compile_once():
     hlo = lower_cuda(blocks, jax.ShapeDtypeStruct((4, 256, 1024), jnp.bfloat16))
     assert len(custom_calls(hlo)) == 12
@@ -49,6 +50,7 @@ def test_twelve_blocks_compile_once():
     assert after.compile_seconds > 0
 
 
+@pytest.mark.cute
 def test_dtype_and_kernel_are_part_of_the_key():
     lower_cuda(cl.ops.reduce_sum, jax.ShapeDtypeStruct((8, 64), jnp.bfloat16))
     lower_cuda(cl.ops.reduce_sum, jax.ShapeDtypeStruct((8, 64), jnp.float32))
@@ -57,6 +59,7 @@ def test_dtype_and_kernel_are_part_of_the_key():
     assert info["reduce_sum"].compiles == 2 and info["reduce_max"].compiles == 1
 
 
+@pytest.mark.cute
 def test_vjp_and_vmap_plumbing_lowers_to_one_kernel_per_call():
     def loss(x):
         return jnp.sum(jax.vmap(jax.vmap(cl.ops.reduce_sum))(x) ** 2)
@@ -67,6 +70,7 @@ def test_vjp_and_vmap_plumbing_lowers_to_one_kernel_per_call():
     assert "tensor<30x128xf32>" in calls[0]
 
 
+@pytest.mark.cute
 def test_concurrent_lowering_compiles_once():
     errors = []
 
@@ -93,6 +97,7 @@ def test_reference_backend_lowers_no_kernel():
     assert cl.cache_info() == {}
 
 
+@pytest.mark.cute
 def test_backend_switch_is_not_served_from_jit_cache():
     f = jax.jit(cl.ops.reduce_sum)
     aval = jax.ShapeDtypeStruct((8, 64), jnp.float32)
@@ -102,6 +107,7 @@ def test_backend_switch_is_not_served_from_jit_cache():
     assert custom_calls(cute_hlo) and not custom_calls(ref_hlo)
 
 
+@pytest.mark.cute
 def test_cute_backend_without_a_hopper_target_is_an_error(monkeypatch):
     monkeypatch.delenv("CUTE_DSL_ARCH")
     with cl.use_backend("cute"), pytest.raises(RuntimeError, match="needs a Hopper GPU"):

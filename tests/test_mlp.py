@@ -124,6 +124,7 @@ def test_bad_inputs_name_the_argument(rng):
         mlp(x, w1, b1, w2, b2, activation="swish2")
 
 
+@pytest.mark.cute
 def test_lowering_fuses_the_activation_derivative():
     # Forward: fc1 (storing z1) and fc2. Backward: the dh GEMM reads z1 (three operands: the
     # activation derivative is in its epilogue), dx, two weight gradients -- and no separate pass.

@@ -285,6 +285,7 @@ def test_bad_arguments_name_the_argument():
 
 # --- CUDA lowering: one ops.mlp --------------------------------------------------------------------
 
+@pytest.mark.cute
 def test_modules_lower_to_the_mlp_kernels_for_cuda():
     """Each framework's bfloat16 MLP, differentiated, lowers (backend 'cute': no fallback anywhere)
     to the op's six GEMMs: fc1 (storing the pre-activation) and fc2 forward; the hidden gradient

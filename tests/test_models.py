@@ -172,6 +172,7 @@ def train_step_hlo(model, batch) -> str:
             .lower(lowering_platforms=("cuda",)).as_text())
 
 
+@pytest.mark.cute
 def test_each_mlp_is_one_op_in_the_train_step():
     """Each block's fc1 -> gelu -> fc2 (+ residual) is one ``ops.mlp`` (backend 'cute': no
     fallback anywhere): fc1's forward stores its pre-activation (a linear_fwd with two results),
@@ -198,6 +199,7 @@ def kernel_name(target: str) -> str:
     return re.sub(r"^cutelayers_|_[0-9a-f]{16}$", "", target)
 
 
+@pytest.mark.cute
 def test_deep24_compiles_each_kernel_once():
     cfg = get_config("deep24", seq_len=32)
     assert cfg.n_layers == 24 and cfg.dtype == "bfloat16"

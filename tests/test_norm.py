@@ -410,6 +410,7 @@ LOWERING_CASES = [
 ]
 
 
+@pytest.mark.cute
 @pytest.mark.parametrize("op,n,xdt,pdt,odt,with_scale,with_bias", LOWERING_CASES)
 def test_lowers_for_cuda_and_compiles_kernels(op, n, xdt, pdt, odt, with_scale, with_bias):
     fn, _ = OPS[op]
@@ -439,6 +440,7 @@ ADD_LOWERING_CASES = [
 ]
 
 
+@pytest.mark.cute
 @pytest.mark.parametrize("op,n,xdt,rdt,pdt,odt,with_scale,with_bias", ADD_LOWERING_CASES)
 def test_add_lowers_for_cuda_to_one_kernel_each_way(op, n, xdt, rdt, pdt, odt, with_scale, with_bias):
     """The residual add, the norm and both outputs' gradients: one forward kernel and one backward

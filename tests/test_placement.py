@@ -49,6 +49,7 @@ def test_shard_map_runs_per_shard(mesh, rng):
     np.testing.assert_allclose(g, jax.grad(lambda x: jnp.sum(x.mean(-1) ** 2))(x), rtol=1e-5)
 
 
+@pytest.mark.cute
 def test_cuda_lowering_under_shard_map_emits_the_kernel(mesh):
     f = jax.shard_map(lambda x: cl.ops.reduce_sum(x), mesh=mesh, in_specs=P("data"), out_specs=P("data"))
     hlo = lower_cuda(f, jax.ShapeDtypeStruct((16, 64), jnp.float32))
@@ -64,6 +65,7 @@ def test_cuda_lowering_of_sharded_jit_defers_the_kernel_to_the_partitioner(mesh)
     assert "sdy.sharding_rule" in call and "custom_call @cutelayers_" not in hlo
 
 
+@pytest.mark.cute
 def test_shard_map_that_leaves_an_axis_automatic_is_refused(rng):
     mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     f = jax.shard_map(lambda x: cl.ops.reduce_sum(x), mesh=mesh, in_specs=P("data"), out_specs=P("data"),
@@ -72,6 +74,7 @@ def test_shard_map_that_leaves_an_axis_automatic_is_refused(rng):
         lower_cuda(f, jax.ShapeDtypeStruct((16, 64), jnp.float32))
 
 
+@pytest.mark.cute
 def test_raw_primitive_in_sharded_jit_is_refused(mesh):
     aval = jax.ShapeDtypeStruct((16, 64), jnp.float32, sharding=NamedSharding(mesh, P("data")))
     family = tuning.resolve(RowReduce("sum"), (aval,))

@@ -257,6 +257,7 @@ def kernel_row_counts(hlo: str) -> set[int]:
     return {int(d) for line in lines for ds in re.findall(r"\[([\d,]+)\]", line) for d in ds.split(",")}
 
 
+@pytest.mark.cute
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: c.name)
 def test_row_sharded_cuda_program_runs_kernels_per_device(case, rng, tmp_path):
     mesh = make_mesh((4,), ("data",))
@@ -284,6 +285,7 @@ def _linear(x, w, b, res):
     return cl.ops.fused_linear(x, w, b, activation="silu", residual=res)
 
 
+@pytest.mark.cute
 @pytest.mark.parametrize("layout", PARALLEL)
 def test_parallel_linear_collectives(layout, rng, tmp_path):
     """CUDA-lowered forward, partitioned per device: column-parallel needs no collective at all;
@@ -397,10 +399,11 @@ def test_uneven_row_sharding_is_an_error(rng):
         jax.jit(f)(random(rng, (6, 64), jnp.float32))
 
 
+@pytest.mark.cute
 def test_user_kernels_refuse_sharded_operands(rng):
     """cute_call's out_shape is the global result: a user kernel never runs on a shard under
     sharded jit (jax.shard_map is the way to run it per device)."""
-    from test_cute_call import add
+    from user_kernels import add
 
     mesh = make_mesh((4,), ("data",))
     x = jax.device_put(random(rng, (8, 64), jnp.float32), NamedSharding(mesh, ROWS))

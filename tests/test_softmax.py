@@ -161,6 +161,7 @@ def test_cross_entropy_errors():
     assert np.isnan(out[1]) and np.isfinite(out[0])
 
 
+@pytest.mark.cute
 def test_cuda_lowering_compiles_every_kernel():
     cl.clear_cache()
     jax.clear_caches()

@@ -19,7 +19,7 @@ shape.
 Winners go into a tuned-config table (see :mod:`cutelayers.tuning`): by default the user's, which
 the runtime reads, so functions traced afterwards run the tuned kernels. Entries are keyed by the
 GPU (``device_kind``), the family, dtype and static dims; a linear entry covers a range of row
-counts (:func:`cutelayers.kernels.gemm.row_bucket`), a row-op entry every row count.
+counts (:func:`cutelayers.kernels.gemm_config.row_bucket`), a row-op entry every row count.
 
 The sweep logic (:func:`sweep`) takes a runner -- ``run(family, operands)`` and ``time(family,
 operands)`` -- so it is testable without a GPU; :class:`DeviceRunner` is the real one.

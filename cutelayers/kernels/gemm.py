@@ -53,163 +53,18 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from cutelayers.kernels.gemm_config import EPI_STAGES, PERSISTENT_SMS, SOURCE_STAGES, WARPGROUP, GemmConfig
+
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_exact", "silu", "sigmoid", "tanh", "leaky_relu", "hardswish")
 
-WARPGROUP = 128
-SMEM_CAPACITY = 227 * 1024  # sm_90 dynamic shared memory per CTA
-SMEM_RESERVED = 2048  # mbarriers and the 1 KiB alignment of each buffer
-EPI_STAGES = 4  # epilogue smem buffers in flight to TMA stores
 GROUP_N = 8  # most cluster columns per rasterization group
-# SMs the persistent grid is sized for: H100 SXM and H200 have 132. A GPU with fewer runs the
-# extra CTAs as a short second wave (correct, slightly unbalanced); one with more idles a few SMs.
-PERSISTENT_SMS = 132
 PRODUCER_REGISTERS = 40  # the TMA warpgroup only computes addresses
 CONSUMER_REGISTERS = 232  # accumulators: 40 * 128 + 232 * 256 fits the SM's 64K registers
-SOURCE_STAGES = 2  # epilogue source tiles (residual / pre-activation) in flight
 # Named barriers: 1 + group for a group's epilogue, MMA_TURN_BARRIER + warpgroup for pingpong's
 # mainloop turns.
 MMA_TURN_BARRIER = 3
 LEAKY_SLOPE = 0.01  # jax.nn.leaky_relu's default
 GELU_TANH_SCALE = math.sqrt(2.0 / math.pi)
-
-
-@dataclasses.dataclass(frozen=True)
-class GemmConfig:
-    """Tile shape, warpgroups, pipeline depth and cluster shape of one kernel instance.
-
-    ``consumer_warpgroups`` split ``tile_m`` (each owns tile_m / groups rows; at most 64 rows x
-    tile_n columns of accumulators per 128 threads keeps the accumulator in registers), unless
-    ``pingpong``: then two warpgroups each compute whole (tile_m, tile_n) tiles, alternately. A
-    ``cluster_m x cluster_n`` cluster multicasts B over its ``cluster_m`` CTAs and A over its
-    ``cluster_n``. ``stages`` is an upper bound: an epilogue that needs a source ring gets as many
-    as fit next to it.
-    """
-
-    tile_m: int
-    tile_n: int
-    consumer_warpgroups: int
-    stages: int
-    cluster_m: int = 1
-    cluster_n: int = 1
-    pingpong: bool = False
-    tile_k: int = 64
-
-    @property
-    def threads(self) -> int:
-        return WARPGROUP * (1 + self.consumer_warpgroups)  # + the producer warpgroup
-
-    @property
-    def epilogue_groups(self) -> int:
-        """Warpgroups that run epilogues independently: two in pingpong, else one (all together)."""
-        return 2 if self.pingpong else 1
-
-    @property
-    def mma_warpgroups(self) -> int:
-        """Warpgroups sharing one tile's MMAs."""
-        return 1 if self.pingpong else self.consumer_warpgroups
-
-    def epi_tile(self) -> tuple[int, int]:
-        """The epilogue's (rows, columns) per smem buffer: 64 rows per warpgroup sharing the tile
-        (their stmatrix stores go together), 32 columns."""
-        return (64 * self.mma_warpgroups, 32)
-
-    def ring_bytes(self, c_bytes: int, source: bool) -> int:
-        """Shared memory of the epilogue rings: stores, plus sources if the epilogue reads one."""
-        rows, cols = self.epi_tile()
-        buffers = EPI_STAGES + (SOURCE_STAGES if source else 0)
-        return self.epilogue_groups * buffers * rows * cols * c_bytes
-
-    def stage_bytes(self, ab_bytes: int) -> int:
-        return (self.tile_m + self.tile_n) * self.tile_k * ab_bytes
-
-    def stages_for(self, ab_bytes: int, c_bytes: int, source: bool) -> int:
-        """Mainloop stages: ``stages``, or fewer where the epilogue's rings leave less room."""
-        room = SMEM_CAPACITY - SMEM_RESERVED - self.ring_bytes(c_bytes, source)
-        return min(self.stages, room // self.stage_bytes(ab_bytes))
-
-    def smem_bytes(self, ab_bytes: int, c_bytes: int | None = None, source: bool = False) -> int:
-        c_bytes = ab_bytes if c_bytes is None else c_bytes
-        return (self.stages_for(ab_bytes, c_bytes, source) * self.stage_bytes(ab_bytes)
-                + self.ring_bytes(c_bytes, source) + SMEM_RESERVED)
-
-
-# Shape classes -> config (chosen from the H100 sweeps in docs/benchmarks.md). "small_m":
-# decode-like row counts, where 128-row tiles would be mostly padding; "wide": long mainloops (K
-# >= 2048) on a large output, where a 128x256 tile halves the operand traffic per FLOP and the
-# shared epilogue is amortised; "default": short mainloops or few tiles, where pingpong hides one
-# warpgroup's epilogue behind the other's MMAs. Both use 2x1 clusters (B multicast).
-CONFIGS = {
-    "small_m": GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1, stages=8),
-    "default": GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6, cluster_m=2, pingpong=True),
-    "wide": GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, stages=4, cluster_m=2),
-}
-# Further points of the autotuning space (not picked by the heuristic).
-EXTRA_CONFIGS = (
-    GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6),
-    GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, stages=4),
-    GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6, cluster_m=2),
-    GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, stages=4, cluster_n=2),
-    GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6, pingpong=True),
-    GemmConfig(tile_m=64, tile_n=256, consumer_warpgroups=2, stages=6, pingpong=True),
-)
-
-
-# Split-K (the weight gradient's small (K, N) outputs, contracting many rows): 128 x 256 tiles over
-# a 2x1 cluster, splits chosen by ``split_count`` with a unit's reduce-store costing about 16 k
-# tiles -- 15-20 % faster than cooperative 128 x 128 at three of GPT-2's layers
-# (.ci/dkernel_sweep.py, docs/benchmarks.md).
-SPLIT_K_CONFIG = GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, stages=4, cluster_m=2)
-SPLIT_K_MAX = 16
-SPLIT_K_MIN_ROWS = 2048  # contractions shorter than this are not split
-SPLIT_K_NOMINAL_K_TILES = 256  # the contraction the split count is chosen for (16384 rows)
-SPLIT_K_EPILOGUE_K_TILES = 16  # a unit's fp32 reduce-store costs about this many k tiles of MMAs
-
-
-def split_count(m: int, n: int, k: int, batch: int = 1) -> int:
-    """Splits of the contraction for an (m, n) output per batch contracting k: 1 below
-    ``SPLIT_K_MIN_ROWS``, else the count that keeps the most of the persistent grid busy (whole
-    waves of work units), discounted by each unit's epilogue. It depends on k only through that
-    threshold, so every row count of a bucket (:func:`row_bucket`) shares one compiled kernel."""
-    if k < SPLIT_K_MIN_ROWS:
-        return 1
-    tile = SPLIT_K_CONFIG
-    tiles = batch * -(-m // tile.tile_m) * -(-n // tile.tile_n)
-
-    def efficiency(s):
-        units = tiles * s
-        waves = -(-units // PERSISTENT_SMS)
-        per = SPLIT_K_NOMINAL_K_TILES / s
-        return units / (waves * PERSISTENT_SMS) * per / (per + SPLIT_K_EPILOGUE_K_TILES)
-
-    best = max(efficiency(s) for s in range(1, SPLIT_K_MAX + 1))
-    return min(s for s in range(1, SPLIT_K_MAX + 1) if efficiency(s) >= best - 0.01)
-
-
-SMALL_M_MAX = 64  # rows up to this are "small_m"
-WIDE_MIN = 2048  # "wide" from this contraction and this many rows or columns
-
-
-def config_class(m: int, n: int, k: int) -> str:
-    """The config table key for an (m, n) output contracting k: see ``CONFIGS``.
-
-    ``m`` is the concrete row count at trace time; the kernel itself keeps M symbolic, so rows
-    within one class share a compile.
-    """
-    if m <= SMALL_M_MAX:
-        return "small_m"
-    if k >= WIDE_MIN and (m >= WIDE_MIN or n >= WIDE_MIN):
-        return "wide"
-    return "default"
-
-
-def row_bucket(m: int) -> str:
-    """The range of row counts ``m`` belongs to, out of those between which :func:`config_class`
-    changes for a fixed (n, k): a tuned config for a symbolic M applies to its whole bucket."""
-    if m <= SMALL_M_MAX:
-        return f"1-{SMALL_M_MAX}"
-    if m < WIDE_MIN:
-        return f"{SMALL_M_MAX + 1}-{WIDE_MIN - 1}"
-    return f"{WIDE_MIN}+"
 
 
 @dataclasses.dataclass(frozen=True)

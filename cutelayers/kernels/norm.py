@@ -3,12 +3,12 @@
 Both kernels use the row layout of :mod:`cutelayers.kernels.reduction`: ``threads_per_row``
 threads own a row, each thread ``vec`` contiguous elements (128-bit where N allows) ``unroll``
 times per step of ``threads_per_row * vec * unroll`` columns. The heuristic config table
-(:func:`.reduction.row_geometry` with the kernel's ``VALUES_PER_THREAD``) picks the smallest
-``threads_per_row`` (<= 512) for which the whole row is one step, i.e. stays in registers between
-the statistics and the normalize pass -- one HBM read of x. Larger rows stream: the forward reads x
+(:func:`.reduction_config.row_geometry` with the kernel's values per thread from
+:mod:`.norm_config`) picks the smallest ``threads_per_row`` (<= 512) for which the whole row is one
+step, i.e. stays in registers between the statistics and the normalize pass -- one HBM read of x. Larger rows stream: the forward reads x
 twice (statistics, then normalize), the backward reads x and dy twice. The config (a
-:class:`.reduction.RowGeometry`) is given to the kernel; the autotuner may pick another one from
-:func:`.reduction.row_geometry_space`.
+:class:`.reduction_config.RowGeometry`) is given to the kernel; the autotuner may pick another one
+from :func:`.reduction_config.row_geometry_space`.
 
 Statistics are fp32. LayerNorm's variance never uses E[x^2] - E[x]^2 (which cancels for inputs
 such as 1000 + N(0, 1)): a register-resident row takes the mean first and then the mean of
@@ -42,9 +42,8 @@ import operator
 import cutlass
 from cutlass import Float32, const_expr, cute
 
+from cutelayers.kernels.norm_config import backward_grid, partial_rows
 from cutelayers.kernels.reduction import (
-    RowConfig,
-    RowGeometry,
     column_mask,
     load_step,
     row_allreduce,
@@ -54,25 +53,7 @@ from cutelayers.kernels.reduction import (
     shared_buffers,
     store_step,
 )
-
-# fp32 values a thread holds per row step: the forward keeps x; the backward keeps x, dy and the
-# dscale/dbias accumulators, so it gets fewer.
-FORWARD_VALUES_PER_THREAD = 32
-BACKWARD_VALUES_PER_THREAD = 16
-# The persistent backward grid: Hopper parts have 132 SMs (H100 SXM, H200); fewer SMs only means
-# a tail wave. Fixed so that the partials' shape is known without a device.
-HOPPER_SMS = 132
-THREADS_PER_SM = 1024  # resident threads per SM the backward grid aims for
-
-
-def backward_grid(config: RowConfig) -> int:
-    """CTAs of the persistent backward grid (register-resident rows only)."""
-    return HOPPER_SMS * max(THREADS_PER_SM // config.num_threads, 1)
-
-
-def partial_rows(config: RowConfig) -> int:
-    """Rows P of the backward's dscale/dbias partials: one per (CTA, row slot)."""
-    return backward_grid(config) * config.rows_per_cta
+from cutelayers.kernels.reduction_config import RowGeometry
 
 
 def _broadcast_rows(vector, config: RowGeometry):
@@ -88,8 +69,6 @@ class NormForwardKernel:
     optional tensors are present is fixed at construction (``has_residual``, ``has_scale``,
     ``has_bias``, ``center``).
     """
-
-    VALUES_PER_THREAD = FORWARD_VALUES_PER_THREAD
 
     def __init__(self, config: RowGeometry, *, center: bool, has_residual: bool, has_scale: bool,
                  has_bias: bool, epsilon: float):
@@ -239,8 +218,6 @@ class NormBackwardKernel:
     Launcher ``(stream, x, dy, [dsummed], [mean], rstd, [scale], dx, [dscale_partial],
     [dbias_partial])``.
     """
-
-    VALUES_PER_THREAD = BACKWARD_VALUES_PER_THREAD
 
     def __init__(self, config: RowGeometry, *, center: bool, has_residual: bool, has_scale: bool,
                  want_dscale: bool, want_dbias: bool):

@@ -4,12 +4,13 @@ cross-entropy forward (one streaming read), cross-entropy backward (one read, on
 Built on the row core of :mod:`.reduction`. The logsumexp of a row is computed online: each thread
 keeps (running max, the finite shift ``c`` used so far, s = sum exp(x - c)) and rescales ``s``
 when the max grows, so a row streamed in several steps is still read once; rows that fit
-(:func:`.reduction.row_geometry`) stay in registers, and softmax then writes y without a second
+(:func:`.reduction_config.row_geometry`) stay in registers, and softmax then writes y without a second
 read. Shifts are the max when it is finite and 0 otherwise, so rows of -inf give lse = -inf, rows
 holding +inf give +inf and NaN propagates -- the same rule as ``jax.nn.logsumexp``.
 
-Each kernel takes its config (a :class:`.reduction.RowGeometry`) at construction; the heuristic
-and the autotuner's candidates come from :mod:`.reduction` with the kernel's ``VALUES_PER_THREAD``.
+Each kernel takes its config (a :class:`.reduction_config.RowGeometry`) at construction; the
+heuristic and the autotuner's candidates come from :mod:`.reduction_config` with the kernel's values
+per thread (:mod:`.softmax_config`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from cutelayers.kernels.reduction import (
-    RowGeometry,
     column_mask,
     load_step,
     nan_max,
@@ -34,11 +34,9 @@ from cutelayers.kernels.reduction import (
     shared_buffers,
     store_step,
 )
+from cutelayers.kernels.reduction_config import RowGeometry
 
 LOG2E = math.log2(math.e)
-# fp32 values per thread per step: one row operand forward, two in the backward.
-FORWARD_VALUES_PER_THREAD = 32
-BACKWARD_VALUES_PER_THREAD = 16
 
 
 @cute.jit
@@ -114,8 +112,6 @@ def label_mask(op, step, label):
 class SoftmaxForwardKernel:
     """y = exp(x - lse) (softmax) or x - lse (log-softmax). Launcher ``(stream, x, y)``."""
 
-    VALUES_PER_THREAD = FORWARD_VALUES_PER_THREAD
-
     def __init__(self, geometry: RowGeometry, *, log: bool):
         self.geometry = geometry
         self.log = log
@@ -155,8 +151,6 @@ class SoftmaxForwardKernel:
 class SoftmaxBackwardKernel:
     """dx = y (dy - sum(dy y)) (softmax) or dy - exp(y) sum(dy) (log-softmax).
     Launcher ``(stream, y, dy, dx)``."""
-
-    VALUES_PER_THREAD = BACKWARD_VALUES_PER_THREAD
 
     def __init__(self, geometry: RowGeometry, *, log: bool):
         self.geometry = geometry
@@ -212,8 +206,6 @@ class CrossEntropyForwardKernel:
     (0 for ``ignore_index``, NaN for other labels outside [0, V)), where with ``soft_cap`` c > 0
     x is the capped c tanh(logits / c). One read of the logits.
     Launcher ``(stream, x, [labels], lse, [loss])``."""
-
-    VALUES_PER_THREAD = FORWARD_VALUES_PER_THREAD
 
     def __init__(self, geometry: RowGeometry, with_labels: bool, ignore_index, smoothing: float, z_loss: float,
                  soft_cap: float = 0.0):
@@ -282,8 +274,6 @@ class CrossEntropyBackwardKernel:
     """dx = dloss (exp(x - lse)(1 + 2 z lse) - (1-a) onehot(label) - a/V), times 1 - tanh^2 of
     the capping with ``soft_cap`` (x then the capped logits): one read of the logits, one write
     of dx, no reduction. Launcher ``(stream, x, labels, lse, dloss, dx)``."""
-
-    VALUES_PER_THREAD = FORWARD_VALUES_PER_THREAD
 
     def __init__(self, geometry: RowGeometry, ignore_index, smoothing: float, z_loss: float, soft_cap: float = 0.0):
         self.geometry = geometry

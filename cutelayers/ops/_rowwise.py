@@ -8,6 +8,7 @@ import operator
 import jax
 import jax.numpy as jnp
 
+from cutelayers.kernels.reduction_config import RowConfig, geometry_for, row_geometry, row_geometry_space
 from cutelayers.runtime.family import TunableFamily
 from cutelayers.runtime.placement import check_arrays
 from cutelayers.runtime.sharding import kernel_call
@@ -17,15 +18,18 @@ from cutelayers.tuning import dtype_names, resolve
 
 class RowKernelFamily(TunableFamily):
     """The row kernels' shared implementation of :class:`~cutelayers.runtime.family.TunableFamily`:
-    kernels on (rows, n) operands whose config is a :class:`cutelayers.kernels.reduction.RowConfig`.
+    kernels on (rows, n) operands whose config is a
+    :class:`cutelayers.kernels.reduction_config.RowConfig`.
 
-    Subclasses give ``kernel_class()`` (imported when called: importing cutelayers does not import
-    CuTe), whose ``VALUES_PER_THREAD`` selects the heuristic (:func:`.row_geometry`) and the space
-    (:func:`.row_geometry_space`) of :mod:`cutelayers.kernels.reduction` for register-resident row
-    kernels -- or override ``default_config`` and ``config_space`` (the row-reduce kernel) -- and
-    may override ``row_dtypes(avals)``: the dtypes of the operands the kernel walks along the row
-    (the widest sets the vector width; default: the first operand's). The tuned table's key is
-    those dtypes and N. ``per_row_rank`` says which operands have a symbolic row count.
+    Subclasses give ``values_per_thread``, the kernel's register budget (from its CuTe-free config
+    module, e.g. :mod:`cutelayers.kernels.norm_config`), which selects the heuristic
+    (:func:`.row_geometry`) and the space (:func:`.row_geometry_space`) of
+    :mod:`cutelayers.kernels.reduction_config` for register-resident row kernels -- or override
+    ``default_config`` and ``config_space`` (the row-reduce kernel) -- and may override
+    ``row_dtypes(avals)``: the dtypes of the operands the kernel walks along the row (the widest
+    sets the vector width; default: the first operand's). The tuned table's key is those dtypes
+    and N. ``per_row_rank`` says which operands have a symbolic row count. Their ``launcher``
+    imports the kernel module, so only building a kernel needs the CuTe DSL.
     """
 
     per_row_rank: int | None = None
@@ -33,12 +37,12 @@ class RowKernelFamily(TunableFamily):
     symbolic row count); None: all of them. The norms' are rank 2: their rank-1 arrays are
     per-feature parameters and flat partial sums, fully static."""
 
+    values_per_thread: int
+    """fp32 values a thread of the kernel holds per row step (register-resident row kernels)."""
+
     def dynamic_dims_at(self, position, aval) -> tuple[bool, ...]:
         per_row = self.per_row_rank in (None, len(aval.shape))
         return tuple(per_row and i == 0 for i in range(len(aval.shape)))
-
-    def kernel_class(self):
-        raise NotImplementedError
 
     def row_dtypes(self, avals) -> tuple:
         return (avals[0].dtype,)
@@ -50,28 +54,20 @@ class RowKernelFamily(TunableFamily):
         return max(jnp.dtype(d).itemsize * 8 for d in self.row_dtypes(avals))
 
     def default_config(self, avals):
-        from cutelayers.kernels.reduction import row_geometry
-
-        return row_geometry(self.row_length(avals), self.elem_bits(avals), self.kernel_class().VALUES_PER_THREAD).row
+        return row_geometry(self.row_length(avals), self.elem_bits(avals), self.values_per_thread).row
 
     def config_space(self, avals) -> tuple:
-        from cutelayers.kernels.reduction import row_geometry_space
-
-        space = row_geometry_space(self.row_length(avals), self.elem_bits(avals), self.kernel_class().VALUES_PER_THREAD)
+        space = row_geometry_space(self.row_length(avals), self.elem_bits(avals), self.values_per_thread)
         return tuple(g.row for g in space)
 
     def tuning_key(self, avals):
         return dtype_names(self.row_dtypes(avals)), (("n", self.row_length(avals)),)
 
     def config_from_fields(self, fields: dict):
-        from cutelayers.kernels.reduction import RowConfig
-
         return RowConfig(**fields)
 
     def geometry(self, avals):
         """The chosen config applied to these operands' rows."""
-        from cutelayers.kernels.reduction import geometry_for
-
         return geometry_for(self.chosen_config(), self.row_length(avals), self.elem_bits(avals))
 
 

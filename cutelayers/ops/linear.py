@@ -35,21 +35,26 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from cutelayers import backend as _backend
+from cutelayers.kernels.gemm_config import (
+    CONFIGS,
+    EXTRA_CONFIGS,
+    SPLIT_K_CONFIG,
+    GemmConfig,
+    config_class,
+    row_bucket,
+    split_count,
+)
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import check_float_array
 from cutelayers.runtime.family import ShardingRule, TunableFamily
 from cutelayers.runtime.sharding import kernel_call, run_kernel, sum_partials, vary_like
 from cutelayers.tuning import resolve
-
-if TYPE_CHECKING:
-    from cutelayers.kernels.gemm import GemmConfig
 
 # Activation names and their fp32 jnp definitions (the kernel epilogue implements the same
 # formulas). "gelu" is jax.nn.gelu's default tanh approximation.
@@ -149,26 +154,18 @@ class GemmFamily(TunableFamily):
         """(M, N, K) of the GEMM on these operands: output (M, N), contraction K."""
 
     def default_config(self, avals):
-        from cutelayers.kernels.gemm import CONFIGS, config_class
-
         return CONFIGS[config_class(*self.gemm_shape(avals))]
 
     def config_space(self, avals) -> tuple:
-        from cutelayers.kernels.gemm import CONFIGS, EXTRA_CONFIGS
-
         return tuple(CONFIGS.values()) + EXTRA_CONFIGS
 
     def tuning_key(self, avals):
         """dtype, and the GEMM's static sizes with the bucket of a symbolic M."""
-        from cutelayers.kernels.gemm import row_bucket
-
         m, n, k = self.gemm_shape(avals)
         dims = (("m", m), ("n", n)) if self.contracts_rows else (("m", row_bucket(m)), ("k", k), ("n", n))
         return jnp.dtype(avals[0].dtype).name, dims
 
     def config_from_fields(self, fields: dict):
-        from cutelayers.kernels.gemm import GemmConfig
-
         return GemmConfig(**fields)
 
     def sharding_rule(self, avals) -> ShardingRule:
@@ -398,8 +395,6 @@ class LinearWeightGrad(GemmFamily):
         return dtype, dims + ((("splits", self.splits),) if self.accumulate else ())
 
     def default_config(self, avals):
-        from cutelayers.kernels.gemm import SPLIT_K_CONFIG
-
         return SPLIT_K_CONFIG if self.splits > 1 else super().default_config(avals)
 
     def out_avals(self, avals):
@@ -517,8 +512,6 @@ def _weight_grad_batched(x, dz, accumulator, use_kernels, precision):
         if accumulator is None:
             return _weight_grad_einsum(x, dz, precision)
         return accumulator + _weight_grad_einsum(x, dz, precision, dtype=jnp.float32)
-    from cutelayers.kernels.gemm import split_count
-
     (batch, rows, k), n = x.shape, dz.shape[-1]
     splits = split_count(k, n, rows, batch)
     if splits == 1 and accumulator is None:

@@ -30,20 +30,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
+from cutelayers.kernels import norm_config
+from cutelayers.kernels.reduction_config import RowConfig
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import RowKernelFamily, call_kernel, check_float_array
 from cutelayers.runtime.family import ShardingRule
 from cutelayers.runtime.sharding import run_kernel, vary_like
 from cutelayers.runtime.tensors import FLOAT_DTYPES
 from cutelayers.tuning import resolve
-
-if TYPE_CHECKING:
-    from cutelayers.kernels.reduction import RowConfig
 
 
 def _kernel_name(center: bool, has_residual: bool, direction: str) -> str:
@@ -65,7 +63,7 @@ class NormForward(RowKernelFamily):
     ``center``: LayerNorm (subtract the mean) rather than RMSNorm. ``out_dtype``: y's dtype name.
     ``has_residual``: the fused residual add -- the row is summed = x + residual (in the
     residual's dtype, see :func:`residual_sum`), written as the second result. ``config``: the
-    kernel's :class:`~cutelayers.kernels.reduction.RowConfig` (see
+    kernel's :class:`~cutelayers.kernels.reduction_config.RowConfig` (see
     :class:`~cutelayers.runtime.family.TunableFamily`).
     """
 
@@ -77,6 +75,7 @@ class NormForward(RowKernelFamily):
     has_residual: bool = False
     config: RowConfig | None = None
     per_row_rank = 2
+    values_per_thread = norm_config.FORWARD_VALUES_PER_THREAD
 
     @property
     def name(self) -> str:
@@ -108,18 +107,15 @@ class NormForward(RowKernelFamily):
                                           out_dtype=self.out_dtype)
         return (y,) + (summed,) * self.has_residual + (mean,) * self.center + (rstd,)
 
-    def kernel_class(self):
-        from cutelayers.kernels.norm import NormForwardKernel
-
-        return NormForwardKernel
-
     def row_dtypes(self, avals):
         # x, residual, scale, bias and y (summed has the residual's dtype)
         return (*(a.dtype for a in avals), self.out_dtype)
 
     def launcher(self, avals, out_avals):
-        return self.kernel_class()(self.geometry(avals), center=self.center, has_residual=self.has_residual,
-                                   has_scale=self.has_scale, has_bias=self.has_bias, epsilon=self.epsilon)
+        from cutelayers.kernels.norm import NormForwardKernel
+
+        return NormForwardKernel(self.geometry(avals), center=self.center, has_residual=self.has_residual,
+                                 has_scale=self.has_scale, has_bias=self.has_bias, epsilon=self.epsilon)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +124,7 @@ class NormBackward(RowKernelFamily):
     dy (M, N), [dsummed (M, N)], [mean (M, 1)], rstd (M, 1), [scale (N,)].
 
     Partials are fp32; their row sum (over P) is dscale / dbias. P comes from the config
-    (:func:`cutelayers.kernels.norm.partial_rows`), so it is fixed per compile key.
+    (:func:`cutelayers.kernels.norm_config.partial_rows`), so it is fixed per compile key.
     ``has_residual``: the backward of the fused residual add -- x is the forward's summed, and
     dsummed (the gradient of summed) is added to dx, which is then the gradient of both x and
     the residual.
@@ -141,6 +137,7 @@ class NormBackward(RowKernelFamily):
     has_residual: bool = False
     config: RowConfig | None = None
     per_row_rank = 2
+    values_per_thread = norm_config.BACKWARD_VALUES_PER_THREAD
 
     @property
     def name(self) -> str:
@@ -175,9 +172,7 @@ class NormBackward(RowKernelFamily):
     def partial_rows(self) -> int:
         if not (self.want_dscale or self.want_dbias):
             return 0
-        from cutelayers.kernels.norm import partial_rows
-
-        return partial_rows(self.chosen_config())
+        return norm_config.partial_rows(self.chosen_config())
 
     def reference(self, *args):
         x, dy, dsummed, mean, rstd, scale = _split_backward(args, self.center, self.has_residual,
@@ -189,11 +184,6 @@ class NormBackward(RowKernelFamily):
         pad = lambda v: jnp.zeros((p, x.shape[1]), jnp.float32).at[0].set(v).reshape(-1)
         return (dx,) + tuple(pad(v) for v, want in ((dscale, self.want_dscale), (dbias, self.want_dbias)) if want)
 
-    def kernel_class(self):
-        from cutelayers.kernels.norm import NormBackwardKernel
-
-        return NormBackwardKernel
-
     def row_dtypes(self, avals):
         # x, dy, dsummed and scale are the row-shaped operands whose loads share one vector width
         # (dx has x's dtype); the (M, 1) statistics are read one value per row.
@@ -201,9 +191,11 @@ class NormBackward(RowKernelFamily):
         return tuple(a.dtype for a in avals[:rows]) + ((avals[-1].dtype,) if self.has_scale else ())
 
     def launcher(self, avals, out_avals):
-        return self.kernel_class()(self.geometry(avals), center=self.center, has_residual=self.has_residual,
-                                   has_scale=self.has_scale, want_dscale=self.want_dscale,
-                                   want_dbias=self.want_dbias)
+        from cutelayers.kernels.norm import NormBackwardKernel
+
+        return NormBackwardKernel(self.geometry(avals), center=self.center, has_residual=self.has_residual,
+                                  has_scale=self.has_scale, want_dscale=self.want_dscale,
+                                  want_dbias=self.want_dbias)
 
 
 def _split_backward(args, center: bool, has_residual: bool, has_scale: bool) -> tuple:

@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
+from cutelayers.kernels.reduction_config import RowConfig, row_config, row_config_space
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import RowKernelFamily, call_on_rows, check_float_array, normalize_axis
-
-if TYPE_CHECKING:
-    from cutelayers.kernels.reduction import RowConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,13 +43,9 @@ class RowReduce(RowKernelFamily):
         return (reference(self.kind, x),)
 
     def default_config(self, avals):
-        from cutelayers.kernels.reduction import row_config
-
         return row_config(self.row_length(avals), self.elem_bits(avals))
 
     def config_space(self, avals) -> tuple:
-        from cutelayers.kernels.reduction import row_config_space
-
         return row_config_space(self.row_length(avals), self.elem_bits(avals))
 
     def launcher(self, avals, out_avals):

@@ -27,19 +27,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cutelayers.kernels import softmax_config
+from cutelayers.kernels.reduction_config import RowConfig
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import RowKernelFamily, call_on_rows, check_float_array
 from cutelayers.runtime.sharding import ShardContext, ShardingRule, run_kernel
 from cutelayers.tuning import resolve
-
-if TYPE_CHECKING:
-    from cutelayers.kernels.reduction import RowConfig
 
 F32 = jnp.float32
 
@@ -55,6 +53,7 @@ class SoftmaxForward(RowKernelFamily):
 
     log: bool
     config: RowConfig | None = None
+    values_per_thread = softmax_config.FORWARD_VALUES_PER_THREAD
     arg_names = ("x",)
 
     @property
@@ -71,13 +70,10 @@ class SoftmaxForward(RowKernelFamily):
         y = x32 - lse[:, None] if self.log else jnp.exp(x32 - lse[:, None])
         return (y.astype(x.dtype),)
 
-    def kernel_class(self):
+    def launcher(self, avals, out_avals):
         from cutelayers.kernels.softmax import SoftmaxForwardKernel
 
-        return SoftmaxForwardKernel
-
-    def launcher(self, avals, out_avals):
-        return self.kernel_class()(self.geometry(avals), log=self.log)
+        return SoftmaxForwardKernel(self.geometry(avals), log=self.log)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +82,7 @@ class SoftmaxBackward(RowKernelFamily):
 
     log: bool
     config: RowConfig | None = None
+    values_per_thread = softmax_config.BACKWARD_VALUES_PER_THREAD
     arg_names = ("y", "dy")
 
     @property
@@ -103,16 +100,13 @@ class SoftmaxBackward(RowKernelFamily):
             dx = y32 * (g - jnp.sum(g * y32, -1, keepdims=True))
         return (dx.astype(dy.dtype),)
 
-    def kernel_class(self):
-        from cutelayers.kernels.softmax import SoftmaxBackwardKernel
-
-        return SoftmaxBackwardKernel
-
     def row_dtypes(self, avals):
         return (avals[0].dtype, avals[1].dtype)
 
     def launcher(self, avals, out_avals):
-        return self.kernel_class()(self.geometry(avals), log=self.log)
+        from cutelayers.kernels.softmax import SoftmaxBackwardKernel
+
+        return SoftmaxBackwardKernel(self.geometry(avals), log=self.log)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +120,7 @@ class CrossEntropyForward(RowKernelFamily):
     z_loss: float = 0.0
     soft_cap: float = 0.0
     config: RowConfig | None = None
+    values_per_thread = softmax_config.FORWARD_VALUES_PER_THREAD
 
     @property
     def name(self):
@@ -160,14 +155,11 @@ class CrossEntropyForward(RowKernelFamily):
         lse = classes.combine_lse(local_lse)
         return (lse,) if not self.with_labels else (lse, _ce_loss(x, labels[0], lse, self, classes))
 
-    def kernel_class(self):
+    def launcher(self, avals, out_avals):
         from cutelayers.kernels.softmax import CrossEntropyForwardKernel
 
-        return CrossEntropyForwardKernel
-
-    def launcher(self, avals, out_avals):
-        return self.kernel_class()(self.geometry(avals), self.with_labels, self.ignore_index,
-                                   self.smoothing, self.z_loss, self.soft_cap)
+        return CrossEntropyForwardKernel(self.geometry(avals), self.with_labels, self.ignore_index,
+                                         self.smoothing, self.z_loss, self.soft_cap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +178,7 @@ class CrossEntropyBackward(RowKernelFamily):
     soft_cap: float = 0.0
     config: RowConfig | None = None
     in_place: bool = False
+    values_per_thread = softmax_config.FORWARD_VALUES_PER_THREAD
     arg_names = ("logits", "labels", "lse", "dloss")
 
     @property
@@ -214,14 +207,11 @@ class CrossEntropyBackward(RowKernelFamily):
             return run_kernel(self, x, labels, lse, dloss)
         return (_ce_grad(x, labels, lse, dloss, self, _ClassShard.of(ctx, x)).astype(x.dtype),)
 
-    def kernel_class(self):
+    def launcher(self, avals, out_avals):
         from cutelayers.kernels.softmax import CrossEntropyBackwardKernel
 
-        return CrossEntropyBackwardKernel
-
-    def launcher(self, avals, out_avals):
-        return self.kernel_class()(self.geometry(avals), self.ignore_index, self.smoothing, self.z_loss,
-                                   self.soft_cap)
+        return CrossEntropyBackwardKernel(self.geometry(avals), self.ignore_index, self.smoothing, self.z_loss,
+                                          self.soft_cap)
 
 
 # --- jnp references (the same decomposition as the kernels) -------------------------------------

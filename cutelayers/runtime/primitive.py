@@ -8,6 +8,9 @@ Abstract evaluation comes from the kernel family's output contract. Lowering is 
   run the reference;
 * any other platform: the family's jnp reference, lowered with ``mlir.lower_fun``.
 
+Only compiling imports the CuTe DSL and TVM-FFI (the ``cute`` extra); without them every platform
+lowers the reference (:func:`cute_dsl_missing` says why).
+
 Why TVM-FFI rather than ``cutlass.jax.cutlass_call``: the TVM-FFI function takes XLA's buffers and
 stream directly (no per-call Python, no extra descriptor marshalling), is CUDA-graph capturable, and
 lets us compile with our own fake tensors (symbolic row count, 16-byte alignment) and our own
@@ -27,6 +30,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib.metadata
+import importlib.util
 import itertools
 import threading
 from typing import Any, Hashable
@@ -87,11 +91,31 @@ def kernels_supported(arch: str | None) -> bool:
     return arch is not None and arch.startswith("sm_9")
 
 
+# What building and calling kernels imports, by module, and the distribution that brings it: the
+# ``cute`` extra (a plain install runs the jnp references only).
+CUTE_PACKAGES = {"cutlass": "nvidia-cutlass-dsl", "tvm_ffi": "apache-tvm-ffi", "jax_tvm_ffi": "jax-tvm-ffi"}
+
+
+@functools.cache
+def cute_dsl_missing() -> str | None:
+    """Why this environment cannot build CuTe kernels (the ``cute`` extra's packages that are not
+    installed), or None when it can. Looks the modules up without importing them."""
+    missing = [dist for module, dist in CUTE_PACKAGES.items() if importlib.util.find_spec(module) is None]
+    if not missing:
+        return None
+    return (f"the CuTe DSL is not installed ({', '.join(missing)} missing); the kernels need the 'cute' extra: "
+            "pip install 'cutelayers[cute]'")
+
+
 def choose_path(op: str) -> str:
     """``"cute"`` or ``"reference"`` for a call lowered for CUDA, per the backend rules."""
     choice = _backend.current_backend()
     if choice == "reference":
         _backend.log_once("reference", "CUTELAYERS_BACKEND/use_backend says 'reference'")
+        return "reference"
+    missing = cute_dsl_missing()
+    if missing:
+        _backend.fall_back(op, missing)
         return "reference"
     arch, why = target_arch()
     if kernels_supported(arch):
@@ -260,7 +284,9 @@ def _cuda_lowering(ctx, *args, family: KernelFamily):
 
 def _other_platform_lowering(ctx, *args, family: KernelFamily):
     platforms = ", ".join(ctx.module_context.platforms)
-    _backend.fall_back(family.name, f"it is lowered for {platforms} and CuTe kernels run only on CUDA")
+    # A missing CuTe DSL first: what the install lacks, wherever the call runs.
+    _backend.fall_back(family.name, cute_dsl_missing()
+                       or f"it is lowered for {platforms} and CuTe kernels run only on CUDA")
     return _reference_lowering(ctx, *args, family=family)
 
 

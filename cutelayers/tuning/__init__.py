@@ -32,7 +32,7 @@ Format::
                   "time_us": 101.2, "default_time_us": 104.9}]}  # informational
 
 Row kernels' dims are ``{"n": N}`` (any row count); the GEMM's are ``{"m": "2048+", "k": K, "n":
-N}``, ``m`` a range of row counts (:func:`cutelayers.kernels.gemm.row_bucket`), except for
+N}``, ``m`` a range of row counts (:func:`cutelayers.kernels.gemm_config.row_bucket`), except for
 ``linear_dkernel``, whose rows are the contraction: ``{"m": K, "n": N}``.
 
 A table that cannot be read, or an entry that is malformed or names a config outside the family's

@@ -1,0 +1,167 @@
+"""The row kernels' configs without CuTe: :class:`RowConfig` (threads per row, CTA size, unroll),
+:class:`RowGeometry` (a config applied to rows of ``n`` elements), the heuristic tables and the
+config spaces the autotuner sweeps (see :mod:`.reduction` for the layout they describe).
+
+Ops choose a config when they trace, on every platform and also where the CuTe DSL is not
+installed, so this module imports no CuTe; the kernels import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+WARP = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class RowConfig:
+    """How a row kernel maps threads to a row: see the module docstring."""
+
+    threads_per_row: int
+    num_threads: int
+    unroll: int
+
+    @property
+    def rows_per_cta(self) -> int:
+        return self.num_threads // self.threads_per_row
+
+    @property
+    def warps_per_row(self) -> int:
+        return max(self.threads_per_row // WARP, 1)
+
+
+def vector_width(n: int, elem_bits: int) -> int:
+    """Elements per access: 128 bits where ``n`` keeps every row start aligned, else less."""
+    vec = 128 // elem_bits
+    while vec > 1 and n % vec:
+        vec //= 2
+    return vec
+
+
+def row_chunks(n: int, elem_bits: int) -> int:
+    """Vector accesses needed to cover a row of ``n`` elements once."""
+    return math.ceil(n / vector_width(n, elem_bits))
+
+
+def row_config(n: int, elem_bits: int) -> RowConfig:
+    """The heuristic config table for a row of ``n`` elements (see docs/benchmarks.md)."""
+    chunks = row_chunks(n, elem_bits)
+    if chunks <= 64:
+        tpr = 1 << max(int(math.ceil(math.log2(max(chunks, 1)))), 0)
+        tpr = min(max(tpr, 4), 32)
+        return RowConfig(threads_per_row=tpr, num_threads=128, unroll=1)
+    if chunks <= 512:
+        return RowConfig(threads_per_row=32, num_threads=128, unroll=2)
+    if chunks <= 4096:
+        return RowConfig(threads_per_row=128, num_threads=256, unroll=4)
+    return RowConfig(threads_per_row=256, num_threads=256, unroll=4)
+
+
+MIN_THREADS_PER_ROW = 4
+MAX_THREADS_PER_ROW = 512  # 1024-thread CTAs would cap a thread at 64 registers
+CTA_THREADS = (128, 256, 512)  # CTA sizes the config spaces offer
+REDUCE_UNROLLS = (1, 2, 4)
+
+
+def _step_limit(chunks: int) -> int:
+    """Widest useful step, in accesses: the row's accesses rounded up to a power of two (a wider
+    step leaves at least half of it past the row's end)."""
+    return max(MIN_THREADS_PER_ROW, 1 << (chunks - 1).bit_length())
+
+
+def _threads_per_row_options(chunks: int) -> list[int]:
+    """Powers of two from MIN_THREADS_PER_ROW to MAX_THREADS_PER_ROW, at most the step limit."""
+    options, tpr = [], MIN_THREADS_PER_ROW
+    while tpr <= min(_step_limit(chunks), MAX_THREADS_PER_ROW):
+        options.append(tpr)
+        tpr *= 2
+    return options
+
+
+def row_config_space(n: int, elem_bits: int) -> tuple[RowConfig, ...]:
+    """The configs :class:`RowReduceKernel` can run rows of ``n`` elements with: threads per row
+    (see :func:`_threads_per_row_options`) x unroll in ``REDUCE_UNROLLS`` (a step no wider than
+    :func:`_step_limit`) x CTA sizes in ``CTA_THREADS`` that hold whole rows."""
+    chunks = row_chunks(n, elem_bits)
+    return tuple(
+        RowConfig(threads_per_row=tpr, num_threads=threads, unroll=unroll)
+        for tpr in _threads_per_row_options(chunks)
+        for unroll in REDUCE_UNROLLS
+        if unroll == 1 or tpr * unroll <= _step_limit(chunks)
+        for threads in CTA_THREADS
+        if threads >= tpr
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RowGeometry:
+    """A row config plus the step geometry for rows of ``n`` elements."""
+
+    row: RowConfig
+    n: int
+    vec: int
+
+    @property
+    def tile_n(self) -> int:
+        return self.row.threads_per_row * self.vec * self.row.unroll
+
+    @property
+    def num_steps(self) -> int:
+        return math.ceil(self.n / self.tile_n)
+
+    @property
+    def resident(self) -> bool:
+        """The whole row is one step: it stays in registers."""
+        return self.num_steps == 1
+
+    @property
+    def ragged(self) -> bool:
+        """The last step is partial: loads and stores need column predicates."""
+        return self.n % self.tile_n != 0
+
+
+def row_geometry(n: int, elem_bits: int, values_per_thread: int) -> RowGeometry:
+    """The config table of register-resident row kernels.
+
+    The smallest ``threads_per_row`` (4 .. 512) for which a thread holds at most
+    ``values_per_thread`` elements of the row in one step; rows that still do not fit are streamed
+    in steps of ``512 * values_per_thread`` elements. ``elem_bits`` is the widest element among
+    the row-shaped operands (it bounds the vector width).
+    """
+    vec = vector_width(n, elem_bits)
+    chunks = math.ceil(n / vec)
+    max_unroll = max(values_per_thread // vec, 1)
+    tpr = MIN_THREADS_PER_ROW
+    while tpr < MAX_THREADS_PER_ROW and math.ceil(chunks / tpr) > max_unroll:
+        tpr *= 2
+    unroll = min(math.ceil(chunks / tpr), max_unroll)
+    return RowGeometry(RowConfig(threads_per_row=tpr, num_threads=max(128, tpr), unroll=unroll), n, vec)
+
+
+def row_geometry_space(n: int, elem_bits: int, values_per_thread: int) -> tuple[RowGeometry, ...]:
+    """The configs a register-resident row kernel can run rows of ``n`` elements with.
+
+    Threads per row: see :func:`_threads_per_row_options`; unroll: the fewest steps for that width
+    with at most ``values_per_thread`` elements per thread (as :func:`row_geometry`); CTA sizes in
+    ``CTA_THREADS`` that hold whole rows. A row that :func:`row_geometry` keeps in registers only
+    gets configs that keep it there, and a streamed one only streamed configs: whether the row is
+    resident decides the kernels' code path (one read of x; the norm backward's dscale partials).
+    """
+    heuristic = row_geometry(n, elem_bits, values_per_thread)
+    vec = heuristic.vec
+    chunks = math.ceil(n / vec)
+    max_unroll = max(values_per_thread // vec, 1)
+    candidates = (
+        RowGeometry(RowConfig(threads_per_row=tpr, num_threads=threads,
+                              unroll=min(math.ceil(chunks / tpr), max_unroll)), n, vec)
+        for tpr in _threads_per_row_options(chunks)
+        for threads in CTA_THREADS
+        if threads >= tpr
+    )
+    return tuple(g for g in candidates if g.resident == heuristic.resident)
+
+
+def geometry_for(config: RowConfig, n: int, elem_bits: int) -> RowGeometry:
+    """``config`` applied to rows of ``n`` elements whose widest row operand has ``elem_bits``."""
+    return RowGeometry(config, n, vector_width(n, elem_bits))
