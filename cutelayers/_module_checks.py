@@ -65,6 +65,17 @@ def shape_blocker(x) -> str | None:
     return None
 
 
+def embed_blocker(ids, num_embeddings: int, **dtypes: Any) -> str | None:
+    """Why :func:`cutelayers.ops.embed` cannot serve an embedding call: ``ids`` not an integer
+    array (the stock module raises), a one-row table (the stock module broadcasts it), or a table /
+    result dtype other than bfloat16, float16 and float32."""
+    if not hasattr(ids, "dtype") or not jnp.issubdtype(ids.dtype, jnp.integer):
+        return f"the ids are {getattr(ids, 'dtype', type(ids).__name__)}, not integers"
+    if num_embeddings == 1:
+        return "num_embeddings is 1 (the stock layer broadcasts its one row)"
+    return dtype_blocker(**dtypes)
+
+
 def array_blocker(x, **dtypes: Any) -> str | None:
     """:func:`shape_blocker`, then :func:`dtype_blocker` of x and the other named dtypes."""
     return shape_blocker(x) or dtype_blocker(x=x.dtype, **dtypes)

@@ -1,4 +1,4 @@
-"""Equinox ``LayerNorm``, ``RMSNorm``, ``Linear``, ``MLP`` and heads backed by the cutelayers kernels.
+"""Equinox ``LayerNorm``, ``RMSNorm``, ``Linear``, ``MLP``, ``Embedding`` and heads backed by the cutelayers ops.
 
 ``LayerNorm``, ``RMSNorm`` and ``Linear`` subclass ``equinox.nn.LayerNorm`` / ``RMSNorm`` /
 ``Linear``: the same constructor, fields, arrays (same initialisation: equal keys give equal
@@ -22,6 +22,9 @@ without touching its checkpoints.
 ``MLP``: a transformer feed-forward block, ``Linear`` -> activation -> ``Linear`` (+ residual), as
 one :func:`cutelayers.ops.mlp` call; its arrays are those of two ``equinox.nn.Linear`` fields.
 
+``Embedding`` subclasses ``equinox.nn.Embedding`` (same fields and scalar call); its weight gradient
+sums repeated ids on the tensor cores before scattering (:func:`cutelayers.ops.embed`).
+
 Heads: ``LMHead`` (a vocabulary projection shaped like ``Linear(in_features, vocab_size)`` and its
 cross-entropy loss in one, without the logits; optionally tied to an embedding table) and
 ``MeanPoolClassifier`` (masked mean pooling and a ``Linear`` to the classes).
@@ -42,6 +45,7 @@ from cutelayers._module_checks import (
     array_blocker,
     check_mlp,
     check_tied_embedding,
+    embed_blocker,
     finish_linear,
     finish_mlp,
     kernels_serve,
@@ -51,6 +55,7 @@ from cutelayers._module_checks import (
     residual_like,
     stock_norm,
 )
+from cutelayers.ops.embed import embed
 from cutelayers.ops.linear import fused_linear
 from cutelayers.ops.mlp import mlp
 from cutelayers.ops.pool import masked_mean_pool
@@ -157,6 +162,21 @@ class Linear(eqx.nn.Linear):
         # the transpose is of the weight, once per call, not of the (batched) activations
         y = fused_linear(x, weight.T, bias, activation=self.activation, residual=_flat_residual(residual, x))
         return y.reshape(_shape(self.out_features))
+
+
+class Embedding(eqx.nn.Embedding):
+    """``equinox.nn.Embedding`` whose weight gradient sums repeated ids before its scatter, in
+    float32 (:func:`cutelayers.ops.embed`); under ``jax.vmap`` the whole batch of ids is one
+    lookup and one gradient."""
+
+    def __call__(self, x, *, key: PRNGKeyArray | None = None) -> Array:
+        """``x`` a scalar integer id -> (embedding_size,) (an id out of range clamps, as
+        ``weight[x]`` does). ``key`` is ignored."""
+        ids = jnp.asarray(x) if eqx.is_array_like(x) else x
+        if jnp.shape(ids) != () or not kernels_serve(
+                "Embedding", embed_blocker(ids, self.num_embeddings, weight=self.weight.dtype)):
+            return super().__call__(x, key=key)
+        return embed(self.weight, ids, mode="clip")
 
 
 class MLP(eqx.Module):

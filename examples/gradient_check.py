@@ -120,6 +120,10 @@ def ref_masked_mean_pool(x, mask):
     return jnp.sum(x * keep[..., None], axis=-2) / jnp.maximum(jnp.sum(keep, axis=-1), 1.0)[..., None]
 
 
+def ref_embed(table, ids):
+    return jnp.take(table, ids, axis=0)
+
+
 # --- the cases -------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
@@ -194,6 +198,10 @@ def cases(rng: np.random.Generator, dtype, quick: bool):
     mask = jnp.asarray(mask)
     yield Case("masked_mean_pool", "one empty row", partial(cl.ops.masked_mean_pool, mask=mask),
                partial(ref_masked_mean_pool, mask=mask), {"x": normal(*lead, 19, 24)})
+
+    ids = np.where(rng.random(lead) < 0.5, 3, rng.integers(-vocab, vocab, lead))  # id 3: half the tokens
+    yield Case("embed", "repeated and negative ids", partial(cl.ops.embed, ids=jnp.asarray(ids, jnp.int32)),
+               partial(ref_embed, ids=jnp.asarray(ids, jnp.int32)), {"table": normal(vocab, hidden)})
 
 
 # --- the check -------------------------------------------------------------------------------------

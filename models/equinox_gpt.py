@@ -67,10 +67,11 @@ class _StockHead(_StockLinear):
 
 
 def _layers(stock: bool):
-    """(LayerNorm, Linear, MLP, LM head) classes of the stock twin or of the cutelayers model."""
+    """(LayerNorm, Linear, MLP, LM head, token Embedding) classes of the stock twin or of the
+    cutelayers model."""
     if stock:
-        return eqx.nn.LayerNorm, _StockLinear, _StockMLP, _StockHead
-    return cl_eqx.LayerNorm, cl_eqx.Linear, cl_eqx.MLP, cl_eqx.LMHead
+        return eqx.nn.LayerNorm, _StockLinear, _StockMLP, _StockHead, eqx.nn.Embedding
+    return cl_eqx.LayerNorm, cl_eqx.Linear, cl_eqx.MLP, cl_eqx.LMHead, cl_eqx.Embedding
 
 
 def _gpt2_init(layer, std, key):
@@ -116,7 +117,7 @@ class Block(eqx.Module):
     n_heads: int = eqx.field(static=True)
 
     def __init__(self, config: GPTConfig, *, stock: bool, key: jax.Array):
-        LayerNorm, Linear, MLP, _ = _layers(stock)
+        LayerNorm, Linear, MLP, _, _ = _layers(stock)
         d, std, proj_std = config.d_model, config.init_std, config.proj_init_std
         k = jax.random.split(key, 3)
         self.n_heads = config.n_heads
@@ -147,11 +148,11 @@ class GPT(eqx.Module):
     stock: bool = eqx.field(static=True)
 
     def __init__(self, config: GPTConfig, *, stock: bool = False, key: jax.Array):
-        LayerNorm, _, _, Head = _layers(stock)
+        LayerNorm, _, _, Head, Embedding = _layers(stock)
         d, std = config.d_model, config.init_std
         k_wte, k_wpe, k_head, *k_blocks = jax.random.split(key, 3 + config.n_layers)
         self.config, self.stock = config, stock
-        self.wte = eqx.nn.Embedding(weight=std * jax.random.normal(k_wte, (config.vocab_size, d)))
+        self.wte = Embedding(weight=std * jax.random.normal(k_wte, (config.vocab_size, d)))
         self.wpe = eqx.nn.Embedding(weight=std * jax.random.normal(k_wpe, (config.seq_len, d)))
         self.blocks = [Block(config, stock=stock, key=k) for k in k_blocks]
         self.ln_f = LayerNorm(d, eps=config.norm_eps)
@@ -159,7 +160,8 @@ class GPT(eqx.Module):
 
     def hidden(self, inputs):
         """The final hidden states (..., seq, d_model): the head's input."""
-        x = self.wte.weight[inputs] + self.wpe.weight[positions(inputs, self.config)]
+        tokens = jax.vmap(self.wte)(inputs.reshape(-1)).reshape(*inputs.shape, -1)  # one lookup of all ids
+        x = tokens + self.wpe.weight[positions(inputs, self.config)]
         for block in self.blocks:
             x = block(x)
         return _on_rows(self.ln_f, x)

@@ -62,10 +62,11 @@ class _StockHead(nn.Dense):
 
 
 def _layers(stock: bool):
-    """(LayerNorm, Dense, MLP, LM head) classes of the stock twin or of the cutelayers model."""
+    """(LayerNorm, Dense, MLP, LM head, token Embed) classes of the stock twin or of the cutelayers
+    model."""
     if stock:
-        return nn.LayerNorm, _StockDense, _StockMLP, _StockHead
-    return cl_linen.LayerNorm, cl_linen.Dense, cl_linen.MLP, cl_linen.LMHead
+        return nn.LayerNorm, _StockDense, _StockMLP, _StockHead, nn.Embed
+    return cl_linen.LayerNorm, cl_linen.Dense, cl_linen.MLP, cl_linen.LMHead, cl_linen.Embed
 
 
 class Block(nn.Module):
@@ -77,7 +78,7 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x):
         cfg = self.config
-        LayerNorm, Dense, MLP, _ = _layers(self.stock)
+        LayerNorm, Dense, MLP, _, _ = _layers(self.stock)
         d, dt = cfg.d_model, cfg.compute_dtype
         init, proj_init = nn.initializers.normal(cfg.init_std), nn.initializers.normal(cfg.proj_init_std)
         h = LayerNorm(epsilon=cfg.norm_eps, dtype=dt, name="ln1")(x)
@@ -101,9 +102,9 @@ class GPT(nn.Module):
     @nn.compact
     def __call__(self, inputs, targets=None):
         cfg = self.config
-        LayerNorm, _, _, Head = _layers(self.stock)
+        LayerNorm, _, _, Head, Embed = _layers(self.stock)
         dt, init = cfg.compute_dtype, nn.initializers.normal(cfg.init_std)
-        x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dt, embedding_init=init, name="wte")(inputs)
+        x = Embed(cfg.vocab_size, cfg.d_model, dtype=dt, embedding_init=init, name="wte")(inputs)
         x = x + nn.Embed(cfg.seq_len, cfg.d_model, dtype=dt, embedding_init=init, name="wpe")(
             positions(inputs, cfg))
         for i in range(cfg.n_layers):

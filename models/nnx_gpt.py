@@ -53,17 +53,18 @@ class _StockHead(nnx.Linear):
 
 
 def _layers(stock: bool):
-    """(LayerNorm, Linear, MLP, LM head) classes of the stock twin or of the cutelayers model."""
+    """(LayerNorm, Linear, MLP, LM head, token Embed) classes of the stock twin or of the cutelayers
+    model."""
     if stock:
-        return nnx.LayerNorm, _StockLinear, _StockMLP, _StockHead
-    return cl_nnx.LayerNorm, cl_nnx.Linear, cl_nnx.MLP, cl_nnx.LMHead
+        return nnx.LayerNorm, _StockLinear, _StockMLP, _StockHead, nnx.Embed
+    return cl_nnx.LayerNorm, cl_nnx.Linear, cl_nnx.MLP, cl_nnx.LMHead, cl_nnx.Embed
 
 
 class Block(nnx.Module):
     """Pre-norm transformer block: causal self-attention and a GELU MLP, each with a residual."""
 
     def __init__(self, config: GPTConfig, *, stock: bool, rngs: nnx.Rngs):
-        LayerNorm, Linear, MLP, _ = _layers(stock)
+        LayerNorm, Linear, MLP, _, _ = _layers(stock)
         d, dt = config.d_model, config.compute_dtype
         init = nnx.initializers.normal(config.init_std)
         proj_init = nnx.initializers.normal(config.proj_init_std)
@@ -87,10 +88,10 @@ class GPT(nnx.Module):
     """
 
     def __init__(self, config: GPTConfig, *, stock: bool = False, rngs: nnx.Rngs):
-        LayerNorm, _, _, Head = _layers(stock)
+        LayerNorm, _, _, Head, Embed = _layers(stock)
         dt, init = config.compute_dtype, nnx.initializers.normal(config.init_std)
         self.config = config
-        self.wte = nnx.Embed(config.vocab_size, config.d_model, dtype=dt, embedding_init=init, rngs=rngs)
+        self.wte = Embed(config.vocab_size, config.d_model, dtype=dt, embedding_init=init, rngs=rngs)
         self.wpe = nnx.Embed(config.seq_len, config.d_model, dtype=dt, embedding_init=init, rngs=rngs)
         self.blocks = nnx.List([Block(config, stock=stock, rngs=rngs) for _ in range(config.n_layers)])
         self.ln_f = LayerNorm(config.d_model, epsilon=config.norm_eps, dtype=dt, rngs=rngs)

@@ -91,6 +91,11 @@ def _pool(rng, lead, dtype, s=8, d=64):
     return random(rng, (*lead, s, d), dtype), jnp.asarray(rng.integers(0, 2, (*lead, s)), jnp.int32)
 
 
+def _embed(rng, lead, dtype, vocab=20, h=16):
+    """Token ids (repeating: few distinct) and the table they index."""
+    return jnp.asarray(rng.integers(-5, 5, (*lead, 6)), jnp.int32), random(rng, (vocab, h), dtype)
+
+
 def _row_scale(rng, lead, dtype, n=64):
     return random(rng, (*lead, n), dtype), random(rng, lead, dtype)
 
@@ -123,6 +128,7 @@ CASES = [
     Case("linear_cross_entropy", lambda h, labels, k, b: ops.linear_cross_entropy(h, k, labels, bias=b), _lm_head,
          (2, 3), (0, 2, 3), BF16, rows_fold=False),
     Case("masked_mean_pool", ops.masked_mean_pool, _pool),
+    Case("embed", lambda ids, table: ops.embed(table, ids), _embed, (1,), (1,)),
     Case("cute_call custom_op", _row_scale_op, _row_scale, (), (0, 1), cute=True),
 ]
 

@@ -131,6 +131,9 @@ CASES = [
     Case("masked_mean_pool", cl.ops.masked_mean_pool,
          lambda r, d: (_x(r, d), jnp.asarray(r.integers(0, 2, (BATCH, SEQ)), jnp.int32)), (True, True), (0,),
          kernels=False),
+    Case("embed", lambda ids, table: cl.ops.embed(table, ids),
+         lambda r, d: (jnp.asarray(r.integers(0, 9, (BATCH, SEQ)), jnp.int32), random(r, (40, 64), d)),
+         (True, False), (1,), kernels=False),
 ]
 KERNEL_CASES = [c for c in CASES if c.kernels]
 

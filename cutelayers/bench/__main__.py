@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m cutelayers.bench {reduce,norms,softmax,gemm,lm_head,compile} ...``.
+"""Benchmarks: ``python -m cutelayers.bench {reduce,norms,softmax,gemm,lm_head,embed,compile} ...``.
 
 All but ``compile`` need a GPU.
 
@@ -18,11 +18,13 @@ import jax.numpy as jnp
 import cutelayers as cl
 from cutelayers.bench import gemm
 from cutelayers.bench.compile import bench_compile
+from cutelayers.bench.embed import bench_embed
 from cutelayers.bench.lm_head import bench_lm_head
 from cutelayers.bench.norms import DEFAULT_NS as NORM_NS, bench_norms
 from cutelayers.bench.reduce import bench_reduce
 from cutelayers.bench.softmax import bench_softmax
-from cutelayers.bench.timing import print_table
+from cutelayers.bench.timing import measured_bandwidth, print_table
+from cutelayers.ops.embed import BLOCK_TOKENS
 
 
 def print_records(rows: list[dict]) -> None:
@@ -64,6 +66,13 @@ def main(argv=None) -> int:
     head.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     head.add_argument("--chunk-size", type=int, nargs="+", default=[None],
                       help="tokens per chunk of the fused head, one row each (default: the op's)")
+    emb = sub.add_parser("embed", help="embedding lookup + table gradient vs jnp.take, per id distribution")
+    emb.add_argument("--tokens", type=int, default=16384, help="tokens T (default 16384)")
+    emb.add_argument("--hidden", type=int, default=768, help="features H (default 768)")
+    emb.add_argument("--vocab", type=int, default=50304, help="vocabulary size V (default 50304)")
+    emb.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    emb.add_argument("--block-tokens", type=int, nargs="+", default=[None],
+                     help="tokens summed per block before the gradient's scatter, one row each (default: the op's)")
     comp = sub.add_parser("compile", help="compile seconds per kernel family and disk-cache load seconds (no GPU needed)")
     comp.add_argument("--n", type=int, default=4096, help="feature size N (default 4096)")
     comp.add_argument("--k", type=int, default=4096, help="GEMM inner size K (default 4096)")
@@ -94,6 +103,10 @@ def main(argv=None) -> int:
     elif args.suite == "lm_head":
         print(f"# device: {jax.devices()[0].device_kind}")
         print_records(bench_lm_head(args.tokens, args.hidden, args.vocab, jnp.dtype(args.dtype), args.chunk_size))
+    elif args.suite == "embed":
+        blocks = [b or BLOCK_TOKENS for b in args.block_tokens]
+        print_records(bench_embed(args.tokens, args.hidden, args.vocab, jnp.dtype(args.dtype), measured_bandwidth(),
+                                  blocks))
     print("# cache:", {k: (v.compiles, v.memory_hits, v.disk_hits, round(v.compile_seconds, 2)) for k, v in cl.cache_info().items()})
     return 0
 

@@ -1,4 +1,4 @@
-"""Flax linen ``LayerNorm``, ``RMSNorm``, ``Dense``, ``MLP`` and heads backed by the cutelayers kernels.
+"""Flax linen ``LayerNorm``, ``RMSNorm``, ``Dense``, ``MLP``, ``Embed`` and heads backed by the cutelayers ops.
 
 ``LayerNorm``, ``RMSNorm`` and ``Dense`` subclass ``flax.linen.LayerNorm`` / ``RMSNorm`` /
 ``Dense``: the same attributes, defaults, parameters and dtype rules, by construction, and
@@ -17,6 +17,9 @@ pre-norm block switches to the fused add without touching its checkpoints.
 
 ``MLP``: a transformer feed-forward block, ``Dense`` -> activation -> ``Dense`` (+ residual), as one
 :func:`cutelayers.ops.mlp` call; its parameters are those of two ``Dense`` children.
+
+``Embed`` subclasses ``flax.linen.Embed`` (same parameter, lookup and ``attend``); its table gradient
+sums repeated ids on the tensor cores before scattering (:func:`cutelayers.ops.embed`).
 
 Heads: ``LMHead`` (a Dense-shaped vocabulary projection and its cross-entropy loss in one, without
 the logits; optionally tied to an embedding table) and ``MeanPoolClassifier`` (masked mean pooling
@@ -39,6 +42,7 @@ from cutelayers._module_checks import (
     array_blocker,
     check_mlp,
     check_tied_embedding,
+    embed_blocker,
     finish_linear,
     finish_mlp,
     kernels_serve,
@@ -50,6 +54,7 @@ from cutelayers._module_checks import (
     residual_like,
     stock_norm,
 )
+from cutelayers.ops.embed import embed
 from cutelayers.ops.linear import fused_linear
 from cutelayers.ops.mlp import mlp
 from cutelayers.ops.pool import masked_mean_pool
@@ -122,6 +127,20 @@ class Dense(nn.Dense):
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
         return fused_linear(inputs, kernel, bias, activation=self.activation, precision=self.precision,
                             residual=residual_like(residual, inputs))
+
+
+class Embed(nn.Embed):
+    """``flax.linen.Embed`` whose table gradient sums repeated ids before its scatter, in float32
+    (:func:`cutelayers.ops.embed`); the lookup and ``attend`` are Flax's."""
+
+    def __call__(self, inputs):
+        """``inputs`` (...) integer ids -> (..., features) in ``dtype`` (default: the table's)."""
+        custom_promote = None if self.promote_dtype is dtypes.promote_dtype else self.promote_dtype
+        why = (options_blocker(promote_dtype=custom_promote)
+               or embed_blocker(inputs, self.num_embeddings, table=self.embedding.dtype, dtype=self.dtype))
+        if not kernels_serve("Embed", why):
+            return super().__call__(inputs)
+        return embed(self.embedding, inputs, self.dtype)
 
 
 class _DenseParams(nn.Dense):

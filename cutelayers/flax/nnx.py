@@ -1,4 +1,4 @@
-"""Flax NNX ``LayerNorm``, ``RMSNorm``, ``Linear``, ``MLP`` and heads backed by the cutelayers kernels.
+"""Flax NNX ``LayerNorm``, ``RMSNorm``, ``Linear``, ``MLP``, ``Embed`` and heads backed by the cutelayers ops.
 
 ``LayerNorm``, ``RMSNorm`` and ``Linear`` subclass ``flax.nnx.LayerNorm`` / ``RMSNorm`` /
 ``Linear``: the same constructor, ``nnx.Param`` attributes (same initializers, draws and metadata)
@@ -22,6 +22,9 @@ a narrowing ``dtype`` rounds only the result, not the sum first as NNX's own com
 ``MLP``: a transformer feed-forward block, ``Linear`` -> activation -> ``Linear`` (+ residual), as
 one :func:`cutelayers.ops.mlp` call; its parameters are those of two ``nnx.Linear`` children.
 
+``Embed`` subclasses ``flax.nnx.Embed`` (same parameter, lookup and ``attend``); its table gradient
+sums repeated ids on the tensor cores before scattering (:func:`cutelayers.ops.embed`).
+
 Heads: ``LMHead`` (a Linear-shaped vocabulary projection and its cross-entropy loss in one, without
 the logits; optionally tied to an embedding table) and ``MeanPoolClassifier`` (masked mean pooling
 and a ``Linear`` to the classes).
@@ -43,6 +46,7 @@ from cutelayers._module_checks import (
     array_blocker,
     check_mlp,
     check_tied_embedding,
+    embed_blocker,
     finish_linear,
     finish_mlp,
     kernels_serve,
@@ -54,6 +58,7 @@ from cutelayers._module_checks import (
     residual_like,
     stock_norm,
 )
+from cutelayers.ops.embed import embed
 from cutelayers.ops.linear import fused_linear
 from cutelayers.ops.mlp import mlp
 from cutelayers.ops.pool import masked_mean_pool
@@ -133,6 +138,20 @@ class Linear(nnx.Linear):
             return finish_linear(super().__call__(inputs, out_sharding), self.activation, residual)
         return fused_linear(inputs, kernel, bias, activation=self.activation, precision=self.precision,
                             residual=residual_like(residual, inputs))
+
+
+class Embed(nnx.Embed):
+    """``flax.nnx.Embed`` whose table gradient sums repeated ids before its scatter, in float32
+    (:func:`cutelayers.ops.embed`); the lookup and ``attend`` are NNX's."""
+
+    def __call__(self, inputs, out_sharding=None):
+        """``inputs`` (...) integer ids -> (..., features) in ``dtype``."""
+        table = self.embedding[...]
+        why = (options_blocker(out_sharding=out_sharding, promote_dtype=_custom(self.promote_dtype))
+               or embed_blocker(inputs, self.num_embeddings, table=table.dtype, dtype=self.dtype))
+        if not kernels_serve("Embed", why):
+            return super().__call__(inputs, out_sharding)
+        return embed(table, inputs, self.dtype)
 
 
 class MLP(nnx.Module):

@@ -1,5 +1,6 @@
 """Differentiable, vmappable cutelayers ops (custom_vjp, and vmap folded into rows, over CuTe kernels)."""
 
+from cutelayers.ops.embed import embed
 from cutelayers.ops.linear import fused_linear
 from cutelayers.ops.lm_head import linear_cross_entropy
 from cutelayers.ops.mlp import mlp
@@ -11,6 +12,7 @@ from cutelayers.ops.softmax import log_softmax, logsumexp, softmax, softmax_cros
 __all__ = [
     "add_layer_norm",
     "add_rms_norm",
+    "embed",
     "fused_linear",
     "layer_norm",
     "linear_cross_entropy",
