@@ -1,11 +1,13 @@
 """python -m training.bench on CPU with the tiny config: every case runs (in its own process), the
 table compares with the stock twin, the per-part breakdown covers the step, the report is
-appended to the output file."""
+appended to the output file; with ``--mesh``, every case over each mesh of the fake CPU devices
+(see conftest: four), the table's mesh columns, and the errors for meshes that cannot run."""
 
 import re
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from training import bench
@@ -32,7 +34,7 @@ def test_bench_tiny_cases_table_and_breakdown(tmp_path, capsys):
     assert rows[1].split("|")[11].strip() == "1.00x"  # stock vs itself
     parts = re.findall(r"^\| (GEMM \w+ \(\d+x\d+\)|MLP \(\d+x\d+x\d+\)|LayerNorm|attention|LM head \+ loss|"
                        r"optimizer \(AdamW\)|other \(step - parts\)) \| ([\d.-]+) \| ([\d.-]+) \|",
-                       text, re.M)
+                       text, re.MULTILINE)
     assert len(parts) == 8
     assert all(float(ours) > 0 and float(stock) > 0 for name, ours, stock in parts if not name.startswith("other"))
     assert text.strip().endswith(printed.strip().splitlines()[-2].strip())  # printed what it appended
@@ -49,3 +51,70 @@ def test_corpus_batches_are_the_training_runs_windows():
     inputs, targets = (np.asarray(a) for a in corpus[0])
     np.testing.assert_array_equal(inputs[:, 1:], targets[:, :-1])  # targets: the next token
     assert inputs.max() < 256 and len(np.unique(np.asarray(uniform[0][0]))) > 256
+
+
+def table(text: str) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of the first markdown table in ``text``, cells stripped."""
+    lines = [line for line in text.splitlines() if line.startswith("|")]
+    split = lambda line: [c.strip() for c in line.strip().strip("|").split("|")]
+    return split(lines[0]), [split(line) for line in lines[2:]]
+
+
+def test_bench_over_meshes(tmp_path, monkeypatch):
+    """data=1, data=2 and fsdp=2 on the fake CPU devices: each case trains on its mesh's devices
+    (the same losses as one device), the table has the mesh columns, tokens/s vs 1 device, and
+    fsdp holds about half the parameter + optimizer bytes per device (vectors stay whole)."""
+    rows = []
+    run_case = bench.in_subprocess
+    monkeypatch.setattr(bench, "in_subprocess", lambda *a: rows.append(run_case(*a)) or rows[-1])
+    output = tmp_path / "mesh.md"
+    argv = ["--config", "tiny", "--model", "nnx", "--variant", "cutelayers", "--mesh", "data=1", "data=2",
+            "fsdp=2", "--steps", "2", "--warmup-steps", "1", "--output", str(output)]
+    assert bench.main(argv) == 0
+    text = output.read_text()
+    assert "## Training step over device meshes (issue 18)" in text and "4 x cpu (cpu)" in text
+    header, cells = table(text)
+    assert header == ["config", "model", "variant", "mesh", "attention", "batch x seq", "compile s", "loop ms",
+                      "step ms", "loop/step", "tokens/s", "vs stock", "vs 1 device", "peak MiB/device",
+                      "compiled MiB/device", "vs stock", "state MiB/device", "vs 1 device"]
+    col = {name: header.index(name) for name in header}
+    speed_vs_one, state_vs_one = col["vs 1 device"], len(header) - 1
+    by_mesh = {row[col["mesh"]]: row for row in cells}
+    assert list(by_mesh) == ["data=1", "data=2", "fsdp=2"]
+    for row in cells:
+        assert row[col["batch x seq"]] == "16 x 64"  # the global batch, whatever the mesh
+        assert float(row[col["tokens/s"]].replace(",", "")) > 0 and float(row[speed_vs_one].rstrip("x")) > 0
+        assert row[col["peak MiB/device"]] == "-" and float(row[col["compiled MiB/device"]]) > 0  # CPU: no stats
+    assert by_mesh["data=1"][speed_vs_one] == "1.00x" and by_mesh["data=1"][state_vs_one] == "1.00x"
+    assert by_mesh["data=2"][state_vs_one] == "1.00x"  # data parallel: the state replicated
+    assert 0.49 <= float(by_mesh["fsdp=2"][state_vs_one].rstrip("x")) <= 0.53
+
+    cases = [r for r in rows if isinstance(r, dict)]  # the case rows (the device check returned [])
+    assert [(r["mesh"], r["devices"]) for r in cases] == [("data=1", 1), ("data=2", 2), ("fsdp=2", 2)]
+    one, data, fsdp = cases
+    assert 0.49 <= fsdp["state_bytes"] / one["state_bytes"] <= 0.53 and data["state_bytes"] == one["state_bytes"]
+    for other in (data, fsdp):  # the same batches and initial state: the same training step
+        np.testing.assert_allclose(other["loss"], one["loss"], rtol=1e-4)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--mesh", "data=8"], ("argument --mesh: --mesh data=8: needs 8 devices; only 4 cpu device(s) visible. Use a "
+                            "mesh of 4 or fewer")),
+    (["--mesh", "data=1", "data=3"], ("argument --mesh: the tiny config's default --batch-size 16 is not a multiple "
+                                      "of 3, the batch shards of --mesh data=3")),
+    (["--batch-size", "6", "--mesh", "data=2", "fsdp=4"], ("argument --mesh: --batch-size 6 is not a multiple of 4, "
+                                                           "the batch shards of --mesh fsdp=4")),
+    (["--mesh", "tensor=3"], "argument --mesh: tensor=3 must divide the tiny config's n_heads=4, d_mlp=256"),
+    (["--mesh", "data=2", "data=2,tensor=1"], "argument --mesh: data=2 given twice"),
+    (["--mesh", "data=2,model=2"], "argument --mesh: expected AXIS=N[,AXIS=N...] with AXIS one of data, fsdp, tensor"),
+])
+def test_bad_meshes_are_clear_errors_before_any_case(argv, message, tmp_path, monkeypatch, capsys):
+    output = tmp_path / "mesh.md"
+    cases = []
+    run_case = bench.in_subprocess
+    monkeypatch.setattr(bench, "in_subprocess", lambda flag, *a: cases.append(flag) or run_case(flag, *a))
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--config", "tiny", "--model", "nnx", "--variant", "cutelayers", "--output", str(output), *argv])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+    assert "--one-case" not in cases and not output.exists()

@@ -6,4 +6,6 @@
 * :mod:`training.checkpoint`: Orbax checkpoints of (params, optimizer state, step).
 * :mod:`training.sharding`: the device mesh (``--mesh``) and the rule table that lays parameters,
   optimizer state and batches over it.
+* :mod:`training.bench`: the train-step benchmark, cutelayers vs stock vs reference (``--mesh``:
+  over device meshes too).
 """

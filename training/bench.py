@@ -16,6 +16,17 @@ shipped byte-level corpus, as training.train reads it):
   (arguments + outputs + temporaries, ``compiled.memory_analysis()``) where the device keeps no
   statistics (CPU).
 
+``--mesh MESH [MESH ...]`` (``AXIS=N[,AXIS=N...]`` as training.train's ``--mesh``, axes data, fsdp,
+tensor) runs every case over each mesh, its state and batches placed as training.train places
+them (:mod:`training.sharding`). The table then gains a ``mesh`` column; tokens/s stays global (the
+whole batch), with its ratio ``vs 1 device`` to the same config / model / variant on ``data=1`` in
+the same run (when it is one of the meshes); the memory columns are per device: the peak is the
+largest over the mesh's devices, and ``state MiB/device`` is the parameters + optimizer state
+held by the mesh's first device (the sum of its shards of every leaf), with its ratio to the
+1-device case. A mesh needs that many devices (on CPU,
+``XLA_FLAGS=--xla_force_host_platform_device_count=N``), and the batch must divide over its data x
+fsdp shards.
+
 ``--breakdown`` adds a per-part table, cutelayers vs stock: each part of one step timed alone at the
 model's shapes (forward + backward, times its count per step): the two attention GEMMs and the
 MLP of a block, the LayerNorms, attention, the LM head + loss, the optimizer update, and the rest
@@ -31,6 +42,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import platform
 import shlex
 import statistics
@@ -44,16 +56,17 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 import cutelayers as cl
 from cutelayers.bench.timing import time_fn
 from models import common
 from models.configs import CONFIGS, GPTConfig, get_config
+from training import sharding
 from training.data import TextData
 from training.train import DEFAULTS, Schedule, _int_at_least, compile_train_step, make_optimizer
 
 VARIANTS = ("cutelayers", "stock", "reference")
+ONE_DEVICE = sharding.describe(sharding.parse_mesh("data=1"))
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -66,6 +79,7 @@ class Case:
     warmup_steps: int
     steps: int
     tokens: str = "uniform"
+    mesh: str = ONE_DEVICE  # training.sharding.describe() of the case's mesh
 
     @property
     def backend(self) -> str:
@@ -80,19 +94,20 @@ def bench_config(name: str) -> GPTConfig:
 TOKENS = ("uniform", "corpus")
 
 
-def step_batches(config: GPTConfig, batch_size: int, sharding, count: int = 2, tokens: str = "uniform"):
-    """``count`` device batches, targets shifted by one: ``tokens`` "uniform", random tokens over the
-    whole vocabulary; "corpus", windows of the shipped byte-level corpus, as training.train draws
-    them (a few dozen distinct tokens: the embedding gradient's scatter-add collides far more)."""
+def step_batches(config: GPTConfig, batch_size: int, placement, count: int = 2, tokens: str = "uniform"):
+    """``count`` device batches in ``placement`` (a sharding), targets shifted by one: ``tokens``
+    "uniform", random tokens over the whole vocabulary; "corpus", windows of the shipped byte-level
+    corpus, as training.train draws them (a few dozen distinct tokens: the embedding gradient's
+    scatter-add collides far more)."""
     if tokens == "corpus":
         data = TextData.load()
-        return [jax.device_put(data.train_batch(i, batch_size, config.seq_len, seed=0), sharding)
+        return [sharding.place(data.train_batch(i, batch_size, config.seq_len, seed=0), placement)
                 for i in range(count)]
     rng = np.random.default_rng(0)
     batches = []
     for _ in range(count):
         drawn = rng.integers(0, config.vocab_size, size=(batch_size, config.seq_len + 1), dtype=np.int32)
-        batches.append(jax.device_put((drawn[:, :-1], drawn[:, 1:]), sharding))
+        batches.append(sharding.place((drawn[:, :-1], drawn[:, 1:]), placement))
     return batches
 
 
@@ -101,16 +116,31 @@ def memory_in_use(device) -> int | None:
     return None if stats is None else stats.get("peak_bytes_in_use")
 
 
+def peak_bytes(devices) -> int | None:
+    """The largest ``peak_bytes_in_use`` of ``devices`` (None where none keeps statistics)."""
+    peaks = [p for p in map(memory_in_use, devices) if p is not None]
+    return max(peaks) if peaks else None
+
+
+def device_errors(meshes: list[str]) -> list[str]:
+    """Why each of ``meshes`` (``--mesh`` values) does not fit this process's devices (empty: all
+    fit)."""
+    return [e for m in meshes if (e := sharding.device_error(sharding.parse_mesh(m), f"--mesh {m}"))]
+
+
 def measure(case: Case) -> dict:
     """One case, in this process: compile, warm up, time; the row of the results table."""
     config = bench_config(case.config)
-    device = jax.devices()[0]
-    sharding = NamedSharding(jax.make_mesh((1,), ("data",), devices=[device]), PartitionSpec())
+    if errors := device_errors([case.mesh]):
+        raise ValueError(errors[0])
+    mesh = sharding.device_mesh(sharding.parse_mesh(case.mesh))
+    devices = list(mesh.devices.flat)
     with cl.use_backend(case.backend):
         model = common.init(case.model, config, jax.random.key(0), stock=case.variant == "stock")
         tx = make_optimizer(model.params, Schedule(lr=1e-4, warmup=0, steps=10**6), weight_decay=0.1, grad_clip=1.0)
-        params, opt_state = jax.device_put((model.params, tx.init(model.params)), sharding)
-        batches = step_batches(config, case.batch_size, sharding, tokens=case.tokens)
+        params, opt_state = sharding.place_state(mesh, (model.params, tx.init(model.params)))
+        state_bytes = sharding.bytes_per_device((params, opt_state), devices[0])
+        batches = step_batches(config, case.batch_size, sharding.batch_sharding(mesh), tokens=case.tokens)
         step = compile_train_step(model.loss, tx, params, opt_state, *batches[0])
         analysis = step.run.memory_analysis()
         leaves = tuple(jax.tree.leaves((params, opt_state)))
@@ -139,7 +169,8 @@ def measure(case: Case) -> dict:
                 attention=common.attention_implementation(config.compute_dtype, config.head_dim),
                 loop_ms=loop_s * 1e3, step_ms=statistics.median(single) * 1e3,
                 tokens_per_s=case.batch_size * config.seq_len / loop_s,
-                peak_bytes=memory_in_use(device), compiled_bytes=compiled_bytes, loss=final_loss)
+                devices=len(devices), peak_bytes=peak_bytes(devices), compiled_bytes=compiled_bytes, state_bytes=state_bytes,
+                loss=final_loss)
 
 
 def in_subprocess(flag: str, job: dict, timeout: float):
@@ -215,24 +246,52 @@ def breakdown_rows(config_name: str, batch_size: int, step_ms: dict[str, float])
 
 # --- tables and the report ------------------------------------------------------------------------
 
-def _mib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**20:,.0f}"
+def _mib(n: int | None, digits: int = 0) -> str:
+    return "-" if n is None else f"{n / 2**20:,.{digits}f}"
 
 
-def results_table(rows: list[dict]) -> str:
-    head = ("| config | model | variant | attention | batch x seq | compile s | loop ms | step ms | loop/step "
-            "| tokens/s | vs stock | peak MiB | compiled MiB | vs stock |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        stock = next((s for s in rows if s["variant"] == "stock" and (s["config"], s["model"]) == (r["config"], r["model"])),
-                     None)
-        speed = f"{r['tokens_per_s'] / stock['tokens_per_s']:.2f}x" if stock else "-"
-        ours_mem, stock_mem = (x["peak_bytes"] or x["compiled_bytes"] if x else None for x in (r, stock))
-        memory = f"{ours_mem / stock_mem:.2f}x" if ours_mem and stock_mem else "-"
-        lines.append(f"| {r['config']} | {r['model']} | {r['variant']} | {r['attention']} | {r['batch_size']} x "
-                     f"{r['seq_len']} | {r['compile_s']:.1f} | {r['loop_ms']:.2f} | {r['step_ms']:.2f} | "
-                     f"{r['loop_ms'] / r['step_ms']:.2f} | {r['tokens_per_s']:,.0f} | {speed} | "
-                     f"{_mib(r['peak_bytes'])} | {_mib(r['compiled_bytes'])} | {memory} |")
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+def _peer(rows: list[dict], row: dict, **differing) -> dict:
+    """The row of ``rows`` with ``row``'s config, model, variant and mesh but for ``differing``
+    ({} if there is none)."""
+    want = {k: differing.get(k, row[k]) for k in ("config", "model", "variant", "mesh")}
+    return next((r for r in rows if all(r[k] == v for k, v in want.items())), {})
+
+
+def _memory(row: dict) -> int | None:
+    """The memory the ``vs stock`` column compares: the peak where the device reports it, else the
+    compiled step's."""
+    return (row["peak_bytes"] or row["compiled_bytes"]) if row else None
+
+
+def results_table(rows: list[dict], *, meshes: bool = False) -> str:
+    """The markdown table of ``rows`` (:func:`measure`'s); ``meshes``: with the mesh columns (the
+    mesh, tokens/s and state bytes vs the 1-device case, memory per device)."""
+    per = "/device" if meshes else ""
+    one = lambda r: _peer(rows, r, mesh=ONE_DEVICE)
+    stock = lambda r: _peer(rows, r, variant="stock")
+    columns = [
+        ("config", lambda r: r["config"]), ("model", lambda r: r["model"]), ("variant", lambda r: r["variant"]),
+        *([("mesh", lambda r: r["mesh"])] if meshes else []),
+        ("attention", lambda r: r["attention"]),
+        ("batch x seq", lambda r: f"{r['batch_size']} x {r['seq_len']}"),
+        ("compile s", lambda r: f"{r['compile_s']:.1f}"),
+        ("loop ms", lambda r: f"{r['loop_ms']:.2f}"), ("step ms", lambda r: f"{r['step_ms']:.2f}"),
+        ("loop/step", lambda r: f"{r['loop_ms'] / r['step_ms']:.2f}"),
+        ("tokens/s", lambda r: f"{r['tokens_per_s']:,.0f}"),
+        ("vs stock", lambda r: _ratio(r["tokens_per_s"], stock(r).get("tokens_per_s"))),
+        *([("vs 1 device", lambda r: _ratio(r["tokens_per_s"], one(r).get("tokens_per_s")))] if meshes else []),
+        (f"peak MiB{per}", lambda r: _mib(r["peak_bytes"])),
+        (f"compiled MiB{per}", lambda r: _mib(r["compiled_bytes"])),
+        ("vs stock", lambda r: _ratio(_memory(r), _memory(stock(r)))),
+        *([("state MiB/device", lambda r: _mib(r["state_bytes"], 1)),
+           ("vs 1 device", lambda r: _ratio(r["state_bytes"], one(r).get("state_bytes")))] if meshes else []),
+    ]
+    lines = ["| " + " | ".join(name for name, _ in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r) for _, cell in columns) + " |" for r in rows]
     return "\n".join(lines)
 
 
@@ -246,10 +305,12 @@ def breakdown_table(config: str, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def environment_line() -> str:
-    device = jax.devices()[0]
+def environment_line(count: bool = False) -> str:
+    """Date, device (``count``: how many of them), versions."""
+    devices = jax.devices()
+    kind = f"{len(devices)} x {devices[0].device_kind}" if count else devices[0].device_kind
     versions = ", ".join(f"{p} {metadata.version(p)}" for p in ("jax", "flax", "equinox", "nvidia-cutlass-dsl"))
-    return (f"{datetime.date.today().isoformat()} · {device.device_kind} ({jax.default_backend()}) · {versions} · "
+    return (f"{datetime.date.today().isoformat()} · {kind} ({jax.default_backend()}) · {versions} · "
             f"Python {platform.python_version()}")
 
 
@@ -262,40 +323,78 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variant", nargs="+", choices=VARIANTS, default=list(VARIANTS),
                    help="cutelayers model, its stock twin, the cutelayers model on the reference backend")
     p.add_argument("--batch-size", type=_int_at_least(1), default=None,
-                   help="sequences per step (default: the config's training default)")
+                   help="sequences per step, the whole batch over a mesh (default: the config's training default)")
+    p.add_argument("--mesh", nargs="+", type=sharding.parse_mesh, default=None, metavar="AXIS=N[,AXIS=N...]",
+                   help="run every case over each of these device meshes, as training.train's --mesh (axes "
+                        "data, fsdp, tensor; unnamed axes have size 1): the table adds the mesh, tokens/s and "
+                        "parameter + optimizer bytes per device vs the data=1 case, memory per device. Each "
+                        "needs that many devices and a batch that divides over data x fsdp. Without it: one "
+                        "device, and the table without the mesh columns")
     p.add_argument("--warmup-steps", type=_int_at_least(0), default=3, help="untimed steps after compiling")
     p.add_argument("--steps", type=_int_at_least(1), default=20, help="timed steps (loop and one-at-a-time each)")
     p.add_argument("--tokens", choices=TOKENS, default="uniform",
                    help="batches: random tokens over the vocabulary, or the shipped corpus as training.train reads it")
-    p.add_argument("--breakdown", action="store_true", help="add the per-part table (cutelayers vs stock)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="add the per-part table (cutelayers vs stock, on one device)")
     p.add_argument("--case-timeout", type=_int_at_least(1), default=600, help="seconds allowed per case")
     p.add_argument("--output", type=Path, default=REPO / "docs" / "benchmarks.md",
                    help="markdown file the tables are appended to")
     p.add_argument("--one-case", help=argparse.SUPPRESS)  # internal: run one case, print its JSON row
     p.add_argument("--one-breakdown", help=argparse.SUPPRESS)  # internal: the per-part rows as JSON
+    p.add_argument("--one-check", help=argparse.SUPPRESS)  # internal: device_errors() of meshes, as JSON
     return p
 
 
+def check_meshes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The ``--mesh`` values (``[data=1]`` without it), after checking each against every config's
+    batch size and shapes and (in a subprocess: this process keeps off the GPU) the devices;
+    exits with a usage error naming the mesh otherwise."""
+    if args.mesh is None:
+        return [ONE_DEVICE]
+    meshes = [sharding.describe(shape) for shape in args.mesh]
+    if len(set(meshes)) < len(meshes):
+        twice = next(m for m in meshes if meshes.count(m) > 1)
+        parser.error(f"argument --mesh: {twice} given twice (axes not named have size 1)")
+    for config in args.config:
+        batch_size = args.batch_size or DEFAULTS[config]["batch_size"]
+        batch = None if args.batch_size else f"the {config} config's default --batch-size {batch_size}"
+        for shape, mesh in zip(args.mesh, meshes):
+            if error := (sharding.batch_error(shape, batch_size, f"--mesh {mesh}", batch)
+                         or sharding.tensor_error(shape, get_config(config), config)):
+                parser.error(f"argument --mesh: {error}")
+    several = any(math.prod(shape.values()) > 1 for shape in args.mesh)
+    if several and (errors := in_subprocess("--one-check", meshes, args.case_timeout)):
+        parser.error(f"argument --mesh: {errors[0]}")
+    return meshes
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.one_case:
         print(json.dumps(measure(Case(**json.loads(args.one_case)))))
         return 0
     if args.one_breakdown:
         print(json.dumps(breakdown_rows(**json.loads(args.one_breakdown))))
         return 0
+    if args.one_check:
+        print(json.dumps(device_errors(json.loads(args.one_check))))
+        return 0
+    meshes = check_meshes(parser, args)
     sections = []
     for config in args.config:
         batch_size = args.batch_size or DEFAULTS[config]["batch_size"]
         rows = []
         for model in args.model:
             for variant in args.variant:
-                case = Case(config, model, variant, batch_size, args.warmup_steps, args.steps, args.tokens)
-                rows.append(in_subprocess("--one-case", dataclasses.asdict(case), args.case_timeout))
-                print(f"# {config} {model} {variant}: {rows[-1]['tokens_per_s']:,.0f} tokens/s", flush=True)
-        sections.append(results_table(rows))
+                for mesh in meshes:
+                    case = Case(config, model, variant, batch_size, args.warmup_steps, args.steps, args.tokens, mesh)
+                    rows.append(in_subprocess("--one-case", dataclasses.asdict(case), args.case_timeout))
+                    where = f" --mesh {mesh}" if args.mesh else ""
+                    print(f"# {config} {model} {variant}{where}: {rows[-1]['tokens_per_s']:,.0f} tokens/s", flush=True)
+        sections.append(results_table(rows, meshes=args.mesh is not None))
         if args.breakdown:
-            step_ms = {r["variant"]: r["step_ms"] for r in rows if r["model"] == args.model[0]}
+            step_ms = {r["variant"]: r["step_ms"] for r in rows if r["model"] == args.model[0] and r["mesh"] == ONE_DEVICE}
             job = {"config_name": config, "batch_size": batch_size, "step_ms": step_ms}
             sections.append(breakdown_table(config, in_subprocess("--one-breakdown", job, args.case_timeout)))
     command = "python -m training.bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
@@ -304,8 +403,15 @@ def main(argv: Sequence[str] | None = None) -> int:
               "case's own process; compiled MiB: arguments + outputs + temporaries of the "
               "compiled step (memory_analysis); memory `vs stock` uses peak where the device "
               "reports it, else compiled.")
-    report = "\n\n".join([f"## Training step (issue 14)\n\n{environment_line()}\n\nCommand: `{command}`", *sections,
-                          legend])
+    title = "Training step (issue 14)"
+    if args.mesh:
+        title = "Training step over device meshes (issue 18)"
+        legend += (" mesh: training.train's --mesh; tokens/s: the whole batch's; `vs 1 device`: against the "
+                   "same config, model and variant on data=1 in this run; peak MiB/device: the largest over "
+                   "the mesh's devices; compiled MiB/device: one device's program; state MiB/device: "
+                   "parameters + optimizer state on the mesh's first device (its shards of every leaf).")
+    report = "\n\n".join([f"## {title}\n\n{environment_line(count=args.mesh is not None)}\n\nCommand: `{command}`",
+                           *sections, legend])
     print(report)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     with open(args.output, "a") as f:

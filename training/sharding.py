@@ -82,6 +82,50 @@ def model_errors(shape: dict[str, int], config: GPTConfig) -> list[str]:
     return [f"{name}={n}" for name, n in dims.items() if n % t]
 
 
+# The checks a command runs on a mesh before training over it, each the reason (a sentence naming
+# the flags) or None: training.train and training.bench word them alike.
+
+def tensor_error(shape: dict[str, int], config: GPTConfig, config_name: str) -> str | None:
+    """Why the ``config_name`` preset cannot be split over ``shape``'s tensor axis, or None."""
+    if unsplittable := model_errors(shape, config):
+        return (f"tensor={shape['tensor']} must divide the {config_name} config's {', '.join(unsplittable)} "
+                f"(the heads, MLP width and vocabulary it splits)")
+    return None
+
+
+def batch_error(shape: dict[str, int], batch_size: int, mesh_flag: str, batch: str | None = None) -> str | None:
+    """Why batches of ``batch_size`` sequences (``batch``: how the command names that number,
+    default ``--batch-size N``) cannot be split over the batch shards (data x fsdp) of
+    ``shape`` (``mesh_flag``: the flag that asked for it), or None."""
+    shards = shape["data"] * shape["fsdp"]
+    if batch_size % shards == 0:
+        return None
+    return (f"{batch or f'--batch-size {batch_size}'} is not a multiple of {shards}, the batch shards of "
+            f"{mesh_flag} (data x fsdp: each takes an equal share of every batch)")
+
+
+def device_error(shape: dict[str, int], mesh_flag: str) -> str | None:
+    """Why :func:`device_mesh` cannot lay ``shape`` over JAX's devices, or None: more devices than
+    are visible, or (several processes) not exactly all of them."""
+    available, platform = len(jax.devices()), jax.default_backend()
+    n = math.prod(shape.values())
+    if jax.process_count() > 1 and n != available:
+        return (f"{mesh_flag}: {n} devices; the {jax.process_count()} processes have {available} {platform} "
+                f"devices together, and a mesh of several processes spans them all (each process takes part "
+                f"in every step). Use a mesh of {available} devices.")
+    if n > available:
+        return (f"{mesh_flag}: needs {n} devices; only {available} {platform} device(s) visible. Use a mesh of "
+                f"{available} or fewer (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count={n} makes "
+                f"that many host devices).")
+    return None
+
+
+def device_mesh(shape: dict[str, int]) -> Mesh:
+    """:func:`make_mesh` over the first devices of JAX's default platform (with several processes,
+    all of theirs); check :func:`device_error` first."""
+    return make_mesh(shape, jax.devices()[:math.prod(shape.values())])
+
+
 def make_mesh(shape: dict[str, int], devices) -> Mesh:
     """A (data, fsdp, tensor) mesh over ``devices`` (their count: the product of the sizes).
 
@@ -146,6 +190,21 @@ def state_shardings(mesh: Mesh, tree) -> Any:
     shape = dict(mesh.shape)
     return jax.tree_util.tree_map_with_path(
         lambda path, leaf: NamedSharding(mesh, spec_for(path, tuple(leaf.shape), shape)), tree)
+
+
+def place_state(mesh: Mesh, tree):
+    """The train state ``tree`` (parameters, optimizer state) placed on ``mesh`` in the shardings
+    of :func:`state_shardings`."""
+    return place(tree, state_shardings(mesh, tree))
+
+
+def bytes_per_device(tree, device=None) -> int:
+    """Bytes of ``tree``'s arrays held by ``device`` (default: the device of the first leaf's
+    first addressable shard): the sum of its shards' sizes."""
+    leaves = jax.tree.leaves(tree)
+    if device is None:
+        device = leaves[0].addressable_shards[0].device
+    return sum(shard.data.nbytes for leaf in leaves for shard in leaf.addressable_shards if shard.device == device)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -250,13 +250,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     else:
         flag, args.mesh = "--mesh", args.mesh or sharding.parse_mesh("data=1")
     args.mesh_flag = f"--devices {args.devices}" if flag == "--devices" else f"--mesh {sharding.describe(args.mesh)}"
-    shards = args.mesh["data"] * args.mesh["fsdp"]
-    if args.batch_size % shards:
-        parser.error(f"argument {flag}: --batch-size {args.batch_size} is not a multiple of {shards}, the batch "
-                     f"shards of {args.mesh_flag} (data x fsdp: each takes an equal share of every batch)")
-    if unsplittable := sharding.model_errors(args.mesh, cfg):
-        parser.error(f"argument --mesh: tensor={args.mesh['tensor']} must divide the {args.config} config's "
-                     f"{', '.join(unsplittable)} (the heads, MLP width and vocabulary it splits)")
+    if error := sharding.batch_error(args.mesh, args.batch_size, args.mesh_flag):
+        parser.error(f"argument {flag}: {error}")
+    if error := sharding.tensor_error(args.mesh, cfg, args.config):
+        parser.error(f"argument --mesh: {error}")
     if args.plot is not None and args.plot.suffix.lower() != ".png":
         parser.error(f"argument --plot: expected a .png file name; got {str(args.plot)!r}")
     _process_args(parser, args)
@@ -400,20 +397,10 @@ def count_kernel_calls(hlo_text: str) -> int:
 
 def training_mesh(args: argparse.Namespace) -> jax.sharding.Mesh:
     """The (data, fsdp, tensor) mesh of ``--mesh`` over the first devices of JAX's default
-    platform (:func:`training.sharding.make_mesh`); with several processes, over all of theirs."""
-    available = jax.devices()
-    n = math.prod(args.mesh.values())
-    if jax.process_count() > 1 and n != len(available):
-        raise UsageError(
-            f"{args.mesh_flag}: {n} devices; the {jax.process_count()} processes have {len(available)} "
-            f"{jax.default_backend()} devices together, and a mesh of several processes spans them all "
-            f"(each process takes part in every step). Use a mesh of {len(available)} devices.")
-    if n > len(available):
-        raise UsageError(
-            f"{args.mesh_flag}: needs {n} devices; only {len(available)} {jax.default_backend()} device(s) "
-            f"visible. Use a mesh of {len(available)} or fewer (on CPU, "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={n} makes that many host devices).")
-    return sharding.make_mesh(args.mesh, available[:n])
+    platform (:func:`training.sharding.device_mesh`); with several processes, over all of theirs."""
+    if error := sharding.device_error(args.mesh, args.mesh_flag):
+        raise UsageError(error)
+    return sharding.device_mesh(args.mesh)
 
 
 class DevicePrefetcher:
@@ -652,9 +639,9 @@ def initial_state(model, tx, mesh, ckpt, saved: dict | None, stock: bool, say):
     or restored from the latest checkpoint when resuming (each device reads its shards, whatever
     mesh wrote them)."""
     params, opt_state = model.params, tx.init(model.params)
-    shardings = sharding.state_shardings(mesh, (params, opt_state))
     if saved is None:
-        return *sharding.place((params, opt_state), shardings), 0
+        return *sharding.place_state(mesh, (params, opt_state)), 0
+    shardings = sharding.state_shardings(mesh, (params, opt_state))
     like = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), (params, opt_state),
                         shardings)
     state, _ = ckpt.restore(train_state(*like, 0))
@@ -866,7 +853,7 @@ def describe_run(args, config: GPTConfig, data: TextData, params, backend: str, 
     n_devices = math.prod(args.mesh.values())
     if n_devices > 1:
         shards = args.mesh["data"] * args.mesh["fsdp"]
-        per_device = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(params))
+        per_device = sharding.bytes_per_device(params)
         total = sum(int(np.prod(p.shape)) * p.dtype.itemsize for p in jax.tree.leaves(params))
         lines.append(f"mesh {sharding.describe(args.mesh)} over {n_devices} {jax.default_backend()} devices: "
                      f"{args.batch_size // shards} sequences per batch shard per step; "
