@@ -45,8 +45,8 @@ from test_sharding import (
     assert_no_activation_collectives,
     assert_step_matches,
     collectives,
-    largest_parameter,
     loss_and_grads,
+    parameter_elements,
     put,
     random_cotangent,
 )
@@ -109,7 +109,7 @@ def test_sharded_jit_matches_one_device(case, axis_type, platform, rng):
         assert (g.sharding.spec[:1] == ("data",)) == case.row_wise[i], (i, g.sharding)
     hlo = compiled.as_text()
     if axis_type == "Auto":  # the partitioned program: per-device kernels, parameter-sized all-reduces
-        assert_no_activation_collectives(hlo, largest_parameter(case, args))
+        assert_no_activation_collectives(hlo, parameter_elements(case, args))
     assert (KERNEL_CALL in hlo) == (platform.name == "gpu" and case.kernels)
 
 

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import check_float_array
+from cutelayers.runtime.sharding import vary_like
 
 F32 = jnp.float32
 BLOCK_TOKENS = 128  # tokens summed per block before the scatter (fastest of 128-1024 on an H100)
@@ -51,35 +52,46 @@ def _normalized(ids, num_embeddings: int, mode: str):
 
 def table_grad(dy: jax.Array, ids: jax.Array, num_embeddings: int, block_tokens: int = BLOCK_TOKENS) -> jax.Array:
     """The float32 (num_embeddings, H) gradient of ``take(table, ids)`` for ``dy`` (..., H), summed
-    per block of ``block_tokens`` tokens before the scatter; ``ids`` in [0, num_embeddings], where
-    ``num_embeddings`` marks a token that gets no gradient."""
+    per block of ``block_tokens`` tokens of ids' last axis before the scatter; ``ids`` in
+    [0, num_embeddings], where ``num_embeddings`` marks a token that gets no gradient."""
     h = dy.shape[-1]
-    ids = ids.reshape(-1)
+    # Blocks lie within a row of ids' last axis, so a batch sharded over devices stays so.
+    t = ids.shape[-1] if ids.ndim else 1
+    ids, dy = ids.reshape(-1, t), dy.reshape(-1, t, h)
     # A dropped token's dy must not reach the block's sums (0 * inf is nan).
-    dy = jnp.where((ids < num_embeddings)[:, None], dy.reshape(-1, h), 0)
-    n = ids.shape[0]
-    block = min(block_tokens, n)
-    pad = -n % block
+    dy = jnp.where((ids < num_embeddings)[..., None], dy, 0)
+    block = min(block_tokens, t)
+    pad = -t % block
     if pad:
-        ids = jnp.pad(ids, (0, pad), constant_values=num_embeddings)
-        dy = jnp.pad(dy, ((0, pad), (0, 0)))
-    ids_b = ids.reshape(-1, block)
-    same = ids_b[:, :, None] == ids_b[:, None, :]  # (blocks, i, j)
+        ids = jnp.pad(ids, ((0, 0), (0, pad)), constant_values=num_embeddings)
+        dy = jnp.pad(dy, ((0, 0), (0, pad), (0, 0)))
+    ids = ids.reshape(ids.shape[0], -1, block)
+    dy = dy.reshape(*ids.shape, h)
+    same = ids[..., :, None] == ids[..., None, :]  # (rows, blocks, i, j)
     earlier = jnp.tri(block, k=-1, dtype=bool)  # j < i
-    first = ~jnp.any(same & earlier[None], axis=-1)  # (blocks, i): no earlier token of the same id
-    dy = dy.reshape(-1, block, h)
+    first = ~jnp.any(same & earlier[None, None], axis=-1)  # no earlier token of the same id
     if dy.dtype == F32:
         # three bfloat16 pieces hold float32's 24 bits, so the bfloat16 GEMM loses none of them
         hi = dy.astype(jnp.bfloat16)
         mid = (dy - hi.astype(F32)).astype(jnp.bfloat16)
         lo = (dy - hi.astype(F32) - mid.astype(F32)).astype(jnp.bfloat16)
         dy = jnp.concatenate([hi, mid, lo], axis=-1)
-    gather = (same & first[:, :, None]).astype(dy.dtype)  # 0 / 1: exact in every dtype
-    sums = jnp.einsum("nij,njh->nih", gather, dy, preferred_element_type=F32)
+    gather = (same & first[..., None]).astype(dy.dtype)  # 0 / 1: exact in every dtype
+    sums = jnp.einsum("rnij,rnjh->rnih", gather, dy, preferred_element_type=F32)
     if sums.shape[-1] != h:
         sums = sums[..., :h] + sums[..., h:2 * h] + sums[..., 2 * h:]
-    targets = jnp.where(first, ids_b, num_embeddings).reshape(-1)
+    targets = jnp.where(first, ids, num_embeddings).reshape(-1)
     return jnp.zeros((num_embeddings, h), F32).at[targets].add(sums.reshape(-1, h), mode="drop")
+
+
+def _rows_sharding(ids):
+    """The lookup's result sharding under explicit mesh axes (ids' spec, features whole), where
+    JAX cannot infer it; None elsewhere."""
+    sharding = getattr(jax.typeof(ids), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is None or all(axis is None for axis in spec):
+        return None
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec, None))
 
 
 @functools.cache
@@ -107,7 +119,8 @@ def _embed_fn(num_embeddings: int, table_dtype, dtype, mode: str):
 
     def lookup_fwd(table, ids):
         ids = _normalized(ids, num_embeddings, mode)
-        return jnp.take(table, ids, axis=0, mode="fill").astype(dtype), ids
+        rows = table.at[ids].get(mode="fill", fill_value=jnp.nan, out_sharding=_rows_sharding(ids))
+        return rows.astype(dtype), ids
 
     def lookup_bwd(ids, dy):
         return _folded_table_grad(num_embeddings)(dy, ids).astype(table_dtype), None
@@ -143,4 +156,7 @@ def embed(table, ids, dtype=None, mode: str = "fill") -> jax.Array:
     if mode not in MODES:
         raise ValueError(f"{op}: argument 'mode' is {mode!r}; allowed: {', '.join(map(repr, MODES))}")
     dtype = jnp.dtype(table.dtype if dtype is None else dtype)
-    return _embed_fn(table.shape[0], jnp.dtype(table.dtype), dtype, mode)(table, jnp.asarray(ids))
+    ids = jnp.asarray(ids)
+    # inside shard_map: the table varies like the ids, so its gradient is summed over the shards
+    (table,) = vary_like(ids, table)
+    return _embed_fn(table.shape[0], jnp.dtype(table.dtype), dtype, mode)(table, ids)
