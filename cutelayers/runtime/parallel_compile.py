@@ -32,7 +32,8 @@ block's only kernel (a pool would not pay for its start); a kernel whose family 
 so that a compile error surfaces here with its real traceback. The last two log once why. While
 it waits for the workers, this process also compiles the kernels no worker has started yet.
 
-An exception inside the block abandons its compiles (nothing stays pending) and propagates.
+An exception inside the block abandons its compiles (nothing stays pending; and as JAX's cached
+lowerings may call kernels that will not be built, ``jax.clear_caches()``) and propagates.
 
 Like every ``spawn`` pool, workers import the program's main module: a script that uses this
 must guard its entry point with ``if __name__ == "__main__":``.
@@ -51,6 +52,8 @@ import pkgutil
 import threading
 import time
 from collections.abc import Hashable, Iterator
+
+import jax
 
 from cutelayers import backend as _backend
 from cutelayers.runtime import disk_cache, primitive
@@ -320,6 +323,10 @@ class CompileSession:
             if pending.future is not None:
                 pending.future.cancel()
             COMPILE_CACHE.discard(pending.key, pending)
+        if self._needed:
+            # JAX caches lowerings: lowering the same function again would reuse a module that
+            # calls kernels never built here, and XLA would fail on it. Its caches must go.
+            jax.clear_caches()
 
 
 def _pickled(job: primitive.CompileJob) -> bytes | None:
