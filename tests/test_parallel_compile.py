@@ -230,7 +230,8 @@ def test_the_pool_shuts_down_at_interpreter_exit(tmp_path):
         print(session.compiled_in_workers + session.compiled_here)
     """)
     env = {**os.environ, "CUTELAYERS_CACHE_DIR": str(tmp_path), "CUTE_DSL_ARCH": "sm_90a"}
-    done = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=240,
+                          check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-1] == "2"
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr[-3000:]

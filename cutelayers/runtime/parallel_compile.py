@@ -88,8 +88,6 @@ def _check_workers(workers) -> int:
 
 def _start_worker(arch: str) -> None:
     """Each worker's initializer: no GPU, the parent's target arch, the slow imports done now."""
-    import jax
-
     # Before any backend is used (unpickling a job creates none): this process never opens a GPU.
     jax.config.update("jax_platforms", "cpu")
     # Before the CuTe DSL is imported (it reads the variable then): build for the parent's arch,
@@ -131,11 +129,6 @@ def _worker_pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:
             _pool.shutdown(wait=False)  # its queued work still runs; a new block uses the new pool
             _pool = None
         if _pool is None:
-            if _pool_shape is None:
-                # Stop and drop the pool before the interpreter tears its modules down (the pool's
-                # own exit hook has stopped idle workers already; one that outlives its modules
-                # complains as it is collected).
-                atexit.register(shutdown_workers)
             _pool = concurrent.futures.ProcessPoolExecutor(
                 workers, mp_context=multiprocessing.get_context("spawn"),
                 initializer=_start_worker, initargs=(arch,))
@@ -161,6 +154,12 @@ def shutdown_workers() -> None:
         pool, _pool = _pool, None
     if pool is not None:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+# Stop and drop the pool before the interpreter tears its modules down: the pool's own exit hook
+# has stopped idle workers by then, but a pool object that outlives its modules complains as it is
+# collected.
+atexit.register(shutdown_workers)
 
 
 def _session_opened() -> None:
