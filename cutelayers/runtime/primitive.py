@@ -274,7 +274,7 @@ def static_key(family: KernelFamily, avals, out_avals) -> Hashable:
 
 # The compile session of :func:`cutelayers.runtime.parallel_compile.parallel_compiles` in force
 # here, or None: compile now. A context variable, so a session covers the code inside its block
-# only (another thread lowering meanwhile compiles as usual). The session's ``submit(job)`` returns
+# only (another thread lowering meanwhile compiles as usual). Its ``submit(key, job)`` returns
 # a placeholder kernel (its ``target`` known before the compile) and ``track(kernel)`` notes any
 # placeholder a lowering used, to be finished before the block ends.
 COMPILE_SESSION: contextvars.ContextVar[Any] = contextvars.ContextVar("cutelayers_compile_session", default=None)
