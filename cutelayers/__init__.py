@@ -5,6 +5,7 @@ Public surface:
 * :mod:`cutelayers.ops` -- differentiable ops (``reduce_sum``, ``reduce_mean``, ``reduce_max``, ...);
 * :func:`use_backend`, :func:`current_backend` -- choose kernels or the jnp reference;
 * :func:`cache_info`, :func:`clear_cache` -- the compile-once cache and its statistics;
+* :func:`parallel_compiles` -- compile the kernels a lowering needs in worker processes, meanwhile;
 * :func:`cute_call`, :func:`custom_op`, :func:`rowwise_vmap` -- bring your own CuTe kernel;
 * :mod:`cutelayers.aot` -- export a function with its compiled kernels, load it elsewhere.
 """
@@ -13,6 +14,7 @@ from cutelayers import aot, ops
 from cutelayers.backend import BACKENDS, current_backend, use_backend
 from cutelayers.cute_call import cute_call, custom_op, rowwise_vmap
 from cutelayers.runtime.cache import KernelStats, cache_info, clear_cache
+from cutelayers.runtime.parallel_compile import parallel_compiles
 
 __version__ = "0.1.0"
 
@@ -26,6 +28,7 @@ __all__ = [
     "cute_call",
     "custom_op",
     "ops",
+    "parallel_compiles",
     "rowwise_vmap",
     "use_backend",
 ]

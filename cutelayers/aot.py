@@ -28,20 +28,16 @@ import hashlib
 import io
 import json
 import re
-import tempfile
 import zipfile
-from pathlib import Path
 from typing import Callable, Sequence
 
 import jax
 from jax import export as jax_export
 
-from cutelayers.runtime import disk_cache
 from cutelayers.runtime.primitive import (
     LIBRARIES,
-    CompiledKernel,
+    kernel_from_object,
     library_versions,
-    register_kernel,
     registered_kernel,
     target_arch,
 )
@@ -124,15 +120,10 @@ def deserialize(data: bytes) -> jax_export.Exported:
     except (zipfile.BadZipFile, KeyError, ValueError, zipfile.LargeZipFile) as error:
         raise ValueError(f"deserialize: not a valid cutelayers bundle ({type(error).__name__}: {error})") from None
     _check_manifest(manifest)
-    with tempfile.TemporaryDirectory() as tmp:
-        for record in manifest["kernels"]:
-            target, payload = record["target"], objects[record["target"]]
-            if hashlib.sha256(payload).hexdigest() != record["sha256"]:
-                raise ValueError(f"deserialize: the object of kernel {target} does not match its hash")
-            if registered_kernel(target) is not None:
-                continue  # the same content-named kernel is already live in this process
-            path = Path(tmp) / f"{target}.o"
-            path.write_bytes(payload)
-            function = disk_cache.load_object(path)  # reads the file whole; the engine keeps the code
-            register_kernel(CompiledKernel(target, function, record["graph_safe"], owner=function, _object=payload))
+    for record in manifest["kernels"]:
+        target, payload = record["target"], objects[record["target"]]
+        if hashlib.sha256(payload).hexdigest() != record["sha256"]:
+            raise ValueError(f"deserialize: the object of kernel {target} does not match its hash")
+        if registered_kernel(target) is None:  # else the same content-named kernel is already live here
+            kernel_from_object(target, payload, record["graph_safe"])
     return jax_export.deserialize(bytearray(exported))

@@ -100,7 +100,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_sees_function_level_and_relative_imports():
     graph = import_graph()
-    assert "cutelayers.runtime.launch" in graph["cutelayers.runtime.primitive"]  # imported inside _compile
+    assert "cutelayers.runtime.launch" in graph["cutelayers.runtime.primitive"]  # imported inside build_launcher
     assert "cutelayers.kernels.gemm" in graph["cutelayers.ops.linear"]  # inside methods only
     assert "cutelayers.kernels.gemm" not in imports("cutelayers.ops.linear", module_level=True)
     relative = "def f():\n    from .reduction import row_config\n    from .. import ops\n"

@@ -370,7 +370,11 @@ class CompiledStep:
 def compile_train_step(loss_fn, tx, params, opt_state, inputs, targets) -> CompiledStep:
     """Lower and compile the step for these arguments' shapes and shardings (ahead of time: the
     compiled program says which path runs). The state comes back in the shardings it came in;
-    the loss and gradient norm replicated."""
+    the loss and gradient norm replicated.
+
+    The CuTe kernels the step needs compile in worker processes while it lowers
+    (``cutelayers.parallel_compiles``); all are registered when the block ends, before XLA
+    compiles the lowered step."""
     leaves, treedef = jax.tree.flatten((params, opt_state))
     step = make_train_step(loss_fn, tx)
 
@@ -381,8 +385,10 @@ def compile_train_step(loss_fn, tx, params, opt_state, inputs, targets) -> Compi
     replicated = NamedSharding(inputs.sharding.mesh, PartitionSpec())
     out_shardings = (tuple(leaf.sharding for leaf in leaves), replicated, replicated)
     t0 = time.perf_counter()
-    compiled = jax.jit(flat_step, donate_argnums=0, out_shardings=out_shardings).lower(
-        tuple(leaves), inputs, targets).compile()
+    with cl.parallel_compiles():
+        lowered = jax.jit(flat_step, donate_argnums=0, out_shardings=out_shardings).lower(
+            tuple(leaves), inputs, targets)
+    compiled = lowered.compile()
     text = compiled.as_text()
     return CompiledStep(run=compiled, treedef=treedef, kernel_calls=count_kernel_calls(text),
                         seconds=time.perf_counter() - t0, hlo_text=text)

@@ -26,13 +26,16 @@ primitive per device by the family's sharding rule; this module knows nothing of
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import hashlib
 import importlib.metadata
 import importlib.util
 import itertools
+import tempfile
 import threading
+from pathlib import Path
 from typing import Any, Hashable
 
 import jax
@@ -170,8 +173,31 @@ def registered_kernel(target: str) -> CompiledKernel | None:
     return _REGISTERED.get(target)
 
 
-def _compile(family: KernelFamily, avals, out_avals, target: str, entry) -> CompiledKernel:
-    """Compile ``family``'s launcher against fake tensors, store it on disk, register it."""
+@dataclasses.dataclass(frozen=True)
+class CompileJob:
+    """One kernel to build: its family, the shapes and dtypes of its operands and results (as
+    ``jax.ShapeDtypeStruct``: all a family's hooks read, and picklable), the FFI target it is
+    registered under and its disk cache entry (None: not stored)."""
+
+    family: KernelFamily
+    avals: tuple[jax.ShapeDtypeStruct, ...]
+    out_avals: tuple[jax.ShapeDtypeStruct, ...]
+    target: str
+    entry: disk_cache.DiskEntry | None
+
+    @property
+    def name(self) -> str:
+        return self.family.name
+
+
+def _shapes(avals) -> tuple[jax.ShapeDtypeStruct, ...]:
+    return tuple(jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in avals)
+
+
+def build_launcher(family: KernelFamily, avals, out_avals):
+    """Compile ``family``'s launcher against fake tensors: the CuTe DSL compiled function, neither
+    stored nor registered. The build step of every compile, in this process (:func:`compile_kernel`)
+    or in a compile worker (:mod:`cutelayers.runtime.parallel_compile`)."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
@@ -188,7 +214,7 @@ def _compile(family: KernelFamily, avals, out_avals, target: str, entry) -> Comp
         family.kept_outputs(len(out_avals)),
         family.constexpr_items(),
     )
-    compiled = cute.compile(
+    return cute.compile(
         call_launcher,
         make_fake_stream(use_tvm_ffi_env_stream=True),  # XLA's stream, passed through TVM-FFI
         *fakes,
@@ -196,10 +222,27 @@ def _compile(family: KernelFamily, avals, out_avals, target: str, entry) -> Comp
         plan=plan,
         options="--enable-tvm-ffi",
     )
+
+
+def compile_kernel(job: CompileJob) -> CompiledKernel:
+    """Build ``job``'s kernel in this process, store it on disk, register it."""
+    compiled = build_launcher(job.family, job.avals, job.out_avals)
     function = compiled.__tvm_ffi_object__() if hasattr(compiled, "__tvm_ffi_object__") else compiled
-    kernel = CompiledKernel(target, function, family.graph_safe, owner=compiled)
-    if entry is not None:
-        entry.store(kernel.object_bytes())
+    kernel = CompiledKernel(job.target, function, job.family.graph_safe, owner=compiled)
+    if job.entry is not None:
+        job.entry.store(kernel.object_bytes())
+    register_kernel(kernel)
+    return kernel
+
+
+def kernel_from_object(target: str, data: bytes, graph_safe: bool) -> CompiledKernel:
+    """A kernel from its relocatable object (:func:`disk_cache.object_bytes`: a compile worker's
+    result, an exported bundle's kernel), loaded and registered under ``target``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.o"
+        path.write_bytes(data)
+        function = disk_cache.load_object(path)  # reads the file whole; the engine keeps the code
+    kernel = CompiledKernel(target, function, graph_safe, owner=function, _object=data)
     register_kernel(kernel)
     return kernel
 
@@ -229,9 +272,18 @@ def static_key(family: KernelFamily, avals, out_avals) -> Hashable:
     return (family.identity(), tuple(describe(i, a) for i, a in enumerate(every)))
 
 
+# The compile session of :func:`cutelayers.runtime.parallel_compile.parallel_compiles` in force
+# here, or None: compile now. A context variable, so a session covers the code inside its block
+# only (another thread lowering meanwhile compiles as usual). Its ``submit(key, job)`` returns
+# a placeholder kernel (its ``target`` known before the compile) and ``track(kernel)`` notes any
+# placeholder a lowering used, to be finished before the block ends.
+COMPILE_SESSION: contextvars.ContextVar[Any] = contextvars.ContextVar("cutelayers_compile_session", default=None)
+
+
 def ffi_target_for(family: KernelFamily, avals, out_avals) -> str:
     """The FFI target name of the compiled kernel for these avals: from this process's cache, else
-    from the disk cache, else compiled (once)."""
+    from the disk cache, else compiled (once) -- or, inside ``parallel_compiles``, submitted to
+    compile while lowering goes on (the name does not depend on the compile)."""
     arch, _ = target_arch()
     key = (static_key(family, avals, out_avals), arch, library_versions())
     key_text = disk_cache.stable_key_text((key, disk_cache.source_digest(family.source_files())))
@@ -240,12 +292,17 @@ def ffi_target_for(family: KernelFamily, avals, out_avals) -> str:
     digest = hashlib.sha256(key_text.encode()).hexdigest() if key_text else f"{next(_UNIQUE):016d}"
     target = f"cutelayers_{family.name}_{digest[:16]}"
     entry = disk_cache.entry_for(key_text)
+    job = CompileJob(family, _shapes(avals), _shapes(out_avals), target, entry)
+    session = COMPILE_SESSION.get()
     kernel = COMPILE_CACHE.get_or_compile(
         family.name,
         key,
-        compile=lambda: _compile(family, avals, out_avals, target, entry),
+        compile=lambda: compile_kernel(job),
         load=(lambda: _load(entry, target, family.graph_safe)) if entry is not None else None,
+        defer=(lambda: session.submit(key, job)) if session is not None else None,
     )
+    if session is not None:
+        session.track(kernel)
     return kernel.target
 
 
