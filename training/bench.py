@@ -193,7 +193,7 @@ def part_seconds(config: GPTConfig, batch_size: int, *, stock: bool) -> dict[str
     from models import linen_gpt
 
     dt, d, n_layers = config.compute_dtype, config.d_model, config.n_layers
-    LayerNorm, Dense, MLP, Head = linen_gpt._layers(stock)
+    LayerNorm, Dense, MLP, Head, _ = linen_gpt._layers(stock)
     rng = np.random.default_rng(0)
     rows = (batch_size, config.seq_len)
 
