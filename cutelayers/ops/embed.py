@@ -50,6 +50,20 @@ def _normalized(ids, num_embeddings: int, mode: str):
     return jnp.where((ids >= 0) & (ids < num_embeddings), ids, num_embeddings).astype(jnp.int32)
 
 
+def _truncated_to_bfloat16(x):
+    """x (float32) with its low 16 bits cleared: exactly a bfloat16, by bits. (A float32 ->
+    bfloat16 -> float32 round trip would do the same, but XLA may drop it as excess precision.)"""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000)
+    return jax.lax.bitcast_convert_type(bits, F32)
+
+
+def _bfloat16_pieces(x):
+    """Three bfloat16 arrays whose float32 sum is x to within 2^-22 of it."""
+    hi = _truncated_to_bfloat16(x)
+    mid = _truncated_to_bfloat16(x - hi)
+    return [piece.astype(jnp.bfloat16) for piece in (hi, mid, x - hi - mid)]
+
+
 def table_grad(dy: jax.Array, ids: jax.Array, num_embeddings: int, block_tokens: int = BLOCK_TOKENS) -> jax.Array:
     """The float32 (num_embeddings, H) gradient of ``take(table, ids)`` for ``dy`` (..., H), summed
     per block of ``block_tokens`` tokens of ids' last axis before the scatter; ``ids`` in
@@ -70,12 +84,8 @@ def table_grad(dy: jax.Array, ids: jax.Array, num_embeddings: int, block_tokens:
     same = ids[..., :, None] == ids[..., None, :]  # (rows, blocks, i, j)
     earlier = jnp.tri(block, k=-1, dtype=bool)  # j < i
     first = ~jnp.any(same & earlier[None, None], axis=-1)  # no earlier token of the same id
-    if dy.dtype == F32:
-        # three bfloat16 pieces hold float32's 24 bits, so the bfloat16 GEMM loses none of them
-        hi = dy.astype(jnp.bfloat16)
-        mid = (dy - hi.astype(F32)).astype(jnp.bfloat16)
-        lo = (dy - hi.astype(F32) - mid.astype(F32)).astype(jnp.bfloat16)
-        dy = jnp.concatenate([hi, mid, lo], axis=-1)
+    if dy.dtype == F32:  # three bfloat16 pieces hold float32's 24 bits: the GEMM loses none
+        dy = jnp.concatenate(_bfloat16_pieces(dy), axis=-1)
     gather = (same & first[..., None]).astype(dy.dtype)  # 0 / 1: exact in every dtype
     sums = jnp.einsum("rnij,rnjh->rnih", gather, dy, preferred_element_type=F32)
     if sums.shape[-1] != h:
@@ -85,13 +95,13 @@ def table_grad(dy: jax.Array, ids: jax.Array, num_embeddings: int, block_tokens:
 
 
 def _rows_sharding(ids):
-    """The lookup's result sharding under explicit mesh axes (ids' spec, features whole), where
-    JAX cannot infer it; None elsewhere."""
-    sharding = getattr(jax.typeof(ids), "sharding", None)
-    spec = getattr(sharding, "spec", None)
+    """The lookup's result spec under explicit mesh axes (ids' spec, features whole), where JAX
+    cannot infer it; None elsewhere. A spec, not a sharding: jit resolves it against the mesh of
+    the arguments it traces."""
+    spec = getattr(getattr(jax.typeof(ids), "sharding", None), "spec", None)
     if spec is None or all(axis is None for axis in spec):
         return None
-    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec, None))
+    return jax.sharding.PartitionSpec(*spec, None)
 
 
 @functools.cache
