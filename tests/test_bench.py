@@ -10,7 +10,7 @@ from conftest import HAS_GPU
 
 from cutelayers.bench.__main__ import main
 
-FAMILIES = ("reduce", "norms", "softmax", "gemm", "lm_head", "compile")
+FAMILIES = ("reduce", "norms", "softmax", "gemm", "lm_head", "embed", "compile")
 
 
 def test_help_lists_every_family():

@@ -525,8 +525,9 @@ def test_equinox_lm_head(rng):
         assert tied.weight is None
         embed = eqx.nn.Embedding(40, 32, key=jax.random.key(5))
         ok = jnp.where(labels < 0, 3, labels)
-        np.testing.assert_allclose(tied(h, ok, embedding=embed.weight),
-                                   reference_loss(h @ embed.weight.T + tied.bias[None, None], ok, reduction="none"), rtol=1e-5)
+        # per-token losses as a whole (one token's small loss may cancel to a large relative error)
+        assert_close(tied(h, ok, embedding=embed.weight),
+                     reference_loss(h @ embed.weight.T + tied.bias[None, None], ok, reduction="none"), F32)
 
 
 @pytest.mark.parametrize("framework", ["linen", "nnx", "equinox"])
