@@ -71,8 +71,8 @@ def main(argv=None) -> int:
     emb.add_argument("--hidden", type=int, default=768, help="features H (default 768)")
     emb.add_argument("--vocab", type=int, default=50304, help="vocabulary size V (default 50304)")
     emb.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    emb.add_argument("--block-tokens", type=int, nargs="+", default=[None],
-                     help="tokens summed per block before the gradient's scatter, one row each (default: the op's)")
+    emb.add_argument("--block-tokens", type=int, nargs="+", default=[BLOCK_TOKENS],
+                     help=f"tokens summed per block before the gradient's scatter, one row each (default {BLOCK_TOKENS})")
     comp = sub.add_parser("compile", help="compile seconds per kernel family and disk-cache load seconds (no GPU needed)")
     comp.add_argument("--n", type=int, default=4096, help="feature size N (default 4096)")
     comp.add_argument("--k", type=int, default=4096, help="GEMM inner size K (default 4096)")
@@ -104,9 +104,8 @@ def main(argv=None) -> int:
         print(f"# device: {jax.devices()[0].device_kind}")
         print_records(bench_lm_head(args.tokens, args.hidden, args.vocab, jnp.dtype(args.dtype), args.chunk_size))
     elif args.suite == "embed":
-        blocks = [b or BLOCK_TOKENS for b in args.block_tokens]
         print_records(bench_embed(args.tokens, args.hidden, args.vocab, jnp.dtype(args.dtype), measured_bandwidth(),
-                                  blocks))
+                                  args.block_tokens))
     print("# cache:", {k: (v.compiles, v.memory_hits, v.disk_hits, round(v.compile_seconds, 2)) for k, v in cl.cache_info().items()})
     return 0
 

@@ -17,10 +17,11 @@ reads the table's rows before casting them (the stock layers cast the whole tabl
 gradient accumulates in float32 where the stock scatter adds in the compute dtype.
 
 Indices follow ``jnp.take``: a negative id counts from the end; an id out of range gives a NaN row
-and no gradient (``mode="clip"``: the nearest row, as a scalar ``table[id]`` does). One difference
-from a scatter: a non-finite value in dy reaches every row its block of tokens adds to. jnp only, so it runs on every platform; under ``jax.vmap`` the
-batch folds into the ids (:mod:`cutelayers.ops._batching`), so ``grad(vmap(f))`` runs one
-gradient over all tokens.
+and no gradient (``mode="clip"``: the nearest row, which takes the gradient, as a scalar
+``table[id]`` does). One difference from a scatter: a non-finite value in dy reaches every row its
+block of tokens adds to. jnp only, so it runs on every platform; under ``jax.vmap`` the batch folds
+into the ids (:mod:`cutelayers.ops._batching`), so ``grad(vmap(f))`` runs one gradient over all
+tokens.
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ from cutelayers.runtime.sharding import vary_like
 
 F32 = jnp.float32
 BLOCK_TOKENS = 128  # tokens summed per block before the scatter (fastest of 128-1024 on an H100)
-
-
 MODES = ("fill", "clip")
 
 
@@ -148,8 +147,8 @@ def embed(table, ids, dtype=None, mode: str = "fill") -> jax.Array:
       ids: integer array of any shape; negative ids count from the end.
       dtype: the result's dtype (default: the table's); the rows are cast after the lookup.
       mode: where an id is out of range, ``"fill"``: a NaN row (``jnp.take``'s rule, Flax's
-        ``Embed``); ``"clip"``: the nearest row (``table[ids]``'s rule, Equinox's ``Embedding``).
-        Either way that id gets no gradient, as in JAX's own gradients of both.
+        ``Embed``), and no gradient; ``"clip"``: the nearest row, which also takes its gradient
+        (a scalar ``table[id]``'s rule: Equinox's ``Embedding``).
 
     Returns:
       ``ids.shape + (features,)`` in ``dtype``. The gradient with respect to ``table`` is summed in
