@@ -18,7 +18,7 @@ def test_bench_tiny_cases_table_and_breakdown(tmp_path, capsys):
     output = tmp_path / "bench.md"
     output.write_text("# earlier results\n")
     argv = ["--config", "tiny", "--model", "nnx", "--variant", "cutelayers", "stock", "--steps", "2",
-            "--warmup-steps", "1", "--breakdown", "--output", str(output)]
+            "--warmup-steps", "1", "--breakdown", "--kernels", "3", "--output", str(output)]
     assert bench.main(argv) == 0
     printed = capsys.readouterr().out
     text = output.read_text()
@@ -38,6 +38,21 @@ def test_bench_tiny_cases_table_and_breakdown(tmp_path, capsys):
     assert len(parts) == 8
     assert all(float(ours) > 0 and float(stock) > 0 for name, ours, stock in parts if not name.startswith("other"))
     assert text.strip().endswith(printed.strip().splitlines()[-2].strip())  # printed what it appended
+    # --kernels: a section per case; the CPU records no device kernels, and says so
+    assert text.count("Kernels per step, tiny nnx ") == 2 and "no device kernels recorded" in text
+
+
+@pytest.mark.parametrize("name, family", [
+    ("kernel_cutlass_kernel_cutelayerskernelsgemmHopperGemmKernel_object_at__TiledMMA", "cutelayers (CuTe)"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", "cuDNN attention"),
+    ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NTN", "cuBLAS GEMM"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", "cuBLAS GEMM"),
+    ("loop_add_multiply_fusion_3", "XLA fusions and other"),
+    ("input_reduce_fusion", "XLA fusions and other"),
+    ("MemcpyD2D", "copies"),
+])
+def test_kernel_families(name, family):
+    assert bench.kernel_family(name) == family
 
 
 def test_corpus_batches_are_the_training_runs_windows():

@@ -32,6 +32,11 @@ model's shapes (forward + backward, times its count per step): the two attention
 MLP of a block, the LayerNorms, attention, the LM head + loss, the optimizer update, and the rest
 of the step (``other`` = step - parts).
 
+``--kernels N`` traces each case's timed steps with jax.profiler and adds, per case, the device
+time per step of each kernel family (the CuTe kernels, cuBLAS, cuDNN attention, XLA's fusions) and
+its N costliest GPU kernels: where a step's time goes inside the one compiled program, which the
+per-part breakdown (parts compiled alone) cannot show.
+
 The tables are printed and appended to ``--output`` (default docs/benchmarks.md) with the GPU,
 versions, date and command. On CPU, tiny settings (``--config tiny --steps 3``) check it runs.
 """
@@ -80,6 +85,7 @@ class Case:
     steps: int
     tokens: str = "uniform"
     mesh: str = ONE_DEVICE  # training.sharding.describe() of the case's mesh
+    top_kernels: int = 0  # rows of the per-kernel table (0: no profile)
 
     @property
     def backend(self) -> str:
@@ -162,6 +168,7 @@ def measure(case: Case) -> dict:
             jax.block_until_ready(leaves)
             single.append(time.perf_counter() - start)
         final_loss = float(losses[-1])
+        kernels = kernel_profile(step, leaves, batches, case.steps, case.top_kernels) if case.top_kernels else None
     compiled_bytes = None if analysis is None else (
         analysis.argument_size_in_bytes + analysis.output_size_in_bytes + analysis.temp_size_in_bytes)
     return dict(**dataclasses.asdict(case), dtype=config.dtype, seq_len=config.seq_len,
@@ -170,7 +177,71 @@ def measure(case: Case) -> dict:
                 loop_ms=loop_s * 1e3, step_ms=statistics.median(single) * 1e3,
                 tokens_per_s=case.batch_size * config.seq_len / loop_s,
                 devices=len(devices), peak_bytes=peak_bytes(devices), compiled_bytes=compiled_bytes, state_bytes=state_bytes,
-                loss=final_loss)
+                loss=final_loss, kernels=kernels)
+
+
+# --- per-kernel profile ---------------------------------------------------------------------------
+
+def kernel_family(name: str) -> str:
+    """The group a GPU kernel's name puts it in (for the per-kernel table's totals)."""
+    low = name.lower()
+    if "cutelayers" in low:
+        return "cutelayers (CuTe)"
+    if "cudnn" in low or "fmha" in low or "flash" in low:
+        return "cuDNN attention"
+    if any(k in low for k in ("gemm", "nvjet", "xmma", "cutlass", "cublas")):
+        return "cuBLAS GEMM"
+    if "memcpy" in low or "memset" in low:
+        return "copies"
+    return "XLA fusions and other"
+
+
+def kernel_profile(step, leaves, batches, steps: int, top: int) -> dict:
+    """Device time per step by GPU kernel: ``steps`` steps traced with jax.profiler, every kernel
+    event on the GPU's stream lines summed by name. ``{"kernels": [(name, calls/step, ms/step)] x
+    top, "families": {family: ms/step}, "busy_ms": ms/step}``; empty lists where the platform
+    records no device kernels (CPU)."""
+    import glob
+    import os
+    import tempfile
+    from collections import defaultdict
+
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for i in range(steps):
+                leaves, loss, _ = step.run(leaves, *batches[i % 2])
+            jax.block_until_ready(leaves)
+        (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+        profile = jax.profiler.ProfileData.from_file(path)
+    totals, calls = defaultdict(float), defaultdict(int)
+    for plane in profile.planes:
+        if plane.name.startswith("/device:GPU"):
+            for line in plane.lines:
+                if line.name.startswith("Stream"):
+                    for event in line.events:
+                        totals[event.name] += event.duration_ns / 1e6 / steps
+                        calls[event.name] += 1
+    families = defaultdict(float)
+    for name, ms in totals.items():
+        families[kernel_family(name)] += ms
+    ranked = sorted(totals, key=totals.get, reverse=True)[:top]
+    return {"kernels": [(name, calls[name] / steps, totals[name]) for name in ranked],
+            "families": dict(sorted(families.items(), key=lambda kv: -kv[1])), "busy_ms": sum(totals.values())}
+
+
+def kernel_table(row: dict) -> str:
+    """The per-kernel section of one case (``--kernels``)."""
+    profile = row["kernels"]
+    head = f"Kernels per step, {row['config']} {row['model']} {row['variant']}"
+    if not profile["kernels"]:
+        return f"{head}: no device kernels recorded on this platform."
+    lines = [f"{head} (device busy {profile['busy_ms']:.2f} ms of a {row['loop_ms']:.2f} ms step):", "",
+             "| family | ms/step |", "|---|---|"]
+    lines += [f"| {family} | {ms:.2f} |" for family, ms in profile["families"].items()]
+    lines += ["", "| kernel | calls/step | ms/step |", "|---|---|---|"]
+    short = lambda name: name.removeprefix("kernel_cutlass_kernel_cutelayerskernels")[:110]
+    lines += [f"| `{short(name)}` | {count:g} | {ms:.3f} |" for name, count, ms in profile["kernels"]]
+    return "\n".join(lines)
 
 
 def in_subprocess(flag: str, job: dict, timeout: float):
@@ -336,6 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batches: random tokens over the vocabulary, or the shipped corpus as training.train reads it")
     p.add_argument("--breakdown", action="store_true",
                    help="add the per-part table (cutelayers vs stock, on one device)")
+    p.add_argument("--kernels", type=_int_at_least(0), default=0, metavar="N",
+                   help="trace --steps steps of each case with jax.profiler and add its N costliest GPU "
+                        "kernels (ms per step) and the time per kernel family (CuTe, cuBLAS, cuDNN, XLA "
+                        "fusions)")
     p.add_argument("--case-timeout", type=_int_at_least(1), default=600, help="seconds allowed per case")
     p.add_argument("--output", type=Path, default=REPO / "docs" / "benchmarks.md",
                    help="markdown file the tables are appended to")
@@ -388,11 +463,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for model in args.model:
             for variant in args.variant:
                 for mesh in meshes:
-                    case = Case(config, model, variant, batch_size, args.warmup_steps, args.steps, args.tokens, mesh)
+                    case = Case(config, model, variant, batch_size, args.warmup_steps, args.steps, args.tokens, mesh,
+                                args.kernels)
                     rows.append(in_subprocess("--one-case", dataclasses.asdict(case), args.case_timeout))
                     where = f" --mesh {mesh}" if args.mesh else ""
                     print(f"# {config} {model} {variant}{where}: {rows[-1]['tokens_per_s']:,.0f} tokens/s", flush=True)
         sections.append(results_table(rows, meshes=args.mesh is not None))
+        sections += [kernel_table(r) for r in rows if r["kernels"] is not None]
         if args.breakdown:
             step_ms = {r["variant"]: r["step_ms"] for r in rows if r["model"] == args.model[0] and r["mesh"] == ONE_DEVICE}
             job = {"config_name": config, "batch_size": batch_size, "step_ms": step_ms}

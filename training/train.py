@@ -684,6 +684,9 @@ def run_loop(args, step_fn: CompiledStep, leaves, batches, schedule: Schedule, *
     out = LoopResult(leaves=leaves, train_curve=[], window_means=[], eval_losses=[], train_seconds=0.0)
     losses: list[jax.Array] = []
     pending: _Window | None = None
+    # every step's rate on the host up front: evaluating the optax schedule at the first log line
+    # compiled its ops there, inside the timed window
+    learning_rates = np.asarray(jax.jit(jax.vmap(schedule))(np.arange(args.steps + 1)))
     mark, excluded = time.perf_counter(), 0.0
 
     def report(window: _Window):
@@ -694,7 +697,7 @@ def run_loop(args, step_fn: CompiledStep, leaves, batches, schedule: Schedule, *
         out.train_seconds += seconds
         first = window.last_step - len(values) + 1
         out.train_curve += [(first + i, float(v)) for i, v in enumerate(values)]
-        mean, lr, tps = float(np.mean(values)), float(schedule(window.last_step)), len(values) * tokens_per_step / seconds
+        mean, lr, tps = float(np.mean(values)), float(learning_rates[window.last_step]), len(values) * tokens_per_step / seconds
         out.window_means.append((mean, len(values)))
         record(step=window.last_step, split="train", loss=mean, lr=lr, grad_norm=float(grad_norm),
                tokens_per_s=tps, elapsed_s=out.train_seconds)
