@@ -126,3 +126,45 @@ def test_cpu_lowering_is_the_reference():
     x = jnp.arange(12.0).reshape(3, 4)
     assert jnp.allclose(jax.jit(cl.ops.reduce_sum)(x), x.sum(-1))
     assert cl.cache_info() == {}
+
+
+TORCH_PROBE = """
+import jax, jax.numpy as jnp, cutelayers as cl, sys
+x = jax.ShapeDtypeStruct((64, 768), jnp.bfloat16)
+with cl.use_backend("cute"):
+    jax.jit(lambda x: cl.ops.rms_norm(x, jnp.ones(768, jnp.bfloat16))).trace(x).lower(lowering_platforms=("cuda",))
+assert "tvm_ffi" in sys.modules and cl.cache_info()["rms_norm_fwd"].compiles == 1
+print("built")
+"""
+
+
+@pytest.mark.cute
+@pytest.mark.parametrize("allow_torch", [False, True])
+def test_building_a_kernel_does_not_import_torch(tmp_path, allow_torch):
+    """TVM-FFI imports torch where it is installed (seconds per process); building a kernel keeps it
+    out unless CUTELAYERS_TVM_FFI_TORCH=1, and torch stays importable afterwards. A stand-in
+    ``torch`` module records each import attempt (and fails it, as TVM-FFI would use a real one)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    marker = tmp_path / "imported"
+    (tmp_path / "torch.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).touch()\nraise ImportError('stand-in torch')\n")
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(repo)]), "CUTE_DSL_ARCH": "sm_90a",
+           "CUTELAYERS_CACHE_DIR": "", "JAX_PLATFORMS": "cpu"}
+    env.pop("CUTELAYERS_TVM_FFI_TORCH", None)
+    if allow_torch:
+        env["CUTELAYERS_TVM_FFI_TORCH"] = "1"
+    after = "\ntry:\n    import torch\nexcept ImportError as e:\n    print('torch:', e)\n"
+    proc = subprocess.run([sys.executable, "-c", TORCH_PROBE + after], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "built" in proc.stdout and "torch: stand-in torch" in proc.stdout  # the module is reached after
+    marker.unlink()  # the import after the build made it; was there one before?
+    proc = subprocess.run([sys.executable, "-c", TORCH_PROBE], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert marker.exists() == allow_torch

@@ -33,6 +33,8 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import itertools
+import os
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -99,6 +101,29 @@ def kernels_supported(arch: str | None) -> bool:
 CUTE_PACKAGES = {"cutlass": "nvidia-cutlass-dsl", "tvm_ffi": "apache-tvm-ffi", "jax_tvm_ffi": "jax-tvm-ffi"}
 
 
+TVM_FFI_TORCH_VARIABLE = "CUTELAYERS_TVM_FFI_TORCH"
+
+
+@functools.cache
+def import_tvm_ffi() -> None:
+    """Import TVM-FFI (how compiled kernels are called) before anything else does, keeping it from
+    importing PyTorch. ``tvm_ffi`` imports torch at import time, where it is installed, to exchange
+    torch tensors -- which this library never passes; that import cost 7-10 s in every process that
+    built or loaded a kernel (compile workers too) on an H100 host with torch installed, most of a
+    train step's cold compile. Called first by every path that compiles, loads or registers a
+    kernel. Torch already imported, or ``CUTELAYERS_TVM_FFI_TORCH=1``: the plain import, torch
+    interop included (set it to pass torch tensors to TVM-FFI functions in the same process)."""
+    if "tvm_ffi" in sys.modules or "torch" in sys.modules or os.environ.get(TVM_FFI_TORCH_VARIABLE) == "1":
+        import tvm_ffi  # noqa: F401
+        return
+    sys.modules["torch"] = None  # makes `import torch` raise ImportError, which tvm_ffi handles
+    try:
+        import tvm_ffi  # noqa: F401
+    finally:
+        if "torch" in sys.modules and sys.modules["torch"] is None:
+            del sys.modules["torch"]  # torch stays importable by everyone else
+
+
 @functools.cache
 def cute_dsl_missing() -> str | None:
     """Why this environment cannot build CuTe kernels (the ``cute`` extra's packages that are not
@@ -157,6 +182,7 @@ _UNIQUE = itertools.count()
 
 def register_kernel(kernel: CompiledKernel) -> None:
     """Register ``kernel`` as an XLA FFI target (once per target name per process)."""
+    import_tvm_ffi()
     import jax_tvm_ffi
 
     with _REGISTER_LOCK:
@@ -198,6 +224,7 @@ def build_launcher(family: KernelFamily, avals, out_avals):
     """Compile ``family``'s launcher against fake tensors: the CuTe DSL compiled function, neither
     stored nor registered. The build step of every compile, in this process (:func:`compile_kernel`)
     or in a compile worker (:mod:`cutelayers.runtime.parallel_compile`)."""
+    import_tvm_ffi()
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
@@ -238,6 +265,7 @@ def compile_kernel(job: CompileJob) -> CompiledKernel:
 def kernel_from_object(target: str, data: bytes, graph_safe: bool) -> CompiledKernel:
     """A kernel from its relocatable object (:func:`disk_cache.object_bytes`: a compile worker's
     result, an exported bundle's kernel), loaded and registered under ``target``."""
+    import_tvm_ffi()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "kernel.o"
         path.write_bytes(data)
@@ -249,6 +277,7 @@ def kernel_from_object(target: str, data: bytes, graph_safe: bool) -> CompiledKe
 
 def _load(entry, target: str, graph_safe: bool) -> CompiledKernel | None:
     """The kernel from its disk cache entry (registered), or None if the entry is absent/invalid."""
+    import_tvm_ffi()
     loaded = entry.load()
     if loaded is None:
         return None
