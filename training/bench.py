@@ -198,7 +198,7 @@ def kernel_family(name: str) -> str:
 
 def kernel_profile(step, leaves, batches, steps: int, top: int) -> dict:
     """Device time per step by GPU kernel: ``steps`` steps traced with jax.profiler, every kernel
-    event on the GPU's stream lines summed by name. ``{"kernels": [(name, calls/step, ms/step)] x
+    event on the stream lines of the first GPU summed by name. ``{"kernels": [(name, calls/step, ms/step)] x
     top, "families": {family: ms/step}, "busy_ms": ms/step}``; empty lists where the platform
     records no device kernels (CPU)."""
     import glob
@@ -215,7 +215,7 @@ def kernel_profile(step, leaves, batches, steps: int, top: int) -> dict:
         profile = jax.profiler.ProfileData.from_file(path)
     totals, calls = defaultdict(float), defaultdict(int)
     for plane in profile.planes:
-        if plane.name.startswith("/device:GPU"):
+        if plane.name == "/device:GPU:0":  # over a mesh: the first device's
             for line in plane.lines:
                 if line.name.startswith("Stream"):
                     for event in line.events:
