@@ -94,13 +94,14 @@ def table_grad(dy: jax.Array, ids: jax.Array, num_embeddings: int, block_tokens:
 
 
 def _rows_sharding(ids):
-    """The lookup's result spec under explicit mesh axes (ids' spec, features whole), where JAX
-    cannot infer it; None elsewhere. A spec, not a sharding: jit resolves it against the mesh of
-    the arguments it traces."""
-    spec = getattr(getattr(jax.typeof(ids), "sharding", None), "spec", None)
+    """The lookup's result sharding under explicit mesh axes (ids' spec, features whole), where
+    JAX cannot infer it; None elsewhere. Built from the ids' own sharding, so it carries their
+    (abstract) mesh: jax >= 0.11 takes a bare PartitionSpec only inside ``jax.set_mesh``."""
+    sharding = getattr(jax.typeof(ids), "sharding", None)
+    spec = getattr(sharding, "spec", None)
     if spec is None or all(axis is None for axis in spec):
         return None
-    return jax.sharding.PartitionSpec(*spec, None)
+    return sharding.update(spec=jax.sharding.PartitionSpec(*spec, None))
 
 
 @functools.cache
