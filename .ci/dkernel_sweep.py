@@ -1,7 +1,7 @@
 """The weight-gradient GEMM (dkernel = xᵀ @ dz, contracting the rows) at the GPT-2 layers' (K, N),
-16384 rows: every (config, split count) timed next to XLA's einsum, on the device:
-``python .ci/dkernel_sweep.py [--rows 16384]``. Each candidate is the op as the backward runs it:
-zeros, the kernel adding its splits into them, the cast to bfloat16. The CuTe kernels compile
+16384 rows: every (config, schedule) -- whole tiles, or stream-K ("sk") -- timed next to XLA's
+einsum, on the device: ``python .ci/dkernel_sweep.py [--rows 16384]``. Each candidate is the op as
+the backward runs it: zeros, the kernel adding its partial tiles into them, the cast to bfloat16. The CuTe kernels compile
 first, in worker processes side by side (their disk cache entries are what the timing process
 loads), then one process times them. Prints a table and the best candidate per shape."""
 
@@ -14,8 +14,8 @@ import itertools
 import multiprocessing
 import os
 
-SHAPES = ((768, 3072), (3072, 768), (768, 2304), (768, 768))  # (K, N): fc1, fc2, qkv, attn out
-SPLITS = (1, 2, 3, 4, 6, 8, 12)
+SHAPES = ((768, 3072), (3072, 768), (768, 2304), (768, 768), (4096, 4096))  # (K, N): fc1, fc2, qkv, attn out
+SCHEDULES = ("tiles", "sk")  # one unit per output tile, stream-K
 
 
 def configs():
@@ -32,13 +32,14 @@ def configs():
     }
 
 
-def candidate_fn(config_name: str, splits: int, k: int, n: int):
+def candidate_fn(config_name: str, schedule, k: int, n: int):
     import jax.numpy as jnp
 
     from cutelayers.ops.linear import LinearWeightGrad
     from cutelayers.runtime.sharding import kernel_call
 
-    family = LinearWeightGrad(config=configs()[config_name], splits=splits, accumulate=True)
+    config = configs()[config_name]
+    family = LinearWeightGrad(config=config, accumulate=True, stream_k=schedule == "sk")
 
     def fn(x, dz):
         (dw,) = kernel_call(family, x, dz, jnp.zeros((1, k, n), jnp.float32))
@@ -65,10 +66,10 @@ def compile_one(case, rows: int) -> str:
 
     from cutelayers.backend import use_backend
 
-    name, splits, k, n = case
+    name, schedule, k, n = case
     try:
         with use_backend("cute"):
-            jax.jit(candidate_fn(name, splits, k, n)).lower(*operands(rows, k, n, False)).compile()
+            jax.jit(candidate_fn(name, schedule, k, n)).lower(*operands(rows, k, n, False)).compile()
         return ""
     except Exception as e:  # reported in the table, the sweep goes on
         return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
@@ -79,7 +80,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=16384)
     parser.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
     args = parser.parse_args()
-    cases = [(name, s, k, n) for (k, n), name, s in itertools.product(SHAPES, configs(), SPLITS)]
+    cases = [(name, s, k, n) for (k, n), name, s in itertools.product(SHAPES, configs(), SCHEDULES)
+             if not (s == "sk" and "pp" in name)]  # stream-K runs cooperative configs
     with cf.ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         errors = dict(zip(cases, pool.map(functools.partial(compile_one, rows=args.rows), cases)))
     print(f"# compiled {sum(not e for e in errors.values())} of {len(cases)} candidates", flush=True)
@@ -91,7 +93,7 @@ def main() -> None:
     from cutelayers.bench.timing import time_fn
 
     print(f"# device: {jax.devices()[0].device_kind}; rows {args.rows}")
-    print("| K x N | config | splits | us | TFLOP/s | XLA us | XLA/ours | rel err |")
+    print("| K x N | config | schedule | us | TFLOP/s | XLA us | XLA/ours | rel err |")
     print("|---|---|---|---|---|---|---|---|")
     best = {}
     for k, n in SHAPES:
@@ -102,22 +104,22 @@ def main() -> None:
         t_xla = time_fn(xla, x, dz)
         flops = 2.0 * args.rows * k * n
         for case in [c for c in cases if c[2:] == (k, n)]:
-            name, splits = case[:2]
+            name, schedule = case[:2]
             if errors[case]:
-                print(f"| {k} x {n} | {name} | {splits} | - | - | {t_xla * 1e6:.1f} | - | {errors[case]} |")
+                print(f"| {k} x {n} | {name} | {schedule} | - | - | {t_xla * 1e6:.1f} | - | {errors[case]} |")
                 continue
             with use_backend("cute"):
-                fn = jax.jit(candidate_fn(name, splits, k, n))
+                fn = jax.jit(candidate_fn(name, schedule, k, n))
                 out = fn(x, dz).astype(jnp.float32)
                 t = time_fn(fn, x, dz)
             err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-            print(f"| {k} x {n} | {name} | {splits} | {t * 1e6:.1f} | {flops / t / 1e12:.0f} | "
+            print(f"| {k} x {n} | {name} | {schedule} | {t * 1e6:.1f} | {flops / t / 1e12:.0f} | "
                   f"{t_xla * 1e6:.1f} | {t_xla / t:.2f} | {err:.1e} |", flush=True)
             if err < 1e-2 and t < best.get((k, n), (None, 1.0))[1]:
-                best[(k, n)] = ((name, splits), t, t_xla)
-    print("\n| K x N | best config | splits | us | XLA/ours |\n|---|---|---|---|---|")
-    for (k, n), ((name, splits), t, t_xla) in best.items():
-        print(f"| {k} x {n} | {name} | {splits} | {t * 1e6:.1f} | {t_xla / t:.2f} |")
+                best[(k, n)] = ((name, schedule), t, t_xla)
+    print("\n| K x N | best config | schedule | us | XLA/ours |\n|---|---|---|---|---|")
+    for (k, n), ((name, schedule), t, t_xla) in best.items():
+        print(f"| {k} x {n} | {name} | {schedule} | {t * 1e6:.1f} | {t_xla / t:.2f} |")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import pytest
 from numerics import assert_close, random
 
 import cutelayers as cl
-from cutelayers.kernels.gemm_config import CONFIGS, EXTRA_CONFIGS, SPLIT_K_CONFIG, config_class, split_count
+from cutelayers.kernels.gemm_config import CONFIGS, EXTRA_CONFIGS, STREAM_K_CONFIG, config_class, stream_k_pays
 from cutelayers.ops.linear import (
     ACTIVATION_FUNCTIONS,
     LinearWeightGrad,
@@ -495,69 +495,93 @@ def test_kernel_vmap_and_per_example_grads_gpu(rng):
     assert_close(per_example, ref, jnp.bfloat16, scale=2.0)
 
 
-# --- split-K weight gradients --------------------------------------------------------------------------
+# --- stream-K weight gradients --------------------------------------------------------------------------
 
-def test_split_k_is_chosen_for_small_weight_gradients():
-    # GPT-2's layers at 16384 tokens: their (K, N) outputs are a few dozen 128x128 tiles.
+def test_stream_k_is_chosen_for_small_weight_gradients():
+    # GPT-2's layers at 16384 tokens: their (K, N) outputs are a few dozen 128x256 tiles.
     for k, n in ((768, 768), (768, 2304), (768, 3072), (3072, 768)):
-        assert split_count(k, n, 16384) > 1, (k, n)
-    assert split_count(4096, 16384, 8192) == 1  # 4096 tiles: the output fills the GPU
-    assert split_count(256, 512, 100) == 1  # two k tiles: nothing to split
+        assert stream_k_pays(k, n, 16384), (k, n)
+    assert not stream_k_pays(4096, 4096, 16384)  # 512 tiles: 3.9 waves of whole tiles
+    assert not stream_k_pays(4096, 16384, 8192)  # 2048 tiles: the output fills the GPU
+    assert not stream_k_pays(256, 512, 100)  # two k tiles: nothing to share
+    assert stream_k_pays(768, 768, 4096, batch=2)  # a batch of outputs counts its tiles together
+    assert not stream_k_pays(768, 768, 4096, batch=64)
 
 
-def test_split_k_reference_adds_into_the_accumulator(rng):
+def test_accumulating_reference_adds_into_the_accumulator(rng):
     x, dz = random(rng, (2, 40, 16), jnp.bfloat16), random(rng, (2, 40, 24), jnp.bfloat16)
     acc = random(rng, (2, 16, 24), jnp.float32)
-    (out,) = LinearWeightGrad(splits=3, accumulate=True).reference(x, dz, acc)
+    (out,) = LinearWeightGrad(accumulate=True, stream_k=True).reference(x, dz, acc)
     want = acc + jnp.einsum("lmk,lmn->lkn", x.astype(jnp.float32), dz.astype(jnp.float32), precision=HIGHEST)
     assert out.dtype == jnp.float32
     assert_close(out, want, jnp.float32, scale=10.0)
 
 
 @pytest.mark.cute
-def test_lowering_split_k_weight_grad(fresh_cache):
-    # The dkernel call adds its splits into a zeroed float32 buffer it aliases; the gradient is
-    # that sum in the kernel's dtype.
+def test_lowering_stream_k_weight_grad(fresh_cache):
+    # The dkernel call adds its partial tiles into a zeroed float32 buffer it aliases; the gradient
+    # is that sum in the kernel's dtype.
     S = jax.ShapeDtypeStruct
     m, k, n = 16384, 768, 768
-    splits = split_count(k, n, m)
     grad = jax.grad(lambda x, w: jnp.sum(fused_linear(x, w).astype(jnp.float32) ** 2), 1)
     hlo = lower_cuda(grad, S((m, k), jnp.bfloat16), S((k, n), jnp.bfloat16))
     (call,) = [line for line in hlo.splitlines() if "@cutelayers_linear_dkernel" in line]
     assert call.endswith(f"(tensor<1x{m}x{k}xbf16>, tensor<1x{m}x{n}xbf16>, tensor<1x{k}x{n}xf32>) -> "
                          f"tensor<1x{k}x{n}xf32>")
     assert "output_operand_aliases" in call
-    assert splits > 1 and cl.cache_info()["linear_dkernel"].compiles == 1
+    assert stream_k_pays(k, n, m) and cl.cache_info()["linear_dkernel"].compiles == 1
 
 
-# every GEMM config adds into an accumulator, split or not (pingpong skips its partner's units)
-ACCUMULATE_CONFIGS = list(dict.fromkeys([*CONFIGS.values(), *EXTRA_CONFIGS, SPLIT_K_CONFIG]))
+# every GEMM config adds into an accumulator (pingpong alternates whole tiles), the cooperative
+# ones on the stream-K schedule too
+ACCUMULATE_CONFIGS = list(dict.fromkeys([*CONFIGS.values(), *EXTRA_CONFIGS, STREAM_K_CONFIG]))
+SCHEDULES = ["tiles", "stream_k"]
 
 
-def _accumulate_case(config, splits, k=256, n=512, dtype=jnp.bfloat16):
-    """A dkernel family adding into an accumulator, and its operands' avals: 4296 rows, 67 k tiles,
-    so a split of 3 leaves the last one shorter (23, 23, 21)."""
-    family = LinearWeightGrad(config=config, splits=splits, accumulate=True)
+def _accumulate_case(config, schedule, k=256, n=512, dtype=jnp.bfloat16):
+    """A dkernel family adding into an accumulator, and its operands' avals: 4296 rows, 67 k tiles
+    (the last one partial), which stream-K's chunks split at odd places."""
+    family = LinearWeightGrad(config=config, accumulate=True, stream_k=schedule == "stream_k")
     S = jax.ShapeDtypeStruct
     return family, (S((1, 4296, k), dtype), S((1, 4296, n), dtype), S((1, k, n), jnp.float32))
 
 
+def _schedule_cases():
+    return [(c, s) for c in ACCUMULATE_CONFIGS for s in SCHEDULES if not (s == "stream_k" and c.pingpong)]
+
+
 @pytest.mark.cute
-@pytest.mark.parametrize("splits", [1, 3])
-def test_accumulating_weight_grad_compiles_for_every_config(splits, fresh_cache):
-    for config in ACCUMULATE_CONFIGS:
-        family, avals = _accumulate_case(config, splits)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_accumulating_weight_grad_compiles_for_every_config(schedule, fresh_cache):
+    configs = [c for c, s in _schedule_cases() if s == schedule]
+    for config in configs:
+        family, avals = _accumulate_case(config, schedule)
         assert kernel_targets(lower_cuda(functools.partial(kernel_call, family), *avals)) == ["linear_dkernel"]
-    assert cl.cache_info()["linear_dkernel"].compiles == len(ACCUMULATE_CONFIGS)
+    assert cl.cache_info()["linear_dkernel"].compiles == len(configs)
+
+
+def test_stream_k_needs_an_accumulator():
+    with pytest.raises(ValueError, match="accumulator"):
+        LinearWeightGrad(stream_k=True)
+
+
+@pytest.mark.cute
+def test_stream_k_needs_a_cooperative_config():
+    from cutelayers.kernels.gemm import Epilogue, HopperGemmKernel
+
+    pingpong = next(c for c in ACCUMULATE_CONFIGS if c.pingpong)
+    with pytest.raises(ValueError, match="cooperative"):
+        HopperGemmKernel(pingpong, Epilogue(), accumulate=True, stream_k=True)
+    with pytest.raises(ValueError, match="accumulate=True"):
+        HopperGemmKernel(STREAM_K_CONFIG, Epilogue(), stream_k=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n", [(256, 512), (64, 128)], ids=["2x2-tiles", "one-tile"])
-@pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("config", ACCUMULATE_CONFIGS, ids=str)
-def test_accumulating_weight_grad_every_config_gpu(config, splits, k, n, rng):
+@pytest.mark.parametrize("config,schedule", _schedule_cases(), ids=str)
+def test_accumulating_weight_grad_every_config_gpu(config, schedule, k, n, rng):
     # one tile: a 2-CTA cluster's padding tile aliases tile 0 and must not add it a second time
-    family, avals = _accumulate_case(config, splits, k, n)
+    family, avals = _accumulate_case(config, schedule, k, n)
     x, dz = (random(rng, a.shape, a.dtype) for a in avals[:2])
     acc = random(rng, avals[2].shape, jnp.float32)
     with cl.use_backend("cute"):
@@ -567,10 +591,24 @@ def test_accumulating_weight_grad_every_config_gpu(config, splits, k, n, rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows,k,n,batch", [(16384, 768, 3072, 1), (5000, 192, 640, 3), (70, 64, 64, 1)],
+                         ids=["fc1", "odd-batched", "short"])
+def test_stream_k_weight_grad_gpu(rows, k, n, batch, rng):
+    # GPT-2's fc1 (36 cluster tiles over 256 k tiles: every chunk crosses a tile, rotated k);
+    # a batch of outputs with partial tiles; fewer steps than clusters (empty chunks)
+    family = LinearWeightGrad(config=STREAM_K_CONFIG, accumulate=True, stream_k=True)
+    x, dz = random(rng, (batch, rows, k), jnp.bfloat16), random(rng, (batch, rows, n), jnp.bfloat16)
+    with cl.use_backend("cute"):
+        (out,) = jax.jit(functools.partial(kernel_call, family))(x, dz, jnp.zeros((batch, k, n), jnp.float32))
+    want = jnp.einsum("lmk,lmn->lkn", x.astype(jnp.float32), dz.astype(jnp.float32), precision=HIGHEST)
+    assert_close(out, want, jnp.float32, scale=100.0)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_split_k_weight_grad_gpu(dtype, rng):
+def test_stream_k_weight_grad_through_the_op_gpu(dtype, rng):
     m, k, n = 4096, 256, 512
-    assert split_count(k, n, m) > 1
+    assert stream_k_pays(k, n, m)
     x, kernel, _, _ = operands(rng, (m,), k, n, dtype, bias=False, residual=False)
     dy = random(rng, (m, n), dtype)
     with cl.use_backend("cute"):

@@ -37,6 +37,11 @@ Structure (one CTA per SM, looping over output tiles; ``1 + consumer_warpgroups`
 
 Tiles are visited in groups of up to ``GROUP_N`` cluster columns (a divisor of the column count,
 so no padding tile is ever scheduled): CTAs running together share A and B tiles in L2.
+
+Few output tiles over a long contraction (a weight gradient's (K, N) over all the tokens) would
+leave most SMs idle: ``stream_k`` (:class:`StreamKScheduler`) gives every cluster one equal
+share of all the (tile, k tile) steps instead, and the partial tiles meet in c through reduce-add
+TMA stores.
 """
 
 from __future__ import annotations
@@ -49,8 +54,9 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 from cutlass.tensor_utils import LayoutEnum
 
 from cutelayers.kernels.gemm_config import EPI_STAGES, PERSISTENT_SMS, SOURCE_STAGES, WARPGROUP, GemmConfig
@@ -156,6 +162,75 @@ def activation_grad(x: Float32, name: cutlass.Constexpr) -> Float32:
     return d
 
 
+class StreamKScheduler:
+    """Stream-K schedule: the flattened space of (cluster tile, k tile) steps -- every tile's
+    contraction in turn, tiles ordered m, n, batch -- cut into one equal contiguous chunk per
+    cluster of the grid. A cluster works through its chunk in *segments*, the runs of steps that
+    fall in one tile, each ending with a reduce-add store of its partial tile into c: about
+    chunk / k_tiles + 1 stores per cluster, however few the tiles.
+
+    Within a tile the k tiles are taken in a rotated order: k tile 0 is the step where the first
+    chunk starting inside the tile starts. Chunks start in step with each other, so the clusters
+    running together sit at only a couple of distinct k positions and share their A and B k tiles
+    in L2 (unrotated, they would spread over the whole contraction).
+
+    The interface of the static persistent scheduler, for the kernel's loops: a work's
+    ``tile_idx`` is this CTA's (tile m, tile n, batch, first k tile, k tiles) of the segment.
+    """
+
+    def __init__(self, state, clusters_m: int, clusters_n: int, cluster_mn: tuple[int, int]):
+        # state: Int32 (position, end of the chunk, k tiles, all steps, clusters in the grid,
+        # this CTA's m and n in its cluster)
+        self.state, self.clusters_m, self.clusters_n, self.cluster_mn = state, clusters_m, clusters_n, cluster_mn
+
+    @staticmethod
+    def create(c_shape, tile_mn, cluster_mn, cluster_coord, k_tiles):
+        """The schedule of this CTA's cluster (the grid's third coordinate) for an output of
+        ``c_shape`` (M, N, L) in tiles of ``tile_mn``."""
+        clusters_m = cute.ceil_div(cute.ceil_div(c_shape[0], tile_mn[0]), cluster_mn[0])
+        clusters_n = cute.ceil_div(cute.ceil_div(c_shape[1], tile_mn[1]), cluster_mn[1])
+        steps = Int32(clusters_m * clusters_n * c_shape[2] * k_tiles)
+        cluster = Int32(cute.arch.block_idx()[2])
+        clusters = Int32(cute.arch.grid_dim()[2])
+        # Int64: clusters x steps can pass 2^31 on a long contraction
+        start = Int32(Int64(cluster) * Int64(steps) // Int64(clusters))
+        end = Int32(Int64(cluster + 1) * Int64(steps) // Int64(clusters))
+        state = (start, end, Int32(k_tiles), steps, clusters, Int32(cluster_coord[0]), Int32(cluster_coord[1]))
+        return StreamKScheduler(state, clusters_m, clusters_n, cluster_mn)
+
+    def __extract_mlir_values__(self):
+        return extract_mlir_values(self.state)
+
+    def __new_from_mlir_values__(self, values):
+        return StreamKScheduler(new_from_mlir_values(self.state, values), self.clusters_m, self.clusters_n,
+                                self.cluster_mn)
+
+    def initial_work_tile_info(self):
+        return self.get_current_work()
+
+    def get_current_work(self):
+        pos, end, k_tiles, steps, clusters, cta_m, cta_n = self.state
+        tile = pos // k_tiles
+        inner = pos - tile * k_tiles
+        count = cutlass.min(end - pos, k_tiles - inner)
+        # The first chunk that starts in this tile (there may be none: then any rotation will do)
+        tile_start = Int64(tile) * Int64(k_tiles)
+        first = (tile_start * Int64(clusters) + Int64(steps) - 1) // Int64(steps)
+        rotation = Int32(first * Int64(steps) // Int64(clusters) - tile_start) % k_tiles
+        k0 = (inner - rotation + k_tiles) % k_tiles
+        rest = tile // self.clusters_m
+        m = (tile - rest * self.clusters_m) * self.cluster_mn[0] + cta_m
+        batch = rest // self.clusters_n
+        n = (rest - batch * self.clusters_n) * self.cluster_mn[1] + cta_n
+        unit = tuple(cute.arch.make_warp_uniform(v) for v in (m, n, batch, k0, count))
+        return utils.WorkTileInfo(unit, cute.arch.make_warp_uniform(pos < end))
+
+    def advance_to_next_work(self):
+        pos, end, k_tiles = self.state[:3]
+        pos = pos + cutlass.min(end - pos, k_tiles - pos % k_tiles)
+        self.state = (pos, *self.state[1:])
+
+
 class HopperGemmKernel:
     """C = epilogue(A @ Bᵀ) on Hopper: persistent, warp-specialized TMA + wgmma, fp32 accumulation.
 
@@ -169,14 +244,16 @@ class HopperGemmKernel:
       (M, N, L), N contiguous, c's dtype.
 
     ``accumulate``: C += A @ Bᵀ, each tile added into c by the TMA store (reduce-add): how
-    ``splits`` > 1 (split-K over the contraction) sums its partials, and how a caller adds into
-    a running float32 sum without a pass of its own.
+    ``stream_k`` (:class:`StreamKScheduler`) sums its partial tiles, and how a caller adds into a
+    running float32 sum without a pass of its own.
     """
 
-    def __init__(self, config: GemmConfig, epilogue: Epilogue, splits: int = 1, accumulate: bool = False):
-        self.config, self.epilogue, self.splits, self.accumulate = config, epilogue, splits, accumulate
-        if splits > 1 and not accumulate:
-            raise ValueError("split-K partials are summed into c: splits > 1 needs accumulate=True")
+    def __init__(self, config: GemmConfig, epilogue: Epilogue, accumulate: bool = False, stream_k: bool = False):
+        self.config, self.epilogue, self.accumulate, self.stream_k = config, epilogue, accumulate, stream_k
+        if stream_k and not accumulate:
+            raise ValueError("stream-K partial tiles are summed into c: stream_k needs accumulate=True")
+        if stream_k and config.pingpong:
+            raise ValueError("stream_k takes a cooperative (not pingpong) config")
         if accumulate and epilogue != Epilogue():
             raise ValueError("accumulate takes a plain epilogue (c += A @ Bᵀ by TMA)")
         self.tile_mnk = (config.tile_m, config.tile_n, config.tile_k)
@@ -221,7 +298,7 @@ class HopperGemmKernel:
         # A is shared by the cluster_n CTAs of a cluster row, B by the cluster_m of a column.
         tma_a, tma_tensor_a = self.load_atom(a, a_smem, (config.tile_m, config.tile_k), config.cluster_n)
         tma_b, tma_tensor_b = self.load_atom(b, b_smem, (config.tile_n, config.tile_k), config.cluster_m)
-        # accumulate: the TMA unit adds each tile into c (split-K partials into a zeroed c, or a
+        # accumulate: the TMA unit adds each tile into c (stream-K partials into a zeroed c, or a
         # running sum such as the LM head's dkernel over token chunks).
         store = cpasync.CopyReduceBulkTensorTileS2GOp() if const_expr(
             self.accumulate) else cpasync.CopyBulkTensorTileS2GOp()
@@ -247,14 +324,16 @@ class HopperGemmKernel:
             ss: cute.struct.Align[cute.struct.MemRange[c.element_type, source_elems], 1024]
 
         self.shared_storage = SharedStorage
-        # Work units: output tiles x batch x splits of the contraction (see ``work_unit``).
-        tiles = (cute.ceil_div(c.shape[0], config.tile_m), cute.ceil_div(c.shape[1], config.tile_n),
-                 c.shape[2] * self.splits)
+        # Work units of the persistent scheduler: output tiles x batch (see ``work_unit``).
+        tiles = (cute.ceil_div(c.shape[0], config.tile_m), cute.ceil_div(c.shape[1], config.tile_n), c.shape[2])
         schedule = utils.PersistentTileSchedulerParams(
             tiles, (config.cluster_m, config.cluster_n, 1), self.raster_group(c.shape[1]), True
         )
         clusters_per_wave = PERSISTENT_SMS // (config.cluster_m * config.cluster_n)
-        grid = utils.StaticPersistentTileScheduler.get_grid_shape(schedule, clusters_per_wave)
+        if const_expr(self.stream_k):
+            grid = (config.cluster_m, config.cluster_n, clusters_per_wave)  # every cluster takes a chunk
+        else:
+            grid = utils.StaticPersistentTileScheduler.get_grid_shape(schedule, clusters_per_wave)
         self.kernel(
             tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, tma_c, tma_tensor_c, tma_z, tma_tensor_z,
             tma_s, tma_tensor_s, bias, a_smem, b_smem, epi_smem, source_smem, epi_tile, schedule,
@@ -364,8 +443,12 @@ class HopperGemmKernel:
         k_tiles = cute.size(ga, mode=[3])
 
         pipeline.pipeline_init_wait(cluster_shape_mn=cluster_mn)
-        scheduler = utils.StaticPersistentTileScheduler.create(
-            schedule, cute.arch.block_idx(), cute.arch.grid_dim())
+        if const_expr(self.stream_k):
+            scheduler = StreamKScheduler.create(tma_tensor_c.shape, (config.tile_m, config.tile_n), cluster_mn,
+                                                cluster_coord, k_tiles)
+        else:
+            scheduler = utils.StaticPersistentTileScheduler.create(
+                schedule, cute.arch.block_idx(), cute.arch.grid_dim())
 
         if warp < 4:
             # --- producer warpgroup: warp 0 streams A and B for every tile of this CTA -----------
@@ -381,6 +464,8 @@ class HopperGemmKernel:
                     tgb_tile = tgb[(None, n, None, batch)]
                     for kk in cutlass.range(k_count, unroll=1):
                         k = k0 + kk
+                        if const_expr(self.stream_k):
+                            k = k % k_tiles  # a rotated segment wraps past the last k tile
                         loads.producer_acquire(producer)
                         barrier = loads.producer_get_barrier(producer)
                         cute.copy(tma_a, tga_tile[(None, k)], tsa[(None, producer.index)], tma_bar_ptr=barrier,
@@ -425,13 +510,12 @@ class HopperGemmKernel:
             tiles_done = Int32(0)
             work = scheduler.initial_work_tile_info()
             if const_expr(config.pingpong):
-                # Warpgroup 1 takes the odd units: it starts one unit (and its stages) later, and
+                # Warpgroup 1 takes the odd tiles: it starts one tile (and its stages) later, and
                 # lets warpgroup 0 take the first mainloop turn.
-                skipped = self.work_unit(work.tile_idx, k_tiles)[4] * group
                 scheduler.advance_to_next_work(advance_count=group)
                 work = scheduler.get_current_work()
-                consumer.advance(skipped)
-                released.advance(skipped)
+                consumer.advance(k_tiles * group)
+                released.advance(k_tiles * group)
                 if group == 1:
                     cute.arch.barrier_arrive(barrier_id=MMA_TURN_BARRIER, number_of_threads=2 * WARPGROUP)
             while work.is_valid_tile:
@@ -480,12 +564,10 @@ class HopperGemmKernel:
                                    bias, epi_tile, stores, store_warp, inside, tiles_done * stores_per_tile)
                 tiles_done += 1
                 if const_expr(config.pingpong):
-                    # Past the other warpgroup's next unit and its stages (a split's k tiles).
-                    scheduler.advance_to_next_work()
-                    skipped = self.work_unit(scheduler.get_current_work().tile_idx, k_tiles)[4]
-                    scheduler.advance_to_next_work()
-                    consumer.advance(skipped)
-                    released.advance(skipped)
+                    # Past the other warpgroup's next tile and its stages.
+                    scheduler.advance_to_next_work(advance_count=2)
+                    consumer.advance(k_tiles)
+                    released.advance(k_tiles)
                 else:
                     scheduler.advance_to_next_work()
                 work = scheduler.get_current_work()
@@ -494,16 +576,12 @@ class HopperGemmKernel:
 
     @cute.jit
     def work_unit(self, tile_idx, k_tiles):
-        """(tile row, tile column, batch, first k tile, k tiles) of a scheduler tile: its third
-        coordinate is batch x splits + split; split s of S takes k tiles [s * per, (s + 1) * per),
-        per = ceil(k_tiles / S), at least one (a k tile past K loads zeros and adds nothing)."""
-        m, n, l = tile_idx
-        if const_expr(self.splits == 1):
-            return m, n, l, 0, k_tiles
-        per = (k_tiles + self.splits - 1) // self.splits
-        split = l % self.splits
-        k0 = split * per
-        return m, n, l // self.splits, k0, cutlass.max(cutlass.min(per, k_tiles - k0), 1)
+        """(tile row, tile column, batch, first k tile, k tiles) of a scheduler's work: a whole
+        tile from the persistent scheduler, a segment from stream-K's."""
+        if const_expr(self.stream_k):
+            return tile_idx
+        m, n, batch = tile_idx
+        return m, n, batch, 0, k_tiles
 
     def epi_tiles(self, epi_tile) -> int:
         return (self.config.tile_m // epi_tile[0]) * (self.config.tile_n // epi_tile[1])

@@ -1,6 +1,6 @@
 """The GEMM's configs without CuTe: :class:`GemmConfig` (tiles, warpgroups, stages, cluster) and
 its shared-memory budget, the heuristic table (:data:`CONFIGS` by :func:`config_class`), the rest
-of the autotuning space, the tuned table's row buckets and the split-K choice for weight gradients.
+of the autotuning space, the tuned table's row buckets and the stream-K choice for weight gradients.
 
 Ops choose a config when they trace, on every platform and also where the CuTe DSL is not
 installed, so this module imports no CuTe; the kernel (:mod:`.gemm`) imports it.
@@ -101,35 +101,25 @@ EXTRA_CONFIGS = (
 )
 
 
-# Split-K (the weight gradient's small (K, N) outputs, contracting many rows): 128 x 256 tiles over
-# a 2x1 cluster, splits chosen by ``split_count`` with a unit's reduce-store costing about 16 k
-# tiles -- 15-20 % faster than cooperative 128 x 128 at three of GPT-2's layers
-# (.ci/dkernel_sweep.py, docs/benchmarks.md).
-SPLIT_K_CONFIG = GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, stages=4, cluster_m=2)
-SPLIT_K_MAX = 16
-SPLIT_K_MIN_ROWS = 2048  # contractions shorter than this are not split
-SPLIT_K_NOMINAL_K_TILES = 256  # the contraction the split count is chosen for (16384 rows)
-SPLIT_K_EPILOGUE_K_TILES = 16  # a unit's fp32 reduce-store costs about this many k tiles of MMAs
+# Stream-K (the weight gradient's small (K, N) outputs, contracting many rows): 128 x 256 tiles over
+# a 2x1 cluster, every cluster one equal share of the (tile, k tile) steps. At GPT-2's four layers
+# it beat every split-K count on every config (.ci/dkernel_sweep.py, docs/benchmarks.md, seventh
+# session); at 4096 x 4096 (512 tiles, 3.9 waves) whole tiles won.
+STREAM_K_CONFIG = GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, stages=4, cluster_m=2)
+STREAM_K_MIN_ROWS = 2048  # shorter contractions run whole tiles
+STREAM_K_BELOW = 0.8  # stream-K when whole tiles would keep less than this of the grid's waves busy
 
 
-def split_count(m: int, n: int, k: int, batch: int = 1) -> int:
-    """Splits of the contraction for an (m, n) output per batch contracting k: 1 below
-    ``SPLIT_K_MIN_ROWS``, else the count that keeps the most of the persistent grid busy (whole
-    waves of work units), discounted by each unit's epilogue. It depends on k only through that
+def stream_k_pays(m: int, n: int, k: int, batch: int = 1) -> bool:
+    """Whether an (m, n) output per batch contracting k runs stream-K: a contraction of at least
+    ``STREAM_K_MIN_ROWS`` whose output tiles (``STREAM_K_CONFIG``'s), one per SM at a time, fill
+    less than ``STREAM_K_BELOW`` of the persistent grid's waves. It depends on k only through that
     threshold, so every row count of a bucket (:func:`row_bucket`) shares one compiled kernel."""
-    if k < SPLIT_K_MIN_ROWS:
-        return 1
-    tile = SPLIT_K_CONFIG
-    tiles = batch * -(-m // tile.tile_m) * -(-n // tile.tile_n)
-
-    def efficiency(s):
-        units = tiles * s
-        waves = -(-units // PERSISTENT_SMS)
-        per = SPLIT_K_NOMINAL_K_TILES / s
-        return units / (waves * PERSISTENT_SMS) * per / (per + SPLIT_K_EPILOGUE_K_TILES)
-
-    best = max(efficiency(s) for s in range(1, SPLIT_K_MAX + 1))
-    return min(s for s in range(1, SPLIT_K_MAX + 1) if efficiency(s) >= best - 0.01)
+    if k < STREAM_K_MIN_ROWS:
+        return False
+    tiles = batch * -(-m // STREAM_K_CONFIG.tile_m) * -(-n // STREAM_K_CONFIG.tile_n)
+    waves = -(-tiles // PERSISTENT_SMS)
+    return tiles / (waves * PERSISTENT_SMS) < STREAM_K_BELOW
 
 
 SMALL_M_MAX = 64  # rows up to this are "small_m"

@@ -44,11 +44,11 @@ from cutelayers import backend as _backend
 from cutelayers.kernels.gemm_config import (
     CONFIGS,
     EXTRA_CONFIGS,
-    SPLIT_K_CONFIG,
+    STREAM_K_CONFIG,
     GemmConfig,
     config_class,
     row_bucket,
-    split_count,
+    stream_k_pays,
 )
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import check_float_array
@@ -197,13 +197,13 @@ class GemmFamily(TunableFamily):
             "batched_out": (True, False, False),  # (L, K, N)
         }[kind]
 
-    splits = 1  # split-K (LinearWeightGrad only)
     accumulate = False  # result added into a float32 operand (LinearWeightGrad only)
+    stream_k = False  # stream-K schedule (LinearWeightGrad only)
 
     def launcher(self, avals, out_avals):
         from cutelayers.kernels.gemm import HopperGemmKernel
 
-        return HopperGemmKernel(self.chosen_config(), self.epilogue(), self.splits, self.accumulate)
+        return HopperGemmKernel(self.chosen_config(), self.epilogue(), self.accumulate, self.stream_k)
 
     def epilogue(self):
         from cutelayers.kernels.gemm import Epilogue
@@ -337,21 +337,21 @@ class LinearWeightGrad(GemmFamily):
     """Kernel family: dkernel (L, K, N) = x (L, M, K)ᵀ @ dz (L, M, N) per batch index l.
 
     With ``accumulate``: a float32 (L, K, N) accumulator operand too, which the product is added
-    into by the TMA unit (the result, float32, is that buffer). ``splits`` > 1 -- split-K over
-    the rows, for a (K, N) output with too few tiles to fill the GPU -- sums its partials that
-    way, into zeros; the LM head adds each token chunk's dkernel into its running sum.
+    into by the TMA unit (the result, float32, is that buffer). ``stream_k`` -- for a (K, N) output
+    with too few tiles to fill the GPU -- sums its partial tiles that way, into zeros; the LM head
+    adds each token chunk's dkernel into its running sum.
     """
 
     config: GemmConfig | None = None
-    splits: int = 1
     accumulate: bool = False
+    stream_k: bool = False
     contracts_rows = True
 
     name = "linear_dkernel"
 
     def __post_init__(self):
-        if self.splits > 1 and not self.accumulate:
-            raise ValueError("LinearWeightGrad: splits > 1 sums partials into an accumulator (accumulate=True)")
+        if self.stream_k and not self.accumulate:
+            raise ValueError("LinearWeightGrad: stream-K sums partial tiles into an accumulator (accumulate=True)")
 
     @property
     def arg_names(self):
@@ -392,10 +392,10 @@ class LinearWeightGrad(GemmFamily):
 
     def tuning_key(self, avals):
         dtype, dims = super().tuning_key(avals)
-        return dtype, dims + ((("splits", self.splits),) if self.accumulate else ())
+        return dtype, dims + (("accumulate", True),) * self.accumulate + (("stream_k", True),) * self.stream_k
 
     def default_config(self, avals):
-        return SPLIT_K_CONFIG if self.splits > 1 else super().default_config(avals)
+        return STREAM_K_CONFIG if self.stream_k else super().default_config(avals)
 
     def out_avals(self, avals):
         x, dz = avals[:2]
@@ -513,12 +513,13 @@ def _weight_grad_batched(x, dz, accumulator, use_kernels, precision):
             return _weight_grad_einsum(x, dz, precision)
         return accumulator + _weight_grad_einsum(x, dz, precision, dtype=jnp.float32)
     (batch, rows, k), n = x.shape, dz.shape[-1]
-    splits = split_count(k, n, rows, batch)
-    if splits == 1 and accumulator is None:
+    # Too few output tiles to fill the GPU: stream-K, its partial tiles added into zeros.
+    stream_k = stream_k_pays(k, n, rows, batch)
+    if not stream_k and accumulator is None:
         (dw,) = kernel_call(resolve(LinearWeightGrad(), (x, dz)), x, dz)
         return dw
     operands = (x, dz, jnp.zeros((batch, k, n), jnp.float32) if accumulator is None else accumulator)
-    (dw,) = kernel_call(resolve(LinearWeightGrad(splits=splits, accumulate=True), operands), *operands)
+    (dw,) = kernel_call(resolve(LinearWeightGrad(accumulate=True, stream_k=stream_k), operands), *operands)
     return dw if accumulator is not None else dw.astype(x.dtype)
 
 
