@@ -177,6 +177,23 @@ def test_vmap_jit_grad_compositions(op, rng):
 
 
 @pytest.mark.parametrize("op", OPS)
+def test_grad_of_vmap_has_no_per_example_param_grads(op, rng):
+    # The Equinox style, grad(vmap(norm)) over a shared scale / bias: the batch folds into rows
+    # before differentiation, so dscale / dbias are one sum over all rows -- no (batch, N) stack of
+    # per-example sums (float32 runs the reference, which computes what the kernel does)
+    fn, center = OPS[op]
+    x = random(rng, (6, 5, 50), jnp.float32)
+    scale, bias = _params(rng, 50, jnp.float32, True, True)
+    loss = lambda x, s, b: jnp.sum(jnp.sin(jax.vmap(fn, in_axes=(0, None, None))(x, s, b)))
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(x, scale, bias))
+    assert "f32[6,50]" not in jaxpr
+    g = jax.grad(loss, argnums=(0, 1, 2))(x, scale, bias)
+    g_ref = jax.grad(lambda x, s, b: jnp.sum(jnp.sin(plain(x, s, b, center=center))), argnums=(0, 1, 2))(x, scale, bias)
+    for a, b in zip(g, g_ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", OPS)
 def test_per_example_params_under_vmap(op, rng):
     fn, center = OPS[op]
     x = random(rng, (3, 5, 40), jnp.float32)

@@ -31,7 +31,7 @@ Where ops apply it. The rule is the batching rule of one primitive, whose JVP ru
   JAX batches a custom_vjp's forward and backward separately, and each piece folds its batch. This
   is every op's vmap: under ``vmap(grad(f))`` it is all there is.
 * Around the ``jax.custom_vjp`` itself, too, for ops whose backward reduces a shared weight's
-  gradient over the rows with a kernel (``fused_linear``, ``mlp``): under ``grad(vmap(f))`` (the
+  gradient over the rows with a kernel (``fused_linear``, ``mlp``, the norms): under ``grad(vmap(f))`` (the
   Equinox style) the batch folds *before* differentiation, so the backward runs once on all rows
   and dkernel is one GEMM over all of them, not a (batch, K, N) stack of per-example gradients
   summed afterwards. No rule inside the custom_vjp could do that: the backward is batched the same

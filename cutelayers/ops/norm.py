@@ -14,12 +14,13 @@ the residual and writes summed = x + residual (in the residual's dtype), whose s
 takes; the backward reads summed where the plain one reads x, and the gradient of summed, which
 it adds to dx (x and the residual share that gradient).
 
-vmap (:mod:`cutelayers.ops._batching`, around the forward and backward kernel calls): a batched x
-with shared scale / bias folds the batch into rows (one launch). Per-example scale / bias cannot
-share one kernel launch; they fall back to ``jax.vmap`` of the jnp reference, which computes the
-same decomposition. Under vmap the backward keeps dscale / dbias per example (``vmap(grad(...))``
-over a shared scale asks for exactly that), so the batched backward runs the dx kernel on folded
-rows and reduces dscale / dbias per example with XLA.
+vmap (:mod:`cutelayers.ops._batching`, around the forward and backward kernel calls and around the
+differentiable op): a batched x with shared scale / bias folds the batch into rows (one launch).
+Per-example scale / bias cannot share one kernel launch; they fall back to ``jax.vmap`` of the jnp
+reference, which computes the same decomposition. ``grad(vmap(...))`` (the Equinox style) folds
+before differentiating: one backward on all rows, dscale / dbias summed over all of them by the
+kernel. ``vmap(grad(...))`` over a shared scale asks for per-example dscale / dbias: the batched
+backward runs the dx kernel on folded rows and reduces dscale / dbias per example with XLA.
 
 The reference (``forward_reference`` / ``backward_reference``) is what runs off CUDA and under the
 ``reference`` backend; it implements the kernels' decomposition (same residuals), so CPU tests of
@@ -390,7 +391,9 @@ def _norm_fn(center: bool, has_residual: bool, has_scale: bool, has_bias: bool, 
         return (dx.astype(x_dtype),) + (dx,) * has_residual + dparams
 
     norm.defvjp(fwd, bwd)
-    return norm
+    # Folded before differentiation too: grad(vmap(norm)) with a shared scale runs one backward on
+    # all rows, its dscale / dbias summed by the kernel's partials (not per example, then summed).
+    return fold_batch(norm, shared=tuple(range(rows, rows + has_scale + has_bias)), per_example=norm)
 
 
 def _check(op: str, x, residual, scale, bias, epsilon, dtype):
