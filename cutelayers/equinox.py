@@ -159,8 +159,9 @@ class Linear(eqx.nn.Linear):
                 "Linear", array_blocker(jnp.reshape(x, -1), weight=self.weight.dtype, bias=_dtype(self.bias))):
             return finish_linear(super().__call__(x, key=key), self.activation, residual)
         x, weight, bias = _promote(jnp.reshape(x, -1), self.weight, self.bias)
-        # the transpose is of the weight, once per call, not of the (batched) activations
-        y = fused_linear(x, weight.T, bias, activation=self.activation, residual=_flat_residual(residual, x))
+        # the GEMMs read the (out, in) weight as stored; its gradient comes back (out, in) too
+        y = fused_linear(x, weight, bias, activation=self.activation, residual=_flat_residual(residual, x),
+                         kernel_layout="nk")
         return y.reshape(_shape(self.out_features))
 
 
@@ -231,7 +232,8 @@ class MLP(eqx.Module):
                 "MLP", array_blocker(jnp.reshape(x, -1), **{n: _dtype(a) for n, a in zip(names, arrays)})):
             return finish_mlp(fc1, fc2, x, self.activation, residual)
         x, w1, b1, w2, b2 = _promote(jnp.reshape(x, -1), *arrays)
-        y = mlp(x, w1.T, b1, w2.T, b2, activation=self.activation, residual=_flat_residual(residual, x))
+        y = mlp(x, w1, b1, w2, b2, activation=self.activation, residual=_flat_residual(residual, x),
+                kernel_layout="nk")
         return y.reshape(_shape(fc2.out_features))
 
 

@@ -616,3 +616,54 @@ def test_stream_k_weight_grad_through_the_op_gpu(dtype, rng):
     want = jnp.matmul(x.astype(jnp.float32).T, dy.astype(jnp.float32), precision=HIGHEST)
     assert dkernel.dtype == jnp.dtype(dtype)
     assert_close(dkernel, want, dtype)
+
+
+# --- kernels stored (N, K): kernel_layout="nk" ------------------------------------------------------
+
+def _nk_matches_kn(rng, lead, k, n, dtype, activation="gelu"):
+    """fused_linear on an (N, K) kernel vs the same op on its (K, N) transpose: values and
+    gradients, the kernel's gradient in the kernel's own layout."""
+    x, kernel, b, r = operands(rng, lead, k, n, dtype)
+    weight = jnp.asarray(kernel.T)  # (N, K), as equinox.nn.Linear stores it
+    f_nk = lambda x, w, b, r: fused_linear(x, w, b, activation=activation, residual=r, kernel_layout="nk")
+    f_kn = lambda x, w, b, r: fused_linear(x, w, b, activation=activation, residual=r)
+    assert_close(jax.jit(f_nk)(x, weight, b, r), jax.jit(f_kn)(x, kernel, b, r), dtype)
+    got = jax.jit(jax.grad(_sin_loss(f_nk), ARGS))(x, weight, b, r)
+    want = jax.jit(jax.grad(_sin_loss(f_kn), ARGS))(x, kernel, b, r)
+    assert got[1].shape == (n, k)
+    _assert_grads_close((got[0], got[1].T, *got[2:]), want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_layout_nk_matches_kn(dtype, rng):
+    _nk_matches_kn(rng, (3, 5), 48, 40, dtype)
+
+
+def test_kernel_layout_nk_bad_inputs(rng):
+    x, w = jnp.ones((4, 16), jnp.bfloat16), jnp.ones((32, 16), jnp.bfloat16)
+    assert fused_linear(x, w, kernel_layout="nk").shape == (4, 32)
+    with pytest.raises(ValueError, match="'kernel_layout' must be one of 'kn', 'nk'; got 'km'"):
+        fused_linear(x, w, kernel_layout="km")
+    with pytest.raises(ValueError, match=r"'x' has 16 features .* but 'kernel' expects K=32"):
+        fused_linear(x, w.T, kernel_layout="nk")
+
+
+@pytest.mark.cute
+def test_lowering_kernel_layout_nk_reads_and_writes_the_kernel_as_stored(fresh_cache):
+    # forward, dx and dkernel take the (N, K) kernel / give its (N, K) gradient: no transpose of it
+    S = jax.ShapeDtypeStruct
+    m, k, n = 4096, 256, 512
+    loss = _sin_loss(lambda x, w: fused_linear(x, w, activation="gelu", kernel_layout="nk"))
+    hlo = lower_cuda(jax.grad(loss, (0, 1)), S((m, k), jnp.bfloat16), S((n, k), jnp.bfloat16))
+    assert kernel_targets(hlo) == ["linear_fwd", "linear_dx", "linear_dkernel"]
+    assert "stablehlo.transpose" not in hlo
+    (dkernel,) = [line for line in hlo.splitlines() if "@cutelayers_linear_dkernel" in line]
+    assert dkernel.endswith(f"-> tensor<1x{n}x{k}xf32>")  # stream-K's float32 sum, (N, K)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_kernel_layout_nk_gpu(dtype, rng):
+    with cl.use_backend("cute"):
+        _nk_matches_kn(rng, (1000,), 256, 512, dtype)
+        _nk_matches_kn(rng, (4096,), 768, 256, dtype, activation=None)

@@ -152,3 +152,32 @@ def test_kernels_gpu(activation, dtype, rng):
     with cl.use_backend("cute"):
         check_block(rng, (1000,), 256, 1024, 256, dtype, activation)
         check_block(rng, (3, 7), 64, 128, 64, dtype, activation)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_layout_nk_matches_kn(dtype, rng):
+    x, w1, b1, w2, b2, r = block_operands(rng, (6, 7), 32, 64, 48, dtype)
+    f_nk = lambda x, w1, w2: mlp(x, w1, b1, w2, b2, residual=r, kernel_layout="nk")
+    f_kn = lambda x, w1, w2: mlp(x, w1, b1, w2, b2, residual=r)
+    assert_close(f_nk(x, w1.T, w2.T), f_kn(x, w1, w2), dtype)
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a).astype(jnp.float32)))
+    got = jax.grad(loss(f_nk), (0, 1, 2))(x, w1.T, w2.T)
+    want = jax.grad(loss(f_kn), (0, 1, 2))(x, w1, w2)
+    for g, w in zip((got[0], got[1].T, got[2].T), want):
+        assert_close(g, w, dtype, scale=3.0)
+    with pytest.raises(ValueError, match=r"'w2' must have shape \(N, 64\)"):
+        mlp(x, w1.T, b1, w2, b2, kernel_layout="nk")
+
+
+@pytest.mark.gpu
+def test_kernel_layout_nk_gpu(rng):
+    x, w1, b1, w2, b2, r = block_operands(rng, (1000,), 256, 1024, 256, jnp.bfloat16)
+    with cl.use_backend("cute"):
+        f_nk = jax.jit(jax.value_and_grad(lambda x, w1, w2: jnp.sum(jnp.sin(
+            mlp(x, w1, b1, w2, b2, residual=r, kernel_layout="nk").astype(jnp.float32))), (0, 1, 2)))
+        f_kn = jax.jit(jax.value_and_grad(lambda x, w1, w2: jnp.sum(jnp.sin(
+            mlp(x, w1, b1, w2, b2, residual=r).astype(jnp.float32))), (0, 1, 2)))
+        (v_nk, g_nk), (v_kn, g_kn) = f_nk(x, w1.T, w2.T), f_kn(x, w1, w2)
+    np.testing.assert_allclose(v_nk, v_kn, rtol=1e-2)
+    for g, w in zip((g_nk[0], g_nk[1].T, g_nk[2].T), g_kn):
+        assert_close(g, w, jnp.bfloat16, scale=3.0)

@@ -125,6 +125,9 @@ def resolve_activation(activation) -> tuple[str, object]:
 _ROWS = (1, 2, 0)  # (1, M, F) -> (M, F, 1): rows M, features F contiguous
 _WEIGHT_AS_N_K = (2, 1, 0)  # (1, K, N) -> (N, K, 1): kernel as the forward's B, N contiguous
 _TRANSPOSED = (2, 1, 0)  # (L, M, F) -> (F, M, L): the rows become the contraction
+# A kernel stored (N, K) -- Equinox's / PyTorch's Linear weight, ``kernel_layout="nk"`` -- is the
+# same GEMM operand with the other mode contiguous: the forward's B K-major, dx's B N-major.
+KERNEL_LAYOUTS = ("kn", "nk")
 
 
 class GemmFamily(TunableFamily):
@@ -148,6 +151,14 @@ class GemmFamily(TunableFamily):
     # --- configs: every entry of the kernel's CONFIGS is valid for every shape (TMA clips tails)
 
     contracts_rows = False  # dkernel: the symbolic rows are the GEMM's contraction
+    kernel_nk = False  # forward / dx: the kernel operand is (1, N, K) (``kernel_layout="nk"``)
+
+    def kernel_kn(self, aval) -> tuple[int, int]:
+        """(K, N) of the (1, K, N) -- or (1, N, K) -- kernel operand ``aval``."""
+        return aval.shape[2:0:-1] if self.kernel_nk else aval.shape[1:]
+
+    def kernel_factor(self) -> tuple:
+        return (None, "n", "k") if self.kernel_nk else (None, "k", "n")
 
     @abc.abstractmethod
     def gemm_shape(self, avals) -> tuple[int, int, int]:
@@ -221,6 +232,7 @@ class LinearForward(GemmFamily):
     has_residual: bool
     store_preact: bool
     config: GemmConfig | None = None
+    kernel_nk: bool = False
 
     name = "linear_fwd"
 
@@ -233,20 +245,21 @@ class LinearForward(GemmFamily):
                 + ("rows",) * (1 + self.store_preact))
 
     def modes_at(self, position):
-        return {"rows": _ROWS, "weight": _WEIGHT_AS_N_K, "vector": None}[self.kinds()[position]]
+        weight = _ROWS if self.kernel_nk else _WEIGHT_AS_N_K
+        return {"rows": _ROWS, "weight": weight, "vector": None}[self.kinds()[position]]
 
     def factors(self):
         # K sharded: row-parallel (partial sums); N sharded: column-parallel.
         rows_n = (None, "rows", "n")
-        operands = (((None, "rows", "k"), (None, "k", "n")) + (("n",),) * self.has_bias
+        operands = (((None, "rows", "k"), self.kernel_factor()) + (("n",),) * self.has_bias
                     + (rows_n,) * self.has_residual)
         return operands, (rows_n,) * (1 + self.store_preact)
 
     def layer_dims(self, avals):
-        return avals[0].shape[2], avals[1].shape[2]
+        return self.kernel_kn(avals[1])
 
     def gemm_shape(self, avals):
-        return avals[0].shape[1], avals[1].shape[2], avals[0].shape[2]  # x (1, M, K), kernel (1, K, N)
+        return avals[0].shape[1], self.kernel_kn(avals[1])[1], avals[0].shape[2]  # x (1, M, K)
 
     def per_shard(self, rule, ctx, x, w, *rest):
         fused = self.activation != "none" or self.has_bias or self.has_residual
@@ -255,7 +268,7 @@ class LinearForward(GemmFamily):
         # Row-parallel: every device holds a partial x @ kernel. Bias, activation and residual
         # apply once, to the sum, so the kernel runs without its epilogue and XLA fuses the
         # epilogue after the psum.
-        (partial,) = LinearForward("none", False, False, False, self.config).run_local(x, w)
+        (partial,) = LinearForward("none", False, False, False, self.config, self.kernel_nk).run_local(x, w)
         rest = list(rest)
         bias = rest.pop(0) if self.has_bias else None
         residual = rest.pop(0)[0] if self.has_residual else None
@@ -269,14 +282,14 @@ class LinearForward(GemmFamily):
 
     def out_avals(self, avals):
         x, w = avals[0], avals[1]
-        out = jax.ShapeDtypeStruct((1, x.shape[1], w.shape[2]), x.dtype)
+        out = jax.ShapeDtypeStruct((1, x.shape[1], self.kernel_kn(w)[1]), x.dtype)
         return (out,) * (1 + self.store_preact)
 
     def reference(self, x, w, *rest):
         rest = list(rest)
         bias = rest.pop(0) if self.has_bias else None
         residual = rest.pop(0)[0] if self.has_residual else None
-        y, z = forward_reference(x[0], w[0], bias, residual, self.activation)
+        y, z = forward_reference(x[0], w[0].T if self.kernel_nk else w[0], bias, residual, self.activation)
         return (y[None],) + ((z[None],) if self.store_preact else ())
 
 
@@ -291,6 +304,7 @@ class LinearInputGrad(GemmFamily):
 
     grad_of: str = "none"
     config: GemmConfig | None = None
+    kernel_nk: bool = False
 
     name = "linear_dx"
 
@@ -302,19 +316,21 @@ class LinearInputGrad(GemmFamily):
         return ("rows", "weight") + ("rows",) * (self.grad_of != "none") + ("rows",)
 
     def modes_at(self, position):
+        if self.kernel_nk and self.kinds()[position] == "weight":
+            return _TRANSPOSED  # (1, N, K) -> (K, N, 1): the same B, its N (the layer's K) contiguous
         return _ROWS  # the kernel's (K, N) rows are the GEMM's N, its contiguous N the contraction
 
     def factors(self):
         # N is the contraction: with a column-parallel kernel each device's dx is a partial sum.
         # The activation derivative scales each partial alike, so it applies before the psum.
-        operands = ((None, "rows", "n"), (None, "k", "n")) + ((None, "rows", "k"),) * (self.grad_of != "none")
+        operands = ((None, "rows", "n"), self.kernel_factor()) + ((None, "rows", "k"),) * (self.grad_of != "none")
         return operands, ((None, "rows", "k"),)
 
     def layer_dims(self, avals):
-        return avals[1].shape[1:]
+        return self.kernel_kn(avals[1])
 
     def gemm_shape(self, avals):
-        return avals[0].shape[1], avals[1].shape[1], avals[1].shape[2]  # dz (1, M, N), kernel (1, K, N)
+        return avals[0].shape[1], *self.kernel_kn(avals[1])  # dz (1, M, N)
 
     def epilogue(self):
         from cutelayers.kernels.gemm import Epilogue
@@ -323,10 +339,10 @@ class LinearInputGrad(GemmFamily):
 
     def out_avals(self, avals):
         dz, w = avals[:2]
-        return (jax.ShapeDtypeStruct((1, dz.shape[1], w.shape[1]), dz.dtype),)
+        return (jax.ShapeDtypeStruct((1, dz.shape[1], self.kernel_kn(w)[0]), dz.dtype),)
 
     def reference(self, dz, w, *preact):
-        product = _matmul(dz[0], w[0].T)
+        product = _matmul(dz[0], w[0] if self.kernel_nk else w[0].T)
         if preact:
             product = preact_grad(preact[0][0], product, self.grad_of)
         return (product.astype(dz.dtype)[None],)
@@ -467,11 +483,11 @@ def preact_grad(z, dy, activation: str):
 
 # --- kernel calls on (rows, features) arrays -------------------------------------------------------
 
-def _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kernels, precision):
+def _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kernels, precision, kernel_nk):
     """y [, z] for x (..., K): one kernel launch on x's rows (or the jnp reference)."""
-    lead, n = x.shape[:-1], kernel.shape[1]
+    lead, n = x.shape[:-1], kernel.shape[0 if kernel_nk else 1]
     if not use_kernels:
-        y, z = forward_reference(x, kernel, bias, residual, activation, precision)
+        y, z = forward_reference(x, kernel.T if kernel_nk else kernel, bias, residual, activation, precision)
         return (y, z) if store_preact else (y,)
     rows = x.reshape(1, -1, x.shape[-1])
     m = rows.shape[1]
@@ -482,15 +498,17 @@ def _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kerne
         operands.append(bias)
     if residual is not None:
         operands.append(residual.reshape(1, m, n))
-    family = resolve(LinearForward(activation, bias is not None, residual is not None, store_preact), operands)
+    family = resolve(LinearForward(activation, bias is not None, residual is not None, store_preact,
+                                   kernel_nk=kernel_nk), operands)
     return tuple(o.reshape(*lead, n) for o in kernel_call(family, *operands))
 
 
-def _input_grad_rows(dz, kernel, preact, grad_of, use_kernels, precision):
-    """dx (..., K) = dz (..., N) @ kernelᵀ [* act'(preact (..., K)) for ``grad_of`` an activation]."""
-    lead, k = dz.shape[:-1], kernel.shape[0]
+def _input_grad_rows(dz, kernel, preact, grad_of, use_kernels, precision, kernel_nk):
+    """dx (..., K) = dz (..., N) @ kernelᵀ [* act'(preact (..., K)) for ``grad_of`` an activation];
+    kernel (K, N), or (N, K) if ``kernel_nk``."""
+    lead, k = dz.shape[:-1], kernel.shape[1 if kernel_nk else 0]
     if not use_kernels:
-        product = _matmul(dz, kernel.T, precision)
+        product = _matmul(dz, kernel if kernel_nk else kernel.T, precision)
         if preact is not None:
             product = preact_grad(preact, product, grad_of)
         return product.astype(dz.dtype)
@@ -498,7 +516,7 @@ def _input_grad_rows(dz, kernel, preact, grad_of, use_kernels, precision):
     if rows.shape[1] == 0:
         return jnp.zeros((*lead, k), dz.dtype)
     operands = (rows, kernel[None]) + (() if preact is None else (preact.reshape(1, -1, k),))
-    (dx,) = kernel_call(resolve(LinearInputGrad(grad_of), operands), *operands)
+    (dx,) = kernel_call(resolve(LinearInputGrad(grad_of, kernel_nk=kernel_nk), operands), *operands)
     return dx.reshape(*lead, k)
 
 
@@ -524,15 +542,16 @@ def _weight_grad_batched(x, dz, accumulator, use_kernels, precision):
 
 
 @functools.cache
-def input_grad_fn(use_kernels: bool, precision=None, grad_of: str = "none"):
-    """``dx = input_grad(dz, kernel)``: dz (..., N) @ kernel (K, N)ᵀ -> (..., K) in dz's dtype,
-    vmappable (batch dims of dz fold into rows). Shared with :mod:`cutelayers.ops.lm_head`.
+def input_grad_fn(use_kernels: bool, precision=None, grad_of: str = "none", kernel_nk: bool = False):
+    """``dx = input_grad(dz, kernel)``: dz (..., N) @ kernel (K, N)ᵀ -> (..., K) in dz's dtype
+    (kernel (N, K) if ``kernel_nk``), vmappable (batch dims of dz fold into rows). Shared with
+    :mod:`cutelayers.ops.lm_head`.
 
     With ``grad_of`` an activation: ``input_grad(dz, kernel, preact)`` multiplies the product by
     act'(preact) in the GEMM's epilogue (:mod:`cutelayers.ops.mlp`'s hidden layer)."""
 
     def input_grad(dz, kernel, *preact):
-        return _input_grad_rows(dz, kernel, *preact or (None,), grad_of, use_kernels, precision)
+        return _input_grad_rows(dz, kernel, *preact or (None,), grad_of, use_kernels, precision, kernel_nk)
 
     return fold_batch(input_grad, shared=(1,))
 
@@ -557,22 +576,23 @@ def weight_grad_fn(use_kernels: bool, precision=None):
 
 
 @functools.cache
-def forward_fn(activation: str, store_preact: bool, use_kernels: bool, precision=None):
+def forward_fn(activation: str, store_preact: bool, use_kernels: bool, precision=None, kernel_nk: bool = False):
     """``(y,)`` or ``(y, z) = forward(x, kernel, bias, residual)``: one fused GEMM on x's rows
-    (bias / residual may be None), vmappable (batch dims of x and residual fold into rows)."""
+    (bias / residual may be None; kernel (K, N), or (N, K) if ``kernel_nk``), vmappable (batch
+    dims of x and residual fold into rows)."""
 
     def fn(x, kernel, bias, residual):
-        return _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kernels, precision)
+        return _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kernels, precision, kernel_nk)
 
     return fold_batch(fn, shared=(1, 2))
 
 
 @functools.cache
-def _linear_fn(activation: str, has_bias: bool, has_residual: bool, use_kernels: bool, precision):
+def _linear_fn(activation: str, has_bias: bool, has_residual: bool, use_kernels: bool, precision, kernel_nk: bool):
     """The differentiable op for one static configuration; args (x, kernel, bias, residual)."""
-    plain = forward_fn(activation, False, use_kernels, precision)
-    saving = forward_fn(activation, True, use_kernels, precision)
-    input_grad = input_grad_fn(use_kernels, precision)
+    plain = forward_fn(activation, False, use_kernels, precision, kernel_nk)
+    saving = forward_fn(activation, True, use_kernels, precision, kernel_nk)
+    input_grad = input_grad_fn(use_kernels, precision, kernel_nk=kernel_nk)
     weight_grad = weight_grad_fn(use_kernels, precision)
     needs_preact = activation != "none"
 
@@ -592,7 +612,7 @@ def _linear_fn(activation: str, has_bias: bool, has_residual: bool, use_kernels:
         dz32 = preact_grad(z, dy, activation)
         dz = dz32.astype(x.dtype)
         dx = input_grad(dz, kernel)
-        dkernel = weight_grad(x[None], dz[None])[0]
+        dkernel = weight_grad_as_stored(weight_grad, x, dz, kernel_nk)
         dbias = None
         if has_bias:
             dbias = column_sum(dz32, bias.dtype)
@@ -600,6 +620,13 @@ def _linear_fn(activation: str, has_bias: bool, has_residual: bool, use_kernels:
 
     linear.defvjp(fwd, bwd)
     return fold_batch(linear, shared=(1, 2), per_example=linear)
+
+
+def weight_grad_as_stored(weight_grad, x, dz, kernel_nk: bool):
+    """dkernel of x (..., K) and dz (..., N) as the kernel is stored: xᵀ @ dz (K, N), or dzᵀ @ x
+    (N, K) for ``kernel_nk`` -- the same GEMM with its operands swapped, so no transpose."""
+    a, b = (dz, x) if kernel_nk else (x, dz)
+    return weight_grad(a[None], b[None])[0]
 
 
 # --- the op ------------------------------------------------------------------------------------------
@@ -660,7 +687,16 @@ def kernels_apply(x_dtype, k: int, n: int) -> tuple[bool, str]:
     return True, ""
 
 
-def fused_linear(x, kernel, bias=None, *, activation=None, residual=None, precision=None) -> jax.Array:
+def check_kernel_layout(op: str, kernel_layout) -> bool:
+    """Whether ``kernel_layout`` (one of KERNEL_LAYOUTS) stores kernels (N, K)."""
+    if kernel_layout not in KERNEL_LAYOUTS:
+        raise ValueError(f"{op}: argument 'kernel_layout' must be one of {', '.join(map(repr, KERNEL_LAYOUTS))}; "
+                         f"got {kernel_layout!r}")
+    return kernel_layout == "nk"
+
+
+def fused_linear(x, kernel, bias=None, *, activation=None, residual=None, precision=None,
+                 kernel_layout: str = "kn") -> jax.Array:
     """``act(x @ kernel + bias) + residual`` in one fused GEMM, differentiable and vmappable.
 
     Args:
@@ -675,6 +711,8 @@ def fused_linear(x, kernel, bias=None, *, activation=None, residual=None, precis
       residual: (..., N) matching x's leading shape, x's dtype, or None.
       precision: as ``jax.lax.dot``'s, for the XLA GEMMs of the jnp path (float32, unaligned
         sizes), forward and backward; the kernels are exact in their products (see above).
+      kernel_layout: "kn" for a (K, N) kernel, or "nk" for an (N, K) one (``equinox.nn.Linear``'s
+        weight): the GEMMs read it as stored and its gradient comes back (N, K), no transpose.
 
     Returns:
       (..., N) in x's dtype; accumulation and the epilogue run in float32.
@@ -683,8 +721,9 @@ def fused_linear(x, kernel, bias=None, *, activation=None, residual=None, precis
     other sizes run the same decomposition as XLA GEMMs (logged once).
     """
     op = "fused_linear"
-    x, kernel, bias = check_linear_operands(op, "x", x, kernel, bias)
-    k, n = kernel.shape
+    kernel_nk = check_kernel_layout(op, kernel_layout)
+    x, kernel, bias = check_linear_operands(op, "x", x, kernel, bias, kernel_transposed=kernel_nk)
+    k, n = kernel.shape[::-1] if kernel_nk else kernel.shape
     residual = check_residual(op, residual, x, n)
     fused, unfused = resolve_activation(activation)
     precision = hashable_precision(precision)
@@ -695,7 +734,8 @@ def fused_linear(x, kernel, bias=None, *, activation=None, residual=None, precis
     has_bias = bias is not None
     kernel, bias = vary_like(x, kernel, bias)  # shared by every shard inside shard_map
     if unfused is None:
-        return _linear_fn(fused, has_bias, residual is not None, use_kernels, precision)(x, kernel, bias, residual)
-    z = _linear_fn("none", has_bias, False, use_kernels, precision)(x, kernel, bias, None)
+        return _linear_fn(fused, has_bias, residual is not None, use_kernels, precision, kernel_nk)(
+            x, kernel, bias, residual)
+    z = _linear_fn("none", has_bias, False, use_kernels, precision, kernel_nk)(x, kernel, bias, None)
     y = unfused(z)
     return y if residual is None else (y + residual).astype(x.dtype)

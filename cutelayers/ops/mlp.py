@@ -29,6 +29,7 @@ from cutelayers import backend as _backend
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import check_float_array
 from cutelayers.ops.linear import (
+    check_kernel_layout,
     check_linear_operands,
     check_residual,
     check_same_dtype,
@@ -39,20 +40,22 @@ from cutelayers.ops.linear import (
     input_grad_fn,
     kernels_apply,
     resolve_activation,
+    weight_grad_as_stored,
     weight_grad_fn,
 )
 from cutelayers.runtime.sharding import vary_like
 
 
 @functools.cache
-def _mlp_fn(activation: str, has_b1: bool, has_b2: bool, has_residual: bool, use_kernels: bool, precision):
+def _mlp_fn(activation: str, has_b1: bool, has_b2: bool, has_residual: bool, use_kernels: bool, precision,
+            kernel_nk: bool):
     """The differentiable block for one static configuration; args (x, w1, b1, w2, b2, residual)."""
     needs_preact = activation != "none"
-    fc1 = forward_fn(activation, False, use_kernels, precision)
-    fc1_saving = forward_fn(activation, needs_preact, use_kernels, precision)
-    fc2 = forward_fn("none", False, use_kernels, precision)
-    hidden_grad = input_grad_fn(use_kernels, precision, activation)
-    input_grad = input_grad_fn(use_kernels, precision)
+    fc1 = forward_fn(activation, False, use_kernels, precision, kernel_nk)
+    fc1_saving = forward_fn(activation, needs_preact, use_kernels, precision, kernel_nk)
+    fc2 = forward_fn("none", False, use_kernels, precision, kernel_nk)
+    hidden_grad = input_grad_fn(use_kernels, precision, activation, kernel_nk)
+    input_grad = input_grad_fn(use_kernels, precision, kernel_nk=kernel_nk)
     weight_grad = weight_grad_fn(use_kernels, precision)
 
     @jax.custom_vjp
@@ -68,9 +71,9 @@ def _mlp_fn(activation: str, has_b1: bool, has_b2: bool, has_residual: bool, use
     def bwd(res, dy):
         x, w1, z1, h, w2, b1, b2 = res
         dz1 = hidden_grad(dy, w2, z1) if needs_preact else input_grad(dy, w2)
-        dw2 = weight_grad(h[None], dy[None])[0]
+        dw2 = weight_grad_as_stored(weight_grad, h, dy, kernel_nk)
         dx = input_grad(dz1, w1)
-        dw1 = weight_grad(x[None], dz1[None])[0]
+        dw1 = weight_grad_as_stored(weight_grad, x, dz1, kernel_nk)
         db1 = column_sum(dz1, b1.dtype) if has_b1 else None
         db2 = column_sum(dy, b2.dtype) if has_b2 else None
         return dx, dw1, db1, dw2, db2, dy if has_residual else None
@@ -79,7 +82,8 @@ def _mlp_fn(activation: str, has_b1: bool, has_b2: bool, has_residual: bool, use
     return fold_batch(mlp, shared=(1, 2, 3, 4), per_example=mlp)
 
 
-def mlp(x, w1, b1=None, w2=None, b2=None, *, activation="gelu", residual=None, precision=None) -> jax.Array:
+def mlp(x, w1, b1=None, w2=None, b2=None, *, activation="gelu", residual=None, precision=None,
+        kernel_layout: str = "kn") -> jax.Array:
     """``act(x @ w1 + b1) @ w2 + b2 + residual``: two fused GEMMs, differentiable and vmappable.
 
     Args:
@@ -90,21 +94,25 @@ def mlp(x, w1, b1=None, w2=None, b2=None, *, activation="gelu", residual=None, p
         function, or any callable, which then runs unfused between two ``fused_linear`` calls).
       residual: (..., N) matching x's leading shape, or None.
       precision: for the XLA GEMMs of the jnp path, as in ``fused_linear``.
+      kernel_layout: "kn" as above, or "nk" for w1 (H, K) and w2 (N, H) (``equinox.nn.Linear``'s
+        weights), read as stored, their gradients in the same layout.
 
     Returns:
       (..., N) in x's dtype.
     """
     op = "mlp"
+    kernel_nk = check_kernel_layout(op, kernel_layout)
     if w2 is None:
-        raise TypeError(f"{op}: argument 'w2' is required (the second layer's (H, N) kernel)")
-    x, w1, b1 = check_linear_operands(op, "x", x, w1, b1)
-    h_width = w1.shape[1]
+        raise TypeError(f"{op}: argument 'w2' is required (the second layer's kernel)")
+    x, w1, b1 = check_linear_operands(op, "x", x, w1, b1, kernel_transposed=kernel_nk)
+    h_width = w1.shape[0 if kernel_nk else 1]
     w2 = check_float_array(op, "w2", w2)
-    if w2.ndim != 2 or w2.shape[0] != h_width:
-        raise ValueError(f"{op}: argument 'w2' must have shape ({h_width}, N) to follow w1 {tuple(w1.shape)}; "
+    if w2.ndim != 2 or w2.shape[1 if kernel_nk else 0] != h_width:
+        expected = f"(N, {h_width})" if kernel_nk else f"({h_width}, N)"
+        raise ValueError(f"{op}: argument 'w2' must have shape {expected} to follow w1 {tuple(w1.shape)}; "
                          f"got {tuple(w2.shape)}")
     check_same_dtype(op, "w2", w2, "x", x)
-    n = w2.shape[1]
+    n = w2.shape[0 if kernel_nk else 1]
     if b2 is not None:
         b2 = check_float_array(op, "b2", b2)
         if tuple(b2.shape) != (n,):
@@ -113,8 +121,8 @@ def mlp(x, w1, b1=None, w2=None, b2=None, *, activation="gelu", residual=None, p
     residual = check_residual(op, residual, x, n)
     fused, unfused = resolve_activation(activation)
     if unfused is not None:
-        h = unfused(fused_linear(x, w1, b1, precision=precision))
-        return fused_linear(h, w2, b2, residual=residual, precision=precision)
+        h = unfused(fused_linear(x, w1, b1, precision=precision, kernel_layout=kernel_layout))
+        return fused_linear(h, w2, b2, residual=residual, precision=precision, kernel_layout=kernel_layout)
     precision = hashable_precision(precision)
     use_kernels, why = kernels_apply(x.dtype, x.shape[-1], h_width)
     if use_kernels:
@@ -122,5 +130,5 @@ def mlp(x, w1, b1=None, w2=None, b2=None, *, activation="gelu", residual=None, p
     if not use_kernels:
         _backend.fall_back(op, why)
     w1, b1, w2, b2 = vary_like(x, w1, b1, w2, b2)  # shared by every shard inside shard_map
-    fn = _mlp_fn(fused, b1 is not None, b2 is not None, residual is not None, use_kernels, precision)
+    fn = _mlp_fn(fused, b1 is not None, b2 is not None, residual is not None, use_kernels, precision, kernel_nk)
     return fn(x, w1, b1, w2, b2, residual)
