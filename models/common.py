@@ -121,6 +121,17 @@ def causal_attention(qkv: jax.Array, n_heads: int) -> jax.Array:
     return out.reshape(*lead, t, d)
 
 
+def add_norm(norm: Callable, x: jax.Array, pending: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """A pre-norm block's residual step: ``(norm(x + pending), x + pending)`` -- or ``(norm(x),
+    x)`` when nothing is pending. The GPTs carry each sublayer's output as ``pending`` and let the
+    next norm add it to the residual stream ``x``: cutelayers' norms take it as ``residual=`` and
+    fuse the add into their kernels (:func:`cutelayers.ops.add_layer_norm`; the backward adds the
+    residual stream's gradient in the same kernel), the stock twins add it first."""
+    if pending is None:
+        return norm(x), x
+    return norm(pending, residual=x)
+
+
 def positions(inputs: jax.Array, config: GPTConfig) -> jax.Array:
     """Position ids 0..seq_len-1 of ``inputs`` (..., seq_len), shaped (1, ..., seq_len) to add to
     its embeddings without rank promotion, after checking they fit the position table."""

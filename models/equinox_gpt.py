@@ -1,10 +1,14 @@
 """GPT (decoder-only transformer) in Equinox, built from cutelayers layers -- or, with
 ``stock=True``, from Equinox's own layers with the same parameter tree.
 
-    x = wte(tokens) + wpe(positions)
-    per block:  x = attn_out(attention(qkv(ln1(x))), residual=x)      # fused residual add
-                x = mlp(ln2(x), residual=x)           # fc2(gelu(fc1(.))) + x: one ops.mlp
-    loss = head(ln_f(x), targets)                # LMHead: linear + cross-entropy, no logits
+    x, pending = wte(tokens) + wpe(positions), None
+    per block:  h, x = ln1(pending, residual=x)        # x += pending; h = norm(x): one kernel
+                pending = attn_out(attention(qkv(h)))
+                h, x = ln2(pending, residual=x)
+                pending = mlp(h)                       # fc2(gelu(fc1(.))): one ops.mlp
+    loss = head(ln_f(pending, residual=x)[0], targets)   # LMHead: linear + cross-entropy, no logits
+
+(``models.common.add_norm``: the first ln1 has nothing pending.)
 
 Leaves (float32): ``wte.weight``, ``wpe.weight``, ``blocks[i].{ln1,ln2}.{weight,bias}``,
 ``blocks[i].{qkv,attn_out}.{weight,bias}``, ``blocks[i].mlp.{fc1,fc2}.{weight,bias}`` (weights
@@ -25,26 +29,30 @@ Two choices:
 
 from __future__ import annotations
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
 from cutelayers import equinox as cl_eqx
-from models.common import Functional, causal_attention, cross_entropy, head_logits, positions
+from models.common import Functional, add_norm, causal_attention, cross_entropy, head_logits, positions
 from models.configs import GPTConfig
 
 
-class _StockLinear(eqx.nn.Linear):
-    """Equinox's Linear with the call of cutelayers' Linear (``residual=``), unfused."""
+class _StockLayerNorm(eqx.nn.LayerNorm):
+    """Equinox's LayerNorm with the call of cutelayers' (``residual=``), unfused."""
 
-    def __call__(self, x, residual=None, *, key=None):
-        y = super().__call__(x)
-        return y if residual is None else residual + y
+    def __call__(self, x, *, residual=None, key=None):
+        if residual is None:
+            return super().__call__(x)
+        summed = residual + x
+        return super().__call__(summed), summed
 
 
 class _StockMLP(eqx.Module):
     """Two Equinox Linears, ``fc1`` and ``fc2``, with the constructor and call of cutelayers' MLP
-    (as the GPT uses it): ``fc2(gelu(fc1(x))) + residual``, unfused."""
+    (as the GPT uses it): ``fc2(gelu(fc1(x)))``, unfused."""
 
     fc1: eqx.nn.Linear
     fc2: eqx.nn.Linear
@@ -54,11 +62,11 @@ class _StockMLP(eqx.Module):
         self.fc1 = eqx.nn.Linear(in_features, hidden_features, key=k1)
         self.fc2 = eqx.nn.Linear(hidden_features, out_features, key=k2)
 
-    def __call__(self, x, residual, *, key=None):
-        return residual + self.fc2(jax.nn.gelu(self.fc1(x)))
+    def __call__(self, x, *, key=None):
+        return self.fc2(jax.nn.gelu(self.fc1(x)))
 
 
-class _StockHead(_StockLinear):
+class _StockHead(eqx.nn.Linear):
     """Equinox's Linear as an LM head with the call of cutelayers' LMHead: ``head(h, targets)`` ->
     mean cross-entropy (optax, on materialised float32 logits)."""
 
@@ -70,7 +78,7 @@ def _layers(stock: bool):
     """(LayerNorm, Linear, MLP, LM head, token Embedding) classes of the stock twin or of the
     cutelayers model."""
     if stock:
-        return eqx.nn.LayerNorm, _StockLinear, _StockMLP, _StockHead, eqx.nn.Embedding
+        return _StockLayerNorm, eqx.nn.Linear, _StockMLP, _StockHead, eqx.nn.Embedding
     return cl_eqx.LayerNorm, cl_eqx.Linear, cl_eqx.MLP, cl_eqx.LMHead, cl_eqx.Embedding
 
 
@@ -99,15 +107,20 @@ def _mlp(MLP, d, hidden, std, proj_std, key):
 
 
 def _on_rows(layer, x, residual=None):
-    """Apply a per-example layer (a norm; a linear or an MLP with an optional ``residual``) to every
-    row of x (..., features) with one vmap."""
-    operands = (x,) if residual is None else (x, residual)
-    y = jax.vmap(layer)(*(a.reshape(-1, a.shape[-1]) for a in operands))
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+    """Apply a per-example layer (a linear layer, an MLP; a norm, with an optional ``residual``:
+    then two results) to every row of x (..., features) with one vmap."""
+    rows = lambda a: a.reshape(-1, a.shape[-1])
+    if residual is None:
+        y = jax.vmap(layer)(rows(x))
+    else:
+        y = jax.vmap(lambda a, r: layer(a, residual=r))(rows(x), rows(residual))
+    return jax.tree.map(lambda a: a.reshape(*x.shape[:-1], a.shape[-1]), y)
 
 
 class Block(eqx.Module):
-    """Pre-norm transformer block: causal self-attention and a GELU MLP, each with a residual."""
+    """Pre-norm transformer block: causal self-attention and a GELU MLP, each with a residual.
+    ``block(x, pending) -> (x, pending)``: the residual stream and the output not yet added to it
+    (module docstring)."""
 
     ln1: eqx.Module
     qkv: eqx.Module
@@ -127,10 +140,11 @@ class Block(eqx.Module):
         self.ln2 = LayerNorm(d, eps=config.norm_eps)
         self.mlp = _mlp(MLP, d, config.d_mlp, std, proj_std, k[2])
 
-    def __call__(self, x):
-        qkv = _on_rows(self.qkv, _on_rows(self.ln1, x))
-        x = _on_rows(self.attn_out, causal_attention(qkv, self.n_heads), residual=x)
-        return _on_rows(self.mlp, _on_rows(self.ln2, x), residual=x)
+    def __call__(self, x, pending=None):
+        h, x = add_norm(functools.partial(_on_rows, self.ln1), x, pending)
+        pending = _on_rows(self.attn_out, causal_attention(_on_rows(self.qkv, h), self.n_heads))
+        h, x = _on_rows(self.ln2, pending, residual=x)
+        return x, _on_rows(self.mlp, h)
 
 
 class GPT(eqx.Module):
@@ -161,10 +175,10 @@ class GPT(eqx.Module):
     def hidden(self, inputs):
         """The final hidden states (..., seq, d_model): the head's input."""
         tokens = jax.vmap(self.wte)(inputs.reshape(-1)).reshape(*inputs.shape, -1)  # one lookup of all ids
-        x = tokens + self.wpe.weight[positions(inputs, self.config)]
+        x, pending = tokens + self.wpe.weight[positions(inputs, self.config)], None
         for block in self.blocks:
-            x = block(x)
-        return _on_rows(self.ln_f, x)
+            x, pending = block(x, pending)
+        return add_norm(functools.partial(_on_rows, self.ln_f), x, pending)[0]
 
     def __call__(self, inputs, targets):
         return self.head(self.hidden(inputs), targets)

@@ -1,10 +1,14 @@
 """GPT (decoder-only transformer) in Flax linen, built from cutelayers layers -- or, with
 ``stock=True``, from linen's own layers with the same parameter tree.
 
-    x = wte(tokens) + wpe(positions)
-    per block:  x = attn_out(attention(qkv(ln1(x))), residual=x)      # fused residual add
-                x = mlp(ln2(x), residual=x)           # Dense(gelu(Dense(.))) + x: one ops.mlp
-    loss = head(ln_f(x), targets)                # LMHead: linear + cross-entropy, no logits
+    x, pending = wte(tokens) + wpe(positions), None
+    per block:  h, x = ln1(pending, residual=x)        # x += pending; h = norm(x): one kernel
+                pending = attn_out(attention(qkv(h)))
+                h, x = ln2(pending, residual=x)
+                pending = mlp(h)                       # Dense(gelu(Dense(.))): one ops.mlp
+    loss = head(ln_f(pending, residual=x)[0], targets)   # LMHead: linear + cross-entropy, no logits
+
+(``models.common.add_norm``: the first ln1 has nothing pending.)
 
 Parameters (float32), ``params`` collection: ``wte.embedding``, ``wpe.embedding``,
 ``blocks_{i}.{ln1,ln2}.{scale,bias}``, ``blocks_{i}.{qkv,attn_out}.{kernel,bias}``,
@@ -22,23 +26,24 @@ import jax
 import jax.numpy as jnp
 
 from cutelayers.flax import linen as cl_linen
-from models.common import Functional, causal_attention, cross_entropy, head_logits, positions
+from models.common import Functional, add_norm, causal_attention, cross_entropy, head_logits, positions
 from models.configs import GPTConfig
 
 
-class _StockDense(nn.Dense):
-    """linen's Dense with the call of cutelayers' Dense (``residual=``), unfused."""
+class _StockLayerNorm(nn.LayerNorm):
+    """linen's LayerNorm with the call of cutelayers' (``residual=``), unfused."""
 
     @nn.compact
-    def __call__(self, inputs, residual=None):
-        y = super().__call__(inputs)
-        return y if residual is None else residual + y
+    def __call__(self, x, residual=None):
+        if residual is None:
+            return super().__call__(x)
+        summed = residual + x
+        return super().__call__(summed), summed
 
 
 class _StockMLP(nn.Module):
     """Two linen Dense layers (``Dense_0``, ``Dense_1``: a compact module's names) with the
-    attributes and call of cutelayers' MLP (as the GPT uses it): ``fc2(gelu(fc1(x))) + residual``,
-    unfused."""
+    attributes and call of cutelayers' MLP (as the GPT uses it): ``fc2(gelu(fc1(x)))``, unfused."""
 
     hidden_features: int
     features: int
@@ -47,9 +52,9 @@ class _StockMLP(nn.Module):
     out_kernel_init: Any
 
     @nn.compact
-    def __call__(self, x, residual):
+    def __call__(self, x):
         h = jax.nn.gelu(nn.Dense(self.hidden_features, dtype=self.dtype, kernel_init=self.kernel_init)(x))
-        return residual + nn.Dense(self.features, dtype=self.dtype, kernel_init=self.out_kernel_init)(h)
+        return nn.Dense(self.features, dtype=self.dtype, kernel_init=self.out_kernel_init)(h)
 
 
 class _StockHead(nn.Dense):
@@ -65,28 +70,30 @@ def _layers(stock: bool):
     """(LayerNorm, Dense, MLP, LM head, token Embed) classes of the stock twin or of the cutelayers
     model."""
     if stock:
-        return nn.LayerNorm, _StockDense, _StockMLP, _StockHead, nn.Embed
+        return _StockLayerNorm, nn.Dense, _StockMLP, _StockHead, nn.Embed
     return cl_linen.LayerNorm, cl_linen.Dense, cl_linen.MLP, cl_linen.LMHead, cl_linen.Embed
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention and a GELU MLP, each with a residual."""
+    """Pre-norm transformer block: causal self-attention and a GELU MLP, each with a residual.
+    ``block(x, pending) -> (x, pending)``: the residual stream and the output not yet added to it
+    (module docstring)."""
 
     config: GPTConfig
     stock: bool = False
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, pending=None):
         cfg = self.config
         LayerNorm, Dense, MLP, _, _ = _layers(self.stock)
         d, dt = cfg.d_model, cfg.compute_dtype
         init, proj_init = nn.initializers.normal(cfg.init_std), nn.initializers.normal(cfg.proj_init_std)
-        h = LayerNorm(epsilon=cfg.norm_eps, dtype=dt, name="ln1")(x)
+        h, x = add_norm(LayerNorm(epsilon=cfg.norm_eps, dtype=dt, name="ln1"), x, pending)
         a = causal_attention(Dense(3 * d, dtype=dt, kernel_init=init, name="qkv")(h), cfg.n_heads)
-        x = Dense(d, dtype=dt, kernel_init=proj_init, name="attn_out")(a, residual=x)
-        h = LayerNorm(epsilon=cfg.norm_eps, dtype=dt, name="ln2")(x)
+        pending = Dense(d, dtype=dt, kernel_init=proj_init, name="attn_out")(a)
+        h, x = LayerNorm(epsilon=cfg.norm_eps, dtype=dt, name="ln2")(pending, residual=x)
         mlp = MLP(cfg.d_mlp, d, dtype=dt, kernel_init=init, out_kernel_init=proj_init, name="mlp")
-        return mlp(h, residual=x)
+        return x, mlp(h)
 
 
 class GPT(nn.Module):
@@ -107,9 +114,10 @@ class GPT(nn.Module):
         x = Embed(cfg.vocab_size, cfg.d_model, dtype=dt, embedding_init=init, name="wte")(inputs)
         x = x + nn.Embed(cfg.seq_len, cfg.d_model, dtype=dt, embedding_init=init, name="wpe")(
             positions(inputs, cfg))
+        pending = None
         for i in range(cfg.n_layers):
-            x = Block(cfg, self.stock, name=f"blocks_{i}")(x)
-        h = LayerNorm(epsilon=cfg.norm_eps, dtype=dt, name="ln_f")(x)
+            x, pending = Block(cfg, self.stock, name=f"blocks_{i}")(x, pending)
+        h, _ = add_norm(LayerNorm(epsilon=cfg.norm_eps, dtype=dt, name="ln_f"), x, pending)
         if targets is None:
             return head_logits(h, self.variables["params"]["head"]["kernel"])
         return Head(cfg.vocab_size, use_bias=False, dtype=dt, kernel_init=init, name="head")(h, targets)

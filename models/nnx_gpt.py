@@ -1,10 +1,14 @@
 """GPT (decoder-only transformer) in Flax NNX, built from cutelayers layers -- or, with
 ``stock=True``, from NNX's own layers with the same parameter tree.
 
-    x = wte(tokens) + wpe(positions)
-    per block:  x = attn_out(attention(qkv(ln1(x))), residual=x)      # fused residual add
-                x = mlp(ln2(x), residual=x)           # fc2(gelu(fc1(.))) + x: one ops.mlp
-    loss = head(ln_f(x), targets)                # LMHead: linear + cross-entropy, no logits
+    x, pending = wte(tokens) + wpe(positions), None
+    per block:  h, x = ln1(pending, residual=x)        # x += pending; h = norm(x): one kernel
+                pending = attn_out(attention(qkv(h)))
+                h, x = ln2(pending, residual=x)
+                pending = mlp(h)                       # fc2(gelu(fc1(.))): one ops.mlp
+    loss = head(ln_f(pending, residual=x)[0], targets)   # LMHead: linear + cross-entropy, no logits
+
+(``models.common.add_norm``: the first ln1 has nothing pending.)
 
 Parameters (float32): ``wte.embedding``, ``wpe.embedding``, ``blocks[i].{ln1,ln2}.{scale,bias}``,
 ``blocks[i].{qkv,attn_out}.{kernel,bias}``, ``blocks[i].mlp.{fc1,fc2}.{kernel,bias}``,
@@ -18,21 +22,23 @@ import jax
 from flax import nnx
 
 from cutelayers.flax import nnx as cl_nnx
-from models.common import Functional, causal_attention, cross_entropy, head_logits, positions
+from models.common import Functional, add_norm, causal_attention, cross_entropy, head_logits, positions
 from models.configs import GPTConfig
 
 
-class _StockLinear(nnx.Linear):
-    """NNX's Linear with the call of cutelayers' Linear (``residual=``), unfused."""
+class _StockLayerNorm(nnx.LayerNorm):
+    """NNX's LayerNorm with the call of cutelayers' (``residual=``), unfused."""
 
-    def __call__(self, inputs, residual=None):
-        y = super().__call__(inputs)
-        return y if residual is None else residual + y
+    def __call__(self, x, residual=None):
+        if residual is None:
+            return super().__call__(x)
+        summed = residual + x
+        return super().__call__(summed), summed
 
 
 class _StockMLP(nnx.Module):
     """Two NNX Linears, ``fc1`` and ``fc2``, with the constructor and call of cutelayers' MLP (as
-    the GPT uses it): ``fc2(gelu(fc1(x))) + residual``, unfused."""
+    the GPT uses it): ``fc2(gelu(fc1(x)))``, unfused."""
 
     def __init__(self, in_features, hidden_features, out_features, *, dtype, kernel_init, out_kernel_init,
                  rngs):
@@ -40,8 +46,8 @@ class _StockMLP(nnx.Module):
         self.fc2 = nnx.Linear(hidden_features, out_features, dtype=dtype, kernel_init=out_kernel_init,
                               rngs=rngs)
 
-    def __call__(self, x, residual):
-        return residual + self.fc2(jax.nn.gelu(self.fc1(x)))
+    def __call__(self, x):
+        return self.fc2(jax.nn.gelu(self.fc1(x)))
 
 
 class _StockHead(nnx.Linear):
@@ -56,12 +62,14 @@ def _layers(stock: bool):
     """(LayerNorm, Linear, MLP, LM head, token Embed) classes of the stock twin or of the cutelayers
     model."""
     if stock:
-        return nnx.LayerNorm, _StockLinear, _StockMLP, _StockHead, nnx.Embed
+        return _StockLayerNorm, nnx.Linear, _StockMLP, _StockHead, nnx.Embed
     return cl_nnx.LayerNorm, cl_nnx.Linear, cl_nnx.MLP, cl_nnx.LMHead, cl_nnx.Embed
 
 
 class Block(nnx.Module):
-    """Pre-norm transformer block: causal self-attention and a GELU MLP, each with a residual."""
+    """Pre-norm transformer block: causal self-attention and a GELU MLP, each with a residual.
+    ``block(x, pending) -> (x, pending)``: the residual stream and the output not yet added to it
+    (module docstring)."""
 
     def __init__(self, config: GPTConfig, *, stock: bool, rngs: nnx.Rngs):
         LayerNorm, Linear, MLP, _, _ = _layers(stock)
@@ -76,9 +84,10 @@ class Block(nnx.Module):
         self.ln2 = LayerNorm(d, **norm)
         self.mlp = MLP(d, config.d_mlp, d, dtype=dt, kernel_init=init, out_kernel_init=proj_init, rngs=rngs)
 
-    def __call__(self, x):
-        x = self.attn_out(causal_attention(self.qkv(self.ln1(x)), self.n_heads), residual=x)
-        return self.mlp(self.ln2(x), residual=x)
+    def __call__(self, x, pending=None):
+        h, x = add_norm(self.ln1, x, pending)
+        h, x = self.ln2(self.attn_out(causal_attention(self.qkv(h), self.n_heads)), residual=x)
+        return x, self.mlp(h)
 
 
 class GPT(nnx.Module):
@@ -100,10 +109,10 @@ class GPT(nnx.Module):
 
     def hidden(self, inputs):
         """The final hidden states (batch, seq, d_model): the head's input."""
-        x = self.wte(inputs) + self.wpe(positions(inputs, self.config))
+        x, pending = self.wte(inputs) + self.wpe(positions(inputs, self.config)), None
         for block in self.blocks:
-            x = block(x)
-        return self.ln_f(x)
+            x, pending = block(x, pending)
+        return add_norm(self.ln_f, x, pending)[0]
 
     def __call__(self, inputs, targets):
         return self.head(self.hidden(inputs), targets)

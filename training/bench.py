@@ -275,18 +275,19 @@ def part_seconds(config: GPTConfig, batch_size: int, *, stock: bool) -> dict[str
         """Seconds of the forward and backward of ``module`` (gradients of params and inputs)."""
         params = module.init(jax.random.key(0), *inputs, **kwargs)["params"]
         f = lambda p, *x: module.apply({"params": p}, *x, **kwargs)
-        out = jax.eval_shape(f, params, *inputs)
-        cotangent = jnp.ones(out.shape, out.dtype)
+        cotangent = jax.tree.map(lambda o: jnp.ones(o.shape, o.dtype), jax.eval_shape(f, params, *inputs))
         return time_fn(jax.jit(lambda p, *x: jax.vjp(f, p, *x)[1](cotangent)), params, *inputs)
 
     x = act(*rows, d)
     parts = {}
-    for name, n_out, residual in (("qkv", 3 * d, {}), ("attn_out", d, {"residual": x})):
-        parts[f"GEMM {name} ({d}x{n_out})"] = n_layers * fwd_bwd(Dense(n_out, dtype=dt), x, **residual)
+    for name, n_out in (("qkv", 3 * d), ("attn_out", d)):
+        parts[f"GEMM {name} ({d}x{n_out})"] = n_layers * fwd_bwd(Dense(n_out, dtype=dt), x)
     mlp = MLP(config.d_mlp, d, dtype=dt, kernel_init=jax.nn.initializers.normal(config.init_std),
               out_kernel_init=jax.nn.initializers.normal(config.proj_init_std))
-    parts[f"MLP ({d}x{config.d_mlp}x{d})"] = n_layers * fwd_bwd(mlp, x, residual=x)
-    parts["LayerNorm"] = (2 * n_layers + 1) * fwd_bwd(LayerNorm(epsilon=config.norm_eps, dtype=dt), x)
+    parts[f"MLP ({d}x{config.d_mlp}x{d})"] = n_layers * fwd_bwd(mlp, x)
+    # the first norm alone, the other 2 n_layers with the residual add (models.common.add_norm)
+    norm = LayerNorm(epsilon=config.norm_eps, dtype=dt)
+    parts["LayerNorm"] = fwd_bwd(norm, x) + 2 * n_layers * fwd_bwd(norm, x, residual=act(*rows, d))
     qkv = act(*rows, 3 * d)
     attention = jax.jit(lambda q: jax.vjp(lambda a: common.causal_attention(a, config.n_heads), q)[1](
         jnp.ones((*rows, d), dt)))

@@ -44,8 +44,10 @@ def main(argv=None) -> int:
     red.add_argument("--rows", type=int, default=32768, help="rows M (default 32768)")
     red.add_argument("--n", type=int, nargs="+", default=[4096], help="feature sizes N (default 4096)")
     red.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    norms = sub.add_parser("norms", help="layer_norm / rms_norm fwd and fwd+bwd vs XLA (x = 256 MiB)")
+    norms = sub.add_parser("norms", help="layer_norm / rms_norm and their fused residual adds, fwd and fwd+bwd "
+                                         "vs XLA (x = 256 MiB unless --rows)")
     norms.add_argument("--n", type=int, nargs="+", default=NORM_NS)
+    norms.add_argument("--rows", type=int, default=None, help="rows M of x (default: x is 256 MiB)")
     norms.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     soft = sub.add_parser("softmax", help="softmax fwd/bwd and cross-entropy fwd+bwd vs XLA/optax")
     soft.add_argument("--n", type=int, nargs="+", default=[4096, 32768, 131072])
@@ -88,7 +90,7 @@ def main(argv=None) -> int:
     if args.suite == "reduce":
         print_table(bench_reduce(args.rows, args.n, jnp.dtype(args.dtype)))
     elif args.suite == "norms":
-        print_table(bench_norms(args.n, jnp.dtype(args.dtype)))
+        print_table(bench_norms(args.n, jnp.dtype(args.dtype), args.rows))
     elif args.suite == "softmax":
         print_table(bench_softmax(args.n, jnp.dtype(args.dtype)))
     elif args.suite == "gemm":

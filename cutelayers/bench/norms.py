@@ -1,10 +1,14 @@
-"""GPU benchmark of layer_norm / rms_norm against XLA's compiled jnp formula.
+"""GPU benchmark of layer_norm / rms_norm and their fused residual adds (add_layer_norm /
+add_rms_norm) against XLA's compiled jnp formula.
 
-``bench_norms(ns, dtype)`` times, for each N, x of (M, N) with M chosen so that x is 256 MiB:
+``bench_norms(ns, dtype, rows)`` times, for each N, x of (M, N) with M = ``rows`` (default: x is
+256 MiB):
 
-* ``fwd``: y from x, scale (and bias); minimum bytes = read x + write y;
+* ``fwd``: y from x, scale (and bias); minimum bytes = read x + write y; with the residual add
+  4 |x| (x and the residual read, y and the sum written);
 * ``fwd+bwd``: y, then dx, dscale (and dbias) from x and dy; minimum bytes = 5 |x| (x read by
-  both passes, y and dx written, dy read; parameters and row statistics are negligible).
+  both passes, y and dx written, dy read; parameters and row statistics are negligible); with the
+  residual add 8 |x| (the backward also reads the sum's gradient; the sum replaces x).
 
 Parameters have x's dtype, so every row operand moves in 128-bit vectors. Results carry the same
 keys as :func:`cutelayers.bench.reduce.bench_reduce`'s, plus ``pass``.
@@ -17,7 +21,7 @@ import jax.numpy as jnp
 
 import cutelayers as cl
 from cutelayers.bench.timing import measured_bandwidth, result_row, time_fn
-from cutelayers.ops.norm import layer_norm, rms_norm
+from cutelayers.ops.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 
 X_BYTES = 256 << 20
 DEFAULT_NS = [768, 1024, 4096, 8192, 16384, 65536]  # 768: GPT-2's width
@@ -38,34 +42,52 @@ def _plain(center: bool):
     return norm
 
 
+def _plain_add(center: bool):
+    """The residual add, then :func:`_plain`: (y, x + residual)."""
+    norm = _plain(center)
+
+    def add_norm(x, residual, scale, bias=None):
+        summed = x + residual
+        return norm(summed, scale, bias), summed
+
+    return add_norm
+
+
 def _fwd_bwd(f):
+    """Forward and backward of f, every result's cotangent dy."""
     def run(dy, *args):
         y, vjp = jax.vjp(f, *args)
-        return y, vjp(dy)
+        return y, vjp(jax.tree.map(lambda _: dy, y))
 
     return run
 
 
-def bench_norms(ns: list[int] | None = None, dtype=jnp.bfloat16) -> list[dict]:
-    """Time layer_norm and rms_norm (fwd, fwd+bwd) for each N in ``ns``; one dict per row."""
+def bench_norms(ns: list[int] | None = None, dtype=jnp.bfloat16, rows: int | None = None) -> list[dict]:
+    """Time layer_norm, rms_norm, add_layer_norm and add_rms_norm (fwd, fwd+bwd) for each N in
+    ``ns`` on ``rows`` rows (default: x is 256 MiB); one dict per row."""
     ns = ns or DEFAULT_NS
     dtype = jnp.dtype(dtype)
     bw = measured_bandwidth()
     key = jax.random.key(0)
     results = []
     for n in ns:
-        rows = max(X_BYTES // (n * dtype.itemsize), 1)
+        m = rows or max(X_BYTES // (n * dtype.itemsize), 1)
         kx, kd, ks = jax.random.split(jax.random.fold_in(key, n), 3)
-        x = jax.random.normal(kx, (rows, n), jnp.float32).astype(dtype)
-        dy = jax.random.normal(kd, (rows, n), jnp.float32).astype(dtype)
+        x = jax.random.normal(kx, (m, n), jnp.float32).astype(dtype)
+        dy = jax.random.normal(kd, (m, n), jnp.float32).astype(dtype)
+        residual = jax.random.normal(jax.random.fold_in(kx, 1), (m, n), jnp.float32).astype(dtype)
         scale = (1.0 + 0.1 * jax.random.normal(ks, (n,), jnp.float32)).astype(dtype)
         bias = (0.1 * jax.random.normal(jax.random.fold_in(ks, 1), (n,), jnp.float32)).astype(dtype)
         x_bytes = x.size * dtype.itemsize
-        for name, ours, xla, params in (
-            ("layer_norm", layer_norm, _plain(True), (scale, bias)),
-            ("rms_norm", rms_norm, _plain(False), (scale,)),
+        for name, ours, xla, params, adds in (
+            ("layer_norm", layer_norm, _plain(True), (scale, bias), False),
+            ("rms_norm", rms_norm, _plain(False), (scale,), False),
+            ("add_layer_norm", add_layer_norm, _plain_add(True), (residual, scale, bias), True),
+            ("add_rms_norm", add_rms_norm, _plain_add(False), (residual, scale), True),
         ):
-            for pass_, nbytes, make in (("fwd", 2 * x_bytes, lambda f: f), ("fwd+bwd", 5 * x_bytes, _fwd_bwd)):
+            fwd_bytes, fwd_bwd_bytes = (4, 8) if adds else (2, 5)
+            for pass_, nbytes, make in (("fwd", fwd_bytes * x_bytes, lambda f: f),
+                                        ("fwd+bwd", fwd_bwd_bytes * x_bytes, _fwd_bwd)):
                 args = (x, *params) if pass_ == "fwd" else (dy, x, *params)
                 with cl.use_backend("cute"):
                     t = time_fn(jax.jit(make(ours)), *args)

@@ -4,6 +4,9 @@
 * softmax ``bwd``: dx from (y, dy); minimum bytes = read y, dy + write dx (32768 rows);
 * cross-entropy ``fwd+bwd``: loss and dlogits from (logits, labels); counted as 2 |logits|
   (read once, write dlogits once), the figure the issue compares against (8192 rows).
+
+Fewer rows where x would pass ``MAX_X_BYTES`` (wide rows: N = 256K would make a 16 GiB x, and
+the benchmark would run out of memory rather than measure).
 """
 
 from __future__ import annotations
@@ -17,6 +20,12 @@ from cutelayers.bench.timing import measured_bandwidth, result_row, time_fn
 
 SOFTMAX_ROWS = 32768
 CE_ROWS = 8192
+MAX_X_BYTES = 1 << 30
+
+
+def _rows(rows: int, n: int, dtype) -> int:
+    """``rows``, or fewer to keep an (rows, n) array within MAX_X_BYTES."""
+    return max(1, min(rows, MAX_X_BYTES // (n * dtype.itemsize)))
 
 
 def _time_backward(f, x, dy) -> float:
@@ -33,8 +42,8 @@ def bench_softmax(ns: list[int], dtype=jnp.bfloat16) -> list[dict]:
     results = []
     for n in ns:
         kx, kd, kl = jax.random.split(jax.random.fold_in(key, n), 3)
-        x = (2 * jax.random.normal(kx, (SOFTMAX_ROWS, n), jnp.float32)).astype(dtype)
-        dy = jax.random.normal(kd, x.shape, jnp.float32).astype(dtype)
+        x = 2 * jax.random.normal(kx, (_rows(SOFTMAX_ROWS, n, dtype), n), dtype)
+        dy = jax.random.normal(kd, x.shape, dtype)
         x_bytes = x.size * dtype.itemsize
         with cl.use_backend("cute"):
             t = time_fn(jax.jit(cl.ops.softmax), x)
@@ -43,8 +52,8 @@ def bench_softmax(ns: list[int], dtype=jnp.bfloat16) -> list[dict]:
         results.append(result_row("softmax", x.shape, dtype, 3 * x_bytes, t_bwd,
                                   _time_backward(jax.nn.softmax, x, dy), bw, **{"pass": "bwd"}))
         del x, dy
-        logits = (2 * jax.random.normal(kx, (CE_ROWS, n), jnp.float32)).astype(dtype)
-        labels = jax.random.randint(kl, (CE_ROWS,), 0, n)
+        logits = 2 * jax.random.normal(kx, (_rows(CE_ROWS, n, dtype), n), dtype)
+        labels = jax.random.randint(kl, logits.shape[:1], 0, n)
 
         def ce(f):
             return jax.jit(jax.value_and_grad(lambda x: jnp.mean(f(x, labels))))
