@@ -1,10 +1,12 @@
-"""Test setup: four fake CPU devices, CuTe compiles for sm_90a, `gpu`, `multigpu` and `cute` markers, fresh
-randomness; with ``CUTELAYERS_TEST_TIMINGS=<file>``, one JSON line per test of where its time went."""
+"""Test setup: four fake CPU devices, CuTe compiles for sm_90a, XLA compiles shared by the run's
+processes, `gpu`, `multigpu` and `cute` markers, fresh randomness; with ``CUTELAYERS_TEST_TIMINGS=<file>``, one JSON line per test of where its time went."""
 
 import collections
 import json
 import os
 import secrets
+import shutil
+import tempfile
 import time
 
 # Before JAX is imported anywhere: fake devices for placement/sharding tests, LLVM's cheapest
@@ -15,6 +17,15 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 # Compile counts in tests must not depend on what an earlier run left on disk: the disk cache is
 # off unless a test turns it on (tests/test_disk_cache.py, with its own directory).
 os.environ["CUTELAYERS_CACHE_DIR"] = ""
+# XLA programs compiled once per test run, not once per process: JAX's persistent compilation
+# cache in a directory made fresh for the run by the first process to load this file (the xdist
+# controller), which the workers and the subprocesses tests launch inherit, and removed at the end.
+_OWNS_JAX_CACHE = "CUTELAYERS_TEST_JAX_CACHE" not in os.environ
+if _OWNS_JAX_CACHE:
+    os.environ["CUTELAYERS_TEST_JAX_CACHE"] = tempfile.mkdtemp(prefix="cutelayers-test-jax-cache-")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ["CUTELAYERS_TEST_JAX_CACHE"])
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax
 import numpy as np
@@ -43,6 +54,11 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "multigpu: runs on two Hopper GPUs of one host (skipped with fewer)")
     config.addinivalue_line("markers", "cute: needs the CuTe DSL, the 'cute' extra: builds kernels or checks their "
                                        "CUDA lowering (skipped without it)")
+
+
+def pytest_unconfigure(config):
+    if _OWNS_JAX_CACHE:
+        shutil.rmtree(os.environ["CUTELAYERS_TEST_JAX_CACHE"], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
