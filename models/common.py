@@ -10,6 +10,17 @@ framework's modules and exposes ``init(config, key, *, stock=False) -> Functiona
 * ``logits(params, inputs)`` -- float32 next-token logits (batch, seq, vocab), for sampling;
 * ``model`` -- the framework object itself.
 
+The forward pass of all three (the ``mlp`` line is one cutelayers ``MLP``: fc2(gelu(fc1(.)))):
+
+    x, pending = wte(tokens) + wpe(positions), None
+    per block:  h, x = ln1(pending, residual=x)        # x += pending; h = norm(x): one kernel
+                pending = attn_out(attention(qkv(h)))
+                h, x = ln2(pending, residual=x)
+                pending = mlp(h)
+    loss = head(ln_f(pending, residual=x)[0], targets)   # LMHead: linear + cross-entropy, no logits
+
+(:func:`add_norm`: the first ln1 has nothing pending.)
+
 ``stock=True`` builds the twin from the framework's own layers (Dense / Linear / LayerNorm; two
 Dense / Linear layers where ours has cutelayers' ``MLP``; a Dense / Linear head with ``optax``
 cross-entropy where ours has cutelayers' ``LMHead``) with the same parameter tree: the same key

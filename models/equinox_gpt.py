@@ -1,14 +1,7 @@
 """GPT (decoder-only transformer) in Equinox, built from cutelayers layers -- or, with
 ``stock=True``, from Equinox's own layers with the same parameter tree.
 
-    x, pending = wte(tokens) + wpe(positions), None
-    per block:  h, x = ln1(pending, residual=x)        # x += pending; h = norm(x): one kernel
-                pending = attn_out(attention(qkv(h)))
-                h, x = ln2(pending, residual=x)
-                pending = mlp(h)                       # fc2(gelu(fc1(.))): one ops.mlp
-    loss = head(ln_f(pending, residual=x)[0], targets)   # LMHead: linear + cross-entropy, no logits
-
-(``models.common.add_norm``: the first ln1 has nothing pending.)
+The forward pass is the one :mod:`models.common` describes (the residual add fused into the norms).
 
 Leaves (float32): ``wte.weight``, ``wpe.weight``, ``blocks[i].{ln1,ln2}.{weight,bias}``,
 ``blocks[i].{qkv,attn_out}.{weight,bias}``, ``blocks[i].mlp.{fc1,fc2}.{weight,bias}`` (weights

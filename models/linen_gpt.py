@@ -1,14 +1,7 @@
 """GPT (decoder-only transformer) in Flax linen, built from cutelayers layers -- or, with
 ``stock=True``, from linen's own layers with the same parameter tree.
 
-    x, pending = wte(tokens) + wpe(positions), None
-    per block:  h, x = ln1(pending, residual=x)        # x += pending; h = norm(x): one kernel
-                pending = attn_out(attention(qkv(h)))
-                h, x = ln2(pending, residual=x)
-                pending = mlp(h)                       # Dense(gelu(Dense(.))): one ops.mlp
-    loss = head(ln_f(pending, residual=x)[0], targets)   # LMHead: linear + cross-entropy, no logits
-
-(``models.common.add_norm``: the first ln1 has nothing pending.)
+The forward pass is the one :mod:`models.common` describes (the residual add fused into the norms).
 
 Parameters (float32), ``params`` collection: ``wte.embedding``, ``wpe.embedding``,
 ``blocks_{i}.{ln1,ln2}.{scale,bias}``, ``blocks_{i}.{qkv,attn_out}.{kernel,bias}``,

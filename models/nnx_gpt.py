@@ -1,14 +1,7 @@
 """GPT (decoder-only transformer) in Flax NNX, built from cutelayers layers -- or, with
 ``stock=True``, from NNX's own layers with the same parameter tree.
 
-    x, pending = wte(tokens) + wpe(positions), None
-    per block:  h, x = ln1(pending, residual=x)        # x += pending; h = norm(x): one kernel
-                pending = attn_out(attention(qkv(h)))
-                h, x = ln2(pending, residual=x)
-                pending = mlp(h)                       # fc2(gelu(fc1(.))): one ops.mlp
-    loss = head(ln_f(pending, residual=x)[0], targets)   # LMHead: linear + cross-entropy, no logits
-
-(``models.common.add_norm``: the first ln1 has nothing pending.)
+The forward pass is the one :mod:`models.common` describes (the residual add fused into the norms).
 
 Parameters (float32): ``wte.embedding``, ``wpe.embedding``, ``blocks[i].{ln1,ln2}.{scale,bias}``,
 ``blocks[i].{qkv,attn_out}.{kernel,bias}``, ``blocks[i].mlp.{fc1,fc2}.{kernel,bias}``,
