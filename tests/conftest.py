@@ -1,5 +1,6 @@
 """Test setup: four fake CPU devices, CuTe compiles for sm_90a, XLA compiles shared by the run's
-processes, `gpu`, `multigpu` and `cute` markers, fresh randomness; with ``CUTELAYERS_TEST_TIMINGS=<file>``, one JSON line per test of where its time went."""
+processes, `gpu`, `multigpu` and `cute` markers, fresh randomness; with
+``CUTELAYERS_TEST_TIMINGS=<file>``, one JSON line per test of where its time went."""
 
 import collections
 import json

@@ -130,6 +130,11 @@ _TRANSPOSED = (2, 1, 0)  # (L, M, F) -> (F, M, L): the rows become the contracti
 KERNEL_LAYOUTS = ("kn", "nk")
 
 
+def as_kn(kernel, kernel_nk: bool):
+    """A kernel stored (K, N), or (N, K) if ``kernel_nk``, as (K, N): what the jnp references take."""
+    return kernel.T if kernel_nk else kernel
+
+
 class GemmFamily(TunableFamily):
     """The GEMM families' shared implementation of the family interface
     (:mod:`cutelayers.runtime.family`). Each family gives its operands' kinds (which decide mode
@@ -289,7 +294,7 @@ class LinearForward(GemmFamily):
         rest = list(rest)
         bias = rest.pop(0) if self.has_bias else None
         residual = rest.pop(0)[0] if self.has_residual else None
-        y, z = forward_reference(x[0], w[0].T if self.kernel_nk else w[0], bias, residual, self.activation)
+        y, z = forward_reference(x[0], as_kn(w[0], self.kernel_nk), bias, residual, self.activation)
         return (y[None],) + ((z[None],) if self.store_preact else ())
 
 
@@ -342,7 +347,7 @@ class LinearInputGrad(GemmFamily):
         return (jax.ShapeDtypeStruct((1, dz.shape[1], self.kernel_kn(w)[0]), dz.dtype),)
 
     def reference(self, dz, w, *preact):
-        product = _matmul(dz[0], w[0] if self.kernel_nk else w[0].T)
+        product = _matmul(dz[0], as_kn(w[0], self.kernel_nk).T)
         if preact:
             product = preact_grad(preact[0][0], product, self.grad_of)
         return (product.astype(dz.dtype)[None],)
@@ -487,7 +492,7 @@ def _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kerne
     """y [, z] for x (..., K): one kernel launch on x's rows (or the jnp reference)."""
     lead, n = x.shape[:-1], kernel.shape[0 if kernel_nk else 1]
     if not use_kernels:
-        y, z = forward_reference(x, kernel.T if kernel_nk else kernel, bias, residual, activation, precision)
+        y, z = forward_reference(x, as_kn(kernel, kernel_nk), bias, residual, activation, precision)
         return (y, z) if store_preact else (y,)
     rows = x.reshape(1, -1, x.shape[-1])
     m = rows.shape[1]
@@ -508,7 +513,7 @@ def _input_grad_rows(dz, kernel, preact, grad_of, use_kernels, precision, kernel
     kernel (K, N), or (N, K) if ``kernel_nk``."""
     lead, k = dz.shape[:-1], kernel.shape[1 if kernel_nk else 0]
     if not use_kernels:
-        product = _matmul(dz, kernel if kernel_nk else kernel.T, precision)
+        product = _matmul(dz, as_kn(kernel, kernel_nk).T, precision)
         if preact is not None:
             product = preact_grad(preact, product, grad_of)
         return product.astype(dz.dtype)
