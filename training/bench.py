@@ -44,6 +44,7 @@ versions, date and command. On CPU, tiny settings (``--config tiny --steps 3``) 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
 import json
@@ -63,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import cutelayers as cl
-from cutelayers.bench.timing import time_fn
+from cutelayers.bench.timing import kernel_totals, time_fn, traced_kernels
 from models import common
 from models.configs import CONFIGS, GPTConfig, get_config
 from training import sharding
@@ -197,36 +198,26 @@ def kernel_family(name: str) -> str:
 
 
 def kernel_profile(step, leaves, batches, steps: int, top: int) -> dict:
-    """Device time per step by GPU kernel: ``steps`` steps traced with jax.profiler, every kernel
-    event on the stream lines of the first GPU summed by name. ``{"kernels": [(name, calls/step, ms/step)] x
-    top, "families": {family: ms/step}, "busy_ms": ms/step}``; empty lists where the platform
-    records no device kernels (CPU)."""
-    import glob
-    import os
-    import tempfile
-    from collections import defaultdict
+    """Device time per step by GPU kernel: ``steps`` steps traced with jax.profiler
+    (:func:`cutelayers.bench.timing.traced_kernels`), summed by name. ``{"kernels": [(name,
+    calls/step, ms/step)] x top, "families": {family: ms/step}, "busy_ms": ms/step}``; empty
+    lists where the platform records no device kernels (CPU)."""
 
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir):
-            for i in range(steps):
-                leaves, loss, _ = step.run(leaves, *batches[i % 2])
-            jax.block_until_ready(leaves)
-        (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-        profile = jax.profiler.ProfileData.from_file(path)
-    totals, calls = defaultdict(float), defaultdict(int)
-    for plane in profile.planes:
-        if plane.name == "/device:GPU:0":  # over a mesh: the first device's
-            for line in plane.lines:
-                if line.name.startswith("Stream"):
-                    for event in line.events:
-                        totals[event.name] += event.duration_ns / 1e6 / steps
-                        calls[event.name] += 1
-    families = defaultdict(float)
-    for name, ms in totals.items():
+    def run():
+        state = leaves
+        for i in range(steps):
+            state, _, _ = step.run(state, *batches[i % 2])
+        jax.block_until_ready(state)
+
+    totals = {name: (calls / steps, seconds * 1e3 / steps)
+              for name, (calls, seconds) in kernel_totals(traced_kernels(run)).items()}
+    families = collections.defaultdict(float)
+    for name, (_, ms) in totals.items():
         families[kernel_family(name)] += ms
-    ranked = sorted(totals, key=totals.get, reverse=True)[:top]
-    return {"kernels": [(name, calls[name] / steps, totals[name]) for name in ranked],
-            "families": dict(sorted(families.items(), key=lambda kv: -kv[1])), "busy_ms": sum(totals.values())}
+    ranked = sorted(totals, key=lambda name: totals[name][1], reverse=True)[:top]
+    return {"kernels": [(name, *totals[name]) for name in ranked],
+            "families": dict(sorted(families.items(), key=lambda kv: -kv[1])),
+            "busy_ms": sum(ms for _, ms in totals.values())}
 
 
 def kernel_table(row: dict) -> str:

@@ -8,7 +8,8 @@ An op names the kernel families it runs (``layer_norm``: ``layer_norm_fwd`` and 
 ``linear``: ``linear_fwd``, ``linear_dx``, ``linear_dkernel``); a family's own name tunes only
 that family. Shapes are ``ROWSxN`` for the row ops and ``MxKxN`` for ``linear``. For every (family,
 shape, dtype), each candidate config of the family's space
-(:meth:`cutelayers.runtime.family.TunableFamily.config_space`) is compiled and run on random
+(:meth:`cutelayers.runtime.family.TunableFamily.config_space`) is compiled (all of a run's
+candidates at once, in worker processes: :func:`cutelayers.parallel_compiles`) and run on random
 operands, its results checked against the family's jnp reference (relative error within the
 tolerance of the least precise dtype involved, ``REL_TOL`` x ``CHECK_SCALE``; a broken config is off
 by O(1)), then timed with :func:`cutelayers.bench.timing.time_fn`. The fastest correct config wins
@@ -45,6 +46,7 @@ from cutelayers.ops.norm import NormBackward, NormForward, forward_reference
 from cutelayers.ops.reduce import RowReduce
 from cutelayers.ops.softmax import CrossEntropyBackward, CrossEntropyForward, SoftmaxBackward, SoftmaxForward
 from cutelayers.runtime.family import TunableFamily
+from cutelayers.runtime.parallel_compile import parallel_compiles
 from cutelayers.runtime.primitive import kernels_supported, target_arch
 from cutelayers.runtime.sharding import kernel_call
 from cutelayers.runtime.tensors import FLOAT_DTYPES
@@ -285,6 +287,14 @@ class DeviceRunner:
             self._functions[family] = jax.jit(functools.partial(kernel_call, family))
         return self._functions[family]
 
+    def prepare(self, todo: Sequence[Case]) -> None:
+        """Lower every candidate of ``todo`` inside :func:`cutelayers.parallel_compiles`: their
+        kernels build in worker processes at once, before the sweeps run them one by one."""
+        with use_backend("cute"), parallel_compiles():
+            for case in todo:
+                for config in case.family.config_space(case.avals):
+                    self._function(dataclasses.replace(case.family, config=config)).lower(*case.avals)
+
     def run(self, family, operands):
         with use_backend("cute"):
             return jax.block_until_ready(self._function(family)(*operands))
@@ -413,7 +423,9 @@ def autotune(name: str, shapes: Sequence[Sequence[int]], dtypes: Sequence = ("bf
     if path is None:
         raise ValueError("autotune: no output table: pass output= (--output), or unset the empty "
                          "CUTELAYERS_TUNING_FILE")
-    runner = runner or DeviceRunner()
+    if runner is None:
+        runner = DeviceRunner()
+        runner.prepare(todo)
     results = [sweep(c, runner, min_gain=min_gain, log=log) for c in todo]
     log(format_table(results))
     entries = [table_entry(r, runner.device_kind) for r in results if r.winner is not None]

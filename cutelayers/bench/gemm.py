@@ -37,6 +37,7 @@ LAYERS = (
     Layer("gpt2 attn out", 16384, 768, 768, "bias+residual"),
     Layer("gpt2 fc1", 16384, 768, 3072, "bias+gelu"),
     Layer("gpt2 fc2", 16384, 3072, 768, "bias+residual"),
+    Layer("gpt2 lm head chunk", 4096, 768, 50304),  # one 4096-token chunk of linear_cross_entropy
     Layer("square", 8192, 4096, 4096),
     Layer("wide N", 8192, 4096, 16384),
     Layer("wide K", 8192, 16384, 4096),

@@ -1,19 +1,64 @@
-"""What every benchmark and the autotuner share: a jitted function's time per call, and the rows
-of the bandwidth-bound tables (the copy bandwidth measured in the same run is their floor)."""
+"""What every benchmark and the autotuner share: a jitted function's time per call (device time
+on a GPU), the GPU kernels a traced run launched, and the rows of the bandwidth-bound tables (the
+copy bandwidth measured in the same run is their floor)."""
 
 from __future__ import annotations
 
+import collections
+import glob
+import os
 import statistics
+import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 
 
+def traced_kernels(run) -> list[tuple[str, float]]:
+    """``run()`` under jax.profiler: the (name, seconds) of every kernel it launched on the first
+    GPU's streams, in the order they started; [] where no device kernels are recorded (CPU)."""
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            run()
+        (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+        profile = jax.profiler.ProfileData.from_file(path)
+    events = [event for plane in profile.planes if plane.name == "/device:GPU:0"  # over a mesh: the first device's
+              for line in plane.lines if line.name.startswith("Stream") for event in line.events]
+    return [(event.name, event.duration_ns / 1e9) for event in sorted(events, key=lambda event: event.start_ns)]
+
+
+def kernel_totals(kernels: list[tuple[str, float]]) -> dict[str, tuple[int, float]]:
+    """{name: (launches, seconds)} of :func:`traced_kernels`' list."""
+    totals = collections.defaultdict(lambda: (0, 0.0))
+    for name, seconds in kernels:
+        calls, total = totals[name]
+        totals[name] = (calls + 1, total + seconds)
+    return dict(totals)
+
+
 def time_fn(fn, *args, iters: int = 20, repeats: int = 7) -> float:
-    """Median seconds per call of a jitted ``fn``: batches of async calls, synchronized per batch."""
+    """Median seconds per call of a jitted ``fn``.
+
+    On a GPU, device time: the summed durations of the kernels each of ``iters`` traced calls
+    launched (the host's dispatch, ~50-100 us per call, would otherwise be what a call of a few
+    tens of microseconds measures). Where no kernels are recorded (CPU), wall time: batches of
+    asynchronous calls, synchronized per batch.
+    """
     jax.block_until_ready(fn(*args))  # compile + warm up
     jax.block_until_ready(fn(*args))
+
+    def calls():
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+
+    kernels = traced_kernels(calls)
+    if kernels and len(kernels) % iters == 0:  # one call's kernels each, in order
+        per_call = len(kernels) // iters
+        return statistics.median(sum(s for _, s in kernels[i:i + per_call]) for i in range(0, len(kernels), per_call))
+    if kernels:  # calls that launch differently (never seen): the mean
+        return sum(s for _, s in kernels) / iters
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
