@@ -18,8 +18,10 @@ import cutelayers as cl
 from cutelayers.kernels.gemm_config import CONFIGS, EXTRA_CONFIGS, STREAM_K_CONFIG, config_class, stream_k_pays
 from cutelayers.ops.linear import (
     ACTIVATION_FUNCTIONS,
+    LinearInputGrad,
     LinearWeightGrad,
     fused_linear,
+    input_grad_fn,
     kernels_apply,
     resolve_activation,
 )
@@ -530,6 +532,44 @@ def test_lowering_stream_k_weight_grad(fresh_cache):
                          f"tensor<1x{k}x{n}xf32>")
     assert "output_operand_aliases" in call
     assert stream_k_pays(k, n, m) and cl.cache_info()["linear_dkernel"].compiles == 1
+
+
+def test_stream_k_input_grad_reference_and_checks(rng):
+    dz, w = random(rng, (1, 40, 24), jnp.bfloat16), random(rng, (1, 16, 24), jnp.bfloat16)
+    (out,) = LinearInputGrad(stream_k=True).reference(dz, w, jnp.zeros((1, 40, 16), jnp.float32))
+    want = jnp.matmul(dz[0].astype(jnp.float32), w[0].astype(jnp.float32).T, precision=HIGHEST)
+    assert out.dtype == jnp.float32
+    assert_close(out[0], want, jnp.float32, scale=10.0)
+    with pytest.raises(ValueError, match="activation gradient"):
+        LinearInputGrad("gelu", stream_k=True)
+
+
+@pytest.mark.cute
+def test_lowering_stream_k_input_grad(fresh_cache):
+    # Few rows against a long contraction (an LM head chunk's dh): dx adds its stream-K partial
+    # tiles into float32 zeros it aliases, then is cast to the input's dtype.
+    S = jax.ShapeDtypeStruct
+    m, k, n = 256, 256, 4096
+    assert stream_k_pays(m, k, n)
+    hlo = lower_cuda(input_grad_fn(True), S((m, n), jnp.bfloat16), S((k, n), jnp.bfloat16))
+    (call,) = [line for line in hlo.splitlines() if "@cutelayers_linear_dx" in line]
+    assert call.endswith(f"(tensor<1x{m}x{n}xbf16>, tensor<1x{k}x{n}xbf16>, tensor<1x{m}x{k}xf32>) -> "
+                         f"tensor<1x{m}x{k}xf32>")
+    assert "output_operand_aliases" in call
+    assert cl.cache_info()["linear_dx"].compiles == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(4096, 768, 50304), (301, 256, 4096)], ids=["gpt2-head-chunk", "odd-rows"])
+def test_stream_k_input_grad_gpu(m, k, n, rng):
+    assert stream_k_pays(m, k, n)
+    x, kernel, _, _ = operands(rng, (m,), k, n, jnp.bfloat16, bias=False, residual=False)
+    dy = random(rng, (m, n), jnp.bfloat16)
+    with cl.use_backend("cute"):
+        dx = jax.jit(jax.grad(lambda x: jnp.sum(fused_linear(x, kernel).astype(jnp.float32) * dy)))(x)
+    want = jnp.matmul(dy.astype(jnp.float32), kernel.astype(jnp.float32).T, precision=HIGHEST)
+    assert dx.dtype == jnp.bfloat16
+    assert_close(dx, want, jnp.bfloat16)
 
 
 # every GEMM config adds into an accumulator (pingpong alternates whole tiles), the cooperative

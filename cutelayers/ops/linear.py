@@ -305,20 +305,47 @@ class LinearInputGrad(GemmFamily):
     With ``grad_of`` an activation, also a pre-activation (1, M, K) operand and
     dx = (dz @ kernelᵀ) * act'(preact): the backward of an activation that came before this layer
     (an MLP's hidden activation), applied in the GEMM's epilogue.
+
+    ``stream_k`` -- few rows against a long contraction, such as an LM head chunk's dh (4096 x 768
+    contracting the vocabulary: 96 tiles on 132 SMs) -- splits the (tile, k tile) steps evenly over
+    the GPU; the partial tiles are added into a float32 (1, M, K) operand of zeros, and dx is that
+    buffer (float32).
     """
 
     grad_of: str = "none"
     config: GemmConfig | None = None
     kernel_nk: bool = False
+    stream_k: bool = False
 
     name = "linear_dx"
 
+    def __post_init__(self):
+        if self.stream_k and self.grad_of != "none":
+            raise ValueError("LinearInputGrad: stream-K adds partial products; it takes no activation gradient")
+
+    @property
+    def accumulate(self):
+        return self.stream_k
+
     @property
     def arg_names(self):
-        return ("dz", "kernel") + ("preact",) * (self.grad_of != "none")
+        return ("dz", "kernel") + ("preact",) * (self.grad_of != "none") + ("zeros",) * self.stream_k
 
     def kinds(self):
-        return ("rows", "weight") + ("rows",) * (self.grad_of != "none") + ("rows",)
+        return ("rows", "weight") + ("rows",) * (self.grad_of != "none") + ("rows",) * self.stream_k + ("rows",)
+
+    def operand_output_aliases(self):
+        return {2: 0} if self.stream_k else None
+
+    def kept_outputs(self, n_outputs):
+        return () if self.stream_k else tuple(range(n_outputs))
+
+    def tuning_key(self, avals):
+        dtype, dims = super().tuning_key(avals)
+        return dtype, dims + (("stream_k", True),) * self.stream_k
+
+    def default_config(self, avals):
+        return STREAM_K_CONFIG if self.stream_k else super().default_config(avals)
 
     def modes_at(self, position):
         if self.kernel_nk and self.kinds()[position] == "weight":
@@ -329,7 +356,7 @@ class LinearInputGrad(GemmFamily):
         # N is the contraction: with a column-parallel kernel each device's dx is a partial sum.
         # The activation derivative scales each partial alike, so it applies before the psum.
         operands = ((None, "rows", "n"), self.kernel_factor()) + ((None, "rows", "k"),) * (self.grad_of != "none")
-        return operands, ((None, "rows", "k"),)
+        return operands + ((None, "rows", "k"),) * self.stream_k, ((None, "rows", "k"),)
 
     def layer_dims(self, avals):
         return self.kernel_kn(avals[1])
@@ -344,12 +371,14 @@ class LinearInputGrad(GemmFamily):
 
     def out_avals(self, avals):
         dz, w = avals[:2]
-        return (jax.ShapeDtypeStruct((1, dz.shape[1], self.kernel_kn(w)[0]), dz.dtype),)
+        return (jax.ShapeDtypeStruct((1, dz.shape[1], self.kernel_kn(w)[0]), jnp.float32 if self.stream_k else dz.dtype),)
 
-    def reference(self, dz, w, *preact):
+    def reference(self, dz, w, *rest):
         product = _matmul(dz[0], as_kn(w[0], self.kernel_nk).T)
-        if preact:
-            product = preact_grad(preact[0][0], product, self.grad_of)
+        if self.stream_k:
+            return ((rest[0][0] + product)[None],)
+        if rest:
+            product = preact_grad(rest[0][0], product, self.grad_of)
         return (product.astype(dz.dtype)[None],)
 
 
@@ -518,11 +547,25 @@ def _input_grad_rows(dz, kernel, preact, grad_of, use_kernels, precision, kernel
             product = preact_grad(preact, product, grad_of)
         return product.astype(dz.dtype)
     rows = dz.reshape(1, -1, dz.shape[-1])
-    if rows.shape[1] == 0:
+    (_, m, n) = rows.shape
+    if m == 0:
         return jnp.zeros((*lead, k), dz.dtype)
-    operands = (rows, kernel[None]) + (() if preact is None else (preact.reshape(1, -1, k),))
-    (dx,) = kernel_call(resolve(LinearInputGrad(grad_of, kernel_nk=kernel_nk), operands), *operands)
-    return dx.reshape(*lead, k)
+    # Too few output tiles to fill the GPU over a long contraction: stream-K, into zeros.
+    stream_k = preact is None and stream_k_pays(m, k, n)
+    operands = ((rows, kernel[None]) + (() if preact is None else (preact.reshape(1, -1, k),))
+                + ((_row_zeros(rows, k),) if stream_k else ()))
+    (dx,) = kernel_call(resolve(LinearInputGrad(grad_of, kernel_nk=kernel_nk, stream_k=stream_k), operands),
+                        *operands)
+    return dx.astype(dz.dtype).reshape(*lead, k)
+
+
+def _row_zeros(rows, k):
+    """float32 zeros (1, M, k) for rows (1, M, N), sharded like them over ``Explicit`` mesh axes."""
+    sharding = jax.typeof(rows).sharding
+    if all(axis is None for axis in sharding.spec):
+        return jnp.zeros((1, rows.shape[1], k), jnp.float32)
+    return jnp.zeros((1, rows.shape[1], k), jnp.float32,
+                     out_sharding=NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[:2], None)))
 
 
 def _weight_grad_batched(x, dz, accumulator, use_kernels, precision):
