@@ -15,8 +15,9 @@ Functions already traced keep the config they were traced with (``jax.clear_cach
 
 Tables, later ones winning for the same key:
 
-* shipped: ``cutelayers/tuning/tuned_configs.json`` (package data). It holds no entries yet: no
-  GPU sweep has been run for it. Until one is, every kernel runs its heuristic config;
+* shipped: ``cutelayers/tuning/tuned_configs.json`` (package data): the winners of the sweeps
+  recorded in docs/benchmarks.md, for the GPUs they ran on (an H100 SXM and an H200); a GPU,
+  kernel or shape without an entry runs its heuristic config;
 * the user's: ``$CUTELAYERS_TUNING_FILE`` if set (empty: no user table), otherwise
   ``$XDG_CACHE_HOME/cutelayers/tuned_configs.json`` or ``~/.cache/cutelayers/tuned_configs.json``
   -- where ``python -m cutelayers.bench.autotune`` writes by default.
