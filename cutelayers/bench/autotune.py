@@ -101,32 +101,36 @@ def _keys(count: int):
     return jax.random.split(jax.random.key(0), count)
 
 
-def _norm_cases(op: str, center: bool, shape, dtype) -> list[Case]:
+def _norm_cases(op: str, center: bool, shape, dtype, residual: bool = False) -> list[Case]:
+    """The norm's forward and backward families; with ``residual``, the fused residual add's
+    (``add_layer_norm`` / ``add_rms_norm``: x + residual in, dsummed added to dx)."""
     m, n = shape
     S = jax.ShapeDtypeStruct
     x, vec, stat = S((m, n), dtype), S((n,), dtype), S((m, 1), F32)
-    k = _keys(4)
+    k = _keys(6)
+    rows = 1 + residual  # x [, residual] in; dy [, dsummed] back
 
     def forward_operands():
         params = (_normal(k[1], (n,), dtype, 0.1, 1.0),) + ((_normal(k[2], (n,), dtype, 0.1),) if center else ())
-        return (_normal(k[0], (m, n), dtype), *params)
+        return (*(_normal(key, (m, n), dtype) for key in (k[0], k[4])[:rows]), *params)
 
     def backward_operands():
-        x, scale, *_ = forward_operands()
+        forward = forward_operands()
+        x, scale = forward[0], forward[rows]
         _, mean, rstd = forward_reference(x, scale, None, center=center, epsilon=EPSILON, out_dtype=dtype)
         stats = ((mean[:, None],) if center else ()) + (rstd[:, None],)
-        return (x, _normal(k[3], (m, n), dtype), *stats, scale)
+        return (x, *(_normal(key, (m, n), dtype) for key in (k[3], k[5])[:rows]), *stats, scale)
 
     def summed_partials(results):
         dx, *partials = results
         return (dx, *(p.reshape(-1, n).sum(0) for p in partials))
 
-    backward_avals = (x, x) + (stat,) * center + (stat, vec)
-    backward = NormBackward(center, True, True, center)
+    backward_avals = (x,) * (1 + rows) + (stat,) * center + (stat, vec)
+    backward = NormBackward(center, True, True, center, residual)
     if not tuning.resolve(backward, backward_avals).geometry(backward_avals).resident:
-        backward = NormBackward(center, True, False, False)  # as the op: too long for partials, dx only
+        backward = NormBackward(center, True, False, False, residual)  # as the op: too long for partials, dx only
     return [
-        Case(op, NormForward(center, True, center, EPSILON, dtype.name), (x, vec) + (vec,) * center,
+        Case(op, NormForward(center, True, center, EPSILON, dtype.name, residual), (x,) * rows + (vec,) * (1 + center),
              forward_operands),
         Case(op, backward, backward_avals, backward_operands, summed_partials),
     ]
@@ -208,6 +212,10 @@ class OpSpec:
 OPS = {
     "layer_norm": OpSpec(functools.partial(_norm_cases, center=True), "ROWSxN", ("layer_norm_fwd", "layer_norm_bwd")),
     "rms_norm": OpSpec(functools.partial(_norm_cases, center=False), "ROWSxN", ("rms_norm_fwd", "rms_norm_bwd")),
+    "add_layer_norm": OpSpec(functools.partial(_norm_cases, center=True, residual=True), "ROWSxN",
+                             ("add_layer_norm_fwd", "add_layer_norm_bwd")),
+    "add_rms_norm": OpSpec(functools.partial(_norm_cases, center=False, residual=True), "ROWSxN",
+                           ("add_rms_norm_fwd", "add_rms_norm_bwd")),
     "softmax": OpSpec(functools.partial(_softmax_cases, log=False), "ROWSxN", ("softmax_fwd", "softmax_bwd")),
     "log_softmax": OpSpec(functools.partial(_softmax_cases, log=True), "ROWSxN",
                           ("log_softmax_fwd", "log_softmax_bwd")),

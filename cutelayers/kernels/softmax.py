@@ -204,7 +204,9 @@ class SoftmaxBackwardKernel:
 class CrossEntropyForwardKernel:
     """Per row: lse, and with labels the loss lse - (1-a) x[label] - (a/V) sum(x) + z lse^2
     (0 for ``ignore_index``, NaN for other labels outside [0, V)), where with ``soft_cap`` c > 0
-    x is the capped c tanh(logits / c). One read of the logits.
+    x is the capped c tanh(logits / c). One read of the logits, plus x[label] read once by the
+    thread that writes the row's loss. Columns past V exist only in a ragged row's last step,
+    the only one masked; the row sum is kept only for label smoothing.
     Launcher ``(stream, x, [labels], lse, [loss])``."""
 
     def __init__(self, geometry: RowGeometry, with_labels: bool, ignore_index, smoothing: float, z_loss: float,
@@ -212,6 +214,7 @@ class CrossEntropyForwardKernel:
         self.geometry = geometry
         self.with_labels, self.ignore_index = with_labels, ignore_index
         self.smoothing, self.z_loss, self.soft_cap = smoothing, z_loss, soft_cap
+        self.buffers = 2 + (with_labels and smoothing > 0.0)  # max, sum [, the row sum]
 
     @cute.jit
     def __call__(self, stream, *tensors):
@@ -222,7 +225,23 @@ class CrossEntropyForwardKernel:
             x, lse = tensors
             labels, loss = None, None
         kernel = self.kernel(x, labels, lse, loss, row_tiled_copy(x.element_type, g))
-        _launch(kernel, g, x.shape[0], stream, 4 if const_expr(self.with_labels) else 2)
+        _launch(kernel, g, x.shape[0], stream, self.buffers)
+
+    @cute.jit
+    def fold_step(self, opx, step, valid_row, edge: cutlass.Constexpr, mx, c, s, total):
+        """Fold ``step`` of the row into a thread's (max, shift, sum, row sum); ``edge``: the
+        ragged last step, whose columns past V are masked."""
+        if valid_row:
+            load_step(opx, step)
+        vals = opx.frag.load().to(Float32)  # columns past N hold 0 (capped: still 0)
+        if const_expr(self.soft_cap > 0.0):
+            vals, _ = soft_capped(vals, self.soft_cap)
+        if const_expr(self.buffers > 2):
+            total = total + row_sum(vals)
+        if const_expr(edge):
+            vals = masked(opx, step, vals, -math.inf)
+        mx, c, s = online_lse_step(vals, cute.size(opx.frag), mx, c, s)
+        return mx, c, s, total
 
     @cute.kernel
     def kernel(self, x, labels, lse_out, loss_out, copy_x):
@@ -230,35 +249,28 @@ class CrossEntropyForwardKernel:
         n = g.n
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        buffers = shared_buffers(g, 4 if const_expr(self.with_labels) else 2)
+        buffers = shared_buffers(g, self.buffers)
         opx = row_operand(x, copy_x, cute.make_identity_tensor(x.shape), g, (bidx, None), tidx)
         row = opx.coords[0][0]
         valid_row = row < x.shape[0]
-        label = Int32(-1)
-        if const_expr(self.with_labels):
-            if valid_row:
-                label = labels[row]
         opx.frag.fill(0.0)
-        mx, c, s = -Float32.inf, Float32(0.0), Float32(0.0)
-        total, picked = Float32(0.0), Float32(0.0)
-        for step in cutlass.range(g.num_steps, unroll=1):
-            if valid_row:
-                load_step(opx, step)
-            vals = opx.frag.load().to(Float32)  # columns past N hold 0 (capped: still 0)
-            if const_expr(self.soft_cap > 0.0):
-                vals, _ = soft_capped(vals, self.soft_cap)
-            if const_expr(self.with_labels):
-                total = total + row_sum(vals)
-                picked = picked + row_sum(cute.where(label_mask(opx, step, label), vals, Float32(0.0)))
-            vals = masked(opx, step, vals, -math.inf)
-            mx, c, s = online_lse_step(vals, cute.size(opx.frag), mx, c, s)
+        mx, c, s, total = -Float32.inf, Float32(0.0), Float32(0.0), Float32(0.0)
+        for step in cutlass.range(g.num_steps - 1, unroll=1):
+            mx, c, s, total = self.fold_step(opx, step, valid_row, False, mx, c, s, total)
+        mx, c, s, total = self.fold_step(opx, g.num_steps - 1, valid_row, g.ragged, mx, c, s, total)
         lse = row_lse(mx, c, s, g, buffers[0], buffers[1])
-        if const_expr(self.with_labels):
+        if const_expr(self.buffers > 2):
             total = row_allreduce(total, operator.add, Float32(0.0), g.row, buffers[2])
-            picked = row_allreduce(picked, operator.add, Float32(0.0), g.row, buffers[3])
         if valid_row and tidx % g.row.threads_per_row == 0:
             lse_out[row] = lse
             if const_expr(self.with_labels):
+                label = Int32(labels[row])
+                picked = Float32(0.0)
+                if label >= 0:
+                    if label < n:
+                        picked = x[row, label].to(Float32)
+                        if const_expr(self.soft_cap > 0.0):
+                            picked, _ = soft_capped(picked, self.soft_cap)
                 loss = lse - (1.0 - self.smoothing) * picked - (self.smoothing / n) * total + self.z_loss * lse * lse
                 if label < 0:
                     loss = Float32(math.nan)
