@@ -14,6 +14,8 @@ import pytest
 from numerics import assert_close, random
 
 import cutelayers as cl
+from cutelayers.kernels import norm_config
+from cutelayers.kernels.reduction_config import RowConfig
 from cutelayers.ops.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
@@ -478,6 +480,30 @@ def test_add_lowers_for_cuda_to_one_kernel_each_way(op, n, xdt, rdt, pdt, odt, w
         assert kernels == [f"{op}_fwd", f"{op}_bwd"]
 
 
+def test_backward_grid_is_sized_for_the_rows():
+    config = RowConfig(threads_per_row=64, num_threads=128, unroll=2)  # two rows per CTA
+    full = norm_config.backward_grid(config)
+    assert full == norm_config.HOPPER_SMS * 8
+    assert norm_config.backward_grid(config, 8) == 4  # four row groups
+    assert norm_config.backward_grid(config, 9) == 8  # five groups: the next power of two
+    assert norm_config.backward_grid(config, 1) == 1
+    assert norm_config.backward_grid(config, 16384) == full  # more groups than CTAs: persistent
+
+
+@pytest.mark.cute
+def test_decode_sized_backward_writes_few_partials():
+    # 8 rows: the dscale / dbias partials are a few rows of N, not a GPU's worth (~1000 rows)
+    n = 768
+    x = jax.ShapeDtypeStruct((8, n), jnp.bfloat16)
+    p = jax.ShapeDtypeStruct((n,), jnp.bfloat16)
+    with cl.use_backend("cute"):
+        hlo = jax.jit(jax.grad(lambda x, s, b: jnp.sum(layer_norm(x, s, b).astype(jnp.float32) ** 2),
+                               argnums=(0, 1, 2))).trace(x, p, p).lower(lowering_platforms=("cuda",)).as_text()
+    (call,) = [line for line in hlo.splitlines() if "custom_call @cutelayers_layer_norm_bwd_" in line]
+    (partials,) = set(re.findall(r"tensor<(\d+)xf32>", call.split("->")[1]))
+    assert int(partials) % n == 0 and int(partials) // n <= 8
+
+
 # --- on the GPU: the CuTe kernels themselves ----------------------------------------------------
 
 @pytest.mark.gpu
@@ -504,6 +530,27 @@ def test_kernel_values_and_grads_gpu(op, dtype, n, rng):
             if b is not None:
                 # N = 1 gradients are ~epsilon-sized differences: compare against their scale.
                 assert_close(a, np.asarray(jnp.asarray(b, jnp.float32)), a.dtype, scale=10.0 if n > 1 else 1e4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+def test_kernel_grads_with_more_row_groups_than_ctas_gpu(op, rng):
+    # 9000 rows of 1000: more row groups than the persistent backward grid has CTAs, so CTAs
+    # take several groups each and sum them into their partials
+    fn, _ = OPS[op]
+    x = random(rng, (9000, 1000), jnp.bfloat16)
+    scale, bias = _params(rng, 1000, jnp.float32, True, True)
+    w = random(rng, x.shape, jnp.float32)
+
+    def loss(x, s, b):
+        return jnp.sum(fn(x, s, b).astype(jnp.float32) * w)
+
+    with cl.use_backend("cute"):
+        g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, scale, bias)
+    with cl.use_backend("reference"):
+        g_ref = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, scale, bias)
+    for a, b in zip(g, g_ref):
+        assert_close(a, np.asarray(jnp.asarray(b, jnp.float32)), a.dtype, scale=10.0)
 
 
 @pytest.mark.gpu

@@ -42,7 +42,7 @@ import operator
 import cutlass
 from cutlass import Float32, const_expr, cute
 
-from cutelayers.kernels.norm_config import backward_grid, partial_rows
+from cutelayers.kernels.norm_config import partial_rows
 from cutelayers.kernels.reduction import (
     column_mask,
     load_step,
@@ -220,12 +220,13 @@ class NormBackwardKernel:
     """
 
     def __init__(self, config: RowGeometry, *, center: bool, has_residual: bool, has_scale: bool,
-                 want_dscale: bool, want_dbias: bool):
+                 want_dscale: bool, want_dbias: bool, grid: int):
         if (want_dscale or want_dbias) and not config.resident:
             raise ValueError("dscale/dbias partials need a register-resident row")
         self.config, self.center, self.has_residual, self.has_scale = config, center, has_residual, has_scale
         self.want_dscale, self.want_dbias = want_dscale, want_dbias
         self.persistent = want_dscale or want_dbias
+        self.grid = grid  # CTAs of the persistent grid (norm_config.backward_grid)
 
     @cute.jit
     def __call__(self, stream, *tensors):
@@ -241,8 +242,8 @@ class NormBackwardKernel:
         dbias = rest.pop(0) if const_expr(self.want_dbias) else None
         config = self.config
         groups = cute.ceil_div(x.shape[0], config.row.rows_per_cta)
-        grid = backward_grid(config.row) if const_expr(self.persistent) else groups
-        partials = (partial_rows(config.row), config.n)
+        grid = self.grid if const_expr(self.persistent) else groups
+        partials = (partial_rows(config.row, self.grid), config.n)
         self.kernel(
             x, dy, dsummed, mean, rstd, scale, dx,
             cute.make_tensor(dscale.iterator, cute.make_layout(partials, stride=(config.n, 1))) if const_expr(self.want_dscale) else None,
@@ -287,7 +288,7 @@ class NormBackwardKernel:
                                copy_dsummed, copy_dx, coords, buffers, group, tidx)
 
         if const_expr(self.persistent):
-            pcoords_all = cute.make_identity_tensor((partial_rows(config.row), n))
+            pcoords_all = cute.make_identity_tensor((partial_rows(config.row, self.grid), n))
             if const_expr(self.want_dscale):
                 store_step(row_operand(dscale, copy_partial, pcoords_all, config, (bidx, None), tidx), 0, acc_scale.load())
             if const_expr(self.want_dbias):

@@ -16,11 +16,17 @@ HOPPER_SMS = 132
 THREADS_PER_SM = 1024  # resident threads per SM the backward grid aims for
 
 
-def backward_grid(config: RowConfig) -> int:
-    """CTAs of the persistent backward grid (register-resident rows only)."""
-    return HOPPER_SMS * max(THREADS_PER_SM // config.num_threads, 1)
+def backward_grid(config: RowConfig, rows: int | None = None) -> int:
+    """CTAs of the persistent backward grid (register-resident rows only): enough to fill the
+    GPU, or, for ``rows`` rows that need fewer, the power of two that covers their row groups --
+    every CTA writes a row of partials, so a decode-sized batch should not launch a GPU's worth."""
+    full = HOPPER_SMS * max(THREADS_PER_SM // config.num_threads, 1)
+    if rows is None:
+        return full
+    groups = max(1, -(-rows // config.rows_per_cta))
+    return min(full, 1 << (groups - 1).bit_length())
 
 
-def partial_rows(config: RowConfig) -> int:
-    """Rows P of the backward's dscale/dbias partials: one per (CTA, row slot)."""
-    return backward_grid(config) * config.rows_per_cta
+def partial_rows(config: RowConfig, grid: int) -> int:
+    """Rows P of the backward's dscale/dbias partials: one per (CTA, row slot) of ``grid`` CTAs."""
+    return grid * config.rows_per_cta

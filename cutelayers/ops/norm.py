@@ -124,8 +124,10 @@ class NormBackward(RowKernelFamily):
     """Kernel family: dx (M, N), [dscale_partial (P*N,)], [dbias_partial (P*N,)] from x (M, N),
     dy (M, N), [dsummed (M, N)], [mean (M, 1)], rstd (M, 1), [scale (N,)].
 
-    Partials are fp32; their row sum (over P) is dscale / dbias. P comes from the config
-    (:func:`cutelayers.kernels.norm_config.partial_rows`), so it is fixed per compile key.
+    Partials are fp32; their row sum (over P) is dscale / dbias. P comes from the config and
+    ``grid``, the CTAs of the persistent grid (None: a GPU's worth; the op sizes it for its rows
+    with :func:`cutelayers.kernels.norm_config.backward_grid`), so it is fixed per compile key;
+    any row count runs correctly on any grid.
     ``has_residual``: the backward of the fused residual add -- x is the forward's summed, and
     dsummed (the gradient of summed) is added to dx, which is then the gradient of both x and
     the residual.
@@ -137,12 +139,17 @@ class NormBackward(RowKernelFamily):
     want_dbias: bool
     has_residual: bool = False
     config: RowConfig | None = None
+    grid: int | None = None
     per_row_rank = 2
     values_per_thread = norm_config.BACKWARD_VALUES_PER_THREAD
 
     @property
     def name(self) -> str:
         return _kernel_name(self.center, self.has_residual, "bwd")
+
+    def ctas(self) -> int:
+        """CTAs of the persistent grid."""
+        return self.grid or norm_config.backward_grid(self.chosen_config())
 
     @property
     def arg_names(self) -> tuple[str, ...]:
@@ -173,7 +180,7 @@ class NormBackward(RowKernelFamily):
     def partial_rows(self) -> int:
         if not (self.want_dscale or self.want_dbias):
             return 0
-        return norm_config.partial_rows(self.chosen_config())
+        return norm_config.partial_rows(self.chosen_config(), self.ctas())
 
     def reference(self, *args):
         x, dy, dsummed, mean, rstd, scale = _split_backward(args, self.center, self.has_residual,
@@ -196,7 +203,7 @@ class NormBackward(RowKernelFamily):
 
         return NormBackwardKernel(self.geometry(avals), center=self.center, has_residual=self.has_residual,
                                   has_scale=self.has_scale, want_dscale=self.want_dscale,
-                                  want_dbias=self.want_dbias)
+                                  want_dbias=self.want_dbias, grid=self.ctas())
 
 
 def _split_backward(args, center: bool, has_residual: bool, has_scale: bool) -> tuple:
@@ -319,6 +326,8 @@ def _backward_core(center: bool, has_residual: bool, has_scale: bool, has_bias: 
         x, dy, _, mean, rstd, _ = _split_backward(args, center, has_residual, has_scale)
         rows = _backward_args(args, center, has_residual)
         family = resolve(NormBackward(center, has_scale, has_scale, has_bias, has_residual), rows)
+        # the persistent grid sized for these rows (few rows: few CTAs, few partials to sum)
+        family = dataclasses.replace(family, grid=norm_config.backward_grid(family.chosen_config(), rows[0].shape[0]))
         # Every candidate config keeps a row resident exactly when the heuristic does, so this
         # choice agrees with the dx-only family's config.
         if not family.geometry(rows).resident:
