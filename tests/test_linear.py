@@ -342,7 +342,7 @@ def test_class_shapes_pick_their_config():
         assert config_class(m, n, k) == name
 
 
-def _lower_fwd_and_bwd(config, activation, dtype=jnp.bfloat16):
+def _lower_fwd_and_bwd(config, dtype, activation):
     m, k, n = CLASS_SHAPES[config]
     S = jax.ShapeDtypeStruct
     avals = (S((m, k), dtype), S((k, n), dtype), S((n,), dtype), S((m, n), dtype))
@@ -358,6 +358,16 @@ def _lower_fwd_and_bwd(config, activation, dtype=jnp.bfloat16):
     assert kernel_targets(lower_cuda(jax.grad(loss, (0, 1, 2, 3)), *avals)) == ["linear_fwd", "linear_dx", "linear_dkernel"]
 
 
+LOWERED_DTYPES = [jnp.bfloat16, jnp.float16]
+
+
+def lowering_case(activation):
+    """(config class, dtype) test_lowering_every_activation lowers ``activation`` in: classes
+    cycle by three and dtypes by two, so the nine activations cover every pair."""
+    index = ACTS.index(activation)
+    return list(CONFIGS)[index % len(CONFIGS)], LOWERED_DTYPES[index % len(LOWERED_DTYPES)]
+
+
 @pytest.fixture
 def fresh_cache():
     cl.clear_cache()
@@ -369,19 +379,16 @@ def fresh_cache():
 @pytest.mark.cute
 @pytest.mark.parametrize("activation", ACTS)
 def test_lowering_every_activation(activation, fresh_cache):
-    # Each activation compiles its plain and z-saving forward in one config class (cycling
-    # through the classes), plus dx / dkernel.
-    config = list(CONFIGS)[ACTS.index(activation) % len(CONFIGS)]
-    _lower_fwd_and_bwd(config, activation)
+    # Each activation compiles its plain and z-saving forward in one config class and dtype, plus
+    # dx / dkernel.
+    _lower_fwd_and_bwd(*lowering_case(activation), activation)
     info = cl.cache_info()
     assert info["linear_fwd"].compiles == (1 if activation == "none" else 2)
     assert info["linear_dx"].compiles == 1 and info["linear_dkernel"].compiles == 1
 
 
-@pytest.mark.cute
-@pytest.mark.parametrize("config", list(CONFIGS))
-def test_lowering_every_config(config, fresh_cache):
-    _lower_fwd_and_bwd(config, "gelu", jnp.float16)
+def test_activations_lower_every_config_class_in_every_dtype():
+    assert {lowering_case(activation) for activation in ACTS} == {(c, d) for c in CONFIGS for d in LOWERED_DTYPES}
 
 
 @pytest.mark.cute

@@ -1,7 +1,7 @@
 """The GPT models (models/): forward / backward per framework on CPU, the stock twins (same
 parameter tree, parameters move across, same loss), and, lowered for CUDA on this machine
 (CUTE_DSL_ARCH=sm_90a, set by conftest), each block's MLP as one ``ops.mlp`` and the compile-once
-property of a 24-block model."""
+property of deep24's blocks."""
 
 import dataclasses
 import math
@@ -166,27 +166,44 @@ def test_cudnn_attention_in_the_step(stock):
 
 # --- lowered for CUDA ------------------------------------------------------------------------------
 
+# deep24's blocks, three of them (a first, a middle and a last: every norm kind, and blocks that
+# reuse the first one's kernels); more blocks would only repeat the middle one
+DEEP = get_config("deep24", n_layers=3, seq_len=32)
+DEEP_BATCH = jax.ShapeDtypeStruct((2, DEEP.seq_len), jnp.int32)
+
+
 def train_step_hlo(model, batch) -> str:
     """The model's loss and gradients, lowered for CUDA (StableHLO text)."""
     return (jax.jit(jax.value_and_grad(model.loss)).trace(model.params, batch, batch)
             .lower(lowering_platforms=("cuda",)).as_text())
 
 
+@pytest.fixture(scope="module")
+def deep_train_steps():
+    """Each framework's DEEP train step lowered for CUDA from an empty kernel cache, and the
+    cache's statistics after all three. The kernels stay cached until the module ends: the MLP test
+    lowers the same model again (on another worker it compiles them itself)."""
+    cl.clear_cache()
+    jax.clear_caches()
+    hlos = {framework: train_step_hlo(common.init(framework, DEEP, jax.random.key(0), abstract=True), DEEP_BATCH)
+            for framework in FRAMEWORKS}
+    yield hlos, cl.cache_info()
+    cl.clear_cache()
+
+
 @pytest.mark.cute
-def test_each_mlp_is_one_op_in_the_train_step():
+def test_each_mlp_is_one_op_in_the_train_step(deep_train_steps):
     """Each block's fc1 -> gelu -> fc2 (+ residual) is one ``ops.mlp`` (backend 'cute': no
     fallback anywhere): fc1's forward stores its pre-activation (a linear_fwd with two results),
     the hidden-gradient GEMM applies gelu's derivative in its epilogue (the linear_dx with three
     operands), and no GELU is left to XLA."""
-    cfg = get_config("deep24", n_layers=2, seq_len=32)
-    batch = jax.ShapeDtypeStruct((2, cfg.seq_len), jnp.int32)
     for framework in FRAMEWORKS:
-        model = common.init(framework, cfg, jax.random.key(0), abstract=True)
+        model = common.init(framework, DEEP, jax.random.key(0), abstract=True)
         with cl.use_backend("cute"):
-            hlo = train_step_hlo(model, batch)
-        assert kernel_operand_counts(hlo, "linear_dx").count(3) == cfg.n_layers, framework
+            hlo = train_step_hlo(model, DEEP_BATCH)
+        assert kernel_operand_counts(hlo, "linear_dx").count(3) == DEEP.n_layers, framework
         fc1_forwards = re.findall(r"%\S+:2 = stablehlo\.custom_call @cutelayers_linear_fwd_", hlo)
-        assert len(fc1_forwards) == cfg.n_layers, framework
+        assert len(fc1_forwards) == DEEP.n_layers, framework
         assert "tanh" not in hlo, framework
 
 
@@ -200,42 +217,33 @@ def kernel_name(target: str) -> str:
 
 
 @pytest.mark.cute
-def test_deep24_compiles_each_kernel_once():
-    cfg = get_config("deep24", seq_len=32)
-    assert cfg.n_layers == 24 and cfg.dtype == "bfloat16"
-    batch = jax.ShapeDtypeStruct((2, cfg.seq_len), jnp.int32)
-    cl.clear_cache()
-    jax.clear_caches()
+def test_deep24_blocks_compile_each_kernel_once(deep_train_steps):
+    assert DEEP.dtype == "bfloat16"
+    hlos, info = deep_train_steps
     targets: set[str] = set()
-    try:
-        for framework in FRAMEWORKS:  # the three lower to (mostly) the same kernels: shared cache
-            model = common.init(framework, cfg, jax.random.key(0), abstract=True)
-            hlo = train_step_hlo(model, batch)
-            assert "__cudnn$fmha" not in hlo  # no GPU here: XLA attention (cuDNN's cannot be lowered)
-            calls = kernel_calls(hlo)
-            per_name = Counter(map(kernel_name, calls))
-            n, blocks = cfg.n_layers, cfg.n_layers
-            # two LayerNorms per block + the final one, forward and backward; all but the first
-            # add the pending sublayer output to the residual stream in their kernels
-            assert per_name["layer_norm_fwd"] == per_name["layer_norm_bwd"] == 1, framework
-            assert per_name["add_layer_norm_fwd"] == per_name["add_layer_norm_bwd"] == 2 * blocks, framework
-            # four GEMMs per block (qkv, attn_out, the MLP's two) + the LM head's: forward, dx, dkernel
-            for name in ("linear_fwd", "linear_dx", "linear_dkernel"):
-                assert per_name[name] >= 4 * n, (framework, name, per_name)
-            assert per_name["cross_entropy_fwd"] >= 1 and per_name["cross_entropy_bwd"] >= 1
-            # one norm kernel per direction and kind serves all 49 norms
-            distinct = Counter(kernel_name(t) for t in set(calls))
-            for name in ("layer_norm_fwd", "layer_norm_bwd", "add_layer_norm_fwd", "add_layer_norm_bwd"):
-                assert distinct[name] == 1, (framework, name)
-            # the other kernels: one per distinct projection shape, not per block (five shapes'
-            # forward, dx and dkernel GEMMs, the cross-entropy's two, the four norms')
-            assert sum(distinct.values()) <= 21, (framework, distinct)
-            targets |= set(calls)
-        # every distinct kernel (name + static key) was compiled exactly once, over all three
-        # frameworks and 3 x 24 blocks; every other use was a cache hit
-        info = cl.cache_info()
-        expected = Counter(kernel_name(t) for t in targets)
-        assert {name: stats.compiles for name, stats in info.items()} == dict(expected)
-        assert sum(stats.memory_hits for stats in info.values()) > 0  # linen / equinox reused nnx's kernels
-    finally:
-        cl.clear_cache()
+    for framework, hlo in hlos.items():  # the three lower to (mostly) the same kernels: shared cache
+        assert "__cudnn$fmha" not in hlo  # no GPU here: XLA attention (cuDNN's cannot be lowered)
+        calls = kernel_calls(hlo)
+        per_name = Counter(map(kernel_name, calls))
+        n, blocks = DEEP.n_layers, DEEP.n_layers
+        # two LayerNorms per block + the final one, forward and backward; all but the first
+        # add the pending sublayer output to the residual stream in their kernels
+        assert per_name["layer_norm_fwd"] == per_name["layer_norm_bwd"] == 1, framework
+        assert per_name["add_layer_norm_fwd"] == per_name["add_layer_norm_bwd"] == 2 * blocks, framework
+        # four GEMMs per block (qkv, attn_out, the MLP's two) + the LM head's: forward, dx, dkernel
+        for name in ("linear_fwd", "linear_dx", "linear_dkernel"):
+            assert per_name[name] >= 4 * n, (framework, name, per_name)
+        assert per_name["cross_entropy_fwd"] >= 1 and per_name["cross_entropy_bwd"] >= 1
+        # one norm kernel per direction and kind serves all the norms
+        distinct = Counter(kernel_name(t) for t in set(calls))
+        for name in ("layer_norm_fwd", "layer_norm_bwd", "add_layer_norm_fwd", "add_layer_norm_bwd"):
+            assert distinct[name] == 1, (framework, name)
+        # the other kernels: one per distinct projection shape, not per block (five shapes'
+        # forward, dx and dkernel GEMMs, the cross-entropy's two, the four norms')
+        assert sum(distinct.values()) <= 21, (framework, distinct)
+        targets |= set(calls)
+    # every distinct kernel (name + static key) was compiled exactly once, over all three
+    # frameworks and 3 x 3 blocks; every other use was a cache hit
+    expected = Counter(kernel_name(t) for t in targets)
+    assert {name: stats.compiles for name, stats in info.items()} == dict(expected)
+    assert sum(stats.memory_hits for stats in info.values()) > 0  # linen / equinox reused nnx's kernels

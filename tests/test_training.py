@@ -341,8 +341,10 @@ def launch(argv, n_processes=2, devices_per_process=2):
     """Starts ``python -m training.train argv`` as ``n_processes`` CPU processes on this host, each
     with ``devices_per_process`` devices, connected by jax.distributed (JAX's gloo collectives).
     Returns a function that waits for them and returns their outputs (asserting they succeeded)."""
+    # conftest's XLA flags (LLVM -O0 among them) with this process's device count
+    xla_flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_process}"}
+           "XLA_FLAGS": f"{xla_flags} --xla_force_host_platform_device_count={devices_per_process}"}
     common_flags = ["--coordinator", f"localhost:{free_port()}", "--num-processes", str(n_processes)]
     procs = [subprocess.Popen([sys.executable, "-m", "training.train", *argv, *common_flags, "--process-id", str(i)],
                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
