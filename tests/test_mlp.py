@@ -10,7 +10,7 @@ from test_linear import lower_cuda, plain
 
 import cutelayers as cl
 from cutelayers.ops.linear import ACTIVATION_FUNCTIONS, LinearInputGrad
-from cutelayers.ops.mlp import mlp
+from cutelayers.ops.mlp import GATED_ACTIVATIONS, mlp
 
 ACTS = list(ACTIVATION_FUNCTIONS)
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -122,6 +122,82 @@ def test_bad_inputs_name_the_argument(rng):
         mlp(x, w1, b1)
     with pytest.raises(ValueError, match="unknown activation 'swish2'"):
         mlp(x, w1, b1, w2, b2, activation="swish2")
+
+
+# --- gated blocks (swiglu / geglu) ------------------------------------------------------------------
+
+def plain_gated_mlp(x, w1, b1, w2, b2, residual, activation, saved_dtype):
+    """act(gate) * value between the layers, in float32; gate and value rounded as the op's
+    fc1 output is (``saved_dtype``), h as its fc2 input is."""
+    z = plain(x, w1, b1, None, "none", saved_dtype)
+    gate, value = jnp.split(z, 2, axis=-1)
+    h = ACTIVATION_FUNCTIONS[GATED_ACTIVATIONS[activation]](gate) * value
+    h = h + jax.lax.stop_gradient(h.astype(saved_dtype).astype(jnp.float32) - h)
+    return plain(h, w2, b2, residual)
+
+
+def check_gated_block(rng, lead, k, h, n, dtype, activation, kernel_layout="kn"):
+    x, w1, b1, w2, b2, r = block_operands(rng, lead, k, 2 * h, n, dtype)
+    w2 = w2[:h]
+    weights = jnp.asarray(rng.uniform(0.5, 1.5, (*lead, n)), jnp.float32)
+    nk = kernel_layout == "nk"
+    as_stored = lambda w: w.T if nk else w
+
+    def loss(x, w1, b1, w2, b2, r):
+        y = mlp(x, as_stored(w1), b1, as_stored(w2), b2, activation=activation, residual=r, kernel_layout=kernel_layout)
+        return jnp.sum(y.astype(jnp.float32) * weights), y
+
+    def loss_ref(*a):
+        return jnp.sum(plain_gated_mlp(*a, activation, dtype) * weights)
+
+    args = (x, w1, b1, w2, b2, r)
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True))(*args)
+    assert out.dtype == jnp.dtype(dtype) and out.shape == (*lead, n)
+    f32 = tuple(jnp.asarray(a, jnp.float32) for a in args)
+    assert_close(out, plain_gated_mlp(*f32, activation, dtype), dtype, scale=3.0)
+    refs = jax.jit(jax.grad(loss_ref, argnums=tuple(range(6))))(*f32)
+    for name, g, ref, primal in zip(("x", "w1", "b1", "w2", "b2", "residual"), grads, refs, args):
+        assert g.dtype == primal.dtype and g.shape == primal.shape, name
+        assert_close(g, ref, dtype, scale=3.0)
+
+
+@pytest.mark.parametrize("activation", list(GATED_ACTIVATIONS))
+@pytest.mark.parametrize("dtype,kernel_layout", [(jnp.bfloat16, "kn"), (jnp.float32, "kn"), (jnp.bfloat16, "nk")])
+def test_gated_values_and_grads_reference(activation, dtype, kernel_layout, rng):
+    check_gated_block(rng, (3, 5), 48, 40, 24, dtype, activation, kernel_layout)
+
+
+def test_gated_block_checks_its_widths(rng):
+    x, w1, b1, w2, b2, _ = block_operands(rng, (4,), 16, 30, 8, jnp.float32)
+    with pytest.raises(ValueError, match="'swiglu' takes w1 with its gate and value halves"):
+        mlp(x, w1[:, :29], b1[:29], w2, b2, activation="swiglu")
+    with pytest.raises(ValueError, match="'w2' must have shape \\(15, N\\)"):
+        mlp(x, w1, b1, w2, b2, activation="geglu")  # w2 must take H = 15 rows
+
+
+@pytest.mark.cute
+def test_gated_block_lowers_to_the_gemm_kernels():
+    # fc1 (K -> 2H) and fc2 as kernels each way: nothing falls back under backend "cute"
+    S = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    avals = (S((256, 64), bf), S((64, 256), bf), S((256,), bf), S((128, 64), bf), S((64,), bf))
+
+    def loss(*a):
+        return jnp.sum(jnp.square(mlp(*a, activation="swiglu").astype(jnp.float32)))
+
+    with cl.use_backend("cute"):
+        hlo = lower_cuda(jax.grad(loss, tuple(range(5))), *avals)
+    targets = sorted(line.split("@cutelayers_")[1].split("(")[0].rsplit("_", 1)[0]
+                     for line in hlo.splitlines() if "stablehlo.custom_call @cutelayers_" in line)
+    assert targets == ["linear_dkernel", "linear_dkernel", "linear_dx", "linear_dx", "linear_fwd", "linear_fwd"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", list(GATED_ACTIVATIONS))
+def test_gated_kernels_gpu(activation, rng):
+    with cl.use_backend("cute"):
+        check_gated_block(rng, (1000,), 256, 512, 256, jnp.bfloat16, activation)
+        check_gated_block(rng, (3, 7), 64, 128, 64, jnp.bfloat16, activation, "nk")
 
 
 @pytest.mark.cute

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import cutelayers as cl
 from cutelayers.bench.timing import time_fn
 from cutelayers.ops.linear import ACTIVATION_FUNCTIONS, fused_linear, input_grad_fn, weight_grad_fn
+from cutelayers.ops.mlp import GATED_ACTIVATIONS
 
 PEAK_TFLOPS = 989.0  # H100 SXM dense bf16 / fp16
 EPILOGUES = ("plain", "bias", "bias+gelu", "bias+residual")
@@ -77,7 +78,8 @@ class Block:
     activation: str = "gelu"
 
 
-BLOCKS = (Block("gpt2 mlp", 16384, 768, 3072), Block("llama-width mlp", 8192, 4096, 16384))
+BLOCKS = (Block("gpt2 mlp", 16384, 768, 3072), Block("gpt2 mlp", 16384, 768, 3072, "swiglu"),
+          Block("llama-width mlp", 8192, 4096, 16384), Block("llama-width mlp", 8192, 4096, 16384, "swiglu"))
 
 
 def _time_pair(ours, xla, args):
@@ -109,24 +111,31 @@ def _result(name, shape, epilogue, dtype, flops, ours, xla, args, dy):
 
 
 def bench_mlp(blocks=BLOCKS, dtype=jnp.bfloat16) -> list[dict]:
-    """Time cutelayers.ops.mlp against XLA's jnp block (same formula) for every block."""
+    """Time cutelayers.ops.mlp against XLA's jnp block (same formula) for every block. A gated
+    block's w1 is (k, 2h): gate and value halves (``cutelayers.ops.mlp``)."""
     results = []
     for block in blocks:
         m, k, h = block.m, block.k, block.h
+        gated = block.activation in GATED_ACTIVATIONS
+        w1_width = 2 * h if gated else h
         keys = jax.random.split(jax.random.key(1), 7)
         normal = lambda key, shape, scale=1.0: (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-        args = (normal(keys[0], (m, k)), normal(keys[1], (k, h), k**-0.5), normal(keys[2], (h,)),
+        args = (normal(keys[0], (m, k)), normal(keys[1], (k, w1_width), k**-0.5), normal(keys[2], (w1_width,)),
                 normal(keys[3], (h, k), h**-0.5), normal(keys[4], (k,)), normal(keys[5], (m, k)))
-        act = ACTIVATION_FUNCTIONS[block.activation]
+        act = ACTIVATION_FUNCTIONS[GATED_ACTIVATIONS.get(block.activation, block.activation)]
 
         def ours(x, w1, b1, w2, b2, r, activation=block.activation):
             return cl.ops.mlp(x, w1, b1, w2, b2, activation=activation, residual=r)
 
-        def xla(x, w1, b1, w2, b2, r, act=act):
-            return act(x @ w1 + b1[None, :]) @ w2 + b2[None, :] + r
+        def xla(x, w1, b1, w2, b2, r, act=act, gated=gated):
+            z = x @ w1 + b1[None, :]
+            if gated:
+                gate, value = jnp.split(z, 2, axis=-1)
+                return (act(gate) * value) @ w2 + b2[None, :] + r
+            return act(z) @ w2 + b2[None, :] + r
 
         results.append(_result(block.name, f"{m} x {k} -> {h} -> {k}", f"{block.activation} mlp", dtype,
-                               4.0 * m * k * h, ours, xla, args, normal(keys[6], (m, k))))
+                               (6.0 if gated else 4.0) * m * k * h, ours, xla, args, normal(keys[6], (m, k))))
     return results
 
 

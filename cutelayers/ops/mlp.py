@@ -17,6 +17,12 @@ Kernels run where :func:`cutelayers.ops.linear.kernels_apply` allows for both la
 float16, every width a multiple of 8); otherwise the same decomposition runs as XLA GEMMs, logged
 once. vmap folds batch dims of x / residual into rows ahead of differentiation, as for
 ``fused_linear``.
+
+Gated blocks (``activation="swiglu"`` / ``"geglu"``, Llama's and T5 v1.1's feed-forward): w1 holds
+the gate and value halves side by side, (K, 2H), and ``h = act(gate) * value`` with act SiLU / GELU
+(tanh). The two GEMMs are the fused ones; the gating runs as one XLA fusion between them, and its
+backward as another before the hidden GEMMs' -- the epilogue-fused version (each fc1 tile holding
+matching gate and value columns) is not built yet.
 """
 
 from __future__ import annotations
@@ -24,11 +30,13 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from cutelayers import backend as _backend
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import check_float_array
 from cutelayers.ops.linear import (
+    ACTIVATION_FUNCTIONS,
     check_kernel_layout,
     check_linear_operands,
     check_residual,
@@ -44,6 +52,9 @@ from cutelayers.ops.linear import (
     weight_grad_fn,
 )
 from cutelayers.runtime.sharding import vary_like
+
+# gated activation -> the gate's activation: h = act(gate) * value, gate and value halves of fc1
+GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu"}
 
 
 @functools.cache
@@ -91,7 +102,10 @@ def mlp(x, w1, b1=None, w2=None, b2=None, *, activation="gelu", residual=None, p
       w1: (K, H) and w2: (H, N), as the kernels of two stacked ``flax.linen.Dense`` layers.
       b1: (H,) or None; b2: (N,) or None. All operands in x's dtype.
       activation: the hidden activation, as ``fused_linear``'s (a name, a recognised jax.nn
-        function, or any callable, which then runs unfused between two ``fused_linear`` calls).
+        function, or any callable, which then runs unfused between two ``fused_linear`` calls), or
+        a gated one, ``"swiglu"`` / ``"geglu"``: then w1 is (K, 2H), its first H columns the gate
+        and its last H the value, and the hidden layer is ``silu | gelu(gate) * value`` (module
+        docstring).
       residual: (..., N) matching x's leading shape, or None.
       precision: for the XLA GEMMs of the jnp path, as in ``fused_linear``.
       kernel_layout: "kn" as above, or "nk" for w1 (H, K) and w2 (N, H) (``equinox.nn.Linear``'s
@@ -105,7 +119,13 @@ def mlp(x, w1, b1=None, w2=None, b2=None, *, activation="gelu", residual=None, p
     if w2 is None:
         raise TypeError(f"{op}: argument 'w2' is required (the second layer's kernel)")
     x, w1, b1 = check_linear_operands(op, "x", x, w1, b1, kernel_transposed=kernel_nk)
+    gated = isinstance(activation, str) and activation in GATED_ACTIVATIONS
     h_width = w1.shape[0 if kernel_nk else 1]
+    if gated:
+        if h_width % 2:
+            raise ValueError(f"{op}: activation {activation!r} takes w1 with its gate and value halves side by side, "
+                             f"an even output width; got w1 {tuple(w1.shape)}")
+        h_width //= 2
     w2 = check_float_array(op, "w2", w2)
     if w2.ndim != 2 or w2.shape[1 if kernel_nk else 0] != h_width:
         expected = f"(N, {h_width})" if kernel_nk else f"({h_width}, N)"
@@ -119,6 +139,15 @@ def mlp(x, w1, b1=None, w2=None, b2=None, *, activation="gelu", residual=None, p
             raise ValueError(f"{op}: argument 'b2' must have shape ({n},); got {tuple(b2.shape)}")
         check_same_dtype(op, "b2", b2, "x", x)
     residual = check_residual(op, residual, x, n)
+    if gated:
+        gate, value = jnp.split(fused_linear(x, w1, b1, precision=precision, kernel_layout=kernel_layout), 2, axis=-1)
+        gate_fn = ACTIVATION_FUNCTIONS[GATED_ACTIVATIONS[activation]]
+        h = (gate_fn(gate.astype(jnp.float32)) * value.astype(jnp.float32)).astype(x.dtype)
+        return fused_linear(h, w2, b2, residual=residual, precision=precision, kernel_layout=kernel_layout)
+    if isinstance(activation, str) and activation not in ACTIVATION_FUNCTIONS:
+        raise ValueError(f"{op}: unknown activation {activation!r}; allowed: None, "
+                         f"{', '.join(repr(a) for a in (*ACTIVATION_FUNCTIONS, *GATED_ACTIVATIONS) if a != 'none')} "
+                         "or a callable")
     fused, unfused = resolve_activation(activation)
     if unfused is not None:
         h = unfused(fused_linear(x, w1, b1, precision=precision, kernel_layout=kernel_layout))
