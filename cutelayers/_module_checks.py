@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from cutelayers import backend
 from cutelayers.ops.linear import ACTIVATION_FUNCTIONS, resolve_activation
 from cutelayers.ops.lm_head import linear_cross_entropy
+from cutelayers.ops.mlp import GATED_ACTIVATIONS
 from cutelayers.ops.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from cutelayers.runtime.tensors import FLOAT_DTYPES
 
@@ -137,8 +138,24 @@ def finish_linear(y, activation, residual):
 
 def finish_mlp(fc1, fc2, x, activation, residual):
     """The stock two-layer computation ``fc2(activation(fc1(x))) + residual`` of stock Dense /
-    Linear layers ``fc1`` and ``fc2``: what :func:`cutelayers.ops.mlp` computes."""
-    return finish_linear(fc2(finish_linear(fc1(x), activation, None)), None, residual)
+    Linear layers ``fc1`` and ``fc2`` -- for a gated activation ``fc2(act(gate) * value)``, gate
+    and value the halves of fc1's output: what :func:`cutelayers.ops.mlp` computes."""
+    z = fc1(x)
+    if is_gated(activation):
+        gate, value = jnp.split(z, 2, axis=-1)
+        h = ACTIVATION_FUNCTIONS[GATED_ACTIVATIONS[activation]](gate) * value
+    else:
+        h = finish_linear(z, activation, None)
+    return finish_linear(fc2(h), None, residual)
+
+
+def is_gated(activation) -> bool:
+    return isinstance(activation, str) and activation in GATED_ACTIVATIONS
+
+
+def fc1_features(activation, hidden_features: int) -> int:
+    """An MLP's first-layer width: the gate and value halves side by side for a gated activation."""
+    return 2 * hidden_features if is_gated(activation) else hidden_features
 
 
 def lm_head_loss(head, h, weight, bias, labels, vocab_major: bool):
@@ -164,11 +181,11 @@ def check_mlp(module: str, activation, **features) -> None:
             raise ValueError(f"{module}: argument {name!r} must be a positive integer; got {value!r}")
     if activation is None or callable(activation):
         return
-    names = ", ".join(repr(a) for a in ACTIVATION_FUNCTIONS if a != "none")
+    names = ", ".join(repr(a) for a in (*ACTIVATION_FUNCTIONS, *GATED_ACTIVATIONS) if a != "none")
     allowed = f"None, one of {names}, or a callable"
     if not isinstance(activation, str):
         raise TypeError(f"{module}: argument 'activation' must be {allowed}; got {activation!r}")
-    if activation not in ACTIVATION_FUNCTIONS:
+    if activation not in ACTIVATION_FUNCTIONS and activation not in GATED_ACTIVATIONS:
         raise ValueError(f"{module}: argument 'activation' must be {allowed}; got {activation!r}")
 
 

@@ -44,6 +44,7 @@ from jaxtyping import Array, PRNGKeyArray
 from cutelayers._module_checks import (
     array_blocker,
     check_mlp,
+    fc1_features,
     check_tied_embedding,
     embed_blocker,
     finish_linear,
@@ -197,8 +198,9 @@ class MLP(eqx.Module):
       use_bias, dtype: as ``equinox.nn.Linear``'s, for both layers.
       activation (static): between the layers: a name or ``jax.nn`` function fused into the GEMM
         epilogue ('gelu', jax.nn.gelu's tanh approximation, by default; see
-        :func:`cutelayers.ops.fused_linear` for the list), None for none, or any other callable,
-        applied unfused.
+        :func:`cutelayers.ops.fused_linear` for the list), None for none, any other callable,
+        applied unfused, or a gated one, 'swiglu' / 'geglu': then ``fc1`` has 2 x hidden_features
+        outputs, the gate and value halves (:func:`cutelayers.ops.mlp`).
       key: the initialisation's random key.
 
     Unbatched, as Equinox layers are; under ``jax.vmap`` the op folds the batch into rows (one
@@ -217,7 +219,7 @@ class MLP(eqx.Module):
                  activation: Any = "gelu", key: PRNGKeyArray):
         check_mlp("MLP", activation, hidden_features=hidden_features)
         k1, k2 = jax.random.split(key)
-        self.fc1 = eqx.nn.Linear(in_features, hidden_features, use_bias, dtype, key=k1)
+        self.fc1 = eqx.nn.Linear(in_features, fc1_features(activation, hidden_features), use_bias, dtype, key=k1)
         self.fc2 = eqx.nn.Linear(hidden_features, out_features, use_bias, dtype, key=k2)
         self.activation = activation
 

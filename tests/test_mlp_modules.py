@@ -26,6 +26,7 @@ from cutelayers import equinox as cl_eqx
 from cutelayers.flax import linen as cl_linen
 from cutelayers.flax import nnx as cl_nnx
 from cutelayers.ops.linear import ACTIVATION_FUNCTIONS
+from cutelayers.ops.mlp import GATED_ACTIVATIONS
 
 HIGHEST = jax.lax.Precision.HIGHEST
 NORMAL = nn.initializers.normal(1.0)  # non-zero biases, so that the bias paths are compared
@@ -35,10 +36,21 @@ MLP_KERNELS = ["linear_dkernel", "linear_dkernel", "linear_dx", "linear_dx", "li
 
 
 def stock_activation(activation):
-    """The function a stock MLP applies for ``activation`` (a fused name, None or a callable)."""
+    """The function a stock MLP applies to its first layer's output for ``activation`` (a fused
+    name, None, a callable, or a gated name: act(gate) * value of the output's two halves)."""
     if activation is None:
         return lambda h: h
+    if activation in GATED_ACTIVATIONS:
+        def gated(z, act=ACTIVATION_FUNCTIONS[GATED_ACTIVATIONS[activation]]):
+            gate, value = jnp.split(z, 2, axis=-1)
+            return act(gate) * value
+        return gated
     return ACTIVATION_FUNCTIONS[activation] if isinstance(activation, str) else activation
+
+
+def stock_fc1_features(activation, hidden_features):
+    """A stock MLP's first-layer width: twice the hidden width for a gated activation."""
+    return 2 * hidden_features if activation in GATED_ACTIVATIONS else hidden_features
 
 
 def add_residual(y, residual):
@@ -64,7 +76,8 @@ class StockLinenMLP(nn.Module):
     def __call__(self, x, residual=None):
         layer = {"use_bias": self.use_bias, "dtype": self.dtype, "param_dtype": self.param_dtype,
                  "precision": self.precision, "bias_init": self.bias_init}
-        h = stock_activation(self.activation)(nn.Dense(self.hidden_features, **layer)(x))
+        h = stock_activation(self.activation)(nn.Dense(stock_fc1_features(self.activation, self.hidden_features),
+                                                       **layer)(x))
         return add_residual(nn.Dense(self.features, **layer)(h), residual)
 
 
@@ -72,7 +85,7 @@ class StockNnxMLP(nnx.Module):
     """Two ``nnx.Linear`` attributes, ``fc1`` and ``fc2``, built in that order."""
 
     def __init__(self, in_features, hidden_features, out_features, *, activation="gelu", rngs, **layer):
-        self.fc1 = nnx.Linear(in_features, hidden_features, rngs=rngs, **layer)
+        self.fc1 = nnx.Linear(in_features, stock_fc1_features(activation, hidden_features), rngs=rngs, **layer)
         self.fc2 = nnx.Linear(hidden_features, out_features, rngs=rngs, **layer)
         self.activation = activation
 
@@ -90,7 +103,7 @@ class StockEqxMLP(eqx.Module):
     def __init__(self, in_features, hidden_features, out_features, use_bias=True, dtype=None, *,
                  activation="gelu", key):
         k1, k2 = jax.random.split(key)
-        self.fc1 = eqx.nn.Linear(in_features, hidden_features, use_bias, dtype, key=k1)
+        self.fc1 = eqx.nn.Linear(in_features, stock_fc1_features(activation, hidden_features), use_bias, dtype, key=k1)
         self.fc2 = eqx.nn.Linear(hidden_features, out_features, use_bias, dtype, key=k2)
         self.activation = activation
 
@@ -232,9 +245,10 @@ def framework_calls(activation, dtype=None):
     }
 
 
-@pytest.mark.parametrize("activation", ["relu", "silu", "gelu_exact", None, jax.nn.gelu, jnp.sin])
+@pytest.mark.parametrize("activation", ["relu", "silu", "gelu_exact", None, jax.nn.gelu, jnp.sin, "swiglu", "geglu"])
 def test_activations(activation, rng):
-    """Fused names and ``jax.nn`` functions, None, and a callable the GEMM epilogue cannot fuse."""
+    """Fused names and ``jax.nn`` functions, None, a callable the GEMM epilogue cannot fuse, and
+    the gated blocks (a first layer of twice the hidden width: gate and value halves)."""
     x, r = random(rng, (5, IN), jnp.float32), random(rng, (5, OUT), jnp.float32)
     def loss(f, x, r):
         return weighted_sum(f(x, r))

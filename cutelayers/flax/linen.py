@@ -41,6 +41,7 @@ from flax.linen.module import Module, compact
 from cutelayers._module_checks import (
     array_blocker,
     check_mlp,
+    fc1_features,
     check_tied_embedding,
     embed_blocker,
     finish_linear,
@@ -168,8 +169,9 @@ class MLP(Module):
       features: the block's output width.
       activation: between the layers: a name or ``jax.nn`` function fused into the GEMM epilogue
         ('gelu', jax.nn.gelu's tanh approximation, by default; see
-        :func:`cutelayers.ops.fused_linear` for the list), None for none, or any other callable,
-        applied unfused.
+        :func:`cutelayers.ops.fused_linear` for the list), None for none, any other callable,
+        applied unfused, or a gated one, 'swiglu' / 'geglu': then ``Dense_0`` has 2 x
+        hidden_features outputs, the gate and value halves (:func:`cutelayers.ops.mlp`).
       use_bias, dtype, param_dtype, precision, kernel_init, bias_init: as ``Dense``'s, for both
         layers. The computation runs in ``dtype`` if given, else in the promoted dtype of the
         input and the parameters (Dense's rule, for the block as a whole); ``precision`` applies
@@ -202,7 +204,8 @@ class MLP(Module):
         shared = {"use_bias": self.use_bias, "dtype": self.dtype, "param_dtype": self.param_dtype,
                   "precision": self.precision, "bias_init": self.bias_init}
         out_kernel_init = self.out_kernel_init or self.kernel_init
-        fc1 = Layer(self.hidden_features, kernel_init=self.kernel_init, name="Dense_0", **shared)
+        fc1 = Layer(fc1_features(self.activation, self.hidden_features), kernel_init=self.kernel_init,
+                    name="Dense_0", **shared)
         fc2 = Layer(self.features, kernel_init=out_kernel_init, name="Dense_1", **shared)
         if stock:
             return finish_mlp(fc1, fc2, inputs, self.activation, residual)

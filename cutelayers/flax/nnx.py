@@ -45,6 +45,7 @@ from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 from cutelayers._module_checks import (
     array_blocker,
     check_mlp,
+    fc1_features,
     check_tied_embedding,
     embed_blocker,
     finish_linear,
@@ -169,8 +170,9 @@ class MLP(nnx.Module):
         the output.
       activation: between the layers: a name or ``jax.nn`` function fused into the GEMM epilogue
         ('gelu', jax.nn.gelu's tanh approximation, by default; see
-        :func:`cutelayers.ops.fused_linear` for the list), None for none, or any other callable,
-        applied unfused.
+        :func:`cutelayers.ops.fused_linear` for the list), None for none, any other callable,
+        applied unfused, or a gated one, 'swiglu' / 'geglu': then ``fc1`` has 2 x hidden_features
+        outputs, the gate and value halves (:func:`cutelayers.ops.mlp`).
       use_bias, dtype, param_dtype, precision, kernel_init, bias_init: as ``nnx.Linear``'s, for
         both layers. The computation runs in ``dtype`` if given, else in the promoted dtype of
         the input and the parameters (Linear's rule, for the block as a whole); ``precision``
@@ -194,7 +196,8 @@ class MLP(nnx.Module):
                   out_features=out_features)
         shared = {"use_bias": use_bias, "dtype": dtype, "param_dtype": param_dtype, "precision": precision,
                   "bias_init": bias_init, "rngs": rngs}
-        self.fc1 = nnx.Linear(in_features, hidden_features, kernel_init=kernel_init, **shared)
+        self.fc1 = nnx.Linear(in_features, fc1_features(activation, hidden_features), kernel_init=kernel_init,
+                              **shared)
         self.fc2 = nnx.Linear(hidden_features, out_features, kernel_init=out_kernel_init or kernel_init,
                               **shared)
         self.activation = activation
