@@ -513,6 +513,7 @@ def test_stream_k_is_chosen_for_small_weight_gradients():
     assert not stream_k_pays(4096, 4096, 16384)  # 512 tiles: 3.9 waves of whole tiles
     assert not stream_k_pays(4096, 16384, 8192)  # 2048 tiles: the output fills the GPU
     assert not stream_k_pays(256, 512, 100)  # two k tiles: nothing to share
+    assert not stream_k_pays(16, 4096, 4096)  # decode rows: 128-row tiles would be mostly padding
     assert stream_k_pays(768, 768, 4096, batch=2)  # a batch of outputs counts its tiles together
     assert not stream_k_pays(768, 768, 4096, batch=64)
 
