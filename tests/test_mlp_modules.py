@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from numerics import assert_matches, assert_trees_match, perturbed_stock_checkpoint, random, same_tree
+from numerics import (assert_close, assert_matches, assert_trees_match, least_precise, perturbed_stock_checkpoint,
+                      random, same_tree)
 from test_linear import kernel_operand_counts, kernel_targets, lower_cuda
 from test_linear_modules import assert_equal_leaves, weighted_sum
 
@@ -203,6 +204,14 @@ def vmapped_grad(module_and_args, n):
     return weighted_sum(call_vmapped(module, n, *args))
 
 
+def input_grad_terms(stock, y, x_shape):
+    """A bound on the size of the terms the input gradient of the (Equinox, gelu) block sums, per
+    element: |dy| |W2| |W1| max|gelu'|, with dy the cotangent :func:`weighted_sum` gives ``y``."""
+    dy = np.abs(np.asarray(jax.grad(weighted_sum)(jnp.asarray(y, jnp.float32)), np.float64))
+    w1, w2 = (np.abs(np.asarray(layer.weight, np.float64)) for layer in (stock.fc1, stock.fc2))
+    return (dy.reshape(-1, w2.shape[0]) @ w2 @ w1 * 1.13).reshape(x_shape)  # |gelu'| <= 1.13
+
+
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("n_in,n_out,kwargs", EQX_CASES)
 @pytest.mark.parametrize("xdtype", [jnp.bfloat16, jnp.float32])
@@ -221,8 +230,16 @@ def test_equinox_mlp_matches_stock_under_vmap(n_in, n_out, kwargs, xdtype, with_
         ref = call_vmapped(stock, len(lead), *args)
         assert_matches(eqx.filter_jit(call_vmapped)(ours, len(lead), *args), ref)
         # each leaf at its own dtype's tolerance and the output's
-        grads = eqx.filter_jit(vmapped_grad)((ours, args), len(lead))
-        assert_trees_match(grads, vmapped_grad((stock, args), len(lead)), ref.dtype)
+        (module_grads, arg_grads) = eqx.filter_jit(vmapped_grad)((ours, args), len(lead))
+        (stock_module_grads, stock_arg_grads) = vmapped_grad((stock, args), len(lead))
+        assert_trees_match(module_grads, stock_module_grads, ref.dtype)
+        assert_trees_match(arg_grads[1:], stock_arg_grads[1:], ref.dtype)  # the residual's: the cotangent
+        # Each element of x's gradient sums terms over the hidden layer, which can cancel: a scalar
+        # x's gradient is only such sums, one per example (one value without leading axes), so it
+        # is measured against the size of those terms; a vector x's against its own norm.
+        terms = input_grad_terms(stock, ref, x.shape) if n_in == "scalar" else None
+        assert_close(arg_grads[0], np.asarray(stock_arg_grads[0], np.float32), least_precise(x.dtype, ref.dtype),
+                     scale=5.0, scale_ref=terms)
 
 
 # --- activations, and the stock computation (all three frameworks) -------------------------------
