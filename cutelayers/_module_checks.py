@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from cutelayers import backend
 from cutelayers.ops.linear import ACTIVATION_FUNCTIONS, resolve_activation
 from cutelayers.ops.lm_head import linear_cross_entropy
-from cutelayers.ops.mlp import GATED_ACTIVATIONS
+from cutelayers.ops.mlp import GATED_ACTIVATIONS, gated_hidden, is_gated
 from cutelayers.ops.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from cutelayers.runtime.tensors import FLOAT_DTYPES
 
@@ -141,16 +141,8 @@ def finish_mlp(fc1, fc2, x, activation, residual):
     Linear layers ``fc1`` and ``fc2`` -- for a gated activation ``fc2(act(gate) * value)``, gate
     and value the halves of fc1's output: what :func:`cutelayers.ops.mlp` computes."""
     z = fc1(x)
-    if is_gated(activation):
-        gate, value = jnp.split(z, 2, axis=-1)
-        h = ACTIVATION_FUNCTIONS[GATED_ACTIVATIONS[activation]](gate) * value
-    else:
-        h = finish_linear(z, activation, None)
+    h = gated_hidden(z, activation) if is_gated(activation) else finish_linear(z, activation, None)
     return finish_linear(fc2(h), None, residual)
-
-
-def is_gated(activation) -> bool:
-    return isinstance(activation, str) and activation in GATED_ACTIVATIONS
 
 
 def fc1_features(activation, hidden_features: int) -> int:

@@ -10,6 +10,7 @@ are the floor: a GEMM cannot beat FLOPs / peak.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 import cutelayers as cl
 from cutelayers.bench.timing import time_fn
 from cutelayers.ops.linear import ACTIVATION_FUNCTIONS, fused_linear, input_grad_fn, weight_grad_fn
-from cutelayers.ops.mlp import GATED_ACTIVATIONS
+from cutelayers.ops.mlp import gated_hidden, is_gated
 
 PEAK_TFLOPS = 989.0  # H100 SXM dense bf16 / fp16
 EPILOGUES = ("plain", "bias", "bias+gelu", "bias+residual")
@@ -116,23 +117,20 @@ def bench_mlp(blocks=BLOCKS, dtype=jnp.bfloat16) -> list[dict]:
     results = []
     for block in blocks:
         m, k, h = block.m, block.k, block.h
-        gated = block.activation in GATED_ACTIVATIONS
+        gated = is_gated(block.activation)
         w1_width = 2 * h if gated else h
         keys = jax.random.split(jax.random.key(1), 7)
         normal = lambda key, shape, scale=1.0: (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
         args = (normal(keys[0], (m, k)), normal(keys[1], (k, w1_width), k**-0.5), normal(keys[2], (w1_width,)),
                 normal(keys[3], (h, k), h**-0.5), normal(keys[4], (k,)), normal(keys[5], (m, k)))
-        act = ACTIVATION_FUNCTIONS[GATED_ACTIVATIONS.get(block.activation, block.activation)]
+        hidden = (functools.partial(gated_hidden, activation=block.activation) if gated
+                  else ACTIVATION_FUNCTIONS[block.activation])
 
         def ours(x, w1, b1, w2, b2, r, activation=block.activation):
             return cl.ops.mlp(x, w1, b1, w2, b2, activation=activation, residual=r)
 
-        def xla(x, w1, b1, w2, b2, r, act=act, gated=gated):
-            z = x @ w1 + b1[None, :]
-            if gated:
-                gate, value = jnp.split(z, 2, axis=-1)
-                return (act(gate) * value) @ w2 + b2[None, :] + r
-            return act(z) @ w2 + b2[None, :] + r
+        def xla(x, w1, b1, w2, b2, r, hidden=hidden):
+            return hidden(x @ w1 + b1[None, :]) @ w2 + b2[None, :] + r
 
         results.append(_result(block.name, f"{m} x {k} -> {h} -> {k}", f"{block.activation} mlp", dtype,
                                (6.0 if gated else 4.0) * m * k * h, ours, xla, args, normal(keys[6], (m, k))))

@@ -170,15 +170,17 @@ class GemmFamily(TunableFamily):
         """(M, N, K) of the GEMM on these operands: output (M, N), contraction K."""
 
     def default_config(self, avals):
-        return CONFIGS[config_class(*self.gemm_shape(avals))]
+        return STREAM_K_CONFIG if self.stream_k else CONFIGS[config_class(*self.gemm_shape(avals))]
 
     def config_space(self, avals) -> tuple:
         return tuple(CONFIGS.values()) + EXTRA_CONFIGS
 
     def tuning_key(self, avals):
-        """dtype, and the GEMM's static sizes with the bucket of a symbolic M."""
+        """dtype, and the GEMM's static sizes with the bucket of a symbolic M (and whether it
+        accumulates / runs stream-K: another kernel, tuned on its own)."""
         m, n, k = self.gemm_shape(avals)
         dims = (("m", m), ("n", n)) if self.contracts_rows else (("m", row_bucket(m)), ("k", k), ("n", n))
+        dims += (("accumulate", True),) * self.accumulate + (("stream_k", True),) * self.stream_k
         return jnp.dtype(avals[0].dtype).name, dims
 
     def config_from_fields(self, fields: dict):
@@ -213,8 +215,8 @@ class GemmFamily(TunableFamily):
             "batched_out": (True, False, False),  # (L, K, N)
         }[kind]
 
-    accumulate = False  # result added into a float32 operand (LinearWeightGrad only)
-    stream_k = False  # stream-K schedule (LinearWeightGrad only)
+    accumulate = False  # result added into a float32 operand (LinearWeightGrad; LinearInputGrad's stream-K)
+    stream_k = False  # stream-K schedule (LinearWeightGrad, LinearInputGrad)
 
     def launcher(self, avals, out_avals):
         from cutelayers.kernels.gemm import HopperGemmKernel
@@ -340,13 +342,6 @@ class LinearInputGrad(GemmFamily):
     def kept_outputs(self, n_outputs):
         return () if self.stream_k else tuple(range(n_outputs))
 
-    def tuning_key(self, avals):
-        dtype, dims = super().tuning_key(avals)
-        return dtype, dims + (("stream_k", True),) * self.stream_k
-
-    def default_config(self, avals):
-        return STREAM_K_CONFIG if self.stream_k else super().default_config(avals)
-
     def modes_at(self, position):
         if self.kernel_nk and self.kinds()[position] == "weight":
             return _TRANSPOSED  # (1, N, K) -> (K, N, 1): the same B, its N (the layer's K) contiguous
@@ -439,13 +434,6 @@ class LinearWeightGrad(GemmFamily):
 
     def gemm_shape(self, avals):
         return avals[0].shape[2], avals[1].shape[2], avals[0].shape[1]  # x (L, M, K), dz (L, M, N)
-
-    def tuning_key(self, avals):
-        dtype, dims = super().tuning_key(avals)
-        return dtype, dims + (("accumulate", True),) * self.accumulate + (("stream_k", True),) * self.stream_k
-
-    def default_config(self, avals):
-        return STREAM_K_CONFIG if self.stream_k else super().default_config(avals)
 
     def out_avals(self, avals):
         x, dz = avals[:2]

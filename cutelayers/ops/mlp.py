@@ -57,6 +57,17 @@ from cutelayers.runtime.sharding import vary_like
 GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu"}
 
 
+def is_gated(activation) -> bool:
+    """Whether ``activation`` names a gated block (:data:`GATED_ACTIVATIONS`)."""
+    return isinstance(activation, str) and activation in GATED_ACTIVATIONS
+
+
+def gated_hidden(z, activation: str):
+    """A gated block's hidden layer from fc1's output z (..., 2H): act(gate) * value, in z's dtype."""
+    gate, value = jnp.split(z, 2, axis=-1)
+    return ACTIVATION_FUNCTIONS[GATED_ACTIVATIONS[activation]](gate) * value
+
+
 @functools.cache
 def _mlp_fn(activation: str, has_b1: bool, has_b2: bool, has_residual: bool, use_kernels: bool, precision,
             kernel_nk: bool):
@@ -119,7 +130,7 @@ def mlp(x, w1, b1=None, w2=None, b2=None, *, activation="gelu", residual=None, p
     if w2 is None:
         raise TypeError(f"{op}: argument 'w2' is required (the second layer's kernel)")
     x, w1, b1 = check_linear_operands(op, "x", x, w1, b1, kernel_transposed=kernel_nk)
-    gated = isinstance(activation, str) and activation in GATED_ACTIVATIONS
+    gated = is_gated(activation)
     h_width = w1.shape[0 if kernel_nk else 1]
     if gated:
         if h_width % 2:
@@ -140,9 +151,8 @@ def mlp(x, w1, b1=None, w2=None, b2=None, *, activation="gelu", residual=None, p
         check_same_dtype(op, "b2", b2, "x", x)
     residual = check_residual(op, residual, x, n)
     if gated:
-        gate, value = jnp.split(fused_linear(x, w1, b1, precision=precision, kernel_layout=kernel_layout), 2, axis=-1)
-        gate_fn = ACTIVATION_FUNCTIONS[GATED_ACTIVATIONS[activation]]
-        h = (gate_fn(gate.astype(jnp.float32)) * value.astype(jnp.float32)).astype(x.dtype)
+        z = fused_linear(x, w1, b1, precision=precision, kernel_layout=kernel_layout)
+        h = gated_hidden(z.astype(jnp.float32), activation).astype(x.dtype)
         return fused_linear(h, w2, b2, residual=residual, precision=precision, kernel_layout=kernel_layout)
     if isinstance(activation, str) and activation not in ACTIVATION_FUNCTIONS:
         raise ValueError(f"{op}: unknown activation {activation!r}; allowed: None, "
