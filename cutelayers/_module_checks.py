@@ -160,6 +160,28 @@ def lm_head_loss(head, h, weight, bias, labels, vocab_major: bool):
                                 logit_soft_cap=head.logit_soft_cap, chunk_size=head.chunk_size)
 
 
+def check_parts(module: str, parts, out_features, activation, residual) -> None:
+    """A Linear / Dense call's ``parts``: None, or a positive int dividing the output features,
+    for a plain projection (no activation, no residual) -- what :func:`cutelayers.ops.split_linear`
+    computes."""
+    if parts is None:
+        return
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise ValueError(f"{module}: argument 'parts' must be None or a positive int; got {parts!r}")
+    if not isinstance(out_features, int) or out_features % parts:
+        raise ValueError(f"{module}: argument 'parts'={parts} must divide the output features "
+                         f"({out_features!r}) into equal blocks")
+    if activation is not None or residual is not None:
+        raise ValueError(f"{module}: argument 'parts' splits a plain projection; this call also has "
+                         f"{'an activation' if activation is not None else 'a residual'}, which it does not take")
+
+
+def split_result(y, parts):
+    """A stock Dense / Linear result ``y`` as ``parts`` equal blocks of its last axis (``y`` itself
+    when ``parts`` is None): what :func:`cutelayers.ops.split_linear` returns."""
+    return y if parts is None else tuple(jnp.split(y, parts, axis=-1))
+
+
 def residual_like(residual, x):
     """A ``residual`` call argument (None passes) as an array in x's dtype, for the ops' epilogue."""
     return None if residual is None else jnp.asarray(residual).astype(x.dtype)

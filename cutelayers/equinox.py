@@ -44,6 +44,7 @@ from jaxtyping import Array, PRNGKeyArray
 from cutelayers._module_checks import (
     array_blocker,
     check_mlp,
+    check_parts,
     fc1_features,
     check_tied_embedding,
     embed_blocker,
@@ -54,12 +55,14 @@ from cutelayers._module_checks import (
     norm_op,
     residual_blocker,
     residual_like,
+    split_result,
     stock_norm,
 )
 from cutelayers.ops.embed import embed
 from cutelayers.ops.linear import fused_linear
 from cutelayers.ops.mlp import mlp
 from cutelayers.ops.pool import masked_mean_pool
+from cutelayers.ops.split_linear import split_linear
 
 _NO_STATE = object()  # "no state passed": then only the output is returned
 
@@ -151,15 +154,20 @@ class Linear(eqx.nn.Linear):
         super().__init__(in_features, out_features, use_bias, dtype, key=key)
         self.activation = activation
 
-    def __call__(self, x: Array, residual: Array | None = None, *, key: PRNGKeyArray | None = None) -> Array:
+    def __call__(self, x: Array, residual: Array | None = None, *, key: PRNGKeyArray | None = None,
+                 parts: int | None = None) -> Array:
         """``x`` (in_features,) -- () if "scalar" -- -> (out_features,) -- () if "scalar" --, in
         the promoted dtype of x and the parameters (as ``weight @ x + bias``). ``residual``, shaped
-        like the result, optional: added after the activation (cast to the result dtype). ``key``
-        is ignored."""
+        like the result, optional: added after the activation (cast to the result dtype). ``parts``,
+        optional: the result as a tuple of that many equal blocks, each its own array (attention's
+        q, k, v; :func:`cutelayers.ops.split_linear`), for a plain projection. ``key`` is ignored."""
+        check_parts("Linear", parts, self.out_features, self.activation, residual)
         if jnp.shape(x) != _shape(self.in_features) or not kernels_serve(
                 "Linear", array_blocker(jnp.reshape(x, -1), weight=self.weight.dtype, bias=_dtype(self.bias))):
-            return finish_linear(super().__call__(x, key=key), self.activation, residual)
+            return split_result(finish_linear(super().__call__(x, key=key), self.activation, residual), parts)
         x, weight, bias = _promote(jnp.reshape(x, -1), self.weight, self.bias)
+        if parts is not None:
+            return split_linear(x, weight, bias, parts=parts, kernel_layout="nk")
         # the GEMMs read the (out, in) weight as stored; its gradient comes back (out, in) too
         y = fused_linear(x, weight, bias, activation=self.activation, residual=_flat_residual(residual, x),
                          kernel_layout="nk")

@@ -180,6 +180,13 @@ def cases(rng: np.random.Generator, dtype, quick: bool):
                    partial(ref_linear, activation=function),
                    {k: v for k, v in inputs.items() if k in ("x", "kernel", *extras)})
 
+    def split_parts(**inputs):  # the three parts side by side: one output to weigh
+        return jnp.concatenate(cl.ops.split_linear(**inputs, parts=3), axis=-1)
+
+    yield Case("split_linear", "bias, parts=3", split_parts, ref_linear,
+               {"x": normal(2, tokens // 2, hidden), "kernel": normal(hidden, 3 * out, scale=hidden**-0.5),
+                "bias": normal(3 * out)})
+
     yield Case("mlp", "gelu, biases, residual", partial(cl.ops.mlp, activation="gelu"),
                partial(ref_mlp, activation=jax.nn.gelu),
                {"x": normal(2, tokens // 2, hidden), "w1": normal(hidden, out, scale=hidden**-0.5), "b1": normal(out),

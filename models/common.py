@@ -114,20 +114,33 @@ def _attention_choice(dtype: str, head_dim: int, capability: tuple[int, int] | N
     return "xla"
 
 
-def causal_attention(qkv: jax.Array, n_heads: int) -> jax.Array:
+def qkv_split(split: bool) -> dict:
+    """The qkv projection's call keywords: one (..., T, 3 * d) array (the stock layers, or
+    ``GPTConfig.split_qkv`` off), or, with ``split``, q, k and v as three arrays (``parts=3``:
+    :func:`cutelayers.ops.split_linear`, which never slices a fused result or concatenates dq,
+    dk, dv)."""
+    return {"parts": 3} if split else {}
+
+
+def causal_attention(qkv, n_heads: int) -> jax.Array:
     """Causal multi-head self-attention core.
 
     ``qkv``: (..., T, 3 * d) -- queries, keys and values side by side, as one fused projection
-    writes them. Returns (..., T, d) in qkv's dtype, computed by cuDNN's fused attention or XLA's
+    writes them -- or the tuple (q, k, v) of (..., T, d) arrays (:func:`qkv_split`). Returns
+    (..., T, d) in their dtype, computed by cuDNN's fused attention or XLA's
     (:func:`attention_implementation`).
     """
-    *lead, t, three_d = qkv.shape
-    d = three_d // 3
-    q, k, v = jnp.split(qkv.reshape(*lead, t, 3, n_heads, d // n_heads), 3, axis=-3)
-    q, k, v = (a.squeeze(-3) for a in (q, k, v))  # (..., T, H, Dh)
+    if isinstance(qkv, tuple):
+        *lead, t, d = qkv[0].shape
+        q, k, v = (a.reshape(*lead, t, n_heads, d // n_heads) for a in qkv)
+    else:
+        *lead, t, three_d = qkv.shape
+        d = three_d // 3
+        q, k, v = jnp.split(qkv.reshape(*lead, t, 3, n_heads, d // n_heads), 3, axis=-3)
+        q, k, v = (a.squeeze(-3) for a in (q, k, v))  # (..., T, H, Dh)
     if len(lead) > 1:  # dot_product_attention takes (B, T, H, Dh) or (T, H, Dh)
         q, k, v = (a.reshape(-1, *a.shape[-3:]) for a in (q, k, v))
-    implementation = attention_implementation(qkv.dtype, d // n_heads)
+    implementation = attention_implementation(q.dtype, d // n_heads)
     out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
     return out.reshape(*lead, t, d)
 

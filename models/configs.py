@@ -39,6 +39,10 @@ class GPTConfig:
     dtype: str = "float32"
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    # cutelayers' qkv layer returns q, k and v as three arrays (``parts=3``): no slice of a fused
+    # result, no concatenation of dq, dk, dv. False keeps the one (..., 3 d) array the stock twin
+    # has: what tensor parallelism takes, whose column shards of [q | k | v] are not whole heads.
+    split_qkv: bool = True
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "n_layers", "d_model", "n_heads", "mlp_ratio"):

@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from cutelayers import equinox as cl_eqx
-from models.common import Functional, add_norm, causal_attention, cross_entropy, head_logits, positions
+from models.common import (Functional, add_norm, causal_attention, cross_entropy, head_logits, positions,
+                           qkv_split)
 from models.configs import GPTConfig
 
 
@@ -121,12 +122,14 @@ class Block(eqx.Module):
     ln2: eqx.Module
     mlp: eqx.Module
     n_heads: int = eqx.field(static=True)
+    split_qkv: bool = eqx.field(static=True)
 
     def __init__(self, config: GPTConfig, *, stock: bool, key: jax.Array):
         LayerNorm, Linear, MLP, _, _ = _layers(stock)
         d, std, proj_std = config.d_model, config.init_std, config.proj_init_std
         k = jax.random.split(key, 3)
         self.n_heads = config.n_heads
+        self.split_qkv = config.split_qkv and not stock
         self.ln1 = LayerNorm(d, eps=config.norm_eps)
         self.qkv = _linear(Linear, d, 3 * d, std, k[0])
         self.attn_out = _linear(Linear, d, d, proj_std, k[1])
@@ -135,7 +138,8 @@ class Block(eqx.Module):
 
     def __call__(self, x, pending=None):
         h, x = add_norm(functools.partial(_on_rows, self.ln1), x, pending)
-        pending = _on_rows(self.attn_out, causal_attention(_on_rows(self.qkv, h), self.n_heads))
+        qkv = _on_rows(functools.partial(self.qkv, **qkv_split(self.split_qkv)), h)
+        pending = _on_rows(self.attn_out, causal_attention(qkv, self.n_heads))
         h, x = _on_rows(self.ln2, pending, residual=x)
         return x, _on_rows(self.mlp, h)
 

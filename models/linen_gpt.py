@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from cutelayers.flax import linen as cl_linen
-from models.common import Functional, add_norm, causal_attention, cross_entropy, head_logits, positions
+from models.common import (Functional, add_norm, causal_attention, cross_entropy, head_logits, positions,
+                           qkv_split)
 from models.configs import GPTConfig
 
 
@@ -82,7 +83,8 @@ class Block(nn.Module):
         d, dt = cfg.d_model, cfg.compute_dtype
         init, proj_init = nn.initializers.normal(cfg.init_std), nn.initializers.normal(cfg.proj_init_std)
         h, x = add_norm(LayerNorm(epsilon=cfg.norm_eps, dtype=dt, name="ln1"), x, pending)
-        a = causal_attention(Dense(3 * d, dtype=dt, kernel_init=init, name="qkv")(h), cfg.n_heads)
+        qkv = Dense(3 * d, dtype=dt, kernel_init=init, name="qkv")(h, **qkv_split(cfg.split_qkv and not self.stock))
+        a = causal_attention(qkv, cfg.n_heads)
         pending = Dense(d, dtype=dt, kernel_init=proj_init, name="attn_out")(a)
         h, x = LayerNorm(epsilon=cfg.norm_eps, dtype=dt, name="ln2")(pending, residual=x)
         mlp = MLP(cfg.d_mlp, d, dtype=dt, kernel_init=init, out_kernel_init=proj_init, name="mlp")

@@ -15,7 +15,8 @@ import jax
 from flax import nnx
 
 from cutelayers.flax import nnx as cl_nnx
-from models.common import Functional, add_norm, causal_attention, cross_entropy, head_logits, positions
+from models.common import (Functional, add_norm, causal_attention, cross_entropy, head_logits, positions,
+                           qkv_split)
 from models.configs import GPTConfig
 
 
@@ -71,6 +72,7 @@ class Block(nnx.Module):
         proj_init = nnx.initializers.normal(config.proj_init_std)
         norm = dict(epsilon=config.norm_eps, dtype=dt, rngs=rngs)
         self.n_heads = config.n_heads
+        self.split_qkv = config.split_qkv and not stock
         self.ln1 = LayerNorm(d, **norm)
         self.qkv = Linear(d, 3 * d, dtype=dt, kernel_init=init, rngs=rngs)
         self.attn_out = Linear(d, d, dtype=dt, kernel_init=proj_init, rngs=rngs)
@@ -79,7 +81,8 @@ class Block(nnx.Module):
 
     def __call__(self, x, pending=None):
         h, x = add_norm(self.ln1, x, pending)
-        h, x = self.ln2(self.attn_out(causal_attention(self.qkv(h), self.n_heads)), residual=x)
+        qkv = self.qkv(h, **qkv_split(self.split_qkv))
+        h, x = self.ln2(self.attn_out(causal_attention(qkv, self.n_heads)), residual=x)
         return x, self.mlp(h)
 
 

@@ -230,15 +230,17 @@ def test_deep24_blocks_compile_each_kernel_once(deep_train_steps):
         # add the pending sublayer output to the residual stream in their kernels
         assert per_name["layer_norm_fwd"] == per_name["layer_norm_bwd"] == 1, framework
         assert per_name["add_layer_norm_fwd"] == per_name["add_layer_norm_bwd"] == 2 * blocks, framework
-        # four GEMMs per block (qkv, attn_out, the MLP's two) + the LM head's: forward, dx, dkernel
+        # three GEMMs per block (attn_out, the MLP's two) + the LM head's, and the qkv projection
+        # as q, k, v planes (split_linear: no slice or concatenation): forward, dx, dkernel
         for name in ("linear_fwd", "linear_dx", "linear_dkernel"):
-            assert per_name[name] >= 4 * n, (framework, name, per_name)
+            assert per_name[name] >= 3 * n, (framework, name, per_name)
+            assert per_name[f"split_{name}"] == n, (framework, name, per_name)
         assert per_name["cross_entropy_fwd"] >= 1 and per_name["cross_entropy_bwd"] >= 1
         # one norm kernel per direction and kind serves all the norms
         distinct = Counter(kernel_name(t) for t in set(calls))
         for name in ("layer_norm_fwd", "layer_norm_bwd", "add_layer_norm_fwd", "add_layer_norm_bwd"):
             assert distinct[name] == 1, (framework, name)
-        # the other kernels: one per distinct projection shape, not per block (five shapes'
+        # the other kernels: one per distinct projection shape, not per block (five projections'
         # forward, dx and dkernel GEMMs, the cross-entropy's two, the four norms')
         assert sum(distinct.values()) <= 21, (framework, distinct)
         targets |= set(calls)

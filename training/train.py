@@ -574,7 +574,10 @@ def _plot(path: Path, train_curve: list[tuple[int, float]], eval_losses: list[tu
 def model_config(args: argparse.Namespace) -> GPTConfig:
     """The preset of ``--config`` in the compute dtype of ``--dtype`` (default: bfloat16 on a GPU)."""
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else None)
-    config = get_config(args.config, **({"dtype": dtype} if dtype else {}))
+    # tensor parallel shards the qkv kernel's columns, which the q / k / v planes would cut
+    # across devices (see GPTConfig.split_qkv)
+    split = {"split_qkv": False} if args.mesh["tensor"] > 1 else {}
+    config = get_config(args.config, **({"dtype": dtype} if dtype else {}), **split)
     if config.vocab_size < VOCAB_SIZE:
         raise UsageError(f"--config {args.config}: vocab_size={config.vocab_size} is smaller than the data's "
                          f"byte vocabulary ({VOCAB_SIZE})")
@@ -608,8 +611,9 @@ def open_checkpoint(args: argparse.Namespace, meta: dict, say):
     if saved.get("model") != args.model:
         raise UsageError(f"--resume: the checkpoint in {ckpt.directory} is for --model {saved.get('model')}; "
                          f"this run is --model {args.model}")
-    # parameters are float32 whatever the compute dtype: a checkpoint serves any --dtype
-    shape_of = lambda c: {k: v for k, v in (c or {}).items() if k != "dtype"}
+    # parameters are float32 whatever the compute dtype, and the same whether q, k, v come out
+    # apart or not (split_qkv, off under tensor parallel): a checkpoint serves any --dtype / --mesh
+    shape_of = lambda c: {k: v for k, v in (c or {}).items() if k not in ("dtype", "split_qkv")}
     if shape_of(saved.get("model_config")) != shape_of(meta["model_config"]):
         raise UsageError(
             f"--resume: the checkpoint in {ckpt.directory} is for --config {saved.get('config')} "

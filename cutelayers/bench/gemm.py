@@ -1,7 +1,7 @@
 """GEMM benchmark: ``python -m cutelayers.bench gemm [--shapes MxKxN ... --epilogue E] [--dtype bfloat16]``.
 
 Each case is a layer as a transformer uses it -- M x K x N and an epilogue (``plain``: x @ w;
-``bias``; ``bias+gelu``; ``bias+residual``) -- timed as ``fused_linear`` forward (2MNK flops) and
+``bias``; ``bias+gelu``; ``bias+residual``; ``bias+qkv``: three equal parts, ``split_linear``) -- timed as ``fused_linear`` forward (2MNK flops) and
 forward + backward (6MNK: y, dx, dkernel) next to XLA's jnp version of the same layer and its
 VJP, in the same process. TFLOP/s and the fraction of the H100's dense bf16 peak (989 TFLOP/s)
 are the floor: a GEMM cannot beat FLOPs / peak.
@@ -19,9 +19,11 @@ import cutelayers as cl
 from cutelayers.bench.timing import time_fn
 from cutelayers.ops.linear import ACTIVATION_FUNCTIONS, fused_linear, input_grad_fn, weight_grad_fn
 from cutelayers.ops.mlp import gated_hidden, is_gated
+from cutelayers.ops.split_linear import split_linear
 
 PEAK_TFLOPS = 989.0  # H100 SXM dense bf16 / fp16
-EPILOGUES = ("plain", "bias", "bias+gelu", "bias+residual")
+# "bias+qkv": the result as three equal parts (split_linear; XLA: one GEMM, then jnp.split)
+EPILOGUES = ("plain", "bias", "bias+gelu", "bias+residual", "bias+qkv")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +38,7 @@ class Layer:
 # GPT-2 size (16384 tokens, width 768), Llama-like widths, the large squares, and decode.
 LAYERS = (
     Layer("gpt2 qkv", 16384, 768, 2304, "bias"),
+    Layer("gpt2 qkv", 16384, 768, 2304, "bias+qkv"),
     Layer("gpt2 attn out", 16384, 768, 768, "bias+residual"),
     Layer("gpt2 fc1", 16384, 768, 3072, "bias+gelu"),
     Layer("gpt2 fc2", 16384, 3072, 768, "bias+residual"),
@@ -55,6 +58,9 @@ def _layer_fns(epilogue: str):
     activation = "gelu" if epilogue.endswith("gelu") else None
     has_bias, has_residual = epilogue != "plain", epilogue.endswith("residual")
     act = ACTIVATION_FUNCTIONS[activation or "none"]
+    if epilogue == "bias+qkv":
+        return (lambda x, w, b, r: split_linear(x, w, b, parts=3),
+                lambda x, w, b, r: tuple(jnp.split(x @ w + b[None, :], 3, axis=-1)))
 
     def ours(x, w, b, r):
         return fused_linear(x, w, b if has_bias else None, activation=activation,
@@ -144,6 +150,8 @@ def bench_gemm(layers=LAYERS, dtype=jnp.bfloat16) -> list[dict]:
         m, k, n = layer.m, layer.k, layer.n
         x, w, dy, b, r = _layer_operands(layer, dtype)
         ours, xla = _layer_fns(layer.epilogue)
+        if layer.epilogue == "bias+qkv":
+            dy = tuple(jnp.split(dy, 3, axis=-1))
         results.append(_result(layer.name, f"{m} x {k} x {n}", layer.epilogue, dtype, 2.0 * m * n * k, ours, xla,
                                (x, w, b, r), dy))
     return results

@@ -41,6 +41,7 @@ from flax.linen.module import Module, compact
 from cutelayers._module_checks import (
     array_blocker,
     check_mlp,
+    check_parts,
     fc1_features,
     check_tied_embedding,
     embed_blocker,
@@ -53,12 +54,14 @@ from cutelayers._module_checks import (
     options_blocker,
     residual_blocker,
     residual_like,
+    split_result,
     stock_norm,
 )
 from cutelayers.ops.embed import embed
 from cutelayers.ops.linear import fused_linear
 from cutelayers.ops.mlp import mlp
 from cutelayers.ops.pool import masked_mean_pool
+from cutelayers.ops.split_linear import split_linear
 
 Dtype = Any
 Initializer = Any
@@ -115,17 +118,22 @@ class Dense(nn.Dense):
     activation: Any = None
 
     @compact
-    def __call__(self, inputs, residual=None):
+    def __call__(self, inputs, residual=None, *, parts: int | None = None):
         """``inputs`` (..., in_features) -> (..., features). ``residual`` (..., features), optional:
-        added after the activation (cast to the result dtype)."""
+        added after the activation (cast to the result dtype). ``parts``, optional: the result as a
+        tuple of that many equal blocks of features, each its own array (attention's q, k, v;
+        :func:`cutelayers.ops.split_linear`), for a plain projection."""
+        check_parts("Dense", parts, self.features, self.activation, residual)
         custom_promote = None if self.promote_dtype is dtypes.promote_dtype else self.promote_dtype
         why = (options_blocker(dot_general=self.dot_general, dot_general_cls=self.dot_general_cls,
                                promote_dtype=custom_promote)
                or array_blocker(inputs, parameters=self.param_dtype, dtype=self.dtype))
         if not kernels_serve("Dense", why):
-            return finish_linear(super().__call__(inputs), self.activation, residual)
+            return split_result(finish_linear(super().__call__(inputs), self.activation, residual), parts)
         kernel, bias = _dense_params(self, jnp.shape(inputs)[-1])
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        if parts is not None:
+            return split_linear(inputs, kernel, bias, parts=parts, precision=self.precision)
         return fused_linear(inputs, kernel, bias, activation=self.activation, precision=self.precision,
                             residual=residual_like(residual, inputs))
 

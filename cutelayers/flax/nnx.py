@@ -45,6 +45,7 @@ from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 from cutelayers._module_checks import (
     array_blocker,
     check_mlp,
+    check_parts,
     fc1_features,
     check_tied_embedding,
     embed_blocker,
@@ -57,12 +58,14 @@ from cutelayers._module_checks import (
     options_blocker,
     residual_blocker,
     residual_like,
+    split_result,
     stock_norm,
 )
 from cutelayers.ops.embed import embed
 from cutelayers.ops.linear import fused_linear
 from cutelayers.ops.mlp import mlp
 from cutelayers.ops.pool import masked_mean_pool
+from cutelayers.ops.split_linear import split_linear
 
 Dtype = tp.Any
 Initializer = tp.Any
@@ -121,9 +124,12 @@ class Linear(nnx.Linear):
         super().__init__(in_features, out_features, **kwargs)
         self.activation = activation
 
-    def __call__(self, inputs, out_sharding=None, *, residual=None):
+    def __call__(self, inputs, out_sharding=None, *, residual=None, parts: int | None = None):
         """``inputs`` (..., in_features) -> (..., out_features). ``residual`` (..., out_features),
-        optional: added after the activation (cast to the result dtype)."""
+        optional: added after the activation (cast to the result dtype). ``parts``, optional: the
+        result as a tuple of that many equal blocks of out_features, each its own array (attention's
+        q, k, v; :func:`cutelayers.ops.split_linear`), for a plain projection."""
+        check_parts("Linear", parts, self.out_features, self.activation, residual)
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         why = (options_blocker(dot_general=None if self.dot_general is jax.lax.dot_general else self.dot_general,
@@ -136,7 +142,10 @@ class Linear(nnx.Linear):
         why = why or options_blocker(preferred_element_type=None if preferred is None
                                      or jnp.dtype(preferred) == inputs.dtype else preferred)
         if not kernels_serve("Linear", why):
-            return finish_linear(super().__call__(inputs, out_sharding), self.activation, residual)
+            return split_result(finish_linear(super().__call__(inputs, out_sharding), self.activation, residual),
+                                parts)
+        if parts is not None:
+            return split_linear(inputs, kernel, bias, parts=parts, precision=self.precision)
         return fused_linear(inputs, kernel, bias, activation=self.activation, precision=self.precision,
                             residual=residual_like(residual, inputs))
 

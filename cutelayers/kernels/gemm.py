@@ -42,6 +42,11 @@ Few output tiles over a long contraction (a weight gradient's (K, N) over all th
 leave most SMs idle: ``stream_k`` (:class:`StreamKScheduler`) gives every cluster one equal
 share of all the (tile, k tile) steps instead, and the partial tiles meet in c through reduce-add
 TMA stores.
+
+*Planes* (:class:`Planes`): the P equal column blocks of one fused layer -- the q, k and v of an
+attention projection -- as the GEMM's batch mode, with an operand given as P separate buffers
+where the layer's neighbours hold them apart (the forward's outputs, dx's contraction over dq, dk,
+dv, dW's columns): no slice or concatenation around the GEMM.
 """
 
 from __future__ import annotations
@@ -97,6 +102,62 @@ class Epilogue:
     def has_source(self) -> bool:
         """Whether the epilogue reads an (M, N, L) tile: the residual or the pre-activation."""
         return self.has_residual or self.grad_of != "none"
+
+
+OPERAND_PLANES = ("batched", "shared", "split")
+
+
+@dataclasses.dataclass(frozen=True)
+class Planes:
+    """How the batch mode L reaches each operand.
+
+    Default (``count`` None): every operand has the same L mode, any size (a vmap batch). With a
+    static ``count`` P, the L of the GEMM are the P planes of a fused layer, and each of A, B and C
+    is one of
+
+    * "batched": one tensor whose L mode has P entries (a strided view of the layer's weight);
+    * "shared": one tensor with L = 1 read by every plane (the layer's input); for C, one output
+      that sums the planes: the mainloop runs through every plane's k tiles into one accumulator
+      (dx = sum over l of dz_l @ W_lᵀ);
+    * "split": P separate buffers, one per plane, each with L = 1.
+    """
+
+    count: int | None = None
+    a: str = "batched"
+    b: str = "batched"
+    c: str = "batched"
+
+    def __post_init__(self):
+        hows = (self.a, self.b, self.c)
+        if any(h not in OPERAND_PLANES for h in hows):
+            raise ValueError(f"each operand's planes must be one of {OPERAND_PLANES}; got {hows}")
+        if self.count is None and hows != ("batched",) * 3:
+            raise ValueError("shared or split operands need a static plane count")
+        if self.count is not None and self.count < 2:
+            raise ValueError(f"a planar GEMM has at least 2 planes; got count={self.count}")
+
+    @property
+    def summed(self) -> bool:
+        """Whether the planes add up into one output (C shared)."""
+        return self.c == "shared"
+
+    def operands(self, how: str) -> int:
+        """Buffers that stand for one operand planed ``how``."""
+        return self.count if how == "split" else 1
+
+
+def per_plane(make, tensor):
+    """``make(tensor)`` -- a (TMA atom, TMA tensor) pair --, or for split planes (a tuple of
+    buffers) the pair (tuple of atoms, tuple of tensors)."""
+    if not isinstance(tensor, tuple):
+        return make(tensor)
+    atoms, tensors = zip(*(make(t) for t in tensor))
+    return tuple(atoms), tuple(tensors)
+
+
+def as_planes(x) -> tuple:
+    """``x`` as a tuple of per-plane values (one value if not split)."""
+    return x if isinstance(x, tuple) else (x,)
 
 
 @cute.jit
@@ -235,21 +296,28 @@ class HopperGemmKernel:
     """C = epilogue(A @ Bᵀ) on Hopper: persistent, warp-specialized TMA + wgmma, fp32 accumulation.
 
     Launcher ``(stream, a, b, [bias], [residual | preact_in], c, [preact])``, which optional
-    tensors are present being fixed by ``epilogue``:
+    tensors are present being fixed by ``epilogue``, each of a, b and c being ``planes.count``
+    tensors where :class:`Planes` splits it:
 
     * a: (M, K, L), b: (N, K, L): bfloat16 or float16 (same dtype), any one of the two modes
       M/N or K contiguous; M, K and L may be symbolic, N static, every contiguous extent a
       multiple of 8;
-    * bias: (N,) in c's dtype; residual, preact_in (the source of ``grad_of``), c, preact:
-      (M, N, L), N contiguous, c's dtype.
+    * bias: (N,) in c's dtype, (N, P) with a plane count (each plane its own); residual,
+      preact_in (the source of ``grad_of``), c, preact: (M, N, L), N contiguous, c's dtype.
 
     ``accumulate``: C += A @ Bᵀ, each tile added into c by the TMA store (reduce-add): how
     ``stream_k`` (:class:`StreamKScheduler`) sums its partial tiles, and how a caller adds into a
     running float32 sum without a pass of its own.
     """
 
-    def __init__(self, config: GemmConfig, epilogue: Epilogue, accumulate: bool = False, stream_k: bool = False):
+    def __init__(self, config: GemmConfig, epilogue: Epilogue, accumulate: bool = False, stream_k: bool = False,
+                 planes: Planes = Planes()):
         self.config, self.epilogue, self.accumulate, self.stream_k = config, epilogue, accumulate, stream_k
+        self.planes = planes
+        if planes.c == "split" and (epilogue.has_source or epilogue.store_preact):
+            raise ValueError("split outputs take an epilogue without source tiles or a stored pre-activation")
+        if planes.summed and (stream_k or epilogue.has_bias):
+            raise ValueError("summed planes take no stream-K and no bias")
         if stream_k and not accumulate:
             raise ValueError("stream-K partial tiles are summed into c: stream_k needs accumulate=True")
         if stream_k and config.pingpong:
@@ -271,13 +339,22 @@ class HopperGemmKernel:
     @cute.jit
     def __call__(self, stream, *tensors):
         epilogue, config = self.epilogue, self.config
+        planes = self.planes
         rest = list(tensors)
-        a = rest.pop(0)
-        b = rest.pop(0)
+
+        def take(how):
+            """The next operand: a tuple of its planes' buffers if split."""
+            if const_expr(how == "split"):
+                return tuple(rest.pop(0) for _ in range(planes.count))
+            return rest.pop(0)
+
+        a_in = take(planes.a)
+        b_in = take(planes.b)
         bias = rest.pop(0) if const_expr(epilogue.has_bias) else None
         source = rest.pop(0) if const_expr(epilogue.has_source) else None
-        c = rest.pop(0)
+        c_in = take(planes.c)
         preact = rest.pop(0) if const_expr(epilogue.store_preact) else None
+        a, b, c = (x[0] if const_expr(isinstance(x, tuple)) else x for x in (a_in, b_in, c_in))
 
         self.a_dtype, self.b_dtype, self.c_dtype = a.element_type, b.element_type, c.element_type
         self.stages = config.stages_for(a.element_type.width // 8, c.element_type.width // 8, epilogue.has_source)
@@ -296,14 +373,14 @@ class HopperGemmKernel:
         source_smem = sm90.make_smem_layout_epi(c.element_type, c_layout, epi_tile, SOURCE_STAGES * groups)
 
         # A is shared by the cluster_n CTAs of a cluster row, B by the cluster_m of a column.
-        tma_a, tma_tensor_a = self.load_atom(a, a_smem, (config.tile_m, config.tile_k), config.cluster_n)
-        tma_b, tma_tensor_b = self.load_atom(b, b_smem, (config.tile_n, config.tile_k), config.cluster_m)
+        tma_a, tma_tensor_a = self.load_atom(a_in, a_smem, (config.tile_m, config.tile_k), config.cluster_n)
+        tma_b, tma_tensor_b = self.load_atom(b_in, b_smem, (config.tile_n, config.tile_k), config.cluster_m)
         # accumulate: the TMA unit adds each tile into c (stream-K partials into a zeroed c, or a
         # running sum such as the LM head's dkernel over token chunks).
         store = cpasync.CopyReduceBulkTensorTileS2GOp() if const_expr(
             self.accumulate) else cpasync.CopyBulkTensorTileS2GOp()
         epi_smem_one = cute.slice_(epi_smem, (None, None, 0))
-        tma_c, tma_tensor_c = cpasync.make_tiled_tma_atom(store, c, epi_smem_one, epi_tile)
+        tma_c, tma_tensor_c = per_plane(lambda t: cpasync.make_tiled_tma_atom(store, t, epi_smem_one, epi_tile), c_in)
         tma_z, tma_tensor_z = None, None
         if const_expr(epilogue.store_preact):
             tma_z, tma_tensor_z = cpasync.make_tiled_tma_atom(store, preact, epi_smem_one, epi_tile)
@@ -325,7 +402,9 @@ class HopperGemmKernel:
 
         self.shared_storage = SharedStorage
         # Work units of the persistent scheduler: output tiles x batch (see ``work_unit``).
-        tiles = (cute.ceil_div(c.shape[0], config.tile_m), cute.ceil_div(c.shape[1], config.tile_n), c.shape[2])
+        # split outputs: one per plane; summed planes: one output of L = 1
+        batches = planes.count if const_expr(planes.c == "split") else c.shape[2]
+        tiles = (cute.ceil_div(c.shape[0], config.tile_m), cute.ceil_div(c.shape[1], config.tile_n), batches)
         schedule = utils.PersistentTileSchedulerParams(
             tiles, (config.cluster_m, config.cluster_n, 1), self.raster_group(c.shape[1]), True
         )
@@ -337,6 +416,7 @@ class HopperGemmKernel:
         self.kernel(
             tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, tma_c, tma_tensor_c, tma_z, tma_tensor_z,
             tma_s, tma_tensor_s, bias, a_smem, b_smem, epi_smem, source_smem, epi_tile, schedule,
+            (c.shape[0], c.shape[1], batches),
         ).launch(
             grid=grid,
             block=[config.threads, 1, 1],
@@ -356,22 +436,22 @@ class HopperGemmKernel:
         return max(g for g in range(1, GROUP_N + 1) if clusters % g == 0)
 
     def load_atom(self, tensor, smem_staged, tile, multicast: int):
-        """TMA load atom for one operand, multicast to ``multicast`` CTAs when above 1."""
+        """TMA load atom for one operand (per plane if split), multicast to ``multicast`` CTAs when
+        above 1."""
         op = cpasync.CopyBulkTensorTileG2SMulticastOp() if multicast > 1 else cpasync.CopyBulkTensorTileG2SOp()
-        return cpasync.make_tiled_tma_atom(
-            op, tensor, cute.slice_(smem_staged, (None, None, 0)), tile, num_multicast=multicast
-        )
+        return per_plane(lambda t: cpasync.make_tiled_tma_atom(
+            op, t, cute.slice_(smem_staged, (None, None, 0)), tile, num_multicast=multicast), tensor)
 
     @cute.kernel
     def kernel(
         self,
         tiled_mma: cute.TiledMma,
-        tma_a: cute.CopyAtom,
-        tma_tensor_a: cute.Tensor,
-        tma_b: cute.CopyAtom,
-        tma_tensor_b: cute.Tensor,
-        tma_c: cute.CopyAtom,
-        tma_tensor_c: cute.Tensor,
+        tma_a,  # CopyAtom, or a tuple of them per plane when split (so are the tensors)
+        tma_tensor_a,
+        tma_b,
+        tma_tensor_b,
+        tma_c,
+        tma_tensor_c,
         tma_z,
         tma_tensor_z,
         tma_s,
@@ -383,13 +463,14 @@ class HopperGemmKernel:
         source_smem: cute.ComposedLayout,
         epi_tile: cutlass.Constexpr,
         schedule: utils.PersistentTileSchedulerParams,
+        c_shape,
     ):
-        config, epilogue = self.config, self.epilogue
+        config, epilogue, planes = self.config, self.epilogue, self.planes
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp == 0:
-            cpasync.prefetch_descriptor(tma_a)
-            cpasync.prefetch_descriptor(tma_b)
+            for atom in as_planes(tma_a) + as_planes(tma_b):
+                cpasync.prefetch_descriptor(atom)
 
         # --- cluster position, shared memory and the pipelines ----------------------------------
         cluster_layout = cute.make_layout((config.cluster_m, config.cluster_n, 1))
@@ -431,21 +512,18 @@ class HopperGemmKernel:
         cluster_mn = (config.cluster_m, config.cluster_n)
         pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_mn, is_relaxed=True)
 
-        # (tile, tile_k, tiles, k tiles, L) views of A and B, split for (multicast) TMA.
-        ga = cute.local_tile(tma_tensor_a, cute.slice_(self.tile_mnk, (None, 0, None)), (None, None, None))
-        gb = cute.local_tile(tma_tensor_b, cute.slice_(self.tile_mnk, (0, None, None)), (None, None, None))
-        tsa, tga = cpasync.tma_partition(
-            tma_a, cluster_coord[1], cute.make_layout(config.cluster_n),
-            cute.group_modes(sa, 0, 2), cute.group_modes(ga, 0, 2))
-        tsb, tgb = cpasync.tma_partition(
-            tma_b, cluster_coord[0], cute.make_layout(config.cluster_m),
-            cute.group_modes(sb, 0, 2), cute.group_modes(gb, 0, 2))
-        k_tiles = cute.size(ga, mode=[3])
+        # (tile, tile_k, tiles, k tiles, L) views of A and B (per plane if split), split for
+        # (multicast) TMA.
+        a_parts = self.load_partitions(tma_a, tma_tensor_a, sa, (None, 0, None), cluster_coord[1], config.cluster_n)
+        b_parts = self.load_partitions(tma_b, tma_tensor_b, sb, (0, None, None), cluster_coord[0], config.cluster_m)
+        k_tiles = cute.size((a_parts[0] if const_expr(planes.a == "split") else a_parts)[1], mode=[2])
+        # A tile's steps: its k tiles, in every plane when the planes are summed.
+        tile_steps = k_tiles * planes.count if const_expr(planes.summed) else k_tiles
 
         pipeline.pipeline_init_wait(cluster_shape_mn=cluster_mn)
         if const_expr(self.stream_k):
-            scheduler = StreamKScheduler.create(tma_tensor_c.shape, (config.tile_m, config.tile_n), cluster_mn,
-                                                cluster_coord, k_tiles)
+            scheduler = StreamKScheduler.create(c_shape, (config.tile_m, config.tile_n), cluster_mn,
+                                                cluster_coord, tile_steps)
         else:
             scheduler = utils.StaticPersistentTileScheduler.create(
                 schedule, cute.arch.block_idx(), cute.arch.grid_dim())
@@ -459,19 +537,21 @@ class HopperGemmKernel:
                 producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 work = scheduler.initial_work_tile_info()
                 while work.is_valid_tile:
-                    m, n, batch, k0, k_count = self.work_unit(work.tile_idx, k_tiles)
-                    tga_tile = tga[(None, m, None, batch)]
-                    tgb_tile = tgb[(None, n, None, batch)]
+                    m, n, batch, k0, k_count = self.work_unit(work.tile_idx, tile_steps)
                     for kk in cutlass.range(k_count, unroll=1):
                         k = k0 + kk
                         if const_expr(self.stream_k):
-                            k = k % k_tiles  # a rotated segment wraps past the last k tile
+                            k = k % tile_steps  # a rotated segment wraps past the last k tile
+                        plane = batch
+                        if const_expr(planes.summed):
+                            plane = k // k_tiles
+                            k = k - plane * k_tiles
                         loads.producer_acquire(producer)
                         barrier = loads.producer_get_barrier(producer)
-                        cute.copy(tma_a, tga_tile[(None, k)], tsa[(None, producer.index)], tma_bar_ptr=barrier,
-                                  mcast_mask=a_mask if const_expr(config.cluster_n > 1) else 0)
-                        cute.copy(tma_b, tgb_tile[(None, k)], tsb[(None, producer.index)], tma_bar_ptr=barrier,
-                                  mcast_mask=b_mask if const_expr(config.cluster_m > 1) else 0)
+                        self.load_tile(tma_a, a_parts, planes.a, m, k, plane, producer.index, barrier,
+                                       a_mask if const_expr(config.cluster_n > 1) else 0)
+                        self.load_tile(tma_b, b_parts, planes.b, n, k, plane, producer.index, barrier,
+                                       b_mask if const_expr(config.cluster_m > 1) else 0)
                         loads.producer_commit(producer)
                         producer.advance()
                     scheduler.advance_to_next_work()
@@ -514,17 +594,17 @@ class HopperGemmKernel:
                 # lets warpgroup 0 take the first mainloop turn.
                 scheduler.advance_to_next_work(advance_count=group)
                 work = scheduler.get_current_work()
-                consumer.advance(k_tiles * group)
-                released.advance(k_tiles * group)
+                consumer.advance(tile_steps * group)
+                released.advance(tile_steps * group)
                 if group == 1:
                     cute.arch.barrier_arrive(barrier_id=MMA_TURN_BARRIER, number_of_threads=2 * WARPGROUP)
             while work.is_valid_tile:
-                m, n, batch, _, k_count = self.work_unit(work.tile_idx, k_tiles)
+                m, n, batch, _, k_count = self.work_unit(work.tile_idx, tile_steps)
                 tile_idx = (m, n, batch)
                 # A cluster's padding tile (past the output) is computed but not stored: along a
                 # static extent of one tile its coordinate aliases tile 0 (a size-1 mode has
                 # stride 0), and an accumulating store would add that tile twice.
-                inside = (m * config.tile_m < tma_tensor_c.shape[0]) & (n * config.tile_n < tma_tensor_c.shape[1])
+                inside = (m * config.tile_m < c_shape[0]) & (n * config.tile_n < c_shape[1])
                 if const_expr(epilogue.has_source):
                     # The tile's first source subtiles load while its mainloop runs.
                     for e in cutlass.range_constexpr(min(SOURCE_STAGES, self.epi_tiles(epi_tile))):
@@ -566,13 +646,39 @@ class HopperGemmKernel:
                 if const_expr(config.pingpong):
                     # Past the other warpgroup's next tile and its stages.
                     scheduler.advance_to_next_work(advance_count=2)
-                    consumer.advance(k_tiles)
-                    released.advance(k_tiles)
+                    consumer.advance(tile_steps)
+                    released.advance(tile_steps)
                 else:
                     scheduler.advance_to_next_work()
                 work = scheduler.get_current_work()
             if store_warp:
                 stores.producer_tail()
+
+    def load_partitions(self, tma, tma_tensor, smem, tile_modes, cluster_rank, multicast: int):
+        """(smem destinations, (tile, tile_k, tiles, k tiles, L) global sources) of one operand's
+        TMA loads -- a tuple of them per plane if split."""
+
+        def partition(atom, tensor):
+            g = cute.local_tile(tensor, cute.slice_(self.tile_mnk, tile_modes), (None, None, None))
+            return cpasync.tma_partition(atom, cluster_rank, cute.make_layout(multicast),
+                                         cute.group_modes(smem, 0, 2), cute.group_modes(g, 0, 2))
+
+        if isinstance(tma, tuple):
+            return tuple(partition(atom, tensor) for atom, tensor in zip(tma, tma_tensor))
+        return partition(tma, tma_tensor)
+
+    @cute.jit
+    def load_tile(self, tma, parts, how: cutlass.Constexpr, row, k, plane, stage, barrier, mask):
+        """TMA-load k tile ``k`` of row tile ``row`` of one operand, ``plane``'s, into ``stage``."""
+        if const_expr(how == "split"):
+            for p in cutlass.range_constexpr(self.planes.count):
+                if plane == p:
+                    s, g = parts[p]
+                    cute.copy(tma[p], g[(None, row, k, 0)], s[(None, stage)], tma_bar_ptr=barrier, mcast_mask=mask)
+        else:
+            s, g = parts
+            batch = 0 if const_expr(how == "shared") else plane
+            cute.copy(tma, g[(None, row, k, batch)], s[(None, stage)], tma_bar_ptr=barrier, mcast_mask=mask)
 
     @cute.jit
     def work_unit(self, tile_idx, k_tiles):
@@ -655,7 +761,10 @@ class HopperGemmKernel:
             for i in cutlass.range(cute.size(acc), unroll_full=True):
                 col = n0 + tile_coords_c[i][1]
                 if col < bias.shape[0]:
-                    acc[i] = acc[i] + bias[col].to(Float32)
+                    if const_expr(self.planes.count is None):
+                        acc[i] = acc[i] + bias[col].to(Float32)
+                    else:
+                        acc[i] = acc[i] + bias[(col, tile_idx[2])].to(Float32)
         if const_expr(epilogue.store_preact):
             self.store_tile(acc, False, ring, sources, group, source_loaded, source_read, tma_z, tma_tensor_z,
                             tma_s, tma_tensor_s, tile_idx, epi_tile, stores, store_warp, inside, first_store)
@@ -686,7 +795,11 @@ class HopperGemmKernel:
             source_part = cute.make_rmem_tensor(part_layout, self.c_dtype)
         source_view = copy_s2r.retile(source_part) if const_expr(with_source) else None
 
-        s_tma, g_tma, epi_order = self.subtile_views(tma_out, tma_tensor_out, sc, tile_idx, epi_tile)
+        if const_expr(isinstance(tma_out, tuple)):  # split outputs: each plane's views, at L = 0
+            views = [self.subtile_views(atom, tensor, sc, (*tile_idx[:2], 0), epi_tile)
+                     for atom, tensor in zip(tma_out, tma_tensor_out)]
+        else:
+            views = self.subtile_views(tma_out, tma_tensor_out, sc, tile_idx, epi_tile)
         subtiles = self.epi_tiles(epi_tile)
         for e in cutlass.range_constexpr(subtiles):
             for v in cutlass.range_constexpr(cute.size(part)):
@@ -714,7 +827,14 @@ class HopperGemmKernel:
             cute.arch.barrier(barrier_id=1 + group, number_of_threads=mma_threads)
             if store_warp:
                 if inside:
-                    cute.copy(tma_out, s_tma[(None, buffer)], g_tma[(None, epi_order.get_hier_coord(e))])
+                    if const_expr(isinstance(tma_out, tuple)):
+                        for p in cutlass.range_constexpr(len(tma_out)):
+                            if tile_idx[2] == p:
+                                s_tma, g_tma, epi_order = views[p]
+                                cute.copy(tma_out[p], s_tma[(None, buffer)], g_tma[(None, epi_order.get_hier_coord(e))])
+                    else:
+                        s_tma, g_tma, epi_order = views
+                        cute.copy(tma_out, s_tma[(None, buffer)], g_tma[(None, epi_order.get_hier_coord(e))])
                 stores.producer_commit()
                 stores.producer_acquire()
             cute.arch.barrier(barrier_id=1 + group, number_of_threads=mma_threads)

@@ -7,6 +7,7 @@ from cutelayers.ops.mlp import mlp
 from cutelayers.ops.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from cutelayers.ops.pool import masked_mean_pool
 from cutelayers.ops.reduce import reduce_max, reduce_mean, reduce_sum
+from cutelayers.ops.split_linear import split_linear
 from cutelayers.ops.softmax import log_softmax, logsumexp, softmax, softmax_cross_entropy
 
 __all__ = [
@@ -26,4 +27,5 @@ __all__ = [
     "rms_norm",
     "softmax",
     "softmax_cross_entropy",
+    "split_linear",
 ]

@@ -221,12 +221,20 @@ class GemmFamily(TunableFamily):
     def launcher(self, avals, out_avals):
         from cutelayers.kernels.gemm import HopperGemmKernel
 
-        return HopperGemmKernel(self.chosen_config(), self.epilogue(), self.accumulate, self.stream_k)
+        return HopperGemmKernel(self.chosen_config(), self.epilogue(), self.accumulate, self.stream_k,
+                                self.planes())
 
     def epilogue(self):
         from cutelayers.kernels.gemm import Epilogue
 
         return Epilogue()
+
+    def planes(self):
+        """How the kernel's batch mode reaches the operands (:class:`cutelayers.kernels.gemm.Planes`):
+        one L for all (default), or a fused layer's planes (:mod:`cutelayers.ops.split_linear`)."""
+        from cutelayers.kernels.gemm import Planes
+
+        return Planes()
 
 
 @dataclasses.dataclass(frozen=True)
