@@ -600,8 +600,12 @@ def test_add_kernel_values_and_grads_gpu(op, dtype, n, rng):
             g_ref, g_summed_ref = grads(("normed", "summed")), grads(("summed",))
         for a, b in zip(g_both, g_ref):
             if b is not None:
-                # N = 1 gradients are ~epsilon-sized differences: compare against their scale.
-                assert_close(a, np.asarray(jnp.asarray(b, jnp.float32)), a.dtype, scale=10.0 if n > 1 else 1e4)
+                # N = 1 gradients are ~epsilon-sized differences: compare against their scale. A row
+                # of three can draw near-equal sums, whose rstd amplifies the one-ulp difference
+                # between our rounded sum and the reference's (XLA may keep it in float32): seeds
+                # 809872388 (0.50 in bfloat16) and 2633691409 (0.029 in float16) on an H200.
+                assert_close(a, np.asarray(jnp.asarray(b, jnp.float32)), a.dtype,
+                             scale=1e4 if n == 1 else 100.0 if n < 8 else 10.0)
         # through summed alone, d_normed is zero: dx = dresidual = d_summed. Not bit-equal to the
         # reference program's: XLA may keep that program's summed in float32 inside a fusion
         # (excess precision) where ours is the rounded kernel output, so cos(summed) differs by
