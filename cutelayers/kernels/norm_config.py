@@ -13,7 +13,10 @@ BACKWARD_VALUES_PER_THREAD = 16
 # The persistent backward grid: Hopper parts have 132 SMs (H100 SXM, H200); fewer SMs only means
 # a tail wave. Fixed so that the partials' shape is known without a device.
 HOPPER_SMS = 132
-THREADS_PER_SM = 1024  # resident threads per SM the backward grid aims for
+# Resident threads per SM the backward grid aims for: the register-resident backward uses ~124
+# registers a thread (ptxas, bf16 x 768 with residual), so 512 of 128-thread CTAs fit an SM's 64K;
+# a 1024-thread target launched a second wave of CTAs and twice the dscale / dbias partials.
+THREADS_PER_SM = 512
 
 
 def backward_grid(config: RowConfig, rows: int | None = None) -> int:
