@@ -182,6 +182,30 @@ def test_lowering_has_three_kernels_and_no_activation_sized_slice_or_concatenati
             assert not re.search(rf"tensor<{m}x", line.split("->")[-1]), line  # only the bias's (3d,)
 
 
+# --- sharded (four fake CPU devices): data- and row-parallel run the families' rules per device ------
+
+@pytest.mark.parametrize("layout", ["row-parallel", "column-parallel"])
+def test_sharded_kernel_matches_one_device(layout, rng):
+    """K sharded (row-parallel: partial products psum'd, the bias added once after) or N sharded
+    (the weight's [q | k | v] columns cut across devices, resharded to planes by XLA): values and
+    gradients are one device's."""
+    from jax.sharding import PartitionSpec as P
+    from test_sharding import Case, assert_step_matches, loss_and_grads, make_mesh, put, random_cotangent
+
+    def fn(x, w, b):
+        return jnp.concatenate(split_linear(x, w, b, parts=3), axis=-1)
+
+    mesh = make_mesh((2, 2), ("data", "model"))
+    args = operands(rng, (8, 6), 32, 96, jnp.float16)
+    specs = ((P("data", None, "model"), P("model", None), P()) if layout == "row-parallel"
+             else (P("data"), P(None, "model"), P("model")))
+    cotangent = random_cotangent(rng, Case(layout, fn, None, (), (0, 1, 2)), args)
+    step = jax.jit(loss_and_grads, static_argnums=(0, 2))
+    ref = step(fn, args, (0, 1, 2), cotangent)
+    sharded = put(mesh, args, specs)
+    assert_step_matches(step(fn, sharded, (0, 1, 2), cotangent), ref, jnp.float16)
+
+
 # --- GPU ----------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu

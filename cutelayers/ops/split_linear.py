@@ -116,9 +116,8 @@ class SplitForward(GemmFamily):
             return super().per_shard(rule, ctx, x, kernel, *bias)
         # Row-parallel: the bias joins the summed partial products once, after the psum.
         partial = SplitForward(self.parts, False, self.config, self.kernel_nk).run_local(x, kernel)
-        summed = ctx.psum(partial, {"k"})
-        return tuple((y.astype(jnp.float32) + b.astype(jnp.float32)[None, None]).astype(x.dtype)
-                     for y, b in zip(summed, bias[0]))
+        return tuple((ctx.psum(y, {"k"}).astype(jnp.float32) + b.astype(jnp.float32)[None, None]).astype(x.dtype)
+                     for y, b in zip(partial, bias[0]))
 
     def epilogue(self):
         from cutelayers.kernels.gemm import Epilogue
