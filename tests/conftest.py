@@ -1,5 +1,5 @@
-"""Test setup: four fake CPU devices, CuTe compiles for sm_90a, XLA compiles shared by the run's
-processes, `gpu`, `multigpu` and `cute` markers, fresh randomness; with
+"""Test setup: four fake CPU devices, CuTe compiles for sm_90a, XLA programs and CuTe kernels
+compiled once for the run's processes, `gpu`, `multigpu` and `cute` markers, fresh randomness; with
 ``CUTELAYERS_TEST_TIMINGS=<file>``, one JSON line per test of where its time went."""
 
 import collections
@@ -10,21 +10,28 @@ import shutil
 import tempfile
 import time
 
-# Before JAX is imported anywhere: fake devices for placement/sharding tests, LLVM's cheapest
-# optimization level for XLA's CPU programs (the suite compiles far more than it runs: about a
-# quarter less time on 2 cores), and a target arch so CuTe kernels compile on machines without a GPU.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0")
+# Before JAX is imported anywhere: fake devices for placement/sharding tests, the cheapest XLA CPU
+# compiles (the suite compiles far more than it runs): LLVM -O0, XLA's classic emitters rather
+# than its fusion emitters (the suite's XLA compile seconds on 2 cores: 524 -> 295) and one LLVM
+# module per program, not several for parallel codegen (a worker per core leaves no core to spare);
+# and a target arch so CuTe kernels compile on machines without a GPU.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 "
+                                   "--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1")
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-# Compile counts in tests must not depend on what an earlier run left on disk: the disk cache is
-# off unless a test turns it on (tests/test_disk_cache.py, with its own directory).
-os.environ["CUTELAYERS_CACHE_DIR"] = ""
-# XLA programs compiled once per test run, not once per process: JAX's persistent compilation
-# cache in a directory made fresh for the run by the first process to load this file (the xdist
-# controller), which the workers and the subprocesses tests launch inherit, and removed at the end.
-_OWNS_JAX_CACHE = "CUTELAYERS_TEST_JAX_CACHE" not in os.environ
-if _OWNS_JAX_CACHE:
-    os.environ["CUTELAYERS_TEST_JAX_CACHE"] = tempfile.mkdtemp(prefix="cutelayers-test-jax-cache-")
+# Compiles once per test run, not once per process: JAX's persistent compilation cache (XLA
+# programs) and cutelayers' disk cache (CuTe kernels) in directories made fresh for the run by the
+# first process to load this file (the xdist controller), which the workers and the subprocesses
+# tests launch inherit, and removed at the end. Nothing an earlier run left is read; within the
+# run, whether a kernel is compiled or loaded depends on which test got to it first, so tests
+# count kernels made ready (`built`), or turn the disk cache off where they count compiles.
+_OWNED_CACHES = []
+for _variable, _prefix in (("CUTELAYERS_TEST_JAX_CACHE", "cutelayers-test-jax-cache-"),
+                           ("CUTELAYERS_TEST_KERNEL_CACHE", "cutelayers-test-kernels-")):
+    if _variable not in os.environ:
+        os.environ[_variable] = tempfile.mkdtemp(prefix=_prefix)
+        _OWNED_CACHES.append(os.environ[_variable])
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ["CUTELAYERS_TEST_JAX_CACHE"])
+os.environ["CUTELAYERS_CACHE_DIR"] = os.environ["CUTELAYERS_TEST_KERNEL_CACHE"]
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
@@ -58,8 +65,8 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
-    if _OWNS_JAX_CACHE:
-        shutil.rmtree(os.environ["CUTELAYERS_TEST_JAX_CACHE"], ignore_errors=True)
+    for directory in _OWNED_CACHES:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -74,6 +81,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_multigpu)
         elif CUTE_MISSING and (item.get_closest_marker("cute") or item.get_closest_marker("gpu")):
             item.add_marker(skip_cute)
+
+
+def built(stats) -> int:
+    """Kernels a ``cl.cache_info()`` entry made ready in this process: compiled here, or loaded
+    from the run's disk cache where another test or worker compiled them first."""
+    return stats.compiles + stats.disk_hits
 
 
 @pytest.fixture

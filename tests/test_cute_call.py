@@ -37,7 +37,8 @@ def lower_cuda(f, *avals):
 
 
 @pytest.fixture(autouse=True)
-def fresh():
+def fresh(monkeypatch):
+    monkeypatch.setenv("CUTELAYERS_CACHE_DIR", "")  # compiles counted here: none loaded from the run's disk cache
     cl.clear_cache()
     jax.clear_caches()
 

@@ -6,6 +6,7 @@ entries are detected, recompiled and replaced; concurrent writers leave valid en
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -78,11 +79,30 @@ def test_second_process_compiles_nothing(tmp_path):
     assert all(compiles == 0 and hits == 1 for compiles, hits in second.values()), second
 
 
+@pytest.fixture(scope="module")
+def one_entry(tmp_path_factory):
+    """A cache directory holding one entry, :func:`lower_in_process`'s kernel, compiled once for
+    the tests that copy it before damaging or adding to it."""
+    directory = tmp_path_factory.mktemp("one_entry")
+    with pytest.MonkeyPatch.context() as patch:
+        stats = lower_in_process(directory, patch)
+    assert (stats.compiles, stats.disk_hits) == (1, 0)
+    assert len(list(directory.glob("*.o"))) == len(list(directory.glob("*.json"))) == 1
+    return directory
+
+
+def copy_of(entry_dir, tmp_path, monkeypatch):
+    """``entry_dir``'s entries copied into ``tmp_path``: the copy loads without compiling."""
+    shutil.copytree(entry_dir, tmp_path, dirs_exist_ok=True)
+    first = lower_in_process(tmp_path, monkeypatch)
+    assert (first.compiles, first.disk_hits) == (0, 1)
+    return first
+
+
 @pytest.mark.cute
 @pytest.mark.parametrize("damage", ["truncate", "flip_byte", "garbage_meta", "other_key", "missing_object"])
-def test_damaged_entry_is_recompiled_and_replaced(tmp_path, monkeypatch, damage):
-    first = lower_in_process(tmp_path, monkeypatch)
-    assert (first.compiles, first.disk_hits) == (1, 0)
+def test_damaged_entry_is_recompiled_and_replaced(tmp_path, monkeypatch, damage, one_entry):
+    copy_of(one_entry, tmp_path, monkeypatch)  # a whole entry, until damaged here
     (meta,) = tmp_path.glob("*.json")
     obj = meta.with_suffix(".o")
     good = obj.read_bytes()
@@ -107,8 +127,8 @@ def test_damaged_entry_is_recompiled_and_replaced(tmp_path, monkeypatch, damage)
 
 
 @pytest.mark.cute
-def test_key_covers_shapes_and_source(tmp_path, monkeypatch):
-    lower_in_process(tmp_path, monkeypatch, n=512)
+def test_key_covers_shapes_and_source(tmp_path, monkeypatch, one_entry):
+    copy_of(one_entry, tmp_path, monkeypatch)  # n=512
     other = lower_in_process(tmp_path, monkeypatch, n=520)
     assert (other.compiles, other.disk_hits) == (1, 0)  # another static dim: another entry
     assert len(list(tmp_path.glob("*.o"))) == 2

@@ -3,7 +3,8 @@ kernels, loaded in a fresh process without compiling anything.
 
 On CPU the bundle is exported for ("cuda", "cpu"): the loading process registers the CUDA kernels
 (no GPU needed to load) and runs the CPU branch, the jnp reference, to check the round trip end to
-end. The GPU test runs the CUDA branch.
+end. The GPU test runs the CUDA branch. A whole model's train step is exported in
+tests/test_models.py, with the kernels its module compiles anyway.
 """
 
 import io
@@ -129,26 +130,6 @@ def test_round_trip_runs_the_kernels_on_gpu(tmp_path, rng):
     assert report["compiled"] == 0
     for got, want in zip(results, direct):
         np.testing.assert_array_equal(got, np.asarray(want, np.float32))  # the same kernels, bit for bit
-
-
-def test_export_of_a_model():
-    from models import nnx_gpt
-    from models.configs import get_config
-
-    config = get_config("tiny", dtype="bfloat16")  # bf16: every layer on a kernel
-    fun = nnx_gpt.init(config, jax.random.key(0), abstract=True)
-    tokens = jax.ShapeDtypeStruct((2, config.seq_len), jnp.int32)
-    leaves, treedef = jax.tree.flatten(fun.params)
-
-    def train_step_math(leaves, inputs, targets):  # flat leaves: nnx's State types have no serializer
-        loss, grads = jax.value_and_grad(fun.loss)(treedef.unflatten(leaves), inputs, targets)
-        return loss, jax.tree.leaves(grads)
-
-    exported = cl.aot.export(train_step_math, leaves, tokens, tokens)
-    targets = cl.aot.kernel_targets(str(exported.mlir_module()))
-    assert len(targets) >= 6 and all(t.startswith("cutelayers_") for t in targets)
-    again = cl.aot.deserialize(cl.aot.serialize(exported))
-    assert again.in_avals == exported.in_avals and again.out_avals == exported.out_avals
 
 
 def test_damaged_or_foreign_bundles_are_refused(rng):

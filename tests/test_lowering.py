@@ -26,7 +26,8 @@ def blocks(x, n_blocks=12):
 
 
 @pytest.fixture(autouse=True)
-def fresh_cache():
+def fresh_cache(monkeypatch):
+    monkeypatch.setenv("CUTELAYERS_CACHE_DIR", "")  # compiles counted here: none loaded from the run's disk cache
     cl.clear_cache()
     jax.clear_caches()  # JAX caches lowerings too; each test starts from nothing
     yield

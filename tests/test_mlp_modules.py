@@ -124,9 +124,16 @@ FLAX_CASES = [
 ]
 
 
-@pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("kwargs", FLAX_CASES)
-@pytest.mark.parametrize("xdtype", [jnp.bfloat16, jnp.float32])
+def pairwise(cases):
+    """Each case (a tuple of case arguments) in both input dtypes, with and without a residual:
+    the residual alternates with the case and the dtype, so that every case, and every dtype,
+    runs both ways (the residual is one add in the op's last epilogue, the same for every case)."""
+    return [pytest.param(*case, xdtype, (i + j) % 2 == 1,
+                         id=f"{i}-{jnp.dtype(xdtype).name}-{'residual' if (i + j) % 2 else 'no_residual'}")
+            for i, case in enumerate(cases) for j, xdtype in enumerate((jnp.bfloat16, jnp.float32))]
+
+
+@pytest.mark.parametrize("kwargs, xdtype, with_residual", pairwise([(kwargs,) for kwargs in FLAX_CASES]))
 def test_linen_mlp_matches_stock(kwargs, xdtype, with_residual, rng):
     stock, ours = StockLinenMLP(HIDDEN, OUT, **kwargs), cl_linen.MLP(HIDDEN, OUT, **kwargs)
     for lead in LEADING:
@@ -150,9 +157,7 @@ def test_linen_mlp_matches_stock(kwargs, xdtype, with_residual, rng):
 
 # --- nnx -----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("kwargs", FLAX_CASES)
-@pytest.mark.parametrize("xdtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("kwargs, xdtype, with_residual", pairwise([(kwargs,) for kwargs in FLAX_CASES]))
 def test_nnx_mlp_matches_stock(kwargs, xdtype, with_residual, rng):
     stock = StockNnxMLP(IN, HIDDEN, OUT, rngs=nnx.Rngs(0), **kwargs)
     params = nnx.state(stock, nnx.Param)
@@ -212,9 +217,7 @@ def input_grad_terms(stock, y, x_shape):
     return (dy.reshape(-1, w2.shape[0]) @ w2 @ w1 * 1.13).reshape(x_shape)  # |gelu'| <= 1.13
 
 
-@pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("n_in,n_out,kwargs", EQX_CASES)
-@pytest.mark.parametrize("xdtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("n_in, n_out, kwargs, xdtype, with_residual", pairwise(EQX_CASES))
 def test_equinox_mlp_matches_stock_under_vmap(n_in, n_out, kwargs, xdtype, with_residual, rng):
     stock = StockEqxMLP(n_in, HIDDEN, n_out, **kwargs, key=jax.random.key(3))
     ours = cl_eqx.MLP(n_in, HIDDEN, n_out, **kwargs, key=jax.random.key(3))

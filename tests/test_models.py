@@ -1,7 +1,7 @@
 """The GPT models (models/): forward / backward per framework on CPU, the stock twins (same
 parameter tree, parameters move across, same loss), and, lowered for CUDA on this machine
-(CUTE_DSL_ARCH=sm_90a, set by conftest), each block's MLP as one ``ops.mlp`` and the compile-once
-property of deep24's blocks."""
+(CUTE_DSL_ARCH=sm_90a, set by conftest), each block's MLP as one ``ops.mlp``, the compile-once
+property of deep24's blocks and the AoT export of a train step."""
 
 import dataclasses
 import math
@@ -16,6 +16,7 @@ import pytest
 import cutelayers as cl
 from models import common
 from models.configs import CONFIGS, GPTConfig, get_config
+from conftest import built
 from numerics import assert_close
 from test_linear import kernel_operand_counts
 
@@ -182,7 +183,7 @@ def train_step_hlo(model, batch) -> str:
 def deep_train_steps():
     """Each framework's DEEP train step lowered for CUDA from an empty kernel cache, and the
     cache's statistics after all three. The kernels stay cached until the module ends: the MLP test
-    lowers the same model again (on another worker it compiles them itself)."""
+    and the export lower the same models again (on another worker this fixture builds them there)."""
     cl.clear_cache()
     jax.clear_caches()
     hlos = {framework: train_step_hlo(common.init(framework, DEEP, jax.random.key(0), abstract=True), DEEP_BATCH)
@@ -244,8 +245,29 @@ def test_deep24_blocks_compile_each_kernel_once(deep_train_steps):
         # forward, dx and dkernel GEMMs, the cross-entropy's two, the four norms')
         assert sum(distinct.values()) <= 21, (framework, distinct)
         targets |= set(calls)
-    # every distinct kernel (name + static key) was compiled exactly once, over all three
-    # frameworks and 3 x 3 blocks; every other use was a cache hit
+    # every distinct kernel (name + static key) was built (compiled, or loaded from the run's disk
+    # cache) exactly once, over all three frameworks and 3 x 3 blocks; every other use was a hit
     expected = Counter(kernel_name(t) for t in targets)
-    assert {name: stats.compiles for name, stats in info.items()} == dict(expected)
+    assert {name: built(stats) for name, stats in info.items()} == dict(expected)
     assert sum(stats.memory_hits for stats in info.values()) > 0  # linen / equinox reused nnx's kernels
+
+
+@pytest.mark.cute
+def test_export_of_a_model(deep_train_steps):
+    """The NNX model's train step exported with cl.aot (flat parameter leaves: nnx's State types
+    have no serializer), bundled with its kernels and read back. The kernels are the ones the
+    fixture built for the same step: exporting builds none."""
+    _, info = deep_train_steps
+    fun = common.init("nnx", DEEP, jax.random.key(0), abstract=True)
+    leaves, treedef = jax.tree.flatten(fun.params)
+
+    def train_step_math(leaves, inputs, targets):
+        loss, grads = jax.value_and_grad(fun.loss)(treedef.unflatten(leaves), inputs, targets)
+        return loss, jax.tree.leaves(grads)
+
+    exported = cl.aot.export(train_step_math, leaves, DEEP_BATCH, DEEP_BATCH)
+    targets = cl.aot.kernel_targets(str(exported.mlir_module()))
+    assert len(targets) >= 6 and all(t.startswith("cutelayers_") for t in targets)
+    again = cl.aot.deserialize(cl.aot.serialize(exported))
+    assert again.in_avals == exported.in_avals and again.out_avals == exported.out_avals
+    assert {n: built(s) for n, s in cl.cache_info().items()} == {n: built(s) for n, s in info.items()}
