@@ -141,10 +141,6 @@ class Planes:
         """Whether the planes add up into one output (C shared)."""
         return self.c == "shared"
 
-    def operands(self, how: str) -> int:
-        """Buffers that stand for one operand planed ``how``."""
-        return self.count if how == "split" else 1
-
 
 def per_plane(make, tensor):
     """``make(tensor)`` -- a (TMA atom, TMA tensor) pair --, or for split planes (a tuple of

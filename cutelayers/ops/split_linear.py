@@ -36,10 +36,13 @@ from cutelayers.ops.linear import (
     _ROWS,
     _TRANSPOSED,
     GemmFamily,
+    _matmul,
+    _weight_grad_einsum,
     as_kn,
     check_kernel_layout,
     check_linear_operands,
     column_sum,
+    forward_reference,
     fused_linear,
     hashable_precision,
     kernels_apply,
@@ -135,7 +138,8 @@ class SplitForward(GemmFamily):
         return (jax.ShapeDtypeStruct((1, x.shape[1], d), x.dtype),) * self.parts
 
     def reference(self, x, kernel, *bias):
-        y = _forward_reference(x[0], _kernel_kn(kernel, self.kernel_nk), bias[0].reshape(-1) if bias else None)
+        y = forward_reference(x[0], _kernel_kn(kernel, self.kernel_nk), bias[0].reshape(-1) if bias else None,
+                              None, "none")[0]
         return tuple(part[None] for part in jnp.split(y, self.parts, axis=-1))
 
 
@@ -265,10 +269,6 @@ class SplitWeightGrad(GemmFamily):
 
 # --- jnp reference ---------------------------------------------------------------------------------
 
-def _matmul(a, b, precision=None):
-    return jnp.matmul(a, b, precision=precision, preferred_element_type=jnp.float32)
-
-
 def _kernel_kn(planar, kernel_nk: bool):
     """The planar kernel operand as the (K, N) matrix it stands for."""
     if kernel_nk:
@@ -276,18 +276,11 @@ def _kernel_kn(planar, kernel_nk: bool):
     return planar.reshape(planar.shape[0], -1)
 
 
-def _forward_reference(x, kernel_kn, bias, precision=None):
-    z = _matmul(x, kernel_kn, precision)
-    if bias is not None:
-        z = z + bias.astype(jnp.float32).reshape((1,) * (z.ndim - 1) + bias.shape)
-    return z.astype(x.dtype)
-
-
 def _weight_grad_kn(x, dys, precision, dtype):
-    """xᵀ @ [dy_0 ... dy_{P-1}] (K, N) over all rows, accumulated in float32, in ``dtype``."""
+    """xᵀ @ [dy_0 ... dy_{P-1}] (K, N) over all rows, accumulated in float32, in ``dtype``
+    (:mod:`cutelayers.ops.linear`'s weight gradient on the parts side by side)."""
     dy = jnp.concatenate(dys, axis=-1)
-    return jnp.einsum("mk,mn->kn", x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1]),
-                      precision=precision, preferred_element_type=jnp.float32).astype(dtype)
+    return _weight_grad_einsum(x.reshape(1, -1, x.shape[-1]), dy.reshape(1, -1, dy.shape[-1]), precision, dtype)[0]
 
 
 # --- kernel calls on (rows, features) arrays -------------------------------------------------------
@@ -295,7 +288,7 @@ def _weight_grad_kn(x, dys, precision, dtype):
 def _forward_rows(x, kernel, bias, parts, use_kernels, precision, kernel_nk):
     lead, n = x.shape[:-1], kernel.shape[0 if kernel_nk else 1]
     if not use_kernels:
-        y = _forward_reference(x, as_kn(kernel, kernel_nk), bias, precision)
+        y = forward_reference(x, as_kn(kernel, kernel_nk), bias, None, "none", precision)[0]
         return tuple(jnp.split(y, parts, axis=-1))
     rows = x.reshape(1, -1, x.shape[-1])
     if rows.shape[1] == 0:
