@@ -3,6 +3,10 @@ table compares with the stock twin, the per-part breakdown covers the step, the 
 appended to the output file; with ``--mesh``, every case over each mesh of the fake CPU devices
 (see conftest: four), the table's mesh columns, and the errors for meshes that cannot run."""
 
+import contextlib
+import functools
+import io
+import json
 import re
 
 import jax
@@ -10,13 +14,30 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+from cutelayers.bench import timing
 from training import bench
 from training.data import TextData
 
 
-def test_bench_tiny_cases_table_and_breakdown(tmp_path, capsys):
+def test_bench_tiny_cases_table_and_breakdown(tmp_path, capsys, monkeypatch):
+    """The cases run in their own processes (``--one-case``); the per-part breakdown, which times
+    eighteen small programs, runs its ``--one-breakdown`` command in this process with two calls
+    per timing instead of 7 x 20 (the CPU's times are not what the table's layout depends on)."""
     output = tmp_path / "bench.md"
     output.write_text("# earlier results\n")
+    run_case, flags = bench.in_subprocess, []
+
+    def breakdown_here(flag, job, timeout):
+        flags.append(flag)
+        if flag != "--one-breakdown":
+            return run_case(flag, job, timeout)
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            assert bench.main([flag, json.dumps(job)]) == 0
+        return json.loads(printed.getvalue().splitlines()[-1])
+
+    monkeypatch.setattr(bench, "in_subprocess", breakdown_here)
+    monkeypatch.setattr(bench, "time_fn", functools.partial(timing.time_fn, iters=2, repeats=1))
     argv = ["--config", "tiny", "--model", "nnx", "--variant", "cutelayers", "stock", "--steps", "2",
             "--warmup-steps", "1", "--breakdown", "--kernels", "3", "--output", str(output)]
     assert bench.main(argv) == 0
@@ -40,6 +61,7 @@ def test_bench_tiny_cases_table_and_breakdown(tmp_path, capsys):
     assert text.strip().endswith(printed.strip().splitlines()[-2].strip())  # printed what it appended
     # --kernels: a section per case; the CPU records no device kernels, and says so
     assert text.count("Kernels per step, tiny nnx ") == 2 and "no device kernels recorded" in text
+    assert flags == ["--one-case", "--one-case", "--one-breakdown"]
 
 
 @pytest.mark.parametrize("name, family", [
