@@ -288,11 +288,12 @@ def test_strided_chunks_never_copy_h_whole():
 
 
 @pytest.mark.cute
-@pytest.mark.parametrize("reduction,logit_gemms", [("mean", 1), ("sum", 1), ("none", 2)])
-def test_lowers_to_the_kernels_for_cuda(reduction, logit_gemms):
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_lowers_to_the_kernels_for_cuda(reduction):
     """Every chunk's GEMMs and cross-entropy passes are our kernels. A mean or sum computes the
-    gradients in the forward (one logits GEMM per chunk); per-token losses recompute the logits
-    in the backward (two)."""
+    gradients in the forward: one logits GEMM per chunk and one fused cross-entropy pass (lse,
+    loss and dz), not a forward + backward pair; per-token losses recompute the logits in the
+    backward (two GEMMs, the two cross-entropy kernels)."""
     tokens, hidden, vocab, chunk = 4096, 128, 1024, 512
     S = jax.ShapeDtypeStruct
     avals = (S((tokens, hidden), jnp.bfloat16), S((hidden, vocab), jnp.bfloat16), S((tokens,), jnp.int32))
@@ -303,16 +304,20 @@ def test_lowers_to_the_kernels_for_cuda(reduction, logit_gemms):
 
     hlo = lower_cuda(jax.value_and_grad(loss, (0, 1)), *avals)
     calls = collections.Counter(kernel_targets(hlo))
-    assert calls == {"linear_fwd": logit_gemms, "cross_entropy_fwd": 1, "cross_entropy_bwd": 1,
-                     "linear_dx": 1, "linear_dkernel": 1}
+    if reduction == "none":
+        cross_entropy = {"linear_fwd": 2, "cross_entropy_fwd": 1, "cross_entropy_bwd": 1}
+    else:
+        cross_entropy = {"linear_fwd": 1, "cross_entropy_with_grad": 1}
+    assert calls == {**cross_entropy, "linear_dx": 1, "linear_dkernel": 1}
     # dkernel is summed over the chunks by the GEMM itself: it adds into the float32 carry it
     # aliases; no (H, V) add runs per chunk, and one cast gives the gradient its dtype at the end
     (dkernel_call,) = [line for line in hlo.splitlines() if "@cutelayers_linear_dkernel" in line]
     assert dkernel_call.endswith(f"tensor<1x{hidden}x{vocab}xf32>) -> tensor<1x{hidden}x{vocab}xf32>")
     assert "output_operand_aliases" in dkernel_call
     # a chunk's dz is written over its logits (they die there)
-    (ce_bwd_call,) = [line for line in hlo.splitlines() if "@cutelayers_cross_entropy_bwd" in line]
-    assert "output_operand_aliases" in ce_bwd_call
+    dz_kernel = "cross_entropy_bwd" if reduction == "none" else "cross_entropy_with_grad"
+    (dz_call,) = [line for line in hlo.splitlines() if f"@cutelayers_{dz_kernel}" in line]
+    assert "output_operand_aliases" in dz_call
     assert not re.findall(rf"stablehlo\.add .*tensor<(1x)?{hidden}x{vocab}x", hlo)
     assert len(re.findall(rf"stablehlo\.convert .*tensor<{hidden}x{vocab}xf32>\) ->", hlo)) == 1
     # without differentiation: the forward GEMM and cross-entropy pass only

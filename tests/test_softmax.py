@@ -186,6 +186,112 @@ def test_cuda_lowering_compiles_every_kernel():
             "cross_entropy_fwd", "cross_entropy_bwd"} <= names
 
 
+# --- the fused cross-entropy forward + gradient (the LM head's) -----------------------------------
+
+WITH_GRAD_CFGS = [{}, {"ignore_index": 0, "smoothing": 0.1, "z_loss": 1e-3, "soft_cap": 3.0}]
+
+
+def check_with_grad(rng, rows, v, dtype, cfg, out_of_range=False):
+    """``forward_with_grad`` of :func:`cross_entropy_kernels` against the two-kernel path (forward,
+    then backward with the same dloss) and the family's float32 reference; with ``out_of_range`` a
+    label outside [0, V) that is not ignore_index gives that row a NaN loss and gradient."""
+    from cutelayers.ops.softmax import CrossEntropyWithGrad, cross_entropy_kernels
+
+    forward, backward, with_grad = cross_entropy_kernels(cfg.get("ignore_index"), cfg.get("smoothing", 0.0),
+                                                         cfg.get("z_loss", 0.0), cfg.get("soft_cap", 0.0))
+    x = random(rng, (*rows, v), dtype) * 2
+    labels = np.asarray(rng.integers(0, v, rows), np.int32)
+    if cfg.get("ignore_index") is not None and labels.size > 1:
+        labels.flat[1] = cfg["ignore_index"]
+    if out_of_range and labels.size > 2:
+        labels.flat[2] = -7 if cfg else v + 3
+    labels = jnp.asarray(labels)
+    dloss = random(rng, rows, jnp.float32)
+    lse, loss, dx = jax.jit(with_grad)(x, labels, dloss)
+    assert (lse.dtype, loss.dtype, dx.dtype) == (jnp.float32, jnp.float32, x.dtype)
+    assert lse.shape == loss.shape == rows and dx.shape == x.shape
+    lse2, loss2 = jax.jit(forward)(x, labels)
+    dx2 = jax.jit(backward)(x, labels, lse2, dloss)
+    family = CrossEntropyWithGrad(cfg.get("ignore_index"), cfg.get("smoothing", 0.0), cfg.get("z_loss", 0.0),
+                                  cfg.get("soft_cap", 0.0))
+    flat = (x.reshape(-1, v), labels.reshape(-1), dloss.reshape(-1))
+    dx_ref, lse_ref, loss_ref = (np.asarray(a, np.float64) for a in jax.jit(
+        lambda x, l, d: family.reference(x.astype(jnp.float32), l, d))(*flat))
+    ok = np.isfinite(loss_ref)  # the out-of-range label's row is NaN: checked below
+    magnitude = np.abs(lse_ref[ok]) + np.abs(loss_ref[ok])  # a confident row's loss cancels to ~0
+    for out in (lse, lse2):
+        assert_close(out.reshape(-1), lse_ref, jnp.float32, scale=10.0, scale_ref=np.abs(lse_ref) + 1.0)
+    for out in (loss, loss2):
+        assert_close(out.reshape(-1)[ok], loss_ref[ok], jnp.float32, scale=10.0, scale_ref=magnitude)
+    # dx = dloss (p - target): measured against the size of those terms where p ~ target
+    terms = np.abs(np.asarray(dloss, np.float64)).reshape(-1, 1)[ok] * (
+        np.exp(np.asarray(flat[0], np.float64)[ok] - lse_ref[ok, None]) + 1.0)
+    for out in (dx, dx2):
+        assert_close(out.reshape(-1, v)[ok], dx_ref[ok], dtype, scale=2.0, scale_ref=terms)
+    if out_of_range and labels.size > 2:
+        assert not ok[2] and np.isnan(loss.reshape(-1)[2]) and np.all(np.isnan(dx.reshape(-1, v)[2]))
+    if cfg.get("ignore_index") is not None and labels.size > 1:
+        assert loss.reshape(-1)[1] == 0.0 and not np.any(dx.reshape(-1, v)[1])
+
+
+@pytest.mark.parametrize("cfg", WITH_GRAD_CFGS, ids=["plain", "all-options"])
+def test_cross_entropy_with_grad_reference(cfg, rng):
+    """The fused family's jnp path (off CUDA) matches the forward + backward pair, vmapped too."""
+    check_with_grad(rng, (2, 5), 33, jnp.float32, cfg, out_of_range=True)
+
+
+def test_cross_entropy_with_grad_vmap(rng):
+    from cutelayers.ops.softmax import cross_entropy_kernels
+
+    forward, backward, with_grad = cross_entropy_kernels(-1, 0.1, 1e-3, 0.0)
+    x = random(rng, (3, 4, 17), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 17, (3, 4)), jnp.int32)
+    dloss = random(rng, (3, 4), jnp.float32)
+    lse, loss, dx = jax.vmap(with_grad, in_axes=(1, 1, 1), out_axes=1)(x, labels, dloss)
+    lse2, loss2 = forward(x, labels)
+    np.testing.assert_allclose(lse, lse2, rtol=1e-6)
+    np.testing.assert_allclose(loss, loss2, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(dx, backward(x, labels, lse2, dloss), rtol=1e-6, atol=1e-7)
+
+
+# (V, dtype) -> how the fused kernel holds the row for its second pass
+WITH_GRAD_SHAPES = {
+    (4096, jnp.bfloat16): "registers",
+    (1000, jnp.float16): "registers",  # ragged: 1000 = 125 vectors of 8
+    (50304, jnp.bfloat16): "shared",  # GPT-2's padded vocabulary: 98 KiB, two CTAs per SM
+    (50257, jnp.bfloat16): "shared",  # odd: scalar accesses, a ragged last step
+    (131072, jnp.bfloat16): "global",  # 256 KiB: re-read (from L2)
+    (50304, jnp.float32): "global",
+}
+
+
+@pytest.mark.cute
+def test_cross_entropy_with_grad_lowering():
+    """The fused kernel compiles for sm_90a with each way of holding the row: one custom call,
+    dlogits aliased to the logits, and two 512-thread CTAs' worth of shared memory for a staged
+    row."""
+    from cutelayers.kernels.reduction_config import row_geometry
+    from cutelayers.kernels.softmax_config import STAGED_ROW_BYTES, WITH_GRAD_VALUES_PER_THREAD, staged
+    from cutelayers.ops.softmax import cross_entropy_kernels
+
+    with_grad = cross_entropy_kernels(-100, 0.1, 1e-4, 0.0)[2]
+    capped = cross_entropy_kernels(None, 0.0, 0.0, 30.0)[2]
+    for (v, dtype), where in WITH_GRAD_SHAPES.items():
+        itemsize = jnp.dtype(dtype).itemsize
+        g = row_geometry(v, 8 * itemsize, WITH_GRAD_VALUES_PER_THREAD)
+        holds = "registers" if g.resident else "shared" if staged(g, itemsize) else "global"
+        assert holds == where, (v, dtype)
+        if where == "shared":
+            assert g.row.num_threads == 512 and 2 * g.row.rows_per_cta * v * itemsize <= 2 * STAGED_ROW_BYTES
+        avals = (jax.ShapeDtypeStruct((8, v), dtype), jax.ShapeDtypeStruct((8,), jnp.int32),
+                 jax.ShapeDtypeStruct((8,), jnp.float32))
+        fn = capped if v == 50304 and dtype == jnp.bfloat16 else with_grad  # soft-capping once
+        hlo = jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+        (call,) = [line for line in hlo.splitlines() if "stablehlo.custom_call @cutelayers_" in line]
+        assert "@cutelayers_cross_entropy_with_grad" in call and "output_operand_aliases" in call
+    assert "cross_entropy_with_grad" in cl.cache_info()
+
+
 # --- GPU -------------------------------------------------------------------------------------------
 
 
@@ -220,3 +326,17 @@ def test_logsumexp_gpu(dtype, v, rng):
     with cl.use_backend("cute"):
         for rows in CE_GPU_ROWS[v]:
             check_logsumexp(rng, (*rows, v), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v", [1000, 4096, 50257, 50304, 131072])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cfg", WITH_GRAD_CFGS, ids=["plain", "all-options"])
+def test_cross_entropy_with_grad_gpu(cfg, dtype, v, rng):
+    """The fused kernel (registers, shared-memory staging, re-read; ragged and odd V) against the
+    float32 reference and the two-kernel path: lse, loss, dlogits; ignore_index, an out-of-range
+    label's NaN row, smoothing, z-loss, soft-capping."""
+    with cl.use_backend("cute"):
+        check_with_grad(rng, (7,), v, dtype, cfg, out_of_range=True)
+        if v == 1000:  # many CTAs, several rows per CTA
+            check_with_grad(rng, (3, 1365), v, dtype, cfg)

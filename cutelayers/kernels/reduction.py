@@ -216,10 +216,12 @@ def row_operand(tensor, tiled_copy, coords, geometry: RowGeometry, tile_coord, t
 
 
 @cute.jit
-def load_step(op: RowOperand, step):
-    """Load ``step`` into ``op.frag`` (columns past N read as 0); returns fp32 values."""
+def load_step(op: RowOperand, step, edge: cutlass.Constexpr = None):
+    """Load ``step`` into ``op.frag`` (columns past N read as 0); returns fp32 values. ``edge``:
+    whether the step may be partial (default: any step of a ragged geometry); False skips the
+    column predicates of a step known to be whole."""
     geometry = op.geometry
-    if const_expr(geometry.ragged):
+    if const_expr(geometry.ragged if edge is None else edge):
         op.frag.fill(0.0)
         pred = column_predicate(op.coords[None, None, None, step], geometry.n)
         cute.copy(op.copy, op.src[None, None, None, step], op.frag, pred=pred)
@@ -229,15 +231,52 @@ def load_step(op: RowOperand, step):
 
 
 @cute.jit
-def store_step(op: RowOperand, step, values):
-    """Store fp32 ``values`` (flat order of the row fragment) to ``step`` of ``op``'s tensor."""
+def store_step(op: RowOperand, step, values, edge: cutlass.Constexpr = None):
+    """Store fp32 ``values`` (flat order of the row fragment) to ``step`` of ``op``'s tensor;
+    ``edge`` as in :func:`load_step`."""
     geometry = op.geometry
     op.frag.store(values.reshape(op.frag.shape).to(op.frag.element_type))
-    if const_expr(geometry.ragged):
+    if const_expr(geometry.ragged if edge is None else edge):
         pred = column_predicate(op.coords[None, None, None, step], geometry.n)
         cute.copy(op.copy, op.frag, op.src[None, None, None, step], pred=pred)
     else:
         cute.copy(op.copy, op.frag, op.src[None, None, None, step])
+
+
+@cute.jit
+def save_step(op: RowOperand, step, edge: cutlass.Constexpr = None):
+    """Copy ``op.frag`` as it is (no conversion) to ``step`` of ``op``'s tensor: a row staged in
+    shared memory by :func:`shared_row_operand`; ``edge`` as in :func:`load_step`."""
+    geometry = op.geometry
+    if const_expr(geometry.ragged if edge is None else edge):
+        pred = column_predicate(op.coords[None, None, None, step], geometry.n)
+        cute.copy(op.copy, op.frag, op.src[None, None, None, step], pred=pred)
+    else:
+        cute.copy(op.copy, op.frag, op.src[None, None, None, step])
+
+
+def shared_row_tensor(geometry: RowGeometry, dtype):
+    """Shared memory for the CTA's rows, (rows_per_cta, n) of ``dtype``: sized to the rows, not
+    to whole steps (a ragged last step's columns past n are never stored or loaded)."""
+    rows = geometry.row.rows_per_cta
+    smem = cutlass.memory.SmemAllocator()
+    layout = cute.make_layout((rows, geometry.n), stride=(geometry.n, 1))
+    return smem.allocate_tensor(dtype, layout, byte_alignment=16)
+
+
+def shared_row_operand(tensor, like: RowOperand, thread) -> RowOperand:
+    """``like``'s rows in the shared ``tensor`` of :func:`shared_row_tensor`, partitioned by the
+    same tiled copy: every thread stages and reads back exactly its own elements, so no barrier
+    orders them. It shares ``like``'s coordinates (the column predicates) and its fragment."""
+    geometry = like.geometry
+    thr = like.copy.get_slice(thread)
+    src = thr.partition_S(cute.local_tile(tensor, (geometry.row.rows_per_cta, geometry.tile_n), (0, None)))
+    return dataclasses.replace(like, src=src)
+
+
+def shared_row_bytes(geometry: RowGeometry, elem_bytes: int) -> int:
+    """Shared memory of :func:`shared_row_tensor` (plus its alignment)."""
+    return geometry.row.rows_per_cta * geometry.n * elem_bytes + 16
 
 
 def shared_buffers(geometry: RowGeometry, count: int):

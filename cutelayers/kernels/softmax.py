@@ -30,11 +30,16 @@ from cutelayers.kernels.reduction import (
     row_operand,
     row_sum,
     row_tiled_copy,
+    save_step,
     shared_buffer_bytes,
     shared_buffers,
+    shared_row_bytes,
+    shared_row_operand,
+    shared_row_tensor,
     store_step,
 )
 from cutelayers.kernels.reduction_config import RowGeometry
+from cutelayers.kernels.softmax_config import staged
 
 LOG2E = math.log2(math.e)
 
@@ -82,11 +87,11 @@ def row_lse(mx, c, s, geometry: cutlass.Constexpr, max_buffer, sum_buffer):
     return shift + cute.math.log(total, fastmath=True)
 
 
-def _launch(kernel, geometry: RowGeometry, rows, stream, buffers: int):
+def _launch(kernel, geometry: RowGeometry, rows, stream, buffers: int, extra_smem: int = 0):
     kernel.launch(
         grid=[cute.ceil_div(rows, geometry.row.rows_per_cta), 1, 1],
         block=[geometry.row.num_threads, 1, 1],
-        smem=shared_buffer_bytes(geometry, buffers),
+        smem=shared_buffer_bytes(geometry, buffers) + extra_smem,
         stream=stream,
     )
 
@@ -228,11 +233,14 @@ class CrossEntropyForwardKernel:
         _launch(kernel, g, x.shape[0], stream, self.buffers)
 
     @cute.jit
-    def fold_step(self, opx, step, valid_row, edge: cutlass.Constexpr, mx, c, s, total):
+    def fold_step(self, opx, step, valid_row, edge: cutlass.Constexpr, mx, c, s, total, stage=None):
         """Fold ``step`` of the row into a thread's (max, shift, sum, row sum); ``edge``: the
-        ragged last step, whose columns past V are masked."""
+        ragged last step, whose columns past V are masked; ``stage``: a shared-memory operand
+        that keeps a copy of the step (:class:`CrossEntropyWithGradKernel`)."""
         if valid_row:
-            load_step(opx, step)
+            load_step(opx, step, edge)
+            if const_expr(stage is not None):
+                save_step(stage, step, edge)
         vals = opx.frag.load().to(Float32)  # columns past N hold 0 (capped: still 0)
         if const_expr(self.soft_cap > 0.0):
             vals, _ = soft_capped(vals, self.soft_cap)
@@ -330,3 +338,110 @@ class CrossEntropyBackwardKernel:
                 if const_expr(self.soft_cap > 0.0):
                     d = d * (1.0 - t * t)
                 store_step(opd, step, d * scale)
+
+
+class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
+    """The cross-entropy forward and its gradient in one pass over the logits: per row, lse and
+    the loss as :class:`CrossEntropyForwardKernel`, and dx as :class:`CrossEntropyBackwardKernel`
+    with ``dloss`` given, written over x. Launcher ``(stream, x, labels, dloss, lse, loss)``.
+
+    Pass 1 folds the row's online (max, shift, sum); after the row reductions pass 2 computes dx.
+    Where the row stays in registers it is read once. A streamed row whose CTA rows fit in shared
+    memory (:func:`.softmax_config.staged`) is copied there from registers as pass 1 loads each
+    step, and pass 2 reads the steps back from there; each thread reads back only the elements
+    it wrote itself, so no barrier orders them. Other streamed rows are read from global memory
+    again in pass 2 (from L2 where the rows in flight fit in it).
+
+    x is overwritten as pass 2 goes. The label's logit is read by the one thread whose fragment
+    holds its column -- the only thread that writes that element -- before its own pass 2, and
+    that thread writes the row's loss (the row's first thread does for ignored and out-of-range
+    labels); no thread reads an element another may have overwritten.
+    """
+
+    def __init__(self, geometry: RowGeometry, ignore_index, smoothing: float, z_loss: float,
+                 soft_cap: float = 0.0):
+        super().__init__(geometry, True, ignore_index, smoothing, z_loss, soft_cap)
+
+    @cute.jit
+    def __call__(self, stream, x, labels, dloss, lse, loss):
+        g = self.geometry
+        elem_bytes = x.element_type.width // 8
+        kernel = self.kernel(x, labels, dloss, lse, loss, row_tiled_copy(x.element_type, g))
+        _launch(kernel, g, x.shape[0], stream, self.buffers,
+                shared_row_bytes(g, elem_bytes) if const_expr(staged(g, elem_bytes)) else 0)
+
+    @cute.jit
+    def grad_step(self, opx, source, step, edge: cutlass.Constexpr, label, lse, prob_coef, scale):
+        """Write dx over ``step`` of the row, its logits loaded from ``source`` (None: still in
+        registers). ``edge``: the ragged last step (predicated loads and stores)."""
+        a = self.smoothing
+        if const_expr(source is not None):
+            load_step(source, step, edge)
+        vals = opx.frag.load().to(Float32)
+        t = vals
+        if const_expr(self.soft_cap > 0.0):
+            vals, t = soft_capped(vals, self.soft_cap)
+        d = exp(vals - lse) * prob_coef - a / self.geometry.n
+        d = cute.where(label_mask(opx, step, label), d - (1.0 - a), d)
+        if const_expr(self.soft_cap > 0.0):
+            d = d * (1.0 - t * t)
+        store_step(opx, step, d * scale, edge)
+
+    @cute.kernel
+    def kernel(self, x, labels, dloss, lse_out, loss_out, copy_x):
+        g = self.geometry
+        n, a, tpr = g.n, self.smoothing, g.row.threads_per_row
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        buffers = shared_buffers(g, self.buffers)
+        opx = row_operand(x, copy_x, cute.make_identity_tensor(x.shape), g, (bidx, None), tidx)
+        row = opx.coords[0][0]
+        valid_row = row < x.shape[0]
+        # where pass 1 stages the row (None: nowhere), where pass 2 reads it from (None: registers)
+        stage, again = None, None
+        if const_expr(not g.resident):
+            again = opx
+        if const_expr(staged(g, x.element_type.width // 8)):
+            stage = shared_row_operand(shared_row_tensor(g, x.element_type), opx, tidx)
+            again = stage
+        opx.frag.fill(0.0)
+        mx, c, s, total = -Float32.inf, Float32(0.0), Float32(0.0), Float32(0.0)
+        for step in cutlass.range(g.num_steps - 1, unroll=1):
+            mx, c, s, total = self.fold_step(opx, step, valid_row, False, mx, c, s, total, stage)
+        mx, c, s, total = self.fold_step(opx, g.num_steps - 1, valid_row, g.ragged, mx, c, s, total, stage)
+        lse = row_lse(mx, c, s, g, buffers[0], buffers[1])
+        if const_expr(self.buffers > 2):
+            total = row_allreduce(total, operator.add, Float32(0.0), g.row, buffers[2])
+        if valid_row:
+            lane = tidx % tpr
+            label = Int32(labels[row])
+            loss = Float32(math.nan)
+            scale = dloss[row]
+            writer = lane == 0
+            if label >= 0:
+                if label < n:
+                    # column j lies in the fragment of lane (j // vec) % threads_per_row (row_tv_layout);
+                    # that thread alone overwrites x[row, label], in its pass 2 below
+                    writer = (label // g.vec) % tpr == (opx.coords[0][1] // g.vec) % tpr
+                    if writer:
+                        picked = x[row, label].to(Float32)
+                        if const_expr(self.soft_cap > 0.0):
+                            picked, _ = soft_capped(picked, self.soft_cap)
+                        loss = lse - (1.0 - a) * picked - (a / n) * total + self.z_loss * lse * lse
+            if label < 0:
+                scale = Float32(math.nan)
+            if label >= n:
+                scale = Float32(math.nan)
+            if const_expr(self.ignore_index is not None):
+                if label == self.ignore_index:
+                    loss = Float32(0.0)
+                    scale = Float32(0.0)
+                    writer = lane == 0
+            if writer:
+                loss_out[row] = loss
+            if lane == 0:
+                lse_out[row] = lse
+            prob_coef = 1.0 + 2.0 * self.z_loss * lse
+            for step in cutlass.range(g.num_steps - 1, unroll=1):
+                self.grad_step(opx, again, step, False, label, lse, prob_coef, scale)
+            self.grad_step(opx, again, g.num_steps - 1, g.ragged, label, lse, prob_coef, scale)

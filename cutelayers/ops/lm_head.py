@@ -27,10 +27,13 @@ is transposed.
 * ``"mean"`` / ``"sum"``: the loss is a weighted total, so every token's cotangent is the same
   scalar ``g`` (times 1 / count for the mean) -- known up to that factor in the forward. When
   differentiated, the forward therefore computes the gradients of the plain sum while it has each
-  chunk's logits (the same calls as above, with dloss = 1 per token, 0 per padded row), and the
-  backward only scales them by ``g``: three GEMMs per chunk instead of four (6·T·H·V FLOPs, as
-  the unfused head, instead of 8). Saved: dh (tokens, H) in h's dtype, dkernel and dbias in
-  float32. Without differentiation only the forward GEMM runs.
+  chunk's logits, with dloss = 1 per token, 0 per padded row, and the backward only scales them
+  by ``g``: three GEMMs per chunk instead of four (6·T·H·V FLOPs, as the unfused head, instead of
+  8). Between the logits GEMM and the dh / dkernel GEMMs one fused cross-entropy kernel gives
+  lse, the loss and dz in one pass over the logits (a streamed row is kept in shared memory for
+  its second pass: :class:`cutelayers.ops.softmax.CrossEntropyWithGrad`), dz over the logits'
+  buffer. Saved: dh (tokens, H) in h's dtype, dkernel and dbias in float32. Without
+  differentiation only the forward GEMM and the cross-entropy forward kernel run.
 
 Memory: O(chunk × V) for the logits plus the float32 (H, V) gradient accumulator. The chunk is at
 most 4096 tokens and 2 GiB of float32-equivalent logits unless ``chunk_size`` says otherwise (a
@@ -121,8 +124,8 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
       for constant (R, C) float32 weights; its forward computes the gradients too (module
       docstring). The lse output has no gradient (its cotangent is dropped).
     """
-    # a chunk's logits die in the backward kernel: dz takes their buffer
-    ce_forward, ce_backward = cross_entropy_kernels(ignore_index, *options, in_place=True)
+    # a chunk's logits die in the cross-entropy gradient kernels: dz takes their buffer
+    ce_forward, ce_backward, ce_with_grad = cross_entropy_kernels(ignore_index, *options, in_place=True)
     plain_gemm, input_grad = forward_fn("none", False, use_kernels), input_grad_fn(use_kernels)
     weight_grad = weight_grad_fn(use_kernels)
     # A (V, H) kernel (a tied embedding table) swaps the roles of the forward and dx GEMMs and
@@ -145,10 +148,9 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
         return (_zeros_of_type(h), _zeros_of_type(kernel, F32),
                 None if bias is None else _zeros_of_type(bias, F32))
 
-    def add_chunk_grads(grads, h, labels, kernel, c, z, lse_c, dloss_c):
-        """Adds chunk ``c``'s gradients, given its logits ``z``, to (dh, dkernel, dbias)."""
+    def add_chunk_grads(grads, h, kernel, c, dz):
+        """Adds chunk ``c``'s gradients, given its logits' gradient ``dz``, to (dh, dkernel, dbias)."""
         dh, dkernel, dbias = grads
-        dz = ce_backward(z, _chunk(labels, c), lse_c, dloss_c)
         # dh_c written in place into its column: stacking (C, R, H) would need a transpose
         dh = jax.lax.dynamic_update_index_in_dim(dh, chunk_input_grad(dz, kernel), c, axis=1)
         dkernel = add_kernel_grad(dkernel, _chunk(h, c), dz)
@@ -187,8 +189,8 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
 
         def step(grads, chunk):
             c, lse_c = chunk
-            z = chunk_logits(h, kernel, bias, c)
-            return add_chunk_grads(grads, h, labels, kernel, c, z, lse_c, _chunk(dloss, c)), None
+            dz = ce_backward(chunk_logits(h, kernel, bias, c), _chunk(labels, c), lse_c, _chunk(dloss, c))
+            return add_chunk_grads(grads, h, kernel, c, dz), None
 
         grads, _ = jax.lax.scan(step, zero_grads(h, kernel, bias), (jnp.arange(h.shape[1]), lse))
         return cotangents(grads, kernel, bias)
@@ -203,10 +205,10 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
     def total_fwd(h, labels, kernel, bias, weights):
         def step(carry, c):
             grads, total = carry
-            z = chunk_logits(h, kernel, bias, c)
-            lse_c, loss_c = ce_forward(z, _chunk(labels, c))
             w_c = _chunk(weights, c)
-            grads = add_chunk_grads(grads, h, labels, kernel, c, z, lse_c, w_c)
+            # lse, loss and dz in one pass over the chunk's logits: the weights are the dloss
+            lse_c, loss_c, dz = ce_with_grad(chunk_logits(h, kernel, bias, c), _chunk(labels, c), w_c)
+            grads = add_chunk_grads(grads, h, kernel, c, dz)
             return (grads, total + jnp.sum(loss_c * w_c)), lse_c
 
         # the total varies as the weights do inside shard_map (a scan's carry keeps its type)

@@ -13,6 +13,8 @@ Decomposition (all statistics fp32):
   dx = dloss * (exp(x - lse) (1 + 2 z lse) - (1 - a) onehot(label) - a / V).
   Rows whose label is ``ignore_index`` give loss 0 and gradient 0; any other label outside
   [0, V) gives a NaN loss and NaN gradient for that row (checked eagerly when labels are concrete).
+  Where dloss is known before the logits die (an LM head's weighted total), one kernel gives lse,
+  the loss and dx in one pass over the logits (:class:`CrossEntropyWithGrad`).
 
 Vocabulary parallel: under ``jax.jit`` the cross-entropy (and logsumexp) kernels take logits
 sharded along the class axis as well as the rows (an LM head whose kernel is sharded over the
@@ -214,6 +216,62 @@ class CrossEntropyBackward(RowKernelFamily):
                                           self.soft_cap)
 
 
+@dataclasses.dataclass(frozen=True)
+class CrossEntropyWithGrad(RowKernelFamily):
+    """(dlogits, lse, loss) from (logits, labels, dloss) in one pass over the logits: the forward
+    and the backward of the cross-entropy for a dloss known before the logits die (an LM head
+    whose loss is a weighted total: :mod:`cutelayers.ops.lm_head`). dlogits is always written over
+    the logits (the kernel reads each value before it overwrites it); where the logits live on,
+    XLA copies them first."""
+
+    ignore_index: int | None = None
+    smoothing: float = 0.0
+    z_loss: float = 0.0
+    soft_cap: float = 0.0
+    config: RowConfig | None = None
+    values_per_thread = softmax_config.WITH_GRAD_VALUES_PER_THREAD
+    arg_names = ("logits", "labels", "dloss")
+
+    @property
+    def name(self):
+        return "cross_entropy_with_grad"
+
+    def operand_output_aliases(self):
+        return {0: 0}
+
+    def kept_outputs(self, n_outputs):
+        return (1, 2)  # dlogits is the logits' buffer
+
+    def out_avals(self, avals):
+        x = avals[0]
+        per_row = jax.ShapeDtypeStruct(x.shape[:1], F32)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype), per_row, per_row
+
+    def reference(self, x, labels, dloss):
+        lse = _lse(_capped(x, self.soft_cap)[0])
+        return _ce_grad(x, labels, lse, dloss, self).astype(x.dtype), lse, _ce_loss(x, labels, lse, self)
+
+    def sharding_rule(self, avals) -> ShardingRule:
+        rows = ("rows",)
+        return ShardingRule((("rows", "classes"), rows, rows), (("rows", "classes"), rows, rows),
+                            per_shard=self.per_shard)
+
+    def per_shard(self, ctx: ShardContext, x, labels, dloss):
+        if not ctx.sharded("classes"):
+            return run_kernel(self, x, labels, dloss)
+        # a row's statistics span the devices: the forward's class-sharded path, then the
+        # gradient of each device's slice (as CrossEntropyBackward does)
+        forward = CrossEntropyForward(True, self.ignore_index, self.smoothing, self.z_loss, self.soft_cap)
+        lse, loss = forward.per_shard(ctx, x, labels)
+        return _ce_grad(x, labels, lse, dloss, self, _ClassShard.of(ctx, x)).astype(x.dtype), lse, loss
+
+    def launcher(self, avals, out_avals):
+        from cutelayers.kernels.softmax import CrossEntropyWithGradKernel
+
+        return CrossEntropyWithGradKernel(self.geometry(avals), self.ignore_index, self.smoothing,
+                                          self.z_loss, self.soft_cap)
+
+
 # --- jnp references (the same decomposition as the kernels) -------------------------------------
 
 
@@ -378,18 +436,25 @@ def cross_entropy_kernels(ignore_index, smoothing=0.0, z_loss=0.0, soft_cap=0.0,
     * ``forward(logits (..., V), labels (...)) -> (lse, loss)``, both (...) float32 (lse of the
       capped logits when ``soft_cap`` > 0);
     * ``backward(logits, labels, lse, dloss (...) float32) -> dlogits`` in logits' dtype, over
-      the logits' buffer with ``in_place`` (see :class:`CrossEntropyBackward`).
+      the logits' buffer with ``in_place`` (see :class:`CrossEntropyBackward`);
+    * ``forward_with_grad(logits, labels, dloss) -> (lse, loss, dlogits)``: both in one pass over
+      the logits, dlogits always over their buffer (:class:`CrossEntropyWithGrad`).
     """
     cfg = {"ignore_index": ignore_index, "smoothing": smoothing, "z_loss": z_loss, "soft_cap": soft_cap}
     forward = fold_batch(lambda x, labels: call_on_rows(CrossEntropyForward(True, **cfg), x, labels))
     backward = fold_batch(lambda x, labels, lse, g: call_on_rows(
         CrossEntropyBackward(**cfg, in_place=in_place), x, labels, lse, g)[0])
-    return forward, backward
+
+    def with_grad(x, labels, g):
+        dx, lse, loss = call_on_rows(CrossEntropyWithGrad(**cfg), x, labels, g)
+        return lse, loss, dx
+
+    return forward, backward, fold_batch(with_grad)
 
 
 @functools.cache
 def _cross_entropy_fn(ignore_index, smoothing, z_loss, soft_cap):
-    forward, backward = cross_entropy_kernels(ignore_index, smoothing, z_loss, soft_cap)
+    forward, backward, _ = cross_entropy_kernels(ignore_index, smoothing, z_loss, soft_cap)
 
     @jax.custom_vjp
     def op(logits, labels):
