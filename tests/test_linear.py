@@ -449,8 +449,29 @@ def test_lowering_grad_of_vmap_is_one_weight_grad_on_all_rows(fresh_cache):
                      S((128,), jnp.bfloat16))
     assert kernel_targets(hlo) == ["linear_fwd", "linear_dx", "linear_dkernel"]
     (call,) = [line for line in hlo.splitlines() if "@cutelayers_linear_dkernel" in line]
-    assert call.endswith("(tensor<1x600x64xbf16>, tensor<1x600x128xbf16>) -> tensor<1x64x128xbf16>")
+    # (x, dz, zeros for the bias gradient) -> (dkernel, dbias as float32 column sums)
+    assert call.endswith("(tensor<1x600x64xbf16>, tensor<1x600x128xbf16>, tensor<1x128xf32>) -> "
+                         "(tensor<1x64x128xbf16>, tensor<1x128xf32>)")
     assert "6x64x128" not in hlo
+
+
+@pytest.mark.cute
+@pytest.mark.parametrize("kernel_nk", [False, True], ids=["kn", "nk"])
+def test_lowering_bias_grad_comes_from_the_weight_grad_kernel(kernel_nk, fresh_cache):
+    # dbias is the dkernel GEMM's second result (dz summed over the rows by its idle producer
+    # warps, A of dzᵀ @ x for an (N, K) kernel): no reduction over the (M, N) dz in XLA. The
+    # stream-K shape (GPT-2's attention output, 16384 rows) and a whole-tile one.
+    S = jax.ShapeDtypeStruct
+    layout = "nk" if kernel_nk else "kn"
+    for m, k, n in ((16384, 768, 768), (300, 64, 136)):
+        grad = jax.grad(lambda x, w, b: jnp.sum(jnp.sin(fused_linear(x, w, b, kernel_layout=layout)
+                                                        .astype(jnp.float32))), (1, 2))
+        hlo = lower_cuda(grad, S((m, k), jnp.bfloat16), S((n, k) if kernel_nk else (k, n), jnp.bfloat16),
+                         S((n,), jnp.bfloat16))
+        (call,) = [line for line in hlo.splitlines() if "@cutelayers_linear_dkernel" in line]
+        assert call.count(f"tensor<1x{n}xf32>") == 2 and call.endswith(f"tensor<1x{n}xf32>)")  # zeros in, sums out
+        assert "output_operand_aliases" in call
+        assert not [line for line in hlo.splitlines() if "stablehlo.reduce" in line and f"{m}x" in line]
 
 
 @pytest.mark.cute
@@ -637,6 +658,20 @@ def test_accumulating_weight_grad_compiles_for_every_config(schedule, fresh_cach
     assert built(cl.cache_info()["linear_dkernel"]) == len(configs)
 
 
+@pytest.mark.parametrize("sums", ["a", "b"])
+def test_weight_grad_operand_sums_reference(sums, rng):
+    x, dz = random(rng, (2, 30, 16), jnp.bfloat16), random(rng, (2, 30, 24), jnp.bfloat16)
+    acc = random(rng, (2, 16, 24), jnp.float32)
+    start = random(rng, (2, 16 if sums == "a" else 24), jnp.float32)
+    out, out_sums = LinearWeightGrad(accumulate=True, operand_sums=sums).reference(x, dz, start, acc)
+    summed = x if sums == "a" else dz
+    assert_close(out_sums, start + jnp.sum(summed.astype(jnp.float32), axis=1), jnp.float32)
+    assert_close(out, acc + jnp.einsum("lmk,lmn->lkn", x.astype(jnp.float32), dz.astype(jnp.float32),
+                                       precision=HIGHEST), jnp.float32)
+    with pytest.raises(ValueError, match="operand_sums"):
+        LinearWeightGrad(operand_sums="c")
+
+
 def test_stream_k_needs_an_accumulator():
     with pytest.raises(ValueError, match="accumulator"):
         LinearWeightGrad(stream_k=True)
@@ -665,6 +700,34 @@ def test_accumulating_weight_grad_every_config_gpu(config, schedule, k, n, rng):
         (out,) = jax.jit(functools.partial(kernel_call, family))(x, dz, acc)
     want = acc + jnp.einsum("lmk,lmn->lkn", x.astype(jnp.float32), dz.astype(jnp.float32), precision=HIGHEST)
     assert_close(out, want, jnp.float32, scale=100.0)  # bf16 products summed in fp32, in another order
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sums", ["a", "b"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_weight_grad_operand_sums_every_config_gpu(schedule, sums, rng):
+    # The summing warps' column sums (a bias gradient) for every config of the schedule, whole
+    # tiles with and without an accumulator, stream-K segments (rotated, crossing tiles), a batch
+    # of 2 and an extent (200, 136) that leaves partial tiles and a partial vector at the edge.
+    rows, k, n, batch = 4296, 200, 136, 2
+    x, dz = random(rng, (batch, rows, k), jnp.bfloat16), random(rng, (batch, rows, n), jnp.bfloat16)
+    want = jnp.einsum("lmk,lmn->lkn", x.astype(jnp.float32), dz.astype(jnp.float32), precision=HIGHEST)
+    want_sums = jnp.sum((x if sums == "a" else dz).astype(jnp.float32), axis=1)
+    zeros = jnp.zeros(want_sums.shape, jnp.float32)
+    failures = []
+    for config in [c for c, s in _schedule_cases() if s == schedule]:
+        for accumulate in {schedule == "stream_k", True}:
+            family = LinearWeightGrad(config=config, accumulate=accumulate, stream_k=schedule == "stream_k",
+                                      operand_sums=sums)
+            operands = (x, dz, zeros) + ((jnp.zeros(want.shape, jnp.float32),) if accumulate else ())
+            with cl.use_backend("cute"):
+                out, out_sums = jax.jit(functools.partial(kernel_call, family))(*operands)
+            try:
+                assert_close(out_sums, want_sums, jnp.float32, scale=100.0)
+                assert_close(out, want, jnp.float32 if accumulate else jnp.bfloat16, scale=100.0)
+            except AssertionError as e:
+                failures.append(f"{config}, accumulate={accumulate}: {e}")
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.gpu

@@ -69,7 +69,10 @@ from cutelayers.kernels.gemm_config import EPI_STAGES, PERSISTENT_SMS, SOURCE_ST
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_exact", "silu", "sigmoid", "tanh", "leaky_relu", "hardswish")
 
 GROUP_N = 8  # most cluster columns per rasterization group
-PRODUCER_REGISTERS = 40  # the TMA warpgroup only computes addresses
+PRODUCER_REGISTERS = 40  # the TMA warpgroup only computes addresses (and, with ``sums``, adds)
+SUM_WARPS = 3  # the producer warpgroup's idle warps: they sum an operand (``sums``)
+SUM_VECTOR = 8  # elements a summing lane loads at once (16 bytes of bfloat16 / float16)
+OPERAND_SUMS = (None, "a", "b")
 CONSUMER_REGISTERS = 232  # accumulators: 40 * 128 + 232 * 256 fits the SM's 64K registers
 # Named barriers: 1 + group for a group's epilogue, MMA_TURN_BARRIER + warpgroup for pingpong's
 # mainloop turns.
@@ -291,7 +294,7 @@ class StreamKScheduler:
 class HopperGemmKernel:
     """C = epilogue(A @ Bᵀ) on Hopper: persistent, warp-specialized TMA + wgmma, fp32 accumulation.
 
-    Launcher ``(stream, a, b, [bias], [residual | preact_in], c, [preact])``, which optional
+    Launcher ``(stream, a, b, [bias], [residual | preact_in], [sums], c, [preact])``, which optional
     tensors are present being fixed by ``epilogue``, each of a, b and c being ``planes.count``
     tensors where :class:`Planes` splits it:
 
@@ -304,12 +307,20 @@ class HopperGemmKernel:
     ``accumulate``: C += A @ Bᵀ, each tile added into c by the TMA store (reduce-add): how
     ``stream_k`` (:class:`StreamKScheduler`) sums its partial tiles, and how a caller adds into a
     running float32 sum without a pass of its own.
+
+    ``sums`` ("a" or "b"): also the sums of that operand over the contraction, added into a float32
+    (M, L) or (N, L) tensor (``sums``, zeros for a plain sum): a weight gradient's bias gradient,
+    the column sums of dz (B of ``xᵀ @ dz``; A of ``dzᵀ @ x``) -- see :meth:`sum_operand`.
     """
 
     def __init__(self, config: GemmConfig, epilogue: Epilogue, accumulate: bool = False, stream_k: bool = False,
-                 planes: Planes = Planes()):
+                 planes: Planes = Planes(), sums: str | None = None):
         self.config, self.epilogue, self.accumulate, self.stream_k = config, epilogue, accumulate, stream_k
-        self.planes = planes
+        self.planes, self.sums = planes, sums
+        if sums not in OPERAND_SUMS:
+            raise ValueError(f"sums must be one of {OPERAND_SUMS}; got {sums!r}")
+        if sums is not None and planes.summed:
+            raise ValueError("operand sums take planes that are not summed into one output")
         if planes.c == "split" and (epilogue.has_source or epilogue.store_preact):
             raise ValueError("split outputs take an epilogue without source tiles or a stored pre-activation")
         if planes.summed and (stream_k or epilogue.has_bias):
@@ -348,6 +359,7 @@ class HopperGemmKernel:
         b_in = take(planes.b)
         bias = rest.pop(0) if const_expr(epilogue.has_bias) else None
         source = rest.pop(0) if const_expr(epilogue.has_source) else None
+        sums = rest.pop(0) if const_expr(self.sums is not None) else None
         c_in = take(planes.c)
         preact = rest.pop(0) if const_expr(epilogue.store_preact) else None
         a, b, c = (x[0] if const_expr(isinstance(x, tuple)) else x for x in (a_in, b_in, c_in))
@@ -411,7 +423,8 @@ class HopperGemmKernel:
             grid = utils.StaticPersistentTileScheduler.get_grid_shape(schedule, clusters_per_wave)
         self.kernel(
             tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, tma_c, tma_tensor_c, tma_z, tma_tensor_z,
-            tma_s, tma_tensor_s, bias, a_smem, b_smem, epi_smem, source_smem, epi_tile, schedule,
+            tma_s, tma_tensor_s, bias, sums, (a_in if const_expr(self.sums == "a") else b_in) if const_expr(sums is not None) else None,
+            a_smem, b_smem, epi_smem, source_smem, epi_tile, schedule,
             (c.shape[0], c.shape[1], batches),
         ).launch(
             grid=grid,
@@ -453,6 +466,8 @@ class HopperGemmKernel:
         tma_s,
         tma_tensor_s,
         bias,
+        sums,
+        summed,  # the operand ``sums`` adds up, as given (a tuple of planes if split), or None
         a_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
         epi_smem: cute.ComposedLayout,
@@ -554,6 +569,9 @@ class HopperGemmKernel:
                     work = scheduler.get_current_work()
                 # Keep this CTA alive until every partner has released the stages it fed.
                 loads.producer_tail(producer)
+            if const_expr(self.sums is not None):
+                if warp >= 1 and warp <= SUM_WARPS:
+                    self.sum_operand(summed, sums, warp - 1)
         else:
             # --- consumer warpgroups: mainloop and epilogue per tile ----------------------------
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
@@ -649,6 +667,53 @@ class HopperGemmKernel:
                 work = scheduler.get_current_work()
             if store_warp:
                 stores.producer_tail()
+
+    @cute.jit
+    def sum_operand(self, summed, sums, sum_warp):
+        """Summing warp ``sum_warp`` (of SUM_WARPS in each CTA): ``sums[e, l] += sum over k of
+        summed[e, k, l]``, the operand (E, K, L) read from global memory, E contiguous.
+
+        The work is cut into units of (batch l, a block of 32 * SUM_VECTOR contiguous elements of
+        E, a run of rows of K) -- about one per summing warp of the grid -- that the warps take in
+        turn; a lane loads SUM_VECTOR contiguous elements of a row at once, adds them in float32,
+        and adds its sums into ``sums`` with float32 atomics at the end of a unit. These warps
+        idle otherwise (only warp 0 issues TMA) and the GEMM is bound by its tensor cores, not by
+        memory, so the extra read of the operand costs the kernel little; reading the pipeline's
+        shared-memory stages instead would compete with wgmma for shared-memory bandwidth and hold
+        up the stages' release."""
+        planes = as_planes(summed)
+        first = planes[0]
+        extent, rows = first.shape[0], first.shape[1]
+        batches = len(planes) if const_expr(len(planes) > 1) else first.shape[2]
+        block = 32 * SUM_VECTOR
+        blocks = cute.ceil_div(extent, block)
+        warps = cute.arch.grid_dim()[0] * cute.arch.grid_dim()[1] * cute.arch.grid_dim()[2] * SUM_WARPS
+        runs = cutlass.max(warps // (batches * blocks), 1)  # row runs per (batch, block)
+        run_rows = cute.ceil_div(rows, runs)
+        bidx = cute.arch.block_idx()
+        cta = bidx[0] + cute.arch.grid_dim()[0] * (bidx[1] + cute.arch.grid_dim()[1] * bidx[2])
+        lane = cute.arch.lane_idx()
+        totals = cute.make_rmem_tensor((SUM_VECTOR,), Float32)
+        values = cute.make_rmem_tensor((SUM_VECTOR,), first.element_type)
+        for unit in cutlass.range(cta * SUM_WARPS + sum_warp, batches * blocks * runs, warps, unroll=1):
+            run = unit % runs
+            rest = unit // runs
+            column = (rest % blocks) * block + lane * SUM_VECTOR
+            batch = rest // blocks
+            totals.fill(0.0)
+            if column < extent:
+                for p in cutlass.range_constexpr(len(planes)):
+                    if const_expr(len(planes) == 1) or batch == p:
+                        source = planes[p]
+                        plane_batch = batch if const_expr(len(planes) == 1) else 0
+                        for row in cutlass.range(run * run_rows, cutlass.min(rows, (run + 1) * run_rows), unroll=4):
+                            cute.autovec_copy(cute.local_tile(source[(None, row, plane_batch)], (SUM_VECTOR,),
+                                                              (column // SUM_VECTOR,)), values)
+                            for j in cutlass.range_constexpr(SUM_VECTOR):
+                                totals[j] = totals[j] + values[j].to(Float32)
+                for j in cutlass.range_constexpr(SUM_VECTOR):
+                    offset = cute.crd2idx((column + j, batch), sums.layout)
+                    cute.arch.red(sums.iterator + offset, totals[j], op="add", dtype="f32", sem="relaxed", scope="gpu")
 
     def load_partitions(self, tma, tma_tensor, smem, tile_modes, cluster_rank, multicast: int):
         """(smem destinations, (tile, tile_k, tiles, k tiles, L) global sources) of one operand's

@@ -193,8 +193,18 @@ class GemmFamily(TunableFamily):
 
     def per_shard(self, rule, ctx, *operands):
         """One device's part: the GEMM on its shards; results that lack a sharded factor of the
-        operands (the contraction) are partial sums, psum'd."""
+        operands (the contraction) are partial sums, psum'd -- except over the factor that
+        operand sums (a weight gradient's second result) do not involve: each device holds them
+        whole for its rows."""
+        independent = self.sums_independent_factor()
+        if independent is not None:
+            rule = dataclasses.replace(rule, results=(rule.results[0], rule.results[1] + (independent,)))
         return sum_partials(rule, ctx, self.run_local(*operands))
+
+    def sums_independent_factor(self) -> str | None:
+        """With operand sums: the sharding factor of the other operand's features, which the sums
+        (of dz over the rows) do not involve; None without them."""
+        return None
 
     def run_local(self, *operands):
         """This GEMM on one device's operands; the jnp reference where sharding left K or N per
@@ -213,16 +223,18 @@ class GemmFamily(TunableFamily):
             "vector": (False,),
             "batched": (True, True, False),  # (L, M, F)
             "batched_out": (True, False, False),  # (L, K, N)
+            "batched_vector": (True, False),  # (L, N): per batch index, one value per column
         }[kind]
 
     accumulate = False  # result added into a float32 operand (LinearWeightGrad; LinearInputGrad's stream-K)
     stream_k = False  # stream-K schedule (LinearWeightGrad, LinearInputGrad)
+    operand_sums = None  # "a" / "b": that operand's sums over the contraction too (a bias gradient)
 
     def launcher(self, avals, out_avals):
         from cutelayers.kernels.gemm import HopperGemmKernel
 
         return HopperGemmKernel(self.chosen_config(), self.epilogue(), self.accumulate, self.stream_k,
-                                self.planes())
+                                self.planes(), self.operand_sums)
 
     def epilogue(self):
         from cutelayers.kernels.gemm import Epilogue
@@ -393,11 +405,16 @@ class LinearWeightGrad(GemmFamily):
     into by the TMA unit (the result, float32, is that buffer). ``stream_k`` -- for a (K, N) output
     with too few tiles to fill the GPU -- sums its partial tiles that way, into zeros; the LM head
     adds each token chunk's dkernel into its running sum.
+
+    ``operand_sums`` "a" / "b": also x's (L, K) or dz's (L, N) sums over the rows, float32 -- a
+    bias gradient, summed by the kernel from the tiles it loads anyway (no pass over dz of its
+    own). They are added into a float32 zeros operand, which comes before the accumulator.
     """
 
     config: GemmConfig | None = None
     accumulate: bool = False
     stream_k: bool = False
+    operand_sums: str | None = None
     contracts_rows = True
 
     name = "linear_dkernel"
@@ -405,37 +422,51 @@ class LinearWeightGrad(GemmFamily):
     def __post_init__(self):
         if self.stream_k and not self.accumulate:
             raise ValueError("LinearWeightGrad: stream-K sums partial tiles into an accumulator (accumulate=True)")
+        if self.operand_sums not in (None, "a", "b"):
+            raise ValueError(f"LinearWeightGrad: operand_sums must be None, 'a' or 'b'; got {self.operand_sums!r}")
+
+    @property
+    def with_sums(self) -> bool:
+        return self.operand_sums is not None
+
+    def sums_independent_factor(self):
+        return {None: None, "a": "n", "b": "k"}[self.operand_sums]
 
     @property
     def arg_names(self):
-        return ("x", "dz") + ("accumulator",) * self.accumulate
+        return ("x", "dz") + ("sums",) * self.with_sums + ("accumulator",) * self.accumulate
 
     def kinds(self):
-        return ("batched", "batched") + ("batched_out",) * self.accumulate + ("batched_out",)
+        sums = ("batched_vector",) * self.with_sums
+        return ("batched", "batched") + sums + ("batched_out",) * self.accumulate + ("batched_out",) + sums
 
     def modes_at(self, position):
-        return _TRANSPOSED if position < 2 else _ROWS
+        if position < 2:
+            return _TRANSPOSED
+        return (1, 0) if self.kinds()[position] == "batched_vector" else _ROWS  # (L, N) -> (N, L)
 
     def factors(self):
         # The rows are the contraction: with row-sharded x and dz (data parallel) each device's
         # dkernel is a partial sum, psum'd -- the data-parallel gradient all-reduce (per_shard
-        # keeps an accumulator out of it but once).
+        # keeps an accumulator out of it but once); so are the sums.
         out = ("batch", "k", "n")
-        return (("batch", "rows", "k"), ("batch", "rows", "n")) + (out,) * self.accumulate, (out,)
+        sums = (("batch", "k" if self.operand_sums == "a" else "n"),) * self.with_sums
+        return (("batch", "rows", "k"), ("batch", "rows", "n")) + sums + (out,) * self.accumulate, (out,) + sums
 
-    def per_shard(self, rule, ctx, x, dz, *accumulator):
-        if accumulator and ctx.sharded("rows"):
+    def per_shard(self, rule, ctx, x, dz, *rest):
+        if self.accumulate and ctx.sharded("rows"):
             # the devices that share the rows psum their results: the running sum enters that sum
             # on the first of them, the others add their product into zeros
             first = jax.lax.axis_index(ctx.axes["rows"]) == 0
-            accumulator = (jnp.where(first, accumulator[0], 0.0),)
-        return super().per_shard(rule, ctx, x, dz, *accumulator)
+            rest = (*rest[:-1], jnp.where(first, rest[-1], 0.0))
+        return super().per_shard(rule, ctx, x, dz, *rest)
 
     def operand_output_aliases(self):
-        return {2: 0} if self.accumulate else None
+        aliases = ({2: 1} if self.with_sums else {}) | ({2 + self.with_sums: 0} if self.accumulate else {})
+        return aliases or None
 
     def kept_outputs(self, n_outputs):
-        return () if self.accumulate else tuple(range(n_outputs))
+        return () if self.accumulate else (0,)
 
     def layer_dims(self, avals):
         return avals[0].shape[2], avals[1].shape[2]
@@ -446,12 +477,20 @@ class LinearWeightGrad(GemmFamily):
     def out_avals(self, avals):
         x, dz = avals[:2]
         dtype = jnp.float32 if self.accumulate else x.dtype
-        return (jax.ShapeDtypeStruct((x.shape[0], x.shape[2], dz.shape[2]), dtype),)
+        dkernel = jax.ShapeDtypeStruct((x.shape[0], x.shape[2], dz.shape[2]), dtype)
+        if not self.with_sums:
+            return (dkernel,)
+        return dkernel, jax.ShapeDtypeStruct(avals[2].shape, jnp.float32)
 
-    def reference(self, x, dz, *accumulator):
-        if not accumulator:
-            return (_weight_grad_einsum(x, dz),)
-        return (accumulator[0] + _weight_grad_einsum(x, dz, dtype=jnp.float32),)
+    def reference(self, x, dz, *rest):
+        if self.accumulate:
+            dkernel = rest[-1] + _weight_grad_einsum(x, dz, dtype=jnp.float32)
+        else:
+            dkernel = _weight_grad_einsum(x, dz)
+        if not self.with_sums:
+            return (dkernel,)
+        summed = x if self.operand_sums == "a" else dz
+        return dkernel, rest[0] + jnp.sum(summed.astype(jnp.float32), axis=1)
 
 
 # --- jnp reference: the kernels' decomposition -----------------------------------------------------
@@ -564,25 +603,33 @@ def _row_zeros(rows, k):
                      out_sharding=NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[:2], None)))
 
 
-def _weight_grad_batched(x, dz, accumulator, use_kernels, precision):
+def _weight_grad_batched(x, dz, accumulator, use_kernels, precision, sums=None):
     """dkernel (L, K, N) from x (L, ..., K), dz (L, ..., N): one launch, L the kernel's batch.
     With a float32 (L, K, N) ``accumulator`` (else None): ``accumulator + dkernel`` in float32,
-    the kernel adding into it as it stores (no pass of its own)."""
+    the kernel adding into it as it stores (no pass of its own). With ``sums`` "a" / "b": the pair
+    (dkernel, the float32 sums of x (L, K) / dz (L, N) over the rows), summed by the same kernel."""
     x = x.reshape(x.shape[0], -1, x.shape[-1])
     dz = dz.reshape(dz.shape[0], -1, dz.shape[-1])
+    summed = x if sums == "a" else dz
     if not use_kernels or x.shape[1] == 0:
         if accumulator is None:
-            return _weight_grad_einsum(x, dz, precision)
-        return accumulator + _weight_grad_einsum(x, dz, precision, dtype=jnp.float32)
+            dw = _weight_grad_einsum(x, dz, precision)
+        else:
+            dw = accumulator + _weight_grad_einsum(x, dz, precision, dtype=jnp.float32)
+        return dw if sums is None else (dw, jnp.sum(summed.astype(jnp.float32), axis=1))
     (batch, rows, k), n = x.shape, dz.shape[-1]
+    sums_in = () if sums is None else (jnp.zeros((batch, summed.shape[-1]), jnp.float32),)
     # Too few output tiles to fill the GPU: stream-K, its partial tiles added into zeros.
     stream_k = stream_k_pays(k, n, rows, batch)
     if not stream_k and accumulator is None:
-        (dw,) = kernel_call(resolve(LinearWeightGrad(), (x, dz)), x, dz)
-        return dw
-    operands = (x, dz, jnp.zeros((batch, k, n), jnp.float32) if accumulator is None else accumulator)
-    (dw,) = kernel_call(resolve(LinearWeightGrad(accumulate=True, stream_k=stream_k), operands), *operands)
-    return dw if accumulator is not None else dw.astype(x.dtype)
+        operands = (x, dz, *sums_in)
+        out = kernel_call(resolve(LinearWeightGrad(operand_sums=sums), operands), *operands)
+        return out[0] if sums is None else tuple(out)
+    operands = (x, dz, *sums_in, jnp.zeros((batch, k, n), jnp.float32) if accumulator is None else accumulator)
+    out = kernel_call(resolve(LinearWeightGrad(accumulate=True, stream_k=stream_k, operand_sums=sums), operands),
+                      *operands)
+    dw = out[0] if accumulator is not None else out[0].astype(x.dtype)
+    return dw if sums is None else (dw, out[1])
 
 
 @functools.cache
@@ -601,19 +648,22 @@ def input_grad_fn(use_kernels: bool, precision=None, grad_of: str = "none", kern
 
 
 @functools.cache
-def weight_grad_fn(use_kernels: bool, precision=None):
+def weight_grad_fn(use_kernels: bool, precision=None, sums: str | None = None):
     """``weight_grad(x, dz [, accumulator])``: dkernel (L, K, N) of batch-leading (L, ..., K) x and
     (L, ..., N) dz in x's dtype, or ``accumulator + dkernel`` for a float32 (L, K, N)
     accumulator; vmappable: a vmap adds its batch to L (the kernel's batch mode), so per-example
-    dkernel is still one launch. Shared with :mod:`cutelayers.ops.lm_head`."""
+    dkernel is still one launch. Shared with :mod:`cutelayers.ops.lm_head`.
+
+    ``sums`` "a" / "b": the pair (dkernel, float32 sums of x (L, K) / dz (L, N) over the rows) --
+    a bias gradient from the same kernel (see :class:`LinearWeightGrad`)."""
 
     def weight_grad(x, dz, *accumulator):
-        return _weight_grad_batched(x, dz, *accumulator or (None,), use_kernels, precision)
+        return _weight_grad_batched(x, dz, *accumulator or (None,), use_kernels, precision, sums)
 
     def batched(*operands):
         # Each example's dkernel sums over its own rows: the batch joins L, not the rows.
         out = vmappable(*(a.reshape(-1, *a.shape[2:]) for a in operands))
-        return out.reshape(operands[0].shape[0], -1, *out.shape[1:])
+        return jax.tree.map(lambda o: o.reshape(operands[0].shape[0], -1, *o.shape[1:]), out)
 
     vmappable = fold_batch(weight_grad, batched=batched)
     return vmappable
@@ -637,7 +687,7 @@ def _linear_fn(activation: str, has_bias: bool, has_residual: bool, use_kernels:
     plain = forward_fn(activation, False, use_kernels, precision, kernel_nk)
     saving = forward_fn(activation, True, use_kernels, precision, kernel_nk)
     input_grad = input_grad_fn(use_kernels, precision, kernel_nk=kernel_nk)
-    weight_grad = weight_grad_fn(use_kernels, precision)
+    weight_grad = weight_grad_fn(use_kernels, precision, dz_sums(kernel_nk) if has_bias else None)
     needs_preact = activation != "none"
 
     @jax.custom_vjp
@@ -653,24 +703,31 @@ def _linear_fn(activation: str, has_bias: bool, has_residual: bool, use_kernels:
 
     def bwd(res, dy):
         x, kernel, z, bias = res
-        dz32 = preact_grad(z, dy, activation)
-        dz = dz32.astype(x.dtype)
+        dz = preact_grad(z, dy, activation).astype(x.dtype)
         dx = input_grad(dz, kernel)
-        dkernel = weight_grad_as_stored(weight_grad, x, dz, kernel_nk)
-        dbias = None
-        if has_bias:
-            dbias = column_sum(dz32, bias.dtype)
+        dkernel, dbias = weight_and_bias_grads(weight_grad, x, dz, kernel_nk, bias)
         return dx, dkernel, dbias, dy if has_residual else None
 
     linear.defvjp(fwd, bwd)
     return fold_batch(linear, shared=(1, 2), per_example=linear)
 
 
-def weight_grad_as_stored(weight_grad, x, dz, kernel_nk: bool):
-    """dkernel of x (..., K) and dz (..., N) as the kernel is stored: xᵀ @ dz (K, N), or dzᵀ @ x
-    (N, K) for ``kernel_nk`` -- the same GEMM with its operands swapped, so no transpose."""
+def dz_sums(kernel_nk: bool) -> str:
+    """Which operand of :func:`weight_and_bias_grads`' GEMM is dz, whose sums are the bias
+    gradient: B of xᵀ @ dz, A of dzᵀ @ x."""
+    return "a" if kernel_nk else "b"
+
+
+def weight_and_bias_grads(weight_grad, x, dz, kernel_nk: bool, bias=None):
+    """(dkernel, dbias) of x (..., K) and dz (..., N): dkernel as the kernel is stored, xᵀ @ dz
+    (K, N), or dzᵀ @ x (N, K) for ``kernel_nk`` -- the same GEMM with its operands swapped, so no
+    transpose; dbias (None without a ``bias``) the column sums of dz in the bias's dtype, from
+    the same GEMM (``weight_grad`` made with ``sums=dz_sums(kernel_nk)``)."""
     a, b = (dz, x) if kernel_nk else (x, dz)
-    return weight_grad(a[None], b[None])[0]
+    if bias is None:
+        return weight_grad(a[None], b[None])[0], None
+    dkernel, sums = weight_grad(a[None], b[None])
+    return dkernel[0], sums[0].astype(bias.dtype)
 
 
 # --- the op ------------------------------------------------------------------------------------------

@@ -41,14 +41,14 @@ from cutelayers.ops.linear import (
     check_linear_operands,
     check_residual,
     check_same_dtype,
-    column_sum,
+    dz_sums,
     forward_fn,
     fused_linear,
     hashable_precision,
     input_grad_fn,
     kernels_apply,
     resolve_activation,
-    weight_grad_as_stored,
+    weight_and_bias_grads,
     weight_grad_fn,
 )
 from cutelayers.runtime.sharding import vary_like
@@ -78,7 +78,8 @@ def _mlp_fn(activation: str, has_b1: bool, has_b2: bool, has_residual: bool, use
     fc2 = forward_fn("none", False, use_kernels, precision, kernel_nk)
     hidden_grad = input_grad_fn(use_kernels, precision, activation, kernel_nk)
     input_grad = input_grad_fn(use_kernels, precision, kernel_nk=kernel_nk)
-    weight_grad = weight_grad_fn(use_kernels, precision)
+    fc1_weight_grad = weight_grad_fn(use_kernels, precision, dz_sums(kernel_nk) if has_b1 else None)
+    fc2_weight_grad = weight_grad_fn(use_kernels, precision, dz_sums(kernel_nk) if has_b2 else None)
 
     @jax.custom_vjp
     def mlp(x, w1, b1, w2, b2, residual):
@@ -93,11 +94,9 @@ def _mlp_fn(activation: str, has_b1: bool, has_b2: bool, has_residual: bool, use
     def bwd(res, dy):
         x, w1, z1, h, w2, b1, b2 = res
         dz1 = hidden_grad(dy, w2, z1) if needs_preact else input_grad(dy, w2)
-        dw2 = weight_grad_as_stored(weight_grad, h, dy, kernel_nk)
+        dw2, db2 = weight_and_bias_grads(fc2_weight_grad, h, dy, kernel_nk, b2)
         dx = input_grad(dz1, w1)
-        dw1 = weight_grad_as_stored(weight_grad, x, dz1, kernel_nk)
-        db1 = column_sum(dz1, b1.dtype) if has_b1 else None
-        db2 = column_sum(dy, b2.dtype) if has_b2 else None
+        dw1, db1 = weight_and_bias_grads(fc1_weight_grad, x, dz1, kernel_nk, b1)
         return dx, dw1, db1, dw2, db2, dy if has_residual else None
 
     mlp.defvjp(fwd, bwd)

@@ -197,12 +197,15 @@ class SplitWeightGrad(GemmFamily):
     """Kernel family: dkernel as stored -- (K, P, d), or (P, d, K) if ``kernel_nk`` -- from x
     (1, M, K) and the P dy_l (1, M, d), operands in GEMM order: (x, dy...) or (dy..., x) for
     ``kernel_nk`` (whose gradient is dyᵀ @ x). ``stream_k``: its partial tiles added into a
-    float32 operand of zeros (the result, float32, is that buffer)."""
+    float32 operand of zeros (the result, float32, is that buffer). ``with_sums``: also every
+    dy_l's sums over the rows (P, d), float32 -- the bias gradient -- added by the kernel into a
+    float32 zeros operand before the stream-K one."""
 
     parts: int
     config: object = None
     kernel_nk: bool = False
     stream_k: bool = False
+    with_sums: bool = False
     contracts_rows = True
 
     name = "split_linear_dkernel"
@@ -212,29 +215,44 @@ class SplitWeightGrad(GemmFamily):
         return self.stream_k
 
     @property
+    def operand_sums(self):
+        """The kernel's summed operand: the dys, B of xᵀ @ dy (A of dyᵀ @ x)."""
+        return ("a" if self.kernel_nk else "b") if self.with_sums else None
+
+    def sums_independent_factor(self):
+        return "k" if self.with_sums else None  # the dys' sums do not involve x's features
+
+    @property
     def arg_names(self):
         dys = tuple(f"dy{i}" for i in range(self.parts))
-        return (dys + ("x",) if self.kernel_nk else ("x",) + dys) + ("zeros",) * self.stream_k
+        return ((dys + ("x",) if self.kernel_nk else ("x",) + dys) + ("sums",) * self.with_sums
+                + ("zeros",) * self.stream_k)
 
     def kinds(self):
-        return ("rows",) * (1 + self.parts) + ("weight",) * self.stream_k + ("weight",)
+        sums = ("batched_vector",) * self.with_sums
+        return ("rows",) * (1 + self.parts) + sums + ("weight",) * self.stream_k + ("weight",) + sums
 
     def modes_at(self, position):
         if position <= self.parts:
             return _TRANSPOSED  # (1, M, F) -> (F, M, 1): the rows are the contraction
+        if self.kinds()[position] == "batched_vector":
+            return (1, 0)  # (P, d) -> (d, P): a plane's sums at its batch index
         return _PLANES_AS_N_K_OUT if self.kernel_nk else _PLANES_AS_K_N[False]
 
     def factors(self):
         x, dy = (None, "rows", "k"), (None, "rows", "n")
         operands = (dy,) * self.parts + (x,) if self.kernel_nk else (x,) + (dy,) * self.parts
         out = _kernel_factor(self.kernel_nk)
-        return operands + (out,) * self.stream_k, (out,)
+        sums = ((None, "n"),) * self.with_sums
+        return operands + sums + (out,) * self.stream_k, (out,) + sums
 
     def operand_output_aliases(self):
-        return {1 + self.parts: 0} if self.stream_k else None
+        aliases = ({1 + self.parts: 1} if self.with_sums else {}) | (
+            {1 + self.parts + self.with_sums: 0} if self.stream_k else {})
+        return aliases or None
 
     def kept_outputs(self, n_outputs):
-        return () if self.stream_k else tuple(range(n_outputs))
+        return () if self.stream_k else (0,)
 
     def layer_dims(self, avals):
         x, dy = (avals[self.parts], avals[0]) if self.kernel_nk else (avals[0], avals[1])
@@ -256,15 +274,20 @@ class SplitWeightGrad(GemmFamily):
     def out_avals(self, avals):
         k, d = self.layer_dims(avals)
         shape = (self.parts, d, k) if self.kernel_nk else (k, self.parts, d)
-        return (jax.ShapeDtypeStruct(shape, jnp.float32 if self.stream_k else avals[0].dtype),)
+        dkernel = jax.ShapeDtypeStruct(shape, jnp.float32 if self.stream_k else avals[0].dtype)
+        return (dkernel,) + (jax.ShapeDtypeStruct((self.parts, d), jnp.float32),) * self.with_sums
 
     def reference(self, *operands):
-        if self.stream_k:
-            *operands, zeros = operands
+        operands = list(operands)
+        zeros = operands.pop() if self.stream_k else None
+        sums = operands.pop() if self.with_sums else None
         dys, x = (operands[:-1], operands[-1]) if self.kernel_nk else (operands[1:], operands[0])
         dkernel = _weight_grad_kn(x[0], [dy[0] for dy in dys], None, jnp.float32)
         out = as_planes(dkernel.T if self.kernel_nk else dkernel, self.parts, self.kernel_nk)
-        return ((zeros + out) if self.stream_k else out.astype(x.dtype),)
+        out = (zeros + out) if self.stream_k else out.astype(x.dtype)
+        if not self.with_sums:
+            return (out,)
+        return out, sums + jnp.stack([jnp.sum(dy[0].astype(jnp.float32), axis=0) for dy in dys])
 
 
 # --- jnp reference ---------------------------------------------------------------------------------
@@ -313,21 +336,27 @@ def _input_grad_rows(dys, kernel, parts, use_kernels, precision, kernel_nk):
     return dx.reshape(*lead, k)
 
 
-def _weight_grad_rows(x, dys, kernel_shape, parts, use_kernels, precision, kernel_nk):
-    """dkernel in the kernel's layout, x's dtype, summed over every row of x (..., K) and dys."""
+def _weight_grad_rows(x, dys, kernel_shape, bias_dtype, parts, use_kernels, precision, kernel_nk):
+    """(dkernel in the kernel's layout and x's dtype, summed over every row of x (..., K) and dys;
+    dbias (N,) in ``bias_dtype``, the dys' column sums side by side -- None for a None dtype)."""
     if not use_kernels or x.size == 0:
         dkernel = _weight_grad_kn(x, dys, precision, x.dtype)
-        return dkernel.T if kernel_nk else dkernel
+        dbias = None if bias_dtype is None else jnp.concatenate([column_sum(dy, bias_dtype) for dy in dys])
+        return dkernel.T if kernel_nk else dkernel, dbias
     rows = x.reshape(1, -1, x.shape[-1])
     dy_rows = tuple(dy.reshape(1, -1, dy.shape[-1]) for dy in dys)
     (m, k), d = rows.shape[1:], dy_rows[0].shape[2]
     stream_k = stream_k_pays(*((d, k) if kernel_nk else (k, d)), m, parts)
+    with_sums = bias_dtype is not None
     operands = (*dy_rows, rows) if kernel_nk else (rows, *dy_rows)
+    if with_sums:
+        operands += (jnp.zeros((parts, d), jnp.float32),)
     if stream_k:
         operands += (jnp.zeros((parts, d, k) if kernel_nk else (k, parts, d), jnp.float32),)
-    family = resolve(SplitWeightGrad(parts, kernel_nk=kernel_nk, stream_k=stream_k), operands)
-    (dkernel,) = kernel_call(family, *operands)
-    return dkernel.astype(x.dtype).reshape(kernel_shape)
+    family = resolve(SplitWeightGrad(parts, kernel_nk=kernel_nk, stream_k=stream_k, with_sums=with_sums), operands)
+    dkernel, *sums = kernel_call(family, *operands)
+    dbias = sums[0].reshape(-1).astype(bias_dtype) if with_sums else None
+    return dkernel.astype(x.dtype).reshape(kernel_shape), dbias
 
 
 @functools.cache
@@ -340,8 +369,8 @@ def _split_fn(parts: int, use_kernels: bool, precision, kernel_nk: bool):
     def input_grad(dys, kernel):
         return _input_grad_rows(dys, kernel, parts, use_kernels, precision, kernel_nk)
 
-    def weight_grad(x, dys, kernel_shape):
-        return _weight_grad_rows(x, dys, kernel_shape, parts, use_kernels, precision, kernel_nk)
+    def weight_grad(x, dys, kernel_shape, bias_dtype):
+        return _weight_grad_rows(x, dys, kernel_shape, bias_dtype, parts, use_kernels, precision, kernel_nk)
 
     forward = fold_batch(forward, shared=(1, 2))
     input_grad = fold_batch(input_grad, shared=(1,))
@@ -358,19 +387,23 @@ def _split_fn(parts: int, use_kernels: bool, precision, kernel_nk: bool):
         dys = tuple(dy.astype(x.dtype) for dy in dys)
         dx = input_grad(dys, kernel)
         # per-example kernels (vmap of grad) come here batched: each example its own sum over rows
-        dkernel = _per_example_weight_grad(weight_grad, x, dys, kernel)
-        dbias = None if bias is None else jnp.concatenate([column_sum(dy, bias.dtype) for dy in dys])
+        dkernel, dbias = _per_example_weight_grad(weight_grad, x, dys, kernel, bias)
         return dx, dkernel, dbias
 
     split.defvjp(fwd, bwd)
     return fold_batch(split, shared=(1, 2), per_example=split)
 
 
-def _per_example_weight_grad(weight_grad, x, dys, kernel):
-    """``weight_grad`` for this call's rows; under ``vmap(grad(...))`` a ``jax.lax.map`` over the
-    examples (one launch each), since the rows of different examples must not be summed."""
-    fn = fold_batch(lambda x, dys: weight_grad(x, dys, kernel.shape),
-                    batched=lambda x, dys: jax.lax.map(lambda e: weight_grad(e[0], e[1], kernel.shape), (x, dys)))
+def _per_example_weight_grad(weight_grad, x, dys, kernel, bias):
+    """``weight_grad`` (dkernel, dbias) for this call's rows; under ``vmap(grad(...))`` a
+    ``jax.lax.map`` over the examples (one launch each), since the rows of different examples must
+    not be summed."""
+    bias_dtype = None if bias is None else bias.dtype
+
+    def grads(x, dys):
+        return weight_grad(x, dys, kernel.shape, bias_dtype)
+
+    fn = fold_batch(grads, batched=lambda x, dys: jax.lax.map(lambda e: grads(*e), (x, dys)))
     return fn(x, dys)
 
 
