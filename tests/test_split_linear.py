@@ -180,6 +180,9 @@ def test_lowering_has_three_kernels_and_no_activation_sized_slice_or_concatenati
     for op in ("slice", "concatenate"):
         for line in re.findall(rf"stablehlo\.{op}.*", hlo):
             assert not re.search(rf"tensor<{m}x", line.split("->")[-1]), line  # only the bias's (3d,)
+    # dbias is the dkernel launch's (3, d) second result: no reduction over the rows in XLA
+    assert re.search(rf"custom_call @cutelayers_split_linear_dkernel.*-> \(tensor<[^>]*>, tensor<3x{d}xf32>\)", hlo)
+    assert not [line for line in hlo.splitlines() if "stablehlo.reduce" in line and f"{m}x" in line]
 
 
 # --- sharded (four fake CPU devices): data- and row-parallel run the families' rules per device ------

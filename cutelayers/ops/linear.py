@@ -9,12 +9,13 @@ never writes it.
 
 Backward, from the saved (x, kernel, z):
 
-* ``dz = dy * act'(z)``: one elementwise jnp pass (XLA fuses it with the ``db`` column sum);
+* ``dz = dy * act'(z)``: one elementwise jnp pass;
 * ``dx = dz @ kernelᵀ``: the GEMM kernel reading the (K, N) kernel as stored (K-major B operand);
 * ``dkernel = xᵀ @ dz``: the GEMM kernel on transposed *views* of x and dz (M-major A and B
   operands through the primitive's ``modes``), contracting over the rows; no transpose is
   materialised;
-* ``dbias = sum(dz)`` over rows, ``dresidual = dy``.
+* ``dbias = sum(dz)`` over rows: from the same dkernel launch, whose idle producer warps sum dz
+  while its tensor cores run (no pass over dz of its own); ``dresidual = dy``.
 
 When the kernels run: bfloat16 / float16 operands with K and N multiples of 8 (TMA needs 16-byte
 row strides). Otherwise -- float32, or K / N not multiples of 8 -- the op runs its jnp reference,

@@ -11,7 +11,7 @@ Backward, from the saved (x, w1, z1, h = act(z1), w2):
 * ``dz1 = (dy @ w2ᵀ) * act'(z1)``: one GEMM whose epilogue reads ``z1`` and applies the activation
   derivative, so ``act'`` costs no pass of its own (``fused_linear`` alone needs one);
 * ``dw2 = hᵀ @ dy``, ``dx = dz1 @ w1ᵀ``, ``dw1 = xᵀ @ dz1``: the linear op's GEMM kernels;
-* ``db2 = sum(dy)``, ``db1 = sum(dz1)`` over rows, ``dresidual = dy``.
+* ``db2 = sum(dy)``, ``db1 = sum(dz1)`` over rows (from the dw2 / dw1 launches), ``dresidual = dy``.
 
 Kernels run where :func:`cutelayers.ops.linear.kernels_apply` allows for both layers (bfloat16 /
 float16, every width a multiple of 8); otherwise the same decomposition runs as XLA GEMMs, logged

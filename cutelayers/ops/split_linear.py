@@ -13,7 +13,7 @@ the GEMM kernel runs the P column blocks of the kernel as *planes*
   contraction into one accumulator;
 * dkernel_l = xᵀ @ dy_l -- one launch writing the gradient as the kernel is stored (stream-K
   when the planes' tiles would leave SMs idle);
-* dbias_l = the column sums of dy_l.
+* dbias_l = the column sums of dy_l, from the same dkernel launch (its idle producer warps).
 
 kernel_l is the column block kernel[:, l * d:(l + 1) * d] (rows for an (N, K) kernel), read in
 place through a strided view. The kernels run where :func:`cutelayers.ops.fused_linear`'s do
