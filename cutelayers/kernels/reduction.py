@@ -274,6 +274,60 @@ def shared_row_operand(tensor, like: RowOperand, thread) -> RowOperand:
     return dataclasses.replace(like, src=src)
 
 
+def can_prefetch(geometry: RowGeometry, elem_bits: int) -> bool:
+    """cp.async copies 4, 8 or 16 bytes: rows whose vector width gives at least 4."""
+    return geometry.vec * elem_bits >= 32
+
+
+@dataclasses.dataclass(frozen=True)
+class RowPrefetch:
+    """Asynchronous global -> shared copies (cp.async: no registers held while in flight) of a
+    row operand's steps, partitioned as the operand: a thread copies the elements it reads."""
+
+    copy: object
+    src: object  # (values, 1, 1, steps) of the global tensor
+    dst: object  # the same of the shared one
+    coords: object
+    geometry: RowGeometry
+
+
+def row_prefetch(tensor, shared, like: RowOperand, tile_coord, thread) -> RowPrefetch:
+    """Prefetches of ``like``'s steps of ``tensor`` into ``shared`` (:func:`shared_row_tensor`)."""
+    geometry = like.geometry
+    dtype = tensor.element_type
+    tiler, tv = row_tv_layout(geometry.row, geometry.vec)
+    bits = min(dtype.width * geometry.vec, 128)
+    # 16-byte copies may skip L1 (.cg): each element is read once
+    cache = cute.nvgpu.cpasync.LoadCacheMode.GLOBAL if bits == 128 else cute.nvgpu.cpasync.LoadCacheMode.ALWAYS
+    atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cache), dtype, num_bits_per_copy=bits)
+    tiled_copy = cute.make_tiled_copy(atom, tv, tiler)
+    thr = tiled_copy.get_slice(thread)
+    return RowPrefetch(
+        copy=tiled_copy,
+        src=thr.partition_S(cute.local_tile(tensor, tiler, tile_coord)),
+        dst=thr.partition_D(cute.local_tile(shared, tiler, (0, None))),
+        coords=like.coords,
+        geometry=geometry,
+    )
+
+
+@cute.jit
+def prefetch_step(op: RowPrefetch, step, edge: cutlass.Constexpr = None):
+    """Start copying ``step``; complete after ``cp_async_wait_group``. Accesses past column n
+    are skipped with a branch, not a predicate: a predicated cp.async still writes (zeros) to
+    shared memory, which ends at column n."""
+    geometry = op.geometry
+    src, dst = op.src[None, None, None, step], op.dst[None, None, None, step]
+    if const_expr(geometry.ragged if edge is None else edge):
+        coords = op.coords[None, None, None, step]
+        for v in cutlass.range_constexpr(cute.size(coords, mode=[0, 1])):
+            for k in cutlass.range_constexpr(cute.size(coords, mode=[2])):
+                if cute.elem_less(coords[(0, v), 0, k][1], geometry.n):
+                    cute.copy(op.copy, src[(None, v), None, k], dst[(None, v), None, k])
+    else:
+        cute.copy(op.copy, src, dst)
+
+
 def shared_row_bytes(geometry: RowGeometry, elem_bytes: int) -> int:
     """Shared memory of :func:`shared_row_tensor` (plus its alignment)."""
     return geometry.row.rows_per_cta * geometry.n * elem_bytes + 16

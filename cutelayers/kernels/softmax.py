@@ -23,11 +23,14 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from cutelayers.kernels.reduction import (
+    can_prefetch,
     column_mask,
     load_step,
     nan_max,
+    prefetch_step,
     row_allreduce,
     row_operand,
+    row_prefetch,
     row_sum,
     row_tiled_copy,
     save_step,
@@ -347,10 +350,13 @@ class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
 
     Pass 1 folds the row's online (max, shift, sum); after the row reductions pass 2 computes dx.
     Where the row stays in registers it is read once. A streamed row whose CTA rows fit in shared
-    memory (:func:`.softmax_config.staged`) is copied there from registers as pass 1 loads each
-    step, and pass 2 reads the steps back from there; each thread reads back only the elements
-    it wrote itself, so no barrier orders them. Other streamed rows are read from global memory
-    again in pass 2 (from L2 where the rows in flight fit in it).
+    memory (:func:`.softmax_config.staged`) is read once, into shared memory: with cp.async, every
+    step issued at once when the CTA starts (the whole row in flight, no registers held: on an
+    H200 0.206 ms at 4096 x 50304 bf16, against 0.246 ms for copying each step from registers as
+    pass 1 loads it), or from registers where accesses are narrower than cp.async's 4 bytes (odd
+    V in 16 bits). Both passes then read the steps from shared memory; each thread reads back
+    only the elements it wrote itself, so no barrier orders them. Other streamed rows are read
+    from global memory again in pass 2.
 
     x is overwritten as pass 2 goes. The label's logit is read by the one thread whose fragment
     holds its column -- the only thread that writes that element -- before its own pass 2, and
@@ -397,18 +403,31 @@ class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
         opx = row_operand(x, copy_x, cute.make_identity_tensor(x.shape), g, (bidx, None), tidx)
         row = opx.coords[0][0]
         valid_row = row < x.shape[0]
-        # where pass 1 stages the row (None: nowhere), where pass 2 reads it from (None: registers)
-        stage, again = None, None
+        # where pass 1 reads the row from and stages it (None: nowhere), where pass 2 reads it
+        # from (None: registers)
+        source, stage, again, prefetch = opx, None, None, None
         if const_expr(not g.resident):
             again = opx
         if const_expr(staged(g, x.element_type.width // 8)):
-            stage = shared_row_operand(shared_row_tensor(g, x.element_type), opx, tidx)
-            again = stage
+            shared = shared_row_tensor(g, x.element_type)
+            again = shared_row_operand(shared, opx, tidx)
+            if const_expr(can_prefetch(g, x.element_type.width)):
+                prefetch = row_prefetch(x, shared, opx, (bidx, None), tidx)
+                source = again
+            else:
+                stage = again
         opx.frag.fill(0.0)
+        if const_expr(prefetch is not None):
+            if valid_row:
+                for step in cutlass.range(g.num_steps - 1, unroll=1):
+                    prefetch_step(prefetch, step, False)
+                prefetch_step(prefetch, g.num_steps - 1, g.ragged)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
         mx, c, s, total = -Float32.inf, Float32(0.0), Float32(0.0), Float32(0.0)
         for step in cutlass.range(g.num_steps - 1, unroll=1):
-            mx, c, s, total = self.fold_step(opx, step, valid_row, False, mx, c, s, total, stage)
-        mx, c, s, total = self.fold_step(opx, g.num_steps - 1, valid_row, g.ragged, mx, c, s, total, stage)
+            mx, c, s, total = self.fold_step(source, step, valid_row, False, mx, c, s, total, stage)
+        mx, c, s, total = self.fold_step(source, g.num_steps - 1, valid_row, g.ragged, mx, c, s, total, stage)
         lse = row_lse(mx, c, s, g, buffers[0], buffers[1])
         if const_expr(self.buffers > 2):
             total = row_allreduce(total, operator.add, Float32(0.0), g.row, buffers[2])
