@@ -19,6 +19,15 @@ from training import bench
 from training.data import TextData
 
 
+def in_this_process(flag, job, timeout):
+    """What ``bench.in_subprocess(flag, job, timeout)`` returns, the command run in this process:
+    ``bench.main([flag, JOB])``, its JSON line read back."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert bench.main([flag, json.dumps(job)]) == 0
+    return json.loads(printed.getvalue().splitlines()[-1])
+
+
 def test_bench_tiny_cases_table_and_breakdown(tmp_path, capsys, monkeypatch):
     """The cases run in their own processes (``--one-case``); the per-part breakdown, which times
     eighteen small programs, runs its ``--one-breakdown`` command in this process with two calls
@@ -29,12 +38,7 @@ def test_bench_tiny_cases_table_and_breakdown(tmp_path, capsys, monkeypatch):
 
     def breakdown_here(flag, job, timeout):
         flags.append(flag)
-        if flag != "--one-breakdown":
-            return run_case(flag, job, timeout)
-        printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):
-            assert bench.main([flag, json.dumps(job)]) == 0
-        return json.loads(printed.getvalue().splitlines()[-1])
+        return (in_this_process if flag == "--one-breakdown" else run_case)(flag, job, timeout)
 
     monkeypatch.setattr(bench, "in_subprocess", breakdown_here)
     monkeypatch.setattr(bench, "time_fn", functools.partial(timing.time_fn, iters=2, repeats=1))
@@ -100,10 +104,11 @@ def table(text: str) -> tuple[list[str], list[list[str]]]:
 def test_bench_over_meshes(tmp_path, monkeypatch):
     """data=1, data=2 and fsdp=2 on the fake CPU devices: each case trains on its mesh's devices
     (the same losses as one device), the table has the mesh columns, tokens/s vs 1 device, and
-    fsdp holds about half the parameter + optimizer bytes per device (vectors stay whole)."""
+    fsdp holds about half the parameter + optimizer bytes per device (vectors stay whole). The
+    device check and the cases run their commands in this process (which has the same four
+    devices): the tiny test above runs cases in their own processes."""
     rows = []
-    run_case = bench.in_subprocess
-    monkeypatch.setattr(bench, "in_subprocess", lambda *a: rows.append(run_case(*a)) or rows[-1])
+    monkeypatch.setattr(bench, "in_subprocess", lambda *a: rows.append(in_this_process(*a)) or rows[-1])
     output = tmp_path / "mesh.md"
     argv = ["--config", "tiny", "--model", "nnx", "--variant", "cutelayers", "--mesh", "data=1", "data=2",
             "fsdp=2", "--steps", "2", "--warmup-steps", "1", "--output", str(output)]
