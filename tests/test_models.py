@@ -64,6 +64,8 @@ def perturbed(params, seed=5, scale=0.05):
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_forward_backward_and_stock_twin(framework, tiny):
+    """Our model and its stock twin: the same parameter tree; with the same (perturbed) parameters,
+    the same loss and gradients, and each one's logits give its loss."""
     stock = common.init(framework, tiny, jax.random.key(0), stock=True)
     ours = common.init(framework, tiny, jax.random.key(1), abstract=True)  # only its tree is needed
     assert sum(int(np.prod(p.shape)) for p in jax.tree.leaves(stock.params)) == tiny.num_params()
@@ -83,19 +85,13 @@ def test_forward_backward_and_stock_twin(framework, tiny):
     assert_close(out, ref, jnp.float32, scale=2.0)
     flat = lambda t: jnp.concatenate([g.ravel() for g in jax.tree.leaves(t)])  # noqa: E731
     assert_close(flat(out_grads), flat(ref_grads), jnp.float32, scale=50.0)
+    # each twin's logits give its loss
+    for model, params, loss in ((ours, loaded, out), (stock, stock_params, ref)):
+        logits = jax.jit(model.logits)(params, x)
+        assert logits.shape == (*x.shape, tiny.vocab_size) and logits.dtype == jnp.float32
+        assert_close(common.cross_entropy(logits, y), loss, jnp.float32, scale=4)
     with pytest.raises(ValueError, match="exceeds the model's position table"):
         jax.eval_shape(ours.loss, ours.params, *tokens(2, (1, tiny.seq_len + 1)))
-
-
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_logits_give_the_loss(framework, tiny):
-    for stock in (False, True):
-        model = common.init(framework, tiny, jax.random.key(0), stock=stock)
-        params = perturbed(model.params)
-        x, y = tokens(7, (2, 16))
-        logits = jax.jit(model.logits)(params, x)
-        assert logits.shape == (2, 16, tiny.vocab_size) and logits.dtype == jnp.float32
-        assert_close(common.cross_entropy(logits, y), jax.jit(model.loss)(params, x, y), jnp.float32, scale=4)
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
