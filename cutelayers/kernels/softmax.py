@@ -90,6 +90,36 @@ def row_lse(mx, c, s, geometry: cutlass.Constexpr, max_buffer, sum_buffer):
     return shift + cute.math.log(total, fastmath=True)
 
 
+@cute.jit
+def grad_scale(dloss, label, n: cutlass.Constexpr, ignore_index: cutlass.Constexpr):
+    """A row's gradient factor: ``dloss``, NaN for a label outside [0, n), 0 for ``ignore_index``."""
+    scale = dloss
+    if label < 0:
+        scale = Float32(math.nan)
+    if label >= n:
+        scale = Float32(math.nan)
+    if const_expr(ignore_index is not None):
+        if label == ignore_index:
+            scale = Float32(0.0)
+    return scale
+
+
+@cute.jit
+def cross_entropy_grad(kernel: cutlass.Constexpr, vals, mask, lse, scale):
+    """dx of one step's logits ``vals`` (fp32) for ``kernel``'s loss options: scale (exp(x - lse)
+    (1 + 2 z lse) - (1-a) onehot - a/V), times 1 - tanh^2 of the capping under soft-capping (x
+    then the capped logits); ``mask``: column == label."""
+    a = kernel.smoothing
+    t = vals
+    if const_expr(kernel.soft_cap > 0.0):
+        vals, t = soft_capped(vals, kernel.soft_cap)
+    d = exp(vals - lse) * (1.0 + 2.0 * kernel.z_loss * lse) - a / kernel.geometry.n
+    d = cute.where(mask, d - (1.0 - a), d)
+    if const_expr(kernel.soft_cap > 0.0):
+        d = d * (1.0 - t * t)
+    return d * scale
+
+
 def _launch(kernel, geometry: RowGeometry, rows, stream, buffers: int, extra_smem: int = 0):
     kernel.launch(
         grid=[cute.ceil_div(rows, geometry.row.rows_per_cta), 1, 1],
@@ -322,25 +352,10 @@ class CrossEntropyBackwardKernel:
         if row < x.shape[0]:
             label = labels[row]
             lse = lse_in[row]
-            scale = dloss[row]
-            if label < 0:
-                scale = Float32(math.nan)
-            if label >= n:
-                scale = Float32(math.nan)
-            if const_expr(self.ignore_index is not None):
-                if label == self.ignore_index:
-                    scale = Float32(0.0)
-            prob_coef = 1.0 + 2.0 * self.z_loss * lse
+            scale = grad_scale(dloss[row], label, n, self.ignore_index)
             for step in cutlass.range(g.num_steps, unroll=1):
                 vals = load_step(opx, step)
-                t = vals
-                if const_expr(self.soft_cap > 0.0):
-                    vals, t = soft_capped(vals, self.soft_cap)
-                d = exp(vals - lse) * prob_coef - self.smoothing / n
-                d = cute.where(label_mask(opx, step, label), d - (1.0 - self.smoothing), d)
-                if const_expr(self.soft_cap > 0.0):
-                    d = d * (1.0 - t * t)
-                store_step(opd, step, d * scale)
+                store_step(opd, step, cross_entropy_grad(self, vals, label_mask(opx, step, label), lse, scale))
 
 
 class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
@@ -377,21 +392,13 @@ class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
                 shared_row_bytes(g, elem_bytes) if const_expr(staged(g, elem_bytes)) else 0)
 
     @cute.jit
-    def grad_step(self, opx, source, step, edge: cutlass.Constexpr, label, lse, prob_coef, scale):
+    def grad_step(self, opx, source, step, edge: cutlass.Constexpr, label, lse, scale):
         """Write dx over ``step`` of the row, its logits loaded from ``source`` (None: still in
         registers). ``edge``: the ragged last step (predicated loads and stores)."""
-        a = self.smoothing
         if const_expr(source is not None):
             load_step(source, step, edge)
         vals = opx.frag.load().to(Float32)
-        t = vals
-        if const_expr(self.soft_cap > 0.0):
-            vals, t = soft_capped(vals, self.soft_cap)
-        d = exp(vals - lse) * prob_coef - a / self.geometry.n
-        d = cute.where(label_mask(opx, step, label), d - (1.0 - a), d)
-        if const_expr(self.soft_cap > 0.0):
-            d = d * (1.0 - t * t)
-        store_step(opx, step, d * scale, edge)
+        store_step(opx, step, cross_entropy_grad(self, vals, label_mask(opx, step, label), lse, scale), edge)
 
     @cute.kernel
     def kernel(self, x, labels, dloss, lse_out, loss_out, copy_x):
@@ -435,7 +442,7 @@ class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
             lane = tidx % tpr
             label = Int32(labels[row])
             loss = Float32(math.nan)
-            scale = dloss[row]
+            scale = grad_scale(dloss[row], label, n, self.ignore_index)
             writer = lane == 0
             if label >= 0:
                 if label < n:
@@ -447,20 +454,14 @@ class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
                         if const_expr(self.soft_cap > 0.0):
                             picked, _ = soft_capped(picked, self.soft_cap)
                         loss = lse - (1.0 - a) * picked - (a / n) * total + self.z_loss * lse * lse
-            if label < 0:
-                scale = Float32(math.nan)
-            if label >= n:
-                scale = Float32(math.nan)
             if const_expr(self.ignore_index is not None):
                 if label == self.ignore_index:
                     loss = Float32(0.0)
-                    scale = Float32(0.0)
                     writer = lane == 0
             if writer:
                 loss_out[row] = loss
             if lane == 0:
                 lse_out[row] = lse
-            prob_coef = 1.0 + 2.0 * self.z_loss * lse
             for step in cutlass.range(g.num_steps - 1, unroll=1):
-                self.grad_step(opx, again, step, False, label, lse, prob_coef, scale)
-            self.grad_step(opx, again, g.num_steps - 1, g.ragged, label, lse, prob_coef, scale)
+                self.grad_step(opx, again, step, False, label, lse, scale)
+            self.grad_step(opx, again, g.num_steps - 1, g.ragged, label, lse, scale)
