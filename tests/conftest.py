@@ -76,30 +76,37 @@ def pytest_unconfigure(config):
 # ends, what is left when the run closes, hold only short tests. A node id prefix: a module
 # (``file.py``), a test function (all its parametrizations) or one parametrization.
 RUN_FIRST = (
-    # the deep24 train steps' fixture (~40 s: 3 frameworks lowered, ~30 kernels compiled) and its users
+    # the deep24 train steps' fixture (~40 s: 3 frameworks lowered, ~37 kernels compiled) and its users
     "tests/test_models.py::test_each_mlp_is_one_op_in_the_train_step",
     "tests/test_models.py::test_deep24_blocks_compile_each_kernel_once",
     "tests/test_models.py::test_export_of_a_model",
+    "tests/test_autotune.py::test_candidates_compile_for_sm90a",  # every GEMM config: ~40 s
     "tests/test_training.py::test_two_processes_and_one_share_checkpoints",  # ~35 s, 4 processes
-    "tests/test_linear.py::test_accumulating_weight_grad_compiles_for_every_config",
-    "tests/test_autotune.py::test_candidates_compile_for_sm90a",
-    "tests/test_linear.py::test_lowering_compiles_once_across_row_counts_and_batches",
     "tests/test_training_bench.py::test_bench_tiny_cases_table_and_breakdown",
-    "tests/test_export.py::test_round_trip_in_a_fresh_process",
-    "tests/test_training_bench.py::test_bench_over_meshes",
-    "tests/test_split_linear.py::test_lowering_has_three_kernels_and_no_activation_sized_slice_or_concatenation",
-    "tests/test_parallel_compile.py",  # its module fixture: one parallel lowering for the module's tests
-    "tests/test_linear.py::test_lowering_kernel_layout_nk_reads_and_writes_the_kernel_as_stored",
+    "tests/test_softmax.py::test_cuda_lowering_compiles_every_kernel",
+    "tests/test_mlp.py::test_lowering_fuses_the_activation_derivative",
+    "tests/test_linear.py::test_lowering_bias_grad_comes_from_the_weight_grad_kernel",
     "tests/test_mlp_modules.py::test_modules_lower_to_the_mlp_kernels_for_cuda",
+    "tests/test_examples.py::test_gradient_check_covers_every_op_and_dtype",
+    "tests/test_mlp.py::test_gated_block_lowers_to_the_gemm_kernels",
+    "tests/test_linear.py::test_lowering_compiles_once_across_row_counts_and_batches",
+    "tests/test_disk_cache.py::test_concurrent_processes_leave_valid_entries",
+    "tests/test_linear.py::test_accumulating_weight_grad_compiles_for_every_config",
+    "tests/test_training_bench.py::test_bench_over_meshes",
+    "tests/test_linear.py::test_lowering_every_activation",  # 9 x ~8 s, sharing dx / dkernel kernels
+    "tests/test_split_linear.py::test_lowering_has_three_kernels_and_no_activation_sized_slice_or_concatenation",
+    "tests/test_export.py::test_round_trip_in_a_fresh_process",
+    "tests/test_parallel_compile.py",  # its module fixture: one parallel lowering for the module's tests
+    "tests/test_linear.py::test_lowering_grad_of_vmap_is_one_weight_grad_on_all_rows",
+    "tests/test_linear.py::test_lowering_kernel_layout_nk_reads_and_writes_the_kernel_as_stored",
     "tests/test_linear_modules.py::test_linen_dense_lowers_to_the_gemm_kernels_for_cuda",
     "tests/test_heads.py::test_vmap_jit_grad_compositions",
-    "tests/test_linear.py::test_lowering_grad_of_vmap_is_one_weight_grad_on_all_rows",
     "tests/test_training.py::test_checkpoint_round_trip_and_exact_resume",
-    "tests/test_training.py::test_stock_checkpoint_continues_in_the_cutelayers_model",
     "tests/test_training.py::test_resume_keeps_the_schedule_unless_rescheduled",
+    "tests/test_training.py::test_stock_checkpoint_continues_in_the_cutelayers_model",
     "tests/test_training.py::test_path_notes_are_one_line_of_the_same_format",
     "tests/test_training.py::test_sample_continues_the_prompt",
-    "tests/test_disk_cache.py::test_concurrent_processes_leave_valid_entries",
+    "tests/test_multigpu.py::test_training_over_a_data_mesh_of_two",
 )
 
 
