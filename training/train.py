@@ -799,11 +799,13 @@ def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
             raise UsageError(f"--backend cute, but the train step has no CuTe kernel calls: {path}")
         say(f"compiled the train step in {step_fn.seconds:.1f} s; path: {path}; attention: "
             f"{common.attention_implementation(config.compute_dtype, config.head_dim)}")
-        for line in filter(None, [notes.take()]):
-            say(line)
         leaves = tuple(jax.tree.leaves((params, opt_state)))
         del params, opt_state  # donated to the first step: only `leaves` may be used from here
         eval_loss = jax.jit(lambda leaves, x, y: model.loss(step_fn.unflatten(leaves)[0], x, y))
+        if eval_set:  # compiled now, so that the library's notes on it join the train step's in one line
+            eval_loss = eval_loss.lower(leaves, *eval_set[0]).compile()
+        for line in filter(None, [notes.take()]):
+            say(line)
 
         metrics = None
         if args.metrics_file is not None and is_main:
