@@ -3,6 +3,7 @@ compiled once for the run's processes, `gpu`, `multigpu` and `cute` markers, fre
 ``CUTELAYERS_TEST_TIMINGS=<file>``, one JSON line per test of where its time went."""
 
 import collections
+import importlib.metadata
 import json
 import os
 import secrets
@@ -15,8 +16,12 @@ import time
 # than its fusion emitters (the suite's XLA compile seconds on 2 cores: 524 -> 295) and one LLVM
 # module per program, not several for parallel codegen (a worker per core leaves no core to spare);
 # and a target arch so CuTe kernels compile on machines without a GPU.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 "
-                                   "--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1")
+# The two XLA:CPU emitter flags exist in jaxlib 0.10 (the CPU CI's); jaxlib 0.11 (the GPU image's)
+# aborts on the first at startup, so they are passed only to older jaxlibs.
+_JAXLIB = tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2])
+_CPU_EMITTER_FLAGS = " --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
+                      + (_CPU_EMITTER_FLAGS if _JAXLIB < (0, 11) else ""))
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 # Compiles once per test run, not once per process: JAX's persistent compilation cache (XLA
 # programs) and cutelayers' disk cache (CuTe kernels) in directories made fresh for the run by the
