@@ -18,7 +18,10 @@ import time
 # and a target arch so CuTe kernels compile on machines without a GPU.
 # The two XLA:CPU emitter flags exist in jaxlib 0.10 (the CPU CI's); jaxlib 0.11 (the GPU image's)
 # aborts on the first at startup, so they are passed only to older jaxlibs.
-_JAXLIB = tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2])
+try:
+    _JAXLIB = tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2])
+except importlib.metadata.PackageNotFoundError:  # no jaxlib: importing jax fails with its own message
+    _JAXLIB = (0, 0)
 _CPU_EMITTER_FLAGS = " --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
                       + (_CPU_EMITTER_FLAGS if _JAXLIB < (0, 11) else ""))
