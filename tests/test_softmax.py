@@ -212,8 +212,7 @@ def check_with_grad(rng, rows, v, dtype, cfg, out_of_range=False):
     assert lse.shape == loss.shape == rows and dx.shape == x.shape
     lse2, loss2 = jax.jit(forward)(x, labels)
     dx2 = jax.jit(backward)(x, labels, lse2, dloss)
-    family = CrossEntropyWithGrad(cfg.get("ignore_index"), cfg.get("smoothing", 0.0), cfg.get("z_loss", 0.0),
-                                  cfg.get("soft_cap", 0.0))
+    family = CrossEntropyWithGrad(**cfg)
     flat = (x.reshape(-1, v), labels.reshape(-1), dloss.reshape(-1))
     dx_ref, lse_ref, loss_ref = (np.asarray(a, np.float64) for a in jax.jit(
         lambda x, l, d: family.reference(x.astype(jnp.float32), l, d))(*flat))

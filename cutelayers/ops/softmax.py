@@ -111,16 +111,29 @@ class SoftmaxBackward(RowKernelFamily):
         return SoftmaxBackwardKernel(self.geometry(avals), log=self.log)
 
 
-@dataclasses.dataclass(frozen=True)
-class CrossEntropyForward(RowKernelFamily):
-    """Per-row lse (fp32), and with labels the per-row loss (fp32): one streaming read of x.
-    ``soft_cap`` > 0: of the capped logits soft_cap * tanh(x / soft_cap)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossOptions:
+    """The cross-entropy families' loss options (keywords): rows whose label is ``ignore_index``
+    give 0; label smoothing a, z-loss coefficient z and logit soft-cap c > 0 (0: off), as
+    :func:`softmax_cross_entropy` documents them."""
 
-    with_labels: bool
     ignore_index: int | None = None
     smoothing: float = 0.0
     z_loss: float = 0.0
     soft_cap: float = 0.0
+
+
+def loss_options(family: LossOptions) -> dict:
+    """``family``'s loss options, as keywords for another cross-entropy family."""
+    return {f.name: getattr(family, f.name) for f in dataclasses.fields(LossOptions)}
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossEntropyForward(LossOptions, RowKernelFamily):
+    """Per-row lse (fp32), and with labels the per-row loss (fp32): one streaming read of x.
+    ``soft_cap`` > 0: of the capped logits soft_cap * tanh(x / soft_cap)."""
+
+    with_labels: bool
     config: RowConfig | None = None
     values_per_thread = softmax_config.FORWARD_VALUES_PER_THREAD
 
@@ -165,7 +178,7 @@ class CrossEntropyForward(RowKernelFamily):
 
 
 @dataclasses.dataclass(frozen=True)
-class CrossEntropyBackward(RowKernelFamily):
+class CrossEntropyBackward(LossOptions, RowKernelFamily):
     """dlogits from (logits, labels, lse, dloss) in one pass (no reduction).
 
     ``in_place``: dlogits is written over the logits (each thread reads its values before it
@@ -174,10 +187,6 @@ class CrossEntropyBackward(RowKernelFamily):
     default.
     """
 
-    ignore_index: int | None = None
-    smoothing: float = 0.0
-    z_loss: float = 0.0
-    soft_cap: float = 0.0
     config: RowConfig | None = None
     in_place: bool = False
     values_per_thread = softmax_config.FORWARD_VALUES_PER_THREAD
@@ -217,17 +226,13 @@ class CrossEntropyBackward(RowKernelFamily):
 
 
 @dataclasses.dataclass(frozen=True)
-class CrossEntropyWithGrad(RowKernelFamily):
+class CrossEntropyWithGrad(LossOptions, RowKernelFamily):
     """(dlogits, lse, loss) from (logits, labels, dloss) in one pass over the logits: the forward
     and the backward of the cross-entropy for a dloss known before the logits die (an LM head
     whose loss is a weighted total: :mod:`cutelayers.ops.lm_head`). dlogits is always written over
     the logits (the kernel reads each value before it overwrites it); where the logits live on,
     XLA copies them first."""
 
-    ignore_index: int | None = None
-    smoothing: float = 0.0
-    z_loss: float = 0.0
-    soft_cap: float = 0.0
     config: RowConfig | None = None
     values_per_thread = softmax_config.WITH_GRAD_VALUES_PER_THREAD
     arg_names = ("logits", "labels", "dloss")
@@ -261,7 +266,7 @@ class CrossEntropyWithGrad(RowKernelFamily):
             return run_kernel(self, x, labels, dloss)
         # a row's statistics span the devices: the forward's class-sharded path, then the
         # gradient of each device's slice (as CrossEntropyBackward does)
-        forward = CrossEntropyForward(True, self.ignore_index, self.smoothing, self.z_loss, self.soft_cap)
+        forward = CrossEntropyForward(True, **loss_options(self))
         lse, loss = forward.per_shard(ctx, x, labels)
         return _ce_grad(x, labels, lse, dloss, self, _ClassShard.of(ctx, x)).astype(x.dtype), lse, loss
 
