@@ -284,16 +284,21 @@ class CrossEntropyForwardKernel:
         mx, c, s = online_lse_step(vals, cute.size(opx.frag), mx, c, s)
         return mx, c, s, total
 
+    def row_start(self, x, copy_x):
+        """This thread's start on its row: (thread index, block index, the row reductions' shared
+        buffers, x's row operand, the row, whether the row exists)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        buffers = shared_buffers(self.geometry, self.buffers)
+        opx = row_operand(x, copy_x, cute.make_identity_tensor(x.shape), self.geometry, (bidx, None), tidx)
+        row = opx.coords[0][0]
+        return tidx, bidx, buffers, opx, row, row < x.shape[0]
+
     @cute.kernel
     def kernel(self, x, labels, lse_out, loss_out, copy_x):
         g = self.geometry
         n = g.n
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        buffers = shared_buffers(g, self.buffers)
-        opx = row_operand(x, copy_x, cute.make_identity_tensor(x.shape), g, (bidx, None), tidx)
-        row = opx.coords[0][0]
-        valid_row = row < x.shape[0]
+        tidx, bidx, buffers, opx, row, valid_row = self.row_start(x, copy_x)
         opx.frag.fill(0.0)
         mx, c, s, total = -Float32.inf, Float32(0.0), Float32(0.0), Float32(0.0)
         for step in cutlass.range(g.num_steps - 1, unroll=1):
@@ -404,12 +409,7 @@ class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
     def kernel(self, x, labels, dloss, lse_out, loss_out, copy_x):
         g = self.geometry
         n, a, tpr = g.n, self.smoothing, g.row.threads_per_row
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        buffers = shared_buffers(g, self.buffers)
-        opx = row_operand(x, copy_x, cute.make_identity_tensor(x.shape), g, (bidx, None), tidx)
-        row = opx.coords[0][0]
-        valid_row = row < x.shape[0]
+        tidx, bidx, buffers, opx, row, valid_row = self.row_start(x, copy_x)
         # where pass 1 reads the row from and stages it (None: nowhere), where pass 2 reads it
         # from (None: registers)
         source, stage, again, prefetch = opx, None, None, None
