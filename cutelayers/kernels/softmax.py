@@ -298,7 +298,7 @@ class CrossEntropyForwardKernel:
     def kernel(self, x, labels, lse_out, loss_out, copy_x):
         g = self.geometry
         n = g.n
-        tidx, bidx, buffers, opx, row, valid_row = self.row_start(x, copy_x)
+        tidx, _, buffers, opx, row, valid_row = self.row_start(x, copy_x)
         opx.frag.fill(0.0)
         mx, c, s, total = -Float32.inf, Float32(0.0), Float32(0.0), Float32(0.0)
         for step in cutlass.range(g.num_steps - 1, unroll=1):
