@@ -64,7 +64,14 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 from cutlass.tensor_utils import LayoutEnum
 
-from cutelayers.kernels.gemm_config import EPI_STAGES, PERSISTENT_SMS, SOURCE_STAGES, WARPGROUP, GemmConfig
+from cutelayers.kernels.gemm_config import (
+    EPI_STAGES,
+    OPERAND_SUMS,
+    PERSISTENT_SMS,
+    SOURCE_STAGES,
+    WARPGROUP,
+    GemmConfig,
+)
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_exact", "silu", "sigmoid", "tanh", "leaky_relu", "hardswish")
 
@@ -72,7 +79,6 @@ GROUP_N = 8  # most cluster columns per rasterization group
 PRODUCER_REGISTERS = 40  # the TMA warpgroup only computes addresses (and, with ``sums``, adds)
 SUM_WARPS = 3  # the producer warpgroup's idle warps: they sum an operand (``sums``)
 SUM_VECTOR = 8  # elements a summing lane loads at once (16 bytes of bfloat16 / float16)
-OPERAND_SUMS = (None, "a", "b")
 CONSUMER_REGISTERS = 232  # accumulators: 40 * 128 + 232 * 256 fits the SM's 64K registers
 # Named barriers: 1 + group for a group's epilogue, MMA_TURN_BARRIER + warpgroup for pingpong's
 # mainloop turns.
@@ -363,6 +369,7 @@ class HopperGemmKernel:
         c_in = take(planes.c)
         preact = rest.pop(0) if const_expr(epilogue.store_preact) else None
         a, b, c = (x[0] if const_expr(isinstance(x, tuple)) else x for x in (a_in, b_in, c_in))
+        summed = {None: None, "a": a_in, "b": b_in}[self.sums]  # the operand the summing warps read
 
         self.a_dtype, self.b_dtype, self.c_dtype = a.element_type, b.element_type, c.element_type
         self.stages = config.stages_for(a.element_type.width // 8, c.element_type.width // 8, epilogue.has_source)
@@ -423,8 +430,7 @@ class HopperGemmKernel:
             grid = utils.StaticPersistentTileScheduler.get_grid_shape(schedule, clusters_per_wave)
         self.kernel(
             tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, tma_c, tma_tensor_c, tma_z, tma_tensor_z,
-            tma_s, tma_tensor_s, bias, sums, (a_in if const_expr(self.sums == "a") else b_in) if const_expr(sums is not None) else None,
-            a_smem, b_smem, epi_smem, source_smem, epi_tile, schedule,
+            tma_s, tma_tensor_s, bias, sums, summed, a_smem, b_smem, epi_smem, source_smem, epi_tile, schedule,
             (c.shape[0], c.shape[1], batches),
         ).launch(
             grid=grid,

@@ -15,6 +15,9 @@ SMEM_CAPACITY = 227 * 1024  # sm_90 dynamic shared memory per CTA
 SMEM_RESERVED = 2048  # mbarriers and the 1 KiB alignment of each buffer
 EPI_STAGES = 4  # epilogue smem buffers in flight to TMA stores
 SOURCE_STAGES = 2  # epilogue source tiles (residual / pre-activation) in flight
+# Which operand's sums over the contraction a GEMM also gives (a weight gradient's bias gradient):
+# none, A or B.
+OPERAND_SUMS = (None, "a", "b")
 # SMs the persistent grid is sized for: H100 SXM and H200 have 132. A GPU with fewer runs the
 # extra CTAs as a short second wave (correct, slightly unbalanced); one with more idles a few SMs.
 PERSISTENT_SMS = 132

@@ -45,6 +45,7 @@ from cutelayers import backend as _backend
 from cutelayers.kernels.gemm_config import (
     CONFIGS,
     EXTRA_CONFIGS,
+    OPERAND_SUMS,
     STREAM_K_CONFIG,
     GemmConfig,
     config_class,
@@ -423,8 +424,8 @@ class LinearWeightGrad(GemmFamily):
     def __post_init__(self):
         if self.stream_k and not self.accumulate:
             raise ValueError("LinearWeightGrad: stream-K sums partial tiles into an accumulator (accumulate=True)")
-        if self.operand_sums not in (None, "a", "b"):
-            raise ValueError(f"LinearWeightGrad: operand_sums must be None, 'a' or 'b'; got {self.operand_sums!r}")
+        if self.operand_sums not in OPERAND_SUMS:
+            raise ValueError(f"LinearWeightGrad: operand_sums must be one of {OPERAND_SUMS}; got {self.operand_sums!r}")
 
     @property
     def with_sums(self) -> bool:
@@ -683,12 +684,11 @@ def forward_fn(activation: str, store_preact: bool, use_kernels: bool, precision
 
 
 @functools.cache
-def _linear_fn(activation: str, has_bias: bool, has_residual: bool, use_kernels: bool, precision, kernel_nk: bool):
+def _linear_fn(activation: str, has_residual: bool, use_kernels: bool, precision, kernel_nk: bool):
     """The differentiable op for one static configuration; args (x, kernel, bias, residual)."""
     plain = forward_fn(activation, False, use_kernels, precision, kernel_nk)
     saving = forward_fn(activation, True, use_kernels, precision, kernel_nk)
     input_grad = input_grad_fn(use_kernels, precision, kernel_nk=kernel_nk)
-    weight_grad = weight_grad_fn(use_kernels, precision, dz_sums(kernel_nk) if has_bias else None)
     needs_preact = activation != "none"
 
     @jax.custom_vjp
@@ -706,28 +706,22 @@ def _linear_fn(activation: str, has_bias: bool, has_residual: bool, use_kernels:
         x, kernel, z, bias = res
         dz = preact_grad(z, dy, activation).astype(x.dtype)
         dx = input_grad(dz, kernel)
-        dkernel, dbias = weight_and_bias_grads(weight_grad, x, dz, kernel_nk, bias)
+        dkernel, dbias = weight_and_bias_grads(x, dz, kernel_nk, bias, use_kernels, precision)
         return dx, dkernel, dbias, dy if has_residual else None
 
     linear.defvjp(fwd, bwd)
     return fold_batch(linear, shared=(1, 2), per_example=linear)
 
 
-def dz_sums(kernel_nk: bool) -> str:
-    """Which operand of :func:`weight_and_bias_grads`' GEMM is dz, whose sums are the bias
-    gradient: B of xᵀ @ dz, A of dzᵀ @ x."""
-    return "a" if kernel_nk else "b"
-
-
-def weight_and_bias_grads(weight_grad, x, dz, kernel_nk: bool, bias=None):
+def weight_and_bias_grads(x, dz, kernel_nk: bool, bias, use_kernels: bool, precision=None):
     """(dkernel, dbias) of x (..., K) and dz (..., N): dkernel as the kernel is stored, xᵀ @ dz
     (K, N), or dzᵀ @ x (N, K) for ``kernel_nk`` -- the same GEMM with its operands swapped, so no
     transpose; dbias (None without a ``bias``) the column sums of dz in the bias's dtype, from
-    the same GEMM (``weight_grad`` made with ``sums=dz_sums(kernel_nk)``)."""
+    the same GEMM (dz is its B, or its A when swapped)."""
     a, b = (dz, x) if kernel_nk else (x, dz)
     if bias is None:
-        return weight_grad(a[None], b[None])[0], None
-    dkernel, sums = weight_grad(a[None], b[None])
+        return weight_grad_fn(use_kernels, precision)(a[None], b[None])[0], None
+    dkernel, sums = weight_grad_fn(use_kernels, precision, "a" if kernel_nk else "b")(a[None], b[None])
     return dkernel[0], sums[0].astype(bias.dtype)
 
 
@@ -833,11 +827,10 @@ def fused_linear(x, kernel, bias=None, *, activation=None, residual=None, precis
     use_kernels, why = kernels_apply(x.dtype, k, n)
     if not use_kernels:
         _backend.fall_back(op, why)
-    has_bias = bias is not None
     kernel, bias = vary_like(x, kernel, bias)  # shared by every shard inside shard_map
     if unfused is None:
-        return _linear_fn(fused, has_bias, residual is not None, use_kernels, precision, kernel_nk)(
+        return _linear_fn(fused, residual is not None, use_kernels, precision, kernel_nk)(
             x, kernel, bias, residual)
-    z = _linear_fn("none", has_bias, False, use_kernels, precision, kernel_nk)(x, kernel, bias, None)
+    z = _linear_fn("none", False, use_kernels, precision, kernel_nk)(x, kernel, bias, None)
     y = unfused(z)
     return y if residual is None else (y + residual).astype(x.dtype)

@@ -41,7 +41,6 @@ from cutelayers.ops.linear import (
     check_linear_operands,
     check_residual,
     check_same_dtype,
-    dz_sums,
     forward_fn,
     fused_linear,
     hashable_precision,
@@ -49,7 +48,6 @@ from cutelayers.ops.linear import (
     kernels_apply,
     resolve_activation,
     weight_and_bias_grads,
-    weight_grad_fn,
 )
 from cutelayers.runtime.sharding import vary_like
 
@@ -69,8 +67,7 @@ def gated_hidden(z, activation: str):
 
 
 @functools.cache
-def _mlp_fn(activation: str, has_b1: bool, has_b2: bool, has_residual: bool, use_kernels: bool, precision,
-            kernel_nk: bool):
+def _mlp_fn(activation: str, has_residual: bool, use_kernels: bool, precision, kernel_nk: bool):
     """The differentiable block for one static configuration; args (x, w1, b1, w2, b2, residual)."""
     needs_preact = activation != "none"
     fc1 = forward_fn(activation, False, use_kernels, precision, kernel_nk)
@@ -78,8 +75,6 @@ def _mlp_fn(activation: str, has_b1: bool, has_b2: bool, has_residual: bool, use
     fc2 = forward_fn("none", False, use_kernels, precision, kernel_nk)
     hidden_grad = input_grad_fn(use_kernels, precision, activation, kernel_nk)
     input_grad = input_grad_fn(use_kernels, precision, kernel_nk=kernel_nk)
-    fc1_weight_grad = weight_grad_fn(use_kernels, precision, dz_sums(kernel_nk) if has_b1 else None)
-    fc2_weight_grad = weight_grad_fn(use_kernels, precision, dz_sums(kernel_nk) if has_b2 else None)
 
     @jax.custom_vjp
     def mlp(x, w1, b1, w2, b2, residual):
@@ -94,9 +89,9 @@ def _mlp_fn(activation: str, has_b1: bool, has_b2: bool, has_residual: bool, use
     def bwd(res, dy):
         x, w1, z1, h, w2, b1, b2 = res
         dz1 = hidden_grad(dy, w2, z1) if needs_preact else input_grad(dy, w2)
-        dw2, db2 = weight_and_bias_grads(fc2_weight_grad, h, dy, kernel_nk, b2)
+        dw2, db2 = weight_and_bias_grads(h, dy, kernel_nk, b2, use_kernels, precision)
         dx = input_grad(dz1, w1)
-        dw1, db1 = weight_and_bias_grads(fc1_weight_grad, x, dz1, kernel_nk, b1)
+        dw1, db1 = weight_and_bias_grads(x, dz1, kernel_nk, b1, use_kernels, precision)
         return dx, dw1, db1, dw2, db2, dy if has_residual else None
 
     mlp.defvjp(fwd, bwd)
@@ -168,5 +163,5 @@ def mlp(x, w1, b1=None, w2=None, b2=None, *, activation="gelu", residual=None, p
     if not use_kernels:
         _backend.fall_back(op, why)
     w1, b1, w2, b2 = vary_like(x, w1, b1, w2, b2)  # shared by every shard inside shard_map
-    fn = _mlp_fn(fused, b1 is not None, b2 is not None, residual is not None, use_kernels, precision, kernel_nk)
+    fn = _mlp_fn(fused, residual is not None, use_kernels, precision, kernel_nk)
     return fn(x, w1, b1, w2, b2, residual)
