@@ -215,13 +215,18 @@ def row_operand(tensor, tiled_copy, coords, geometry: RowGeometry, tile_coord, t
     )
 
 
+def partial_step(geometry: RowGeometry, edge) -> bool:
+    """Whether a step needs column predicates: ``edge`` if given (False: a step known to be whole),
+    else whether any step of the geometry may be partial."""
+    return geometry.ragged if edge is None else edge
+
+
 @cute.jit
 def load_step(op: RowOperand, step, edge: cutlass.Constexpr = None):
     """Load ``step`` into ``op.frag`` (columns past N read as 0); returns fp32 values. ``edge``:
-    whether the step may be partial (default: any step of a ragged geometry); False skips the
-    column predicates of a step known to be whole."""
+    see :func:`partial_step`."""
     geometry = op.geometry
-    if const_expr(geometry.ragged if edge is None else edge):
+    if const_expr(partial_step(geometry, edge)):
         op.frag.fill(0.0)
         pred = column_predicate(op.coords[None, None, None, step], geometry.n)
         cute.copy(op.copy, op.src[None, None, None, step], op.frag, pred=pred)
@@ -234,13 +239,8 @@ def load_step(op: RowOperand, step, edge: cutlass.Constexpr = None):
 def store_step(op: RowOperand, step, values, edge: cutlass.Constexpr = None):
     """Store fp32 ``values`` (flat order of the row fragment) to ``step`` of ``op``'s tensor;
     ``edge`` as in :func:`load_step`."""
-    geometry = op.geometry
     op.frag.store(values.reshape(op.frag.shape).to(op.frag.element_type))
-    if const_expr(geometry.ragged if edge is None else edge):
-        pred = column_predicate(op.coords[None, None, None, step], geometry.n)
-        cute.copy(op.copy, op.frag, op.src[None, None, None, step], pred=pred)
-    else:
-        cute.copy(op.copy, op.frag, op.src[None, None, None, step])
+    save_step(op, step, edge)
 
 
 @cute.jit
@@ -248,7 +248,7 @@ def save_step(op: RowOperand, step, edge: cutlass.Constexpr = None):
     """Copy ``op.frag`` as it is (no conversion) to ``step`` of ``op``'s tensor: a row staged in
     shared memory by :func:`shared_row_operand`; ``edge`` as in :func:`load_step`."""
     geometry = op.geometry
-    if const_expr(geometry.ragged if edge is None else edge):
+    if const_expr(partial_step(geometry, edge)):
         pred = column_predicate(op.coords[None, None, None, step], geometry.n)
         cute.copy(op.copy, op.frag, op.src[None, None, None, step], pred=pred)
     else:
@@ -318,7 +318,7 @@ def prefetch_step(op: RowPrefetch, step, edge: cutlass.Constexpr = None):
     shared memory, which ends at column n."""
     geometry = op.geometry
     src, dst = op.src[None, None, None, step], op.dst[None, None, None, step]
-    if const_expr(geometry.ragged if edge is None else edge):
+    if const_expr(partial_step(geometry, edge)):
         coords = op.coords[None, None, None, step]
         for v in cutlass.range_constexpr(cute.size(coords, mode=[0, 1])):
             for k in cutlass.range_constexpr(cute.size(coords, mode=[2])):

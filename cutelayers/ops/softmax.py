@@ -173,8 +173,7 @@ class CrossEntropyForward(LossOptions, RowKernelFamily):
     def launcher(self, avals, out_avals):
         from cutelayers.kernels.softmax import CrossEntropyForwardKernel
 
-        return CrossEntropyForwardKernel(self.geometry(avals), self.with_labels, self.ignore_index,
-                                         self.smoothing, self.z_loss, self.soft_cap)
+        return CrossEntropyForwardKernel(self.geometry(avals), self.with_labels, **loss_options(self))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,8 +220,7 @@ class CrossEntropyBackward(LossOptions, RowKernelFamily):
     def launcher(self, avals, out_avals):
         from cutelayers.kernels.softmax import CrossEntropyBackwardKernel
 
-        return CrossEntropyBackwardKernel(self.geometry(avals), self.ignore_index, self.smoothing, self.z_loss,
-                                          self.soft_cap)
+        return CrossEntropyBackwardKernel(self.geometry(avals), **loss_options(self))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,8 +271,7 @@ class CrossEntropyWithGrad(LossOptions, RowKernelFamily):
     def launcher(self, avals, out_avals):
         from cutelayers.kernels.softmax import CrossEntropyWithGradKernel
 
-        return CrossEntropyWithGradKernel(self.geometry(avals), self.ignore_index, self.smoothing,
-                                          self.z_loss, self.soft_cap)
+        return CrossEntropyWithGradKernel(self.geometry(avals), **loss_options(self))
 
 
 # --- jnp references (the same decomposition as the kernels) -------------------------------------
