@@ -807,3 +807,15 @@ def test_kernel_layout_nk_gpu(dtype, rng):
     with cl.use_backend("cute"):
         _nk_matches_kn(rng, (1000,), 256, 512, dtype)
         _nk_matches_kn(rng, (4096,), 768, 256, dtype, activation=None)
+
+
+@pytest.mark.cute
+def test_gelu_epilogue_constants_give_tanh_gelu():
+    # The epilogue computes tanh-gelu as x * sigmoid(2u), sigmoid from exp2 of
+    # x (GELU_EXP2_LINEAR + GELU_EXP2_CUBIC x^2): the same function as jax.nn.gelu(approximate=True).
+    from cutelayers.kernels import gemm
+
+    x = np.linspace(-12.0, 12.0, 4801)
+    ours = x / (1.0 + np.exp2(x * (gemm.GELU_EXP2_LINEAR + gemm.GELU_EXP2_CUBIC * x * x)))
+    expected = 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+    np.testing.assert_allclose(ours, expected, rtol=1e-9, atol=1e-12)
