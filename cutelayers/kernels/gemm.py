@@ -738,9 +738,15 @@ class HopperGemmKernel:
                                                               (column // SUM_VECTOR,)), values)
                             for j in cutlass.range_constexpr(SUM_VECTOR):
                                 totals[j] = totals[j] + values[j].to(Float32)
-                for j in cutlass.range_constexpr(SUM_VECTOR):
-                    offset = cute.crd2idx((column + j, batch), sums.layout)
-                    cute.arch.red(sums.iterator + offset, totals[j], op="add", dtype="f32", sem="relaxed", scope="gpu")
+                # Four floats per atomic: every warp of the grid ends its unit at about the same
+                # time, and the atomics of a narrow operand (768 columns: 132 warps a column) queue
+                # on a few L2 slices -- what the sums cost the kernel, far more than the loads.
+                quad = cute.make_rmem_tensor((4,), Float32)
+                for q in cutlass.range_constexpr(SUM_VECTOR // 4):
+                    for j in cutlass.range_constexpr(4):
+                        quad[j] = totals[4 * q + j]
+                    offset = cute.crd2idx((column + 4 * q, batch), sums.layout)
+                    cute.arch.red(sums.iterator + offset, quad.load(), op="add", dtype="f32", sem="relaxed", scope="gpu")
 
     def load_partitions(self, tma, tma_tensor, smem, tile_modes, cluster_rank, multicast: int):
         """(smem destinations, (tile, tile_k, tiles, k tiles, L) global sources) of one operand's
