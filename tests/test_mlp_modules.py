@@ -125,59 +125,59 @@ FLAX_CASES = [
 
 
 def pairwise(cases):
-    """Each case (a tuple of case arguments) in both input dtypes, with and without a residual:
-    the residual alternates with the case and the dtype, so that every case, and every dtype,
-    runs both ways (the residual is one add in the op's last epilogue, the same for every case)."""
-    return [pytest.param(*case, xdtype, (i + j) % 2 == 1,
+    """Each case (a tuple of case arguments) in both input dtypes, with and without a residual,
+    and one leading shape of the input: the residual alternates with the case and the dtype, so
+    that every case, and every dtype, runs both ways (the residual is one add in the op's last
+    epilogue, the same for every case); the leading shape cycles through LEADING with the case, so
+    that every dtype runs every leading shape (the op folds them into rows whatever the options)."""
+    return [pytest.param(*case, xdtype, (i + j) % 2 == 1, LEADING[i % len(LEADING)],
                          id=f"{i}-{jnp.dtype(xdtype).name}-{'residual' if (i + j) % 2 else 'no_residual'}")
             for i, case in enumerate(cases) for j, xdtype in enumerate((jnp.bfloat16, jnp.float32))]
 
 
-@pytest.mark.parametrize("kwargs, xdtype, with_residual", pairwise([(kwargs,) for kwargs in FLAX_CASES]))
-def test_linen_mlp_matches_stock(kwargs, xdtype, with_residual, rng):
+@pytest.mark.parametrize("kwargs, xdtype, with_residual, lead", pairwise([(kwargs,) for kwargs in FLAX_CASES]))
+def test_linen_mlp_matches_stock(kwargs, xdtype, with_residual, lead, rng):
     stock, ours = StockLinenMLP(HIDDEN, OUT, **kwargs), cl_linen.MLP(HIDDEN, OUT, **kwargs)
-    for lead in LEADING:
-        x = random(rng, (*lead, IN), xdtype)
-        r = random(rng, (*lead, OUT), xdtype) if with_residual else None
-        variables = stock.init(jax.random.key(0), x)
-        ours_init = ours.init(jax.random.key(0), x)
-        same_tree(variables, ours_init)  # the stock MLP's parameters load into ours ...
-        assert_equal_leaves(variables, ours_init)  # ... and equal keys draw equal ones
-        ref = stock.apply(variables, x, r)
-        assert_matches(jax.jit(ours.apply)(variables, x, r), ref)
+    x = random(rng, (*lead, IN), xdtype)
+    r = random(rng, (*lead, OUT), xdtype) if with_residual else None
+    variables = stock.init(jax.random.key(0), x)
+    ours_init = ours.init(jax.random.key(0), x)
+    same_tree(variables, ours_init)  # the stock MLP's parameters load into ours ...
+    assert_equal_leaves(variables, ours_init)  # ... and equal keys draw equal ones
+    ref = stock.apply(variables, x, r)
+    assert_matches(jax.jit(ours.apply)(variables, x, r), ref)
 
-        def loss(m, v, x, *r):
-            return weighted_sum(m.apply(v, x, *r))
+    def loss(m, v, x, *r):
+        return weighted_sum(m.apply(v, x, *r))
 
-        args = (variables, x, r) if with_residual else (variables, x)
-        argnums = tuple(range(1, 1 + len(args)))  # parameters, input and residual
-        grads = jax.jit(jax.grad(loss, argnums), static_argnums=0)(ours, *args)
-        assert_trees_match(grads, jax.grad(loss, argnums)(stock, *args), ref.dtype)
+    args = (variables, x, r) if with_residual else (variables, x)
+    argnums = tuple(range(1, 1 + len(args)))  # parameters, input and residual
+    grads = jax.jit(jax.grad(loss, argnums), static_argnums=0)(ours, *args)
+    assert_trees_match(grads, jax.grad(loss, argnums)(stock, *args), ref.dtype)
 
 
 # --- nnx -----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs, xdtype, with_residual", pairwise([(kwargs,) for kwargs in FLAX_CASES]))
-def test_nnx_mlp_matches_stock(kwargs, xdtype, with_residual, rng):
+@pytest.mark.parametrize("kwargs, xdtype, with_residual, lead", pairwise([(kwargs,) for kwargs in FLAX_CASES]))
+def test_nnx_mlp_matches_stock(kwargs, xdtype, with_residual, lead, rng):
     stock = StockNnxMLP(IN, HIDDEN, OUT, rngs=nnx.Rngs(0), **kwargs)
     params = nnx.state(stock, nnx.Param)
     assert_equal_leaves(params, nnx.state(cl_nnx.MLP(IN, HIDDEN, OUT, rngs=nnx.Rngs(0), **kwargs), nnx.Param))
     ours = cl_nnx.MLP(IN, HIDDEN, OUT, rngs=nnx.Rngs(1), **kwargs)
     same_tree(params, nnx.state(ours, nnx.Param))
     nnx.update(ours, params)  # the stock MLP's state loads into ours
-    for lead in LEADING:
-        x = random(rng, (*lead, IN), xdtype)
-        r = random(rng, (*lead, OUT), xdtype) if with_residual else None
-        ref = stock(x, r)
-        assert_matches(nnx.jit(lambda m, x, r: m(x, r))(ours, x, r), ref)
+    x = random(rng, (*lead, IN), xdtype)
+    r = random(rng, (*lead, OUT), xdtype) if with_residual else None
+    ref = stock(x, r)
+    assert_matches(nnx.jit(lambda m, x, r: m(x, r))(ours, x, r), ref)
 
-        def loss(m, x, *r):
-            return weighted_sum(m(x, *r))
+    def loss(m, x, *r):
+        return weighted_sum(m(x, *r))
 
-        args = (x, r) if with_residual else (x,)
-        argnums = tuple(range(1 + len(args)))
-        assert_trees_match(nnx.grad(loss, argnums=argnums)(ours, *args),
-                           nnx.grad(loss, argnums=argnums)(stock, *args), ref.dtype)
+    args = (x, r) if with_residual else (x,)
+    argnums = tuple(range(1 + len(args)))
+    assert_trees_match(nnx.grad(loss, argnums=argnums)(ours, *args),
+                       nnx.grad(loss, argnums=argnums)(stock, *args), ref.dtype)
 
 
 # --- equinox -------------------------------------------------------------------------------------
@@ -217,8 +217,8 @@ def input_grad_terms(stock, y, x_shape):
     return (dy.reshape(-1, w2.shape[0]) @ w2 @ w1 * 1.13).reshape(x_shape)  # |gelu'| <= 1.13
 
 
-@pytest.mark.parametrize("n_in, n_out, kwargs, xdtype, with_residual", pairwise(EQX_CASES))
-def test_equinox_mlp_matches_stock_under_vmap(n_in, n_out, kwargs, xdtype, with_residual, rng):
+@pytest.mark.parametrize("n_in, n_out, kwargs, xdtype, with_residual, lead", pairwise(EQX_CASES))
+def test_equinox_mlp_matches_stock_under_vmap(n_in, n_out, kwargs, xdtype, with_residual, lead, rng):
     stock = StockEqxMLP(n_in, HIDDEN, n_out, **kwargs, key=jax.random.key(3))
     ours = cl_eqx.MLP(n_in, HIDDEN, n_out, **kwargs, key=jax.random.key(3))
     same_tree(stock, ours)
@@ -226,23 +226,22 @@ def test_equinox_mlp_matches_stock_under_vmap(n_in, n_out, kwargs, xdtype, with_
     stock, ours = perturbed_stock_checkpoint(stock, ours, rng)  # a stock checkpoint restored into ours
     x_shape = () if n_in == "scalar" else (n_in,)
     out_shape = () if n_out == "scalar" else (n_out,)
-    for lead in LEADING:
-        x = random(rng, (*lead, *x_shape), xdtype)
-        r = random(rng, (*lead, *out_shape), xdtype) if with_residual else None
-        args = (x, r) if with_residual else (x,)
-        ref = call_vmapped(stock, len(lead), *args)
-        assert_matches(eqx.filter_jit(call_vmapped)(ours, len(lead), *args), ref)
-        # each leaf at its own dtype's tolerance and the output's
-        (module_grads, arg_grads) = eqx.filter_jit(vmapped_grad)((ours, args), len(lead))
-        (stock_module_grads, stock_arg_grads) = vmapped_grad((stock, args), len(lead))
-        assert_trees_match(module_grads, stock_module_grads, ref.dtype)
-        assert_trees_match(arg_grads[1:], stock_arg_grads[1:], ref.dtype)  # the residual's: the cotangent
-        # Each element of x's gradient sums terms over the hidden layer, which can cancel: a scalar
-        # x's gradient is only such sums, one per example (one value without leading axes), so it
-        # is measured against the size of those terms; a vector x's against its own norm.
-        terms = input_grad_terms(stock, ref, x.shape) if n_in == "scalar" else None
-        assert_close(arg_grads[0], np.asarray(stock_arg_grads[0], np.float32), least_precise(x.dtype, ref.dtype),
-                     scale=5.0, scale_ref=terms)
+    x = random(rng, (*lead, *x_shape), xdtype)
+    r = random(rng, (*lead, *out_shape), xdtype) if with_residual else None
+    args = (x, r) if with_residual else (x,)
+    ref = call_vmapped(stock, len(lead), *args)
+    assert_matches(eqx.filter_jit(call_vmapped)(ours, len(lead), *args), ref)
+    # each leaf at its own dtype's tolerance and the output's
+    (module_grads, arg_grads) = eqx.filter_jit(vmapped_grad)((ours, args), len(lead))
+    (stock_module_grads, stock_arg_grads) = vmapped_grad((stock, args), len(lead))
+    assert_trees_match(module_grads, stock_module_grads, ref.dtype)
+    assert_trees_match(arg_grads[1:], stock_arg_grads[1:], ref.dtype)  # the residual's: the cotangent
+    # Each element of x's gradient sums terms over the hidden layer, which can cancel: a scalar
+    # x's gradient is only such sums, one per example (one value without leading axes), so it
+    # is measured against the size of those terms; a vector x's against its own norm.
+    terms = input_grad_terms(stock, ref, x.shape) if n_in == "scalar" else None
+    assert_close(arg_grads[0], np.asarray(stock_arg_grads[0], np.float32), least_precise(x.dtype, ref.dtype),
+                 scale=5.0, scale_ref=terms)
 
 
 # --- activations, and the stock computation (all three frameworks) -------------------------------
