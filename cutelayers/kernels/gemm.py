@@ -75,7 +75,7 @@ from cutelayers.kernels.gemm_config import (
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_exact", "silu", "sigmoid", "tanh", "leaky_relu", "hardswish")
 
-GROUP_N = 8  # most cluster columns per rasterization group
+GROUP_N = 16  # most cluster columns per rasterization group (H200, GPT-2 qkv forward: 8 -> 16, 87.0 -> 83.4 us)
 PRODUCER_REGISTERS = 40  # the TMA warpgroup only computes addresses (and, with ``sums``, adds)
 SUM_WARPS = 3  # the producer warpgroup's idle warps: they sum an operand (``sums``)
 SUM_VECTOR = 8  # elements a summing lane loads at once (16 bytes of bfloat16 / float16)

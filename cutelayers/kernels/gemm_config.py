@@ -91,10 +91,12 @@ class GemmConfig:
 # decode-like row counts, where 128-row tiles would be mostly padding; "wide": long mainloops (K
 # >= 2048) on a large output, where a 128x256 tile halves the operand traffic per FLOP and the
 # shared epilogue is amortised; "default": short mainloops or few tiles, where pingpong hides one
-# warpgroup's epilogue behind the other's MMAs. Both use 2x1 clusters (B multicast).
+# warpgroup's epilogue behind the other's MMAs. "wide" runs 2x1 clusters (B multicast), "default"
+# 1x2 (A multicast; on an H200 against 2x1: GPT-2 qkv forward 87.0 -> 84.1 us, an LM-head chunk's
+# logits 417.4 -> 397.8, fc1 with z 126.3 -> 124.7).
 CONFIGS = {
     "small_m": GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1, stages=8),
-    "default": GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6, cluster_m=2, pingpong=True),
+    "default": GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6, cluster_n=2, pingpong=True),
     "wide": GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, stages=4, cluster_m=2),
 }
 # Further points of the autotuning space (not picked by the heuristic).
@@ -104,6 +106,7 @@ EXTRA_CONFIGS = (
     GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6, cluster_m=2),
     GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, stages=4, cluster_n=2),
     GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6, pingpong=True),
+    GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6, cluster_m=2, pingpong=True),
     GemmConfig(tile_m=64, tile_n=256, consumer_warpgroups=2, stages=6, pingpong=True),
 )
 
