@@ -165,8 +165,16 @@ def assert_megatron_collectives(hlo: str):
     assert {kind for kind, _ in found} <= {"all-reduce", "all-gather"}, found
 
 
-@pytest.mark.parametrize("framework", common.FRAMEWORKS)
-@pytest.mark.parametrize("mesh", ["--devices 2", "fsdp=2", "tensor=2", "fsdp=2,tensor=2"])
+MESHES = ["--devices 2", "fsdp=2", "tensor=2", "fsdp=2,tensor=2"]
+# (mesh, framework): every mesh with NNX; Linen and Equinox (their own parameter names, Equinox's
+# (out, in) weights) under tensor=2, whose step's collectives depend on how the model is written,
+# and under fsdp=2,tensor=2, where both rules shard their trees. Data parallel replicates the
+# parameters and fsdp shards along a parameter's largest axis: neither depends on the framework.
+MESH_CASES = [(mesh, "nnx") for mesh in MESHES] + [(mesh, framework) for framework in ("linen", "equinox")
+                                                   for mesh in ("tensor=2", "fsdp=2,tensor=2")]
+
+
+@pytest.mark.parametrize("mesh, framework", MESH_CASES)
 def test_mesh_trains_like_one_device(mesh, framework, one_device_runs):
     """Each mesh on the fake CPU devices (see conftest): the same losses and parameters as one
     device, up to float32 summation order; the parameters and their Adam moments are laid out as
