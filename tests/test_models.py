@@ -178,26 +178,27 @@ def train_step_hlo(model, batch) -> str:
 @pytest.fixture(scope="module")
 def deep_train_steps():
     """Each framework's DEEP train step lowered for CUDA from an empty kernel cache, and the
-    cache's statistics after all three. The kernels stay cached until the module ends: the MLP test
-    and the export lower the same models again (on another worker this fixture builds them there)."""
+    cache's statistics after all three. Lowered with backend 'cute', which raises where an op
+    would fall back to its reference: every op of the step runs its kernels, so the step is the
+    one backend 'auto' lowers too. The kernels stay cached until the module ends: the export
+    lowers the same model again (on another worker this fixture builds them there)."""
     cl.clear_cache()
     jax.clear_caches()
-    hlos = {framework: train_step_hlo(common.init(framework, DEEP, jax.random.key(0), abstract=True), DEEP_BATCH)
-            for framework in FRAMEWORKS}
+    with cl.use_backend("cute"):
+        hlos = {framework: train_step_hlo(common.init(framework, DEEP, jax.random.key(0), abstract=True), DEEP_BATCH)
+                for framework in FRAMEWORKS}
     yield hlos, cl.cache_info()
     cl.clear_cache()
 
 
 @pytest.mark.cute
 def test_each_mlp_is_one_op_in_the_train_step(deep_train_steps):
-    """Each block's fc1 -> gelu -> fc2 (+ residual) is one ``ops.mlp`` (backend 'cute': no
-    fallback anywhere): fc1's forward stores its pre-activation (a linear_fwd with two results),
-    the hidden-gradient GEMM applies gelu's derivative in its epilogue (the linear_dx with three
-    operands), and no GELU is left to XLA."""
-    for framework in FRAMEWORKS:
-        model = common.init(framework, DEEP, jax.random.key(0), abstract=True)
-        with cl.use_backend("cute"):
-            hlo = train_step_hlo(model, DEEP_BATCH)
+    """Each block's fc1 -> gelu -> fc2 (+ residual) is one ``ops.mlp`` (lowered with backend
+    'cute': no fallback anywhere): fc1's forward stores its pre-activation (a linear_fwd with two
+    results), the hidden-gradient GEMM applies gelu's derivative in its epilogue (the linear_dx
+    with three operands), and no GELU is left to XLA."""
+    hlos, _ = deep_train_steps
+    for framework, hlo in hlos.items():
         assert kernel_operand_counts(hlo, "linear_dx").count(3) == DEEP.n_layers, framework
         fc1_forwards = re.findall(r"%\S+:2 = stablehlo\.custom_call @cutelayers_linear_fwd_", hlo)
         assert len(fc1_forwards) == DEEP.n_layers, framework
