@@ -1,6 +1,7 @@
-"""Autotuning: config spaces (every candidate compiles for sm_90a on CPU), the tuned-config table
-(lookup, user over shipped, malformed tables fall back with a warning, a tuned config is its own
-compile key), the sweep with an injected runner, and the CLI; `gpu` runs a real sweep."""
+"""Autotuning: config spaces (every GEMM config, and a sample of each other space, compiles for
+sm_90a on CPU), the tuned-config table (lookup, user over shipped, malformed tables fall back with
+a warning, a tuned config is its own compile key), the sweep with an injected runner, and the CLI;
+`gpu` runs a real sweep."""
 
 import dataclasses
 import functools
@@ -172,7 +173,7 @@ def test_an_unchosen_config_is_refused_and_a_chosen_one_kept():
     assert tuning.resolve(configured, avals) is configured
 
 
-# --- every candidate compiles for sm_90a (on CPU) ---------------------------------------------------
+# --- candidates compile for sm_90a (on CPU): every GEMM config, a sample of each other space ----------
 
 def compile_candidates(case, configs):
     """Lower a kernel call of ``case``'s family with each config for CUDA; its FFI targets."""
@@ -188,25 +189,58 @@ def sample(configs, default):
     return list(dict.fromkeys([configs[0], configs[len(configs) // 2], configs[-1], default]))
 
 
+ROW_SHAPE_FIELDS = ("threads_per_row", "num_threads")
+
+
+def spanning(configs, default, fields=ROW_SHAPE_FIELDS):
+    """The heuristic's config and as few others as cover every value of ``fields`` in the space
+    (greedily, the config adding the most values not yet covered first)."""
+    def values(config):
+        return {(f, getattr(config, f)) for f in fields}
+
+    chosen = [default]
+    missing = set().union(*map(values, configs)) - values(default)
+    while missing:
+        best = max(configs, key=lambda c: len(missing & values(c)))
+        chosen.append(best)
+        missing -= values(best)
+    return chosen
+
+
+def candidates(configs, default, how):
+    """The configs of a space that compile: ``how`` "all", "span" (:func:`spanning`), or None
+    (:func:`sample`)."""
+    if how == "all":
+        return list(configs)
+    return spanning(configs, default) if how == "span" else sample(configs, default)
+
+
 @pytest.mark.cute
 @pytest.mark.parametrize("op, shape, dtype, every", [
-    ("layer_norm", (8, 1000), "bfloat16", ("layer_norm_fwd", "layer_norm_bwd")),  # register-resident
-    # rows, backward with partials
-    # The weight gradient's GEMM compiles in every config in test_linear.py (adding into an
-    # accumulator: the same mainloop, one more epilogue read), so here a sample of its space.
-    ("linear", (100, 256, 512), "bfloat16", ("linear_fwd", "linear_dx")),
-    ("softmax", (8, 1000), "float16", ()),
-    ("rms_norm", (8, 12000), "float32", ()),  # streamed rows: the dx-only backward
-    ("cross_entropy", (8, 20000), "float32", ()),
-    ("reduce_max", (8, 1000), "float32", ()),
+    # Register-resident rows, backward with partials. A row kernel's configs run one code path
+    # (the space keeps residency) with other thread counts: every threads_per_row and every CTA
+    # size of both spaces compiles (3 + 3 configs of 9 + 6).
+    ("layer_norm", (8, 1000), "bfloat16", {"layer_norm_fwd": "span", "layer_norm_bwd": "span"}),
+    # Every GEMM config compiles with both operands K-major (the input gradient) here, and with
+    # both M/N-major, adding into an accumulator, in test_linear.py (the weight gradient); the
+    # forward (A K-major, B N-major: one operand of each) compiles a sample of the same configs.
+    ("linear", (100, 256, 512), "bfloat16", {"linear_dx": "all"}),
+    ("softmax", (8, 1000), "float16", {}),
+    ("rms_norm", (8, 12000), "float32", {}),  # streamed rows: the dx-only backward
+    ("cross_entropy", (8, 20000), "float32", {}),
+    ("reduce_max", (8, 1000), "float32", {}),
 ])
 def test_candidates_compile_for_sm90a(op, shape, dtype, every):
-    """Every config of the families named in ``every`` compiles, and a sample of the others'."""
+    """The configs :func:`candidates` picks for each family (``every``: "all", "span", or a
+    sample by default) compile, each into its own kernel."""
     listed = autotune.list_candidates(op, [shape], [dtype])
     assert [c.family.name for c, _, _ in listed] == list(autotune.OPS[op].families)
     compiled = 0
     for case, configs, default in listed:
-        chosen = configs if case.family.name in every else sample(configs, default)
+        chosen = candidates(configs, default, every.get(case.family.name))
+        if every.get(case.family.name) == "span":
+            for field in ROW_SHAPE_FIELDS:
+                assert {getattr(c, field) for c in chosen} == {getattr(c, field) for c in configs}
         found = compile_candidates(case, chosen)
         assert len(found) == len(chosen) and len(set(found)) == len(chosen)  # one kernel per config
         compiled += len(chosen)
