@@ -32,6 +32,14 @@ def least_precise(*dtypes):
     return max((jnp.dtype(d) for d in dtypes), key=lambda d: REL_TOL[d.name])
 
 
+def dtype_cover(shapes, half=(jnp.bfloat16, jnp.float16)):
+    """(dtype, shape) pairs for a check of an op's reference lowering, whose shape handling and
+    float32 arithmetic do not depend on the input dtype (it only rounds the inputs and the
+    result): every shape in float32, the tightest tolerance, and the half-precision dtypes taking
+    the shapes in turn. Each dtype and each shape runs; their full product adds compiles only."""
+    return [(jnp.float32, shape) for shape in shapes] + [(half[i % len(half)], shape) for i, shape in enumerate(shapes)]
+
+
 def random(rng, shape, dtype, loc=0.0):
     """Fresh normal inputs (never zeros), rounded to ``dtype``."""
     return jnp.asarray(rng.standard_normal(shape) + loc, dtype)
