@@ -4,8 +4,9 @@ For each stock module -- flax.linen Dense / LayerNorm / RMSNorm, flax.nnx Linear
 RMSNorm, equinox.nn Linear / LayerNorm / RMSNorm -- every constructor and call argument of the
 installed version (read from its signature: an argument this file does not know fails
 ``test_every_upstream_argument_is_covered`` until a case handles it) is tried with a non-default
-value, for float32 and bfloat16 inputs (and each module's default call for complex64, which runs
-the stock computation), under ``jax_numpy_rank_promotion="raise"``.
+value, for float32 and bfloat16 inputs (float32 alone where the argument itself sends the call to
+the stock computation, and each module's default call for complex64, which runs the stock
+computation), under ``jax_numpy_rank_promotion="raise"``.
 Ours must give the same parameter tree (and values, from the same key), the same outputs and
 gradients to the dtype's tolerance -- or the same error type where stock refuses -- and must take
 the path the README promises: the cutelayers op (kernels on Hopper) or the stock computation.
@@ -267,12 +268,14 @@ def fallbacks(monkeypatch):
 
 
 def _input_dtypes(case):
-    """float32 and bfloat16 input for every case; complex64 input, which every module hands to the
-    stock computation whatever its arguments (one branch, taken after the same argument checks
-    as a float input's), with each module's default arguments."""
-    if case.init or case.call:
-        return [d for d in X_DTYPES if not jnp.issubdtype(d, jnp.complexfloating)]
-    return X_DTYPES
+    """float32 and bfloat16 input for every case that takes the op's path; float32 only where the
+    argument sends every input to the stock computation, whatever its float dtype; complex64
+    input, which every module hands to the stock computation whatever its arguments (one
+    branch, taken after the same argument checks as a float input's), with each module's
+    default arguments."""
+    if not (case.init or case.call):
+        return X_DTYPES
+    return (jnp.float32,) if case.path == STOCK else (jnp.float32, jnp.bfloat16)
 
 
 @pytest.mark.parametrize("case, dtype", [pytest.param(case, dtype, id=f"{case}-{jnp.dtype(dtype).name}")
