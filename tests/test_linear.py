@@ -447,21 +447,22 @@ def test_lowering_compiles_once_across_row_counts_and_batches(fresh_cache):
 @pytest.mark.cute
 def test_lowering_grad_of_vmap_is_one_weight_grad_on_all_rows(fresh_cache):
     # The Equinox style, grad(vmap(layer)) with a shared kernel (vmapped over two axes): one dkernel
-    # launch contracting all 6 * 4 * 25 rows into (K, N) = (64, 128), no per-example (6, 64, 128).
+    # launch contracting all 6 * 4 * 25 rows into (K, N) = (128, 256), no per-example (6, 128, 256).
+    # (test_mlp.py's fc1: the same three kernels, compiled once for both.)
     S = jax.ShapeDtypeStruct
 
     def layer(x, w, b):
         return fused_linear(x, w, b, activation="gelu")
 
     loss = _sin_loss(jax.vmap(jax.vmap(layer, (0, None, None)), (0, None, None)))
-    hlo = lower_cuda(jax.grad(loss, (0, 1, 2)), S((6, 4, 25, 64), jnp.bfloat16), S((64, 128), jnp.bfloat16),
-                     S((128,), jnp.bfloat16))
+    hlo = lower_cuda(jax.grad(loss, (0, 1, 2)), S((6, 4, 25, 128), jnp.bfloat16), S((128, 256), jnp.bfloat16),
+                     S((256,), jnp.bfloat16))
     assert kernel_targets(hlo) == ["linear_fwd", "linear_dx", "linear_dkernel"]
     (call,) = [line for line in hlo.splitlines() if "@cutelayers_linear_dkernel" in line]
     # (x, dz, zeros for the bias gradient) -> (dkernel, dbias as float32 column sums)
-    assert call.endswith("(tensor<1x600x64xbf16>, tensor<1x600x128xbf16>, tensor<1x128xf32>) -> "
-                         "(tensor<1x64x128xbf16>, tensor<1x128xf32>)")
-    assert "6x64x128" not in hlo
+    assert call.endswith("(tensor<1x600x128xbf16>, tensor<1x600x256xbf16>, tensor<1x256xf32>) -> "
+                         "(tensor<1x128x256xbf16>, tensor<1x256xf32>)")
+    assert "6x128x256" not in hlo
 
 
 @pytest.mark.cute
@@ -589,9 +590,10 @@ def test_accumulating_reference_adds_into_the_accumulator(rng):
 @pytest.mark.cute
 def test_lowering_stream_k_weight_grad(fresh_cache):
     # The dkernel call adds its partial tiles into a zeroed float32 buffer it aliases; the gradient
-    # is that sum in the kernel's dtype.
+    # is that sum in the kernel's dtype. (The (K, N) of the accumulating weight gradients below and
+    # of the tuned-config tests' forward: the same kernels, compiled once.)
     S = jax.ShapeDtypeStruct
-    m, k, n = 16384, 768, 768
+    m, k, n = 4096, 256, 512
     grad = jax.grad(lambda x, w: jnp.sum(fused_linear(x, w).astype(jnp.float32) ** 2), 1)
     hlo = lower_cuda(grad, S((m, k), jnp.bfloat16), S((k, n), jnp.bfloat16))
     (call,) = [line for line in hlo.splitlines() if "@cutelayers_linear_dkernel" in line]
