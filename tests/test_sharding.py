@@ -127,9 +127,10 @@ CASES = [
                        random(r, (32,), d), _x(r, d, 32)),
          (True, False, False, False, False, True), (0, 1, 2, 3, 4, 5), jnp.float16),
     # the three parts side by side, through a nonlinearity (so that dq, dk, dv depend on the
-    # sharded rows, not only on the replicated cotangent)
+    # sharded rows, not only on the replicated cotangent); the deep24 model's qkv width (its
+    # kernels, test_models.py's, compile once for both)
     Case("split_linear", lambda x, w, b: jnp.tanh(jnp.concatenate(cl.ops.split_linear(x, w, b, parts=3), axis=-1)),
-         lambda r, d: (_x(r, d, 32), random(r, (32, 96), d) / 6, random(r, (96,), d)),
+         lambda r, d: (_x(r, d, 128), random(r, (128, 384), d) / 12, random(r, (384,), d)),
          (True, False, False), (0, 1, 2), jnp.float16),
     _lm_head_case("linear_cross_entropy"),  # all 48 tokens in one chunk
     # 6 chunks of 8 tokens, 2 from each device: the token axis, sharded, stays within the chunks
