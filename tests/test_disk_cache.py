@@ -70,13 +70,29 @@ def lower_in_process(cache_dir, monkeypatch, n=512):
 
 
 @pytest.mark.cute
-def test_second_process_compiles_nothing(tmp_path):
-    first = run_process(tmp_path)
+def test_second_process_compiles_nothing_and_concurrent_writers_leave_valid_entries(tmp_path):
+    """A first process alone writes one entry per kernel, which a second process loads, compiling
+    nothing; meanwhile two processes writing the same entries at once into another directory
+    leave whole ones (no temporary file behind), every kernel there."""
+    alone, together = tmp_path / "alone", tmp_path / "together"
+    alone.mkdir()
+    together.mkdir()
+    first, *concurrent = [start_process(alone), start_process(together), start_process(together)]
+    first = finish_process(first)
     assert set(first) == KERNELS
     assert all(compiles == 1 and hits == 0 for compiles, hits in first.values()), first
-    assert len(list(tmp_path.glob("*.o"))) == len(KERNELS) == len(list(tmp_path.glob("*.json")))
-    second = run_process(tmp_path)
+    assert len(list(alone.glob("*.o"))) == len(KERNELS) == len(list(alone.glob("*.json")))
+    second = run_process(alone)
     assert all(compiles == 0 and hits == 1 for compiles, hits in second.values()), second
+    for process in concurrent:
+        report = finish_process(process)
+        assert all(compiles + hits == 1 for compiles, hits in report.values()), report
+    assert not list(together.glob(".*.tmp"))  # no temporary file left behind
+    metas = list(together.glob("*.json"))
+    assert len(metas) == len(list(together.glob("*.o"))) == len(KERNELS)
+    for meta in metas:
+        entry = disk_cache.DiskEntry(together, json.loads(meta.read_text())["key"])
+        assert entry.load() is not None  # size and hash match: a whole entry
 
 
 @pytest.fixture(scope="module")
@@ -161,18 +177,6 @@ def test_unwritable_directory_warns_and_still_compiles(tmp_path, monkeypatch, ca
     stats = lower_in_process(blocker / "cache", monkeypatch)
     assert stats.compiles == 1
     assert "not written" in caplog.text
-
-
-@pytest.mark.cute
-def test_concurrent_processes_leave_valid_entries(tmp_path):
-    for process in [start_process(tmp_path) for _ in range(3)]:
-        finish_process(process)
-    assert not list(tmp_path.glob(".*.tmp"))  # no temporary file left behind
-    for meta in tmp_path.glob("*.json"):
-        entry = disk_cache.DiskEntry(tmp_path, json.loads(meta.read_text())["key"])
-        assert entry.load() is not None  # size and hash match: a whole entry
-    again = run_process(tmp_path)
-    assert all(compiles == 0 for compiles, _ in again.values()), again
 
 
 @pytest.mark.cute

@@ -100,10 +100,20 @@ def test_large_mean_inputs(dtype, rng):
     _check_values("layer_norm", x, None, None, tol_scale=tol)
 
 
-@pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("with_scale,with_bias", [(True, True), (True, False), (False, True), (False, False)])
-@pytest.mark.parametrize("n", [1, 37, 1024])
-def test_grad_matches_jnp(op, with_scale, with_bias, n, rng):
+def latin(rows, cols, values):
+    """(row, col, value) triples, each row and each column of the rows x cols grid meeting every
+    value (a Latin-square cycle, values[(i + j) % len(values)]): the grid's cases with every value
+    of a parameter whose code path does not change with it (a row count, a width) spread over
+    them, not repeated in each."""
+    return [(r, c, values[(i + j) % len(values)]) for i, r in enumerate(rows) for j, c in enumerate(cols)]
+
+
+# The widths: N = 1 (an epsilon-sized gradient), odd, and a power of two; each op's every
+# (scale, bias) case at one, each op at all three.
+@pytest.mark.parametrize("op,params,n", latin(list(OPS), [(True, True), (True, False), (False, True), (False, False)],
+                                              [1, 37, 1024]))
+def test_grad_matches_jnp(op, params, n, rng):
+    with_scale, with_bias = params
     fn, center = OPS[op]
     x = random(rng, (3, 4, n), jnp.float32, loc=2.0)
     scale, bias = _params(rng, n, jnp.float32, with_scale, with_bias)
@@ -300,12 +310,13 @@ def test_add_values_reference(op, dtype, shape, rng):
 
 
 @pytest.mark.parametrize("op", ADD_OPS)
-@pytest.mark.parametrize("through", [("normed",), ("summed",), ("normed", "summed")], ids="+".join)
-@pytest.mark.parametrize("with_scale,with_bias", [(True, True), (True, False), (False, False)])
-@pytest.mark.parametrize("n", [1, 37, 777])
-def test_add_grads_match_jnp(op, through, with_scale, with_bias, n, rng):
+@pytest.mark.parametrize("through,params,n", latin([("normed",), ("summed",), ("normed", "summed")],
+                                                   [(True, True), (True, False), (False, False)], [1, 37, 777]),
+                         ids=lambda v: "+".join(v) if isinstance(v, tuple) and isinstance(v[0], str) else None)
+def test_add_grads_match_jnp(op, through, params, n, rng):
     """Gradients through normed, through summed alone (the one peer libraries have dropped: dx must
-    be exactly d_summed there) and through both."""
+    be exactly d_summed there) and through both; each with every (scale, bias) case and width."""
+    with_scale, with_bias = params
     fn, center = ADD_OPS[op]
     x = random(rng, (3, 4, n), jnp.float32, loc=2.0)
     residual = random(rng, x.shape, jnp.float32)
