@@ -140,8 +140,8 @@ def families_and_avals():
     return [
         # The norm forward's vector width is set by its widest row operand (an fp32 scale here).
         (NormForward(True, True, True, 1e-6, "bfloat16"), ln, row_geometry(1000, 32, norm_fwd).row),
-        (NormBackward(True, True, True, True), ln_bwd, row_geometry(4096, 16, norm_bwd).row),
-        (NormBackward(False, True, False, False), rms_bwd, row_geometry(65536, 32, norm_bwd).row),
+        (NormBackward(True, True, True, True), ln_bwd, row_geometry(4096, 16, norm_bwd[16]).row),
+        (NormBackward(False, True, False, False), rms_bwd, row_geometry(65536, 32, norm_bwd[32]).row),
         (SoftmaxForward(False), (x,), row_geometry(32000, 16, soft_fwd).row),
         (SoftmaxBackward(True), (S((64, 32000), F32), x), row_geometry(32000, 32, soft_bwd).row),
         (CrossEntropyForward(True), (x, labels), row_geometry(32000, 16, soft_fwd).row),

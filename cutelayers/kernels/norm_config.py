@@ -7,15 +7,20 @@ from __future__ import annotations
 from cutelayers.kernels.reduction_config import RowConfig
 
 # fp32 values a thread holds per row step: the forward keeps x; the backward keeps x, dy and the
-# dscale/dbias accumulators, so it gets fewer.
+# dscale/dbias accumulators, so it gets fewer -- 24 for 16-bit rows, 16 for 32-bit ones (whose
+# fragments take twice the registers). 24 lets N = 768 bf16 run one warp a row (32 threads x 3 x 8
+# values: no shared-memory reduction, no barrier): add_layer_norm's backward 34.7 -> 32.4 us, the
+# plain one 30.8 -> 28.9, at 16384 rows on an H200 (docs/benchmarks.md, thirteenth session).
 FORWARD_VALUES_PER_THREAD = 32
-BACKWARD_VALUES_PER_THREAD = 16
+BACKWARD_VALUES_PER_THREAD = {16: 24, 32: 16}  # by the row operands' widest element, in bits
 # The persistent backward grid: Hopper parts have 132 SMs (H100 SXM, H200); fewer SMs only means
 # a tail wave. Fixed so that the partials' shape is known without a device.
 HOPPER_SMS = 132
-# Resident threads per SM the backward grid aims for: the register-resident backward uses ~124
-# registers a thread (ptxas, bf16 x 768 with residual), so 512 of 128-thread CTAs fit an SM's 64K;
-# a 1024-thread target launched a second wave of CTAs and twice the dscale / dbias partials.
+# Resident threads per SM the backward grid aims for: a 128-thread CTA of the register-resident
+# backward used ~124 registers a thread (bf16 x 768 with residual, 64 threads a row), so 512 fit an
+# SM's 64K; a 1024-thread target launched a second wave of CTAs and twice the dscale / dbias
+# partials. One warp a row (N = 768 bf16 since the 24-value budget) takes ~210 registers: two CTAs
+# an SM, the grid in two waves -- still the fastest of the configs measured there.
 THREADS_PER_SM = 512
 
 

@@ -22,7 +22,8 @@ class RowKernelFamily(TunableFamily):
     :class:`cutelayers.kernels.reduction_config.RowConfig`.
 
     Subclasses give ``values_per_thread``, the kernel's register budget (from its CuTe-free config
-    module, e.g. :mod:`cutelayers.kernels.norm_config`), which selects the heuristic
+    module, e.g. :mod:`cutelayers.kernels.norm_config`), or override ``register_values(avals)``
+    (a budget by element width, the norm backward's); it selects the heuristic
     (:func:`.row_geometry`) and the space (:func:`.row_geometry_space`) of
     :mod:`cutelayers.kernels.reduction_config` for register-resident row kernels -- or override
     ``default_config`` and ``config_space`` (the row-reduce kernel) -- and may override
@@ -40,6 +41,10 @@ class RowKernelFamily(TunableFamily):
     values_per_thread: int
     """fp32 values a thread of the kernel holds per row step (register-resident row kernels)."""
 
+    def register_values(self, avals) -> int:
+        """``values_per_thread`` for these operands (a kernel may budget by element width)."""
+        return self.values_per_thread
+
     def dynamic_dims_at(self, position, aval) -> tuple[bool, ...]:
         per_row = self.per_row_rank in (None, len(aval.shape))
         return tuple(per_row and i == 0 for i in range(len(aval.shape)))
@@ -54,10 +59,10 @@ class RowKernelFamily(TunableFamily):
         return max(jnp.dtype(d).itemsize * 8 for d in self.row_dtypes(avals))
 
     def default_config(self, avals):
-        return row_geometry(self.row_length(avals), self.elem_bits(avals), self.values_per_thread).row
+        return row_geometry(self.row_length(avals), self.elem_bits(avals), self.register_values(avals)).row
 
     def config_space(self, avals) -> tuple:
-        space = row_geometry_space(self.row_length(avals), self.elem_bits(avals), self.values_per_thread)
+        space = row_geometry_space(self.row_length(avals), self.elem_bits(avals), self.register_values(avals))
         return tuple(g.row for g in space)
 
     def tuning_key(self, avals):

@@ -141,7 +141,9 @@ class NormBackward(RowKernelFamily):
     config: RowConfig | None = None
     grid: int | None = None
     per_row_rank = 2
-    values_per_thread = norm_config.BACKWARD_VALUES_PER_THREAD
+
+    def register_values(self, avals) -> int:
+        return norm_config.BACKWARD_VALUES_PER_THREAD[self.elem_bits(avals)]
 
     @property
     def name(self) -> str:
