@@ -23,7 +23,7 @@ Tensors as the launchers take them (M is the symbolic row count):
   fp32 statistics;
 * backward: ``x (M, N)``, ``dy (M, N)``, [``dsummed (M, N)``], [``mean (M, 1)``], ``rstd (M, 1)``,
   [``scale (N,)``] -> ``dx (M, N)``, [``dscale_partial (P*N,)``], [``dbias_partial (P*N,)``]: fp32
-  partial sums of dscale / dbias, one row of N per (CTA, row slot) of a fixed persistent grid,
+  partial sums of dscale / dbias, one row of N per CTA of a fixed persistent grid,
   summed by the caller (deterministic, no atomics). Partials exist only for register-resident rows.
 
 The fused residual add (``has_residual``, for pre-norm transformers): the forward's row is
@@ -42,7 +42,6 @@ import operator
 import cutlass
 from cutlass import Float32, const_expr, cute
 
-from cutelayers.kernels.norm_config import partial_rows
 from cutelayers.kernels.reduction import (
     can_prefetch,
     column_mask,
@@ -249,7 +248,7 @@ class NormBackwardKernel:
         config = self.config
         groups = cute.ceil_div(x.shape[0], config.row.rows_per_cta)
         grid = self.grid if const_expr(self.persistent) else groups
-        partials = (partial_rows(config.row, self.grid), config.n)
+        partials = (self.grid, config.n)  # one row per CTA (store_partial)
         self.kernel(
             x, dy, dsummed, mean, rstd, scale, dx,
             cute.make_tensor(dscale.iterator, cute.make_layout(partials, stride=(config.n, 1))) if const_expr(self.want_dscale) else None,
@@ -263,7 +262,8 @@ class NormBackwardKernel:
         ).launch(
             grid=[grid, 1, 1],
             block=[config.row.num_threads, 1, 1],
-            smem=2 * config.row.rows_per_cta * config.row.warps_per_row * 4 + self.ring_bytes(x, dy, dsummed),
+            smem=(2 * config.row.rows_per_cta * config.row.warps_per_row * 4 + self.ring_bytes(x, dy, dsummed)
+                  + self.slot_sum_bytes()),
             stream=stream,
         )
 
@@ -274,6 +274,13 @@ class NormBackwardKernel:
         (add_layer_norm's backward at 16384 x 768 bf16 on an H200: 38.3 -> 34.7 us)."""
         return self.persistent and self.config.resident and all(
             can_prefetch(self.config, t.element_type.width) for t in rows if t is not None)
+
+    def slot_sum_bytes(self) -> int:
+        """Shared memory of :meth:`store_partial`'s row-slot sums (one buffer per partial)."""
+        slots = self.config.row.rows_per_cta
+        if not self.persistent or slots == 1:
+            return 0
+        return (self.want_dscale + self.want_dbias) * (slots * self.config.n * 4 + 16)
 
     def ring_bytes(self, *rows) -> int:
         """Shared memory of the two-stage prefetch ring (0 when not :meth:`staged`)."""
@@ -323,11 +330,34 @@ class NormBackwardKernel:
                                    copy_dsummed, copy_dx, coords, buffers, group, tidx)
 
         if const_expr(self.persistent):
-            pcoords_all = cute.make_identity_tensor((partial_rows(config.row, self.grid), n))
-            if const_expr(self.want_dscale):
-                store_step(row_operand(dscale, copy_partial, pcoords_all, config, (bidx, None), tidx), 0, acc_scale.load())
-            if const_expr(self.want_dbias):
-                store_step(row_operand(dbias, copy_partial, pcoords_all, config, (bidx, None), tidx), 0, acc_bias.load())
+            for acc, partial in ((acc_scale, dscale), (acc_bias, dbias)):
+                if const_expr(partial is not None):
+                    self.store_partial(acc, partial, probe, copy_partial, bidx, tidx)
+
+    @cute.jit
+    def store_partial(self, acc, partial, probe, copy_partial, bidx, tidx):
+        """Row ``bidx`` of the (grid, N) ``partial``: the sum of this CTA's row slots'
+        accumulators ``acc`` -- through shared memory when the CTA has several slots, so the
+        caller sums one row per CTA, not one per slot."""
+        config = self.config
+        n, slots = config.n, config.row.rows_per_cta
+        if const_expr(slots == 1):
+            pcoords = cute.make_identity_tensor(partial.shape)
+            store_step(row_operand(partial, copy_partial, pcoords, config, (bidx, None), tidx), 0, acc.load())
+        else:
+            shared = cutlass.memory.SmemAllocator().allocate_tensor(
+                Float32, cute.make_layout((slots, n), stride=(n, 1)), byte_alignment=16)
+            slot = tidx // config.row.threads_per_row
+            cols = probe.coords[None, None, None, 0]
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                if cute.elem_less(cols[i][1], n):
+                    shared[slot, cols[i][1]] = acc[i]
+            cute.arch.barrier()
+            for col in cutlass.range(tidx, n, config.row.num_threads, unroll=1):
+                total = Float32(0.0)
+                for s in cutlass.range_constexpr(slots):
+                    total = total + shared[s, col]
+                partial[bidx, col] = total
 
     @cute.jit
     def prefetch_rows(self, rows, shared, coords, groups, group, tidx):

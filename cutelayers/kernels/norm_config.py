@@ -34,7 +34,3 @@ def backward_grid(config: RowConfig, rows: int | None = None) -> int:
     groups = max(1, -(-rows // config.rows_per_cta))
     return min(full, 1 << (groups - 1).bit_length())
 
-
-def partial_rows(config: RowConfig, grid: int) -> int:
-    """Rows P of the backward's dscale/dbias partials: one per (CTA, row slot) of ``grid`` CTAs."""
-    return grid * config.rows_per_cta
