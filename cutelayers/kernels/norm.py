@@ -312,8 +312,8 @@ class NormBackwardKernel:
 
         if const_expr(self.staged(x, dy, dsummed)):
             # two-stage ring: group g's rows are read from shared memory while g + gdim's arrive
-            rows = [t for t in (x, dy, dsummed) if t is not None]
-            ring = [[shared_row_tensor(config, t.element_type) for t in rows] for _ in range(2)]
+            rows = [(t, c) for t, c in ((x, copy_x), (dy, copy_dy), (dsummed, copy_dsummed)) if t is not None]
+            ring = [[shared_row_tensor(config, t.element_type) for t, _ in rows] for _ in range(2)]
             self.prefetch_rows(rows, ring[0], coords, groups, bidx, tidx)
             for group in cutlass.range(bidx, groups, 2 * gdim, unroll=1):
                 for stage in cutlass.range_constexpr(2):
@@ -361,15 +361,14 @@ class NormBackwardKernel:
 
     @cute.jit
     def prefetch_rows(self, rows, shared, coords, groups, group, tidx):
-        """Start copying ``group``'s rows of each of ``rows`` into ``shared`` (one tensor each) and
-        commit them as one cp.async group -- an empty one past the last group, so that waiting
-        for all but the newest group always means the current rows."""
+        """Start copying ``group``'s rows of each of ``rows`` ((tensor, its tiled copy) pairs) into
+        ``shared`` (one tensor each) and commit them as one cp.async group -- an empty one past
+        the last group, so that waiting for all but the newest group always means the current rows."""
         config = self.config
         if group < groups:
-            for tensor, buffer in zip(rows, shared):
-                like = row_operand(tensor, row_tiled_copy(tensor.element_type, config), coords, config,
-                                   (group, None), tidx)
-                if like.coords[0][0] < tensor.shape[0]:
+            likes = [row_operand(t, copy, coords, config, (group, None), tidx) for t, copy in rows]
+            if likes[0].coords[0][0] < rows[0][0].shape[0]:  # this thread's row, the same in each
+                for (tensor, _), like, buffer in zip(rows, likes, shared):
                     prefetch_step(row_prefetch(tensor, buffer, like, (group, None), tidx), 0)
         cute.arch.cp_async_commit_group()
 
