@@ -123,7 +123,7 @@ def _norm_cases(op: str, center: bool, shape, dtype, residual: bool = False) -> 
 
     def summed_partials(results):
         dx, *partials = results
-        return (dx, *(p.reshape(-1, n).sum(0) for p in partials))
+        return (dx, *backward.param_grads(n, *partials))
 
     backward_avals = (x,) * (1 + rows) + (stat,) * center + (stat, vec)
     backward = NormBackward(center, True, True, center, residual)

@@ -22,9 +22,10 @@ Tensors as the launchers take them (M is the symbolic row count):
   [``summed (M, N)``], [``mean (M, 1)``], ``rstd (M, 1)`` -- mean only for LayerNorm (``center``),
   fp32 statistics;
 * backward: ``x (M, N)``, ``dy (M, N)``, [``dsummed (M, N)``], [``mean (M, 1)``], ``rstd (M, 1)``,
-  [``scale (N,)``] -> ``dx (M, N)``, [``dscale_partial (P*N,)``], [``dbias_partial (P*N,)``]: fp32
-  partial sums of dscale / dbias, one row of N per CTA of a fixed persistent grid,
-  summed by the caller (deterministic, no atomics). Partials exist only for register-resident rows.
+  [``scale (N,)``] -> ``dx (M, N)``, [``partials (P*W*N,)``]: fp32 partial sums of dscale and / or
+  dbias (W of them), one row per CTA of a fixed persistent grid holding the CTA's W sums side by
+  side (dscale first), summed by the caller (deterministic, no atomics) with one reduction.
+  Partials exist only for register-resident rows.
 
 The fused residual add (``has_residual``, for pre-norm transformers): the forward's row is
 s = x + residual, added in fp32 and rounded to ``summed``'s dtype; it writes s as ``summed`` and
@@ -218,10 +219,10 @@ class NormBackwardKernel:
     With g = dy * scale and xhat = (x - mean) * rstd (x * rstd without ``center``):
     dx = rstd * (g - xhat * mean(g * xhat) - mean(g)), the last term only with ``center``, plus
     dsummed with ``has_residual`` (x is then the forward's ``summed``);
-    dscale = sum_rows dy * xhat, dbias = sum_rows dy (as per-CTA partials, ``partials=True``).
+    dscale = sum_rows dy * xhat, dbias = sum_rows dy (as per-CTA partials: ``want_dscale`` /
+    ``want_dbias``).
 
-    Launcher ``(stream, x, dy, [dsummed], [mean], rstd, [scale], dx, [dscale_partial],
-    [dbias_partial])``.
+    Launcher ``(stream, x, dy, [dsummed], [mean], rstd, [scale], dx, [partials])``.
     """
 
     def __init__(self, config: RowGeometry, *, center: bool, has_residual: bool, has_scale: bool,
@@ -243,16 +244,14 @@ class NormBackwardKernel:
         rstd = rest.pop(0)
         scale = rest.pop(0) if const_expr(self.has_scale) else None
         dx = rest.pop(0)
-        dscale = rest.pop(0) if const_expr(self.want_dscale) else None
-        dbias = rest.pop(0) if const_expr(self.want_dbias) else None
+        partials = rest.pop(0) if const_expr(self.persistent) else None
         config = self.config
         groups = cute.ceil_div(x.shape[0], config.row.rows_per_cta)
         grid = self.grid if const_expr(self.persistent) else groups
-        partials = (self.grid, config.n)  # one row per CTA (store_partial)
         self.kernel(
             x, dy, dsummed, mean, rstd, scale, dx,
-            cute.make_tensor(dscale.iterator, cute.make_layout(partials, stride=(config.n, 1))) if const_expr(self.want_dscale) else None,
-            cute.make_tensor(dbias.iterator, cute.make_layout(partials, stride=(config.n, 1))) if const_expr(self.want_dbias) else None,
+            self.partial_view(partials, 0) if const_expr(self.want_dscale) else None,
+            self.partial_view(partials, int(self.want_dscale)) if const_expr(self.want_dbias) else None,
             row_tiled_copy(x.element_type, config),
             row_tiled_copy(dy.element_type, config),
             row_tiled_copy(dsummed.element_type, config) if const_expr(self.has_residual) else None,
@@ -266,6 +265,14 @@ class NormBackwardKernel:
                   + self.slot_sum_bytes()),
             stream=stream,
         )
+
+    def partial_view(self, partials, index: int):
+        """Partial sum ``index`` (0: the first wanted of dscale, dbias) of ``partials`` as a (grid,
+        N) tensor: one row per CTA (:meth:`store_partial`), the W sums of a CTA side by side."""
+        n = self.config.n
+        wanted = self.want_dscale + self.want_dbias
+        return cute.make_tensor(partials.iterator + index * n,
+                                cute.make_layout((self.grid, n), stride=(wanted * n, 1)))
 
     def staged(self, *rows) -> bool:
         """Whether the persistent loop prefetches its next row group's ``rows`` operands (x, dy,

@@ -121,10 +121,11 @@ class NormForward(RowKernelFamily):
 
 @dataclasses.dataclass(frozen=True)
 class NormBackward(RowKernelFamily):
-    """Kernel family: dx (M, N), [dscale_partial (P*N,)], [dbias_partial (P*N,)] from x (M, N),
-    dy (M, N), [dsummed (M, N)], [mean (M, 1)], rstd (M, 1), [scale (N,)].
+    """Kernel family: dx (M, N), [partials (P*W*N,)] from x (M, N), dy (M, N), [dsummed (M, N)],
+    [mean (M, 1)], rstd (M, 1), [scale (N,)].
 
-    Partials are fp32; their row sum (over P) is dscale / dbias. P comes from the config and
+    Partials are fp32, P rows of the W wanted sums (dscale, dbias) side by side: one buffer, so
+    one reduction over P gives both (:meth:`param_grads`). P comes from the config and
     ``grid``, the CTAs of the persistent grid (None: a GPU's worth; the op sizes it for its rows
     with :func:`cutelayers.kernels.norm_config.backward_grid`), so it is fixed per compile key;
     any row count runs correctly on any grid.
@@ -162,37 +163,54 @@ class NormBackward(RowKernelFamily):
         # Rows may be sharded; the partials lack them, so they are summed across devices.
         per_row = ("rows", None)
         operands = (per_row,) * (3 + self.has_residual + self.center) + ((None,),) * self.has_scale
-        results = (per_row,) + ((None,),) * (self.want_dscale + self.want_dbias)
+        results = (per_row,) + ((None,),) * bool(self.wanted)
         return ShardingRule(operands, results, per_shard=self.per_shard)
 
     def per_shard(self, ctx, x, *rest):
         dx, *partials = run_kernel(self, x, *rest)
         if not ctx.sharded("rows"):
             return (dx, *partials)
-        # Each device sums its P partial rows first, so the psum moves N floats, not P x N (MBs).
-        n = x.shape[1]
-        sums = [ctx.psum(jnp.sum(p.reshape(-1, n), axis=0), {"rows"}) for p in partials]
-        return (dx, *(jnp.zeros(p.shape, jnp.float32).at[:n].set(v) for p, v in zip(partials, sums)))
+        # Each device sums its P partial rows first, so the psum moves W x N floats, not P x W x N.
+        (partial,) = partials
+        width = self.wanted * x.shape[1]
+        summed = ctx.psum(jnp.sum(partial.reshape(-1, width), axis=0), {"rows"})
+        return dx, jnp.zeros(partial.shape, jnp.float32).at[:width].set(summed)
+
+    @property
+    def wanted(self) -> int:
+        """W: how many of dscale, dbias the partials hold."""
+        return self.want_dscale + self.want_dbias
+
+    def param_grads(self, n: int, *partials) -> tuple[jax.Array, ...]:
+        """The wanted (dscale, dbias), each (N,) float32, from the kernel's results after dx (its
+        partials, if it has any)."""
+        if not partials:
+            return ()
+        summed = jnp.sum(partials[0].reshape(-1, self.wanted * n), axis=0)
+        return tuple(summed[i * n:(i + 1) * n] for i in range(self.wanted))
 
     def out_avals(self, avals):
         x = avals[0]
-        partial = jax.ShapeDtypeStruct((self.partial_rows() * x.shape[1],), jnp.float32)
-        return (jax.ShapeDtypeStruct(x.shape, x.dtype),) + (partial,) * (self.want_dscale + self.want_dbias)
+        dx = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        if not self.wanted:
+            return (dx,)
+        return dx, jax.ShapeDtypeStruct((self.partial_rows() * self.wanted * x.shape[1],), jnp.float32)
 
     def partial_rows(self) -> int:
-        if not (self.want_dscale or self.want_dbias):
+        if not self.wanted:
             return 0
-        return self.ctas()  # one row of N per CTA
+        return self.ctas()  # one row of W x N per CTA
 
     def reference(self, *args):
         x, dy, dsummed, mean, rstd, scale = _split_backward(args, self.center, self.has_residual,
                                                             self.has_scale)
         mean = None if mean is None else mean[:, 0]
         dx, dscale, dbias = backward_reference(x, dy, mean, rstd[:, 0], scale, dsummed)
-        p = self.partial_rows()
+        if not self.wanted:
+            return (dx,)
         # The whole sum in the first partial row: summing over P gives the same result.
-        pad = lambda v: jnp.zeros((p, x.shape[1]), jnp.float32).at[0].set(v).reshape(-1)
-        return (dx,) + tuple(pad(v) for v, want in ((dscale, self.want_dscale), (dbias, self.want_dbias)) if want)
+        sums = jnp.concatenate([v for v, want in ((dscale, self.want_dscale), (dbias, self.want_dbias)) if want])
+        return dx, jnp.zeros((self.partial_rows(), sums.size), jnp.float32).at[0].set(sums).reshape(-1)
 
     def row_dtypes(self, avals):
         # x, dy, dsummed and scale are the row-shaped operands whose loads share one vector width
@@ -338,8 +356,7 @@ def _backward_core(center: bool, has_residual: bool, has_scale: bool, has_bias: 
             _, dscale, dbias = backward_reference(x, dy, mean, rstd, None)
             return (dx,) + (dscale,) * has_scale + (dbias,) * has_bias
         dx, *partials = call_kernel(family, *rows)
-        n = x.shape[-1]
-        return (dx.reshape(x.shape),) + tuple(jnp.sum(p.reshape(-1, n), axis=0) for p in partials)
+        return (dx.reshape(x.shape), *family.param_grads(x.shape[-1], *partials))
 
     def per_example(*args):
         dx, dscale, dbias = _backward_of_args(args, center, has_residual, has_scale)
