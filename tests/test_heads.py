@@ -311,20 +311,29 @@ def test_lowers_to_the_kernels_for_cuda(reduction):
 
     hlo = lower_cuda(jax.value_and_grad(loss, (0, 1)), *avals)
     calls = collections.Counter(kernel_targets(hlo))
+    # The loops that sum gradients run their first chunk before the loop over the others (the
+    # sums start from it): their calls are in the program twice.
     if reduction == "none":
-        cross_entropy = {"linear_fwd": 2, "cross_entropy_fwd": 1, "cross_entropy_bwd": 1}
+        expected = {"linear_fwd": 1 + 2, "cross_entropy_fwd": 1, "cross_entropy_bwd": 2}
     else:
-        cross_entropy = {"linear_fwd": 1, "cross_entropy_with_grad": 1}
-    assert calls == {**cross_entropy, "linear_dx": 1, "linear_dkernel": 1}
-    # dkernel is summed over the chunks by the GEMM itself: it adds into the float32 carry it
-    # aliases; no (H, V) add runs per chunk, and one cast gives the gradient its dtype at the end
-    (dkernel_call,) = [line for line in hlo.splitlines() if "@cutelayers_linear_dkernel" in line]
-    assert dkernel_call.endswith(f"tensor<1x{hidden}x{vocab}xf32>) -> tensor<1x{hidden}x{vocab}xf32>")
-    assert "output_operand_aliases" in dkernel_call
+        expected = {"linear_fwd": 2, "cross_entropy_with_grad": 2}
+    assert calls == {**expected, "linear_dx": 2, "linear_dkernel": 2}
+    # dkernel is summed over the chunks by the GEMM itself: the first chunk's is a float32
+    # result, to which each later chunk's GEMM adds its own in the float32 carry it aliases; no
+    # (H, V) zeros are made and no (H, V) add runs per chunk, and one cast gives the gradient its
+    # dtype at the end
+    first, running = [line for line in hlo.splitlines() if "@cutelayers_linear_dkernel" in line]
+    out = f"tensor<1x{hidden}x{vocab}xf32>"
+    assert first.endswith(f"xbf16>) -> {out}") and "output_operand_aliases" not in first
+    assert running.endswith(f"{out}) -> {out}") and "output_operand_aliases" in running
+    # the only scalar spread over (H, V) is a total's gradient scale (there are no zeros)
+    scalar_fills = re.findall(rf"broadcast_in_dim %\w+, dims = \[\] : \(tensor<f32>\) -> tensor<(1x)?{hidden}x{vocab}xf32>",
+                              hlo)
+    assert len(scalar_fills) == (reduction != "none")
     # a chunk's dz is written over its logits (they die there)
     dz_kernel = "cross_entropy_bwd" if reduction == "none" else "cross_entropy_with_grad"
-    (dz_call,) = [line for line in hlo.splitlines() if f"@cutelayers_{dz_kernel}" in line]
-    assert "output_operand_aliases" in dz_call
+    dz_calls = [line for line in hlo.splitlines() if f"@cutelayers_{dz_kernel}" in line]
+    assert len(dz_calls) == 2 and all("output_operand_aliases" in line for line in dz_calls)
     assert not re.findall(rf"stablehlo\.add .*tensor<(1x)?{hidden}x{vocab}x", hlo)
     assert len(re.findall(rf"stablehlo\.convert .*tensor<{hidden}x{vocab}xf32>\) ->", hlo)) == 1
     # without differentiation: the forward GEMM and cross-entropy pass only

@@ -179,10 +179,11 @@ class GemmFamily(TunableFamily):
 
     def tuning_key(self, avals):
         """dtype, and the GEMM's static sizes with the bucket of a symbolic M (and whether it
-        accumulates / runs stream-K: another kernel, tuned on its own)."""
+        accumulates / runs stream-K / stores float32: another kernel, tuned on its own)."""
         m, n, k = self.gemm_shape(avals)
         dims = (("m", m), ("n", n)) if self.contracts_rows else (("m", row_bucket(m)), ("k", k), ("n", n))
         dims += (("accumulate", True),) * self.accumulate + (("stream_k", True),) * self.stream_k
+        dims += (("f32_out", True),) * self.f32_out
         return jnp.dtype(avals[0].dtype).name, dims
 
     def config_from_fields(self, fields: dict):
@@ -231,6 +232,7 @@ class GemmFamily(TunableFamily):
     accumulate = False  # result added into a float32 operand (LinearWeightGrad; LinearInputGrad's stream-K)
     stream_k = False  # stream-K schedule (LinearWeightGrad, LinearInputGrad)
     operand_sums = None  # "a" / "b": that operand's sums over the contraction too (a bias gradient)
+    f32_out = False  # a float32 result of 16-bit operands without accumulating (LinearWeightGrad)
 
     def launcher(self, avals, out_avals):
         from cutelayers.kernels.gemm import HopperGemmKernel
@@ -406,7 +408,8 @@ class LinearWeightGrad(GemmFamily):
     With ``accumulate``: a float32 (L, K, N) accumulator operand too, which the product is added
     into by the TMA unit (the result, float32, is that buffer). ``stream_k`` -- for a (K, N) output
     with too few tiles to fill the GPU -- sums its partial tiles that way, into zeros; the LM head
-    adds each token chunk's dkernel into its running sum.
+    adds each token chunk's dkernel into its running sum, which its first chunk starts as a
+    float32 result (``f32_out``: dkernel in float32, not x's dtype).
 
     ``operand_sums`` "a" / "b": also x's (L, K) or dz's (L, N) sums over the rows, float32 -- a
     bias gradient, summed by the kernel from the tiles it loads anyway (no pass over dz of its
@@ -417,6 +420,7 @@ class LinearWeightGrad(GemmFamily):
     accumulate: bool = False
     stream_k: bool = False
     operand_sums: str | None = None
+    f32_out: bool = False
     contracts_rows = True
 
     name = "linear_dkernel"
@@ -478,7 +482,7 @@ class LinearWeightGrad(GemmFamily):
 
     def out_avals(self, avals):
         x, dz = avals[:2]
-        dtype = jnp.float32 if self.accumulate else x.dtype
+        dtype = jnp.float32 if self.accumulate or self.f32_out else x.dtype
         dkernel = jax.ShapeDtypeStruct((x.shape[0], x.shape[2], dz.shape[2]), dtype)
         if not self.with_sums:
             return (dkernel,)
@@ -488,7 +492,7 @@ class LinearWeightGrad(GemmFamily):
         if self.accumulate:
             dkernel = rest[-1] + _weight_grad_einsum(x, dz, dtype=jnp.float32)
         else:
-            dkernel = _weight_grad_einsum(x, dz)
+            dkernel = _weight_grad_einsum(x, dz, dtype=jnp.float32 if self.f32_out else None)
         if not self.with_sums:
             return (dkernel,)
         summed = x if self.operand_sums == "a" else dz
@@ -605,17 +609,19 @@ def _row_zeros(rows, k):
                      out_sharding=NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[:2], None)))
 
 
-def _weight_grad_batched(x, dz, accumulator, use_kernels, precision, sums=None):
-    """dkernel (L, K, N) from x (L, ..., K), dz (L, ..., N): one launch, L the kernel's batch.
+def _weight_grad_batched(x, dz, accumulator, use_kernels, precision, sums=None, f32_out=False):
+    """dkernel (L, K, N) from x (L, ..., K), dz (L, ..., N): one launch, L the kernel's batch, in
+    x's dtype (float32 with ``f32_out``).
     With a float32 (L, K, N) ``accumulator`` (else None): ``accumulator + dkernel`` in float32,
     the kernel adding into it as it stores (no pass of its own). With ``sums`` "a" / "b": the pair
     (dkernel, the float32 sums of x (L, K) / dz (L, N) over the rows), summed by the same kernel."""
     x = x.reshape(x.shape[0], -1, x.shape[-1])
     dz = dz.reshape(dz.shape[0], -1, dz.shape[-1])
     summed = x if sums == "a" else dz
+    out_dtype = jnp.float32 if f32_out else x.dtype
     if not use_kernels or x.shape[1] == 0:
         if accumulator is None:
-            dw = _weight_grad_einsum(x, dz, precision)
+            dw = _weight_grad_einsum(x, dz, precision, dtype=out_dtype)
         else:
             dw = accumulator + _weight_grad_einsum(x, dz, precision, dtype=jnp.float32)
         return dw if sums is None else (dw, jnp.sum(summed.astype(jnp.float32), axis=1))
@@ -625,12 +631,12 @@ def _weight_grad_batched(x, dz, accumulator, use_kernels, precision, sums=None):
     stream_k = stream_k_pays(k, n, rows, batch)
     if not stream_k and accumulator is None:
         operands = (x, dz, *sums_in)
-        out = kernel_call(resolve(LinearWeightGrad(operand_sums=sums), operands), *operands)
+        out = kernel_call(resolve(LinearWeightGrad(operand_sums=sums, f32_out=f32_out), operands), *operands)
         return out[0] if sums is None else tuple(out)
     operands = (x, dz, *sums_in, jnp.zeros((batch, k, n), jnp.float32) if accumulator is None else accumulator)
     out = kernel_call(resolve(LinearWeightGrad(accumulate=True, stream_k=stream_k, operand_sums=sums), operands),
                       *operands)
-    dw = out[0] if accumulator is not None else out[0].astype(x.dtype)
+    dw = out[0] if accumulator is not None else out[0].astype(out_dtype)
     return dw if sums is None else (dw, out[1])
 
 
@@ -650,17 +656,17 @@ def input_grad_fn(use_kernels: bool, precision=None, grad_of: str = "none", kern
 
 
 @functools.cache
-def weight_grad_fn(use_kernels: bool, precision=None, sums: str | None = None):
+def weight_grad_fn(use_kernels: bool, precision=None, sums: str | None = None, f32_out: bool = False):
     """``weight_grad(x, dz [, accumulator])``: dkernel (L, K, N) of batch-leading (L, ..., K) x and
-    (L, ..., N) dz in x's dtype, or ``accumulator + dkernel`` for a float32 (L, K, N)
-    accumulator; vmappable: a vmap adds its batch to L (the kernel's batch mode), so per-example
-    dkernel is still one launch. Shared with :mod:`cutelayers.ops.lm_head`.
+    (L, ..., N) dz in x's dtype (float32 with ``f32_out``), or ``accumulator + dkernel`` for a
+    float32 (L, K, N) accumulator; vmappable: a vmap adds its batch to L (the kernel's batch
+    mode), so per-example dkernel is still one launch. Shared with :mod:`cutelayers.ops.lm_head`.
 
     ``sums`` "a" / "b": the pair (dkernel, float32 sums of x (L, K) / dz (L, N) over the rows) --
     a bias gradient from the same kernel (see :class:`LinearWeightGrad`)."""
 
     def weight_grad(x, dz, *accumulator):
-        return _weight_grad_batched(x, dz, *accumulator or (None,), use_kernels, precision, sums)
+        return _weight_grad_batched(x, dz, *accumulator or (None,), use_kernels, precision, sums, f32_out)
 
     def batched(*operands):
         # Each example's dkernel sums over its own rows: the batch joins L, not the rows.

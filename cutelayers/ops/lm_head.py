@@ -127,7 +127,7 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
     # a chunk's logits die in the cross-entropy gradient kernels: dz takes their buffer
     ce_forward, ce_backward, ce_with_grad = cross_entropy_kernels(ignore_index, *options, in_place=True)
     plain_gemm, input_grad = forward_fn("none", False, use_kernels), input_grad_fn(use_kernels)
-    weight_grad = weight_grad_fn(use_kernels)
+    weight_grad = weight_grad_fn(use_kernels, f32_out=True)
     # A (V, H) kernel (a tied embedding table) swaps the roles of the forward and dx GEMMs and
     # of dkernel's operands; every GEMM reads the table as stored.
 
@@ -140,23 +140,32 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
         return plain_gemm(dz, kernel, None, None)[0] if vocab_major else input_grad(dz, kernel)
 
     def add_kernel_grad(dkernel, h_c, dz):
-        """dkernel + the chunk's gradient, added by the GEMM as it stores (float32)."""
+        """dkernel + the chunk's gradient in float32, added by the GEMM as it stores; the chunk's
+        gradient alone for ``dkernel`` None (the first chunk: no zeros to add into)."""
         operands = (dz, h_c) if vocab_major else (h_c, dz)
-        return weight_grad(*(a[None] for a in operands), dkernel[None])[0]
+        running = () if dkernel is None else (dkernel[None],)
+        return weight_grad(*(a[None] for a in operands), *running)[0]
 
-    def zero_grads(h, kernel, bias):
-        return (_zeros_of_type(h), _zeros_of_type(kernel, F32),
-                None if bias is None else _zeros_of_type(bias, F32))
-
-    def add_chunk_grads(grads, h, kernel, c, dz):
-        """Adds chunk ``c``'s gradients, given its logits' gradient ``dz``, to (dh, dkernel, dbias)."""
-        dh, dkernel, dbias = grads
+    def add_chunk_grads(grads, h, kernel, bias, c, dz):
+        """Adds chunk ``c``'s gradients, given its logits' gradient ``dz``, to (dh, dkernel, dbias):
+        for ``grads`` None (the first chunk) they start them."""
+        dh, dkernel, dbias = grads or (_zeros_of_type(h), None, None)
         # dh_c written in place into its column: stacking (C, R, H) would need a transpose
         dh = jax.lax.dynamic_update_index_in_dim(dh, chunk_input_grad(dz, kernel), c, axis=1)
         dkernel = add_kernel_grad(dkernel, _chunk(h, c), dz)
-        if dbias is not None:
-            dbias = dbias + jnp.sum(dz.astype(F32), axis=0)
+        if bias is not None:
+            chunk_dbias = jnp.sum(dz.astype(F32), axis=0)
+            dbias = chunk_dbias if dbias is None else dbias + chunk_dbias
         return dh, dkernel, dbias
+
+    def scan_chunks(step, xs):
+        """``jax.lax.scan(step, ...)`` over the chunks, whose gradients ``step`` adds up: the
+        first runs before the loop with a None carry, so its gradients start the sums (no zeros
+        to add into, no pass over the (H, V) float32 dkernel to make them)."""
+        first = jax.tree.map(lambda a: a[0], xs)
+        carry, y = step(None, first)
+        carry, ys = jax.lax.scan(step, carry, jax.tree.map(lambda a: a[1:], xs))
+        return carry, jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), y, ys)
 
     def cotangents(grads, kernel, bias, scale=None):
         """(dh, dlabels, dkernel, dbias) in the primals' dtypes, times ``scale`` (in float32)."""
@@ -190,9 +199,9 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
         def step(grads, chunk):
             c, lse_c = chunk
             dz = ce_backward(chunk_logits(h, kernel, bias, c), _chunk(labels, c), lse_c, _chunk(dloss, c))
-            return add_chunk_grads(grads, h, kernel, c, dz), None
+            return add_chunk_grads(grads, h, kernel, bias, c, dz), ()
 
-        grads, _ = jax.lax.scan(step, zero_grads(h, kernel, bias), (jnp.arange(h.shape[1]), lse))
+        grads, _ = scan_chunks(step, (jnp.arange(h.shape[1]), lse))
         return cotangents(grads, kernel, bias)
 
     losses.defvjp(losses_fwd, losses_bwd)
@@ -204,16 +213,15 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
 
     def total_fwd(h, labels, kernel, bias, weights):
         def step(carry, c):
-            grads, total = carry
+            grads, total = carry or (None, None)
             w_c = _chunk(weights, c)
             # lse, loss and dz in one pass over the chunk's logits: the weights are the dloss
             lse_c, loss_c, dz = ce_with_grad(chunk_logits(h, kernel, bias, c), _chunk(labels, c), w_c)
-            grads = add_chunk_grads(grads, h, kernel, c, dz)
-            return (grads, total + jnp.sum(loss_c * w_c)), lse_c
+            grads = add_chunk_grads(grads, h, kernel, bias, c, dz)
+            chunk_total = jnp.sum(loss_c * w_c)  # varies as the weights do inside shard_map
+            return (grads, chunk_total if total is None else total + chunk_total), lse_c
 
-        # the total varies as the weights do inside shard_map (a scan's carry keeps its type)
-        init = (zero_grads(h, kernel, bias), _zeros_of_type(weights[0, 0]))
-        (grads, total), lse = jax.lax.scan(step, init, jnp.arange(h.shape[1]))
+        (grads, total), lse = scan_chunks(step, jnp.arange(h.shape[1]))
         return (total, lse), (grads, kernel, bias)
 
     def total_bwd(res, cotangents_out):
