@@ -102,6 +102,8 @@ CASES = [
          (True, False, False), (0, 1, 2)),
     Case("rms_norm", cl.ops.rms_norm,
          lambda r, d: (_x(r, d, 64), random(r, (64,), d)), (True, False), (0, 1)),
+    # no parameters: the backward returns dx alone (no partial sums to add across devices)
+    Case("rms_norm_no_scale", cl.ops.rms_norm, lambda r, d: (_x(r, d, 64),), (True,), (0,)),
     # both results side by side: gradients flow through normed and summed
     Case("add_layer_norm", lambda *a: jnp.concatenate(cl.ops.add_layer_norm(*a), axis=-1),
          lambda r, d: (_x(r, d, 64), _x(r, d, 64), random(r, (64,), d), random(r, (64,), d)),

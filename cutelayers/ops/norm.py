@@ -168,7 +168,7 @@ class NormBackward(RowKernelFamily):
 
     def per_shard(self, ctx, x, *rest):
         dx, *partials = run_kernel(self, x, *rest)
-        if not ctx.sharded("rows"):
+        if not (partials and ctx.sharded("rows")):  # dx alone is per row: nothing to sum
             return (dx, *partials)
         # Each device sums its P partial rows first, so the psum moves W x N floats, not P x W x N.
         (partial,) = partials
