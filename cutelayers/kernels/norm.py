@@ -231,6 +231,7 @@ class NormBackwardKernel:
             raise ValueError("dscale/dbias partials need a register-resident row")
         self.config, self.center, self.has_residual, self.has_scale = config, center, has_residual, has_scale
         self.want_dscale, self.want_dbias = want_dscale, want_dbias
+        self.wanted = want_dscale + want_dbias  # W: partial sums a CTA writes side by side
         self.persistent = want_dscale or want_dbias
         self.grid = grid  # CTAs of the persistent grid (norm_config.backward_grid)
 
@@ -270,9 +271,8 @@ class NormBackwardKernel:
         """Partial sum ``index`` (0: the first wanted of dscale, dbias) of ``partials`` as a (grid,
         N) tensor: one row per CTA (:meth:`store_partial`), the W sums of a CTA side by side."""
         n = self.config.n
-        wanted = self.want_dscale + self.want_dbias
         return cute.make_tensor(partials.iterator + index * n,
-                                cute.make_layout((self.grid, n), stride=(wanted * n, 1)))
+                                cute.make_layout((self.grid, n), stride=(self.wanted * n, 1)))
 
     def staged(self, *rows) -> bool:
         """Whether the persistent loop prefetches its next row group's ``rows`` operands (x, dy,
@@ -287,7 +287,7 @@ class NormBackwardKernel:
         slots = self.config.row.rows_per_cta
         if not self.persistent or slots == 1:
             return 0
-        return (self.want_dscale + self.want_dbias) * (slots * self.config.n * 4 + 16)
+        return self.wanted * (slots * self.config.n * 4 + 16)
 
     def ring_bytes(self, *rows) -> int:
         """Shared memory of the two-stage prefetch ring (0 when not :meth:`staged`)."""
