@@ -403,7 +403,7 @@ class HopperGemmKernel:
         )
         a_smem = sm90.make_smem_layout_a(a_layout, self.tile_mnk, a.element_type, self.stages)
         b_smem = sm90.make_smem_layout_b(b_layout, self.tile_mnk, b.element_type, self.stages)
-        epi_tile = config.epi_tile()
+        epi_tile = config.epi_tile(c.element_type.width // 8)
         groups = config.epilogue_groups
         epi_smem = sm90.make_smem_layout_epi(c.element_type, c_layout, epi_tile, EPI_STAGES * groups)
         source_smem = sm90.make_smem_layout_epi(c.element_type, c_layout, epi_tile, SOURCE_STAGES * groups)

@@ -17,6 +17,11 @@ SMEM_RESERVED = 2048  # mbarriers and the 1 KiB alignment of each buffer
 # on the GPT-2 step's GEMMs two 64-column buffers beat four of 32 columns (half the barriers per
 # tile, the same shared memory): fc1 with z 130.8 -> 126.4 us, dh 134.7 -> 128.8 (H200).
 EPI_STAGES = 2
+# Bytes of an output row per epilogue subtile: one 128-byte swizzle atom, so a float32 output (a
+# weight gradient: stream-K's partial tiles, the LM head's running sum) keeps the shared memory of
+# a 16-bit one and leaves the mainloop a stage more (GPT-2 stream-K weight gradients, 16384 rows,
+# 64 -> 32 float32 columns: 87.9 / 111.2 / 110.3 / 35.8 -> 84.2 / 108.9 / 109.0 / 34.8 us, H200).
+EPI_ROW_BYTES = 128
 SOURCE_STAGES = 2  # epilogue source tiles (residual / pre-activation) in flight
 # Which operand's sums over the contraction a GEMM also gives (a weight gradient's bias gradient):
 # none, A or B.
@@ -61,15 +66,15 @@ class GemmConfig:
         """Warpgroups sharing one tile's MMAs."""
         return 1 if self.pingpong else self.consumer_warpgroups
 
-    def epi_tile(self) -> tuple[int, int]:
-        """The epilogue's (rows, columns) per smem buffer: 64 rows per warpgroup sharing the tile
-        (their stmatrix stores go together), 64 columns (128 bytes of a 16-bit output row: one
-        swizzle atom wide)."""
-        return (64 * self.mma_warpgroups, 64)
+    def epi_tile(self, c_bytes: int) -> tuple[int, int]:
+        """The epilogue's (rows, columns) per smem buffer for an output of ``c_bytes`` per element:
+        64 rows per warpgroup sharing the tile (their stmatrix stores go together), 128 bytes of an
+        output row (one swizzle atom wide: 64 columns of a 16-bit output, 32 of a float32 one)."""
+        return (64 * self.mma_warpgroups, EPI_ROW_BYTES // c_bytes)
 
     def ring_bytes(self, c_bytes: int, source: bool) -> int:
         """Shared memory of the epilogue rings: stores, plus sources if the epilogue reads one."""
-        rows, cols = self.epi_tile()
+        rows, cols = self.epi_tile(c_bytes)
         buffers = EPI_STAGES + (SOURCE_STAGES if source else 0)
         return self.epilogue_groups * buffers * rows * cols * c_bytes
 
