@@ -335,6 +335,24 @@ def kernel_targets(hlo: str) -> list[str]:
             for line in hlo.splitlines() if "stablehlo.custom_call @cutelayers_" in line]
 
 
+def zeros_filled_after_an_operand(hlo: str, call: str) -> int:
+    """How many operands of the custom call ``call`` (a line of ``hlo``) are float32 fills of a
+    zero that passed an optimization barrier with another of its operands (``ops._zeros``): fills
+    XLA cannot schedule before that operand exists. Any other float32 fill fails the test."""
+    defs = {m.group(1): m.group(2) for m in re.finditer(r"^\s*(%[\w#]+)(?::\d+)? = (.*)$", hlo, re.M)}
+    operands = re.search(r"\(([^()]*)\)", call.split("custom_call", 1)[1]).group(1).split(", ")
+    count = 0
+    for operand in operands:
+        fill = re.match(r"stablehlo\.broadcast_in_dim (%\w+)#0, dims = \[\] : \(tensor<f32>\)", defs[operand])
+        if fill is None:
+            assert not re.match(r"stablehlo\.broadcast_in_dim .*: \(tensor<f32>\)", defs[operand]), defs[operand]
+            continue
+        barrier = re.match(r"stablehlo\.optimization_barrier %\w+, (%\w+) :", defs[fill.group(1)])
+        assert barrier and barrier.group(1) in operands, defs[fill.group(1)]
+        count += 1
+    return count
+
+
 def kernel_operand_counts(hlo: str, name: str) -> list[int]:
     """Operand counts of the custom calls of kernel ``name`` (e.g. "linear_dx"), in order: the
     hidden-gradient GEMM of an MLP is the linear_dx call with three (dz, kernel, pre-activation)."""
@@ -481,6 +499,7 @@ def test_lowering_bias_grad_comes_from_the_weight_grad_kernel(kernel_nk, fresh_c
         (call,) = [line for line in hlo.splitlines() if "@cutelayers_linear_dkernel" in line]
         assert call.count(f"tensor<1x{n}xf32>") == 2 and call.endswith(f"tensor<1x{n}xf32>)")  # zeros in, sums out
         assert "output_operand_aliases" in call
+        assert zeros_filled_after_an_operand(hlo, call) == (2 if m == 16384 else 1)  # + stream-K's
         assert not [line for line in hlo.splitlines() if "stablehlo.reduce" in line and f"{m}x" in line]
 
 

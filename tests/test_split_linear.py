@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from numerics import assert_close, random
-from test_linear import lower_cuda
+from test_linear import lower_cuda, zeros_filled_after_an_operand
 
 import cutelayers as cl
 from cutelayers.kernels.gemm import Planes
@@ -183,6 +183,8 @@ def test_lowering_has_three_kernels_and_no_activation_sized_slice_or_concatenati
     # dbias is the dkernel launch's (3, d) second result: no reduction over the rows in XLA
     assert re.search(rf"custom_call @cutelayers_split_linear_dkernel.*-> \(tensor<[^>]*>, tensor<3x{d}xf32>\)", hlo)
     assert not [line for line in hlo.splitlines() if "stablehlo.reduce" in line and f"{m}x" in line]
+    (dkernel_call,) = [line for line in hlo.splitlines() if "@cutelayers_split_linear_dkernel" in line]
+    assert zeros_filled_after_an_operand(hlo, dkernel_call) == 2  # the sums' and stream-K's
 
 
 # --- sharded (four fake CPU devices): data- and row-parallel run the families' rules per device ------

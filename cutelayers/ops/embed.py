@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import check_float_array
+from cutelayers.ops._zeros import zeros_after
 from cutelayers.runtime.sharding import vary_like
 
 F32 = jnp.float32
@@ -90,7 +91,7 @@ def table_grad(dy: jax.Array, ids: jax.Array, num_embeddings: int, block_tokens:
     if sums.shape[-1] != h:
         sums = sums[..., :h] + sums[..., h:2 * h] + sums[..., 2 * h:]
     targets = jnp.where(first, ids, num_embeddings).reshape(-1)
-    return jnp.zeros((num_embeddings, h), F32).at[targets].add(sums.reshape(-1, h), mode="drop")
+    return zeros_after(sums, (num_embeddings, h)).at[targets].add(sums.reshape(-1, h), mode="drop")
 
 
 def _rows_sharding(ids):

@@ -54,6 +54,7 @@ from cutelayers.kernels.gemm_config import (
 )
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import check_float_array
+from cutelayers.ops._zeros import zeros_after
 from cutelayers.runtime.family import ShardingRule, TunableFamily
 from cutelayers.runtime.sharding import kernel_call, run_kernel, sum_partials, vary_like
 from cutelayers.tuning import resolve
@@ -604,9 +605,9 @@ def _row_zeros(rows, k):
     """float32 zeros (1, M, k) for rows (1, M, N), sharded like them over ``Explicit`` mesh axes."""
     sharding = jax.typeof(rows).sharding
     if all(axis is None for axis in sharding.spec):
-        return jnp.zeros((1, rows.shape[1], k), jnp.float32)
-    return jnp.zeros((1, rows.shape[1], k), jnp.float32,
-                     out_sharding=NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[:2], None)))
+        return zeros_after(rows, (1, rows.shape[1], k))
+    return zeros_after(rows, (1, rows.shape[1], k),
+                       out_sharding=NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[:2], None)))
 
 
 def _weight_grad_batched(x, dz, accumulator, use_kernels, precision, sums=None, f32_out=False):
@@ -626,14 +627,14 @@ def _weight_grad_batched(x, dz, accumulator, use_kernels, precision, sums=None, 
             dw = accumulator + _weight_grad_einsum(x, dz, precision, dtype=jnp.float32)
         return dw if sums is None else (dw, jnp.sum(summed.astype(jnp.float32), axis=1))
     (batch, rows, k), n = x.shape, dz.shape[-1]
-    sums_in = () if sums is None else (jnp.zeros((batch, summed.shape[-1]), jnp.float32),)
+    sums_in = () if sums is None else (zeros_after(summed, (batch, summed.shape[-1])),)
     # Too few output tiles to fill the GPU: stream-K, its partial tiles added into zeros.
     stream_k = stream_k_pays(k, n, rows, batch)
     if not stream_k and accumulator is None:
         operands = (x, dz, *sums_in)
         out = kernel_call(resolve(LinearWeightGrad(operand_sums=sums, f32_out=f32_out), operands), *operands)
         return out[0] if sums is None else tuple(out)
-    operands = (x, dz, *sums_in, jnp.zeros((batch, k, n), jnp.float32) if accumulator is None else accumulator)
+    operands = (x, dz, *sums_in, zeros_after(dz, (batch, k, n)) if accumulator is None else accumulator)
     out = kernel_call(resolve(LinearWeightGrad(accumulate=True, stream_k=stream_k, operand_sums=sums), operands),
                       *operands)
     dw = out[0] if accumulator is not None else out[0].astype(out_dtype)

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from cutelayers import backend as _backend
 from cutelayers.kernels.gemm_config import stream_k_pays
 from cutelayers.ops._batching import fold_batch
+from cutelayers.ops._zeros import zeros_after
 from cutelayers.ops.linear import (
     _ROWS,
     _TRANSPOSED,
@@ -350,9 +351,9 @@ def _weight_grad_rows(x, dys, kernel_shape, bias_dtype, parts, use_kernels, prec
     with_sums = bias_dtype is not None
     operands = (*dy_rows, rows) if kernel_nk else (rows, *dy_rows)
     if with_sums:
-        operands += (jnp.zeros((parts, d), jnp.float32),)
+        operands += (zeros_after(dy_rows[0], (parts, d)),)
     if stream_k:
-        operands += (jnp.zeros((parts, d, k) if kernel_nk else (k, parts, d), jnp.float32),)
+        operands += (zeros_after(dy_rows[0], (parts, d, k) if kernel_nk else (k, parts, d)),)
     family = resolve(SplitWeightGrad(parts, kernel_nk=kernel_nk, stream_k=stream_k, with_sums=with_sums), operands)
     dkernel, *sums = kernel_call(family, *operands)
     dbias = sums[0].reshape(-1).astype(bias_dtype) if with_sums else None
