@@ -604,10 +604,9 @@ def _input_grad_rows(dz, kernel, preact, grad_of, use_kernels, precision, kernel
 def _row_zeros(rows, k):
     """float32 zeros (1, M, k) for rows (1, M, N), sharded like them over ``Explicit`` mesh axes."""
     sharding = jax.typeof(rows).sharding
-    if all(axis is None for axis in sharding.spec):
-        return zeros_after(rows, (1, rows.shape[1], k))
-    return zeros_after(rows, (1, rows.shape[1], k),
-                       out_sharding=NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[:2], None)))
+    explicit = None if all(axis is None for axis in sharding.spec) else NamedSharding(
+        sharding.mesh, PartitionSpec(*sharding.spec[:2], None))
+    return zeros_after(rows, (1, rows.shape[1], k), out_sharding=explicit)
 
 
 def _weight_grad_batched(x, dz, accumulator, use_kernels, precision, sums=None, f32_out=False):
