@@ -339,7 +339,7 @@ def zeros_filled_after_an_operand(hlo: str, call: str) -> int:
     """How many operands of the custom call ``call`` (a line of ``hlo``) are float32 fills of a
     zero that passed an optimization barrier with another of its operands (``ops._zeros``): fills
     XLA cannot schedule before that operand exists. Any other float32 fill fails the test."""
-    defs = {m.group(1): m.group(2) for m in re.finditer(r"^\s*(%[\w#]+)(?::\d+)? = (.*)$", hlo, re.M)}
+    defs = {m.group(1): m.group(2) for m in re.finditer(r"^\s*(%[\w#]+)(?::\d+)? = (.*)$", hlo, re.MULTILINE)}
     operands = re.search(r"\(([^()]*)\)", call.split("custom_call", 1)[1]).group(1).split(", ")
     count = 0
     for operand in operands:
