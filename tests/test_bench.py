@@ -32,3 +32,25 @@ def test_help_lists_every_family():
 def test_gpu_families_need_a_gpu(argv, capsys):
     assert main(argv) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_time_fn_rotates_small_operands_over_copies(monkeypatch):
+    """Operands under ROTATION_BYTES are timed over copies (a call does not find the last call's
+    operands in L2), non-array arguments passed as they are; larger ones are not copied."""
+    import jax.numpy as jnp
+
+    from cutelayers.bench import timing
+
+    monkeypatch.setattr(timing, "ROTATION_BYTES", 4096 * 4)
+    for size, sets in ((1000, 5), (4096, 1), (16, timing.MAX_ROTATION)):
+        x = jnp.arange(size, dtype=jnp.float32)
+        buffers, scales = set(), set()
+
+        def fn(a, scale):
+            buffers.add(a.unsafe_buffer_pointer())
+            scales.add(scale)
+            assert (a == x).all()
+            return a
+
+        assert timing.time_fn(fn, x, 3, iters=2 * sets, repeats=1) > 0
+        assert len(buffers) == sets and scales == {3}

@@ -37,20 +37,42 @@ def kernel_totals(kernels: list[tuple[str, float]]) -> dict[str, tuple[int, floa
     return dict(totals)
 
 
+# Operands of fewer bytes are timed in rotation over copies that add up to more, so that a call
+# reads them from device memory, not from what the previous call left in L2 (50 MB on an H100,
+# 60 on an H200; the decode GEMM's weight is 32 MiB, a GPT-2 layer's activations 24-96 MiB).
+# MAX_ROTATION bounds the copies.
+ROTATION_BYTES = 256 * 2**20
+MAX_ROTATION = 8
+
+
+def operand_sets(args: tuple) -> list[tuple]:
+    """``args`` and copies of it, enough that together their arrays pass :data:`ROTATION_BYTES`
+    (at most :data:`MAX_ROTATION` sets; ``[args]`` alone where one set passes it)."""
+    def copy(leaf):
+        return jnp.copy(leaf) if isinstance(leaf, jax.Array) else leaf
+
+    nbytes = sum(leaf.nbytes for leaf in jax.tree.leaves(args) if isinstance(leaf, jax.Array))
+    count = min(MAX_ROTATION, -(-ROTATION_BYTES // max(nbytes, 1)))
+    return [args] + [jax.tree.map(copy, args) for _ in range(count - 1)]
+
+
 def time_fn(fn, *args, iters: int = 20, repeats: int = 7) -> float:
-    """Median seconds per call of a jitted ``fn``.
+    """Median seconds per call of a jitted ``fn``, its calls rotating over copies of small
+    operands (:func:`operand_sets`).
 
     On a GPU, device time: the summed durations of the kernels each of ``iters`` traced calls
     launched (the host's dispatch, ~50-100 us per call, would otherwise be what a call of a few
     tens of microseconds measures). Where no kernels are recorded (CPU), wall time: batches of
     asynchronous calls, synchronized per batch.
     """
-    jax.block_until_ready(fn(*args))  # compile + warm up
+    sets = operand_sets(args)
+    for operands in sets:  # compile + warm up
+        jax.block_until_ready(fn(*operands))
     jax.block_until_ready(fn(*args))
 
     def calls():
-        for _ in range(iters):
-            out = fn(*args)
+        for i in range(iters):
+            out = fn(*sets[i % len(sets)])
         jax.block_until_ready(out)
 
     kernels = traced_kernels(calls)
@@ -62,9 +84,7 @@ def time_fn(fn, *args, iters: int = 20, repeats: int = 7) -> float:
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
+        calls()
         samples.append((time.perf_counter() - start) / iters)
     return statistics.median(samples)
 
