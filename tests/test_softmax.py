@@ -1,14 +1,16 @@
 """softmax, log_softmax, logsumexp, softmax_cross_entropy: values and grads vs float64 references,
 ignore_index / label smoothing / z-loss, vmap/jit/grad compositions, errors; `gpu` runs kernels."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from numerics import assert_close, dtype_cover, random
 
 import cutelayers as cl
-from numerics import assert_close, dtype_cover, random
 
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
 
@@ -182,6 +184,65 @@ def test_cuda_lowering_compiles_every_kernel():
     names = set(cl.cache_info())
     assert {"softmax_fwd", "softmax_bwd", "log_softmax_fwd", "log_softmax_bwd", "logsumexp",
             "cross_entropy_fwd", "cross_entropy_bwd"} <= names
+
+
+# (N, dtype, staged row operands: 1 forward, 2 backward) -> CTAs a row is cut over (a cluster)
+SPLIT_ROWS = {
+    (4096, jnp.bfloat16, 1): 1,  # in registers
+    (32768, jnp.bfloat16, 1): 1,  # 64 KiB: one CTA stages it
+    (32768, jnp.bfloat16, 2): 2,  # y and dy: 128 KiB
+    (50304, jnp.bfloat16, 2): 4,  # 7 steps: the last CTA gets one
+    (131072, jnp.bfloat16, 1): 4,
+    (262144, jnp.bfloat16, 2): 8,  # 128 KiB a CTA, one CTA an SM
+    (262144, jnp.float32, 2): 1,  # 256 KiB a CTA even over 8: re-read from global memory
+}
+
+
+def test_long_rows_are_cut_over_a_cluster_whose_shares_stage():
+    from cutelayers.kernels.reduction_config import row_geometry
+    from cutelayers.kernels.softmax_config import (
+        BACKWARD_VALUES_PER_THREAD,
+        FORWARD_VALUES_PER_THREAD,
+        MAX_CLUSTER,
+        STAGED_ROW_BYTES,
+        STAGED_ROW_BYTES_ALONE,
+        share_bytes,
+        split_rows,
+        staged,
+    )
+
+    for (n, dtype, operands), cluster in SPLIT_ROWS.items():
+        itemsize = jnp.dtype(dtype).itemsize
+        values = FORWARD_VALUES_PER_THREAD if operands == 1 else BACKWARD_VALUES_PER_THREAD
+        g = split_rows(row_geometry(n, 8 * itemsize, values), itemsize, operands)
+        assert g.cluster == cluster, (n, dtype, operands)
+        assert g.cluster <= MAX_CLUSTER and (g.cluster - 1) * g.steps_per_cta < g.num_steps  # every CTA a step
+        if g.cluster > 1:
+            assert staged(g, itemsize, operands) and g.row.rows_per_cta == 1
+            limit = STAGED_ROW_BYTES if g.cluster < MAX_CLUSTER else STAGED_ROW_BYTES_ALONE
+            assert share_bytes(g, itemsize, operands) <= limit
+            # the CTAs' shares cover the row
+            assert g.cluster * g.steps_per_cta * g.tile_n >= n
+    g = row_geometry(131072, 16, FORWARD_VALUES_PER_THREAD)
+    with pytest.raises(ValueError, match="leaves a CTA none"):
+        dataclasses.replace(g, cluster=16)  # 8 steps
+
+
+@pytest.mark.cute
+def test_softmax_kernels_lower_with_rows_cut_over_clusters():
+    """Cut rows compile for sm_90a: an even cut (131072), an uneven one with scalar accesses
+    staged from registers (50257: 7 steps over 4 CTAs), both directions."""
+    from cutelayers.ops.softmax import SoftmaxBackward, SoftmaxForward
+    from cutelayers.tuning import resolve
+
+    for v, clusters in {131072: (4, 8), 50257: (1, 4)}.items():
+        x = jax.ShapeDtypeStruct((8, v), jnp.bfloat16)
+        forward, backward = resolve(SoftmaxForward(False), (x,)), resolve(SoftmaxBackward(False), (x, x))
+        assert (forward.geometry((x,)).cluster, backward.geometry((x, x)).cluster) == clusters
+        for op in (cl.ops.softmax, cl.ops.log_softmax):
+            f = jax.grad(lambda x, op=op: jnp.sum(op(x).astype(jnp.float32) ** 2))
+            hlo = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+            assert hlo.count("stablehlo.custom_call @cutelayers_") == 2
 
 
 # --- the fused cross-entropy forward + gradient (the LM head's) -----------------------------------

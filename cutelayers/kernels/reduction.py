@@ -255,12 +255,21 @@ def save_step(op: RowOperand, step, edge: cutlass.Constexpr = None):
         cute.copy(op.copy, op.frag, op.src[None, None, None, step])
 
 
+def row_share(tensor, geometry: RowGeometry, tile, rank):
+    """CTA ``rank``'s share of row tile ``tile`` of ``tensor`` (rows, n): ``rows_per_cta`` rows,
+    ``steps_per_cta`` steps from step ``rank * steps_per_cta`` (see ``RowGeometry.cluster``); its
+    row operands then count steps from 0. Works on a coordinate tensor too (global columns)."""
+    return cute.local_tile(tensor, (geometry.row.rows_per_cta, geometry.steps_per_cta * geometry.tile_n),
+                           (tile, rank))
+
+
 def shared_row_tensor(geometry: RowGeometry, dtype):
-    """Shared memory for the CTA's rows, (rows_per_cta, n) of ``dtype``: sized to the rows, not
-    to whole steps (a ragged last step's columns past n are never stored or loaded)."""
-    rows = geometry.row.rows_per_cta
+    """Shared memory for the CTA's share of its rows, (rows_per_cta, share_width) of ``dtype``:
+    sized to the row where one CTA covers it, not to whole steps (a ragged last step's columns
+    past n are never stored or loaded)."""
+    rows, width = geometry.row.rows_per_cta, geometry.share_width
     smem = cutlass.memory.SmemAllocator()
-    layout = cute.make_layout((rows, geometry.n), stride=(geometry.n, 1))
+    layout = cute.make_layout((rows, width), stride=(width, 1))
     return smem.allocate_tensor(dtype, layout, byte_alignment=16)
 
 
@@ -330,7 +339,61 @@ def prefetch_step(op: RowPrefetch, step, edge: cutlass.Constexpr = None):
 
 def shared_row_bytes(geometry: RowGeometry, elem_bytes: int) -> int:
     """Shared memory of :func:`shared_row_tensor` (plus its alignment)."""
-    return geometry.row.rows_per_cta * geometry.n * elem_bytes + 16
+    return geometry.row.rows_per_cta * geometry.share_width * elem_bytes + 16
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSlots:
+    """Shared memory for :func:`cluster_gather`: (cluster,) fp32 slots and the mbarrier that
+    counts the bytes the cluster's CTAs store into them."""
+
+    values: object
+    barrier: object
+
+
+def cluster_slots(geometry: RowGeometry):
+    """:class:`ClusterSlots` for a CTA of a cluster (None without one). Thread 0 initializes the
+    barrier, then the CTA arrives on the cluster barrier, which :func:`cluster_gather` waits on
+    before any CTA stores into another (the wait is left for later: the rows' loads come first)."""
+    if geometry.cluster == 1:
+        return None
+    smem = cutlass.memory.SmemAllocator()
+    barrier = smem.allocate_array(cutlass.Int64, 1)
+    values = smem.allocate_tensor(Float32, cute.make_layout(geometry.cluster), byte_alignment=4)
+    _join_cluster(barrier)
+    return ClusterSlots(values, barrier)
+
+
+@cute.jit
+def _join_cluster(barrier):
+    tidx, _, _ = cute.arch.thread_idx()
+    if tidx == 0:
+        cute.arch.mbarrier_init(barrier, 1)
+    cute.arch.mbarrier_init_fence()
+    cute.arch.cluster_arrive_relaxed()
+
+
+def cluster_slot_bytes(geometry: RowGeometry) -> int:
+    return 8 + 4 * geometry.cluster + 8 if geometry.cluster > 1 else 0  # barrier, slots, alignment
+
+
+@cute.jit
+def cluster_gather(val, slots: ClusterSlots, geometry: cutlass.Constexpr):
+    """Every CTA's ``val`` (one fp32 value per CTA, held by all its threads), gathered into the
+    ``slots.values`` of every CTA of the cluster: thread t of each CTA stores it into CTA t's slots
+    at the storing CTA's rank (``st.async``, counted by CTA t's barrier), then every thread waits
+    for the cluster's ``cluster`` values to land. Used once per kernel (the barrier's phase 0)."""
+    cute.arch.cluster_wait()  # every peer runs, its barrier initialized
+    tidx, _, _ = cute.arch.thread_idx()
+    if tidx == 0:
+        cute.arch.mbarrier_arrive_and_expect_tx(slots.barrier, 4 * geometry.cluster)
+    if tidx < geometry.cluster:
+        bits = cute.make_rmem_tensor(cute.make_layout(1), Float32)
+        bits[0] = val
+        rank = cute.arch.block_idx_in_cluster()
+        cute.arch.store_async_dsmem(slots.values.iterator + rank, cute.recast_tensor(bits, cutlass.Int32)[0],
+                                    slots.barrier, tidx)
+    cute.arch.mbarrier_wait(slots.barrier, 0)
 
 
 def shared_buffers(geometry: RowGeometry, count: int):

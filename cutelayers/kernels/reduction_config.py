@@ -96,11 +96,25 @@ def row_config_space(n: int, elem_bits: int) -> tuple[RowConfig, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class RowGeometry:
-    """A row config plus the step geometry for rows of ``n`` elements."""
+    """A row config plus the step geometry for rows of ``n`` elements.
+
+    ``cluster`` > 1 cuts each row over that many CTAs of a thread-block cluster (a kernel that
+    supports it: the softmax kernels' long rows): CTA ``r`` of a cluster walks steps
+    ``[r * steps_per_cta, (r + 1) * steps_per_cta)`` of its rows (the last CTA fewer where
+    ``cluster`` does not divide ``num_steps``; every CTA at least one), and the row's statistics
+    are combined through distributed shared memory.
+    """
 
     row: RowConfig
     n: int
     vec: int
+    cluster: int = 1
+
+    def __post_init__(self):
+        if (self.cluster - 1) * self.steps_per_cta >= self.num_steps:
+            raise ValueError(f"cluster {self.cluster} leaves a CTA none of the row's {self.num_steps} steps")
+        if self.cluster > 1 and self.row.rows_per_cta != 1:
+            raise ValueError("a row cut over a cluster needs one row per CTA")
 
     @property
     def tile_n(self) -> int:
@@ -109,6 +123,15 @@ class RowGeometry:
     @property
     def num_steps(self) -> int:
         return math.ceil(self.n / self.tile_n)
+
+    @property
+    def steps_per_cta(self) -> int:
+        return math.ceil(self.num_steps / self.cluster)
+
+    @property
+    def share_width(self) -> int:
+        """Columns of a row one CTA covers (the row's own width where one CTA covers it whole)."""
+        return min(self.n, self.steps_per_cta * self.tile_n)
 
     @property
     def resident(self) -> bool:

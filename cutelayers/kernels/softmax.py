@@ -24,6 +24,9 @@ from cutlass import Float32, Int32, const_expr
 
 from cutelayers.kernels.reduction import (
     can_prefetch,
+    cluster_gather,
+    cluster_slot_bytes,
+    cluster_slots,
     column_mask,
     load_step,
     nan_max,
@@ -31,6 +34,7 @@ from cutelayers.kernels.reduction import (
     row_allreduce,
     row_operand,
     row_prefetch,
+    row_share,
     row_sum,
     row_tiled_copy,
     save_step,
@@ -120,13 +124,82 @@ def cross_entropy_grad(kernel: cutlass.Constexpr, vals, mask, lse, scale):
     return d * scale
 
 
+@cute.jit
+def combined_lse(slots, geometry: cutlass.Constexpr):
+    """The logsumexp of a row from its CTAs' logsumexps (gathered by :func:`cluster_gather`)."""
+    top = -Float32.inf
+    for r in cutlass.range_constexpr(geometry.cluster):
+        top = nan_max(top, slots.values[r])
+    shift = finite_shift(top)
+    total = Float32(0.0)
+    for r in cutlass.range_constexpr(geometry.cluster):
+        total = total + exp(slots.values[r] - shift)
+    return shift + cute.math.log(total, fastmath=True)
+
+
 def _launch(kernel, geometry: RowGeometry, rows, stream, buffers: int, extra_smem: int = 0):
+    """One CTA per ``rows_per_cta`` rows -- ``cluster`` CTAs, a cluster, where rows are cut."""
+    extra = {"cluster": [geometry.cluster, 1, 1]} if geometry.cluster > 1 else {}
     kernel.launch(
-        grid=[cute.ceil_div(rows, geometry.row.rows_per_cta), 1, 1],
+        grid=[cute.ceil_div(rows, geometry.row.rows_per_cta) * geometry.cluster, 1, 1],
         block=[geometry.row.num_threads, 1, 1],
-        smem=shared_buffer_bytes(geometry, buffers) + extra_smem,
+        smem=shared_buffer_bytes(geometry, buffers) + cluster_slot_bytes(geometry) + extra_smem,
         stream=stream,
+        **extra,
     )
+
+
+@cute.jit
+def cta_position(geometry: cutlass.Constexpr):
+    """(row tile, rank in its cluster, steps of its share) of this CTA."""
+    bidx, _, _ = cute.arch.block_idx()
+    tile, rank, steps = bidx, 0, geometry.steps_per_cta
+    if const_expr(geometry.cluster > 1):
+        tile, rank = bidx // geometry.cluster, bidx % geometry.cluster
+        if const_expr(geometry.num_steps % geometry.cluster):
+            steps = min(geometry.steps_per_cta, geometry.num_steps - rank * geometry.steps_per_cta)
+    return tile, rank, steps
+
+
+def row_staging(geometry: RowGeometry, tensor, op, tile_coord, tidx, stage: bool):
+    """How a two-pass kernel holds ``op``'s row (of ``tensor``, tiled at ``tile_coord``) between
+    its passes: ``(source, stage, again, prefetch)`` -- where pass 1 loads it from, where pass 1
+    copies it to as it goes (None: nowhere), where pass 2 loads it from (None: it is still in
+    registers) and the cp.async prefetch of the whole share into shared memory (None: none).
+    ``stage``: keep a streamed row in shared memory (:func:`.softmax_config.staged`): prefetched
+    where cp.async can copy its accesses, else copied from registers by pass 1."""
+    source, copy_to, again, prefetch = op, None, None, None
+    if not geometry.resident:
+        again = op
+    if stage:
+        shared = shared_row_tensor(geometry, tensor.element_type)
+        again = shared_row_operand(shared, op, tidx)
+        if can_prefetch(geometry, tensor.element_type.width):
+            prefetch = row_prefetch(tensor, shared, op, tile_coord, tidx)
+            source = again
+        else:
+            copy_to = again
+    return source, copy_to, again, prefetch
+
+
+@cute.jit
+def issue_prefetch(prefetch, valid_row, steps, geometry: cutlass.Constexpr):
+    """Start copying the ``steps`` steps of the CTA's share (see :func:`row_staging`), as one
+    group."""
+    if const_expr(prefetch is not None):
+        if valid_row:
+            for step in cutlass.range(steps - 1, unroll=1):
+                prefetch_step(prefetch, step, False)
+            prefetch_step(prefetch, steps - 1, geometry.ragged)
+        cute.arch.cp_async_commit_group()
+
+
+def staged_smem(geometry: RowGeometry, operands) -> int:
+    """Shared memory of the staged rows of ``operands`` (their tensors) if the kernel stages."""
+    widest = max(t.element_type.width for t in operands) // 8
+    if not staged(geometry, widest, len(operands)):
+        return 0
+    return sum(shared_row_bytes(geometry, t.element_type.width // 8) for t in operands)
 
 
 @cute.jit
@@ -148,7 +221,12 @@ def label_mask(op, step, label):
 
 
 class SoftmaxForwardKernel:
-    """y = exp(x - lse) (softmax) or x - lse (log-softmax). Launcher ``(stream, x, y)``."""
+    """y = exp(x - lse) (softmax) or x - lse (log-softmax). Launcher ``(stream, x, y)``.
+
+    A row in registers is read once; a streamed row is staged in shared memory where its share
+    fits (:func:`.softmax_config.split_rows` cuts a long row over a cluster for that: each CTA
+    stages its share and the CTAs' logsumexps are combined through distributed shared memory),
+    else read again from global memory by the second pass."""
 
     def __init__(self, geometry: RowGeometry, *, log: bool):
         self.geometry = geometry
@@ -158,37 +236,50 @@ class SoftmaxForwardKernel:
     def __call__(self, stream, x: cute.Tensor, y: cute.Tensor):
         g = self.geometry
         kernel = self.kernel(x, y, row_tiled_copy(x.element_type, g), row_tiled_copy(y.element_type, g))
-        _launch(kernel, g, x.shape[0], stream, 2)
+        _launch(kernel, g, x.shape[0], stream, 2, staged_smem(g, (x,)))
 
     @cute.kernel
     def kernel(self, x, y, copy_x, copy_y):
         g = self.geometry
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
+        tile, rank, steps = cta_position(g)
         buffers = shared_buffers(g, 2)
-        coords = cute.make_identity_tensor(x.shape)
-        opx = row_operand(x, copy_x, coords, g, (bidx, None), tidx)
-        opy = row_operand(y, copy_y, coords, g, (bidx, None), tidx)
+        slots = cluster_slots(g)
+        coords = row_share(cute.make_identity_tensor(x.shape), g, tile, rank)
+        x_share = row_share(x, g, tile, rank)
+        opx = row_operand(x_share, copy_x, coords, g, (0, None), tidx)
+        opy = row_operand(row_share(y, g, tile, rank), copy_y, coords, g, (0, None), tidx)
         valid_row = opx.coords[0][0] < x.shape[0]
+        source, copy_to, again, prefetch = row_staging(g, x_share, opx, (0, None), tidx,
+                                                       staged(g, x.element_type.width // 8))
         opx.frag.fill(0.0)
+        issue_prefetch(prefetch, valid_row, steps, g)
+        if const_expr(prefetch is not None):
+            cute.arch.cp_async_wait_group(0)
         mx, c, s = -Float32.inf, Float32(0.0), Float32(0.0)
-        for step in cutlass.range(g.num_steps, unroll=1):
+        for step in cutlass.range(steps, unroll=1):
             if valid_row:
-                load_step(opx, step)
+                load_step(source, step)
+                if const_expr(copy_to is not None):
+                    save_step(copy_to, step)
             vals = masked(opx, step, opx.frag.load().to(Float32), -math.inf)
             mx, c, s = online_lse_step(vals, cute.size(opx.frag), mx, c, s)
         lse = row_lse(mx, c, s, g, buffers[0], buffers[1])
-        for step in cutlass.range(g.num_steps, unroll=1):
+        if const_expr(g.cluster > 1):
+            cluster_gather(lse, slots, g)
+            lse = combined_lse(slots, g)
+        for step in cutlass.range(steps, unroll=1):
             if valid_row:
-                if const_expr(not g.resident):
-                    load_step(opx, step)
+                if const_expr(again is not None):
+                    load_step(again, step)
                 vals = opx.frag.load().to(Float32)
                 store_step(opy, step, vals - lse if const_expr(self.log) else exp(vals - lse))
 
 
 class SoftmaxBackwardKernel:
-    """dx = y (dy - sum(dy y)) (softmax) or dy - exp(y) sum(dy) (log-softmax).
-    Launcher ``(stream, y, dy, dx)``."""
+    """dx = y (dy - sum(dy y)) (softmax) or dy - exp(y) sum(dy) (log-softmax). y and dy are held
+    between the passes as the forward holds x (a cluster's CTAs add their sums through
+    distributed shared memory). Launcher ``(stream, y, dy, dx)``."""
 
     def __init__(self, geometry: RowGeometry, *, log: bool):
         self.geometry = geometry
@@ -199,37 +290,55 @@ class SoftmaxBackwardKernel:
         g = self.geometry
         kernel = self.kernel(y, dy, dx, row_tiled_copy(y.element_type, g), row_tiled_copy(dy.element_type, g),
                              row_tiled_copy(dx.element_type, g))
-        _launch(kernel, g, y.shape[0], stream, 1)
+        _launch(kernel, g, y.shape[0], stream, 1, staged_smem(g, (y, dy)))
 
     @cute.kernel
     def kernel(self, y, dy, dx, copy_y, copy_dy, copy_dx):
         g = self.geometry
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
+        tile, rank, steps = cta_position(g)
         buffers = shared_buffers(g, 1)
-        coords = cute.make_identity_tensor(y.shape)
-        opy = row_operand(y, copy_y, coords, g, (bidx, None), tidx)
-        opg = row_operand(dy, copy_dy, coords, g, (bidx, None), tidx)
-        opd = row_operand(dx, copy_dx, coords, g, (bidx, None), tidx)
+        slots = cluster_slots(g)
+        coords = row_share(cute.make_identity_tensor(y.shape), g, tile, rank)
+        y_share, dy_share = row_share(y, g, tile, rank), row_share(dy, g, tile, rank)
+        opy = row_operand(y_share, copy_y, coords, g, (0, None), tidx)
+        opg = row_operand(dy_share, copy_dy, coords, g, (0, None), tidx)
+        opd = row_operand(row_share(dx, g, tile, rank), copy_dx, coords, g, (0, None), tidx)
         valid_row = opy.coords[0][0] < y.shape[0]
+        stage = staged(g, max(y.element_type.width, dy.element_type.width) // 8, 2)
+        source_y, copy_y_to, again_y, prefetch_y = row_staging(g, y_share, opy, (0, None), tidx, stage)
+        source_g, copy_g_to, again_g, prefetch_g = row_staging(g, dy_share, opg, (0, None), tidx, stage)
         opy.frag.fill(0.0)
         opg.frag.fill(0.0)
+        issue_prefetch(prefetch_y, valid_row, steps, g)
+        issue_prefetch(prefetch_g, valid_row, steps, g)
+        if const_expr(prefetch_y is not None or prefetch_g is not None):
+            cute.arch.cp_async_wait_group(0)
         acc = Float32(0.0)
-        for step in cutlass.range(g.num_steps, unroll=1):
+        for step in cutlass.range(steps, unroll=1):
             if valid_row:
-                load_step(opy, step)
-                load_step(opg, step)
+                load_step(source_y, step)
+                load_step(source_g, step)
+                if const_expr(copy_y_to is not None):
+                    save_step(copy_y_to, step)
+                if const_expr(copy_g_to is not None):
+                    save_step(copy_g_to, step)
             grad = opg.frag.load().to(Float32)
             if const_expr(self.log):
                 acc = acc + row_sum(grad)
             else:
                 acc = acc + row_sum(grad * opy.frag.load().to(Float32).reshape(grad.shape))
         dot = row_allreduce(acc, operator.add, Float32(0.0), g.row, buffers[0])
-        for step in cutlass.range(g.num_steps, unroll=1):
+        if const_expr(g.cluster > 1):
+            cluster_gather(dot, slots, g)
+            dot = Float32(0.0)
+            for r in cutlass.range_constexpr(g.cluster):
+                dot = dot + slots.values[r]
+        for step in cutlass.range(steps, unroll=1):
             if valid_row:
-                if const_expr(not g.resident):
-                    load_step(opy, step)
-                    load_step(opg, step)
+                if const_expr(again_y is not None):
+                    load_step(again_y, step)
+                    load_step(again_g, step)
                 grad = opg.frag.load().to(Float32)
                 out = opy.frag.load().to(Float32).reshape(grad.shape)
                 if const_expr(self.log):
@@ -391,10 +500,8 @@ class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
     @cute.jit
     def __call__(self, stream, x, labels, dloss, lse, loss):
         g = self.geometry
-        elem_bytes = x.element_type.width // 8
         kernel = self.kernel(x, labels, dloss, lse, loss, row_tiled_copy(x.element_type, g))
-        _launch(kernel, g, x.shape[0], stream, self.buffers,
-                shared_row_bytes(g, elem_bytes) if const_expr(staged(g, elem_bytes)) else 0)
+        _launch(kernel, g, x.shape[0], stream, self.buffers, staged_smem(g, (x,)))
 
     @cute.jit
     def grad_step(self, opx, source, step, edge: cutlass.Constexpr, label, lse, scale):
@@ -410,26 +517,11 @@ class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
         g = self.geometry
         n, a, tpr = g.n, self.smoothing, g.row.threads_per_row
         tidx, bidx, buffers, opx, row, valid_row = self.row_start(x, copy_x)
-        # where pass 1 reads the row from and stages it (None: nowhere), where pass 2 reads it
-        # from (None: registers)
-        source, stage, again, prefetch = opx, None, None, None
-        if const_expr(not g.resident):
-            again = opx
-        if const_expr(staged(g, x.element_type.width // 8)):
-            shared = shared_row_tensor(g, x.element_type)
-            again = shared_row_operand(shared, opx, tidx)
-            if const_expr(can_prefetch(g, x.element_type.width)):
-                prefetch = row_prefetch(x, shared, opx, (bidx, None), tidx)
-                source = again
-            else:
-                stage = again
+        source, stage, again, prefetch = row_staging(g, x, opx, (bidx, None), tidx,
+                                                     staged(g, x.element_type.width // 8))
         opx.frag.fill(0.0)
+        issue_prefetch(prefetch, valid_row, g.num_steps, g)
         if const_expr(prefetch is not None):
-            if valid_row:
-                for step in cutlass.range(g.num_steps - 1, unroll=1):
-                    prefetch_step(prefetch, step, False)
-                prefetch_step(prefetch, g.num_steps - 1, g.ragged)
-            cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
         mx, c, s, total = -Float32.inf, Float32(0.0), Float32(0.0), Float32(0.0)
         for step in cutlass.range(g.num_steps - 1, unroll=1):

@@ -49,13 +49,24 @@ F32 = jnp.float32
 # ``config``: the kernel's RowConfig, chosen by the op for its operands (see RowKernelFamily).
 
 
+class _SplitRowFamily(RowKernelFamily):
+    """A softmax kernel that stages a streamed row's ``staged_operands`` row operands in shared
+    memory, its long rows cut over a cluster of CTAs (:func:`.softmax_config.split_rows`)."""
+
+    staged_operands: int
+
+    def geometry(self, avals):
+        return softmax_config.split_rows(super().geometry(avals), self.elem_bits(avals) // 8, self.staged_operands)
+
+
 @dataclasses.dataclass(frozen=True)
-class SoftmaxForward(RowKernelFamily):
+class SoftmaxForward(_SplitRowFamily):
     """y = softmax(x) or log_softmax(x) per row; y in x's dtype."""
 
     log: bool
     config: RowConfig | None = None
     values_per_thread = softmax_config.FORWARD_VALUES_PER_THREAD
+    staged_operands = 1
     arg_names = ("x",)
 
     @property
@@ -79,12 +90,13 @@ class SoftmaxForward(RowKernelFamily):
 
 
 @dataclasses.dataclass(frozen=True)
-class SoftmaxBackward(RowKernelFamily):
+class SoftmaxBackward(_SplitRowFamily):
     """dx from (y, dy): see the module docstring."""
 
     log: bool
     config: RowConfig | None = None
     values_per_thread = softmax_config.BACKWARD_VALUES_PER_THREAD
+    staged_operands = 2
     arg_names = ("y", "dy")
 
     @property
