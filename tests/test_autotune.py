@@ -142,7 +142,10 @@ def families_and_avals():
         (NormForward(True, True, True, 1e-6, "bfloat16"), ln, row_geometry(1000, 32, norm_fwd).row),
         (NormBackward(True, True, True, True), ln_bwd, row_geometry(4096, 16, norm_bwd[16]).row),
         (NormBackward(False, True, False, False), rms_bwd, row_geometry(65536, 32, norm_bwd[32]).row),
-        (SoftmaxForward(False), (x,), row_geometry(32000, 16, soft_fwd).row),
+        # a streamed softmax forward row: the table's unroll over STREAMED_FORWARD_THREADS threads
+        (SoftmaxForward(False), (x,), dataclasses.replace(
+            row_geometry(32000, 16, soft_fwd).row, threads_per_row=softmax_config.STREAMED_FORWARD_THREADS,
+            num_threads=softmax_config.STREAMED_FORWARD_THREADS)),
         (SoftmaxBackward(True), (S((64, 32000), F32), x), row_geometry(32000, 32, soft_bwd).row),
         (CrossEntropyForward(True), (x, labels), row_geometry(32000, 16, soft_fwd).row),
         (CrossEntropyBackward(), (x, labels, per_row, per_row), row_geometry(32000, 16, soft_fwd).row),

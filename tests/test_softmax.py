@@ -193,8 +193,10 @@ SPLIT_ROWS = {
     (32768, jnp.bfloat16, 2): 2,  # y and dy: 128 KiB
     (50304, jnp.bfloat16, 2): 4,  # 7 steps: the last CTA gets one
     (131072, jnp.bfloat16, 1): 4,
-    (262144, jnp.bfloat16, 2): 8,  # 128 KiB a CTA, one CTA an SM
-    (262144, jnp.float32, 2): 1,  # 256 KiB a CTA even over 8: re-read from global memory
+    (262144, jnp.bfloat16, 2): 16,  # 64 KiB a CTA (128 over 8)
+    (262144, jnp.float32, 2): 16,  # 128 KiB a CTA, one CTA an SM
+    (1 << 20, jnp.bfloat16, 1): 16,  # 128 KiB a CTA, one CTA an SM
+    (1 << 20, jnp.bfloat16, 2): 1,  # 256 KiB a CTA even over 16: re-read from global memory
 }
 
 

@@ -22,8 +22,12 @@ STAGED_ROW_BYTES = 112 * 1024
 # Where even a full cluster's shares exceed that (a bf16 softmax backward's y and dy at 262144:
 # 128 KiB a CTA), one CTA per SM may stage up to this much.
 STAGED_ROW_BYTES_ALONE = 200 * 1024
-# CTAs a row may be cut over: the portable cluster size.
-MAX_CLUSTER = 8
+# CTAs a row may be cut over: Hopper's largest (non-portable) cluster, which CuTe DSL allows on
+# every kernel. A bf16 softmax backward at 262144 stages 64 KiB a CTA over 16 (128 KiB over 8).
+MAX_CLUSTER = 16
+# A streamed softmax forward row runs 256-thread CTAs: more CTAs per SM hide the cut rows'
+# exchanges (H200 autotune against 512: 50304 559 -> 528 us, 131072 540 -> 521, 262144 625 -> 552).
+STREAMED_FORWARD_THREADS = 256
 
 
 def share_bytes(geometry: RowGeometry, elem_bytes: int, operands: int = 1) -> int:
@@ -46,7 +50,7 @@ def split_rows(geometry: RowGeometry, elem_bytes: int, operands: int) -> RowGeom
     if geometry.resident or geometry.row.rows_per_cta != 1 or staged(geometry, elem_bytes, operands):
         return geometry
     steps = geometry.num_steps
-    splits = [c for c in (2, 4, 8) if c <= MAX_CLUSTER and (c - 1) * -(-steps // c) < steps]
+    splits = [c for c in (2, 4, 8, 16) if c <= MAX_CLUSTER and (c - 1) * -(-steps // c) < steps]
     for cluster in splits:
         cut = dataclasses.replace(geometry, cluster=cluster)
         if share_bytes(cut, elem_bytes, operands) <= STAGED_ROW_BYTES:
