@@ -201,17 +201,16 @@ SPLIT_ROWS = {
 
 
 def test_long_rows_are_cut_over_a_cluster_whose_shares_stage():
-    from cutelayers.kernels.reduction_config import row_geometry
-    from cutelayers.kernels.softmax_config import (
-        BACKWARD_VALUES_PER_THREAD,
-        FORWARD_VALUES_PER_THREAD,
+    from cutelayers.kernels.reduction_config import (
         MAX_CLUSTER,
         STAGED_ROW_BYTES,
         STAGED_ROW_BYTES_ALONE,
+        row_geometry,
         share_bytes,
         split_rows,
         staged,
     )
+    from cutelayers.kernels.softmax_config import BACKWARD_VALUES_PER_THREAD, FORWARD_VALUES_PER_THREAD
 
     for (n, dtype, operands), cluster in SPLIT_ROWS.items():
         itemsize = jnp.dtype(dtype).itemsize
@@ -330,8 +329,8 @@ def test_cross_entropy_with_grad_lowering():
     """The fused kernel compiles for sm_90a with each way of holding the row: one custom call,
     dlogits aliased to the logits, and two 512-thread CTAs' worth of shared memory for a staged
     row."""
-    from cutelayers.kernels.reduction_config import row_geometry
-    from cutelayers.kernels.softmax_config import STAGED_ROW_BYTES, WITH_GRAD_VALUES_PER_THREAD, staged
+    from cutelayers.kernels.reduction_config import STAGED_ROW_BYTES, row_geometry, staged
+    from cutelayers.kernels.softmax_config import WITH_GRAD_VALUES_PER_THREAD
     from cutelayers.ops.softmax import cross_entropy_kernels
 
     with_grad = cross_entropy_kernels(-100, 0.1, 1e-4, 0.0)[2]

@@ -45,21 +45,31 @@ from cutlass import Float32, const_expr, cute
 
 from cutelayers.kernels.reduction import (
     can_prefetch,
+    cluster_gather,
+    cluster_slot_bytes,
+    cluster_slots,
     column_mask,
+    cta_position,
+    issue_prefetch,
     load_step,
     prefetch_step,
     row_allreduce,
     row_operand,
     row_prefetch,
+    row_share,
+    row_staging,
     row_sum,
     row_tiled_copy,
+    save_step,
+    shared_buffer_bytes,
     shared_buffers,
     shared_row_bytes,
     shared_row_operand,
     shared_row_tensor,
+    staged_smem,
     store_step,
 )
-from cutelayers.kernels.reduction_config import RowGeometry
+from cutelayers.kernels.reduction_config import RowGeometry, staged
 
 
 def _broadcast_rows(vector, config: RowGeometry):
@@ -93,6 +103,7 @@ class NormForwardKernel:
         mean = rest.pop(0) if const_expr(self.center) else None
         rstd = rest.pop(0)
         config = self.config
+        extra = {"cluster": [config.cluster, 1, 1]} if const_expr(config.cluster > 1) else {}
         self.kernel(
             x, residual, scale, bias, y, summed, mean, rstd,
             row_tiled_copy(x.element_type, config),
@@ -102,11 +113,23 @@ class NormForwardKernel:
             row_tiled_copy(y.element_type, config),
             row_tiled_copy(summed.element_type, config) if const_expr(self.has_residual) else None,
         ).launch(
-            grid=[cute.ceil_div(x.shape[0], config.row.rows_per_cta), 1, 1],
+            grid=[cute.ceil_div(x.shape[0], config.row.rows_per_cta) * config.cluster, 1, 1],
             block=[config.row.num_threads, 1, 1],
-            smem=2 * config.row.rows_per_cta * config.row.warps_per_row * 4,
+            smem=shared_buffer_bytes(config, 2) + cluster_slot_bytes(config, self.cluster_values)
+            + staged_smem(config, (summed if const_expr(self.has_residual) else x,),
+                          self.row_bytes(x, scale, bias, y)),
             stream=stream,
+            **extra,
         )
+
+    @property
+    def cluster_values(self) -> int:
+        """Values each CTA of a cut row shares: the share's mean and M2 (LayerNorm), sum of squares."""
+        return 2 if self.center else 1
+
+    def row_bytes(self, *row_tensors) -> int:
+        """The widest row operand's element bytes: what the config's staging choice assumed."""
+        return max(t.element_type.width for t in row_tensors if t is not None) // 8
 
     @cute.kernel
     def kernel(self, x, residual, scale, bias, y, summed, mean, rstd,
@@ -114,27 +137,39 @@ class NormForwardKernel:
         config = self.config
         n = config.n
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
+        tile, rank, steps = cta_position(config)
         buffers = shared_buffers(config, 2)
-        coords = cute.make_identity_tensor(x.shape)
-        opx = row_operand(x, copy_x, coords, config, (bidx, None), tidx)
-        opr = row_operand(residual, copy_residual, coords, config, (bidx, None), tidx) if const_expr(self.has_residual) else None
-        ops_sum = row_operand(summed, copy_summed, coords, config, (bidx, None), tidx) if const_expr(self.has_residual) else None
-        opy = row_operand(y, copy_y, coords, config, (bidx, None), tidx)
-        pcoords = cute.make_identity_tensor((config.row.rows_per_cta, n))
-        ops = row_operand(_broadcast_rows(scale, config), copy_scale, pcoords, config, (0, None), tidx) if const_expr(self.has_scale) else None
-        opb = row_operand(_broadcast_rows(bias, config), copy_bias, pcoords, config, (0, None), tidx) if const_expr(self.has_bias) else None
+        slots = cluster_slots(config, self.cluster_values)
+        coords = row_share(cute.make_identity_tensor(x.shape), config, tile, rank)
+        x_share = row_share(x, config, tile, rank)
+        opx = row_operand(x_share, copy_x, coords, config, (0, None), tidx)
+        opr = row_operand(row_share(residual, config, tile, rank), copy_residual, coords, config, (0, None), tidx) if const_expr(self.has_residual) else None
+        ops_sum = row_operand(row_share(summed, config, tile, rank), copy_summed, coords, config, (0, None), tidx) if const_expr(self.has_residual) else None
+        opy = row_operand(row_share(y, config, tile, rank), copy_y, coords, config, (0, None), tidx)
+        pcoords = row_share(cute.make_identity_tensor((config.row.rows_per_cta, n)), config, 0, rank)
+        ops = row_operand(row_share(_broadcast_rows(scale, config), config, 0, rank), copy_scale, pcoords, config, (0, None), tidx) if const_expr(self.has_scale) else None
+        opb = row_operand(row_share(_broadcast_rows(bias, config), config, 0, rank), copy_bias, pcoords, config, (0, None), tidx) if const_expr(self.has_bias) else None
         # The row being normalized, a step at a time: x's fragment, or summed's (x + residual).
         src = ops_sum if const_expr(self.has_residual) else opx
         row = src.coords[0][0]
         valid_row = row < x.shape[0]
+        # A streamed row kept in shared memory for the normalize pass: x prefetched, or summed
+        # copied from registers as pass 1 computes it.
+        source, copy_to, again, prefetch = row_staging(
+            config, row_share(summed, config, tile, rank) if const_expr(self.has_residual) else x_share, src,
+            (0, None), tidx, staged(config, self.row_bytes(x, scale, bias, y)), prefetch=not self.has_residual)
+        if const_expr(self.has_residual):
+            source = opx  # pass 1 reads x (and the residual) from global memory; it stages summed
         src.frag.fill(0.0)
+        issue_prefetch(prefetch, valid_row, steps, config)
+        if const_expr(prefetch is not None):
+            cute.arch.cp_async_wait_group(0)
 
         # --- statistics ------------------------------------------------------------------------
         row_mean = Float32(0.0)
         if const_expr(config.resident):
             if valid_row:
-                self.load_row_step(opx, opr, ops_sum, 0)
+                self.load_row_step(source, opr, ops_sum, copy_to, 0)
             vals = src.frag.load().to(Float32)
             if const_expr(self.center):
                 row_mean = row_allreduce(row_sum(vals), operator.add, Float32(0.0), config.row, buffers[0]) / n
@@ -149,9 +184,9 @@ class NormForwardKernel:
             count = Float32(0.0)
             t_mean = Float32(0.0)
             t_m2 = Float32(0.0)
-            for step in cutlass.range(config.num_steps, unroll=1):
+            for step in cutlass.range(steps, unroll=1):
                 if valid_row:
-                    self.load_row_step(opx, opr, ops_sum, step)
+                    self.load_row_step(source, opr, ops_sum, copy_to, step)
                 vals = src.frag.load().to(Float32)
                 if const_expr(config.ragged):
                     mask = column_mask(src.coords[None, None, None, step], src.frag, n)
@@ -169,41 +204,81 @@ class NormForwardKernel:
                 t_mean = t_mean + delta * weight
                 t_m2 = t_m2 + s_m2 + delta * delta * count * weight
                 count = new_count
-            row_mean = row_allreduce(t_mean * count, operator.add, Float32(0.0), config.row, buffers[0]) / n
+            width = self.share_columns(rank)
+            row_mean = row_allreduce(t_mean * count, operator.add, Float32(0.0), config.row, buffers[0]) / width
             spread = t_mean - row_mean
-            var = row_allreduce(t_m2 + count * spread * spread, operator.add, Float32(0.0), config.row, buffers[1]) / n
+            m2 = row_allreduce(t_m2 + count * spread * spread, operator.add, Float32(0.0), config.row, buffers[1])
+            if const_expr(config.cluster > 1):
+                cluster_gather((row_mean, m2), slots, config)
+                row_mean, m2 = self.combined_moments(slots)
+            var = m2 / n
         else:
             sq = Float32(0.0)
-            for step in cutlass.range(config.num_steps, unroll=1):
+            for step in cutlass.range(steps, unroll=1):
                 if valid_row:
-                    self.load_row_step(opx, opr, ops_sum, step)
+                    self.load_row_step(source, opr, ops_sum, copy_to, step)
                 vals = src.frag.load().to(Float32)
                 sq = sq + row_sum(vals * vals)
-            var = row_allreduce(sq, operator.add, Float32(0.0), config.row, buffers[0]) / n
+            sq = row_allreduce(sq, operator.add, Float32(0.0), config.row, buffers[0])
+            if const_expr(config.cluster > 1):
+                cluster_gather((sq,), slots, config)
+                sq = Float32(0.0)
+                for r in cutlass.range_constexpr(config.cluster):
+                    sq = sq + slots.values[0, r]
+            var = sq / n
         row_rstd = cute.math.rsqrt(var + self.epsilon)
 
-        if valid_row and tidx % config.row.threads_per_row == 0:
+        if valid_row and tidx % config.row.threads_per_row == 0 and rank == 0:
             rstd[row, 0] = row_rstd
             if const_expr(self.center):
                 mean[row, 0] = row_mean
         # --- normalize -----------------------------------------------------------------------
-        for step in cutlass.range(config.num_steps, unroll=1):
+        for step in cutlass.range(steps, unroll=1):
             if valid_row:
-                self.normalize_step(src, ops, opb, opy, step, row_mean, row_rstd)
+                self.normalize_step(src, again, ops, opb, opy, step, row_mean, row_rstd)
 
     @cute.jit
-    def load_row_step(self, opx, opr, ops_sum, step):
-        """Load ``step`` of the row into its fragment: x's; with a residual, summed's -- x +
-        residual added in fp32, rounded to summed's dtype and stored to summed as well."""
-        load_step(opx, step)
+    def share_columns(self, rank):
+        """Columns of the row in CTA ``rank``'s share (the row's width without a cluster)."""
+        config = self.config
+        width = config.steps_per_cta * config.tile_n
+        columns = Float32(config.n)
+        if const_expr(config.cluster > 1):
+            columns = Float32(min(width, config.n - rank * width))
+        return columns
+
+    @cute.jit
+    def combined_moments(self, slots):
+        """The row's (mean, M2) from its CTAs' (mean, M2) over their shares (Chan et al.'s pairwise
+        update, all at once: M2 = sum(M2_r + n_r (mean_r - mean)^2))."""
+        config = self.config
+        width = config.steps_per_cta * config.tile_n
+        total = Float32(0.0)
+        for r in cutlass.range_constexpr(config.cluster):
+            total = total + min(width, config.n - r * width) * slots.values[0, r]
+        row_mean = total / config.n
+        m2 = Float32(0.0)
+        for r in cutlass.range_constexpr(config.cluster):
+            spread = slots.values[0, r] - row_mean
+            m2 = m2 + slots.values[1, r] + min(width, config.n - r * width) * spread * spread
+        return row_mean, m2
+
+    @cute.jit
+    def load_row_step(self, source, opr, ops_sum, copy_to, step):
+        """Load ``step`` of the row into its fragment: x's (from ``source``: global memory or its
+        shared copy); with a residual, summed's -- x + residual added in fp32, rounded to summed's
+        dtype and stored to summed as well. ``copy_to``: where the row is staged (None: not)."""
+        load_step(source, step)
         if const_expr(self.has_residual):
-            residual = load_step(opr, step).reshape(opx.frag.shape)
-            store_step(ops_sum, step, opx.frag.load().to(Float32) + residual)
+            residual = load_step(opr, step).reshape(source.frag.shape)
+            store_step(ops_sum, step, source.frag.load().to(Float32) + residual)
+        if const_expr(copy_to is not None):
+            save_step(copy_to, step)
 
     @cute.jit
-    def normalize_step(self, src, ops, opb, opy, step, row_mean, row_rstd):
-        if const_expr(not self.config.resident):
-            load_step(src, step)  # a streamed row: x again, or summed as this thread stored it
+    def normalize_step(self, src, again, ops, opb, opy, step, row_mean, row_rstd):
+        if const_expr(again is not None):
+            load_step(again, step)  # a streamed row: x or summed again, from shared or global memory
         vals = src.frag.load().to(Float32)
         out = (vals - row_mean) * row_rstd if const_expr(self.center) else vals * row_rstd
         if const_expr(self.has_scale):

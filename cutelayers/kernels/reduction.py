@@ -23,7 +23,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
-from cutelayers.kernels.reduction_config import WARP, RowConfig, RowGeometry, vector_width
+from cutelayers.kernels.reduction_config import WARP, RowConfig, RowGeometry, staged, vector_width
 
 
 @cute.jit
@@ -344,22 +344,24 @@ def shared_row_bytes(geometry: RowGeometry, elem_bytes: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ClusterSlots:
-    """Shared memory for :func:`cluster_gather`: (cluster,) fp32 slots and the mbarrier that
-    counts the bytes the cluster's CTAs store into them."""
+    """Shared memory for :func:`cluster_gather`: (count, cluster) fp32 slots -- value i of CTA r
+    at [i, r] -- and the mbarrier that counts the bytes the cluster's CTAs store into them."""
 
     values: object
     barrier: object
 
 
-def cluster_slots(geometry: RowGeometry):
-    """:class:`ClusterSlots` for a CTA of a cluster (None without one). Thread 0 initializes the
-    barrier, then the CTA arrives on the cluster barrier, which :func:`cluster_gather` waits on
-    before any CTA stores into another (the wait is left for later: the rows' loads come first)."""
+def cluster_slots(geometry: RowGeometry, count: int = 1):
+    """:class:`ClusterSlots` for ``count`` values per CTA of a cluster (None without one). Thread 0
+    initializes the barrier, then the CTA arrives on the cluster barrier, which
+    :func:`cluster_gather` waits on before any CTA stores into another (the wait is left for
+    later: the rows' loads come first)."""
     if geometry.cluster == 1:
         return None
     smem = cutlass.memory.SmemAllocator()
     barrier = smem.allocate_array(cutlass.Int64, 1)
-    values = smem.allocate_tensor(Float32, cute.make_layout(geometry.cluster), byte_alignment=4)
+    layout = cute.make_layout((count, geometry.cluster), stride=(geometry.cluster, 1))
+    values = smem.allocate_tensor(Float32, layout, byte_alignment=4)
     _join_cluster(barrier)
     return ClusterSlots(values, barrier)
 
@@ -373,27 +375,88 @@ def _join_cluster(barrier):
     cute.arch.cluster_arrive_relaxed()
 
 
-def cluster_slot_bytes(geometry: RowGeometry) -> int:
-    return 8 + 4 * geometry.cluster + 8 if geometry.cluster > 1 else 0  # barrier, slots, alignment
+def cluster_slot_bytes(geometry: RowGeometry, count: int = 1) -> int:
+    """Shared memory of :func:`cluster_slots` (barrier, slots, alignment)."""
+    return 8 + 4 * count * geometry.cluster + 8 if geometry.cluster > 1 else 0
 
 
 @cute.jit
-def cluster_gather(val, slots: ClusterSlots, geometry: cutlass.Constexpr):
-    """Every CTA's ``val`` (one fp32 value per CTA, held by all its threads), gathered into the
-    ``slots.values`` of every CTA of the cluster: thread t of each CTA stores it into CTA t's slots
-    at the storing CTA's rank (``st.async``, counted by CTA t's barrier), then every thread waits
-    for the cluster's ``cluster`` values to land. Used once per kernel (the barrier's phase 0)."""
+def cluster_gather(values, slots: ClusterSlots, geometry: cutlass.Constexpr):
+    """Every CTA's ``values`` (a tuple of fp32 values, each the same on all of a CTA's threads),
+    gathered into the ``slots.values`` of every CTA of the cluster: thread t of each CTA stores
+    them into CTA t's slots at the storing CTA's rank (``st.async``, counted by CTA t's barrier),
+    then every thread waits for the cluster's values to land. Once per kernel (the barrier's
+    phase 0)."""
+    count = len(values)
     cute.arch.cluster_wait()  # every peer runs, its barrier initialized
     tidx, _, _ = cute.arch.thread_idx()
     if tidx == 0:
-        cute.arch.mbarrier_arrive_and_expect_tx(slots.barrier, 4 * geometry.cluster)
+        cute.arch.mbarrier_arrive_and_expect_tx(slots.barrier, 4 * count * geometry.cluster)
     if tidx < geometry.cluster:
-        bits = cute.make_rmem_tensor(cute.make_layout(1), Float32)
-        bits[0] = val
+        bits = cute.make_rmem_tensor(cute.make_layout(count), Float32)
+        for i in cutlass.range_constexpr(count):
+            bits[i] = values[i]
+        as_int = cute.recast_tensor(bits, cutlass.Int32)
         rank = cute.arch.block_idx_in_cluster()
-        cute.arch.store_async_dsmem(slots.values.iterator + rank, cute.recast_tensor(bits, cutlass.Int32)[0],
-                                    slots.barrier, tidx)
+        for i in cutlass.range_constexpr(count):
+            cute.arch.store_async_dsmem(slots.values.iterator + (i * geometry.cluster + rank), as_int[i],
+                                        slots.barrier, tidx)
     cute.arch.mbarrier_wait(slots.barrier, 0)
+
+
+@cute.jit
+def cta_position(geometry: cutlass.Constexpr):
+    """(row tile, rank in its cluster, steps of its share) of this CTA."""
+    bidx, _, _ = cute.arch.block_idx()
+    tile, rank, steps = bidx, 0, geometry.steps_per_cta
+    if const_expr(geometry.cluster > 1):
+        tile, rank = bidx // geometry.cluster, bidx % geometry.cluster
+        if const_expr(geometry.num_steps % geometry.cluster):
+            steps = min(geometry.steps_per_cta, geometry.num_steps - rank * geometry.steps_per_cta)
+    return tile, rank, steps
+
+
+def row_staging(geometry: RowGeometry, tensor, op, tile_coord, tidx, stage: bool, prefetch: bool = True):
+    """How a two-pass kernel holds ``op``'s row (of ``tensor``, tiled at ``tile_coord``) between
+    its passes: ``(source, stage, again, prefetch)`` -- where pass 1 loads it from, where pass 1
+    copies it to as it goes (None: nowhere), where pass 2 loads it from (None: it is still in
+    registers) and the cp.async prefetch of the whole share into shared memory (None: none).
+    ``stage``: keep a streamed row in shared memory (:func:`.reduction_config.staged`): prefetched
+    where cp.async can copy its accesses (and ``prefetch``: the row is read, not computed by pass
+    1), else copied from registers by pass 1."""
+    source, copy_to, again, copies = op, None, None, None
+    if not geometry.resident:
+        again = op
+    if stage:
+        shared = shared_row_tensor(geometry, tensor.element_type)
+        again = shared_row_operand(shared, op, tidx)
+        if prefetch and can_prefetch(geometry, tensor.element_type.width):
+            copies = row_prefetch(tensor, shared, op, tile_coord, tidx)
+            source = again
+        else:
+            copy_to = again
+    return source, copy_to, again, copies
+
+
+@cute.jit
+def issue_prefetch(prefetch, valid_row, steps, geometry: cutlass.Constexpr):
+    """Start copying the ``steps`` steps of the CTA's share (see :func:`row_staging`), as one
+    group."""
+    if const_expr(prefetch is not None):
+        if valid_row:
+            for step in cutlass.range(steps - 1, unroll=1):
+                prefetch_step(prefetch, step, False)
+            prefetch_step(prefetch, steps - 1, geometry.ragged)
+        cute.arch.cp_async_commit_group()
+
+
+def staged_smem(geometry: RowGeometry, operands, elem_bytes: int | None = None) -> int:
+    """Shared memory of the staged rows of ``operands`` (their tensors) if the kernel stages them
+    (decided at ``elem_bytes`` an element: default, the widest operand's)."""
+    widest = max(t.element_type.width for t in operands) // 8 if elem_bytes is None else elem_bytes
+    if not staged(geometry, widest, len(operands)):
+        return 0
+    return sum(shared_row_bytes(geometry, t.element_type.width // 8) for t in operands)
 
 
 def shared_buffers(geometry: RowGeometry, count: int):

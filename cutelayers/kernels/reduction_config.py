@@ -188,3 +188,48 @@ def row_geometry_space(n: int, elem_bits: int, values_per_thread: int) -> tuple[
 def geometry_for(config: RowConfig, n: int, elem_bits: int) -> RowGeometry:
     """``config`` applied to rows of ``n`` elements whose widest row operand has ``elem_bits``."""
     return RowGeometry(config, n, vector_width(n, elem_bits))
+
+
+# --- staged rows and rows cut over a cluster (kernels with a two-pass streamed row) -------------
+
+# Shared memory a CTA may give a staged row: two CTAs per SM (228 KiB on Hopper, 1 KiB of it
+# reserved per CTA), less the reduction buffers. A bf16 row of 50304 (GPT-2) takes 98 KiB.
+STAGED_ROW_BYTES = 112 * 1024
+# Where even a full cluster's shares exceed that (a bf16 softmax backward's y and dy at 262144:
+# 128 KiB a CTA over 8), one CTA per SM may stage up to this much.
+STAGED_ROW_BYTES_ALONE = 200 * 1024
+# CTAs a row may be cut over: Hopper's largest (non-portable) cluster, which CuTe DSL allows on
+# every kernel. A bf16 softmax backward at 262144 stages 64 KiB a CTA over 16 (128 KiB over 8).
+MAX_CLUSTER = 16
+
+
+def share_bytes(geometry: RowGeometry, elem_bytes: int, operands: int = 1) -> int:
+    """Shared memory one CTA needs to stage its share of ``operands`` row operands."""
+    return operands * geometry.row.rows_per_cta * geometry.share_width * elem_bytes
+
+
+def staged(geometry: RowGeometry, elem_bytes: int, operands: int = 1) -> bool:
+    """Whether a two-pass kernel keeps a streamed row (one read in several steps) in shared memory
+    for its second pass, instead of reading it from global memory again (then mostly from L2)."""
+    limit = STAGED_ROW_BYTES if geometry.cluster == 1 else STAGED_ROW_BYTES_ALONE
+    return not geometry.resident and share_bytes(geometry, elem_bytes, operands) <= limit
+
+
+def split_rows(geometry: RowGeometry, elem_bytes: int, operands: int) -> RowGeometry:
+    """``geometry`` with a streamed row of one-row CTAs cut over the fewest CTAs (a power of two,
+    at most ``MAX_CLUSTER``, each with a step) whose shares of ``operands`` row operands stage in
+    ``STAGED_ROW_BYTES``, or failing that in ``STAGED_ROW_BYTES_ALONE`` over the most CTAs; the row
+    is read from global memory once instead of twice. Other geometries are returned as they are."""
+    if geometry.resident or geometry.row.rows_per_cta != 1 or staged(geometry, elem_bytes, operands):
+        return geometry
+    steps = geometry.num_steps
+    splits = [c for c in (2, 4, 8, 16) if c <= MAX_CLUSTER and (c - 1) * -(-steps // c) < steps]
+    for cluster in splits:
+        cut = dataclasses.replace(geometry, cluster=cluster)
+        if share_bytes(cut, elem_bytes, operands) <= STAGED_ROW_BYTES:
+            return cut
+    if splits:
+        cut = dataclasses.replace(geometry, cluster=splits[-1])
+        if staged(cut, elem_bytes, operands):
+            return cut
+    return geometry

@@ -23,30 +23,27 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from cutelayers.kernels.reduction import (
-    can_prefetch,
     cluster_gather,
     cluster_slot_bytes,
     cluster_slots,
     column_mask,
+    cta_position,
+    issue_prefetch,
     load_step,
     nan_max,
-    prefetch_step,
     row_allreduce,
     row_operand,
-    row_prefetch,
     row_share,
+    row_staging,
     row_sum,
     row_tiled_copy,
     save_step,
     shared_buffer_bytes,
     shared_buffers,
-    shared_row_bytes,
-    shared_row_operand,
-    shared_row_tensor,
+    staged_smem,
     store_step,
 )
-from cutelayers.kernels.reduction_config import RowGeometry
-from cutelayers.kernels.softmax_config import staged
+from cutelayers.kernels.reduction_config import RowGeometry, staged
 
 LOG2E = math.log2(math.e)
 
@@ -129,11 +126,11 @@ def combined_lse(slots, geometry: cutlass.Constexpr):
     """The logsumexp of a row from its CTAs' logsumexps (gathered by :func:`cluster_gather`)."""
     top = -Float32.inf
     for r in cutlass.range_constexpr(geometry.cluster):
-        top = nan_max(top, slots.values[r])
+        top = nan_max(top, slots.values[0, r])
     shift = finite_shift(top)
     total = Float32(0.0)
     for r in cutlass.range_constexpr(geometry.cluster):
-        total = total + exp(slots.values[r] - shift)
+        total = total + exp(slots.values[0, r] - shift)
     return shift + cute.math.log(total, fastmath=True)
 
 
@@ -147,59 +144,6 @@ def _launch(kernel, geometry: RowGeometry, rows, stream, buffers: int, extra_sme
         stream=stream,
         **extra,
     )
-
-
-@cute.jit
-def cta_position(geometry: cutlass.Constexpr):
-    """(row tile, rank in its cluster, steps of its share) of this CTA."""
-    bidx, _, _ = cute.arch.block_idx()
-    tile, rank, steps = bidx, 0, geometry.steps_per_cta
-    if const_expr(geometry.cluster > 1):
-        tile, rank = bidx // geometry.cluster, bidx % geometry.cluster
-        if const_expr(geometry.num_steps % geometry.cluster):
-            steps = min(geometry.steps_per_cta, geometry.num_steps - rank * geometry.steps_per_cta)
-    return tile, rank, steps
-
-
-def row_staging(geometry: RowGeometry, tensor, op, tile_coord, tidx, stage: bool):
-    """How a two-pass kernel holds ``op``'s row (of ``tensor``, tiled at ``tile_coord``) between
-    its passes: ``(source, stage, again, prefetch)`` -- where pass 1 loads it from, where pass 1
-    copies it to as it goes (None: nowhere), where pass 2 loads it from (None: it is still in
-    registers) and the cp.async prefetch of the whole share into shared memory (None: none).
-    ``stage``: keep a streamed row in shared memory (:func:`.softmax_config.staged`): prefetched
-    where cp.async can copy its accesses, else copied from registers by pass 1."""
-    source, copy_to, again, prefetch = op, None, None, None
-    if not geometry.resident:
-        again = op
-    if stage:
-        shared = shared_row_tensor(geometry, tensor.element_type)
-        again = shared_row_operand(shared, op, tidx)
-        if can_prefetch(geometry, tensor.element_type.width):
-            prefetch = row_prefetch(tensor, shared, op, tile_coord, tidx)
-            source = again
-        else:
-            copy_to = again
-    return source, copy_to, again, prefetch
-
-
-@cute.jit
-def issue_prefetch(prefetch, valid_row, steps, geometry: cutlass.Constexpr):
-    """Start copying the ``steps`` steps of the CTA's share (see :func:`row_staging`), as one
-    group."""
-    if const_expr(prefetch is not None):
-        if valid_row:
-            for step in cutlass.range(steps - 1, unroll=1):
-                prefetch_step(prefetch, step, False)
-            prefetch_step(prefetch, steps - 1, geometry.ragged)
-        cute.arch.cp_async_commit_group()
-
-
-def staged_smem(geometry: RowGeometry, operands) -> int:
-    """Shared memory of the staged rows of ``operands`` (their tensors) if the kernel stages."""
-    widest = max(t.element_type.width for t in operands) // 8
-    if not staged(geometry, widest, len(operands)):
-        return 0
-    return sum(shared_row_bytes(geometry, t.element_type.width // 8) for t in operands)
 
 
 @cute.jit
@@ -224,7 +168,7 @@ class SoftmaxForwardKernel:
     """y = exp(x - lse) (softmax) or x - lse (log-softmax). Launcher ``(stream, x, y)``.
 
     A row in registers is read once; a streamed row is staged in shared memory where its share
-    fits (:func:`.softmax_config.split_rows` cuts a long row over a cluster for that: each CTA
+    fits (:func:`.reduction_config.split_rows` cuts a long row over a cluster for that: each CTA
     stages its share and the CTAs' logsumexps are combined through distributed shared memory),
     else read again from global memory by the second pass."""
 
@@ -266,7 +210,7 @@ class SoftmaxForwardKernel:
             mx, c, s = online_lse_step(vals, cute.size(opx.frag), mx, c, s)
         lse = row_lse(mx, c, s, g, buffers[0], buffers[1])
         if const_expr(g.cluster > 1):
-            cluster_gather(lse, slots, g)
+            cluster_gather((lse,), slots, g)
             lse = combined_lse(slots, g)
         for step in cutlass.range(steps, unroll=1):
             if valid_row:
@@ -330,10 +274,10 @@ class SoftmaxBackwardKernel:
                 acc = acc + row_sum(grad * opy.frag.load().to(Float32).reshape(grad.shape))
         dot = row_allreduce(acc, operator.add, Float32(0.0), g.row, buffers[0])
         if const_expr(g.cluster > 1):
-            cluster_gather(dot, slots, g)
+            cluster_gather((dot,), slots, g)
             dot = Float32(0.0)
             for r in cutlass.range_constexpr(g.cluster):
-                dot = dot + slots.values[r]
+                dot = dot + slots.values[0, r]
         for step in cutlass.range(steps, unroll=1):
             if valid_row:
                 if const_expr(again_y is not None):
@@ -479,7 +423,7 @@ class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
 
     Pass 1 folds the row's online (max, shift, sum); after the row reductions pass 2 computes dx.
     Where the row stays in registers it is read once. A streamed row whose CTA rows fit in shared
-    memory (:func:`.softmax_config.staged`) is read once, into shared memory: with cp.async, every
+    memory (:func:`.reduction_config.staged`) is read once, into shared memory: with cp.async, every
     step issued at once when the CTA starts (the whole row in flight, no registers held: on an
     H200 0.206 ms at 4096 x 50304 bf16, against 0.246 ms for copying each step from registers as
     pass 1 loads it), or from registers where accesses are narrower than cp.async's 4 bytes (odd

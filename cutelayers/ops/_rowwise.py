@@ -8,7 +8,7 @@ import operator
 import jax
 import jax.numpy as jnp
 
-from cutelayers.kernels.reduction_config import RowConfig, geometry_for, row_geometry, row_geometry_space
+from cutelayers.kernels.reduction_config import RowConfig, geometry_for, row_geometry, row_geometry_space, split_rows
 from cutelayers.runtime.family import TunableFamily
 from cutelayers.runtime.placement import check_arrays
 from cutelayers.runtime.sharding import kernel_call
@@ -41,6 +41,14 @@ class RowKernelFamily(TunableFamily):
     values_per_thread: int
     """fp32 values a thread of the kernel holds per row step (register-resident row kernels)."""
 
+    staged_operands: int = 0
+    """Row operands a two-pass kernel stages in shared memory when its row streams, its long rows
+    cut over a cluster of CTAs (:func:`cutelayers.kernels.reduction_config.split_rows`); 0: a
+    kernel that does neither."""
+
+    streamed_threads: int | None = None
+    """Threads per row (one row a CTA) of a streamed row's heuristic config; None: the table's."""
+
     def register_values(self, avals) -> int:
         """``values_per_thread`` for these operands (a kernel may budget by element width)."""
         return self.values_per_thread
@@ -59,7 +67,11 @@ class RowKernelFamily(TunableFamily):
         return max(jnp.dtype(d).itemsize * 8 for d in self.row_dtypes(avals))
 
     def default_config(self, avals):
-        return row_geometry(self.row_length(avals), self.elem_bits(avals), self.register_values(avals)).row
+        g = row_geometry(self.row_length(avals), self.elem_bits(avals), self.register_values(avals))
+        if self.streamed_threads is None or g.resident:
+            return g.row
+        return next(c for c in self.config_space(avals)
+                    if c.threads_per_row == c.num_threads == self.streamed_threads)
 
     def config_space(self, avals) -> tuple:
         space = row_geometry_space(self.row_length(avals), self.elem_bits(avals), self.register_values(avals))
@@ -72,8 +84,12 @@ class RowKernelFamily(TunableFamily):
         return RowConfig(**fields)
 
     def geometry(self, avals):
-        """The chosen config applied to these operands' rows."""
-        return geometry_for(self.chosen_config(), self.row_length(avals), self.elem_bits(avals))
+        """The chosen config applied to these operands' rows (cut over a cluster where the kernel
+        stages a streamed row that one CTA cannot hold)."""
+        g = geometry_for(self.chosen_config(), self.row_length(avals), self.elem_bits(avals))
+        if self.staged_operands:
+            g = split_rows(g, self.elem_bits(avals) // 8, self.staged_operands)
+        return g
 
 
 def check_float_array(op: str, name: str, x, min_rank: int = 1) -> jax.Array:

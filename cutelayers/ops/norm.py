@@ -77,6 +77,7 @@ class NormForward(RowKernelFamily):
     config: RowConfig | None = None
     per_row_rank = 2
     values_per_thread = norm_config.FORWARD_VALUES_PER_THREAD
+    staged_operands = 1  # a streamed row (x, or summed) kept for the normalize pass
 
     @property
     def name(self) -> str:

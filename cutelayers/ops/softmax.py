@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cutelayers.kernels import softmax_config
-from cutelayers.kernels.reduction_config import RowConfig, geometry_for
+from cutelayers.kernels.reduction_config import RowConfig
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import RowKernelFamily, call_on_rows, check_float_array
 from cutelayers.runtime.sharding import ShardContext, ShardingRule, run_kernel
@@ -49,27 +49,8 @@ F32 = jnp.float32
 # ``config``: the kernel's RowConfig, chosen by the op for its operands (see RowKernelFamily).
 
 
-class _SplitRowFamily(RowKernelFamily):
-    """A softmax kernel that stages a streamed row's ``staged_operands`` row operands in shared
-    memory, its long rows cut over a cluster of CTAs (:func:`.softmax_config.split_rows`)."""
-
-    staged_operands: int
-    streamed_threads: int | None = None
-    """Threads per row (one row a CTA) of a streamed row's heuristic config; None: the table's."""
-
-    def default_config(self, avals):
-        config = super().default_config(avals)
-        if self.streamed_threads is None or geometry_for(config, self.row_length(avals), self.elem_bits(avals)).resident:
-            return config
-        return next(c for c in self.config_space(avals)
-                    if c.threads_per_row == c.num_threads == self.streamed_threads)
-
-    def geometry(self, avals):
-        return softmax_config.split_rows(super().geometry(avals), self.elem_bits(avals) // 8, self.staged_operands)
-
-
 @dataclasses.dataclass(frozen=True)
-class SoftmaxForward(_SplitRowFamily):
+class SoftmaxForward(RowKernelFamily):
     """y = softmax(x) or log_softmax(x) per row; y in x's dtype."""
 
     log: bool
@@ -100,7 +81,7 @@ class SoftmaxForward(_SplitRowFamily):
 
 
 @dataclasses.dataclass(frozen=True)
-class SoftmaxBackward(_SplitRowFamily):
+class SoftmaxBackward(RowKernelFamily):
     """dx from (y, dy): see the module docstring."""
 
     log: bool
