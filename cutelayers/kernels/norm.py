@@ -335,12 +335,23 @@ class NormBackwardKernel:
             row_tiled_copy(dx.element_type, config),
             row_tiled_copy(Float32, config),
         ).launch(
-            grid=[grid, 1, 1],
+            grid=[grid * config.cluster, 1, 1],
             block=[config.row.num_threads, 1, 1],
-            smem=(2 * config.row.rows_per_cta * config.row.warps_per_row * 4 + self.ring_bytes(x, dy, dsummed)
-                  + self.slot_sum_bytes()),
+            smem=(shared_buffer_bytes(config, 2) + self.ring_bytes(x, dy, dsummed) + self.slot_sum_bytes()
+                  + cluster_slot_bytes(config, self.cluster_values)
+                  + staged_smem(config, (x, dy), self.row_bytes(x, dy, dsummed, scale))),
             stream=stream,
+            **({"cluster": [config.cluster, 1, 1]} if const_expr(config.cluster > 1) else {}),
         )
+
+    @property
+    def cluster_values(self) -> int:
+        """Values each CTA of a cut row shares: its sums of g * xhat and (LayerNorm) of g."""
+        return 2 if self.center else 1
+
+    def row_bytes(self, *row_tensors) -> int:
+        """The widest row operand's element bytes: what the config's staging choice assumed."""
+        return max(t.element_type.width for t in row_tensors if t is not None) // 8
 
     def partial_view(self, partials, index: int):
         """Partial sum ``index`` (0: the first wanted of dscale, dbias) of ``partials`` as a (grid,
@@ -406,10 +417,36 @@ class NormBackwardKernel:
                         self.backward_rows(x, dy, dsummed, mean, rstd, dx, ops, acc_scale, acc_bias, copy_x,
                                            copy_dy, copy_dsummed, copy_dx, coords, buffers, current, tidx,
                                            ring[stage])
-        else:
+        elif const_expr(config.resident):
             for group in cutlass.range(bidx, groups, gdim, unroll=1):
                 self.backward_rows(x, dy, dsummed, mean, rstd, dx, ops, acc_scale, acc_bias, copy_x, copy_dy,
                                    copy_dsummed, copy_dx, coords, buffers, group, tidx)
+        else:
+            # a streamed row: one row a CTA -- or a cluster, each CTA its share -- x and dy staged
+            # in shared memory where the share fits (read once), else read again by the dx pass
+            tile, rank, steps = cta_position(config)
+            slots = cluster_slots(config, self.cluster_values)
+            shared_coords = row_share(coords, config, tile, rank)
+            ops = None
+            if const_expr(self.has_scale):
+                pshare = row_share(cute.make_identity_tensor((config.row.rows_per_cta, n)), config, 0, rank)
+                ops = row_operand(row_share(_broadcast_rows(scale, config), config, 0, rank), copy_scale, pshare,
+                                  config, (0, None), tidx)
+            x_share, dy_share = row_share(x, config, tile, rank), row_share(dy, config, tile, rank)
+            opx = row_operand(x_share, copy_x, shared_coords, config, (0, None), tidx)
+            opg = row_operand(dy_share, copy_dy, shared_coords, config, (0, None), tidx)
+            stage = staged(config, self.row_bytes(x, dy, dsummed, scale), 2)
+            source_x, copy_x_to, again_x, prefetch_x = row_staging(config, x_share, opx, (0, None), tidx, stage)
+            source_g, copy_g_to, again_g, prefetch_g = row_staging(config, dy_share, opg, (0, None), tidx, stage)
+            valid_row = opx.coords[0][0] < x.shape[0]
+            issue_prefetch(prefetch_x, valid_row, steps, config)
+            issue_prefetch(prefetch_g, valid_row, steps, config)
+            if const_expr(prefetch_x is not None or prefetch_g is not None):
+                cute.arch.cp_async_wait_group(0)
+            self.backward_rows(x, dy, dsummed, mean, rstd, dx, ops, acc_scale, acc_bias, copy_x, copy_dy,
+                               copy_dsummed, copy_dx, shared_coords, buffers, 0, tidx,
+                               cut=((tile, rank), steps, slots, (source_x, source_g), (copy_x_to, copy_g_to),
+                                    (again_x, again_g)))
 
         if const_expr(self.persistent):
             for acc, partial in ((acc_scale, dscale), (acc_bias, dbias)):
@@ -456,12 +493,20 @@ class NormBackwardKernel:
 
     @cute.jit
     def backward_rows(self, x, dy, dsummed, mean, rstd, dx, ops, acc_scale, acc_bias, copy_x, copy_dy,
-                      copy_dsummed, copy_dx, coords, buffers, group, tidx, staged=None):
+                      copy_dsummed, copy_dx, coords, buffers, group, tidx, staged=None, cut=None):
         """dx of the ``rows_per_cta`` rows of ``group``; adds their dscale/dbias terms to the
         accumulators. ``staged``: shared tensors holding the group's x, dy [, dsummed] (read
-        from there, not from global memory)."""
+        from there, not from global memory). ``cut``: a streamed row's share (``coords`` then its
+        coordinates, ``group`` 0): ((row tile, rank), its steps, the cluster's slots, where pass 1
+        loads x and dy from, where it copies them to, where the dx pass loads them from)."""
         config = self.config
         n = config.n
+        steps = config.num_steps
+        if const_expr(cut is not None):
+            (tile, rank), steps, slots, sources, copies, agains = cut
+            x, dy, dx = (row_share(t, config, tile, rank) for t in (x, dy, dx))
+            if const_expr(self.has_residual):
+                dsummed = row_share(dsummed, config, tile, rank)
         opx = row_operand(x, copy_x, coords, config, (group, None), tidx)
         opg = row_operand(dy, copy_dy, coords, config, (group, None), tidx)
         opds = row_operand(dsummed, copy_dsummed, coords, config, (group, None), tidx) if const_expr(self.has_residual) else None
@@ -471,6 +516,10 @@ class NormBackwardKernel:
             opg = shared_row_operand(staged[1], opg, tidx)
             if const_expr(self.has_residual):
                 opds = shared_row_operand(staged[2], opds, tidx)
+        source_x, source_g, again_x, again_g = opx, opg, opx, opg
+        if const_expr(cut is not None):
+            (source_x, source_g), (again_x, again_g) = sources, agains
+            opx, opg = source_x, source_g  # their fragments are the row operands' (row_staging)
         row = opx.coords[0][0]
         valid_row = row < x.shape[0]
         opx.frag.fill(0.0)
@@ -484,10 +533,15 @@ class NormBackwardKernel:
         # mean(g * xhat) and mean(g) over the row; padding has dy = 0, so it adds nothing.
         dot = Float32(0.0)
         g_sum = Float32(0.0)
-        for step in cutlass.range(config.num_steps, unroll=1):
+        for step in cutlass.range(steps, unroll=1):
             if valid_row:
-                load_step(opx, step)
-                load_step(opg, step)
+                load_step(source_x, step)
+                load_step(source_g, step)
+                if const_expr(cut is not None):
+                    if const_expr(copies[0] is not None):
+                        save_step(copies[0], step)
+                    if const_expr(copies[1] is not None):
+                        save_step(copies[1], step)
                 if const_expr(self.has_scale and not config.resident):
                     load_step(ops, step)
             xhat = (opx.frag.load().to(Float32) - row_mean) * row_rstd
@@ -497,15 +551,23 @@ class NormBackwardKernel:
             dot = dot + row_sum(g * xhat)
             if const_expr(self.center):
                 g_sum = g_sum + row_sum(g)
-        c_dot = row_allreduce(dot, operator.add, Float32(0.0), config.row, buffers[0]) / n
+        c_dot = row_allreduce(dot, operator.add, Float32(0.0), config.row, buffers[0])
         c_sum = Float32(0.0)
         if const_expr(self.center):
-            c_sum = row_allreduce(g_sum, operator.add, Float32(0.0), config.row, buffers[1]) / n
+            c_sum = row_allreduce(g_sum, operator.add, Float32(0.0), config.row, buffers[1])
         elif const_expr(config.row.warps_per_row > 1):
             cute.arch.barrier()  # the next row's reduction reuses buffers[0]
-        for step in cutlass.range(config.num_steps, unroll=1):
+        if const_expr(config.cluster > 1):  # the row's sums from its CTAs' ones
+            cluster_gather((c_dot, c_sum) if const_expr(self.center) else (c_dot,), slots, config)
+            c_dot, c_sum = Float32(0.0), Float32(0.0)
+            for r in cutlass.range_constexpr(config.cluster):
+                c_dot = c_dot + slots.values[0, r]
+                if const_expr(self.center):
+                    c_sum = c_sum + slots.values[1, r]
+        c_dot, c_sum = c_dot / n, c_sum / n
+        for step in cutlass.range(steps, unroll=1):
             if valid_row:
-                self.dx_step(opx, opg, opds, ops, opd, acc_scale, acc_bias, step, row_mean, row_rstd, c_dot,
+                self.dx_step(again_x, again_g, opds, ops, opd, acc_scale, acc_bias, step, row_mean, row_rstd, c_dot,
                              c_sum)
 
     @cute.jit

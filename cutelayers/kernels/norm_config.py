@@ -13,6 +13,11 @@ from cutelayers.kernels.reduction_config import RowConfig
 # plain one 30.8 -> 28.9, at 16384 rows on an H200 (docs/benchmarks.md, thirteenth session).
 FORWARD_VALUES_PER_THREAD = 32
 BACKWARD_VALUES_PER_THREAD = {16: 24, 32: 16}  # by the row operands' widest element, in bits
+# A streamed row (staged in shared memory, cut over a cluster when long) runs 256-thread CTAs:
+# with 512, LayerNorm's forward (its per-step moments take registers) ran one CTA an SM and lost
+# to the unstaged kernel (H200, 2048 x 65536 bf16: 181 -> 189 us), and the backward's 6 steps of
+# 12288 columns at 65536 could only be cut in two, 147 KiB a CTA.
+STREAMED_THREADS = 256
 # The persistent backward grid: Hopper parts have 132 SMs (H100 SXM, H200); fewer SMs only means
 # a tail wave. Fixed so that the partials' shape is known without a device.
 HOPPER_SMS = 132

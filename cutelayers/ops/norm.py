@@ -78,6 +78,7 @@ class NormForward(RowKernelFamily):
     per_row_rank = 2
     values_per_thread = norm_config.FORWARD_VALUES_PER_THREAD
     staged_operands = 1  # a streamed row (x, or summed) kept for the normalize pass
+    streamed_threads = norm_config.STREAMED_THREADS
 
     @property
     def name(self) -> str:
@@ -143,6 +144,8 @@ class NormBackward(RowKernelFamily):
     config: RowConfig | None = None
     grid: int | None = None
     per_row_rank = 2
+    staged_operands = 2  # a streamed row's x and dy, kept for the dx pass
+    streamed_threads = norm_config.STREAMED_THREADS
 
     def register_values(self, avals) -> int:
         return norm_config.BACKWARD_VALUES_PER_THREAD[self.elem_bits(avals)]
