@@ -501,10 +501,11 @@ class NormBackwardKernel:
         loads x and dy from, where it copies them to, where the dx pass loads them from)."""
         config = self.config
         n = config.n
+        rows = x.shape[0]
         steps = config.num_steps
-        if const_expr(cut is not None):
+        if const_expr(cut is not None):  # the operands' shares (rows_per_cta rows: group 0)
             (tile, rank), steps, slots, sources, copies, agains = cut
-            x, dy, dx = (row_share(t, config, tile, rank) for t in (x, dy, dx))
+            x, dy, dx = row_share(x, config, tile, rank), row_share(dy, config, tile, rank), row_share(dx, config, tile, rank)
             if const_expr(self.has_residual):
                 dsummed = row_share(dsummed, config, tile, rank)
         opx = row_operand(x, copy_x, coords, config, (group, None), tidx)
@@ -521,7 +522,7 @@ class NormBackwardKernel:
             (source_x, source_g), (again_x, again_g) = sources, agains
             opx, opg = source_x, source_g  # their fragments are the row operands' (row_staging)
         row = opx.coords[0][0]
-        valid_row = row < x.shape[0]
+        valid_row = row < rows
         opx.frag.fill(0.0)
         opg.frag.fill(0.0)
         row_mean = Float32(0.0)

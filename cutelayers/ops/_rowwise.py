@@ -8,7 +8,13 @@ import operator
 import jax
 import jax.numpy as jnp
 
-from cutelayers.kernels.reduction_config import RowConfig, geometry_for, row_geometry, row_geometry_space, split_rows
+from cutelayers.kernels.reduction_config import (
+    RowConfig,
+    geometry_for,
+    row_geometry,
+    row_geometry_space,
+    split_rows,
+)
 from cutelayers.runtime.family import TunableFamily
 from cutelayers.runtime.placement import check_arrays
 from cutelayers.runtime.sharding import kernel_call
