@@ -422,6 +422,42 @@ def test_add_bad_inputs_name_the_argument():
         add_rms_norm(x, x, epsilon=-1.0)
 
 
+# (N, dtype) -> CTAs a streamed row is cut over: forward (stages x), backward (stages x and dy)
+CUT_ROWS = {
+    (50257, jnp.bfloat16): (1, 2),  # scalar accesses: the forward's 98 KiB stage in one CTA
+    (65536, jnp.bfloat16): (2, 4),
+    (65536, jnp.float32): (4, 8),
+    (262144, jnp.bfloat16): (8, 8),  # the backward's 147 KiB a CTA: one CTA an SM
+}
+
+
+def test_streamed_rows_are_staged_and_cut_over_clusters():
+    """A streamed norm row runs one row per 256-thread CTA (norm_config.STREAMED_THREADS), staged
+    in shared memory and cut over a cluster so that each CTA's share fits; model widths stay in
+    registers, uncut."""
+    from cutelayers.kernels.norm_config import STREAMED_THREADS
+    from cutelayers.kernels.reduction_config import STAGED_ROW_BYTES_ALONE, share_bytes, staged
+    from cutelayers.ops.norm import NormBackward, NormForward
+    from cutelayers.tuning import resolve
+
+    S = jax.ShapeDtypeStruct
+    for n, dtype in [*CUT_ROWS, (768, jnp.bfloat16), (8192, jnp.float32)]:
+        x, p, stat = S((8, n), dtype), S((n,), dtype), S((8, 1), jnp.float32)
+        fwd_avals, bwd_avals = (x, p, p), (x, x, stat, stat, p)
+        forward = resolve(NormForward(True, True, True, 1e-6, jnp.dtype(dtype).name), fwd_avals)
+        backward = resolve(NormBackward(True, True, False, False), bwd_avals)
+        geometries = (forward.geometry(fwd_avals), backward.geometry(bwd_avals))
+        if (n, dtype) not in CUT_ROWS:
+            assert all(g.resident and g.cluster == 1 for g in geometries), n
+            continue
+        assert tuple(g.cluster for g in geometries) == CUT_ROWS[n, dtype], (n, dtype)
+        for g, operands in zip(geometries, (1, 2)):
+            itemsize = jnp.dtype(dtype).itemsize
+            assert g.row.threads_per_row == g.row.num_threads == STREAMED_THREADS
+            assert staged(g, itemsize, operands) and share_bytes(g, itemsize, operands) <= STAGED_ROW_BYTES_ALONE
+            assert (g.cluster - 1) * g.steps_per_cta < g.num_steps <= g.cluster * g.steps_per_cta
+
+
 # --- CUDA lowering on CPU: compiles every kernel variant ----------------------------------------
 
 LOWERING_CASES = [

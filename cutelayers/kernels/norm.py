@@ -5,10 +5,15 @@ threads own a row, each thread ``vec`` contiguous elements (128-bit where N allo
 times per step of ``threads_per_row * vec * unroll`` columns. The heuristic config table
 (:func:`.reduction_config.row_geometry` with the kernel's values per thread from
 :mod:`.norm_config`) picks the smallest ``threads_per_row`` (<= 512) for which the whole row is one
-step, i.e. stays in registers between the statistics and the normalize pass -- one HBM read of x. Larger rows stream: the forward reads x
-twice (statistics, then normalize), the backward reads x and dy twice. The config (a
-:class:`.reduction_config.RowGeometry`) is given to the kernel; the autotuner may pick another one
-from :func:`.reduction_config.row_geometry_space`.
+step, i.e. stays in registers between the statistics and the normalize pass -- one HBM read of
+x. Larger rows stream in steps, one row per 256-thread CTA, and are staged in shared memory for
+the second pass (the forward's x, the backward's x and dy): a row whose share does not fit one CTA
+is cut over a thread-block cluster, each CTA staging its steps, and the CTAs' partial statistics
+(the forward's mean and M2 of its share, or sum of squares; the backward's sums of g * xhat and g)
+are combined through distributed shared memory (:func:`.reduction_config.split_rows`,
+:func:`.reduction.cluster_gather`). Only rows too long even for that are read twice. The config
+(a :class:`.reduction_config.RowGeometry`) is given to the kernel; the autotuner may pick another
+one from :func:`.reduction_config.row_geometry_space`.
 
 Statistics are fp32. LayerNorm's variance never uses E[x^2] - E[x]^2 (which cancels for inputs
 such as 1000 + N(0, 1)): a register-resident row takes the mean first and then the mean of
@@ -30,8 +35,9 @@ Tensors as the launchers take them (M is the symbolic row count):
 The fused residual add (``has_residual``, for pre-norm transformers): the forward's row is
 s = x + residual, added in fp32 and rounded to ``summed``'s dtype; it writes s as ``summed`` and
 normalizes s as stored (so y is the norm of the ``summed`` it returns, as if the add ran
-separately). A register-resident row stays in registers as s; a streamed one reads s back from
-``summed`` for the normalize pass (one read of s instead of x and the residual again). The
+separately). A register-resident row stays in registers as s; a streamed one is staged as s
+(copied from registers as pass 1 computes it), or else read back from ``summed`` for the
+normalize pass (one read of s instead of x and the residual again). The
 backward takes s as its ``x`` and the gradient of ``summed`` as ``dsummed``, which it adds to dx:
 dx = norm_backward(dy) + dsummed, the gradient of both x and the residual.
 """
