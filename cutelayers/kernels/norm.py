@@ -53,6 +53,7 @@ from cutelayers.kernels.reduction import (
     can_prefetch,
     cluster_gather,
     cluster_slot_bytes,
+    cluster_sum,
     cluster_slots,
     column_mask,
     cta_position,
@@ -226,11 +227,7 @@ class NormForwardKernel:
                 vals = src.frag.load().to(Float32)
                 sq = sq + row_sum(vals * vals)
             sq = row_allreduce(sq, operator.add, Float32(0.0), config.row, buffers[0])
-            if const_expr(config.cluster > 1):
-                cluster_gather((sq,), slots, config)
-                sq = Float32(0.0)
-                for r in cutlass.range_constexpr(config.cluster):
-                    sq = sq + slots.values[0, r]
+            (sq,) = cluster_sum((sq,), slots, config)
             var = sq / n
         row_rstd = cute.math.rsqrt(var + self.epsilon)
 
@@ -508,7 +505,7 @@ class NormBackwardKernel:
         config = self.config
         n = config.n
         rows = x.shape[0]
-        steps = config.num_steps
+        steps, slots = config.num_steps, None
         if const_expr(cut is not None):  # the operands' shares (rows_per_cta rows: group 0)
             (tile, rank), steps, slots, sources, copies, agains = cut
             x, dy, dx = row_share(x, config, tile, rank), row_share(dy, config, tile, rank), row_share(dx, config, tile, rank)
@@ -564,13 +561,10 @@ class NormBackwardKernel:
             c_sum = row_allreduce(g_sum, operator.add, Float32(0.0), config.row, buffers[1])
         elif const_expr(config.row.warps_per_row > 1):
             cute.arch.barrier()  # the next row's reduction reuses buffers[0]
-        if const_expr(config.cluster > 1):  # the row's sums from its CTAs' ones
-            cluster_gather((c_dot, c_sum) if const_expr(self.center) else (c_dot,), slots, config)
-            c_dot, c_sum = Float32(0.0), Float32(0.0)
-            for r in cutlass.range_constexpr(config.cluster):
-                c_dot = c_dot + slots.values[0, r]
-                if const_expr(self.center):
-                    c_sum = c_sum + slots.values[1, r]
+        if const_expr(self.center):  # the row's sums from its CTAs' ones
+            c_dot, c_sum = cluster_sum((c_dot, c_sum), slots, config)
+        else:
+            (c_dot,) = cluster_sum((c_dot,), slots, config)
         c_dot, c_sum = c_dot / n, c_sum / n
         for step in cutlass.range(steps, unroll=1):
             if valid_row:

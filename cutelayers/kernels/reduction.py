@@ -405,6 +405,21 @@ def cluster_gather(values, slots: ClusterSlots, geometry: cutlass.Constexpr):
 
 
 @cute.jit
+def cluster_sum(values, slots: ClusterSlots, geometry: cutlass.Constexpr):
+    """Each of ``values`` (a tuple of a CTA's fp32 partial sums) summed over the CTAs of the
+    cluster (:func:`cluster_gather`); as they are without a cluster."""
+    sums = list(values)
+    if const_expr(geometry.cluster > 1):
+        cluster_gather(values, slots, geometry)
+        for i in cutlass.range_constexpr(len(values)):
+            total = Float32(0.0)
+            for r in cutlass.range_constexpr(geometry.cluster):
+                total = total + slots.values[i, r]
+            sums[i] = total
+    return tuple(sums)
+
+
+@cute.jit
 def cta_position(geometry: cutlass.Constexpr):
     """(row tile, rank in its cluster, steps of its share) of this CTA."""
     bidx, _, _ = cute.arch.block_idx()

@@ -25,6 +25,7 @@ from cutlass import Float32, Int32, const_expr
 from cutelayers.kernels.reduction import (
     cluster_gather,
     cluster_slot_bytes,
+    cluster_sum,
     cluster_slots,
     column_mask,
     cta_position,
@@ -273,11 +274,7 @@ class SoftmaxBackwardKernel:
             else:
                 acc = acc + row_sum(grad * opy.frag.load().to(Float32).reshape(grad.shape))
         dot = row_allreduce(acc, operator.add, Float32(0.0), g.row, buffers[0])
-        if const_expr(g.cluster > 1):
-            cluster_gather((dot,), slots, g)
-            dot = Float32(0.0)
-            for r in cutlass.range_constexpr(g.cluster):
-                dot = dot + slots.values[0, r]
+        (dot,) = cluster_sum((dot,), slots, g)
         for step in cutlass.range(steps, unroll=1):
             if valid_row:
                 if const_expr(again_y is not None):
