@@ -52,13 +52,14 @@ from cutlass import Float32, const_expr, cute
 from cutelayers.kernels.reduction import (
     can_prefetch,
     cluster_gather,
+    cluster_launch,
     cluster_slot_bytes,
-    cluster_sum,
     cluster_slots,
+    cluster_sum,
     column_mask,
     cta_position,
-    issue_prefetch,
     load_step,
+    prefetch_shares,
     prefetch_step,
     row_allreduce,
     row_operand,
@@ -75,6 +76,7 @@ from cutelayers.kernels.reduction import (
     shared_row_tensor,
     staged_smem,
     store_step,
+    widest_bytes,
 )
 from cutelayers.kernels.reduction_config import RowGeometry, staged
 
@@ -110,7 +112,6 @@ class NormForwardKernel:
         mean = rest.pop(0) if const_expr(self.center) else None
         rstd = rest.pop(0)
         config = self.config
-        extra = {"cluster": [config.cluster, 1, 1]} if const_expr(config.cluster > 1) else {}
         self.kernel(
             x, residual, scale, bias, y, summed, mean, rstd,
             row_tiled_copy(x.element_type, config),
@@ -124,19 +125,15 @@ class NormForwardKernel:
             block=[config.row.num_threads, 1, 1],
             smem=shared_buffer_bytes(config, 2) + cluster_slot_bytes(config, self.cluster_values)
             + staged_smem(config, (summed if const_expr(self.has_residual) else x,),
-                          self.row_bytes(x, scale, bias, y)),
+                          widest_bytes(x, scale, bias, y)),
             stream=stream,
-            **extra,
+            **cluster_launch(config),
         )
 
     @property
     def cluster_values(self) -> int:
         """Values each CTA of a cut row shares: the share's mean and M2 (LayerNorm), sum of squares."""
         return 2 if self.center else 1
-
-    def row_bytes(self, *row_tensors) -> int:
-        """The widest row operand's element bytes: what the config's staging choice assumed."""
-        return max(t.element_type.width for t in row_tensors if t is not None) // 8
 
     @cute.kernel
     def kernel(self, x, residual, scale, bias, y, summed, mean, rstd,
@@ -151,7 +148,9 @@ class NormForwardKernel:
         x_share = row_share(x, config, tile, rank)
         opx = row_operand(x_share, copy_x, coords, config, (0, None), tidx)
         opr = row_operand(row_share(residual, config, tile, rank), copy_residual, coords, config, (0, None), tidx) if const_expr(self.has_residual) else None
-        ops_sum = row_operand(row_share(summed, config, tile, rank), copy_summed, coords, config, (0, None), tidx) if const_expr(self.has_residual) else None
+        # the row being normalized: x's share, or summed's (x + residual)
+        src_share = row_share(summed, config, tile, rank) if const_expr(self.has_residual) else x_share
+        ops_sum = row_operand(src_share, copy_summed, coords, config, (0, None), tidx) if const_expr(self.has_residual) else None
         opy = row_operand(row_share(y, config, tile, rank), copy_y, coords, config, (0, None), tidx)
         pcoords = row_share(cute.make_identity_tensor((config.row.rows_per_cta, n)), config, 0, rank)
         ops = row_operand(row_share(_broadcast_rows(scale, config), config, 0, rank), copy_scale, pcoords, config, (0, None), tidx) if const_expr(self.has_scale) else None
@@ -163,14 +162,12 @@ class NormForwardKernel:
         # A streamed row kept in shared memory for the normalize pass: x prefetched, or summed
         # copied from registers as pass 1 computes it.
         source, copy_to, again, prefetch = row_staging(
-            config, row_share(summed, config, tile, rank) if const_expr(self.has_residual) else x_share, src,
-            (0, None), tidx, staged(config, self.row_bytes(x, scale, bias, y)), prefetch=not self.has_residual)
+            config, src_share, src, (0, None), tidx, staged(config, widest_bytes(x, scale, bias, y)),
+            prefetch=not self.has_residual)
         if const_expr(self.has_residual):
             source = opx  # pass 1 reads x (and the residual) from global memory; it stages summed
         src.frag.fill(0.0)
-        issue_prefetch(prefetch, valid_row, steps, config)
-        if const_expr(prefetch is not None):
-            cute.arch.cp_async_wait_group(0)
+        prefetch_shares((prefetch,), valid_row, steps, config)
 
         # --- statistics ------------------------------------------------------------------------
         row_mean = Float32(0.0)
@@ -255,15 +252,14 @@ class NormForwardKernel:
         """The row's (mean, M2) from its CTAs' (mean, M2) over their shares (Chan et al.'s pairwise
         update, all at once: M2 = sum(M2_r + n_r (mean_r - mean)^2))."""
         config = self.config
-        width = config.steps_per_cta * config.tile_n
         total = Float32(0.0)
         for r in cutlass.range_constexpr(config.cluster):
-            total = total + min(width, config.n - r * width) * slots.values[0, r]
+            total = total + self.share_columns(r) * slots.values[0, r]
         row_mean = total / config.n
         m2 = Float32(0.0)
         for r in cutlass.range_constexpr(config.cluster):
             spread = slots.values[0, r] - row_mean
-            m2 = m2 + slots.values[1, r] + min(width, config.n - r * width) * spread * spread
+            m2 = m2 + slots.values[1, r] + self.share_columns(r) * spread * spread
         return row_mean, m2
 
     @cute.jit
@@ -342,19 +338,15 @@ class NormBackwardKernel:
             block=[config.row.num_threads, 1, 1],
             smem=(shared_buffer_bytes(config, 2) + self.ring_bytes(x, dy, dsummed) + self.slot_sum_bytes()
                   + cluster_slot_bytes(config, self.cluster_values)
-                  + staged_smem(config, (x, dy), self.row_bytes(x, dy, dsummed, scale))),
+                  + staged_smem(config, (x, dy), widest_bytes(x, dy, dsummed, scale))),
             stream=stream,
-            **({"cluster": [config.cluster, 1, 1]} if const_expr(config.cluster > 1) else {}),
+            **cluster_launch(config),
         )
 
     @property
     def cluster_values(self) -> int:
         """Values each CTA of a cut row shares: its sums of g * xhat and (LayerNorm) of g."""
         return 2 if self.center else 1
-
-    def row_bytes(self, *row_tensors) -> int:
-        """The widest row operand's element bytes: what the config's staging choice assumed."""
-        return max(t.element_type.width for t in row_tensors if t is not None) // 8
 
     def partial_view(self, partials, index: int):
         """Partial sum ``index`` (0: the first wanted of dscale, dbias) of ``partials`` as a (grid,
@@ -438,14 +430,11 @@ class NormBackwardKernel:
             x_share, dy_share = row_share(x, config, tile, rank), row_share(dy, config, tile, rank)
             opx = row_operand(x_share, copy_x, shared_coords, config, (0, None), tidx)
             opg = row_operand(dy_share, copy_dy, shared_coords, config, (0, None), tidx)
-            stage = staged(config, self.row_bytes(x, dy, dsummed, scale), 2)
+            stage = staged(config, widest_bytes(x, dy, dsummed, scale), 2)
             source_x, copy_x_to, again_x, prefetch_x = row_staging(config, x_share, opx, (0, None), tidx, stage)
             source_g, copy_g_to, again_g, prefetch_g = row_staging(config, dy_share, opg, (0, None), tidx, stage)
             valid_row = opx.coords[0][0] < x.shape[0]
-            issue_prefetch(prefetch_x, valid_row, steps, config)
-            issue_prefetch(prefetch_g, valid_row, steps, config)
-            if const_expr(prefetch_x is not None or prefetch_g is not None):
-                cute.arch.cp_async_wait_group(0)
+            prefetch_shares((prefetch_x, prefetch_g), valid_row, steps, config)
             self.backward_rows(x, dy, dsummed, mean, rstd, dx, ops, acc_scale, acc_bias, copy_x, copy_dy,
                                copy_dsummed, copy_dx, shared_coords, buffers, 0, tidx,
                                cut=((tile, rank), steps, slots, (source_x, source_g), (copy_x_to, copy_g_to),

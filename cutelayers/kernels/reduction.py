@@ -454,21 +454,34 @@ def row_staging(geometry: RowGeometry, tensor, op, tile_coord, tidx, stage: bool
 
 
 @cute.jit
-def issue_prefetch(prefetch, valid_row, steps, geometry: cutlass.Constexpr):
-    """Start copying the ``steps`` steps of the CTA's share (see :func:`row_staging`), as one
-    group."""
-    if const_expr(prefetch is not None):
-        if valid_row:
-            for step in cutlass.range(steps - 1, unroll=1):
-                prefetch_step(prefetch, step, False)
-            prefetch_step(prefetch, steps - 1, geometry.ragged)
-        cute.arch.cp_async_commit_group()
+def prefetch_shares(prefetches, valid_row, steps, geometry: cutlass.Constexpr):
+    """Copy the ``steps`` steps of the CTA's share of each of ``prefetches`` (:func:`row_staging`'s;
+    None: nothing to copy) into shared memory, and wait for them."""
+    for i in cutlass.range_constexpr(len(prefetches)):
+        if const_expr(prefetches[i] is not None):
+            if valid_row:
+                for step in cutlass.range(steps - 1, unroll=1):
+                    prefetch_step(prefetches[i], step, False)
+                prefetch_step(prefetches[i], steps - 1, geometry.ragged)
+            cute.arch.cp_async_commit_group()
+    if const_expr(prefetches.count(None) < len(prefetches)):
+        cute.arch.cp_async_wait_group(0)
+
+
+def widest_bytes(*tensors) -> int:
+    """Element bytes of the widest of ``tensors`` (None entries skipped)."""
+    return max(t.element_type.width for t in tensors if t is not None) // 8
+
+
+def cluster_launch(geometry: RowGeometry) -> dict:
+    """The launch's cluster keyword where rows are cut over a cluster of CTAs (none otherwise)."""
+    return {"cluster": [geometry.cluster, 1, 1]} if geometry.cluster > 1 else {}
 
 
 def staged_smem(geometry: RowGeometry, operands, elem_bytes: int | None = None) -> int:
     """Shared memory of the staged rows of ``operands`` (their tensors) if the kernel stages them
     (decided at ``elem_bytes`` an element: default, the widest operand's)."""
-    widest = max(t.element_type.width for t in operands) // 8 if elem_bytes is None else elem_bytes
+    widest = widest_bytes(*operands) if elem_bytes is None else elem_bytes
     if not staged(geometry, widest, len(operands)):
         return 0
     return sum(shared_row_bytes(geometry, t.element_type.width // 8) for t in operands)

@@ -24,14 +24,15 @@ from cutlass import Float32, Int32, const_expr
 
 from cutelayers.kernels.reduction import (
     cluster_gather,
+    cluster_launch,
     cluster_slot_bytes,
-    cluster_sum,
     cluster_slots,
+    cluster_sum,
     column_mask,
     cta_position,
-    issue_prefetch,
     load_step,
     nan_max,
+    prefetch_shares,
     row_allreduce,
     row_operand,
     row_share,
@@ -137,13 +138,12 @@ def combined_lse(slots, geometry: cutlass.Constexpr):
 
 def _launch(kernel, geometry: RowGeometry, rows, stream, buffers: int, extra_smem: int = 0):
     """One CTA per ``rows_per_cta`` rows -- ``cluster`` CTAs, a cluster, where rows are cut."""
-    extra = {"cluster": [geometry.cluster, 1, 1]} if geometry.cluster > 1 else {}
     kernel.launch(
         grid=[cute.ceil_div(rows, geometry.row.rows_per_cta) * geometry.cluster, 1, 1],
         block=[geometry.row.num_threads, 1, 1],
         smem=shared_buffer_bytes(geometry, buffers) + cluster_slot_bytes(geometry) + extra_smem,
         stream=stream,
-        **extra,
+        **cluster_launch(geometry),
     )
 
 
@@ -198,9 +198,7 @@ class SoftmaxForwardKernel:
         source, copy_to, again, prefetch = row_staging(g, x_share, opx, (0, None), tidx,
                                                        staged(g, x.element_type.width // 8))
         opx.frag.fill(0.0)
-        issue_prefetch(prefetch, valid_row, steps, g)
-        if const_expr(prefetch is not None):
-            cute.arch.cp_async_wait_group(0)
+        prefetch_shares((prefetch,), valid_row, steps, g)
         mx, c, s = -Float32.inf, Float32(0.0), Float32(0.0)
         for step in cutlass.range(steps, unroll=1):
             if valid_row:
@@ -255,10 +253,7 @@ class SoftmaxBackwardKernel:
         source_g, copy_g_to, again_g, prefetch_g = row_staging(g, dy_share, opg, (0, None), tidx, stage)
         opy.frag.fill(0.0)
         opg.frag.fill(0.0)
-        issue_prefetch(prefetch_y, valid_row, steps, g)
-        issue_prefetch(prefetch_g, valid_row, steps, g)
-        if const_expr(prefetch_y is not None or prefetch_g is not None):
-            cute.arch.cp_async_wait_group(0)
+        prefetch_shares((prefetch_y, prefetch_g), valid_row, steps, g)
         acc = Float32(0.0)
         for step in cutlass.range(steps, unroll=1):
             if valid_row:
@@ -461,9 +456,7 @@ class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
         source, stage, again, prefetch = row_staging(g, x, opx, (bidx, None), tidx,
                                                      staged(g, x.element_type.width // 8))
         opx.frag.fill(0.0)
-        issue_prefetch(prefetch, valid_row, g.num_steps, g)
-        if const_expr(prefetch is not None):
-            cute.arch.cp_async_wait_group(0)
+        prefetch_shares((prefetch,), valid_row, g.num_steps, g)
         mx, c, s, total = -Float32.inf, Float32(0.0), Float32(0.0), Float32(0.0)
         for step in cutlass.range(g.num_steps - 1, unroll=1):
             mx, c, s, total = self.fold_step(source, step, valid_row, False, mx, c, s, total, stage)
