@@ -232,7 +232,7 @@ def candidates(configs, default, how):
     # forward (A K-major, B N-major: one operand of each) compiles a sample of the same configs.
     ("linear", (100, 256, 512), "bfloat16", {"linear_dx": "all"}),
     ("softmax", (8, 1000), "float16", {}),
-    ("rms_norm", (8, 12000), "float32", {}),  # streamed rows: the dx-only backward
+    ("rms_norm", (8, 12000), "float32", {}),  # streamed rows: dscale summed in shared memory
     ("cross_entropy", (8, 20000), "float32", {}),
     ("reduce_max", (8, 1000), "float32", {}),
 ])
@@ -260,10 +260,13 @@ def test_every_weight_gradient_candidate_compiles_in_test_linear():
     assert dkernel.family.name == "linear_dkernel" and set(configs) <= set(ACCUMULATE_CONFIGS)
 
 
-def test_streamed_norm_backward_tunes_the_dx_only_kernel():
-    _, (bwd, _, default) = autotune.list_candidates("rms_norm", [(8, 12000)], ["float32"])
-    assert not (bwd.family.want_dscale or bwd.family.want_dbias)
+def test_streamed_norm_backward_tunes_the_kernel_with_its_sums():
+    """A streamed row's backward sums dscale in its CTAs' shared memory: the kernel tuned is the one
+    with partials, over configs that hold the sums."""
+    _, (bwd, space, default) = autotune.list_candidates("rms_norm", [(8, 12000)], ["float32"])
+    assert bwd.family.want_dscale and not bwd.family.want_dbias
     assert not geometry_for(default, 12000, 32).resident
+    assert space and all(dataclasses.replace(bwd.family, config=c).holds_sums(bwd.avals) for c in space)
 
 
 # --- the tuned-config table -------------------------------------------------------------------------

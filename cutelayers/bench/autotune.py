@@ -127,8 +127,8 @@ def _norm_cases(op: str, center: bool, shape, dtype, residual: bool = False) -> 
 
     backward_avals = (x,) * (1 + rows) + (stat,) * center + (stat, vec)
     backward = NormBackward(center, True, True, center, residual)
-    if not tuning.resolve(backward, backward_avals).geometry(backward_avals).resident:
-        backward = NormBackward(center, True, False, False, residual)  # as the op: too long for partials, dx only
+    if not tuning.resolve(backward, backward_avals).holds_sums(backward_avals):
+        backward = NormBackward(center, True, False, False, residual)  # as the op: too wide for its sums, dx only
     return [
         Case(op, NormForward(center, True, center, EPSILON, dtype.name, residual), (x,) * rows + (vec,) * (1 + center),
              forward_operands),

@@ -78,6 +78,7 @@ from cutelayers.kernels.reduction import (
     store_step,
     widest_bytes,
 )
+from cutelayers.kernels.norm_config import sums_fit
 from cutelayers.kernels.reduction_config import RowGeometry, staged
 
 
@@ -254,12 +255,12 @@ class NormForwardKernel:
         config = self.config
         total = Float32(0.0)
         for r in cutlass.range_constexpr(config.cluster):
-            total = total + self.share_columns(r) * slots.values[0, r]
+            total = total + self.share_columns(r) * slots.values[0, 0, r]
         row_mean = total / config.n
         m2 = Float32(0.0)
         for r in cutlass.range_constexpr(config.cluster):
-            spread = slots.values[0, r] - row_mean
-            m2 = m2 + slots.values[1, r] + self.share_columns(r) * spread * spread
+            spread = slots.values[0, 0, r] - row_mean
+            m2 = m2 + slots.values[0, 1, r] + self.share_columns(r) * spread * spread
         return row_mean, m2
 
     @cute.jit
@@ -301,13 +302,17 @@ class NormBackwardKernel:
 
     def __init__(self, config: RowGeometry, *, center: bool, has_residual: bool, has_scale: bool,
                  want_dscale: bool, want_dbias: bool, grid: int):
-        if (want_dscale or want_dbias) and not config.resident:
-            raise ValueError("dscale/dbias partials need a register-resident row")
+        self.wanted = want_dscale + want_dbias  # W: partial sums a CTA writes side by side
+        if self.wanted and not config.resident and not sums_fit(config, self.wanted):
+            raise ValueError(f"dscale/dbias sums of a {config.share_width}-column share do not fit shared memory")
         self.config, self.center, self.has_residual, self.has_scale = config, center, has_residual, has_scale
         self.want_dscale, self.want_dbias = want_dscale, want_dbias
-        self.wanted = want_dscale + want_dbias  # W: partial sums a CTA writes side by side
-        self.persistent = want_dscale or want_dbias
-        self.grid = grid  # CTAs of the persistent grid (norm_config.backward_grid)
+        # a streamed row always runs the persistent loop (its dscale / dbias sums, if wanted, in
+        # shared memory); a resident one where it accumulates partials
+        self.persistent = bool(self.wanted) or not config.resident
+        self.grid = grid  # CTAs -- clusters for a streamed row -- of the persistent grid (norm_config.backward_grid)
+        # partial rows: one per CTA, or per row slot of a streamed row's cluster
+        self.partial_rows = grid if config.resident else grid * config.row.rows_per_cta
 
     @cute.jit
     def __call__(self, stream, *tensors):
@@ -319,7 +324,7 @@ class NormBackwardKernel:
         rstd = rest.pop(0)
         scale = rest.pop(0) if const_expr(self.has_scale) else None
         dx = rest.pop(0)
-        partials = rest.pop(0) if const_expr(self.persistent) else None
+        partials = rest.pop(0) if const_expr(self.wanted) else None
         config = self.config
         groups = cute.ceil_div(x.shape[0], config.row.rows_per_cta)
         grid = self.grid if const_expr(self.persistent) else groups
@@ -337,8 +342,8 @@ class NormBackwardKernel:
             grid=[grid * config.cluster, 1, 1],
             block=[config.row.num_threads, 1, 1],
             smem=(shared_buffer_bytes(config, 2) + self.ring_bytes(x, dy, dsummed) + self.slot_sum_bytes()
-                  + cluster_slot_bytes(config, self.cluster_values)
-                  + staged_smem(config, (x, dy), widest_bytes(x, dy, dsummed, scale))),
+                  + cluster_slot_bytes(config, self.cluster_values, 2) + self.sum_bytes()
+                  + staged_smem(config, (x, dy), widest_bytes(x, dy, dsummed, scale), self.streamed_sums)),
             stream=stream,
             **cluster_launch(config),
         )
@@ -348,12 +353,22 @@ class NormBackwardKernel:
         """Values each CTA of a cut row shares: its sums of g * xhat and (LayerNorm) of g."""
         return 2 if self.center else 1
 
+    @property
+    def streamed_sums(self) -> int:
+        """fp32 sums a column a streamed row's CTA keeps in shared memory (its dscale / dbias)."""
+        return 0 if self.config.resident else self.wanted
+
+    def sum_bytes(self) -> int:
+        """Shared memory of a streamed row's dscale / dbias sums (one fp32 share each)."""
+        return self.streamed_sums * shared_row_bytes(self.config, 4)
+
     def partial_view(self, partials, index: int):
         """Partial sum ``index`` (0: the first wanted of dscale, dbias) of ``partials`` as a (grid,
-        N) tensor: one row per CTA (:meth:`store_partial`), the W sums of a CTA side by side."""
+        N) tensor: one row per CTA (:meth:`store_partial`) -- per cluster for a streamed row, each
+        CTA its share's columns (:meth:`streamed_rows`) -- the W sums of a row side by side."""
         n = self.config.n
         return cute.make_tensor(partials.iterator + index * n,
-                                cute.make_layout((self.grid, n), stride=(self.wanted * n, 1)))
+                                cute.make_layout((self.partial_rows, n), stride=(self.wanted * n, 1)))
 
     def staged(self, *rows) -> bool:
         """Whether the persistent loop prefetches its next row group's ``rows`` operands (x, dy,
@@ -417,33 +432,93 @@ class NormBackwardKernel:
                 self.backward_rows(x, dy, dsummed, mean, rstd, dx, ops, acc_scale, acc_bias, copy_x, copy_dy,
                                    copy_dsummed, copy_dx, coords, buffers, group, tidx)
         else:
-            # a streamed row: one row a CTA -- or a cluster, each CTA its share -- x and dy staged
-            # in shared memory where the share fits (read once), else read again by the dx pass
-            tile, rank, steps = cta_position(config)
-            slots = cluster_slots(config, self.cluster_values)
-            shared_coords = row_share(coords, config, tile, rank)
-            ops = None
-            if const_expr(self.has_scale):
-                pshare = row_share(cute.make_identity_tensor((config.row.rows_per_cta, n)), config, 0, rank)
-                ops = row_operand(row_share(_broadcast_rows(scale, config), config, 0, rank), copy_scale, pshare,
-                                  config, (0, None), tidx)
-            x_share, dy_share = row_share(x, config, tile, rank), row_share(dy, config, tile, rank)
-            opx = row_operand(x_share, copy_x, shared_coords, config, (0, None), tidx)
-            opg = row_operand(dy_share, copy_dy, shared_coords, config, (0, None), tidx)
-            stage = staged(config, widest_bytes(x, dy, dsummed, scale), 2)
-            source_x, copy_x_to, again_x, prefetch_x = row_staging(config, x_share, opx, (0, None), tidx, stage)
-            source_g, copy_g_to, again_g, prefetch_g = row_staging(config, dy_share, opg, (0, None), tidx, stage)
-            valid_row = opx.coords[0][0] < x.shape[0]
-            prefetch_shares((prefetch_x, prefetch_g), valid_row, steps, config)
-            self.backward_rows(x, dy, dsummed, mean, rstd, dx, ops, acc_scale, acc_bias, copy_x, copy_dy,
-                               copy_dsummed, copy_dx, shared_coords, buffers, 0, tidx,
-                               cut=((tile, rank), steps, slots, (source_x, source_g), (copy_x_to, copy_g_to),
-                                    (again_x, again_g)))
+            self.streamed_rows(x, dy, dsummed, mean, rstd, scale, dx, dscale, dbias, copy_x, copy_dy,
+                               copy_dsummed, copy_scale, copy_dx, copy_partial, coords, buffers, tidx)
 
-        if const_expr(self.persistent):
+        if const_expr(self.persistent and config.resident):
             for acc, partial in ((acc_scale, dscale), (acc_bias, dbias)):
                 if const_expr(partial is not None):
                     self.store_partial(acc, partial, probe, copy_partial, bidx, tidx)
+
+    @cute.jit
+    def streamed_rows(self, x, dy, dsummed, mean, rstd, scale, dx, dscale, dbias, copy_x, copy_dy,
+                      copy_dsummed, copy_scale, copy_dx, copy_partial, coords, buffers, tidx):
+        """The persistent loop of a streamed row: cluster c (a CTA without one) walks row groups
+        c, c + clusters, ... (one row a group where rows are cut), each CTA its share of every row
+        (:func:`.reduction.row_share`): x and dy staged in shared memory where they fit (read
+        once; else the dx pass reads them again), the row's sums of g * xhat and g combined over
+        the cluster once per row (double-buffered slots), dscale / dbias summed over the rows in
+        shared memory, one fp32 per share column and row slot, and stored at the end as the
+        cluster's partial rows (each CTA its share's columns)."""
+        config = self.config
+        n = config.n
+        gdim, _, _ = cute.arch.grid_dim()
+        cid, rank, steps = cta_position(config)
+        clusters = gdim // config.cluster
+        slots = cluster_slots(config, self.cluster_values, 2)
+        stage = staged(config, widest_bytes(x, dy, dsummed, scale), 2, self.streamed_sums)
+        shared_x = shared_row_tensor(config, x.element_type) if const_expr(stage) else None
+        shared_g = shared_row_tensor(config, dy.element_type) if const_expr(stage) else None
+        share_coords = row_share(coords, config, cid, rank)  # the share's columns (rows unused)
+        ops = None
+        if const_expr(self.has_scale):
+            pshare = row_share(cute.make_identity_tensor((config.row.rows_per_cta, n)), config, 0, rank)
+            ops = row_operand(row_share(_broadcast_rows(scale, config), config, 0, rank), copy_scale, pshare,
+                              config, (0, None), tidx)
+        sums = [None, None]  # dscale's, dbias's: fp32 shares in shared memory, zeroed
+        for i, want in enumerate((self.want_dscale, self.want_dbias)):
+            if const_expr(want):
+                sums[i] = row_operand(shared_row_tensor(config, Float32), copy_partial, share_coords, config,
+                                      (0, None), tidx)
+                sums[i].frag.fill(0.0)
+                for step in cutlass.range(steps, unroll=1):
+                    save_step(sums[i], step)
+        groups = cute.ceil_div(x.shape[0], config.row.rows_per_cta)
+        operands = (x, dy, coords, copy_x, copy_dy, (shared_x, shared_g), stage, rank, tidx)
+        _, first_row, (_, _, _, first_x), (_, _, _, first_g) = self.streamed_share(cid, *operands)
+        # x and dy copied in whole, asynchronously, where cp.async can (each on its own: a bf16 x
+        # with odd N is copied from registers, a float32 dy of it still prefetched)
+        prefetched = first_x is not None or first_g is not None
+        prefetch_shares((first_x, first_g), first_row < x.shape[0], steps, config, wait=False)
+        for tile in cutlass.range(cid, groups, clusters, unroll=1):
+            tile_coords, row, (source_x, copy_x_to, again_x, _), (source_g, copy_g_to, again_g, _) = \
+                self.streamed_share(tile, *operands)
+            # the row's statistics, loaded while its share is still arriving
+            row_mean, row_rstd = Float32(0.0), Float32(0.0)
+            if row < x.shape[0]:
+                row_rstd = rstd[row, 0]
+                if const_expr(self.center):
+                    row_mean = mean[row, 0]
+            refill = None
+            if const_expr(prefetched):
+                _, next_row, (_, _, _, next_x), (_, _, _, next_g) = self.streamed_share(tile + clusters, *operands)
+                refill = (next_x, next_g, next_row < x.shape[0])
+                cute.arch.cp_async_wait_group(0)  # this row's share, copied in during the last row
+            self.backward_rows(x, dy, dsummed, mean, rstd, dx, ops, sums[0], sums[1], copy_x, copy_dy,
+                               copy_dsummed, copy_dx, tile_coords, buffers, 0, tidx,
+                               cut=((tile, rank), steps, slots, (source_x, source_g), (copy_x_to, copy_g_to),
+                                    (again_x, again_g), (tile - cid) // clusters), refill=refill,
+                               stats=(row_mean, row_rstd))
+        for acc, partial in zip(sums, (dscale, dbias)):
+            if const_expr(partial is not None):
+                pcoords = row_share(cute.make_identity_tensor(partial.shape), config, cid, rank)
+                out = row_operand(row_share(partial, config, cid, rank), copy_partial, pcoords, config, (0, None),
+                                  tidx)
+                for step in cutlass.range(steps, unroll=1):
+                    store_step(out, step, load_step(acc, step))
+
+    def streamed_share(self, tile, x, dy, coords, copy_x, copy_dy, shared, stage, rank, tidx):
+        """This CTA's share of row group ``tile``: its coordinates, this thread's row (past the
+        last one where the group is), and x's and dy's staging (:func:`.reduction.row_staging`,
+        in the ``shared`` tensors allocated once)."""
+        config = self.config
+        tile_coords = row_share(coords, config, tile, rank)
+        x_share, dy_share = row_share(x, config, tile, rank), row_share(dy, config, tile, rank)
+        opx = row_operand(x_share, copy_x, tile_coords, config, (0, None), tidx)
+        opg = row_operand(dy_share, copy_dy, tile_coords, config, (0, None), tidx)
+        return (tile_coords, opx.coords[0][0],
+                row_staging(config, x_share, opx, (0, None), tidx, stage, shared=shared[0]),
+                row_staging(config, dy_share, opg, (0, None), tidx, stage, shared=shared[1]))
 
     @cute.jit
     def store_partial(self, acc, partial, probe, copy_partial, bidx, tidx):
@@ -485,18 +560,26 @@ class NormBackwardKernel:
 
     @cute.jit
     def backward_rows(self, x, dy, dsummed, mean, rstd, dx, ops, acc_scale, acc_bias, copy_x, copy_dy,
-                      copy_dsummed, copy_dx, coords, buffers, group, tidx, staged=None, cut=None):
+                      copy_dsummed, copy_dx, coords, buffers, group, tidx, staged=None, cut=None, refill=None,
+                      stats=None):
         """dx of the ``rows_per_cta`` rows of ``group``; adds their dscale/dbias terms to the
         accumulators. ``staged``: shared tensors holding the group's x, dy [, dsummed] (read
         from there, not from global memory). ``cut``: a streamed row's share (``coords`` then its
         coordinates, ``group`` 0): ((row tile, rank), its steps, the cluster's slots, where pass 1
-        loads x and dy from, where it copies them to, where the dx pass loads them from)."""
+        loads x and dy from, where it copies them to, where the dx pass loads them from, the row's
+        number in the CTA's loop); the accumulators are then its shared dscale / dbias sums.
+        ``refill``: (x's, dy's :class:`.reduction.RowPrefetch` of the next row's share into the
+        same shared memory -- None for one not prefetched --, whether this thread has a next
+        row): each step of it is copied in
+        once the dx pass has read the step of this row (every thread copies the elements it
+        reads, so no barrier is needed), overlapping the next row's loads with this row's work.
+        ``stats``: the row's (mean, rstd), already loaded (default: loaded here)."""
         config = self.config
         n = config.n
         rows = x.shape[0]
-        steps, slots = config.num_steps, None
+        steps, slots, index = config.num_steps, None, None
         if const_expr(cut is not None):  # the operands' shares (rows_per_cta rows: group 0)
-            (tile, rank), steps, slots, sources, copies, agains = cut
+            (tile, rank), steps, slots, sources, copies, agains, index = cut
             x, dy, dx = row_share(x, config, tile, rank), row_share(dy, config, tile, rank), row_share(dx, config, tile, rank)
             if const_expr(self.has_residual):
                 dsummed = row_share(dsummed, config, tile, rank)
@@ -519,7 +602,9 @@ class NormBackwardKernel:
         opg.frag.fill(0.0)
         row_mean = Float32(0.0)
         row_rstd = Float32(0.0)
-        if valid_row:
+        if const_expr(stats is not None):
+            row_mean, row_rstd = stats
+        elif valid_row:
             row_rstd = rstd[row, 0]
             if const_expr(self.center):
                 row_mean = mean[row, 0]
@@ -551,14 +636,22 @@ class NormBackwardKernel:
         elif const_expr(config.row.warps_per_row > 1):
             cute.arch.barrier()  # the next row's reduction reuses buffers[0]
         if const_expr(self.center):  # the row's sums from its CTAs' ones
-            c_dot, c_sum = cluster_sum((c_dot, c_sum), slots, config)
+            c_dot, c_sum = cluster_sum((c_dot, c_sum), slots, config, index)
         else:
-            (c_dot,) = cluster_sum((c_dot,), slots, config)
+            (c_dot,) = cluster_sum((c_dot,), slots, config, index)
         c_dot, c_sum = c_dot / n, c_sum / n
         for step in cutlass.range(steps, unroll=1):
             if valid_row:
                 self.dx_step(again_x, again_g, opds, ops, opd, acc_scale, acc_bias, step, row_mean, row_rstd, c_dot,
                              c_sum)
+            if const_expr(refill is not None):
+                # the step's x and dy are in registers now: start copying the next row's in
+                if refill[2]:
+                    for prefetch in refill[:2]:
+                        if const_expr(prefetch is not None):
+                            prefetch_step(prefetch, step)
+        if const_expr(refill is not None):
+            cute.arch.cp_async_commit_group()
 
     @cute.jit
     def dx_step(self, opx, opg, opds, ops, opd, acc_scale, acc_bias, step, row_mean, row_rstd, c_dot, c_sum):
@@ -577,6 +670,15 @@ class NormBackwardKernel:
             dxv = dxv + load_step(opds, step).reshape(dxv.shape)
         store_step(opd, step, dxv)
         if const_expr(self.want_dscale):
-            acc_scale.store(acc_scale.load() + dyv * xhat)
+            self.accumulate(acc_scale, step, dyv * xhat)
         if const_expr(self.want_dbias):
-            acc_bias.store(acc_bias.load() + dyv)
+            self.accumulate(acc_bias, step, dyv)
+
+    @cute.jit
+    def accumulate(self, acc, step, values):
+        """Add ``values`` (fp32, a row step's fragment) to a dscale / dbias accumulator: registers
+        for a resident row, the step's columns of the CTA's shared sums for a streamed one."""
+        if const_expr(self.config.resident):
+            acc.store(acc.load() + values)
+        else:
+            store_step(acc, step, load_step(acc, step) + values.reshape(acc.frag.shape))

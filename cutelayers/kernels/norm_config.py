@@ -4,7 +4,13 @@ which fixes the shape of its dscale / dbias partials (:mod:`.norm`)."""
 
 from __future__ import annotations
 
-from cutelayers.kernels.reduction_config import RowConfig
+from cutelayers.kernels.reduction_config import (
+    STAGED_ROW_BYTES,
+    STAGED_ROW_BYTES_ALONE,
+    RowGeometry,
+    share_bytes,
+    staged,
+)
 
 # fp32 values a thread holds per row step: the forward keeps x; the backward keeps x, dy and the
 # dscale/dbias accumulators, so it gets fewer -- 24 for 16-bit rows, 16 for 32-bit ones (whose
@@ -29,13 +35,46 @@ HOPPER_SMS = 132
 THREADS_PER_SM = 512
 
 
-def backward_grid(config: RowConfig, rows: int | None = None) -> int:
-    """CTAs of the persistent backward grid (register-resident rows only): enough to fill the
-    GPU, or, for ``rows`` rows that need fewer, the power of two that covers their row groups --
-    every CTA writes a row of partials, so a decode-sized batch should not launch a GPU's worth."""
-    full = HOPPER_SMS * max(THREADS_PER_SM // config.num_threads, 1)
-    if rows is None:
-        return full
-    groups = max(1, -(-rows // config.rows_per_cta))
-    return min(full, 1 << (groups - 1).bit_length())
+# Clusters of each size resident at once with one CTA an SM: Hopper's 132 SMs sit in GPCs of
+# about 16 to 18 (which ones varies from chip to chip), and a cluster runs within one GPC
+# (cuOccupancyMaxActiveClusters on an H100 SXM: 132 / 66 / 30 / 15 / 7 for 1 / 2 / 4 / 8 / 16 CTAs
+# of 200 KiB, and twice that, but 62 for four, with 100 KiB: docs/benchmarks.md, eighteenth
+# session). A persistent grid larger than what is resident runs its last clusters as a second wave.
+RESIDENT_CLUSTERS = {1: HOPPER_SMS, 2: 66, 4: 30, 8: 15, 16: 7}
+# Row operands the backward stages (x and dy): with its fp32 dscale / dbias sums, a streamed row's
+# shared memory (:func:`streamed_cta_bytes`).
+STAGED_OPERANDS = 2
 
+
+def sums_fit(geometry: RowGeometry, sums: int) -> bool:
+    """Whether a CTA holds ``sums`` fp32 sums a column of its share of a streamed row in shared
+    memory (the backward's dscale / dbias, summed over the rows a persistent CTA visits)."""
+    return share_bytes(geometry, 0, 0, sums) <= STAGED_ROW_BYTES_ALONE
+
+
+def streamed_cta_bytes(geometry: RowGeometry, elem_bytes: int, sums: int) -> int:
+    """Shared memory of the backward's share of a streamed row: x and dy where they stage, and
+    ``sums`` fp32 sums a column."""
+    if staged(geometry, elem_bytes, STAGED_OPERANDS, sums):
+        return share_bytes(geometry, elem_bytes, STAGED_OPERANDS, sums)
+    return share_bytes(geometry, 0, 0, sums)
+
+
+def backward_grid(geometry: RowGeometry, rows: int | None = None, elem_bytes: int = 2, sums: int = 0) -> int:
+    """The persistent backward grid, enough to fill the GPU -- or, for ``rows`` rows that need
+    fewer, the power of two that covers their row groups (every CTA or cluster writes a row of
+    partials, so a decode-sized batch should not launch a GPU's worth): CTAs for
+    register-resident rows; for a streamed row (one a cluster, or a CTA), clusters, as many as are
+    resident at once with the CTAs' shared memory (``elem_bytes`` the row operands' widest element,
+    ``sums`` the fp32 sums they keep)."""
+    config = geometry.row
+    if geometry.resident:
+        full = HOPPER_SMS * max(THREADS_PER_SM // config.num_threads, 1)
+        groups = None if rows is None else max(1, -(-rows // config.rows_per_cta))
+    else:
+        per_sm = 2 if streamed_cta_bytes(geometry, elem_bytes, sums) <= STAGED_ROW_BYTES else 1
+        full = RESIDENT_CLUSTERS[geometry.cluster] * per_sm
+        groups = None if rows is None else max(1, rows)
+    if groups is None:
+        return full
+    return min(full, 1 << (groups - 1).bit_length())

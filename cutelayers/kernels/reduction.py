@@ -344,54 +344,70 @@ def shared_row_bytes(geometry: RowGeometry, elem_bytes: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ClusterSlots:
-    """Shared memory for :func:`cluster_gather`: (count, cluster) fp32 slots -- value i of CTA r
-    at [i, r] -- and the mbarrier that counts the bytes the cluster's CTAs store into them."""
+    """Shared memory for :func:`cluster_gather`: (buffers, count, cluster) fp32 slots -- value i
+    of CTA r at [b, i, r] -- and per buffer the mbarrier that counts the bytes the cluster's CTAs
+    store into it."""
 
     values: object
     barrier: object
 
 
-def cluster_slots(geometry: RowGeometry, count: int = 1):
-    """:class:`ClusterSlots` for ``count`` values per CTA of a cluster (None without one). Thread 0
-    initializes the barrier, then the CTA arrives on the cluster barrier, which
+def cluster_slots(geometry: RowGeometry, count: int = 1, buffers: int = 1):
+    """:class:`ClusterSlots` for ``count`` values per CTA of a cluster (None without one), in
+    ``buffers`` buffers (2 for a kernel that gathers once per row of a persistent loop). Thread 0
+    initializes the barriers, then the CTA arrives on the cluster barrier, which
     :func:`cluster_gather` waits on before any CTA stores into another (the wait is left for
     later: the rows' loads come first)."""
     if geometry.cluster == 1:
         return None
     smem = cutlass.memory.SmemAllocator()
-    barrier = smem.allocate_array(cutlass.Int64, 1)
-    layout = cute.make_layout((count, geometry.cluster), stride=(geometry.cluster, 1))
+    barrier = smem.allocate_array(cutlass.Int64, buffers)
+    layout = cute.make_layout((buffers, count, geometry.cluster),
+                              stride=(count * geometry.cluster, geometry.cluster, 1))
     values = smem.allocate_tensor(Float32, layout, byte_alignment=4)
-    _join_cluster(barrier)
+    _join_cluster(barrier, buffers)
     return ClusterSlots(values, barrier)
 
 
 @cute.jit
-def _join_cluster(barrier):
+def _join_cluster(barrier, buffers: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
     if tidx == 0:
-        cute.arch.mbarrier_init(barrier, 1)
+        for b in cutlass.range_constexpr(buffers):
+            cute.arch.mbarrier_init(barrier + b, 1)
     cute.arch.mbarrier_init_fence()
     cute.arch.cluster_arrive_relaxed()
 
 
-def cluster_slot_bytes(geometry: RowGeometry, count: int = 1) -> int:
-    """Shared memory of :func:`cluster_slots` (barrier, slots, alignment)."""
-    return 8 + 4 * count * geometry.cluster + 8 if geometry.cluster > 1 else 0
+def cluster_slot_bytes(geometry: RowGeometry, count: int = 1, buffers: int = 1) -> int:
+    """Shared memory of :func:`cluster_slots` (barriers, slots, alignment)."""
+    return buffers * (8 + 4 * count * geometry.cluster) + 8 if geometry.cluster > 1 else 0
 
 
 @cute.jit
-def cluster_gather(values, slots: ClusterSlots, geometry: cutlass.Constexpr):
+def cluster_gather(values, slots: ClusterSlots, geometry: cutlass.Constexpr, index=None):
     """Every CTA's ``values`` (a tuple of fp32 values, each the same on all of a CTA's threads),
     gathered into the ``slots.values`` of every CTA of the cluster: thread t of each CTA stores
     them into CTA t's slots at the storing CTA's rank (``st.async``, counted by CTA t's barrier),
-    then every thread waits for the cluster's values to land. Once per kernel (the barrier's
-    phase 0)."""
+    then every thread waits for the cluster's values to land; returns the buffer they are in.
+
+    ``index``: the gather's number in a kernel that gathers repeatedly (None: once). Gathers
+    alternate between two buffers, each barrier's phase flipping every second gather. A CTA
+    stores gather i + 2 into a buffer only after gather i + 1 has landed from every peer, which
+    each sent after reading gather i -- and after a CTA-wide barrier -- so no slot is overwritten
+    before it is read; the caller reads the slots before its next row's reduction barrier."""
     count = len(values)
-    cute.arch.cluster_wait()  # every peer runs, its barrier initialized
+    buffer, phase = 0, 0
+    if const_expr(index is None):
+        cute.arch.cluster_wait()  # every peer runs, its barrier initialized
+    else:
+        if index == 0:
+            cute.arch.cluster_wait()
+        buffer, phase = index % 2, (index // 2) % 2
+    barrier = slots.barrier + buffer
     tidx, _, _ = cute.arch.thread_idx()
     if tidx == 0:
-        cute.arch.mbarrier_arrive_and_expect_tx(slots.barrier, 4 * count * geometry.cluster)
+        cute.arch.mbarrier_arrive_and_expect_tx(barrier, 4 * count * geometry.cluster)
     if tidx < geometry.cluster:
         bits = cute.make_rmem_tensor(cute.make_layout(count), Float32)
         for i in cutlass.range_constexpr(count):
@@ -399,22 +415,23 @@ def cluster_gather(values, slots: ClusterSlots, geometry: cutlass.Constexpr):
         as_int = cute.recast_tensor(bits, cutlass.Int32)
         rank = cute.arch.block_idx_in_cluster()
         for i in cutlass.range_constexpr(count):
-            cute.arch.store_async_dsmem(slots.values.iterator + (i * geometry.cluster + rank), as_int[i],
-                                        slots.barrier, tidx)
-    cute.arch.mbarrier_wait(slots.barrier, 0)
+            offset = (buffer * count + i) * geometry.cluster + rank
+            cute.arch.store_async_dsmem(slots.values.iterator + offset, as_int[i], barrier, tidx)
+    cute.arch.mbarrier_wait(barrier, phase)
+    return buffer
 
 
 @cute.jit
-def cluster_sum(values, slots: ClusterSlots, geometry: cutlass.Constexpr):
+def cluster_sum(values, slots: ClusterSlots, geometry: cutlass.Constexpr, index=None):
     """Each of ``values`` (a tuple of a CTA's fp32 partial sums) summed over the CTAs of the
-    cluster (:func:`cluster_gather`); as they are without a cluster."""
+    cluster (:func:`cluster_gather`, ``index`` as there); as they are without a cluster."""
     sums = list(values)
     if const_expr(geometry.cluster > 1):
-        cluster_gather(values, slots, geometry)
+        buffer = cluster_gather(values, slots, geometry, index)
         for i in cutlass.range_constexpr(len(values)):
             total = Float32(0.0)
             for r in cutlass.range_constexpr(geometry.cluster):
-                total = total + slots.values[i, r]
+                total = total + slots.values[buffer, i, r]
             sums[i] = total
     return tuple(sums)
 
@@ -431,19 +448,22 @@ def cta_position(geometry: cutlass.Constexpr):
     return tile, rank, steps
 
 
-def row_staging(geometry: RowGeometry, tensor, op, tile_coord, tidx, stage: bool, prefetch: bool = True):
+def row_staging(geometry: RowGeometry, tensor, op, tile_coord, tidx, stage: bool, prefetch: bool = True,
+                shared=None):
     """How a two-pass kernel holds ``op``'s row (of ``tensor``, tiled at ``tile_coord``) between
     its passes: ``(source, stage, again, prefetch)`` -- where pass 1 loads it from, where pass 1
     copies it to as it goes (None: nowhere), where pass 2 loads it from (None: it is still in
     registers) and the cp.async prefetch of the whole share into shared memory (None: none).
     ``stage``: keep a streamed row in shared memory (:func:`.reduction_config.staged`): prefetched
     where cp.async can copy its accesses (and ``prefetch``: the row is read, not computed by pass
-    1), else copied from registers by pass 1."""
+    1), else copied from registers by pass 1. ``shared``: the :func:`shared_row_tensor` to stage
+    in (default: a new one; a persistent kernel allocates it once, outside its row loop)."""
     source, copy_to, again, copies = op, None, None, None
     if not geometry.resident:
         again = op
     if stage:
-        shared = shared_row_tensor(geometry, tensor.element_type)
+        if shared is None:
+            shared = shared_row_tensor(geometry, tensor.element_type)
         again = shared_row_operand(shared, op, tidx)
         if prefetch and can_prefetch(geometry, tensor.element_type.width):
             copies = row_prefetch(tensor, shared, op, tile_coord, tidx)
@@ -454,9 +474,10 @@ def row_staging(geometry: RowGeometry, tensor, op, tile_coord, tidx, stage: bool
 
 
 @cute.jit
-def prefetch_shares(prefetches, valid_row, steps, geometry: cutlass.Constexpr):
+def prefetch_shares(prefetches, valid_row, steps, geometry: cutlass.Constexpr, wait: cutlass.Constexpr = True):
     """Copy the ``steps`` steps of the CTA's share of each of ``prefetches`` (:func:`row_staging`'s;
-    None: nothing to copy) into shared memory, and wait for them."""
+    None: nothing to copy) into shared memory, and wait for them (``wait``; else the caller
+    waits for the cp.async groups later)."""
     for i in cutlass.range_constexpr(len(prefetches)):
         if const_expr(prefetches[i] is not None):
             if valid_row:
@@ -464,7 +485,7 @@ def prefetch_shares(prefetches, valid_row, steps, geometry: cutlass.Constexpr):
                     prefetch_step(prefetches[i], step, False)
                 prefetch_step(prefetches[i], steps - 1, geometry.ragged)
             cute.arch.cp_async_commit_group()
-    if const_expr(prefetches.count(None) < len(prefetches)):
+    if const_expr(wait and prefetches.count(None) < len(prefetches)):
         cute.arch.cp_async_wait_group(0)
 
 
@@ -478,11 +499,12 @@ def cluster_launch(geometry: RowGeometry) -> dict:
     return {"cluster": [geometry.cluster, 1, 1]} if geometry.cluster > 1 else {}
 
 
-def staged_smem(geometry: RowGeometry, operands, elem_bytes: int | None = None) -> int:
+def staged_smem(geometry: RowGeometry, operands, elem_bytes: int | None = None, sums: int = 0) -> int:
     """Shared memory of the staged rows of ``operands`` (their tensors) if the kernel stages them
-    (decided at ``elem_bytes`` an element: default, the widest operand's)."""
+    (decided at ``elem_bytes`` an element -- default, the widest operand's -- next to ``sums`` fp32
+    sums a column, which this does not count)."""
     widest = widest_bytes(*operands) if elem_bytes is None else elem_bytes
-    if not staged(geometry, widest, len(operands)):
+    if not staged(geometry, widest, len(operands), sums):
         return 0
     return sum(shared_row_bytes(geometry, t.element_type.width // 8) for t in operands)
 

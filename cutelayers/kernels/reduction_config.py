@@ -195,41 +195,67 @@ def geometry_for(config: RowConfig, n: int, elem_bits: int) -> RowGeometry:
 # Shared memory a CTA may give a staged row: two CTAs per SM (228 KiB on Hopper, 1 KiB of it
 # reserved per CTA), less the reduction buffers. A bf16 row of 50304 (GPT-2) takes 98 KiB.
 STAGED_ROW_BYTES = 112 * 1024
-# Where even a full cluster's shares exceed that (a bf16 softmax backward's y and dy at 262144:
-# 128 KiB a CTA over 8), one CTA per SM may stage up to this much.
-STAGED_ROW_BYTES_ALONE = 200 * 1024
+# Where even a full cluster's shares exceed that (a bf16 LayerNorm backward's x, dy and fp32
+# dscale / dbias sums at 262144: 216 KiB a CTA over 16), one CTA per SM may stage up to this much
+# (an opt-in CTA has 227 KiB).
+STAGED_ROW_BYTES_ALONE = 216 * 1024
 # CTAs a row may be cut over: Hopper's largest (non-portable) cluster, which CuTe DSL allows on
 # every kernel. A bf16 softmax backward at 262144 stages 64 KiB a CTA over 16 (128 KiB over 8).
 MAX_CLUSTER = 16
+# A persistent kernel's cluster walks its rows in lockstep, so a cut whose CTAs' shares differ too
+# much (16384 columns in steps of 6144 over two CTAs: 12288 and 4096) runs at the pace of the
+# widest, every row; such kernels take those cuts only where no other fits. (Where each cluster
+# runs one row, a CTA done early frees its SM for the next cluster's: imbalance costs little.)
+MAX_CUT_IMBALANCE = 1.25
 
 
-def share_bytes(geometry: RowGeometry, elem_bytes: int, operands: int = 1) -> int:
-    """Shared memory one CTA needs to stage its share of ``operands`` row operands."""
-    return operands * geometry.row.rows_per_cta * geometry.share_width * elem_bytes
+def share_bytes(geometry: RowGeometry, elem_bytes: int, operands: int = 1, accumulators: int = 0) -> int:
+    """Shared memory one CTA needs to stage its share of ``operands`` row operands, plus
+    ``accumulators`` fp32 sums per column of the share (the norm backward's dscale / dbias)."""
+    return geometry.row.rows_per_cta * geometry.share_width * (operands * elem_bytes + 4 * accumulators)
 
 
-def staged(geometry: RowGeometry, elem_bytes: int, operands: int = 1) -> bool:
+def staged(geometry: RowGeometry, elem_bytes: int, operands: int = 1, accumulators: int = 0) -> bool:
     """Whether a two-pass kernel keeps a streamed row (one read in several steps) in shared memory
-    for its second pass, instead of reading it from global memory again (then mostly from L2)."""
+    for its second pass, instead of reading it from global memory again (then mostly from L2);
+    ``accumulators``: fp32 sums per column the CTA keeps in shared memory as well."""
     limit = STAGED_ROW_BYTES if geometry.cluster == 1 else STAGED_ROW_BYTES_ALONE
-    return not geometry.resident and share_bytes(geometry, elem_bytes, operands) <= limit
+    return not geometry.resident and share_bytes(geometry, elem_bytes, operands, accumulators) <= limit
 
 
-def split_rows(geometry: RowGeometry, elem_bytes: int, operands: int) -> RowGeometry:
+def split_rows(geometry: RowGeometry, elem_bytes: int, operands: int, accumulators: int = 0,
+               balanced: bool = False) -> RowGeometry:
     """``geometry`` with a streamed row of one-row CTAs cut over the fewest CTAs (a power of two,
-    at most ``MAX_CLUSTER``, each with a step) whose shares of ``operands`` row operands stage in
-    ``STAGED_ROW_BYTES``, or failing that in ``STAGED_ROW_BYTES_ALONE`` over the most CTAs; the row
+    at most ``MAX_CLUSTER``, each with a step) whose shares of ``operands`` row operands (and
+    ``accumulators`` fp32 sums a column) stage in ``STAGED_ROW_BYTES`` -- at the config's unroll,
+    else at a smaller one (finer steps, finer shares); with ``balanced`` (a persistent kernel), cuts
+    whose widest share is within ``MAX_CUT_IMBALANCE`` of the mean first -- or failing that, the
+    cut with the smallest
+    shares, where they stage in ``STAGED_ROW_BYTES_ALONE`` or the kernel keeps sums there; the row
     is read from global memory once instead of twice. Other geometries are returned as they are."""
-    if geometry.resident or geometry.row.rows_per_cta != 1 or staged(geometry, elem_bytes, operands):
+    if geometry.resident or geometry.row.rows_per_cta != 1 or staged(geometry, elem_bytes, operands, accumulators):
         return geometry
-    steps = geometry.num_steps
-    splits = [c for c in (2, 4, 8, 16) if c <= MAX_CLUSTER and (c - 1) * -(-steps // c) < steps]
-    for cluster in splits:
-        cut = dataclasses.replace(geometry, cluster=cluster)
-        if share_bytes(cut, elem_bytes, operands) <= STAGED_ROW_BYTES:
-            return cut
-    if splits:
-        cut = dataclasses.replace(geometry, cluster=splits[-1])
-        if staged(cut, elem_bytes, operands):
-            return cut
+
+    def size(g):
+        return share_bytes(g, elem_bytes, operands, accumulators)
+
+    candidates = [
+        cut
+        for unroll in range(geometry.row.unroll, 0, -1)
+        for cut in _cuts(dataclasses.replace(geometry, row=dataclasses.replace(geometry.row, unroll=unroll)))
+    ]
+    fitting = [cut for cut in candidates if size(cut) <= STAGED_ROW_BYTES]
+    even = [cut for cut in fitting if balanced and cut.cluster * cut.share_width <= MAX_CUT_IMBALANCE * cut.n]
+    if even or fitting:
+        return (even or fitting)[0]
+    smallest = min(candidates, key=size, default=None)
+    if smallest is not None and (accumulators or staged(smallest, elem_bytes, operands, accumulators)):
+        return smallest
     return geometry
+
+
+def _cuts(geometry: RowGeometry) -> list[RowGeometry]:
+    """``geometry`` cut over 2, 4, ... ``MAX_CLUSTER`` CTAs, each of which gets a step."""
+    steps = geometry.num_steps
+    return [dataclasses.replace(geometry, cluster=c) for c in (2, 4, 8, 16)
+            if c <= MAX_CLUSTER and (c - 1) * -(-steps // c) < steps]

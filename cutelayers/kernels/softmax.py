@@ -128,11 +128,11 @@ def combined_lse(slots, geometry: cutlass.Constexpr):
     """The logsumexp of a row from its CTAs' logsumexps (gathered by :func:`cluster_gather`)."""
     top = -Float32.inf
     for r in cutlass.range_constexpr(geometry.cluster):
-        top = nan_max(top, slots.values[0, r])
+        top = nan_max(top, slots.values[0, 0, r])
     shift = finite_shift(top)
     total = Float32(0.0)
     for r in cutlass.range_constexpr(geometry.cluster):
-        total = total + exp(slots.values[0, r] - shift)
+        total = total + exp(slots.values[0, 0, r] - shift)
     return shift + cute.math.log(total, fastmath=True)
 
 

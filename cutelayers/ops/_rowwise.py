@@ -52,6 +52,14 @@ class RowKernelFamily(TunableFamily):
     cut over a cluster of CTAs (:func:`cutelayers.kernels.reduction_config.split_rows`); 0: a
     kernel that does neither."""
 
+    staged_sums: int = 0
+    """fp32 sums a column that a streamed row's CTA keeps in shared memory next to its staged
+    operands (the norm backward's dscale / dbias): they count against the same budget."""
+
+    persistent_rows: bool = False
+    """A streamed row's kernel walks its rows in a persistent loop, a cluster's CTAs in lockstep: its
+    rows are cut into balanced shares where one fits (``split_rows(balanced=True)``)."""
+
     streamed_threads: int | None = None
     """Threads per row (one row a CTA) of a streamed row's heuristic config; None: the table's."""
 
@@ -94,7 +102,8 @@ class RowKernelFamily(TunableFamily):
         stages a streamed row that one CTA cannot hold)."""
         g = geometry_for(self.chosen_config(), self.row_length(avals), self.elem_bits(avals))
         if self.staged_operands:
-            g = split_rows(g, self.elem_bits(avals) // 8, self.staged_operands)
+            g = split_rows(g, self.elem_bits(avals) // 8, self.staged_operands, self.staged_sums,
+                           balanced=self.persistent_rows)
         return g
 
 

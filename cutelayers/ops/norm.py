@@ -128,9 +128,11 @@ class NormBackward(RowKernelFamily):
 
     Partials are fp32, P rows of the W wanted sums (dscale, dbias) side by side: one buffer, so
     one reduction over P gives both (:meth:`param_grads`). P comes from the config and
-    ``grid``, the CTAs of the persistent grid (None: a GPU's worth; the op sizes it for its rows
-    with :func:`cutelayers.kernels.norm_config.backward_grid`), so it is fixed per compile key;
-    any row count runs correctly on any grid.
+    ``grid``, the CTAs of the persistent grid -- clusters where rows stream (None: a GPU's worth;
+    the op sizes it for its rows with :func:`cutelayers.kernels.norm_config.backward_grid`), so it
+    is fixed per compile key; any row count runs correctly on any grid. A streamed row keeps its
+    CTA's dscale / dbias sums in shared memory (``staged_sums``), where they fit
+    (:meth:`holds_sums`).
     ``has_residual``: the backward of the fused residual add -- x is the forward's summed, and
     dsummed (the gradient of summed) is added to dx, which is then the gradient of both x and
     the residual.
@@ -145,6 +147,7 @@ class NormBackward(RowKernelFamily):
     grid: int | None = None
     per_row_rank = 2
     staged_operands = 2  # a streamed row's x and dy, kept for the dx pass
+    persistent_rows = True
     streamed_threads = norm_config.STREAMED_THREADS
 
     def register_values(self, avals) -> int:
@@ -154,9 +157,31 @@ class NormBackward(RowKernelFamily):
     def name(self) -> str:
         return _kernel_name(self.center, self.has_residual, "bwd")
 
-    def ctas(self) -> int:
-        """CTAs of the persistent grid."""
-        return self.grid or norm_config.backward_grid(self.chosen_config())
+    @property
+    def staged_sums(self) -> int:
+        return self.wanted
+
+    def config_space(self, avals) -> tuple:
+        # streamed rows whose CTA cannot hold its shares' dscale / dbias sums: not candidates
+        space = super().config_space(avals)
+        if not self.wanted:
+            return space
+        holds = [c for c in space if dataclasses.replace(self, config=c).holds_sums(avals)]
+        return tuple(holds) or space
+
+    def holds_sums(self, avals) -> bool:
+        """Whether the kernel sums dscale / dbias for these operands (a streamed row's in the CTA's
+        shared memory, which a share too wide for it does not fit)."""
+        g = self.geometry(avals)
+        return g.resident or norm_config.sums_fit(g, self.wanted)
+
+    def ctas(self, avals, rows: int | None = None) -> int:
+        """CTAs -- clusters where rows stream -- of the persistent grid (``grid``, else sized for
+        ``rows`` rows, or a GPU's worth)."""
+        if self.grid:
+            return self.grid
+        g = self.geometry(avals)
+        return norm_config.backward_grid(g, rows, self.elem_bits(avals) // 8, self.wanted)
 
     @property
     def arg_names(self) -> tuple[str, ...]:
@@ -198,12 +223,14 @@ class NormBackward(RowKernelFamily):
         dx = jax.ShapeDtypeStruct(x.shape, x.dtype)
         if not self.wanted:
             return (dx,)
-        return dx, jax.ShapeDtypeStruct((self.partial_rows() * self.wanted * x.shape[1],), jnp.float32)
+        return dx, jax.ShapeDtypeStruct((self.partial_rows(avals) * self.wanted * x.shape[1],), jnp.float32)
 
-    def partial_rows(self) -> int:
+    def partial_rows(self, avals) -> int:
+        """Rows of W x N partial sums: one per CTA, or per row slot of a streamed row's cluster."""
         if not self.wanted:
             return 0
-        return self.ctas()  # one row of W x N per CTA
+        g = self.geometry(avals)
+        return self.ctas(avals) * (1 if g.resident else g.row.rows_per_cta)
 
     def reference(self, *args):
         x, dy, dsummed, mean, rstd, scale = _split_backward(args, self.center, self.has_residual,
@@ -214,7 +241,7 @@ class NormBackward(RowKernelFamily):
             return (dx,)
         # The whole sum in the first partial row: summing over P gives the same result.
         sums = jnp.concatenate([v for v, want in ((dscale, self.want_dscale), (dbias, self.want_dbias)) if want])
-        return dx, jnp.zeros((self.partial_rows(), sums.size), jnp.float32).at[0].set(sums).reshape(-1)
+        return dx, jnp.zeros((self.partial_rows(args), sums.size), jnp.float32).at[0].set(sums).reshape(-1)
 
     def row_dtypes(self, avals):
         # x, dy, dsummed and scale are the row-shaped operands whose loads share one vector width
@@ -227,7 +254,7 @@ class NormBackward(RowKernelFamily):
 
         return NormBackwardKernel(self.geometry(avals), center=self.center, has_residual=self.has_residual,
                                   has_scale=self.has_scale, want_dscale=self.want_dscale,
-                                  want_dbias=self.want_dbias, grid=self.ctas())
+                                  want_dbias=self.want_dbias, grid=self.ctas(avals))
 
 
 def _split_backward(args, center: bool, has_residual: bool, has_scale: bool) -> tuple:
@@ -351,11 +378,10 @@ def _backward_core(center: bool, has_residual: bool, has_scale: bool, has_bias: 
         rows = _backward_args(args, center, has_residual)
         family = resolve(NormBackward(center, has_scale, has_scale, has_bias, has_residual), rows)
         # the persistent grid sized for these rows (few rows: few CTAs, few partials to sum)
-        family = dataclasses.replace(family, grid=norm_config.backward_grid(family.chosen_config(), rows[0].shape[0]))
-        # Every candidate config keeps a row resident exactly when the heuristic does, so this
-        # choice agrees with the dx-only family's config.
-        if not family.geometry(rows).resident:
-            # Rows too long for register accumulators: dx from the kernel, dscale/dbias from XLA.
+        family = dataclasses.replace(family, grid=family.ctas(rows, rows[0].shape[0]))
+        if not family.holds_sums(rows):
+            # A row share too wide for its CTA's shared dscale / dbias sums (float32 rows past
+            # 262144): dx from the kernel, dscale / dbias from XLA's column sums.
             dx = dx_only(*args)
             _, dscale, dbias = backward_reference(x, dy, mean, rstd, None)
             return (dx,) + (dscale,) * has_scale + (dbias,) * has_bias
