@@ -8,6 +8,7 @@ import collections
 import glob
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -98,11 +99,15 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
 
 def result_row(op: str, shape: tuple[int, int], dtype, nbytes: int, t: float, t_xla: float, bw: float,
                **extra) -> dict:
-    """One table row: times, effective GB/s over the minimum bytes, % of copy BW, ratio vs XLA."""
+    """One table row: times, effective GB/s over the minimum bytes, % of copy BW, ratio vs XLA.
+    Also printed at once to stderr as a progress line (the table comes at the end)."""
     floor = nbytes / bw
-    return dict(op=op, rows=shape[0], n=shape[1], dtype=jnp.dtype(dtype).name, us=t * 1e6,
-                gbs=nbytes / t / 1e9, pct=100 * floor / t, xla_us=t_xla * 1e6, speedup=t_xla / t,
-                floor_us=floor * 1e6, **extra)
+    row = dict(op=op, rows=shape[0], n=shape[1], dtype=jnp.dtype(dtype).name, us=t * 1e6,
+               gbs=nbytes / t / 1e9, pct=100 * floor / t, xla_us=t_xla * 1e6, speedup=t_xla / t,
+               floor_us=floor * 1e6, **extra)
+    print(f"# {op} {extra.get('pass', 'fwd')} {shape[0]} x {shape[1]}: {row['us']:.1f} us "
+          f"({row['pct']:.1f} % of copy), XLA {row['xla_us']:.1f} us", file=sys.stderr, flush=True)
+    return row
 
 
 def measured_bandwidth() -> float:

@@ -11,7 +11,9 @@ the second pass (the forward's x, the backward's x and dy): a row whose share do
 is cut over a thread-block cluster, each CTA staging its steps, and the CTAs' partial statistics
 (the forward's mean and M2 of its share, or sum of squares; the backward's sums of g * xhat and g)
 are combined through distributed shared memory (:func:`.reduction_config.split_rows`,
-:func:`.reduction.cluster_gather`). Only rows too long even for that are read twice. The config
+:func:`.reduction.cluster_gather`). Only rows too long even for that are read twice. The
+backward of a streamed row is a persistent loop of clusters (:meth:`NormBackwardKernel.streamed_rows`)
+that also sums dscale / dbias over its rows in shared memory. The config
 (a :class:`.reduction_config.RowGeometry`) is given to the kernel; the autotuner may pick another
 one from :func:`.reduction_config.row_geometry_space`.
 
@@ -28,9 +30,9 @@ Tensors as the launchers take them (M is the symbolic row count):
   fp32 statistics;
 * backward: ``x (M, N)``, ``dy (M, N)``, [``dsummed (M, N)``], [``mean (M, 1)``], ``rstd (M, 1)``,
   [``scale (N,)``] -> ``dx (M, N)``, [``partials (P*W*N,)``]: fp32 partial sums of dscale and / or
-  dbias (W of them), one row per CTA of a fixed persistent grid holding the CTA's W sums side by
-  side (dscale first), summed by the caller (deterministic, no atomics) with one reduction.
-  Partials exist only for register-resident rows.
+  dbias (W of them), one row per CTA of a fixed persistent grid (per cluster and row slot for a
+  streamed row, each CTA writing its share's columns) holding the W sums side by side (dscale
+  first), summed by the caller (deterministic, no atomics) with one reduction.
 
 The fused residual add (``has_residual``, for pre-norm transformers): the forward's row is
 s = x + residual, added in fp32 and rounded to ``summed``'s dtype; it writes s as ``summed`` and
