@@ -564,24 +564,6 @@ def test_streamed_backward_grid_counts_resident_clusters():
     assert norm_config.backward_grid(whole, None, 2, 0) == 2 * norm_config.HOPPER_SMS
 
 
-def test_streamed_backward_stages_two_rows_where_that_costs_no_occupancy():
-    """Two copies of a CTA's x and dy shares (the next row's copied in during the current one) where
-    they fit as many CTAs an SM as one copy does; one copy otherwise; none where one does not fit."""
-    from cutelayers.kernels.reduction_config import RowGeometry
-
-    cut = RowGeometry(RowConfig(threads_per_row=256, num_threads=256, unroll=2), 65536, 8, cluster=8)
-    # bf16 RMSNorm: 8192 columns x (2 x 4 bytes of x and dy + 4 of the dscale sum) = 96 KiB, two an SM
-    assert norm_config.staging_buffers(cut, 2, 1) == 2
-    assert norm_config.streamed_cta_bytes(cut, 2, 1) == 96 * 1024
-    # bf16 LayerNorm: one copy is 96 KiB, two would be 128 KiB (one CTA an SM): one copy
-    assert norm_config.staging_buffers(cut, 2, 2) == 1
-    # float32 LayerNorm: one CTA an SM either way (128 or 192 KiB): two copies
-    assert norm_config.staging_buffers(cut, 4, 2) == 2
-    wide = RowGeometry(RowConfig(threads_per_row=256, num_threads=256, unroll=4), 262144, 4, cluster=16)
-    assert norm_config.staging_buffers(wide, 4, 2) == 0  # float32 LayerNorm at 262144: the sums alone
-    assert norm_config.streamed_cta_bytes(wide, 4, 2) == 16384 * 8
-
-
 @pytest.mark.cute
 def test_decode_sized_backward_writes_few_partials():
     # 8 rows: the dscale / dbias partials are a few rows of N, not a GPU's worth (~1000 rows)

@@ -80,7 +80,7 @@ from cutelayers.kernels.reduction import (
     store_step,
     widest_bytes,
 )
-from cutelayers.kernels.norm_config import staging_buffers, sums_fit
+from cutelayers.kernels.norm_config import sums_fit
 from cutelayers.kernels.reduction_config import RowGeometry, staged
 
 
@@ -345,7 +345,7 @@ class NormBackwardKernel:
             block=[config.row.num_threads, 1, 1],
             smem=(shared_buffer_bytes(config, 2) + self.ring_bytes(x, dy, dsummed) + self.slot_sum_bytes()
                   + cluster_slot_bytes(config, self.cluster_values, 2) + self.sum_bytes()
-                  + self.staged_bytes(x, dy, dsummed, scale)),
+                  + staged_smem(config, (x, dy), widest_bytes(x, dy, dsummed, scale), self.streamed_sums)),
             stream=stream,
             **cluster_launch(config),
         )
@@ -359,14 +359,6 @@ class NormBackwardKernel:
     def streamed_sums(self) -> int:
         """fp32 sums a column a streamed row's CTA keeps in shared memory (its dscale / dbias)."""
         return 0 if self.config.resident else self.wanted
-
-    def staged_bytes(self, x, dy, dsummed, scale) -> int:
-        """Shared memory of a streamed row's staged x and dy (:func:`.norm_config.staging_buffers`
-        copies of each)."""
-        if self.config.resident:
-            return 0
-        copies = staging_buffers(self.config, widest_bytes(x, dy, dsummed, scale), self.streamed_sums)
-        return sum(shared_row_bytes(self.config, t.element_type.width // 8, copies) for t in (x, dy)) if copies else 0
 
     def sum_bytes(self) -> int:
         """Shared memory of a streamed row's dscale / dbias sums (one fp32 share each)."""
@@ -466,11 +458,9 @@ class NormBackwardKernel:
         cid, rank, steps = cta_position(config)
         clusters = gdim // config.cluster
         slots = cluster_slots(config, self.cluster_values, 2)
-        copies = staging_buffers(config, widest_bytes(x, dy, dsummed, scale), self.streamed_sums)
-        stage = copies > 0
-        # the staged shares: (copies * rows_per_cta, share) each, copy b at rows b * rows_per_cta
-        shared_x = shared_row_tensor(config, x.element_type, copies) if const_expr(stage) else None
-        shared_g = shared_row_tensor(config, dy.element_type, copies) if const_expr(stage) else None
+        stage = staged(config, widest_bytes(x, dy, dsummed, scale), 2, self.streamed_sums)
+        shared_x = shared_row_tensor(config, x.element_type) if const_expr(stage) else None
+        shared_g = shared_row_tensor(config, dy.element_type) if const_expr(stage) else None
         share_coords = row_share(coords, config, cid, rank)  # the share's columns (rows unused)
         ops = None
         if const_expr(self.has_scale):
@@ -487,16 +477,14 @@ class NormBackwardKernel:
                     save_step(sums[i], step)
         groups = cute.ceil_div(x.shape[0], config.row.rows_per_cta)
         operands = (x, dy, coords, copy_x, copy_dy, (shared_x, shared_g), stage, rank, tidx)
-        _, first_row, (_, _, _, first_x), (_, _, _, first_g) = self.streamed_share(cid, 0, *operands)
+        _, first_row, (_, _, _, first_x), (_, _, _, first_g) = self.streamed_share(cid, *operands)
         # x and dy copied in whole, asynchronously, where cp.async can (each on its own: a bf16 x
         # with odd N is copied from registers, a float32 dy of it still prefetched)
         prefetched = first_x is not None or first_g is not None
         prefetch_shares((first_x, first_g), first_row < x.shape[0], steps, config, wait=False)
         for tile in cutlass.range(cid, groups, clusters, unroll=1):
-            index = (tile - cid) // clusters
-            copy = index % copies if const_expr(copies > 1) else 0
             tile_coords, row, (source_x, copy_x_to, again_x, _), (source_g, copy_g_to, again_g, _) = \
-                self.streamed_share(tile, copy, *operands)
+                self.streamed_share(tile, *operands)
             # the row's statistics, loaded while its share is still arriving
             row_mean, row_rstd = Float32(0.0), Float32(0.0)
             if row < x.shape[0]:
@@ -504,21 +492,14 @@ class NormBackwardKernel:
                 if const_expr(self.center):
                     row_mean = mean[row, 0]
             refill = None
-            if const_expr(prefetched and copies > 1):
-                # the next row's share into the other copy now, while this row is worked on
-                _, next_row, (_, _, _, next_x), (_, _, _, next_g) = self.streamed_share(tile + clusters, 1 - copy,
-                                                                                       *operands)
-                prefetch_shares((next_x, next_g), next_row < x.shape[0], steps, config, wait=False)
-                cute.arch.cp_async_wait_group(1)  # all but the newest group: this row's share
-            elif const_expr(prefetched):
-                _, next_row, (_, _, _, next_x), (_, _, _, next_g) = self.streamed_share(tile + clusters, 0,
-                                                                                       *operands)
+            if const_expr(prefetched):
+                _, next_row, (_, _, _, next_x), (_, _, _, next_g) = self.streamed_share(tile + clusters, *operands)
                 refill = (next_x, next_g, next_row < x.shape[0])
                 cute.arch.cp_async_wait_group(0)  # this row's share, copied in during the last row
             self.backward_rows(x, dy, dsummed, mean, rstd, dx, ops, sums[0], sums[1], copy_x, copy_dy,
                                copy_dsummed, copy_dx, tile_coords, buffers, 0, tidx,
                                cut=((tile, rank), steps, slots, (source_x, source_g), (copy_x_to, copy_g_to),
-                                    (again_x, again_g), index), refill=refill,
+                                    (again_x, again_g), (tile - cid) // clusters), refill=refill,
                                stats=(row_mean, row_rstd))
         for acc, partial in zip(sums, (dscale, dbias)):
             if const_expr(partial is not None):
@@ -528,14 +509,11 @@ class NormBackwardKernel:
                 for step in cutlass.range(steps, unroll=1):
                     store_step(out, step, load_step(acc, step))
 
-    def streamed_share(self, tile, copy, x, dy, coords, copy_x, copy_dy, shared, stage, rank, tidx):
+    def streamed_share(self, tile, x, dy, coords, copy_x, copy_dy, shared, stage, rank, tidx):
         """This CTA's share of row group ``tile``: its coordinates, this thread's row (past the
         last one where the group is), and x's and dy's staging (:func:`.reduction.row_staging`,
-        in copy ``copy`` of the ``shared`` tensors allocated once)."""
+        in the ``shared`` tensors allocated once)."""
         config = self.config
-        if stage:
-            rows = config.row.rows_per_cta
-            shared = tuple(cute.local_tile(t, (rows, config.share_width), (copy, 0)) for t in shared)
         tile_coords = row_share(coords, config, tile, rank)
         x_share, dy_share = row_share(x, config, tile, rank), row_share(dy, config, tile, rank)
         opx = row_operand(x_share, copy_x, tile_coords, config, (0, None), tidx)

@@ -52,22 +52,12 @@ def sums_fit(geometry: RowGeometry, sums: int) -> bool:
     return share_bytes(geometry, 0, 0, sums) <= STAGED_ROW_BYTES_ALONE
 
 
-def staging_buffers(geometry: RowGeometry, elem_bytes: int, sums: int) -> int:
-    """Copies of its share of x and dy a streamed row's CTA stages next to its ``sums`` fp32 sums a
-    column: two (the next row's share copied in during the whole of the current row) where they
-    fit as many CTAs an SM as one does, else one where it fits, else none (read twice)."""
-    if not staged(geometry, elem_bytes, STAGED_OPERANDS, sums):
-        return 0
-    one = share_bytes(geometry, elem_bytes, STAGED_OPERANDS, sums)
-    limit = STAGED_ROW_BYTES if one <= STAGED_ROW_BYTES else STAGED_ROW_BYTES_ALONE
-    return 2 if share_bytes(geometry, elem_bytes, 2 * STAGED_OPERANDS, sums) <= limit else 1
-
-
 def streamed_cta_bytes(geometry: RowGeometry, elem_bytes: int, sums: int) -> int:
-    """Shared memory of the backward's share of a streamed row: x and dy where they stage
-    (:func:`staging_buffers`), and ``sums`` fp32 sums a column."""
-    buffers = staging_buffers(geometry, elem_bytes, sums)
-    return share_bytes(geometry, elem_bytes, buffers * STAGED_OPERANDS, sums)
+    """Shared memory of the backward's share of a streamed row: x and dy where they stage, and
+    ``sums`` fp32 sums a column."""
+    if staged(geometry, elem_bytes, STAGED_OPERANDS, sums):
+        return share_bytes(geometry, elem_bytes, STAGED_OPERANDS, sums)
+    return share_bytes(geometry, 0, 0, sums)
 
 
 def backward_grid(geometry: RowGeometry, rows: int | None = None, elem_bytes: int = 2, sums: int = 0) -> int:

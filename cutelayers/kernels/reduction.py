@@ -263,12 +263,11 @@ def row_share(tensor, geometry: RowGeometry, tile, rank):
                            (tile, rank))
 
 
-def shared_row_tensor(geometry: RowGeometry, dtype, copies: int = 1):
+def shared_row_tensor(geometry: RowGeometry, dtype):
     """Shared memory for the CTA's share of its rows, (rows_per_cta, share_width) of ``dtype``:
     sized to the row where one CTA covers it, not to whole steps (a ragged last step's columns
-    past n are never stored or loaded). ``copies`` > 1: that many such blocks stacked, (copies *
-    rows_per_cta, share_width) (a persistent loop's current and next rows)."""
-    rows, width = copies * geometry.row.rows_per_cta, geometry.share_width
+    past n are never stored or loaded)."""
+    rows, width = geometry.row.rows_per_cta, geometry.share_width
     smem = cutlass.memory.SmemAllocator()
     layout = cute.make_layout((rows, width), stride=(width, 1))
     return smem.allocate_tensor(dtype, layout, byte_alignment=16)
@@ -338,9 +337,9 @@ def prefetch_step(op: RowPrefetch, step, edge: cutlass.Constexpr = None):
         cute.copy(op.copy, src, dst)
 
 
-def shared_row_bytes(geometry: RowGeometry, elem_bytes: int, copies: int = 1) -> int:
+def shared_row_bytes(geometry: RowGeometry, elem_bytes: int) -> int:
     """Shared memory of :func:`shared_row_tensor` (plus its alignment)."""
-    return copies * geometry.row.rows_per_cta * geometry.share_width * elem_bytes + 16
+    return geometry.row.rows_per_cta * geometry.share_width * elem_bytes + 16
 
 
 @dataclasses.dataclass(frozen=True)
