@@ -546,6 +546,23 @@ def test_backward_grid_is_sized_for_the_rows():
     assert norm_config.backward_grid(geometry, 16384) == full  # more groups than CTAs: persistent
 
 
+def test_rms_norm_forward_cuts_streamed_rows_into_smaller_shares():
+    """RMSNorm's forward stages shares of at most norm_config.FORWARD_SHARE_BYTES[False] (more CTAs a
+    row than LayerNorm's, which fills STAGED_ROW_BYTES)."""
+    from cutelayers.kernels.reduction_config import share_bytes
+    from cutelayers.ops.norm import NormForward
+    from cutelayers.tuning import resolve
+
+    S = jax.ShapeDtypeStruct
+    for n in (32768, 50304, 65536, 131072, 262144):
+        x, p = S((8, n), jnp.bfloat16), S((n,), jnp.bfloat16)
+        rms, ln = (resolve(NormForward(center, True, center, 1e-6, "bfloat16"), (x, p, p)[:2 + center])
+                   for center in (False, True))
+        g_rms, g_ln = rms.geometry((x, p)), ln.geometry((x, p, p))
+        assert share_bytes(g_rms, 2) <= norm_config.FORWARD_SHARE_BYTES[False], n
+        assert g_rms.cluster >= g_ln.cluster and (g_rms.cluster, n) != (1, 65536)
+
+
 def test_streamed_backward_grid_counts_resident_clusters():
     """A streamed row's persistent grid is in clusters, as many as are resident at once: two CTAs
     an SM where a CTA's shares fit STAGED_ROW_BYTES, else one."""

@@ -24,6 +24,13 @@ BACKWARD_VALUES_PER_THREAD = {16: 24, 32: 16}  # by the row operands' widest ele
 # to the unstaged kernel (H200, 2048 x 65536 bf16: 181 -> 189 us), and the backward's 6 steps of
 # 12288 columns at 65536 could only be cut in two, 147 KiB a CTA.
 STREAMED_THREADS = 256
+# Shared memory a streamed row's forward CTA may stage before the row is cut over more CTAs, by
+# ``center``: RMSNorm's forward runs faster on shares of at most 40 KiB (more, shorter CTAs an SM;
+# H100, 256 MiB of bf16 x, % of copy bandwidth at 112 / 40 KiB: rms_norm 96 / 90 at N = 32768,
+# 77 / 97 at 50304, 89 / 98 at 65536, 94 / 92 at 131072, 88 / 91 at 262144; add_rms_norm 85-96 /
+# 96-98 over the same widths), LayerNorm's on the largest (96 / 88 at 65536, 86 / 74 at 262144):
+# docs/benchmarks.md, eighteenth session.
+FORWARD_SHARE_BYTES = {True: STAGED_ROW_BYTES, False: 40 * 1024}
 # The persistent backward grid: Hopper parts have 132 SMs (H100 SXM, H200); fewer SMs only means
 # a tail wave. Fixed so that the partials' shape is known without a device.
 HOPPER_SMS = 132

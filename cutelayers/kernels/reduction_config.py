@@ -224,16 +224,19 @@ def staged(geometry: RowGeometry, elem_bytes: int, operands: int = 1, accumulato
 
 
 def split_rows(geometry: RowGeometry, elem_bytes: int, operands: int, accumulators: int = 0,
-               balanced: bool = False) -> RowGeometry:
+               balanced: bool = False, budget: int = STAGED_ROW_BYTES) -> RowGeometry:
     """``geometry`` with a streamed row of one-row CTAs cut over the fewest CTAs (a power of two,
     at most ``MAX_CLUSTER``, each with a step) whose shares of ``operands`` row operands (and
-    ``accumulators`` fp32 sums a column) stage in ``STAGED_ROW_BYTES`` -- at the config's unroll,
+    ``accumulators`` fp32 sums a column) stage in ``budget`` (at most ``STAGED_ROW_BYTES``, two
+    CTAs an SM; a kernel may want smaller shares, more CTAs a row) -- at the config's unroll,
     else at a smaller one (finer steps, finer shares); with ``balanced`` (a persistent kernel), cuts
     whose widest share is within ``MAX_CUT_IMBALANCE`` of the mean first -- or failing that, the
     cut with the smallest
     shares, where they stage in ``STAGED_ROW_BYTES_ALONE`` or the kernel keeps sums there; the row
     is read from global memory once instead of twice. Other geometries are returned as they are."""
-    if geometry.resident or geometry.row.rows_per_cta != 1 or staged(geometry, elem_bytes, operands, accumulators):
+    if geometry.resident or geometry.row.rows_per_cta != 1:
+        return geometry
+    if share_bytes(geometry, elem_bytes, operands, accumulators) <= budget:
         return geometry
 
     def size(g):
@@ -244,7 +247,7 @@ def split_rows(geometry: RowGeometry, elem_bytes: int, operands: int, accumulato
         for unroll in range(geometry.row.unroll, 0, -1)
         for cut in _cuts(dataclasses.replace(geometry, row=dataclasses.replace(geometry.row, unroll=unroll)))
     ]
-    fitting = [cut for cut in candidates if size(cut) <= STAGED_ROW_BYTES]
+    fitting = [cut for cut in candidates if size(cut) <= budget]
     even = [cut for cut in fitting if balanced and cut.cluster * cut.share_width <= MAX_CUT_IMBALANCE * cut.n]
     if even or fitting:
         return (even or fitting)[0]

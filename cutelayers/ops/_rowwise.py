@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from cutelayers.kernels.reduction_config import (
+    STAGED_ROW_BYTES,
     RowConfig,
     geometry_for,
     row_geometry,
@@ -55,6 +56,10 @@ class RowKernelFamily(TunableFamily):
     staged_sums: int = 0
     """fp32 sums a column that a streamed row's CTA keeps in shared memory next to its staged
     operands (the norm backward's dscale / dbias): they count against the same budget."""
+
+    share_budget: int = STAGED_ROW_BYTES
+    """Shared memory a CTA's share of a streamed row may take before the row is cut over more CTAs
+    (:func:`cutelayers.kernels.reduction_config.split_rows`)."""
 
     persistent_rows: bool = False
     """A streamed row's kernel walks its rows in a persistent loop, a cluster's CTAs in lockstep: its
@@ -103,7 +108,7 @@ class RowKernelFamily(TunableFamily):
         g = geometry_for(self.chosen_config(), self.row_length(avals), self.elem_bits(avals))
         if self.staged_operands:
             g = split_rows(g, self.elem_bits(avals) // 8, self.staged_operands, self.staged_sums,
-                           balanced=self.persistent_rows)
+                           balanced=self.persistent_rows, budget=self.share_budget)
         return g
 
 

@@ -81,6 +81,10 @@ class NormForward(RowKernelFamily):
     streamed_threads = norm_config.STREAMED_THREADS
 
     @property
+    def share_budget(self) -> int:
+        return norm_config.FORWARD_SHARE_BYTES[self.center]
+
+    @property
     def name(self) -> str:
         return _kernel_name(self.center, self.has_residual, "fwd")
 
