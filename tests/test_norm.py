@@ -433,10 +433,11 @@ CUT_ROWS = {
 
 
 def test_streamed_rows_are_staged_and_cut_over_clusters():
-    """A streamed norm row runs one row per 256-thread CTA (norm_config.STREAMED_THREADS), staged
+    """A streamed norm row runs one row a CTA (norm_config.STREAMED_THREADS threads forward,
+    STREAMED_BACKWARD_THREADS backward), staged
     in shared memory and cut over a cluster so that each CTA's share fits -- with the backward's
     dscale / dbias sums where it computes them; model widths stay in registers, uncut."""
-    from cutelayers.kernels.norm_config import STREAMED_THREADS, sums_fit
+    from cutelayers.kernels.norm_config import STREAMED_BACKWARD_THREADS, STREAMED_THREADS, sums_fit
     from cutelayers.kernels.reduction_config import STAGED_ROW_BYTES_ALONE, share_bytes, staged
     from cutelayers.ops.norm import NormBackward, NormForward
     from cutelayers.tuning import resolve
@@ -455,9 +456,10 @@ def test_streamed_rows_are_staged_and_cut_over_clusters():
             continue
         assert tuple(g.cluster for g in geometries) == CUT_ROWS[n, dtype], (n, dtype)
         assert with_sums.holds_sums(bwd_avals)
-        for g, operands, sums in zip(geometries, (1, 2, 2), (0, 0, 2)):
+        for g, operands, sums, threads in zip(geometries, (1, 2, 2), (0, 0, 2),
+                                              (STREAMED_THREADS, STREAMED_BACKWARD_THREADS, STREAMED_BACKWARD_THREADS)):
             itemsize = jnp.dtype(dtype).itemsize
-            assert g.row.threads_per_row == g.row.num_threads == STREAMED_THREADS
+            assert g.row.threads_per_row == g.row.num_threads == threads
             assert staged(g, itemsize, operands, sums)
             assert share_bytes(g, itemsize, operands, sums) <= STAGED_ROW_BYTES_ALONE
             assert sums_fit(g, sums)
