@@ -141,10 +141,10 @@ def families_and_avals():
         # The norm forward's vector width is set by its widest row operand (an fp32 scale here).
         (NormForward(True, True, True, 1e-6, "bfloat16"), ln, row_geometry(1000, 32, norm_fwd).row),
         (NormBackward(True, True, True, True), ln_bwd, row_geometry(4096, 16, norm_bwd[16]).row),
-        # a streamed row: the table's unroll over STREAMED_BACKWARD_THREADS threads (one row a CTA)
+        # a streamed RMSNorm row: the table's unroll over STREAMED_BACKWARD_THREADS[False] threads
         (NormBackward(False, True, False, False), rms_bwd, dataclasses.replace(
-            row_geometry(65536, 32, norm_bwd[32]).row, threads_per_row=norm_config.STREAMED_BACKWARD_THREADS,
-            num_threads=norm_config.STREAMED_BACKWARD_THREADS)),
+            row_geometry(65536, 32, norm_bwd[32]).row, threads_per_row=norm_config.STREAMED_BACKWARD_THREADS[False],
+            num_threads=norm_config.STREAMED_BACKWARD_THREADS[False])),
         # a streamed softmax forward row: the table's unroll over STREAMED_FORWARD_THREADS threads
         (SoftmaxForward(False), (x,), dataclasses.replace(
             row_geometry(32000, 16, soft_fwd).row, threads_per_row=softmax_config.STREAMED_FORWARD_THREADS,

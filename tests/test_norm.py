@@ -457,7 +457,7 @@ def test_streamed_rows_are_staged_and_cut_over_clusters():
         assert tuple(g.cluster for g in geometries) == CUT_ROWS[n, dtype], (n, dtype)
         assert with_sums.holds_sums(bwd_avals)
         for g, operands, sums, threads in zip(geometries, (1, 2, 2), (0, 0, 2),
-                                              (STREAMED_THREADS, STREAMED_BACKWARD_THREADS, STREAMED_BACKWARD_THREADS)):
+                                              (STREAMED_THREADS, *(STREAMED_BACKWARD_THREADS[True],) * 2)):
             itemsize = jnp.dtype(dtype).itemsize
             assert g.row.threads_per_row == g.row.num_threads == threads
             assert staged(g, itemsize, operands, sums)

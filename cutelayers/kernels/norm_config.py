@@ -22,12 +22,14 @@ BACKWARD_VALUES_PER_THREAD = {16: 24, 32: 16}  # by the row operands' widest ele
 # A streamed row (staged in shared memory, cut over a cluster when long) runs one row a CTA of
 # these many threads. The forward 256: with 512, LayerNorm's forward (its per-step moments take
 # registers) ran one CTA an SM and lost to the unstaged kernel (H200, 2048 x 65536 bf16: 181 ->
-# 189 us). The persistent backward 512 (H100, bf16, `cutelayers.bench.autotune`: LayerNorm 654 ->
-# 573 us at 2668 x 50304, 409 -> 402 at 2048 x 65536, 525 -> 481 at 512 x 262144; RMSNorm 371 ->
-# 335 at 65536, 445 -> 414 at 262144; 128 threads slower everywhere): docs/benchmarks.md,
+# 189 us). The persistent backward, by ``center``: RMSNorm's 512 (H100, bf16, fwd+bwd 256 -> 512:
+# rms_norm 480 -> 467 us at 16384, 551 -> 526 at 65536, 650 -> 610 at 262144; add_rms_norm
+# 863 -> 844, 945 -> 914, 1048 -> 966), LayerNorm's 256 (add_layer_norm 913 -> 1027 at 16384,
+# 977 -> 1117 at 65536 with 512; layer_norm 525 -> 544 at 16384; the widths where LayerNorm's
+# backward gains from 512 -- 50304, 262144 -- are tuned-table entries): docs/benchmarks.md,
 # eighteenth session.
 STREAMED_THREADS = 256
-STREAMED_BACKWARD_THREADS = 512
+STREAMED_BACKWARD_THREADS = {True: 256, False: 512}
 # Shared memory a streamed row's forward CTA may stage before the row is cut over more CTAs, by
 # ``center``: RMSNorm's forward runs faster on shares of at most 40 KiB (more, shorter CTAs an SM;
 # H100, 256 MiB of bf16 x, % of copy bandwidth at 112 / 40 KiB: rms_norm 96 / 90 at N = 32768,

@@ -152,7 +152,10 @@ class NormBackward(RowKernelFamily):
     per_row_rank = 2
     staged_operands = 2  # a streamed row's x and dy, kept for the dx pass
     persistent_rows = True
-    streamed_threads = norm_config.STREAMED_BACKWARD_THREADS
+
+    @property
+    def streamed_threads(self) -> int:
+        return norm_config.STREAMED_BACKWARD_THREADS[self.center]
 
     def register_values(self, avals) -> int:
         return norm_config.BACKWARD_VALUES_PER_THREAD[self.elem_bits(avals)]
