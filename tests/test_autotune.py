@@ -253,6 +253,23 @@ def test_candidates_compile_for_sm90a(op, shape, dtype, every):
     assert sum(built(s) for s in cl.cache_info().values()) == compiled
 
 
+@pytest.mark.cute
+def test_share_budgets_cut_streamed_rows_differently_and_compile():
+    """The row kernels' spaces offer each one-row config of a streamed row with the other share
+    budgets (reduction_config.SHARE_BUDGETS), each a different cut of the row; they compile, each
+    into its own kernel (the budget is part of the config, so of the compile key)."""
+    listed = autotune.list_candidates("layer_norm", [(8, 65536)], ["bfloat16"])
+    chosen = []
+    for case, configs, default in listed:
+        budgets = [c for c in configs if c.share_budget]
+        assert budgets and default.share_budget == 0
+        cuts = {dataclasses.replace(case.family, config=c).geometry(case.avals).cluster for c in [default, *budgets]}
+        assert len(cuts) > 1  # smaller budgets, more CTAs a row
+        chosen.append((case, [default, budgets[0]]))
+    found = [t for case, configs in chosen for t in compile_candidates(case, configs)]
+    assert len(found) == len(set(found)) == 4
+
+
 def test_every_weight_gradient_candidate_compiles_in_test_linear():
     from test_linear import ACCUMULATE_CONFIGS  # test_accumulating_weight_grad_compiles_for_every_config
 
@@ -372,7 +389,7 @@ def test_malformed_entries_warn_with_file_and_key_and_the_heuristic_runs(tmp_pat
          r"names an invalid config"),
         (entry("softmax_fwd", "bfloat16", {"n": 4096}, {**fields(default), "threads_per_row": 3}),
          r"kernel='softmax_fwd'.*names \{.*'threads_per_row': 3.*not a candidate config.*allowed "
-         r"\('threads_per_row', 'num_threads', 'unroll'\): \(128, 128, 4\)"),
+         r"\('threads_per_row', 'num_threads', 'unroll', 'share_budget'\): \(128, 128, 4, 0\)"),
     ]
     for i, (bad, message) in enumerate(bad_entries):
         path = write_table(tmp_path / f"bad{i}.json", [bad])

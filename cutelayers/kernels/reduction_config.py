@@ -16,11 +16,14 @@ WARP = 32
 
 @dataclasses.dataclass(frozen=True)
 class RowConfig:
-    """How a row kernel maps threads to a row: see the module docstring."""
+    """How a row kernel maps threads to a row: see the module docstring. ``share_budget``: the
+    shared memory (bytes) a CTA's share of a streamed row may take before the row is cut over
+    more CTAs (:func:`split_rows`); 0, the kernel family's own."""
 
     threads_per_row: int
     num_threads: int
     unroll: int
+    share_budget: int = 0
 
     @property
     def rows_per_cta(self) -> int:
@@ -199,6 +202,10 @@ STAGED_ROW_BYTES = 112 * 1024
 # dscale / dbias sums at 262144: 216 KiB a CTA over 16), one CTA per SM may stage up to this much
 # (an opt-in CTA has 227 KiB).
 STAGED_ROW_BYTES_ALONE = 216 * 1024
+# Share budgets the config spaces of kernels that stage streamed rows offer besides their own
+# (more CTAs a row, more of them an SM): the best cut differs by width and kernel (the norm
+# forward at N = 32768 ... 262144 in docs/benchmarks.md, eighteenth session).
+SHARE_BUDGETS = (28 * 1024, 40 * 1024, 64 * 1024)
 # CTAs a row may be cut over: Hopper's largest (non-portable) cluster, which CuTe DSL allows on
 # every kernel. A bf16 softmax backward at 262144 stages 64 KiB a CTA over 16 (128 KiB over 8).
 MAX_CLUSTER = 16

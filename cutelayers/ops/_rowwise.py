@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import jax
 import jax.numpy as jnp
 
 from cutelayers.kernels.reduction_config import (
+    SHARE_BUDGETS,
     STAGED_ROW_BYTES,
     RowConfig,
     geometry_for,
@@ -93,8 +95,24 @@ class RowKernelFamily(TunableFamily):
                     if c.threads_per_row == c.num_threads == self.streamed_threads)
 
     def config_space(self, avals) -> tuple:
+        """:func:`.row_geometry_space`'s configs; where the kernel stages streamed rows, also each
+        one-row config with the other ``SHARE_BUDGETS`` that cut its rows differently."""
         space = row_geometry_space(self.row_length(avals), self.elem_bits(avals), self.register_values(avals))
-        return tuple(g.row for g in space)
+        configs = [g.row for g in space]
+        for config in list(configs):
+            if not self.staged_operands or config.rows_per_cta != 1 or space[0].resident:
+                continue
+            def how(c):  # the cut itself, whichever budget gave it
+                g = self.cut(c, avals)
+                return g.cluster, g.row.unroll, g.share_width
+
+            cuts = {how(config)}
+            for budget in SHARE_BUDGETS:
+                other = dataclasses.replace(config, share_budget=budget)
+                if how(other) not in cuts:
+                    configs.append(other)
+                    cuts.add(how(other))
+        return tuple(configs)
 
     def tuning_key(self, avals):
         return dtype_names(self.row_dtypes(avals)), (("n", self.row_length(avals)),)
@@ -105,10 +123,15 @@ class RowKernelFamily(TunableFamily):
     def geometry(self, avals):
         """The chosen config applied to these operands' rows (cut over a cluster where the kernel
         stages a streamed row that one CTA cannot hold)."""
-        g = geometry_for(self.chosen_config(), self.row_length(avals), self.elem_bits(avals))
+        return self.cut(self.chosen_config(), avals)
+
+    def cut(self, config: RowConfig, avals):
+        """``config`` applied to these operands' rows: :func:`.split_rows` with the config's share
+        budget, or the family's, where the kernel stages streamed rows."""
+        g = geometry_for(config, self.row_length(avals), self.elem_bits(avals))
         if self.staged_operands:
             g = split_rows(g, self.elem_bits(avals) // 8, self.staged_operands, self.staged_sums,
-                           balanced=self.persistent_rows, budget=self.share_budget)
+                           balanced=self.persistent_rows, budget=config.share_budget or self.share_budget)
         return g
 
 
