@@ -80,7 +80,7 @@ from cutelayers.kernels.reduction import (
     store_step,
     widest_bytes,
 )
-from cutelayers.kernels.norm_config import sums_fit
+from cutelayers.kernels.norm_config import STAGED_OPERANDS, partial_rows, sums_fit
 from cutelayers.kernels.reduction_config import RowGeometry, staged
 
 
@@ -313,8 +313,7 @@ class NormBackwardKernel:
         # shared memory); a resident one where it accumulates partials
         self.persistent = bool(self.wanted) or not config.resident
         self.grid = grid  # CTAs -- clusters for a streamed row -- of the persistent grid (norm_config.backward_grid)
-        # partial rows: one per CTA, or per row slot of a streamed row's cluster
-        self.partial_rows = grid if config.resident else grid * config.row.rows_per_cta
+        self.partial_rows = partial_rows(config, grid)
 
     @cute.jit
     def __call__(self, stream, *tensors):
@@ -458,7 +457,7 @@ class NormBackwardKernel:
         cid, rank, steps = cta_position(config)
         clusters = gdim // config.cluster
         slots = cluster_slots(config, self.cluster_values, 2)
-        stage = staged(config, widest_bytes(x, dy, dsummed, scale), 2, self.streamed_sums)
+        stage = staged(config, widest_bytes(x, dy, dsummed, scale), STAGED_OPERANDS, self.streamed_sums)
         shared_x = shared_row_tensor(config, x.element_type) if const_expr(stage) else None
         shared_g = shared_row_tensor(config, dy.element_type) if const_expr(stage) else None
         share_coords = row_share(coords, config, cid, rank)  # the share's columns (rows unused)
@@ -485,12 +484,7 @@ class NormBackwardKernel:
         for tile in cutlass.range(cid, groups, clusters, unroll=1):
             tile_coords, row, (source_x, copy_x_to, again_x, _), (source_g, copy_g_to, again_g, _) = \
                 self.streamed_share(tile, *operands)
-            # the row's statistics, loaded while its share is still arriving
-            row_mean, row_rstd = Float32(0.0), Float32(0.0)
-            if row < x.shape[0]:
-                row_rstd = rstd[row, 0]
-                if const_expr(self.center):
-                    row_mean = mean[row, 0]
+            stats = self.row_statistics(mean, rstd, row, row < x.shape[0])  # loaded while the share arrives
             refill = None
             if const_expr(prefetched):
                 _, next_row, (_, _, _, next_x), (_, _, _, next_g) = self.streamed_share(tile + clusters, *operands)
@@ -500,7 +494,7 @@ class NormBackwardKernel:
                                copy_dsummed, copy_dx, tile_coords, buffers, 0, tidx,
                                cut=((tile, rank), steps, slots, (source_x, source_g), (copy_x_to, copy_g_to),
                                     (again_x, again_g), (tile - cid) // clusters), refill=refill,
-                               stats=(row_mean, row_rstd))
+                               stats=stats)
         for acc, partial in zip(sums, (dscale, dbias)):
             if const_expr(partial is not None):
                 pcoords = row_share(cute.make_identity_tensor(partial.shape), config, cid, rank)
@@ -582,34 +576,30 @@ class NormBackwardKernel:
         steps, slots, index = config.num_steps, None, None
         if const_expr(cut is not None):  # the operands' shares (rows_per_cta rows: group 0)
             (tile, rank), steps, slots, sources, copies, agains, index = cut
-            x, dy, dx = row_share(x, config, tile, rank), row_share(dy, config, tile, rank), row_share(dx, config, tile, rank)
+            dx = row_share(dx, config, tile, rank)
             if const_expr(self.has_residual):
                 dsummed = row_share(dsummed, config, tile, rank)
-        opx = row_operand(x, copy_x, coords, config, (group, None), tidx)
-        opg = row_operand(dy, copy_dy, coords, config, (group, None), tidx)
+            (source_x, source_g), (again_x, again_g) = sources, agains  # x's and dy's, staged by the caller
+        else:
+            source_x = row_operand(x, copy_x, coords, config, (group, None), tidx)
+            source_g = row_operand(dy, copy_dy, coords, config, (group, None), tidx)
+            if const_expr(staged is not None):  # the loads below read the shared copies (same fragments)
+                source_x = shared_row_operand(staged[0], source_x, tidx)
+                source_g = shared_row_operand(staged[1], source_g, tidx)
+            again_x, again_g = source_x, source_g
         opds = row_operand(dsummed, copy_dsummed, coords, config, (group, None), tidx) if const_expr(self.has_residual) else None
+        if const_expr(staged is not None and self.has_residual):
+            opds = shared_row_operand(staged[2], opds, tidx)
         opd = row_operand(dx, copy_dx, coords, config, (group, None), tidx)
-        if const_expr(staged is not None):  # the loads below read the shared copies (same fragments)
-            opx = shared_row_operand(staged[0], opx, tidx)
-            opg = shared_row_operand(staged[1], opg, tidx)
-            if const_expr(self.has_residual):
-                opds = shared_row_operand(staged[2], opds, tidx)
-        source_x, source_g, again_x, again_g = opx, opg, opx, opg
-        if const_expr(cut is not None):
-            (source_x, source_g), (again_x, again_g) = sources, agains
-            opx, opg = source_x, source_g  # their fragments are the row operands' (row_staging)
+        opx, opg = source_x, source_g  # the fragments pass 1 fills (the dx pass's operands share them)
         row = opx.coords[0][0]
         valid_row = row < rows
         opx.frag.fill(0.0)
         opg.frag.fill(0.0)
-        row_mean = Float32(0.0)
-        row_rstd = Float32(0.0)
         if const_expr(stats is not None):
             row_mean, row_rstd = stats
-        elif valid_row:
-            row_rstd = rstd[row, 0]
-            if const_expr(self.center):
-                row_mean = mean[row, 0]
+        else:
+            row_mean, row_rstd = self.row_statistics(mean, rstd, row, valid_row)
         # mean(g * xhat) and mean(g) over the row; padding has dy = 0, so it adds nothing.
         dot = Float32(0.0)
         g_sum = Float32(0.0)
@@ -654,6 +644,17 @@ class NormBackwardKernel:
                             prefetch_step(prefetch, step)
         if const_expr(refill is not None):
             cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def row_statistics(self, mean, rstd, row, valid_row):
+        """The forward's (mean, rstd) of ``row`` (mean 0 for RMSNorm; both 0 where ``valid_row`` is
+        false: past the last row)."""
+        row_mean, row_rstd = Float32(0.0), Float32(0.0)
+        if valid_row:
+            row_rstd = rstd[row, 0]
+            if const_expr(self.center):
+                row_mean = mean[row, 0]
+        return row_mean, row_rstd
 
     @cute.jit
     def dx_step(self, opx, opg, opds, ops, opd, acc_scale, acc_bias, step, row_mean, row_rstd, c_dot, c_sum):

@@ -73,6 +73,12 @@ def streamed_cta_bytes(geometry: RowGeometry, elem_bytes: int, sums: int) -> int
     return share_bytes(geometry, 0, 0, sums)
 
 
+def partial_rows(geometry: RowGeometry, grid: int) -> int:
+    """Rows of the backward's dscale / dbias partials on a persistent ``grid``: one per CTA, or per
+    row slot of a streamed row's cluster."""
+    return grid if geometry.resident else grid * geometry.row.rows_per_cta
+
+
 def backward_grid(geometry: RowGeometry, rows: int | None = None, elem_bytes: int = 2, sums: int = 0) -> int:
     """The persistent backward grid, enough to fill the GPU -- or, for ``rows`` rows that need
     fewer, the power of two that covers their row groups (every CTA or cluster writes a row of

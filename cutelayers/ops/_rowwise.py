@@ -99,13 +99,14 @@ class RowKernelFamily(TunableFamily):
         one-row config with the other ``SHARE_BUDGETS`` that cut its rows differently."""
         space = row_geometry_space(self.row_length(avals), self.elem_bits(avals), self.register_values(avals))
         configs = [g.row for g in space]
-        for config in list(configs):
-            if not self.staged_operands or config.rows_per_cta != 1 or space[0].resident:
-                continue
-            def how(c):  # the cut itself, whichever budget gave it
-                g = self.cut(c, avals)
-                return g.cluster, g.row.unroll, g.share_width
+        if not self.staged_operands or space[0].resident:
+            return tuple(configs)
 
+        def how(c):  # the cut itself, whichever budget gave it
+            g = self.cut(c, avals)
+            return g.cluster, g.row.unroll, g.share_width
+
+        for config in [c for c in configs if c.rows_per_cta == 1]:
             cuts = {how(config)}
             for budget in SHARE_BUDGETS:
                 other = dataclasses.replace(config, share_budget=budget)

@@ -150,7 +150,7 @@ class NormBackward(RowKernelFamily):
     config: RowConfig | None = None
     grid: int | None = None
     per_row_rank = 2
-    staged_operands = 2  # a streamed row's x and dy, kept for the dx pass
+    staged_operands = norm_config.STAGED_OPERANDS  # a streamed row's x and dy, kept for the dx pass
     persistent_rows = True
 
     @property
@@ -236,8 +236,7 @@ class NormBackward(RowKernelFamily):
         """Rows of W x N partial sums: one per CTA, or per row slot of a streamed row's cluster."""
         if not self.wanted:
             return 0
-        g = self.geometry(avals)
-        return self.ctas(avals) * (1 if g.resident else g.row.rows_per_cta)
+        return norm_config.partial_rows(self.geometry(avals), self.ctas(avals))
 
     def reference(self, *args):
         x, dy, dsummed, mean, rstd, scale = _split_backward(args, self.center, self.has_residual,
