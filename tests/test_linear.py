@@ -15,9 +15,16 @@ import pytest
 from numerics import assert_close, random
 
 import cutelayers as cl
-from cutelayers.kernels.gemm_config import CONFIGS, EXTRA_CONFIGS, STREAM_K_CONFIG, config_class, stream_k_pays
+from cutelayers.kernels.gemm_config import (
+    CONFIGS,
+    EXTRA_CONFIGS,
+    STREAM_K_CONFIG,
+    config_class,
+    stream_k_pays,
+)
 from cutelayers.ops.linear import (
     ACTIVATION_FUNCTIONS,
+    LinearForward,
     LinearInputGrad,
     LinearWeightGrad,
     fused_linear,
@@ -716,6 +723,41 @@ def test_stream_k_needs_a_cooperative_config():
         HopperGemmKernel(pingpong, Epilogue(), accumulate=True, stream_k=True)
     with pytest.raises(ValueError, match="accumulate=True"):
         HopperGemmKernel(STREAM_K_CONFIG, Epilogue(), stream_k=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", list(dict.fromkeys([*CONFIGS.values(), *EXTRA_CONFIGS])), ids=str)
+def test_every_config_forward_epilogue_and_input_grad_gpu(config, rng):
+    # Every config of the space (a tuned table may name any): the forward with bias, gelu, the
+    # stored z and a residual, and the input gradient scaled by gelu'(z) in its epilogue (both
+    # read source tiles). 16400 rows: every warpgroup runs several tiles (the source ring's state
+    # once restarted every tile, which hung configs of 2 or 6 subtiles from the second one);
+    # K = 264 and N = 712 leave partial tiles along every mode.
+    m, k, n = 16400, 264, 712
+    x, w = random(rng, (1, m, k), jnp.bfloat16), random(rng, (1, k, n), jnp.bfloat16)
+    b, r, dz = random(rng, (n,), jnp.bfloat16), random(rng, (1, m, n), jnp.bfloat16), random(rng, (1, m, n), jnp.bfloat16)
+    preact = random(rng, (1, m, k), jnp.bfloat16)
+    cases = [(LinearForward("gelu", True, True, True, config=config), (x, w, b, r)),
+             (LinearInputGrad("gelu", config=config), (dz, w, preact))]
+    for family, args in cases:
+        with cl.use_backend("cute"):
+            outs = jax.jit(functools.partial(kernel_call, family))(*args)
+        wants = family.reference(*(a.astype(jnp.float32) for a in args))
+        for out, want in zip(outs, wants, strict=True):
+            assert_close(out, want, jnp.bfloat16)
+
+
+def test_source_epilogues_are_tuned_on_their_own():
+    # A source ring takes shared memory from the mainloop: a tuned entry of the plain kernel
+    # (what the autotuner measures) does not name the config of one that reads a residual or a
+    # pre-activation.
+    S = jax.ShapeDtypeStruct
+    x, w, r = S((1, 4096, 768), jnp.bfloat16), S((1, 768, 3072), jnp.bfloat16), S((1, 4096, 3072), jnp.bfloat16)
+    keys = {LinearForward("gelu", True, False, False).tuning_key((x, w)),
+            LinearForward("gelu", True, True, False).tuning_key((x, w, r)),
+            LinearInputGrad().tuning_key((r, w)), LinearInputGrad("gelu").tuning_key((r, w, x))}
+    assert len(keys) == 4
+    assert ("source", True) in LinearInputGrad("gelu").tuning_key((r, w, x))[1]
 
 
 @pytest.mark.gpu

@@ -365,8 +365,8 @@ class HopperGemmKernel:
             raise ValueError("pingpong alternates two consumer warpgroups: consumer_warpgroups must be 2")
         if config.tile_m % (64 * config.mma_warpgroups):
             raise ValueError("tile_m must be a multiple of 64 rows per warpgroup sharing a tile (wgmma's M)")
-        if config.tile_n not in (64, 128, 256):
-            raise ValueError("tile_n must be 64, 128 or 256")
+        if config.tile_n not in (64, 128, 192, 256):  # whole 64-column epilogue subtiles
+            raise ValueError("tile_n must be 64, 128, 192 or 256")
         if config.cluster_m * config.cluster_n > 2 or min(config.cluster_m, config.cluster_n) < 1:
             raise ValueError("cluster shape must be 1x1, 2x1 or 1x2")
 
@@ -649,8 +649,8 @@ class HopperGemmKernel:
                 if const_expr(epilogue.has_source):
                     # The tile's first source subtiles load while its mainloop runs.
                     for e in cutlass.range_constexpr(min(SOURCE_STAGES, self.epi_tiles(epi_tile))):
-                        self.load_source(sources, group, source_loaded, ring[6], tma_s, tma_tensor_s,
-                                         tile_idx, epi_tile, e, store_warp)
+                        source_loaded = self.load_source(sources, group, source_loaded, ring[6], tma_s,
+                                                         tma_tensor_s, tile_idx, epi_tile, e, store_warp)
                 # Accumulate from zero rather than switching ACCUMULATE off for the first k tile:
                 # the flag is fixed when the loop body is traced.
                 acc.fill(0.0)
@@ -680,9 +680,14 @@ class HopperGemmKernel:
                 loads.consumer_release(released)
                 released.advance()
 
-                self.epilogue_tile(acc, tile_coords_c, tile_idx, ring, sources, group, source_loaded,
-                                   source_read, tma_c, tma_tensor_c, tma_z, tma_tensor_z, tma_s, tma_tensor_s,
-                                   bias, epi_tile, stores, store_warp, inside, tiles_done * stores_per_tile)
+                # The source ring's states are assigned here so that the loop carries them to the
+                # next tile: the DSL carries what a loop body assigns or calls a method of, not
+                # what it only passes to a call (they restarted every tile, which a ring walked an
+                # odd number of times per tile -- 2 or 6 subtiles, 2 buffers -- got wrong: a hang).
+                source_loaded, source_read = self.epilogue_tile(
+                    acc, tile_coords_c, tile_idx, ring, sources, group, source_loaded, source_read, tma_c,
+                    tma_tensor_c, tma_z, tma_tensor_z, tma_s, tma_tensor_s, bias, epi_tile, stores, store_warp,
+                    inside, tiles_done * stores_per_tile)
                 tiles_done += 1
                 if const_expr(config.pingpong):
                     # Past the other warpgroup's next tile and its stages.
@@ -829,7 +834,8 @@ class HopperGemmKernel:
     def load_source(self, sources, group, source_loaded, ss, tma_s, tma_tensor_s, tile_idx,
                     epi_tile: cutlass.Constexpr, e: cutlass.Constexpr, store_warp):
         """The group's sending warp TMA-loads source subtile ``e`` of tile ``tile_idx`` into the
-        next buffer of its source ring; every thread of the group advances its producer state."""
+        next buffer of its source ring; every thread of the group advances its producer state,
+        which it returns."""
         s_tma, g_tma, epi_order = self.subtile_views(tma_s, tma_tensor_s, ss, tile_idx, epi_tile)
         if store_warp:
             state = self.group_state(source_loaded, group)
@@ -838,6 +844,7 @@ class HopperGemmKernel:
                       tma_bar_ptr=sources.producer_get_barrier(state))
             sources.producer_commit(state)
         source_loaded.advance()
+        return source_loaded
 
     @cute.jit
     def epilogue_tile(self, acc, tile_coords_c, tile_idx, ring, sources, group, source_loaded, source_read,
@@ -848,6 +855,7 @@ class HopperGemmKernel:
         ``first_store``: stores this group made before, so the ring buffer of each subtile is
         (first_store + e) mod EPI_STAGES within the group's ring. ``inside``: whether the tile
         lies in the output at all (a cluster's padding tile runs every step but the TMA stores).
+        Returns the source ring's states (loaded, read), advanced past this tile.
         """
         config, epilogue = self.config, self.epilogue
         n0 = tile_idx[1] * config.tile_n
@@ -871,6 +879,7 @@ class HopperGemmKernel:
                 acc[i] = apply_activation(acc[i], epilogue.activation)
         self.store_tile(acc, epilogue.has_source, ring, sources, group, source_loaded, source_read, tma_c,
                         tma_tensor_c, tma_s, tma_tensor_s, tile_idx, epi_tile, stores, store_warp, inside, first_store)
+        return source_loaded, source_read
 
     @cute.jit
     def store_tile(self, acc, with_source: cutlass.Constexpr, ring, sources, group, source_loaded, source_read,

@@ -113,6 +113,12 @@ EXTRA_CONFIGS = (
     GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6, pingpong=True),
     GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6, cluster_m=2, pingpong=True),
     GemmConfig(tile_m=64, tile_n=256, consumer_warpgroups=2, stages=6, pingpong=True),
+    # 128 x 192 pingpong: each warpgroup's tile is 1.5x the 128 x 128 one, so its epilogue hides
+    # behind a longer mainloop at K = 768 (GPT-2 fc2's input gradient on the H100: 101 us against
+    # 116-118 on 128 x 128 / 128 x 256 tiles; cuBLAS 97); ptxas: no spills but 124 bytes in the
+    # bias + gelu forward that stores z.
+    GemmConfig(tile_m=128, tile_n=192, consumer_warpgroups=2, stages=5, cluster_m=2, pingpong=True),
+    GemmConfig(tile_m=128, tile_n=192, consumer_warpgroups=2, stages=5, cluster_n=2, pingpong=True),
 )
 
 

@@ -180,11 +180,12 @@ class GemmFamily(TunableFamily):
 
     def tuning_key(self, avals):
         """dtype, and the GEMM's static sizes with the bucket of a symbolic M (and whether it
-        accumulates / runs stream-K / stores float32: another kernel, tuned on its own)."""
+        accumulates / runs stream-K / stores float32 / reads a source tile: another kernel, tuned
+        on its own -- a source ring takes the shared memory of a mainloop stage or two)."""
         m, n, k = self.gemm_shape(avals)
         dims = (("m", m), ("n", n)) if self.contracts_rows else (("m", row_bucket(m)), ("k", k), ("n", n))
         dims += (("accumulate", True),) * self.accumulate + (("stream_k", True),) * self.stream_k
-        dims += (("f32_out", True),) * self.f32_out
+        dims += (("f32_out", True),) * self.f32_out + (("source", True),) * self.reads_source
         return jnp.dtype(avals[0].dtype).name, dims
 
     def config_from_fields(self, fields: dict):
@@ -234,6 +235,11 @@ class GemmFamily(TunableFamily):
     stream_k = False  # stream-K schedule (LinearWeightGrad, LinearInputGrad)
     operand_sums = None  # "a" / "b": that operand's sums over the contraction too (a bias gradient)
     f32_out = False  # a float32 result of 16-bit operands without accumulating (LinearWeightGrad)
+
+    @property
+    def reads_source(self) -> bool:
+        """Whether the epilogue reads an (M, N) source tile: a residual, or a pre-activation."""
+        return False
 
     def launcher(self, avals, out_avals):
         from cutelayers.kernels.gemm import HopperGemmKernel
@@ -306,6 +312,10 @@ class LinearForward(GemmFamily):
         residual = rest.pop(0)[0] if self.has_residual else None
         y, z = apply_epilogue(ctx.psum(partial, {"k"})[0], bias, residual, self.activation, x.dtype)
         return (y[None],) + ((z[None],) if self.store_preact else ())
+
+    @property
+    def reads_source(self):
+        return self.has_residual
 
     def epilogue(self):
         from cutelayers.kernels.gemm import Epilogue
@@ -383,6 +393,10 @@ class LinearInputGrad(GemmFamily):
 
     def gemm_shape(self, avals):
         return avals[0].shape[1], *self.kernel_kn(avals[1])  # dz (1, M, N)
+
+    @property
+    def reads_source(self):
+        return self.grad_of != "none"
 
     def epilogue(self):
         from cutelayers.kernels.gemm import Epilogue
