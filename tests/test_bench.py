@@ -54,3 +54,21 @@ def test_time_fn_rotates_small_operands_over_copies(monkeypatch):
 
         assert timing.time_fn(fn, x, 3, iters=2 * sets, repeats=1) > 0
         assert len(buffers) == sets and scales == {3}
+
+
+def test_call_kernels_gives_each_kernel_its_median(monkeypatch, capsys):
+    """One call's kernels in launch order, each the median over the traced calls; nothing where
+    the calls launched different kernel counts; the GEMM table of them sums each side."""
+    import jax.numpy as jnp
+
+    from cutelayers.bench import gemm, timing
+
+    traced = [("gemm", 3e-6), ("cast", 1e-6), ("gemm", 5e-6), ("cast", 2e-6), ("gemm", 4e-6), ("cast", 9e-6)]
+    monkeypatch.setattr(timing, "traced_kernels", lambda run: (run(), traced)[1])
+    assert timing.call_kernels(lambda a: a + 1, jnp.ones(4), iters=3) == [("gemm", 4e-6), ("cast", 2e-6)]
+    assert timing.call_kernels(lambda a: a + 1, jnp.ones(4), iters=4) == []
+    gemm.print_kernels([dict(layer="l", impl="ours", kernel="gemm", us=4.0),
+                        dict(layer="l", impl="ours", kernel="cast", us=2.0),
+                        dict(layer="l", impl="XLA", kernel="cublas", us=5.5)])
+    out = capsys.readouterr().out
+    assert "| l | ours | total | 6.0 |" in out and "| l | XLA | total | 5.5 |" in out

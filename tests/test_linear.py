@@ -735,7 +735,7 @@ def test_every_config_forward_epilogue_and_input_grad_gpu(config, rng):
     # K = 264 and N = 712 leave partial tiles along every mode.
     m, k, n = 16400, 264, 712
     x, w = random(rng, (1, m, k), jnp.bfloat16), random(rng, (1, k, n), jnp.bfloat16)
-    b, r, dz = random(rng, (n,), jnp.bfloat16), random(rng, (1, m, n), jnp.bfloat16), random(rng, (1, m, n), jnp.bfloat16)
+    b, r, dz = (random(rng, shape, jnp.bfloat16) for shape in ((n,), (1, m, n), (1, m, n)))
     preact = random(rng, (1, m, k), jnp.bfloat16)
     cases = [(LinearForward("gelu", True, True, True, config=config), (x, w, b, r)),
              (LinearInputGrad("gelu", config=config), (dz, w, preact))]
@@ -752,7 +752,7 @@ def test_source_epilogues_are_tuned_on_their_own():
     # (what the autotuner measures) does not name the config of one that reads a residual or a
     # pre-activation.
     S = jax.ShapeDtypeStruct
-    x, w, r = S((1, 4096, 768), jnp.bfloat16), S((1, 768, 3072), jnp.bfloat16), S((1, 4096, 3072), jnp.bfloat16)
+    x, w, r = (S(shape, jnp.bfloat16) for shape in ((1, 4096, 768), (1, 768, 3072), (1, 4096, 3072)))
     keys = {LinearForward("gelu", True, False, False).tuning_key((x, w)),
             LinearForward("gelu", True, True, False).tuning_key((x, w, r)),
             LinearInputGrad().tuning_key((r, w)), LinearInputGrad("gelu").tuning_key((r, w, x))}

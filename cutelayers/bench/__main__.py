@@ -59,6 +59,8 @@ def main(argv=None) -> int:
     lin.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     lin.add_argument("--parts", action="store_true",
                      help="then each layer's backward GEMMs (dx, dkernel) alone vs XLA's")
+    lin.add_argument("--kernels", action="store_true",
+                     help="then each layer's forward + backward kernel by kernel, ours and XLA's")
     head = sub.add_parser("lm_head", help="linear_cross_entropy fwd+bwd time and temp memory vs unfused XLA")
     # not "--h": the CuTe DSL parses sys.argv for its own flags at every compile, and "--h" is a
     # prefix of its "--help" (it printed its usage and exited mid-benchmark)
@@ -102,6 +104,8 @@ def main(argv=None) -> int:
         gemm.print_table(results)
         if args.parts:
             gemm.print_parts(gemm.bench_parts(layers, jnp.dtype(args.dtype)))
+        if args.kernels:
+            gemm.print_kernels(gemm.bench_kernels(layers, jnp.dtype(args.dtype)))
     elif args.suite == "lm_head":
         print(f"# device: {jax.devices()[0].device_kind}")
         print_records(bench_lm_head(args.tokens, args.hidden, args.vocab, jnp.dtype(args.dtype), args.chunk_size))

@@ -1,14 +1,17 @@
-"""GEMM benchmark: ``python -m cutelayers.bench gemm [--shapes MxKxN ... --epilogue E] [--dtype bfloat16]``.
+"""GEMM benchmark: ``python -m cutelayers.bench gemm [--shapes MxKxN ... --epilogue E] [--dtype bfloat16]
+[--parts] [--kernels]``.
 
 Each case is a layer as a transformer uses it -- M x K x N and an epilogue (``plain``: x @ w;
 ``bias``; ``bias+gelu``; ``bias+residual``; ``bias+qkv``: three equal parts, ``split_linear``) -- timed as ``fused_linear`` forward (2MNK flops) and
 forward + backward (6MNK: y, dx, dkernel) next to XLA's jnp version of the same layer and its
 VJP, in the same process. TFLOP/s and the fraction of the H100's dense bf16 peak (989 TFLOP/s)
-are the floor: a GEMM cannot beat FLOPs / peak.
+are the floor: a GEMM cannot beat FLOPs / peak. ``--parts`` then times each layer's backward GEMMs
+alone; ``--kernels`` lists each layer's forward + backward kernel by kernel, ours and XLA's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -16,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import cutelayers as cl
-from cutelayers.bench.timing import time_fn
+from cutelayers.bench.timing import call_kernels, time_fn
 from cutelayers.ops.linear import ACTIVATION_FUNCTIONS, fused_linear, input_grad_fn, weight_grad_fn
 from cutelayers.ops.mlp import gated_hidden, is_gated
 from cutelayers.ops.split_linear import split_linear
@@ -186,6 +189,39 @@ def bench_parts(layers=LAYERS, dtype=jnp.bfloat16) -> list[dict]:
             results.append(dict(layer=layer.name, part=part, ms=t * 1e3, xla_ms=t_xla * 1e3,
                                 tflops=flops / t / 1e12, xla_tflops=flops / t_xla / 1e12, vs_xla=t_xla / t))
     return results
+
+
+def bench_kernels(layers=LAYERS, dtype=jnp.bfloat16) -> list[dict]:
+    """Each layer's forward + backward (the vjp the fwd+bwd column times) kernel by kernel, ours
+    and XLA's, in launch order: where a layer's fwd+bwd gap is (a GEMM, a cast, a reduction)."""
+    rows = []
+    for layer in layers:
+        x, w, dy, b, r = _layer_operands(layer, dtype)
+        if layer.epilogue == "bias+qkv":
+            dy = tuple(jnp.split(dy, 3, axis=-1))
+        for impl, fn in zip(("ours", "XLA"), _layer_fns(layer.epilogue)):
+            with cl.use_backend("cute") if impl == "ours" else contextlib.nullcontext():
+                kernels = call_kernels(jax.jit(_vjp_of(fn)), x, w, b, r, dy)
+            rows += [dict(layer=f"{layer.name} ({layer.epilogue})", impl=impl, kernel=_short_name(name),
+                          us=t * 1e6) for name, t in kernels]
+    return rows
+
+
+def _short_name(name: str, width: int = 64) -> str:
+    """A kernel's name without the CuTe DSL's common prefix, cut to ``width`` characters."""
+    return name.removeprefix("kernel_cutlass_kernel_cutelayerskernels")[:width]
+
+
+def print_kernels(rows: list[dict]) -> None:
+    print("| layer | impl | kernel | us |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['layer']} | {r['impl']} | {r['kernel']} | {r['us']:.1f} |")
+    totals = {}
+    for r in rows:
+        totals[r["layer"], r["impl"]] = totals.get((r["layer"], r["impl"]), 0.0) + r["us"]
+    for (layer, impl), us in totals.items():
+        print(f"| {layer} | {impl} | total | {us:.1f} |")
 
 
 def print_parts(results: list[dict]) -> None:

@@ -57,6 +57,42 @@ def operand_sets(args: tuple) -> list[tuple]:
     return [args] + [jax.tree.map(copy, args) for _ in range(count - 1)]
 
 
+def _rotating_calls(fn, args, iters: int):
+    """``calls()``: ``iters`` calls of ``fn`` rotating over :func:`operand_sets` of ``args``, then a
+    sync -- after every set has run once (compile + warm up)."""
+    sets = operand_sets(args)
+    for operands in sets:
+        jax.block_until_ready(fn(*operands))
+    jax.block_until_ready(fn(*args))
+
+    def calls():
+        for i in range(iters):
+            out = fn(*sets[i % len(sets)])
+        jax.block_until_ready(out)
+
+    return calls
+
+
+def _per_call(kernels: list, iters: int) -> list[list]:
+    """``traced_kernels`` of ``iters`` calls split into each call's list; [] unless every call
+    launched the same number of kernels (or none were recorded)."""
+    if not kernels or len(kernels) % iters:
+        return []
+    n = len(kernels) // iters
+    return [kernels[i:i + n] for i in range(0, len(kernels), n)]
+
+
+def call_kernels(fn, *args, iters: int = 10) -> list[tuple[str, float]]:
+    """One call of a jitted ``fn`` kernel by kernel: (name, median seconds over ``iters`` calls
+    rotating over :func:`operand_sets`) in launch order -- which kernel a gap between two
+    implementations is in. [] where no device kernels are recorded (CPU) or calls launched
+    different kernel counts."""
+    calls = _per_call(traced_kernels(_rotating_calls(fn, args, iters)), iters)
+    if not calls:
+        return []
+    return [(name, statistics.median(call[j][1] for call in calls)) for j, (name, _) in enumerate(calls[0])]
+
+
 def time_fn(fn, *args, iters: int = 20, repeats: int = 7) -> float:
     """Median seconds per call of a jitted ``fn``, its calls rotating over copies of small
     operands (:func:`operand_sets`).
@@ -66,20 +102,10 @@ def time_fn(fn, *args, iters: int = 20, repeats: int = 7) -> float:
     tens of microseconds measures). Where no kernels are recorded (CPU), wall time: batches of
     asynchronous calls, synchronized per batch.
     """
-    sets = operand_sets(args)
-    for operands in sets:  # compile + warm up
-        jax.block_until_ready(fn(*operands))
-    jax.block_until_ready(fn(*args))
-
-    def calls():
-        for i in range(iters):
-            out = fn(*sets[i % len(sets)])
-        jax.block_until_ready(out)
-
+    calls = _rotating_calls(fn, args, iters)
     kernels = traced_kernels(calls)
-    if kernels and len(kernels) % iters == 0:  # one call's kernels each, in order
-        per_call = len(kernels) // iters
-        return statistics.median(sum(s for _, s in kernels[i:i + per_call]) for i in range(0, len(kernels), per_call))
+    if per_call := _per_call(kernels, iters):  # one call's kernels each, in order
+        return statistics.median(sum(s for _, s in call) for call in per_call)
     if kernels:  # calls that launch differently (never seen): the mean
         return sum(s for _, s in kernels) / iters
     samples = []

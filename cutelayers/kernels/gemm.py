@@ -686,8 +686,8 @@ class HopperGemmKernel:
                 # odd number of times per tile -- 2 or 6 subtiles, 2 buffers -- got wrong: a hang).
                 source_loaded, source_read = self.epilogue_tile(
                     acc, tile_coords_c, tile_idx, ring, sources, group, source_loaded, source_read, tma_c,
-                    tma_tensor_c, tma_z, tma_tensor_z, tma_s, tma_tensor_s, bias, epi_tile, stores, store_warp,
-                    inside, tiles_done * stores_per_tile)
+                    tma_tensor_c, tma_z, tma_tensor_z, tma_s, tma_tensor_s, bias, epi_tile, stores,
+                    store_warp, inside, tiles_done * stores_per_tile)
                 tiles_done += 1
                 if const_expr(config.pingpong):
                     # Past the other warpgroup's next tile and its stages.
