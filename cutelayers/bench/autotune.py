@@ -186,19 +186,27 @@ def _linear_cases(op: str, shape, dtype) -> list[Case]:
         raise ValueError(f"autotune {op}: shape {m}x{k_dim}x{n}, dtype {dtype.name}: {why}")
     S = jax.ShapeDtypeStruct
     x, w, b, dz = S((1, m, k_dim), dtype), S((1, k_dim, n), dtype), S((n,), dtype), S((1, m, n), dtype)
-    k = _keys(4)
-    # operand -> (key, aval, scale): the weight scaled by 1/sqrt(K) keeps the outputs of order 1
-    draws = {"x": (k[0], x, 1.0), "w": (k[1], w, k_dim**-0.5), "b": (k[2], b, 1.0), "dz": (k[3], dz, 1.0)}
+    k = _keys(5)
+    # operand -> (key, aval, scale): the weight scaled by 1/sqrt(K) keeps the outputs of order 1;
+    # the residual is an (M, N) tile like dz, the pre-activation an (M, K) one like x
+    draws = {"x": (k[0], x, 1.0), "w": (k[1], w, k_dim**-0.5), "b": (k[2], b, 1.0), "dz": (k[3], dz, 1.0),
+             "residual": (k[4], dz, 1.0), "preact": (k[4], x, 1.0)}
 
-    def operands(*names):
-        return tuple(_normal(key, aval.shape, dtype, scale) for key, aval, scale in (draws[n] for n in names))
+    def case(family, *names):
+        avals = tuple(draws[name][1] for name in names)
+        return Case(op, family, avals, lambda: tuple(_normal(key, aval.shape, dtype, scale)
+                                                     for key, aval, scale in (draws[name] for name in names)))
 
-    # The forward is tuned with the benchmark's epilogue (bias + gelu); its entry serves every
-    # epilogue, whose cost is small next to the mainloop.
+    # Without a source tile the forward is tuned with the benchmark's epilogue (bias + gelu), whose
+    # entry serves every such epilogue (their cost is small next to the mainloop). An epilogue that
+    # reads a source tile -- a residual, the pre-activation of an activation gradient -- is another
+    # kernel with its own key (its ring takes shared memory from the mainloop): tuned on its own.
     return [
-        Case(op, LinearForward("gelu", True, False, False), (x, w, b), functools.partial(operands, "x", "w", "b")),
-        Case(op, LinearInputGrad(), (dz, w), functools.partial(operands, "dz", "w")),
-        Case(op, LinearWeightGrad(), (x, dz), functools.partial(operands, "x", "dz")),
+        case(LinearForward("gelu", True, False, False), "x", "w", "b"),
+        case(LinearForward("none", True, True, False), "x", "w", "b", "residual"),
+        case(LinearInputGrad(), "dz", "w"),
+        case(LinearInputGrad("gelu"), "dz", "w", "preact"),
+        case(LinearWeightGrad(), "x", "dz"),
     ]
 
 
