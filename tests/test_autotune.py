@@ -21,7 +21,7 @@ import pytest
 import cutelayers as cl
 from cutelayers import tuning
 from cutelayers.bench import autotune
-from cutelayers.kernels import norm_config, softmax_config
+from cutelayers.kernels import norm_config, reduction_config, softmax_config
 from cutelayers.kernels.gemm_config import CONFIGS, EXTRA_CONFIGS, SMEM_CAPACITY, config_class, row_bucket
 from cutelayers.kernels.reduction_config import (
     CTA_THREADS,
@@ -268,6 +268,22 @@ def test_share_budgets_cut_streamed_rows_differently_and_compile():
         chosen.append((case, [default, budgets[0]]))
     found = [t for case, configs in chosen for t in compile_candidates(case, configs)]
     assert len(found) == len(set(found)) == 4
+
+
+@pytest.mark.cute
+def test_the_largest_share_budget_cuts_rows_over_fewer_ctas_and_compiles():
+    """The largest budget (one CTA an SM) cuts a bf16 row of 131072 over 2 CTAs where the
+    LayerNorm forward's own cuts it over 4; a row a single CTA would hold past two CTAs an SM's
+    share is cut as by default (it would not stage), so not offered again."""
+    budget = reduction_config.SHARE_BUDGETS[-1]
+    ((case, configs, default),) = autotune.list_candidates("layer_norm_fwd", [(8, 131072)], ["bfloat16"])
+    large = [c for c in configs if c.share_budget == budget]
+    assert large
+    cluster = lambda c: dataclasses.replace(case.family, config=c).geometry(case.avals).cluster  # noqa: E731
+    assert (cluster(default), cluster(large[0])) == (4, 2)
+    assert len(set(compile_candidates(case, [large[0]]))) == 1
+    ((_, configs, _),) = autotune.list_candidates("layer_norm_fwd", [(8, 65536)], ["bfloat16"])
+    assert not [c for c in configs if c.share_budget == budget]
 
 
 def test_every_weight_gradient_candidate_compiles_in_test_linear():

@@ -204,8 +204,11 @@ STAGED_ROW_BYTES = 112 * 1024
 STAGED_ROW_BYTES_ALONE = 216 * 1024
 # Share budgets the config spaces of kernels that stage streamed rows offer besides their own
 # (more CTAs a row, more of them an SM): the best cut differs by width and kernel (the norm
-# forward at N = 32768 ... 262144 in docs/benchmarks.md, eighteenth session).
-SHARE_BUDGETS = (28 * 1024, 40 * 1024, 64 * 1024)
+# forward at N = 32768 ... 262144 in docs/benchmarks.md, eighteenth session). The largest, one CTA
+# an SM, cuts a row over fewer CTAs (a bf16 row of 131072 over 2, not 4): clusters of 4 or more
+# fit only 120-124 of the H100's 132 SMs at once (norm_config.RESIDENT_CLUSTERS), where LayerNorm's
+# forward stays under 90 % of copy at 131072 and 262144 (nineteenth session).
+SHARE_BUDGETS = (28 * 1024, 40 * 1024, 64 * 1024, 136 * 1024)
 # CTAs a row may be cut over: Hopper's largest (non-portable) cluster, which CuTe DSL allows on
 # every kernel. A bf16 softmax backward at 262144 stages 64 KiB a CTA over 16 (128 KiB over 8).
 MAX_CLUSTER = 16
@@ -234,8 +237,9 @@ def split_rows(geometry: RowGeometry, elem_bytes: int, operands: int, accumulato
                balanced: bool = False, budget: int = STAGED_ROW_BYTES) -> RowGeometry:
     """``geometry`` with a streamed row of one-row CTAs cut over the fewest CTAs (a power of two,
     at most ``MAX_CLUSTER``, each with a step) whose shares of ``operands`` row operands (and
-    ``accumulators`` fp32 sums a column) stage in ``budget`` (at most ``STAGED_ROW_BYTES``, two
-    CTAs an SM; a kernel may want smaller shares, more CTAs a row) -- at the config's unroll,
+    ``accumulators`` fp32 sums a column) stage in ``budget`` (``STAGED_ROW_BYTES`` by default, two
+    CTAs an SM; a kernel may want smaller shares, more CTAs a row, or larger ones, fewer CTAs a row
+    and one of them an SM) -- at the config's unroll,
     else at a smaller one (finer steps, finer shares); with ``balanced`` (a persistent kernel), cuts
     whose widest share is within ``MAX_CUT_IMBALANCE`` of the mean first -- or failing that, the
     cut with the smallest
@@ -243,8 +247,8 @@ def split_rows(geometry: RowGeometry, elem_bytes: int, operands: int, accumulato
     is read from global memory once instead of twice. Other geometries are returned as they are."""
     if geometry.resident or geometry.row.rows_per_cta != 1:
         return geometry
-    if share_bytes(geometry, elem_bytes, operands, accumulators) <= budget:
-        return geometry
+    if share_bytes(geometry, elem_bytes, operands, accumulators) <= min(budget, STAGED_ROW_BYTES):
+        return geometry  # a row a CTA stages only where two CTAs fit an SM (``staged``)
 
     def size(g):
         return share_bytes(g, elem_bytes, operands, accumulators)
