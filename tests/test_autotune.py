@@ -432,6 +432,40 @@ def test_the_shipped_table_loads_cleanly_and_is_packaged(recwarn):
     assert "tuning/*.json" in pyproject["tool"]["setuptools"]["package-data"]["cutelayers"]
 
 
+def _shapes_for(entry) -> list[tuple]:
+    """Autotuner shapes whose cases include the kernel of a tuned-table ``entry``: ROWSxN for the
+    row kernels, MxKxN for the GEMMs (a row count of the entry's bucket; dx's contraction is the
+    layer's N, dkernel's output the layer's (K, N))."""
+    dims, kernel = entry["dims"], entry["kernel"]
+    if not kernel.startswith("linear"):
+        return [(8, dims["n"])]
+    if kernel == "linear_dkernel":
+        return [(4096, dims["m"], dims["n"])]
+    rows = next(m for m in (16, 1000, 4096) if row_bucket(m) == dims["m"])
+    return [(rows, dims["n"], dims["k"])] if kernel == "linear_dx" else [(rows, dims["k"], dims["n"])]
+
+
+def test_every_shipped_entry_names_a_candidate_config(monkeypatch):
+    """Each entry of the shipped table is found by its kernel at a shape of its dims and names a
+    config of that kernel's space there -- else the runtime warns and runs the heuristic (an entry
+    left behind when a space changes)."""
+    shipped = Path(tuning.__file__).parent / "tuned_configs.json"
+    entries = json.loads(shipped.read_text())["entries"]
+    assert entries
+    monkeypatch.setattr(tuning, "SHIPPED_TABLE", shipped)  # the real one (no_tables empties it)
+    for entry in entries:
+        monkeypatch.setattr(tuning, "device_kind", lambda: entry["device"])
+        key = tuning.table_key(entry["device"], entry["kernel"], entry["dtype"], entry["dims"])
+        found = [case for case in autotune.cases(entry["kernel"], _shapes_for(entry), entry["dtype"].split("+"))
+                 if tuning.table_key(entry["device"], case.family.name, *case.family.tuning_key(case.avals)) == key]
+        assert len(found) == 1, (entry, [c.describe() for c in autotune.cases(
+            entry["kernel"], _shapes_for(entry), entry["dtype"].split("+"))])
+        (case,) = found
+        config = case.family.config_from_fields(entry["config"])
+        assert config in case.family.config_space(case.avals), entry
+        assert tuning.choose_config(case.family, case.avals) == config, entry
+
+
 def test_write_entries_replaces_same_keys_and_keeps_the_rest(tmp_path):
     path = write_table(tmp_path / "t.json", [entry("softmax_fwd", "bfloat16", {"n": 8}, {"a": 1}),
                                              entry("softmax_fwd", "bfloat16", {"n": 16}, {"a": 2})], about="kept")
