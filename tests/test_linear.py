@@ -15,13 +15,7 @@ import pytest
 from numerics import assert_close, random
 
 import cutelayers as cl
-from cutelayers.kernels.gemm_config import (
-    CONFIGS,
-    EXTRA_CONFIGS,
-    STREAM_K_CONFIG,
-    config_class,
-    stream_k_pays,
-)
+from cutelayers.kernels.gemm_config import CONFIGS, EXTRA_CONFIGS, STREAM_K_CONFIG, config_class, stream_k_pays
 from cutelayers.ops.linear import (
     ACTIVATION_FUNCTIONS,
     LinearForward,
@@ -726,7 +720,7 @@ def test_stream_k_needs_a_cooperative_config():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", list(dict.fromkeys([*CONFIGS.values(), *EXTRA_CONFIGS])), ids=str)
+@pytest.mark.parametrize("config", [*CONFIGS.values(), *EXTRA_CONFIGS], ids=str)
 def test_every_config_forward_epilogue_and_input_grad_gpu(config, rng):
     # Every config of the space (a tuned table may name any): the forward with bias, gelu, the
     # stored z and a residual, and the input gradient scaled by gelu'(z) in its epilogue (both

@@ -151,12 +151,10 @@ def bench_gemm(layers=LAYERS, dtype=jnp.bfloat16) -> list[dict]:
     results = []
     for layer in layers:
         m, k, n = layer.m, layer.k, layer.n
-        x, w, dy, b, r = _layer_operands(layer, dtype)
+        args, dy = _layer_args(layer, dtype)
         ours, xla = _layer_fns(layer.epilogue)
-        if layer.epilogue == "bias+qkv":
-            dy = tuple(jnp.split(dy, 3, axis=-1))
         results.append(_result(layer.name, f"{m} x {k} x {n}", layer.epilogue, dtype, 2.0 * m * n * k, ours, xla,
-                               (x, w, b, r), dy))
+                               args, dy))
     return results
 
 
@@ -168,6 +166,15 @@ def _layer_operands(layer: Layer, dtype):
     return (normal(keys[0], (m, k)).astype(dtype), (normal(keys[1], (k, n)) / k**0.5).astype(dtype),
             normal(keys[2], (m, n)).astype(dtype), normal(keys[3], (n,)).astype(dtype),
             normal(keys[4], (m, n)).astype(dtype))
+
+
+def _layer_args(layer: Layer, dtype):
+    """The layer functions' (x, w, b, r) and the cotangent of their output: dy, or its three
+    (M, N / 3) parts for ``bias+qkv``."""
+    x, w, dy, b, r = _layer_operands(layer, dtype)
+    if layer.epilogue == "bias+qkv":
+        dy = tuple(jnp.split(dy, 3, axis=-1))
+    return (x, w, b, r), dy
 
 
 def bench_parts(layers=LAYERS, dtype=jnp.bfloat16) -> list[dict]:
@@ -196,12 +203,10 @@ def bench_kernels(layers=LAYERS, dtype=jnp.bfloat16) -> list[dict]:
     and XLA's, in launch order: where a layer's fwd+bwd gap is (a GEMM, a cast, a reduction)."""
     rows = []
     for layer in layers:
-        x, w, dy, b, r = _layer_operands(layer, dtype)
-        if layer.epilogue == "bias+qkv":
-            dy = tuple(jnp.split(dy, 3, axis=-1))
+        args, dy = _layer_args(layer, dtype)
         for impl, fn in zip(("ours", "XLA"), _layer_fns(layer.epilogue)):
             with cl.use_backend("cute") if impl == "ours" else contextlib.nullcontext():
-                kernels = call_kernels(jax.jit(_vjp_of(fn)), x, w, b, r, dy)
+                kernels = call_kernels(jax.jit(_vjp_of(fn)), *args, dy)
             rows += [dict(layer=f"{layer.name} ({layer.epilogue})", impl=impl, kernel=_short_name(name),
                           us=t * 1e6) for name, t in kernels]
     return rows

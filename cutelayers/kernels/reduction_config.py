@@ -239,12 +239,11 @@ def split_rows(geometry: RowGeometry, elem_bytes: int, operands: int, accumulato
     at most ``MAX_CLUSTER``, each with a step) whose shares of ``operands`` row operands (and
     ``accumulators`` fp32 sums a column) stage in ``budget`` (``STAGED_ROW_BYTES`` by default, two
     CTAs an SM; a kernel may want smaller shares, more CTAs a row, or larger ones, fewer CTAs a row
-    and one of them an SM) -- at the config's unroll,
-    else at a smaller one (finer steps, finer shares); with ``balanced`` (a persistent kernel), cuts
-    whose widest share is within ``MAX_CUT_IMBALANCE`` of the mean first -- or failing that, the
-    cut with the smallest
-    shares, where they stage in ``STAGED_ROW_BYTES_ALONE`` or the kernel keeps sums there; the row
-    is read from global memory once instead of twice. Other geometries are returned as they are."""
+    and one of them an SM) -- at the config's unroll, else at a smaller one (finer steps, finer
+    shares); with ``balanced`` (a persistent kernel), cuts whose widest share is within
+    ``MAX_CUT_IMBALANCE`` of the mean first -- or failing that, the cut with the smallest shares,
+    where they stage in ``STAGED_ROW_BYTES_ALONE`` or the kernel keeps sums there; the row is read
+    from global memory once instead of twice. Other geometries are returned as they are."""
     if geometry.resident or geometry.row.rows_per_cta != 1:
         return geometry
     if share_bytes(geometry, elem_bytes, operands, accumulators) <= min(budget, STAGED_ROW_BYTES):

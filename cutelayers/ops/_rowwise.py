@@ -110,9 +110,10 @@ class RowKernelFamily(TunableFamily):
             cuts = {how(config)}
             for budget in SHARE_BUDGETS:
                 other = dataclasses.replace(config, share_budget=budget)
-                if how(other) not in cuts:
+                cut = how(other)
+                if cut not in cuts:
                     configs.append(other)
-                    cuts.add(how(other))
+                    cuts.add(cut)
         return tuple(configs)
 
     def tuning_key(self, avals):
