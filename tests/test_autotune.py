@@ -567,6 +567,25 @@ def test_autotune_writes_winners_that_the_runtime_then_uses(tmp_path, monkeypatc
     assert tuning.resolve(family, avals).config == tuned
 
 
+def test_autotune_linear_entries_load_and_the_runtime_uses_each(tmp_path, monkeypatch, recwarn):
+    """Every GEMM kernel the linear autotune writes -- the flag-keyed ones (a residual forward, an
+    activation-gradient dx: ``source``) included -- reads back without a warning and is chosen."""
+    output = tmp_path / "tuned.json"
+    todo = autotune.cases("linear", [(300, 256, 512)], ["bfloat16"])
+    seconds = {}
+    for case in todo:
+        seconds.setdefault(other_candidate(case.family, case.avals), 1e-4)
+    autotune.autotune("linear", [(300, 256, 512)], ["bfloat16"], output=output,
+                      runner=FakeRunner(seconds=seconds), log=lambda line: None)
+    entries = json.loads(output.read_text())["entries"]
+    assert any(e["dims"].get("source") is True for e in entries)
+    use_table(monkeypatch, output)
+    assert len(tuning.read_table(output)) == len(entries) == len(todo)
+    assert not [w for w in recwarn if issubclass(w.category, tuning.TuningTableWarning)]
+    for case, entry in zip(todo, entries, strict=True):
+        assert tuning.choose_config(case.family, case.avals) == case.family.config_from_fields(entry["config"])
+
+
 def test_autotune_argument_errors_name_what_is_allowed():
     with pytest.raises(ValueError, match=r"unknown op or kernel 'layernorm'; allowed ops: layer_norm, rms_norm"):
         autotune.cases("layernorm", [(8, 8)], ["bfloat16"])

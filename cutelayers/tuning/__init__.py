@@ -117,8 +117,8 @@ def _entry_problem(entry) -> str | None:
         if not isinstance(entry.get(name), kind):
             return f"field {name!r} must be a JSON {json_name}; got {entry.get(name)!r}"
     for name, value in entry["dims"].items():
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            return f"dims[{name!r}] must be an integer or a string; got {value!r}"
+        if not isinstance(value, (int, str)):  # bool is an int: flags such as a GEMM's source
+            return f"dims[{name!r}] must be an integer, a boolean or a string; got {value!r}"
     for name, value in entry["config"].items():
         if not isinstance(value, int):  # bool is an int: flags such as a GEMM's pingpong
             return f"config[{name!r}] must be an integer or a boolean; got {value!r}"
