@@ -22,7 +22,14 @@ import cutelayers as cl
 from cutelayers import tuning
 from cutelayers.bench import autotune
 from cutelayers.kernels import norm_config, reduction_config, softmax_config
-from cutelayers.kernels.gemm_config import CONFIGS, EXTRA_CONFIGS, SMEM_CAPACITY, config_class, row_bucket
+from cutelayers.kernels.gemm_config import (
+    CONFIGS,
+    EXTRA_CONFIGS,
+    SMEM_CAPACITY,
+    STREAM_K_CONFIG,
+    config_class,
+    row_bucket,
+)
 from cutelayers.kernels.reduction_config import (
     CTA_THREADS,
     MAX_THREADS_PER_ROW,
@@ -127,6 +134,33 @@ def test_gemm_space_is_the_config_table():
     for config in family.config_space(avals):
         HopperGemmKernel(config, Epilogue())  # its own checks on tile shapes
         assert config.smem_bytes(2) <= SMEM_CAPACITY
+
+
+def test_the_linear_weight_gradient_is_tuned_as_the_layers_run_it():
+    """The linear autotune's weight gradient is the kernel a layer with a bias runs: db summed by it,
+    and where the (K, N) output is too small to fill the GPU (GPT-2's layers over 16384 rows), on
+    the stream-K schedule into zeros -- whose space is the cooperative configs (HopperGemmKernel
+    refuses pingpong ones for stream-K), its heuristic STREAM_K_CONFIG among them."""
+    from cutelayers.kernels.gemm import Epilogue, HopperGemmKernel
+
+    for shape, stream_k in (((16384, 768, 768), True), ((16384, 4096, 16384), False),
+                            ((1000, 768, 768), False)):
+        (*_, (case, space, default)) = autotune.list_candidates("linear", [shape], ["bfloat16"])
+        family = case.family
+        assert (family.name, family.stream_k, family.accumulate, family.operand_sums) == (
+            "linear_dkernel", stream_k, stream_k, "b"), shape
+        assert dict(case.key[1]).get("stream_k", False) == stream_k
+        assert [a.shape for a in case.avals][2:] == [(1, shape[2])] + [(1, shape[1], shape[2])] * stream_k
+        if stream_k:
+            assert default == STREAM_K_CONFIG and default in space
+            assert space and not any(c.pingpong for c in space)
+            assert set(space) == {c for c in CONFIGS.values() if not c.pingpong} | {
+                c for c in EXTRA_CONFIGS if not c.pingpong}
+            for config in space:
+                HopperGemmKernel(config, Epilogue(), accumulate=True, stream_k=True)
+        operands = case.make_operands()
+        assert all(o.dtype == a.dtype for o, a in zip(operands, case.avals, strict=True))
+        assert all(not o.any() for o in operands[2:])  # the sums and the accumulator start at zero
 
 
 def families_and_avals():
@@ -439,8 +473,8 @@ def _shapes_for(entry) -> list[tuple]:
     dims, kernel = entry["dims"], entry["kernel"]
     if not kernel.startswith("linear"):
         return [(8, dims["n"])]
-    if kernel == "linear_dkernel":
-        return [(4096, dims["m"], dims["n"])]
+    if kernel == "linear_dkernel":  # rows over which stream-K pays for a stream-K entry, else too few
+        return [(16384 if dims.get("stream_k") else 1024, dims["m"], dims["n"])]
     rows = next(m for m in (16, 1000, 4096) if row_bucket(m) == dims["m"])
     return [(rows, dims["n"], dims["k"])] if kernel == "linear_dx" else [(rows, dims["k"], dims["n"])]
 

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from cutelayers import tuning
 from cutelayers.backend import use_backend
 from cutelayers.bench.timing import time_fn
+from cutelayers.kernels.gemm_config import stream_k_pays
 from cutelayers.ops.linear import LinearForward, LinearInputGrad, LinearWeightGrad, kernels_apply
 from cutelayers.ops.norm import NormBackward, NormForward, forward_reference
 from cutelayers.ops.reduce import RowReduce
@@ -188,13 +189,15 @@ def _linear_cases(op: str, shape, dtype) -> list[Case]:
     x, w, b, dz = S((1, m, k_dim), dtype), S((1, k_dim, n), dtype), S((n,), dtype), S((1, m, n), dtype)
     k = _keys(5)
     # operand -> (key, aval, scale): the weight scaled by 1/sqrt(K) keeps the outputs of order 1;
-    # the residual is an (M, N) tile like dz, the pre-activation an (M, K) one like x
+    # the residual is an (M, N) tile like dz, the pre-activation an (M, K) one like x; the weight
+    # gradient's float32 bias-gradient sums and accumulator start as zeros (scale 0)
     draws = {"x": (k[0], x, 1.0), "w": (k[1], w, k_dim**-0.5), "b": (k[2], b, 1.0), "dz": (k[3], dz, 1.0),
-             "residual": (k[4], dz, 1.0), "preact": (k[4], x, 1.0)}
+             "residual": (k[4], dz, 1.0), "preact": (k[4], x, 1.0),
+             "sums": (k[0], S((1, n), F32), 0.0), "accumulator": (k[0], S((1, k_dim, n), F32), 0.0)}
 
     def case(family, *names):
         avals = tuple(draws[name][1] for name in names)
-        return Case(op, family, avals, lambda: tuple(_normal(key, aval.shape, dtype, scale)
+        return Case(op, family, avals, lambda: tuple(_normal(key, aval.shape, aval.dtype, scale)
                                                      for key, aval, scale in (draws[name] for name in names)))
 
     # Without a source tile the forward is tuned with the benchmark's epilogue (bias + gelu), whose
@@ -206,7 +209,11 @@ def _linear_cases(op: str, shape, dtype) -> list[Case]:
         case(LinearForward("none", True, True, False), "x", "w", "b", "residual"),
         case(LinearInputGrad(), "dz", "w"),
         case(LinearInputGrad("gelu"), "dz", "w", "preact"),
-        case(LinearWeightGrad(), "x", "dz"),
+        # the weight gradient as a layer with a bias runs it: db from the same kernel, and where the
+        # (K, N) output is too small to fill the GPU, on the stream-K schedule into zeros
+        case(LinearWeightGrad(accumulate=True, stream_k=True, operand_sums="b"), "x", "dz", "sums",
+             "accumulator") if stream_k_pays(k_dim, n, m)
+        else case(LinearWeightGrad(operand_sums="b"), "x", "dz", "sums"),
     ]
 
 

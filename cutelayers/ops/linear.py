@@ -176,7 +176,9 @@ class GemmFamily(TunableFamily):
         return STREAM_K_CONFIG if self.stream_k else CONFIGS[config_class(*self.gemm_shape(avals))]
 
     def config_space(self, avals) -> tuple:
-        return tuple(CONFIGS.values()) + EXTRA_CONFIGS
+        space = tuple(CONFIGS.values()) + EXTRA_CONFIGS
+        # stream-K's segments end where its chunks do, not with a warpgroup's tile: cooperative only
+        return tuple(c for c in space if not c.pingpong) if self.stream_k else space
 
     def tuning_key(self, avals):
         """dtype, and the GEMM's static sizes with the bucket of a symbolic M (and whether it
