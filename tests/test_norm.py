@@ -583,6 +583,26 @@ def test_streamed_backward_grid_counts_resident_clusters():
     assert norm_config.backward_grid(whole, None, 2, 0) == 2 * norm_config.HOPPER_SMS
 
 
+def test_streamed_backward_stages_its_scale_share_where_residency_keeps():
+    """The backward of a streamed row stages its CTA's share of scale once (every row it visits
+    reads it from there) only where it fits next to x, dy and the fp32 sums without fewer CTAs an
+    SM than backward_grid counts: under STAGED_ROW_BYTES where those fit it (two an SM), else
+    under STAGED_ROW_BYTES_ALONE."""
+    from cutelayers.kernels.reduction_config import STAGED_ROW_BYTES, STAGED_ROW_BYTES_ALONE, RowGeometry
+
+    streamed = RowConfig(threads_per_row=256, num_threads=256, unroll=2)
+    cut = RowGeometry(streamed, 65536, 8, cluster=8)  # 8192 columns a CTA
+    # bf16 x, dy and two sums: 96 KiB, + a 16 KiB bf16 scale share = 112 KiB: still two an SM
+    assert norm_config.streamed_cta_bytes(cut, 2, 2) + 16 * 1024 == STAGED_ROW_BYTES
+    assert norm_config.scale_fits(cut, 2, 2, 2)
+    assert not norm_config.scale_fits(cut, 2, 2, 4)  # a float32 scale would cost the second CTA
+    # float32 rows: 128 KiB, one CTA an SM, room up to STAGED_ROW_BYTES_ALONE
+    assert norm_config.scale_fits(cut, 4, 2, 4)
+    wide = RowGeometry(streamed, 262144, 8, cluster=16)  # 16384 columns a CTA
+    assert norm_config.streamed_cta_bytes(wide, 2, 2) + 32 * 1024 > STAGED_ROW_BYTES_ALONE
+    assert not norm_config.scale_fits(wide, 2, 2, 2)
+
+
 @pytest.mark.cute
 def test_decode_sized_backward_writes_few_partials():
     # 8 rows: the dscale / dbias partials are a few rows of N, not a GPU's worth (~1000 rows)

@@ -13,7 +13,8 @@ is cut over a thread-block cluster, each CTA staging its steps, and the CTAs' pa
 are combined through distributed shared memory (:func:`.reduction_config.split_rows`,
 :func:`.reduction.cluster_gather`). Only rows too long even for that are read twice. The
 backward of a streamed row is a persistent loop of clusters (:meth:`NormBackwardKernel.streamed_rows`)
-that also sums dscale / dbias over its rows in shared memory. The config
+that also sums dscale / dbias over its rows in shared memory, and reads its share of scale from
+shared memory too, staged once where it fits. The config
 (a :class:`.reduction_config.RowGeometry`) is given to the kernel; the autotuner may pick another
 one from :func:`.reduction_config.row_geometry_space`.
 
@@ -80,7 +81,7 @@ from cutelayers.kernels.reduction import (
     store_step,
     widest_bytes,
 )
-from cutelayers.kernels.norm_config import STAGED_OPERANDS, partial_rows, sums_fit
+from cutelayers.kernels.norm_config import STAGED_OPERANDS, partial_rows, scale_fits, sums_fit
 from cutelayers.kernels.reduction_config import RowGeometry, staged
 
 
@@ -344,7 +345,9 @@ class NormBackwardKernel:
             block=[config.row.num_threads, 1, 1],
             smem=(shared_buffer_bytes(config, 2) + self.ring_bytes(x, dy, dsummed) + self.slot_sum_bytes()
                   + cluster_slot_bytes(config, self.cluster_values, 2) + self.sum_bytes()
-                  + staged_smem(config, (x, dy), widest_bytes(x, dy, dsummed, scale), self.streamed_sums)),
+                  + staged_smem(config, (x, dy), widest_bytes(x, dy, dsummed, scale), self.streamed_sums)
+                  + (shared_row_bytes(config, scale.element_type.width // 8)
+                     if const_expr(self.stages_scale(x, dy, dsummed, scale)) else 0)),
             stream=stream,
             **cluster_launch(config),
         )
@@ -358,6 +361,16 @@ class NormBackwardKernel:
     def streamed_sums(self) -> int:
         """fp32 sums a column a streamed row's CTA keeps in shared memory (its dscale / dbias)."""
         return 0 if self.config.resident else self.wanted
+
+    def stages_scale(self, x, dy, dsummed, scale) -> bool:
+        """Whether a streamed row's persistent CTA stages its share of scale once, for every row it
+        visits (else it reads it step by step from global memory, in both passes of every row),
+        where cp.async can copy it and it fits next to the CTA's shares (:func:`.scale_fits`)."""
+        config = self.config
+        if not self.has_scale or config.resident or not can_prefetch(config, scale.element_type.width):
+            return False
+        return scale_fits(config, widest_bytes(x, dy, dsummed, scale), self.streamed_sums,
+                          scale.element_type.width // 8)
 
     def sum_bytes(self) -> int:
         """Shared memory of a streamed row's dscale / dbias sums (one fp32 share each)."""
@@ -481,6 +494,12 @@ class NormBackwardKernel:
         # with odd N is copied from registers, a float32 dy of it still prefetched)
         prefetched = first_x is not None or first_g is not None
         prefetch_shares((first_x, first_g), first_row < x.shape[0], steps, config, wait=False)
+        if const_expr(self.stages_scale(x, dy, dsummed, scale)):
+            # scale's share, the same columns every row: copied in once (waited for with the first
+            # row's share where that is prefetched)
+            _, _, ops, scale_copy = row_staging(config, row_share(_broadcast_rows(scale, config), config, 0, rank),
+                                                ops, (0, None), tidx, True)
+            prefetch_shares((scale_copy,), True, steps, config, wait=not prefetched)
         for tile in cutlass.range(cid, groups, clusters, unroll=1):
             tile_coords, row, (source_x, copy_x_to, again_x, _), (source_g, copy_g_to, again_g, _) = \
                 self.streamed_share(tile, *operands)

@@ -73,6 +73,15 @@ def streamed_cta_bytes(geometry: RowGeometry, elem_bytes: int, sums: int) -> int
     return share_bytes(geometry, 0, 0, sums)
 
 
+def scale_fits(geometry: RowGeometry, elem_bytes: int, sums: int, scale_bytes: int) -> bool:
+    """Whether the backward's CTA of a streamed row also holds its share of scale (``scale_bytes``
+    an element) in shared memory -- staged once and read by every row it visits -- with as many
+    CTAs an SM as :func:`backward_grid` counts on."""
+    used = streamed_cta_bytes(geometry, elem_bytes, sums)
+    limit = STAGED_ROW_BYTES if used <= STAGED_ROW_BYTES else STAGED_ROW_BYTES_ALONE
+    return used + share_bytes(geometry, scale_bytes) <= limit
+
+
 def partial_rows(geometry: RowGeometry, grid: int) -> int:
     """Rows of the backward's dscale / dbias partials on a persistent ``grid``: one per CTA, or per
     row slot of a streamed row's cluster."""
