@@ -72,3 +72,51 @@ def test_call_kernels_gives_each_kernel_its_median(monkeypatch, capsys):
                         dict(layer="l", impl="XLA", kernel="cublas", us=5.5)])
     out = capsys.readouterr().out
     assert "| l | ours | total | 6.0 |" in out and "| l | XLA | total | 5.5 |" in out
+
+
+def _row(op, pass_, n, us):
+    return {"op": op, "rows": 64, "n": n, "dtype": "bfloat16", "us": us, "gbs": 1.0, "pct": 50.0,
+            "xla_us": 2 * us, "speedup": 2.0, "floor_us": us / 2, "pass": pass_}
+
+
+def test_a_saved_table_is_the_baseline_of_the_next(tmp_path, capsys):
+    """Rows saved with --json come back keyed by op, pass, shape and dtype; the table then shows
+    each row's baseline time over ours, "-" where the baseline lacks the row."""
+    from cutelayers.bench.timing import load_baseline, print_table, save_rows
+
+    path = tmp_path / "old.json"
+    save_rows(path, [_row("rms_norm", "fwd", 4096, 30.0), _row("rms_norm", "fwd+bwd", 4096, 90.0)])
+    described, times = load_baseline(path)
+    assert str(path) in described and times == {("rms_norm", "fwd", 64, 4096, "bfloat16"): 30.0,
+                                                 ("rms_norm", "fwd+bwd", 64, 4096, "bfloat16"): 90.0}
+    print_table([_row("rms_norm", "fwd", 4096, 20.0), _row("rms_norm", "fwd+bwd", 8192, 60.0)], times)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("| XLA/ours | baseline/ours |") and lines[1].count("---|") == 11
+    assert lines[2].endswith("| 2.00 | 1.50 |")  # 30 us before, 20 now
+    assert lines[3].endswith("| 2.00 | - |")  # N = 8192: not in the baseline
+    print_table([_row("rms_norm", "fwd", 4096, 20.0)])
+    assert capsys.readouterr().out.splitlines()[0].endswith("| XLA/ours |")
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "cannot read the baseline"),
+    ("not json", "is not JSON"),
+    ('{"format": 2, "rows": []}', "is not a table written by --json"),
+    ('[1, 2]', "is not a table written by --json"),
+    ('{"format": 1, "rows": [{"op": "x"}]}', "has a row without op, rows, n, dtype and us"),
+])
+def test_a_bad_baseline_is_refused_before_anything_runs(content, message, tmp_path, capsys):
+    path = tmp_path / "baseline.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["norms", "--n", "128", "--baseline", str(path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --baseline" in err and message in err and str(path) in err
+
+
+def test_json_needs_an_existing_folder(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["softmax", "--json", str(tmp_path / "missing" / "rows.json")])
+    assert "argument --json" in capsys.readouterr().err

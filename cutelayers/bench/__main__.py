@@ -4,12 +4,15 @@ All but ``compile`` need a GPU.
 
 Every table states its floor first: the HBM copy bandwidth measured in the same run (a read+write
 elementwise pass over a large buffer), then each op's minimum bytes over its time, as % of that
-copy bandwidth, next to XLA's own version timed in the same process.
+copy bandwidth, next to XLA's own version timed in the same process. Those tables (``reduce``,
+``norms``, ``softmax``) can be saved (``--json FILE``) and compared with a saved run
+(``--baseline FILE``: a previous release's kernels, say), row by row.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import jax
@@ -23,7 +26,7 @@ from cutelayers.bench.lm_head import bench_lm_head
 from cutelayers.bench.norms import DEFAULT_NS as NORM_NS, bench_norms
 from cutelayers.bench.reduce import bench_reduce
 from cutelayers.bench.softmax import bench_softmax
-from cutelayers.bench.timing import measured_bandwidth, print_table
+from cutelayers.bench.timing import load_baseline, measured_bandwidth, print_table, save_rows
 from cutelayers.ops.embed import BLOCK_TOKENS
 
 
@@ -40,16 +43,22 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cutelayers.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="suite", required=True)
-    red = sub.add_parser("reduce", help="row reductions vs XLA")
+    # the bandwidth tables (reduce, norms, softmax) can be saved and compared with a saved run
+    rows = argparse.ArgumentParser(add_help=False)
+    rows.add_argument("--json", metavar="FILE", help="also write the table's rows to FILE (JSON)")
+    rows.add_argument("--baseline", metavar="FILE",
+                      help="a table saved with --json (a previous release's kernels, say): adds each "
+                           "row's baseline time over ours")
+    red = sub.add_parser("reduce", parents=[rows], help="row reductions vs XLA")
     red.add_argument("--rows", type=int, default=32768, help="rows M (default 32768)")
     red.add_argument("--n", type=int, nargs="+", default=[4096], help="feature sizes N (default 4096)")
     red.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    norms = sub.add_parser("norms", help="layer_norm / rms_norm and their fused residual adds, fwd and fwd+bwd "
+    norms = sub.add_parser("norms", parents=[rows], help="layer_norm / rms_norm and their fused residual adds, fwd and fwd+bwd "
                                          "vs XLA (x = 256 MiB unless --rows)")
     norms.add_argument("--n", type=int, nargs="+", default=NORM_NS)
     norms.add_argument("--rows", type=int, default=None, help="rows M of x (default: x is 256 MiB)")
     norms.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    soft = sub.add_parser("softmax", help="softmax fwd/bwd and cross-entropy fwd+bwd vs XLA/optax")
+    soft = sub.add_parser("softmax", parents=[rows], help="softmax fwd/bwd and cross-entropy fwd+bwd vs XLA/optax")
     soft.add_argument("--n", type=int, nargs="+", default=[4096, 32768, 131072])
     soft.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     lin = sub.add_parser("gemm", help="fused_linear (Hopper GEMM + epilogue) TFLOP/s vs XLA")
@@ -81,6 +90,14 @@ def main(argv=None) -> int:
     comp.add_argument("--n", type=int, default=4096, help="feature size N (default 4096)")
     comp.add_argument("--k", type=int, default=4096, help="GEMM inner size K (default 4096)")
     args = parser.parse_args(argv)
+    baseline = None
+    if getattr(args, "json", None) is not None and not os.path.isdir(os.path.dirname(args.json) or "."):
+        parser.error(f"argument --json: the folder of {args.json!r} does not exist")
+    if getattr(args, "baseline", None) is not None:
+        try:  # before anything runs
+            described, baseline = load_baseline(args.baseline)
+        except ValueError as e:
+            parser.error(f"argument --baseline: {e}")
     if args.suite == "compile":
         print_records(bench_compile(n=args.n, k=args.k))
         return 0
@@ -89,12 +106,18 @@ def main(argv=None) -> int:
     except RuntimeError:
         print("cutelayers.bench needs a CUDA GPU; none is visible.", file=sys.stderr)
         return 2
-    if args.suite == "reduce":
-        print_table(bench_reduce(args.rows, args.n, jnp.dtype(args.dtype)))
-    elif args.suite == "norms":
-        print_table(bench_norms(args.n, jnp.dtype(args.dtype), args.rows))
-    elif args.suite == "softmax":
-        print_table(bench_softmax(args.n, jnp.dtype(args.dtype)))
+    if args.suite in ("reduce", "norms", "softmax"):
+        if args.suite == "reduce":
+            results = bench_reduce(args.rows, args.n, jnp.dtype(args.dtype))
+        elif args.suite == "norms":
+            results = bench_norms(args.n, jnp.dtype(args.dtype), args.rows)
+        else:
+            results = bench_softmax(args.n, jnp.dtype(args.dtype))
+        if baseline is not None:
+            print(f"# baseline: {described}")
+        print_table(results, baseline)
+        if args.json:
+            save_rows(args.json, results)
     elif args.suite == "gemm":
         print(f"# device: {jax.devices()[0].device_kind}")
         layers = gemm.layers_from_args(args.shapes, args.epilogue)

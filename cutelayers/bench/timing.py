@@ -5,7 +5,9 @@ copy bandwidth measured in the same run is their floor)."""
 from __future__ import annotations
 
 import collections
+import datetime
 import glob
+import json
 import os
 import statistics
 import sys
@@ -143,10 +145,51 @@ def measured_bandwidth() -> float:
     return bw
 
 
-def print_table(results: list[dict]) -> None:
-    """The markdown table of :func:`result_row` rows."""
-    print("| op | pass | rows x N | dtype | floor us | time us | GB/s | % copy BW | XLA us | XLA/ours |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+def row_key(row: dict) -> tuple:
+    """What identifies a :func:`result_row` row across runs: op, pass, shape and dtype."""
+    return row["op"], row.get("pass", "fwd"), row["rows"], row["n"], row["dtype"]
+
+
+def save_rows(path, results: list[dict]) -> None:
+    """Write :func:`result_row` rows as JSON (with the GPU and the date): a later run compares
+    against them with :func:`load_baseline` (``--baseline``)."""
+    table = {"format": 1, "device": jax.devices()[0].device_kind,
+             "date": datetime.date.today().isoformat(), "rows": results}
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1)
+
+
+def load_baseline(path) -> tuple[str, dict[tuple, float]]:
+    """The rows a run saved with :func:`save_rows` (a previous release's kernels, say): a line
+    describing them, and their times (us) by :func:`row_key`. ValueError naming ``path`` and what
+    is wrong for a file that is not such a table."""
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read the baseline {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the baseline {path} is not JSON: {e}") from None
+    if not isinstance(table, dict) or table.get("format") != 1 or not isinstance(table.get("rows"), list):
+        raise ValueError(f"the baseline {path} is not a table written by --json (format 1, a list of rows)")
+    try:
+        times = {row_key(row): float(row["us"]) for row in table["rows"]}
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"the baseline {path} has a row without op, rows, n, dtype and us: {e!r}") from None
+    return f"{path} ({table.get('device', 'unknown GPU')}, {table.get('date', 'undated')})", times
+
+
+def print_table(results: list[dict], baseline: dict[tuple, float] | None = None) -> None:
+    """The markdown table of :func:`result_row` rows; with ``baseline`` (times by
+    :func:`row_key`, from :func:`load_baseline`), also each row's baseline time over its time
+    ("-" for a row the baseline lacks)."""
+    extra = " baseline/ours |" if baseline is not None else ""
+    print("| op | pass | rows x N | dtype | floor us | time us | GB/s | % copy BW | XLA us | XLA/ours |" + extra)
+    print("|---|---|---|---|---|---|---|---|---|---|" + "---|" * bool(extra))
     for r in results:
-        print(f"| {r['op']} | {r.get('pass', 'fwd')} | {r['rows']} x {r['n']} | {r['dtype']} | {r['floor_us']:.1f} | "
-              f"{r['us']:.1f} | {r['gbs']:.0f} | {r['pct']:.1f} | {r['xla_us']:.1f} | {r['speedup']:.2f} |")
+        cells = (f"| {r['op']} | {r.get('pass', 'fwd')} | {r['rows']} x {r['n']} | {r['dtype']} | {r['floor_us']:.1f} | "
+                 f"{r['us']:.1f} | {r['gbs']:.0f} | {r['pct']:.1f} | {r['xla_us']:.1f} | {r['speedup']:.2f} |")
+        if baseline is not None:
+            before = baseline.get(row_key(r))
+            cells += f" {before / r['us']:.2f} |" if before else " - |"
+        print(cells)
