@@ -53,8 +53,9 @@ def main(argv=None) -> int:
     red.add_argument("--rows", type=int, default=32768, help="rows M (default 32768)")
     red.add_argument("--n", type=int, nargs="+", default=[4096], help="feature sizes N (default 4096)")
     red.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    norms = sub.add_parser("norms", parents=[rows], help="layer_norm / rms_norm and their fused residual adds, "
-                                                         "fwd and fwd+bwd vs XLA (x = 256 MiB unless --rows)")
+    norms = sub.add_parser("norms", parents=[rows],
+                           help="layer_norm / rms_norm and their fused residual adds, fwd and fwd+bwd vs XLA "
+                                "(x = 256 MiB unless --rows)")
     norms.add_argument("--n", type=int, nargs="+", default=NORM_NS)
     norms.add_argument("--rows", type=int, default=None, help="rows M of x (default: x is 256 MiB)")
     norms.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")

@@ -497,8 +497,8 @@ class NormBackwardKernel:
         if const_expr(self.stages_scale(x, dy, dsummed, scale)):
             # scale's share, the same columns every row: copied in once (waited for with the first
             # row's share where that is prefetched)
-            _, _, ops, scale_copy = row_staging(config, row_share(_broadcast_rows(scale, config), config, 0, rank),
-                                                ops, (0, None), tidx, True)
+            scale_share = row_share(_broadcast_rows(scale, config), config, 0, rank)
+            _, _, ops, scale_copy = row_staging(config, scale_share, ops, (0, None), tidx, True)
             prefetch_shares((scale_copy,), True, steps, config, wait=not prefetched)
         for tile in cutlass.range(cid, groups, clusters, unroll=1):
             tile_coords, row, (source_x, copy_x_to, again_x, _), (source_g, copy_g_to, again_g, _) = \
