@@ -73,13 +73,19 @@ def streamed_cta_bytes(geometry: RowGeometry, elem_bytes: int, sums: int) -> int
     return share_bytes(geometry, 0, 0, sums)
 
 
+def streamed_ctas_per_sm(cta_bytes: int) -> int:
+    """CTAs of the streamed backward an SM holds with ``cta_bytes`` of shared memory each."""
+    return 2 if cta_bytes <= STAGED_ROW_BYTES else 1
+
+
 def scale_fits(geometry: RowGeometry, elem_bytes: int, sums: int, scale_bytes: int) -> bool:
     """Whether the backward's CTA of a streamed row also holds its share of scale (``scale_bytes``
     an element) in shared memory -- staged once and read by every row it visits -- with as many
     CTAs an SM as :func:`backward_grid` counts on."""
     used = streamed_cta_bytes(geometry, elem_bytes, sums)
-    limit = STAGED_ROW_BYTES if used <= STAGED_ROW_BYTES else STAGED_ROW_BYTES_ALONE
-    return used + share_bytes(geometry, scale_bytes) <= limit
+    with_scale = used + share_bytes(geometry, scale_bytes)
+    return (with_scale <= STAGED_ROW_BYTES_ALONE
+            and streamed_ctas_per_sm(with_scale) == streamed_ctas_per_sm(used))
 
 
 def partial_rows(geometry: RowGeometry, grid: int) -> int:
@@ -100,8 +106,8 @@ def backward_grid(geometry: RowGeometry, rows: int | None = None, elem_bytes: in
         full = HOPPER_SMS * max(THREADS_PER_SM // config.num_threads, 1)
         groups = None if rows is None else max(1, -(-rows // config.rows_per_cta))
     else:
-        per_sm = 2 if streamed_cta_bytes(geometry, elem_bytes, sums) <= STAGED_ROW_BYTES else 1
-        full = RESIDENT_CLUSTERS[geometry.cluster] * per_sm
+        cta_bytes = streamed_cta_bytes(geometry, elem_bytes, sums)
+        full = RESIDENT_CLUSTERS[geometry.cluster] * streamed_ctas_per_sm(cta_bytes)
         groups = None if rows is None else max(1, rows)
     if groups is None:
         return full
