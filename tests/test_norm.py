@@ -617,6 +617,24 @@ def test_decode_sized_backward_writes_few_partials():
     assert int(partials) % n == 0 and int(partials) // n <= 8
 
 
+@pytest.mark.cute
+def test_few_rows_run_their_own_forward_kernel():
+    # Up to norm_config.FEW_ROWS rows the forward is another kernel (its parameters loaded before
+    # the reductions); one row more is the many-rows kernel again, one compile per kind.
+    n = 1024
+    p = jax.ShapeDtypeStruct((n,), jnp.bfloat16)
+
+    def target(rows):
+        x = jax.ShapeDtypeStruct((rows, n), jnp.bfloat16)
+        with cl.use_backend("cute"):
+            hlo = jax.jit(layer_norm).trace(x, p, p).lower(lowering_platforms=("cuda",)).as_text()
+        (name,) = re.findall(r"custom_call @(cutelayers_layer_norm_fwd_[0-9a-f]+)\(", hlo)
+        return name
+
+    few, many = norm_config.FEW_ROWS, norm_config.FEW_ROWS + 1
+    assert target(1) == target(few) != target(many) == target(4096)
+
+
 # --- on the GPU: the CuTe kernels themselves ----------------------------------------------------
 
 @pytest.mark.gpu

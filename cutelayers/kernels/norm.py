@@ -96,13 +96,17 @@ class NormForwardKernel:
 
     Launcher ``(stream, x, [residual], [scale], [bias], y, [summed], [mean], rstd)``; which
     optional tensors are present is fixed at construction (``has_residual``, ``has_scale``,
-    ``has_bias``, ``center``).
+    ``has_bias``, ``center``), as is ``few_rows`` (a kernel for at most
+    :data:`.norm_config.FEW_ROWS` rows).
     """
 
     def __init__(self, config: RowGeometry, *, center: bool, has_residual: bool, has_scale: bool,
-                 has_bias: bool, epsilon: float):
+                 has_bias: bool, epsilon: float, few_rows: bool = False):
         self.config, self.center, self.has_residual = config, center, has_residual
         self.has_scale, self.has_bias, self.epsilon = has_scale, has_bias, epsilon
+        # A register-resident row of a small batch loads its parameters before its reductions
+        # (norm_config.FEW_ROWS: the registers they then hold cost a large batch occupancy).
+        self.params_first = few_rows and config.resident
 
     @cute.jit
     def __call__(self, stream, *tensors):
@@ -172,6 +176,12 @@ class NormForwardKernel:
             source = opx  # pass 1 reads x (and the residual) from global memory; it stages summed
         src.frag.fill(0.0)
         prefetch_shares((prefetch,), valid_row, steps, config)
+        if const_expr(self.params_first):
+            # The parameters' loads go out with the row's, not after its reductions: one memory
+            # round trip fewer on the critical path of a grid of few rows.
+            for op in (ops, opb):
+                if const_expr(op is not None):
+                    load_step(op, 0)
 
         # --- statistics ------------------------------------------------------------------------
         row_mean = Float32(0.0)
@@ -285,10 +295,17 @@ class NormForwardKernel:
         vals = src.frag.load().to(Float32)
         out = (vals - row_mean) * row_rstd if const_expr(self.center) else vals * row_rstd
         if const_expr(self.has_scale):
-            out = out * load_step(ops, step).reshape(out.shape)
+            out = out * self.param_step(ops, step).reshape(out.shape)
         if const_expr(self.has_bias):
-            out = out + load_step(opb, step).reshape(out.shape)
+            out = out + self.param_step(opb, step).reshape(out.shape)
         store_step(opy, step, out)
+
+    @cute.jit
+    def param_step(self, op, step):
+        """A parameter's ``step`` in fp32: loaded now, or already (``params_first``)."""
+        if const_expr(self.params_first):
+            return op.frag.load().to(Float32)
+        return load_step(op, step)
 
 
 class NormBackwardKernel:

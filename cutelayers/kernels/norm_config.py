@@ -37,6 +37,12 @@ STREAMED_BACKWARD_THREADS = {True: 256, False: 512}
 # 96-98 over the same widths), LayerNorm's on the largest (96 / 88 at 65536, 86 / 74 at 262144):
 # docs/benchmarks.md, eighteenth session.
 FORWARD_SHARE_BYTES = {True: STAGED_ROW_BYTES, False: 40 * 1024}
+# Row counts up to which the forward's register-resident rows load scale and bias before their
+# reductions, not after: one memory round trip fewer where the kernel is a few rows' latency (H100,
+# bf16, 8 rows: 1.05-1.34x faster at N = 256 to 8192, layer_norm 8 x 256 2.0 -> 1.5 us), but ~16
+# registers more a thread, which cost LayerNorm's occupancy on many rows (its 63 -> 80 registers:
+# 181 -> 244 us at 16384 x 8192, 180 -> 198 at 131072 x 1024): docs/benchmarks.md, 21st session.
+FEW_ROWS = 64
 # The persistent backward grid: Hopper parts have 132 SMs (H100 SXM, H200); fewer SMs only means
 # a tail wave. Fixed so that the partials' shape is known without a device.
 HOPPER_SMS = 132

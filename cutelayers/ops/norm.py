@@ -75,6 +75,7 @@ class NormForward(RowKernelFamily):
     out_dtype: str
     has_residual: bool = False
     config: RowConfig | None = None
+    few_rows: bool = False  # at most norm_config.FEW_ROWS rows: another kernel (parameters loaded first)
     per_row_rank = 2
     values_per_thread = norm_config.FORWARD_VALUES_PER_THREAD
     staged_operands = 1  # a streamed row (x, or summed) kept for the normalize pass
@@ -122,7 +123,8 @@ class NormForward(RowKernelFamily):
         from cutelayers.kernels.norm import NormForwardKernel
 
         return NormForwardKernel(self.geometry(avals), center=self.center, has_residual=self.has_residual,
-                                 has_scale=self.has_scale, has_bias=self.has_bias, epsilon=self.epsilon)
+                                 has_scale=self.has_scale, has_bias=self.has_bias, epsilon=self.epsilon,
+                                 few_rows=self.few_rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -366,7 +368,9 @@ def _forward_core(center: bool, has_residual: bool, has_scale: bool, has_bias: b
 
     def forward(*args):
         x = args[0]
-        outs = call_kernel(family, *(a.reshape(-1, x.shape[-1]) for a in args[:rows]), *args[rows:])
+        flat = [a.reshape(-1, x.shape[-1]) for a in args[:rows]]
+        few = flat[0].shape[0] <= norm_config.FEW_ROWS
+        outs = call_kernel(dataclasses.replace(family, few_rows=few), *flat, *args[rows:])
         return (tuple(o.reshape(x.shape) for o in outs[:rows])
                 + tuple(o.reshape(x.shape[:-1]) for o in outs[rows:]))
 
