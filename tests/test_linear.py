@@ -15,7 +15,14 @@ import pytest
 from numerics import assert_close, random
 
 import cutelayers as cl
-from cutelayers.kernels.gemm_config import CONFIGS, EXTRA_CONFIGS, STREAM_K_CONFIG, config_class, stream_k_pays
+from cutelayers.kernels.gemm_config import (
+    CONFIGS,
+    EXTRA_CONFIGS,
+    STREAM_K_CONFIG,
+    config_class,
+    decode_stream_k_pays,
+    stream_k_pays,
+)
 from cutelayers.ops.linear import (
     ACTIVATION_FUNCTIONS,
     LinearForward,
@@ -646,6 +653,77 @@ def test_lowering_stream_k_input_grad(fresh_cache):
                          f"tensor<1x{m}x{k}xf32>")
     assert "output_operand_aliases" in call
     assert built(cl.cache_info()["linear_dx"]) == 1
+
+
+# --- decode rows over a long contraction: the forward by stream-K ------------------------------------
+
+def test_decode_stream_k_is_chosen_for_long_contractions_of_few_tiles():
+    assert decode_stream_k_pays(16, 4096, 16384)  # 32 small_m tiles streaming 128 MiB
+    assert decode_stream_k_pays(1, 8192, 8192)
+    assert not decode_stream_k_pays(16, 4096, 4096)  # K = 4096: the zeros and the epilogue pass lose
+    assert not decode_stream_k_pays(16, 16384, 4096)  # 128 tiles fill the GPU
+    assert not decode_stream_k_pays(65, 4096, 16384)  # not decode rows
+
+
+DECODE_LONG_K = (16, 8192, 712)  # (m, k, n): six small_m tiles, the last one partial
+
+
+def _decode_case(layout, rng):
+    m, k, n = DECODE_LONG_K
+    assert decode_stream_k_pays(m, n, k)
+    x, kernel, b, r = operands(rng, (m,), k, n, jnp.bfloat16)
+    w = kernel.T if layout == "nk" else kernel
+
+    def f(x, w, b, r):
+        return fused_linear(x, w, b, activation="gelu", residual=r, kernel_layout=layout)
+
+    return f, (x, w, b, r), kernel
+
+
+@pytest.mark.cute
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_decode_forward_over_a_long_contraction_lowers_to_stream_k(layout, rng):
+    # The stream-K kernel (the input gradient's, reading the kernel in the other layout) into
+    # float32 zeros, then XLA's epilogue; under differentiation too (no fused forward).
+    f, args, _ = _decode_case(layout, rng)
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+    with cl.use_backend("cute"):
+        assert kernel_targets(lower_cuda(f, *avals)) == ["linear_dx"]
+        grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), (0, 1, 2))
+        targets = kernel_targets(lower_cuda(grad, *avals))
+    assert targets[0] == "linear_dx" and "linear_fwd" not in targets
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_decode_stream_k_forward_matches_the_fused_formula(layout, rng):
+    # bias, gelu and residual applied by XLA to the float32 sum: the fused forward's values (on
+    # CPU each kernel call runs its family's reference).
+    f, (x, w, b, r), kernel = _decode_case(layout, rng)
+    out = jax.jit(f)(x, w, b, r)
+    assert out.dtype == jnp.bfloat16
+    assert_close(out, plain(x, kernel, b, r, "gelu"), jnp.bfloat16, scale=2.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_decode_stream_k_forward_values_and_grads_gpu(layout, rng):
+    f, args, kernel = _decode_case(layout, rng)
+    x, w, b, r = args
+
+    def loss(*a):
+        return jnp.sum(jnp.sin(f(*a).astype(jnp.float32)))
+
+    def loss_ref(x, w, b, r):
+        w = w.T if layout == "nk" else w
+        return jnp.sum(jnp.sin(plain(x, w, b, r, "gelu", saved_dtype=jnp.bfloat16)))
+
+    with cl.use_backend("cute"):
+        out = jax.jit(f)(*args)
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args)
+    assert_close(out, plain(x, kernel, b, r, "gelu"), jnp.bfloat16, scale=2.0)
+    refs = jax.grad(loss_ref, argnums=(0, 1, 2, 3))(*(jnp.asarray(a, jnp.float32) for a in args))
+    for got, want in zip(grads, refs, strict=True):
+        assert_close(got, want, jnp.bfloat16, scale=4.0)
 
 
 @pytest.mark.gpu

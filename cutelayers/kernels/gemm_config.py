@@ -152,7 +152,28 @@ def stream_k_pays(m: int, n: int, k: int, batch: int = 1) -> bool:
 
 
 SMALL_M_MAX = 64  # rows up to this are "small_m"
+# A decode-sized forward (rows up to SMALL_M_MAX) over a long contraction: the small_m config's few
+# tiles stream the weight on a few SMs (H100, 16 x 16384 x 4096: 32 CTAs, 66.0 us; the 64 x 64
+# tiles' 64, 58.7), stream-K on all of them (48.3 us, plus its float32 zeros and the epilogue pass:
+# 50.8; XLA's split-K 50.0). At K = 4096 the two extra passes lose it (17.5 against 16.1 us), and a
+# grid filled with whole tiles (N = 16384) streams as fast without them (46.0 against 53.9).
+DECODE_STREAM_K_MIN_K = 8192
 WIDE_MIN = 2048  # "wide" from this contraction and this many rows or columns
+
+
+def decode_stream_k_pays(m: int, n: int, k: int) -> bool:
+    """Whether a forward of ``m`` rows (decode: at most ``SMALL_M_MAX``) into ``n`` columns
+    contracting ``k`` runs stream-K: a contraction of at least ``DECODE_STREAM_K_MIN_K`` whose
+    small_m tiles would leave more than half the SMs idle."""
+    small = CONFIGS["small_m"]
+    tiles = -(-m // small.tile_m) * -(-n // small.tile_n)
+    return m <= SMALL_M_MAX and k >= DECODE_STREAM_K_MIN_K and 2 * tiles <= PERSISTENT_SMS
+
+
+def stream_k_config(m: int) -> GemmConfig:
+    """The stream-K config of an output of ``m`` rows: ``STREAM_K_CONFIG``, or small_m's 64-row
+    tiles for decode rows (16 x 16384 x 4096 on an H100: 48.3 us against 60.0)."""
+    return CONFIGS["small_m"] if m <= SMALL_M_MAX else STREAM_K_CONFIG
 
 
 def config_class(m: int, n: int, k: int) -> str:

@@ -23,6 +23,11 @@ the same decomposition with XLA GEMMs, and logs once why. ``precision`` (as in `
 applies to those XLA GEMMs; the kernels multiply bfloat16 / float16 exactly and accumulate in
 float32, at least as precise as any ``precision`` asks.
 
+Decode rows (at most 64) over a long contraction whose output tiles would leave most SMs idle
+(:func:`cutelayers.kernels.gemm_config.decode_stream_k_pays`): the forward's GEMM is stream-K over
+the whole GPU into float32 zeros, and bias, activation and residual are one XLA pass over that
+(rows, N) sum.
+
 vmap (:mod:`cutelayers.ops._batching`): batch dims of x / residual fold into rows (one launch)
 while kernel / bias are shared; per-example kernel or bias falls back to ``jax.lax.map`` (one
 launch per example). The fold happens before differentiation (the rule is around the custom_vjp),
@@ -46,10 +51,11 @@ from cutelayers.kernels.gemm_config import (
     CONFIGS,
     EXTRA_CONFIGS,
     OPERAND_SUMS,
-    STREAM_K_CONFIG,
     GemmConfig,
     config_class,
+    decode_stream_k_pays,
     row_bucket,
+    stream_k_config,
     stream_k_pays,
 )
 from cutelayers.ops._batching import fold_batch
@@ -173,7 +179,8 @@ class GemmFamily(TunableFamily):
         """(M, N, K) of the GEMM on these operands: output (M, N), contraction K."""
 
     def default_config(self, avals):
-        return STREAM_K_CONFIG if self.stream_k else CONFIGS[config_class(*self.gemm_shape(avals))]
+        m, n, k = self.gemm_shape(avals)
+        return stream_k_config(m) if self.stream_k else CONFIGS[config_class(m, n, k)]
 
     def config_space(self, avals) -> tuple:
         space = tuple(CONFIGS.values()) + EXTRA_CONFIGS
@@ -590,6 +597,16 @@ def _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kerne
         operands.append(bias)
     if residual is not None:
         operands.append(residual.reshape(1, m, n))
+    if decode_stream_k_pays(m, n, x.shape[-1]):
+        # Decode rows over a long contraction: x @ kernel by stream-K, which is the input
+        # gradient's GEMM reading the kernel in the other layout (dz @ kernelᵀ with kernelᵀ as
+        # stored), into float32 zeros; the epilogue is one XLA pass over the (rows, N) sum.
+        operands = (rows, kernel[None], _row_zeros(rows, n))
+        (product,) = kernel_call(resolve(LinearInputGrad(kernel_nk=not kernel_nk, stream_k=True), operands),
+                                 *operands)
+        y, z = apply_epilogue(product[0], bias, None if residual is None else residual.reshape(m, n),
+                              activation, x.dtype)
+        return tuple(o.reshape(*lead, n) for o in (y, z)[:1 + store_preact])
     family = resolve(LinearForward(activation, bias is not None, residual is not None, store_preact,
                                    kernel_nk=kernel_nk), operands)
     return tuple(o.reshape(*lead, n) for o in kernel_call(family, *operands))
