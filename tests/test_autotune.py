@@ -136,6 +136,20 @@ def test_gemm_space_is_the_config_table():
         assert config.smem_bytes(2) <= SMEM_CAPACITY
 
 
+def test_a_decode_forward_over_a_long_contraction_is_tuned_as_the_layers_run_it():
+    """Decode rows over a long contraction: the forward is the stream-K kernel the layer runs (the
+    input gradient's, reading the weight in the other layout, into float32 zeros), tuned once for
+    every epilogue; a short contraction tunes the fused forwards."""
+    (fwd, space, default), *rest = autotune.list_candidates("linear", [(16, 16384, 4096)], ["bfloat16"])
+    family = fwd.family
+    assert (family.name, family.stream_k, family.kernel_nk) == ("linear_dx", True, True)
+    assert [a.shape for a in fwd.avals] == [(1, 16, 16384), (1, 16384, 4096), (1, 16, 4096)]
+    assert default == CONFIGS["small_m"] and default in space and not any(c.pingpong for c in space)
+    assert [c.family.name for c, _, _ in rest] == ["linear_dx", "linear_dx", "linear_dkernel"]
+    short = autotune.list_candidates("linear", [(16, 4096, 4096)], ["bfloat16"])
+    assert [c.family.name for c, _, _ in short][:2] == ["linear_fwd", "linear_fwd"]
+
+
 def test_the_linear_weight_gradient_is_tuned_as_the_layers_run_it():
     """The linear autotune's weight gradient is the kernel a layer with a bias runs: db summed by it,
     and where the (K, N) output is too small to fill the GPU (GPT-2's layers over 16384 rows), on

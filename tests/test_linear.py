@@ -708,7 +708,7 @@ def test_decode_stream_k_forward_matches_the_fused_formula(layout, rng):
 @pytest.mark.parametrize("layout", ["kn", "nk"])
 def test_decode_stream_k_forward_values_and_grads_gpu(layout, rng):
     f, args, kernel = _decode_case(layout, rng)
-    x, w, b, r = args
+    x, _, b, r = args
 
     def loss(*a):
         return jnp.sum(jnp.sin(f(*a).astype(jnp.float32)))

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from cutelayers import tuning
 from cutelayers.backend import use_backend
 from cutelayers.bench.timing import time_fn
-from cutelayers.kernels.gemm_config import stream_k_pays
+from cutelayers.kernels.gemm_config import decode_stream_k_pays, stream_k_pays
 from cutelayers.ops.linear import LinearForward, LinearInputGrad, LinearWeightGrad, kernels_apply
 from cutelayers.ops.norm import NormBackward, NormForward, forward_reference
 from cutelayers.ops.reduce import RowReduce
@@ -193,7 +193,8 @@ def _linear_cases(op: str, shape, dtype) -> list[Case]:
     # gradient's float32 bias-gradient sums and accumulator start as zeros (scale 0)
     draws = {"x": (k[0], x, 1.0), "w": (k[1], w, k_dim**-0.5), "b": (k[2], b, 1.0), "dz": (k[3], dz, 1.0),
              "residual": (k[4], dz, 1.0), "preact": (k[4], x, 1.0),
-             "sums": (k[0], S((1, n), F32), 0.0), "accumulator": (k[0], S((1, k_dim, n), F32), 0.0)}
+             "sums": (k[0], S((1, n), F32), 0.0), "accumulator": (k[0], S((1, k_dim, n), F32), 0.0),
+             "zeros": (k[0], S((1, m, n), F32), 0.0)}
 
     def case(family, *names):
         avals = tuple(draws[name][1] for name in names)
@@ -204,9 +205,12 @@ def _linear_cases(op: str, shape, dtype) -> list[Case]:
     # entry serves every such epilogue (their cost is small next to the mainloop). An epilogue that
     # reads a source tile -- a residual, the pre-activation of an activation gradient -- is another
     # kernel with its own key (its ring takes shared memory from the mainloop): tuned on its own.
-    return [
-        case(LinearForward("gelu", True, False, False), "x", "w", "b"),
-        case(LinearForward("none", True, True, False), "x", "w", "b", "residual"),
+    # Decode rows over a long contraction run their forward as stream-K (the input gradient's kernel
+    # reading the weight in the other layout, every epilogue in XLA): that kernel, once.
+    forwards = [case(LinearInputGrad(kernel_nk=True, stream_k=True), "x", "w", "zeros")] if decode_stream_k_pays(
+        m, n, k_dim) else [case(LinearForward("gelu", True, False, False), "x", "w", "b"),
+                           case(LinearForward("none", True, True, False), "x", "w", "b", "residual")]
+    return forwards + [
         case(LinearInputGrad(), "dz", "w"),
         case(LinearInputGrad("gelu"), "dz", "w", "preact"),
         # the weight gradient as a layer with a bias runs it: db from the same kernel, and where the
