@@ -583,7 +583,8 @@ def preact_grad(z, dy, activation: str):
 # --- kernel calls on (rows, features) arrays -------------------------------------------------------
 
 def _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kernels, precision, kernel_nk):
-    """y [, z] for x (..., K): one kernel launch on x's rows (or the jnp reference)."""
+    """y [, z] for x (..., K): one kernel launch on x's rows -- for decode rows over a long
+    contraction, stream-K and an XLA epilogue (module docstring) -- or the jnp reference."""
     lead, n = x.shape[:-1], kernel.shape[0 if kernel_nk else 1]
     if not use_kernels:
         y, z = forward_reference(x, as_kn(kernel, kernel_nk), bias, residual, activation, precision)
@@ -592,11 +593,6 @@ def _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kerne
     m = rows.shape[1]
     if m == 0:
         return (jnp.zeros((*lead, n), x.dtype),) * (1 + store_preact)
-    operands = [rows, kernel[None]]
-    if bias is not None:
-        operands.append(bias)
-    if residual is not None:
-        operands.append(residual.reshape(1, m, n))
     if decode_stream_k_pays(m, n, x.shape[-1]):
         # Decode rows over a long contraction: x @ kernel by stream-K, which is the input
         # gradient's GEMM reading the kernel in the other layout (dz @ kernelᵀ with kernelᵀ as
@@ -607,6 +603,11 @@ def _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kerne
         y, z = apply_epilogue(product[0], bias, None if residual is None else residual.reshape(m, n),
                               activation, x.dtype)
         return tuple(o.reshape(*lead, n) for o in (y, z)[:1 + store_preact])
+    operands = [rows, kernel[None]]
+    if bias is not None:
+        operands.append(bias)
+    if residual is not None:
+        operands.append(residual.reshape(1, m, n))
     family = resolve(LinearForward(activation, bias is not None, residual is not None, store_preact,
                                    kernel_nk=kernel_nk), operands)
     return tuple(o.reshape(*lead, n) for o in kernel_call(family, *operands))
