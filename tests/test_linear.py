@@ -668,25 +668,20 @@ def test_decode_stream_k_is_chosen_for_long_contractions_of_few_tiles():
 DECODE_LONG_K = (16, 8192, 712)  # (m, k, n): six small_m tiles, the last one partial
 
 
-def _decode_case(layout, rng):
+@pytest.mark.cute
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_decode_forward_over_a_long_contraction_lowers_to_stream_k(layout):
+    # The stream-K kernel (the input gradient's, reading the kernel in the other layout) into
+    # float32 zeros, then XLA's epilogue; under differentiation too (no fused forward).
     m, k, n = DECODE_LONG_K
     assert decode_stream_k_pays(m, n, k)
-    x, kernel, b, r = operands(rng, (m,), k, n, jnp.bfloat16)
-    w = kernel.T if layout == "nk" else kernel
+    S = jax.ShapeDtypeStruct
+    avals = [S((m, k), jnp.bfloat16), S((n, k) if layout == "nk" else (k, n), jnp.bfloat16),
+             S((n,), jnp.bfloat16), S((m, n), jnp.bfloat16)]
 
     def f(x, w, b, r):
         return fused_linear(x, w, b, activation="gelu", residual=r, kernel_layout=layout)
 
-    return f, (x, w, b, r), kernel
-
-
-@pytest.mark.cute
-@pytest.mark.parametrize("layout", ["kn", "nk"])
-def test_decode_forward_over_a_long_contraction_lowers_to_stream_k(layout, rng):
-    # The stream-K kernel (the input gradient's, reading the kernel in the other layout) into
-    # float32 zeros, then XLA's epilogue; under differentiation too (no fused forward).
-    f, args, _ = _decode_case(layout, rng)
-    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
     with cl.use_backend("cute"):
         assert kernel_targets(lower_cuda(f, *avals)) == ["linear_dx"]
         grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), (0, 1, 2))
@@ -694,36 +689,25 @@ def test_decode_forward_over_a_long_contraction_lowers_to_stream_k(layout, rng):
     assert targets[0] == "linear_dx" and "linear_fwd" not in targets
 
 
-@pytest.mark.parametrize("layout", ["kn", "nk"])
-def test_decode_stream_k_forward_matches_the_fused_formula(layout, rng):
-    # bias, gelu and residual applied by XLA to the float32 sum: the fused forward's values (on
-    # CPU each kernel call runs its family's reference).
-    f, (x, w, b, r), kernel = _decode_case(layout, rng)
-    out = jax.jit(f)(x, w, b, r)
-    assert out.dtype == jnp.bfloat16
-    assert_close(out, plain(x, kernel, b, r, "gelu"), jnp.bfloat16, scale=2.0)
+def _check_decode_stream_k(rng):
+    """The decode stream-K forward (bias, gelu and residual applied by XLA to the float32 sum):
+    values and gradients against the fused formula, and the (N, K) kernel layout against the
+    (K, N) one."""
+    m, k, n = DECODE_LONG_K
+    check_values(rng, (m,), k, n, jnp.bfloat16, "gelu")
+    check_grads(rng, (m,), k, n, jnp.bfloat16, "gelu", scale=4.0)
+    _nk_matches_kn(rng, (m,), k, n, jnp.bfloat16)
+
+
+def test_decode_stream_k_forward_matches_the_fused_formula(rng):
+    # on CPU each kernel call runs its family's reference: the op's decomposition
+    _check_decode_stream_k(rng)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["kn", "nk"])
-def test_decode_stream_k_forward_values_and_grads_gpu(layout, rng):
-    f, args, kernel = _decode_case(layout, rng)
-    x, _, b, r = args
-
-    def loss(*a):
-        return jnp.sum(jnp.sin(f(*a).astype(jnp.float32)))
-
-    def loss_ref(x, w, b, r):
-        w = w.T if layout == "nk" else w
-        return jnp.sum(jnp.sin(plain(x, w, b, r, "gelu", saved_dtype=jnp.bfloat16)))
-
+def test_decode_stream_k_forward_values_and_grads_gpu(rng):
     with cl.use_backend("cute"):
-        out = jax.jit(f)(*args)
-        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args)
-    assert_close(out, plain(x, kernel, b, r, "gelu"), jnp.bfloat16, scale=2.0)
-    refs = jax.grad(loss_ref, argnums=(0, 1, 2, 3))(*(jnp.asarray(a, jnp.float32) for a in args))
-    for got, want in zip(grads, refs, strict=True):
-        assert_close(got, want, jnp.bfloat16, scale=4.0)
+        _check_decode_stream_k(rng)
 
 
 @pytest.mark.gpu
