@@ -619,20 +619,34 @@ def test_decode_sized_backward_writes_few_partials():
 
 @pytest.mark.cute
 def test_few_rows_run_their_own_forward_kernel():
-    # Up to norm_config.FEW_ROWS rows the forward is another kernel (its parameters loaded before
-    # the reductions); one row more is the many-rows kernel again, one compile per kind.
-    n = 1024
-    p = jax.ShapeDtypeStruct((n,), jnp.bfloat16)
-
-    def target(rows):
-        x = jax.ShapeDtypeStruct((rows, n), jnp.bfloat16)
+    # Up to norm_config.FEW_ROWS register-resident rows the forward is another kernel (its
+    # parameters loaded before the reductions); one row more is the many-rows kernel again, one
+    # compile per kind. A streamed row's kernel is one for any row count.
+    def target(rows, n):
+        x, p = jax.ShapeDtypeStruct((rows, n), jnp.bfloat16), jax.ShapeDtypeStruct((n,), jnp.bfloat16)
         with cl.use_backend("cute"):
             hlo = jax.jit(layer_norm).trace(x, p, p).lower(lowering_platforms=("cuda",)).as_text()
         (name,) = re.findall(r"custom_call @(cutelayers_layer_norm_fwd_[0-9a-f]+)\(", hlo)
         return name
 
     few, many = norm_config.FEW_ROWS, norm_config.FEW_ROWS + 1
-    assert target(1) == target(few) != target(many) == target(4096)
+    assert target(1, 1024) == target(few, 1024) != target(many, 1024) == target(4096, 1024)
+    assert target(few, 65536) == target(many, 65536)
+
+
+@pytest.mark.cute
+def test_few_rows_take_register_resident_rows():
+    from cutelayers.kernels.norm import NormForwardKernel
+    from cutelayers.ops.norm import NormForward
+    from cutelayers.tuning import resolve
+
+    S = jax.ShapeDtypeStruct
+    avals = (S((8, 65536), jnp.bfloat16), S((65536,), jnp.bfloat16))
+    streamed = resolve(NormForward(False, True, False, 1e-6, "bfloat16"), avals).geometry(avals)
+    assert not streamed.resident
+    with pytest.raises(ValueError, match="few_rows takes register-resident rows; a 65536-column row streams"):
+        NormForwardKernel(streamed, center=False, has_residual=False, has_scale=True, has_bias=False,
+                          epsilon=1e-6, few_rows=True)
 
 
 # --- on the GPU: the CuTe kernels themselves ----------------------------------------------------

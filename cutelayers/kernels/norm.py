@@ -97,16 +97,18 @@ class NormForwardKernel:
     Launcher ``(stream, x, [residual], [scale], [bias], y, [summed], [mean], rstd)``; which
     optional tensors are present is fixed at construction (``has_residual``, ``has_scale``,
     ``has_bias``, ``center``), as is ``few_rows`` (a kernel for at most
-    :data:`.norm_config.FEW_ROWS` rows).
+    :data:`.norm_config.FEW_ROWS` register-resident rows).
     """
 
     def __init__(self, config: RowGeometry, *, center: bool, has_residual: bool, has_scale: bool,
                  has_bias: bool, epsilon: float, few_rows: bool = False):
         self.config, self.center, self.has_residual = config, center, has_residual
         self.has_scale, self.has_bias, self.epsilon = has_scale, has_bias, epsilon
+        if few_rows and not config.resident:
+            raise ValueError(f"few_rows takes register-resident rows; a {config.n}-column row streams")
         # A register-resident row of a small batch loads its parameters before its reductions
         # (norm_config.FEW_ROWS: the registers they then hold cost a large batch occupancy).
-        self.params_first = few_rows and config.resident
+        self.params_first = few_rows
 
     @cute.jit
     def __call__(self, stream, *tensors):

@@ -75,7 +75,7 @@ class NormForward(RowKernelFamily):
     out_dtype: str
     has_residual: bool = False
     config: RowConfig | None = None
-    few_rows: bool = False  # at most norm_config.FEW_ROWS rows: another kernel (parameters loaded first)
+    few_rows: bool = False  # at most norm_config.FEW_ROWS register-resident rows: parameters loaded first
     per_row_rank = 2
     values_per_thread = norm_config.FORWARD_VALUES_PER_THREAD
     staged_operands = 1  # a streamed row (x, or summed) kept for the normalize pass
@@ -368,9 +368,12 @@ def _forward_core(center: bool, has_residual: bool, has_scale: bool, has_bias: b
 
     def forward(*args):
         x = args[0]
-        flat = [a.reshape(-1, x.shape[-1]) for a in args[:rows]]
-        few = flat[0].shape[0] <= norm_config.FEW_ROWS
-        outs = call_kernel(dataclasses.replace(family, few_rows=few), *flat, *args[rows:])
+        operands = (*(a.reshape(-1, x.shape[-1]) for a in args[:rows]), *args[rows:])
+        chosen = resolve(family, operands)
+        # register-resident rows of a small batch: the kernel that loads its parameters first (a
+        # streamed row's kernel is the same for any row count: one compile)
+        few = operands[0].shape[0] <= norm_config.FEW_ROWS and chosen.geometry(operands).resident
+        outs = call_kernel(dataclasses.replace(chosen, few_rows=few), *operands)
         return (tuple(o.reshape(x.shape) for o in outs[:rows])
                 + tuple(o.reshape(x.shape[:-1]) for o in outs[rows:]))
 
