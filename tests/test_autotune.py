@@ -26,8 +26,10 @@ from cutelayers.kernels.gemm_config import (
     CONFIGS,
     EXTRA_CONFIGS,
     SMEM_CAPACITY,
+    SPLIT_K_CONFIGS,
     STREAM_K_CONFIG,
     config_class,
+    decode_split_config,
     row_bucket,
 )
 from cutelayers.kernels.reduction_config import (
@@ -130,7 +132,7 @@ def test_gemm_space_is_the_config_table():
 
     family = LinearForward("none", False, False, False)
     avals = (S((1, 100, 256), BF16), S((1, 256, 512), BF16))
-    assert family.config_space(avals) == tuple(CONFIGS.values()) + EXTRA_CONFIGS
+    assert family.config_space(avals) == tuple(CONFIGS.values()) + EXTRA_CONFIGS + SPLIT_K_CONFIGS
     for config in family.config_space(avals):
         HopperGemmKernel(config, Epilogue())  # its own checks on tile shapes
         assert config.smem_bytes(2) <= SMEM_CAPACITY
@@ -140,10 +142,10 @@ def test_a_decode_forward_over_a_long_contraction_is_tuned_as_the_layers_run_it(
     """Decode rows over a long contraction: the forward is the stream-K kernel the layer runs (the
     input gradient's, reading the weight in the other layout, into float32 zeros), tuned once for
     every epilogue; a short contraction tunes the fused forwards."""
-    (fwd, space, default), *rest = autotune.list_candidates("linear", [(16, 16384, 4096)], ["bfloat16"])
+    (fwd, space, default), *rest = autotune.list_candidates("linear", [(16, 16384, 2048)], ["bfloat16"])
     family = fwd.family
     assert (family.name, family.stream_k, family.kernel_nk) == ("linear_dx", True, True)
-    assert [a.shape for a in fwd.avals] == [(1, 16, 16384), (1, 16384, 4096), (1, 16, 4096)]
+    assert [a.shape for a in fwd.avals] == [(1, 16, 16384), (1, 16384, 2048), (1, 16, 2048)]
     assert default == CONFIGS["small_m"] and default in space and not any(c.pingpong for c in space)
     assert [c.family.name for c, _, _ in rest] == ["linear_dx", "linear_dx", "linear_dkernel"]
     short = autotune.list_candidates("linear", [(16, 4096, 4096)], ["bfloat16"])
@@ -203,7 +205,8 @@ def families_and_avals():
         (RowReduce("mean"), (S((64, 777), F16),), row_config(777, 16)),
         (LinearForward("gelu", True, False, False), (S((1, 5000, 256), BF16), S((1, 256, 4096), BF16), S((4096,), BF16)),
          CONFIGS[config_class(5000, 4096, 256)]),
-        (LinearInputGrad(), (S((1, 48, 512), BF16), S((1, 256, 512), BF16)), CONFIGS[config_class(48, 256, 512)]),
+        (LinearInputGrad(), (S((1, 48, 512), BF16), S((1, 256, 512), BF16)), decode_split_config(48, 256, 512)),
+        (LinearInputGrad(), (S((1, 48, 128), BF16), S((1, 256, 128), BF16)), CONFIGS[config_class(48, 256, 128)]),
         (LinearWeightGrad(), (S((2, 300, 256), F16), S((2, 300, 512), F16)), CONFIGS[config_class(256, 512, 300)]),
     ]
 
@@ -400,7 +403,8 @@ def test_a_gemm_entry_covers_its_row_bucket(tmp_path, monkeypatch):
     for rows in (65, 1000, 2047):  # the whole bucket, one kernel
         assert tuning.resolve(family, (S((1, rows, 256), BF16), S((1, 256, 512), BF16))).config == wide
     assert tuning.resolve(family, (S((1, 2048, 256), BF16), S((1, 256, 512), BF16))).config == CONFIGS["default"]
-    assert tuning.resolve(family, (S((1, 64, 256), BF16), S((1, 256, 512), BF16))).config == CONFIGS["small_m"]
+    assert tuning.resolve(family, (S((1, 64, 256), BF16), S((1, 256, 512), BF16))).config == decode_split_config(
+        64, 512, 256)
 
 
 def test_user_table_overrides_the_shipped_one(tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ backward decomposition are checked against jax.grad of plain jnp); the lowering 
 CuTe kernels for sm_90a without a GPU; `gpu` tests run the kernels.
 """
 
+import dataclasses
 import functools
 import re
 
@@ -17,9 +18,14 @@ from numerics import assert_close, random
 import cutelayers as cl
 from cutelayers.kernels.gemm_config import (
     CONFIGS,
+    DECODE_SPLIT_CONFIGS,
     EXTRA_CONFIGS,
+    SMEM_CAPACITY,
     STREAM_K_CONFIG,
+    SPLIT_K_CONFIGS,
+    GemmConfig,
     config_class,
+    decode_split_config,
     decode_stream_k_pays,
     stream_k_pays,
 )
@@ -658,11 +664,35 @@ def test_lowering_stream_k_input_grad(fresh_cache):
 # --- decode rows over a long contraction: the forward by stream-K ------------------------------------
 
 def test_decode_stream_k_is_chosen_for_long_contractions_of_few_tiles():
-    assert decode_stream_k_pays(16, 4096, 16384)  # 32 small_m tiles streaming 128 MiB
-    assert decode_stream_k_pays(1, 8192, 8192)
-    assert not decode_stream_k_pays(16, 4096, 4096)  # K = 4096: the zeros and the epilogue pass lose
-    assert not decode_stream_k_pays(16, 16384, 4096)  # 128 tiles fill the GPU
-    assert not decode_stream_k_pays(65, 4096, 16384)  # not decode rows
+    assert decode_stream_k_pays(16, 2048, 16384)  # 32 split-K clusters (64 CTAs) streaming 64 MiB
+    assert decode_stream_k_pays(1, 1024, 8192)
+    assert not decode_stream_k_pays(16, 4096, 16384)  # split-K's 128 CTAs fill the GPU
+    assert not decode_stream_k_pays(16, 2048, 4096)  # K = 4096: the zeros and the epilogue pass lose
+    assert not decode_stream_k_pays(16, 16384, 4096)  # 128 small_m tiles fill the GPU
+    assert not decode_stream_k_pays(65, 2048, 16384)  # not decode rows
+
+
+def test_decode_gemms_split_their_contraction_where_tiles_are_few():
+    S = jax.ShapeDtypeStruct
+
+    def default(family, m, k, n, *extra):
+        x, w = S((1, m, k), jnp.bfloat16), S((1, k, n), jnp.bfloat16)
+        return family.default_config((x, w, *extra))
+
+    # the widest tiles whose clusters fit one wave: 64 x 64 at N = 4096, 64 x 128 at N = 6144
+    forward = LinearForward("gelu", True, False, False)
+    b = S((4096,), jnp.bfloat16)
+    assert default(forward, 16, 4096, 4096, b) == DECODE_SPLIT_CONFIGS[0]
+    assert default(forward, 1, 4096, 6144, S((6144,), jnp.bfloat16)) == DECODE_SPLIT_CONFIGS[1]
+    residual = LinearForward("none", True, True, False)
+    assert default(residual, 64, 4096, 4096, b, S((1, 64, 4096), jnp.bfloat16)).split_k == 2
+    assert default(LinearInputGrad(), 16, 4096, 4096) == DECODE_SPLIT_CONFIGS[0]
+    # whole tiles: many columns, many rows, or too short a contraction for a k tile per CTA
+    assert default(forward, 16, 4096, 14336, S((14336,), jnp.bfloat16)) == CONFIGS["small_m"]
+    assert default(forward, 65, 4096, 4096, b).split_k == 1
+    assert default(forward, 16, 128, 4096, b) == CONFIGS["small_m"]
+    assert decode_split_config(16, 4096, 255) is None and decode_split_config(16, 4096, 256) is not None
+    assert decode_split_config(16, 6144, 127) is None and decode_split_config(16, 6144, 128) is not None
 
 
 DECODE_LONG_K = (16, 8192, 712)  # (m, k, n): six small_m tiles, the last one partial
@@ -768,6 +798,63 @@ def test_weight_grad_operand_sums_reference(sums, rng):
 def test_stream_k_needs_an_accumulator():
     with pytest.raises(ValueError, match="accumulator"):
         LinearWeightGrad(stream_k=True)
+
+
+def test_split_k_configs_are_candidates_where_the_kernel_takes_them():
+    S = jax.ShapeDtypeStruct
+    x, w, b, r = S((1, 16, 4096), jnp.bfloat16), S((1, 4096, 4096), jnp.bfloat16), S((4096,), jnp.bfloat16), \
+        S((1, 16, 4096), jnp.bfloat16)
+    takes = {LinearForward("gelu", True, False, True): (x, w, b), LinearInputGrad(): (x, w),
+             LinearForward("none", True, True, False): (x, w, b, r), LinearInputGrad("gelu"): (x, w, x)}
+    refuses = {LinearInputGrad(stream_k=True): (x, w, r), LinearWeightGrad(operand_sums="b"): (x, x, S((1, 4096), jnp.float32))}
+    for family, avals in takes.items():
+        assert set(SPLIT_K_CONFIGS) <= set(family.config_space(avals)), family
+    for family, avals in refuses.items():
+        assert not any(c.split_k > 1 for c in family.config_space(avals)), family
+
+
+@pytest.mark.cute
+def test_split_k_takes_a_plain_cooperative_kernel():
+    from cutelayers.kernels.gemm import Epilogue, HopperGemmKernel
+
+    split = SPLIT_K_CONFIGS[0]
+    HopperGemmKernel(split, Epilogue("gelu", True, False, True))  # bias, activation, stored z
+    HopperGemmKernel(split, Epilogue(has_residual=True))  # a source tile
+    for kwargs in ({"accumulate": True}, {"sums": "a"}):
+        with pytest.raises(ValueError, match="split_k takes"):
+            HopperGemmKernel(split, Epilogue(), **kwargs)
+    with pytest.raises(ValueError, match="split_k takes"):
+        HopperGemmKernel(dataclasses.replace(split, cluster_n=2), Epilogue())
+    with pytest.raises(ValueError, match="split_k must be one of"):
+        HopperGemmKernel(dataclasses.replace(split, split_k=3), Epilogue())
+    # its partial tiles take shared memory from the mainloop
+    assert split.partial_bytes == 3 * 64 * 128 * 4
+    assert split.smem_bytes(2) <= SMEM_CAPACITY
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [*SPLIT_K_CONFIGS, GemmConfig(64, 64, 1, 8, split_k=8)], ids=str)
+@pytest.mark.parametrize("m,k,n", [(16, 4096, 4096), (37, 264, 712), (5, 64, 200)],
+                         ids=["decode", "odd-tiles", "fewer-k-tiles-than-ctas"])
+def test_split_k_forward_and_input_grad_gpu(config, m, k, n, rng):
+    # The tile's contraction cut over the cluster, summed in the first CTA's shared memory: the
+    # forward with bias, gelu and the stored z, with bias and a residual (a source tile), the plain
+    # input gradient and the one scaled by gelu'(z) (a source tile); partial tiles along
+    # every mode, and (K = 64) ranks with no k tile at all.
+    x = random(rng, (1, m, k), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((1, k, n)) / np.sqrt(k), jnp.bfloat16)
+    b, dz = random(rng, (n,), jnp.bfloat16), random(rng, (1, m, n), jnp.bfloat16)
+    r, preact = random(rng, (1, m, n), jnp.bfloat16), random(rng, (1, m, k), jnp.bfloat16)
+    cases = [(LinearForward("gelu", True, False, True, config=config), (x, w, b)),
+             (LinearForward("none", True, True, False, config=config), (x, w, b, r)),
+             (LinearInputGrad(config=config), (dz, w)),
+             (LinearInputGrad("gelu", config=config), (dz, w, preact))]
+    for family, args in cases:
+        with cl.use_backend("cute"):
+            outs = jax.jit(functools.partial(kernel_call, family))(*args)
+        wants = family.reference(*(a.astype(jnp.float32) for a in args))
+        for out, want in zip(outs, wants, strict=True):
+            assert_close(out, want, jnp.bfloat16)
 
 
 @pytest.mark.cute

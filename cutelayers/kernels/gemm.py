@@ -83,6 +83,7 @@ CONSUMER_REGISTERS = 232  # accumulators: 40 * 128 + 232 * 256 fits the SM's 64K
 # Named barriers: 1 + group for a group's epilogue, MMA_TURN_BARRIER + warpgroup for pingpong's
 # mainloop turns.
 MMA_TURN_BARRIER = 3
+SPLIT_K = (1, 2, 4, 8)  # CTAs a split-K cluster cuts a tile's contraction over
 LEAKY_SLOPE = 0.01  # jax.nn.leaky_relu's default
 GELU_TANH_SCALE = math.sqrt(2.0 / math.pi)
 GELU_CUBIC = 0.044715
@@ -318,6 +319,44 @@ class StreamKScheduler:
         self.state = (pos, *self.state[1:])
 
 
+class SplitKScheduler:
+    """Split-K's schedule: one work unit a CTA -- its cluster's tile (the grid's third coordinate:
+    tile row fastest, then column, then batch) and, by the CTA's rank in the cluster, an equal run
+    of the tile's k tiles (possibly none where there are fewer k tiles than CTAs). The interface of
+    :class:`StreamKScheduler`."""
+
+    def __init__(self, state):
+        self.state = state  # Int32 (m, n, batch, first k tile, k tiles, 1 while the unit is pending)
+
+    @staticmethod
+    def create(c_shape, tile_mn, k_tiles, split: int, rank):
+        tiles_m = cute.ceil_div(c_shape[0], tile_mn[0])
+        tiles_n = cute.ceil_div(c_shape[1], tile_mn[1])
+        tile = Int32(cute.arch.block_idx()[2])
+        per = (k_tiles + split - 1) // split
+        k0 = Int32(rank) * per
+        count = cutlass.max(cutlass.min(k_tiles - k0, per), 0)
+        rest = tile // tiles_m
+        state = (tile - rest * tiles_m, rest % tiles_n, rest // tiles_n, k0, Int32(count), Int32(1))
+        return SplitKScheduler(state)
+
+    def __extract_mlir_values__(self):
+        return extract_mlir_values(self.state)
+
+    def __new_from_mlir_values__(self, values):
+        return SplitKScheduler(new_from_mlir_values(self.state, values))
+
+    def initial_work_tile_info(self):
+        return self.get_current_work()
+
+    def get_current_work(self):
+        unit = tuple(cute.arch.make_warp_uniform(v) for v in self.state[:5])
+        return utils.WorkTileInfo(unit, cute.arch.make_warp_uniform(self.state[5] > 0))
+
+    def advance_to_next_work(self):
+        self.state = (*self.state[:5], Int32(0))
+
+
 class HopperGemmKernel:
     """C = epilogue(A @ Bᵀ) on Hopper: persistent, warp-specialized TMA + wgmma, fp32 accumulation.
 
@@ -369,6 +408,13 @@ class HopperGemmKernel:
             raise ValueError("tile_n must be 64, 128, 192 or 256")
         if config.cluster_m * config.cluster_n > 2 or min(config.cluster_m, config.cluster_n) < 1:
             raise ValueError("cluster shape must be 1x1, 2x1 or 1x2")
+        if config.split_k not in SPLIT_K:
+            raise ValueError(f"split_k must be one of {SPLIT_K}; got {config.split_k}")
+        if config.split_k > 1 and (stream_k or accumulate or sums is not None or planes != Planes()
+                                   or config.pingpong
+                                   or config.consumer_warpgroups != 1 or config.cluster_m * config.cluster_n != 1):
+            raise ValueError("split_k takes one consumer warpgroup, no cluster of its own, no stream-K, "
+                             "accumulation, operand sums or planes")
 
     @cute.jit
     def __call__(self, stream, *tensors):
@@ -436,7 +482,19 @@ class HopperGemmKernel:
             sc: cute.struct.Align[cute.struct.MemRange[c.element_type, cute.cosize(epi_smem)], 1024]
             ss: cute.struct.Align[cute.struct.MemRange[c.element_type, source_elems], 1024]
 
-        self.shared_storage = SharedStorage
+        # split-K adds the partial tiles its cluster's first CTA receives, and their barrier
+        @cute.struct
+        class SplitStorage:
+            barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            source_barriers: cute.struct.MemRange[cutlass.Int64, SOURCE_STAGES * groups * 2]
+            partials_barrier: cute.struct.MemRange[cutlass.Int64, 1]
+            sa: cute.struct.Align[cute.struct.MemRange[a.element_type, cute.cosize(a_smem)], 1024]
+            sb: cute.struct.Align[cute.struct.MemRange[b.element_type, cute.cosize(b_smem)], 1024]
+            sc: cute.struct.Align[cute.struct.MemRange[c.element_type, cute.cosize(epi_smem)], 1024]
+            partials: cute.struct.Align[cute.struct.MemRange[Float32, max(config.partial_bytes // 4, 1)], 1024]
+            ss: cute.struct.Align[cute.struct.MemRange[c.element_type, source_elems], 1024]
+
+        self.shared_storage = SplitStorage if const_expr(config.split_k > 1) else SharedStorage
         # Work units of the persistent scheduler: output tiles x batch (see ``work_unit``).
         # split outputs: one per plane; summed planes: one output of L = 1
         batches = planes.count if const_expr(planes.c == "split") else c.shape[2]
@@ -445,8 +503,12 @@ class HopperGemmKernel:
             tiles, (config.cluster_m, config.cluster_n, 1), self.raster_group(c.shape[1]), True
         )
         clusters_per_wave = PERSISTENT_SMS // (config.cluster_m * config.cluster_n)
+        cluster = (config.cluster_m, config.cluster_n, 1)
         if const_expr(self.stream_k):
             grid = (config.cluster_m, config.cluster_n, clusters_per_wave)  # every cluster takes a chunk
+        elif const_expr(config.split_k > 1):
+            grid = (config.split_k, 1, tiles[0] * tiles[1] * tiles[2])  # a cluster a tile
+            cluster = (config.split_k, 1, 1)
         else:
             grid = utils.StaticPersistentTileScheduler.get_grid_shape(schedule, clusters_per_wave)
         self.kernel(
@@ -456,9 +518,9 @@ class HopperGemmKernel:
         ).launch(
             grid=grid,
             block=[config.threads, 1, 1],
-            cluster=(config.cluster_m, config.cluster_n, 1),
+            cluster=cluster,
             min_blocks_per_mp=1,
-            smem=SharedStorage.size_in_bytes(),
+            smem=self.shared_storage.size_in_bytes(),
             stream=stream,
         )
 
@@ -511,10 +573,15 @@ class HopperGemmKernel:
                 cpasync.prefetch_descriptor(atom)
 
         # --- cluster position, shared memory and the pipelines ----------------------------------
+        split = config.split_k
         cluster_layout = cute.make_layout((config.cluster_m, config.cluster_n, 1))
-        cluster_coord = cluster_layout.get_flat_coord(
-            cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()))
+        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        # a split-K cluster's CTAs share their tile: each loads its own k tiles, unicast
+        cluster_coord = (0, 0, 0) if const_expr(split > 1) else cluster_layout.get_flat_coord(rank)
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        if const_expr(split > 1):
+            if tidx == 0:
+                cute.arch.mbarrier_init(storage.partials_barrier.data_ptr(), 1)
         sa = storage.sa.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sb = storage.sb.get_tensor(b_smem.outer, swizzle=b_smem.inner)
         sc = storage.sc.get_tensor(epi_smem.outer, swizzle=epi_smem.inner)
@@ -548,7 +615,9 @@ class HopperGemmKernel:
                 defer_sync=True,
             )
         cluster_mn = (config.cluster_m, config.cluster_n)
-        pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_mn, is_relaxed=True)
+        # split-K: every CTA's barriers initialized before any peer sends it a partial tile
+        sync_mn = (split, 1) if const_expr(split > 1) else cluster_mn
+        pipeline.pipeline_init_arrive(cluster_shape_mn=sync_mn, is_relaxed=True)
 
         # (tile, tile_k, tiles, k tiles, L) views of A and B (per plane if split), split for
         # (multicast) TMA.
@@ -558,8 +627,10 @@ class HopperGemmKernel:
         # A tile's steps: its k tiles, in every plane when the planes are summed.
         tile_steps = k_tiles * planes.count if const_expr(planes.summed) else k_tiles
 
-        pipeline.pipeline_init_wait(cluster_shape_mn=cluster_mn)
-        if const_expr(self.stream_k):
+        pipeline.pipeline_init_wait(cluster_shape_mn=sync_mn)
+        if const_expr(split > 1):
+            scheduler = SplitKScheduler.create(c_shape, (config.tile_m, config.tile_n), tile_steps, split, rank)
+        elif const_expr(self.stream_k):
             scheduler = StreamKScheduler.create(c_shape, (config.tile_m, config.tile_n), cluster_mn,
                                                 cluster_coord, tile_steps)
         else:
@@ -646,6 +717,8 @@ class HopperGemmKernel:
                 # static extent of one tile its coordinate aliases tile 0 (a size-1 mode has
                 # stride 0), and an accumulating store would add that tile twice.
                 inside = (m * config.tile_m < c_shape[0]) & (n * config.tile_n < c_shape[1])
+                if const_expr(split > 1):
+                    inside = inside & (rank == 0)  # the cluster's first CTA stores the summed tile
                 if const_expr(epilogue.has_source):
                     # The tile's first source subtiles load while its mainloop runs.
                     for e in cutlass.range_constexpr(min(SOURCE_STAGES, self.epi_tiles(epi_tile))):
@@ -676,9 +749,16 @@ class HopperGemmKernel:
                 if const_expr(config.pingpong):
                     cute.arch.barrier_arrive(barrier_id=MMA_TURN_BARRIER + 1 - group,
                                              number_of_threads=2 * WARPGROUP)
-                warpgroup.wait_group(0)
-                loads.consumer_release(released)
-                released.advance()
+                if const_expr(split > 1):
+                    if k_count > 0:  # a split-K rank may have no k tiles: no stage to release
+                        warpgroup.wait_group(0)
+                        loads.consumer_release(released)
+                        released.advance()
+                    self.gather_partials(acc, storage, rank, gtidx)
+                else:
+                    warpgroup.wait_group(0)
+                    loads.consumer_release(released)
+                    released.advance()
 
                 # The source ring's states are assigned here so that the loop carries them to the
                 # next tile: the DSL carries what a loop body assigns or calls a method of, not
@@ -699,6 +779,37 @@ class HopperGemmKernel:
                 work = scheduler.get_current_work()
             if store_warp:
                 stores.producer_tail()
+
+    @cute.jit
+    def gather_partials(self, acc, storage, rank, gtidx):
+        """Split-K: the cluster's CTAs past the first send their float32 partial tile into the
+        first one's shared memory (``st.async``, four accumulators at a time, counted by its
+        barrier), which waits for all of them and adds them to its own accumulators. Slot
+        ``((r - 1) * quads + q) * threads + thread`` holds thread's q-th four values from rank r:
+        consecutive threads write consecutive 16 bytes."""
+        config = self.config
+        threads = WARPGROUP * config.mma_warpgroups
+        quads = cute.size(acc) // 4
+        partials = storage.partials.get_tensor(cute.make_layout(config.partial_bytes // 4))
+        barrier = storage.partials_barrier.data_ptr()
+        if rank == 0:
+            if gtidx == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(barrier, config.partial_bytes)
+            cute.arch.mbarrier_wait(barrier, 0)
+            for r in cutlass.range_constexpr(config.split_k - 1):
+                for q in cutlass.range_constexpr(quads):
+                    base = ((r * quads + q) * threads + gtidx) * 4
+                    for j in cutlass.range_constexpr(4):
+                        acc[4 * q + j] = acc[4 * q + j] + partials[base + j]
+        else:
+            four = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+            bits = cute.recast_tensor(four, Int32)
+            for q in cutlass.range_constexpr(quads):
+                for j in cutlass.range_constexpr(4):
+                    four[j] = acc[4 * q + j]
+                base = cute.assume((((rank - 1) * quads + q) * threads + gtidx) * 4, divby=4)
+                cute.arch.store_async_dsmem(partials.iterator + base, (bits[0], bits[1], bits[2], bits[3]),
+                                            barrier, 0)
 
     @cute.jit
     def sum_operand(self, summed, sums, sum_warp):
@@ -783,7 +894,7 @@ class HopperGemmKernel:
     def work_unit(self, tile_idx, k_tiles):
         """(tile row, tile column, batch, first k tile, k tiles) of a scheduler's work: a whole
         tile from the persistent scheduler, a segment from stream-K's."""
-        if const_expr(self.stream_k):
+        if const_expr(self.stream_k or self.config.split_k > 1):
             return tile_idx
         m, n, batch = tile_idx
         return m, n, batch, 0, k_tiles

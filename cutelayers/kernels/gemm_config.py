@@ -39,8 +39,11 @@ class GemmConfig:
     tile_n columns of accumulators per 128 threads keeps the accumulator in registers), unless
     ``pingpong``: then two warpgroups each compute whole (tile_m, tile_n) tiles, alternately. A
     ``cluster_m x cluster_n`` cluster multicasts B over its ``cluster_m`` CTAs and A over its
-    ``cluster_n``. ``stages`` is an upper bound: an epilogue that needs a source ring gets as many
-    as fit next to it.
+    ``cluster_n``. ``split_k`` > 1 instead cuts each tile's contraction over a cluster of that many
+    CTAs (one tile a cluster, not persistent): each sends its float32 partial tile to the first
+    one's shared memory, which adds them and runs the epilogue -- for outputs of few tiles, such as
+    a decode step's. ``stages`` is an upper bound: an epilogue that needs a source ring gets as
+    many as fit next to it.
     """
 
     tile_m: int
@@ -51,6 +54,7 @@ class GemmConfig:
     cluster_n: int = 1
     pingpong: bool = False
     tile_k: int = 64
+    split_k: int = 1
 
     @property
     def threads(self) -> int:
@@ -81,15 +85,21 @@ class GemmConfig:
     def stage_bytes(self, ab_bytes: int) -> int:
         return (self.tile_m + self.tile_n) * self.tile_k * ab_bytes
 
+    @property
+    def partial_bytes(self) -> int:
+        """Shared memory of the float32 partial tiles a split-K cluster's first CTA receives."""
+        return (self.split_k - 1) * self.tile_m * self.tile_n * 4
+
     def stages_for(self, ab_bytes: int, c_bytes: int, source: bool) -> int:
-        """Mainloop stages: ``stages``, or fewer where the epilogue's rings leave less room."""
-        room = SMEM_CAPACITY - SMEM_RESERVED - self.ring_bytes(c_bytes, source)
+        """Mainloop stages: ``stages``, or fewer where the epilogue's rings (and split-K's partial
+        tiles) leave less room."""
+        room = SMEM_CAPACITY - SMEM_RESERVED - self.ring_bytes(c_bytes, source) - self.partial_bytes
         return min(self.stages, room // self.stage_bytes(ab_bytes))
 
     def smem_bytes(self, ab_bytes: int, c_bytes: int | None = None, source: bool = False) -> int:
         c_bytes = ab_bytes if c_bytes is None else c_bytes
         return (self.stages_for(ab_bytes, c_bytes, source) * self.stage_bytes(ab_bytes)
-                + self.ring_bytes(c_bytes, source) + SMEM_RESERVED)
+                + self.ring_bytes(c_bytes, source) + self.partial_bytes + SMEM_RESERVED)
 
 
 # Shape classes -> config (chosen from the H100 sweeps in docs/benchmarks.md). "small_m":
@@ -127,6 +137,18 @@ EXTRA_CONFIGS = (
 )
 
 
+# Split-K over a cluster (GemmConfig.split_k), for outputs of few tiles such as a decode step's:
+# candidates of the families whose kernel takes them (one consumer warpgroup; no stream-K,
+# accumulation, operand sums or planes: GemmFamily.takes_split_k). At 16 x 4096 x 4096 they put 128
+# CTAs on the weight where the small_m tile puts 32 (docs/gemm_notes.md).
+SPLIT_K_CONFIGS = (
+    GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1, stages=4, split_k=4),
+    GemmConfig(tile_m=64, tile_n=64, consumer_warpgroups=1, stages=6, tile_k=128, split_k=2),
+    GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1, stages=4, split_k=2),
+    GemmConfig(tile_m=64, tile_n=64, consumer_warpgroups=1, stages=8, split_k=4),
+)
+
+
 # Stream-K (the weight gradient's small (K, N) outputs, contracting many rows): 128 x 256 tiles over
 # a 2x1 cluster, every cluster one equal share of the (tile, k tile) steps. At GPT-2's four layers
 # it beat every split-K count on every config (.ci/dkernel_sweep.py, docs/benchmarks.md, seventh
@@ -152,11 +174,31 @@ def stream_k_pays(m: int, n: int, k: int, batch: int = 1) -> bool:
 
 
 SMALL_M_MAX = 64  # rows up to this are "small_m"
-# A decode-sized forward (rows up to SMALL_M_MAX) over a long contraction: the small_m config's few
-# tiles stream the weight on a few SMs (H100, 16 x 16384 x 4096: 32 CTAs, 66.0 us; the 64 x 64
-# tiles' 64, 58.7), stream-K on all of them (48.3 us, plus its float32 zeros and the epilogue pass:
-# 50.8; XLA's split-K 50.0). At K = 4096 the two extra passes lose it (17.5 against 16.1 us), and a
-# grid filled with whole tiles (N = 16384) streams as fast without them (46.0 against 53.9).
+# A decode forward's default where its kernel takes split-K: the first of these whose split grid fits
+# one wave. H100, 16 rows, bias + gelu, against small_m and XLA (docs/benchmarks.md, twenty-second
+# session): N = 4096, K = 1024 ... 16384: 6.6 / 15.1 / 47.6 us (small_m 7.8 / 19.4 / 67.5, XLA 6.5 /
+# 15.5 / 49.3); N = 6144: 21.1 (24.0, 20.9). A split of 4 lost wherever measured (its k runs are
+# short and its partial tiles take stages).
+DECODE_SPLIT_CONFIGS = (SPLIT_K_CONFIGS[1], SPLIT_K_CONFIGS[2])
+
+
+def decode_split_config(m: int, n: int, k: int) -> GemmConfig | None:
+    """The split-K config of a decode-sized GEMM (at most ``SMALL_M_MAX`` rows) into ``n`` columns
+    contracting ``k``: the first of ``DECODE_SPLIT_CONFIGS`` whose clusters, one per output tile,
+    fit on the SMs at once. None where none does (whole small_m tiles fill the GPU), where its
+    CTAs would not get a k tile each, or the rows are not decode rows."""
+    if m > SMALL_M_MAX:
+        return None
+    fits = (c for c in DECODE_SPLIT_CONFIGS if c.split_k * -(-n // c.tile_n) <= PERSISTENT_SMS)
+    config = next(fits, None)
+    return config if config is not None and k >= config.split_k * config.tile_k else None
+
+
+# A decode-sized forward (rows up to SMALL_M_MAX) over a long contraction whose split-K grid
+# (decode_split_config) still leaves most SMs idle: stream-K on all of them, into float32 zeros,
+# with the epilogue in XLA. H100, 16 x 16384 x 2048, bias + gelu: 28.2 us against split-K's 32.9
+# (XLA 26.5); at N = 4096 split-K's 128 CTAs win (47.6 against 51.1). Over shorter contractions the
+# zeros and the epilogue pass cost more than they save.
 DECODE_STREAM_K_MIN_K = 8192
 WIDE_MIN = 2048  # "wide" from this contraction and this many rows or columns
 
@@ -164,10 +206,11 @@ WIDE_MIN = 2048  # "wide" from this contraction and this many rows or columns
 def decode_stream_k_pays(m: int, n: int, k: int) -> bool:
     """Whether a forward of ``m`` rows (decode: at most ``SMALL_M_MAX``) into ``n`` columns
     contracting ``k`` runs stream-K: a contraction of at least ``DECODE_STREAM_K_MIN_K`` whose
-    small_m tiles would leave more than half the SMs idle."""
-    small = CONFIGS["small_m"]
-    tiles = -(-m // small.tile_m) * -(-n // small.tile_n)
-    return m <= SMALL_M_MAX and k >= DECODE_STREAM_K_MIN_K and 2 * tiles <= PERSISTENT_SMS
+    split-K clusters (or small_m tiles, where none splits) would leave more than half the SMs idle."""
+    if m > SMALL_M_MAX or k < DECODE_STREAM_K_MIN_K:
+        return False
+    split = decode_split_config(m, n, k) or CONFIGS["small_m"]
+    return 2 * split.split_k * -(-n // split.tile_n) <= PERSISTENT_SMS
 
 
 def stream_k_config(m: int) -> GemmConfig:

@@ -23,10 +23,12 @@ the same decomposition with XLA GEMMs, and logs once why. ``precision`` (as in `
 applies to those XLA GEMMs; the kernels multiply bfloat16 / float16 exactly and accumulate in
 float32, at least as precise as any ``precision`` asks.
 
-Decode rows (at most 64) over a long contraction whose output tiles would leave most SMs idle
-(:func:`cutelayers.kernels.gemm_config.decode_stream_k_pays`): the forward's GEMM is stream-K over
-the whole GPU into float32 zeros, and bias, activation and residual are one XLA pass over that
-(rows, N) sum.
+Decode rows (at most 64) into few output tiles: each tile's contraction is split over a cluster
+of two CTAs, the fused epilogue unchanged
+(:func:`cutelayers.kernels.gemm_config.decode_split_config`); where even that would leave most SMs
+idle over a long contraction (:func:`cutelayers.kernels.gemm_config.decode_stream_k_pays`), the
+forward's GEMM is stream-K over the whole GPU into float32 zeros, and bias, activation and
+residual are one XLA pass over that (rows, N) sum.
 
 vmap (:mod:`cutelayers.ops._batching`): batch dims of x / residual fold into rows (one launch)
 while kernel / bias are shared; per-example kernel or bias falls back to ``jax.lax.map`` (one
@@ -51,8 +53,10 @@ from cutelayers.kernels.gemm_config import (
     CONFIGS,
     EXTRA_CONFIGS,
     OPERAND_SUMS,
+    SPLIT_K_CONFIGS,
     GemmConfig,
     config_class,
+    decode_split_config,
     decode_stream_k_pays,
     row_bucket,
     stream_k_config,
@@ -180,12 +184,23 @@ class GemmFamily(TunableFamily):
 
     def default_config(self, avals):
         m, n, k = self.gemm_shape(avals)
-        return stream_k_config(m) if self.stream_k else CONFIGS[config_class(m, n, k)]
+        if self.stream_k:
+            return stream_k_config(m)
+        split = decode_split_config(m, n, k) if self.takes_split_k else None
+        return split or CONFIGS[config_class(m, n, k)]
 
     def config_space(self, avals) -> tuple:
-        space = tuple(CONFIGS.values()) + EXTRA_CONFIGS
+        space = tuple(CONFIGS.values()) + EXTRA_CONFIGS + (SPLIT_K_CONFIGS if self.takes_split_k else ())
         # stream-K's segments end where its chunks do, not with a warpgroup's tile: cooperative only
         return tuple(c for c in space if not c.pingpong) if self.stream_k else space
+
+    fused_planes = False  # the kernel's batch mode holds a fused layer's planes (ops.split_linear)
+
+    @property
+    def takes_split_k(self) -> bool:
+        """Whether the kernel may cut a tile's contraction over a cluster (``GemmConfig.split_k``):
+        not with stream-K, accumulation, operand sums or a fused layer's planes."""
+        return not (self.stream_k or self.accumulate or self.operand_sums or self.fused_planes)
 
     def tuning_key(self, avals):
         """dtype, and the GEMM's static sizes with the bucket of a symbolic M (and whether it

@@ -128,6 +128,8 @@ class SplitForward(GemmFamily):
 
         return Epilogue(has_bias=self.has_bias)
 
+    fused_planes = True
+
     def planes(self):
         from cutelayers.kernels.gemm import Planes
 
@@ -177,6 +179,8 @@ class SplitInputGrad(GemmFamily):
         return avals[0].shape[1], k, self.parts * d
 
     tuning_key = _split_tuning_key
+
+    fused_planes = True
 
     def planes(self):
         from cutelayers.kernels.gemm import Planes
@@ -264,6 +268,8 @@ class SplitWeightGrad(GemmFamily):
         return (d, k, avals[0].shape[1]) if self.kernel_nk else (k, d, avals[0].shape[1])
 
     tuning_key = _split_tuning_key
+
+    fused_planes = True
 
     def planes(self):
         from cutelayers.kernels.gemm import Planes
