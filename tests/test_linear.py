@@ -18,7 +18,6 @@ from numerics import assert_close, random
 import cutelayers as cl
 from cutelayers.kernels.gemm_config import (
     CONFIGS,
-    DECODE_SPLIT_CONFIGS,
     EXTRA_CONFIGS,
     SMEM_CAPACITY,
     STREAM_K_CONFIG,
@@ -664,12 +663,13 @@ def test_lowering_stream_k_input_grad(fresh_cache):
 # --- decode rows over a long contraction: the forward by stream-K ------------------------------------
 
 def test_decode_stream_k_is_chosen_for_long_contractions_of_few_tiles():
-    assert decode_stream_k_pays(16, 2048, 16384)  # 32 split-K clusters (64 CTAs) streaming 64 MiB
-    assert decode_stream_k_pays(1, 1024, 8192)
-    assert not decode_stream_k_pays(16, 4096, 16384)  # split-K's 128 CTAs fill the GPU
-    assert not decode_stream_k_pays(16, 2048, 4096)  # K = 4096: the zeros and the epilogue pass lose
+    assert decode_stream_k_pays(16, 512, 16384)  # 8 split-K clusters of 4 (32 CTAs) streaming 16 MiB
+    assert decode_stream_k_pays(1, 256, 8192)
+    assert not decode_stream_k_pays(16, 1024, 16384)  # split-K's 64 CTAs
+    assert not decode_stream_k_pays(16, 4096, 16384)  # split-K's 128 CTAs
+    assert not decode_stream_k_pays(16, 512, 4096)  # K = 4096: the zeros and the epilogue pass lose
     assert not decode_stream_k_pays(16, 16384, 4096)  # 128 small_m tiles fill the GPU
-    assert not decode_stream_k_pays(65, 2048, 16384)  # not decode rows
+    assert not decode_stream_k_pays(65, 512, 16384)  # not decode rows
 
 
 def test_decode_gemms_split_their_contraction_where_tiles_are_few():
@@ -679,23 +679,30 @@ def test_decode_gemms_split_their_contraction_where_tiles_are_few():
         x, w = S((1, m, k), jnp.bfloat16), S((1, k, n), jnp.bfloat16)
         return family.default_config((x, w, *extra))
 
-    # the widest tiles whose clusters fit one wave: 64 x 64 at N = 4096, 64 x 128 at N = 6144
+    def bias(n):
+        return S((n,), jnp.bfloat16)
+
+    split = {c.split_k: c for c in SPLIT_K_CONFIGS if c.tile_n == 64}
+    # the most CTAs whose clusters (one a 64 x 64 tile) are resident at once, then 64 x 128 tiles
     forward = LinearForward("gelu", True, False, False)
-    b = S((4096,), jnp.bfloat16)
-    assert default(forward, 16, 4096, 4096, b) == DECODE_SPLIT_CONFIGS[0]
-    assert default(forward, 1, 4096, 6144, S((6144,), jnp.bfloat16)) == DECODE_SPLIT_CONFIGS[1]
+    assert default(forward, 16, 4096, 1024, bias(1024)) == split[4]  # 16 clusters of 4
+    assert default(forward, 16, 4096, 2048, bias(2048)) == split[3]  # 32 clusters: not of 4
+    assert default(forward, 16, 4096, 4096, bias(4096)) == split[2]
+    assert default(forward, 1, 4096, 6144, bias(6144)) == SPLIT_K_CONFIGS[-1]
     residual = LinearForward("none", True, True, False)
-    assert default(residual, 64, 4096, 4096, b, S((1, 64, 4096), jnp.bfloat16)).split_k == 2
-    assert default(LinearInputGrad(), 16, 4096, 4096) == DECODE_SPLIT_CONFIGS[0]
+    assert default(residual, 64, 4096, 4096, bias(4096), S((1, 64, 4096), jnp.bfloat16)) == split[2]
+    assert default(LinearInputGrad(), 16, 4096, 4096) == split[2]
     # whole tiles: many columns, many rows, or too short a contraction for a k tile per CTA
-    assert default(forward, 16, 4096, 14336, S((14336,), jnp.bfloat16)) == CONFIGS["small_m"]
-    assert default(forward, 65, 4096, 4096, b).split_k == 1
-    assert default(forward, 16, 128, 4096, b) == CONFIGS["small_m"]
-    assert decode_split_config(16, 4096, 255) is None and decode_split_config(16, 4096, 256) is not None
-    assert decode_split_config(16, 6144, 127) is None and decode_split_config(16, 6144, 128) is not None
+    assert default(forward, 16, 4096, 14336, bias(14336)) == CONFIGS["small_m"]
+    assert default(forward, 65, 4096, 4096, bias(4096)).split_k == 1
+    assert default(forward, 16, 64, 4096, bias(4096)) == CONFIGS["small_m"]
+    # a shorter contraction splits over fewer CTAs
+    assert decode_split_config(16, 1024, 511) == split[3] and decode_split_config(16, 1024, 383) == split[2]
+    assert decode_split_config(16, 4096, 255) == SPLIT_K_CONFIGS[-1]
+    assert decode_split_config(16, 6144, 127) is None
 
 
-DECODE_LONG_K = (16, 8192, 712)  # (m, k, n): six small_m tiles, the last one partial
+DECODE_LONG_K = (16, 8192, 456)  # (m, k, n): four small_m tiles, the last one partial
 
 
 @pytest.mark.cute
@@ -826,9 +833,9 @@ def test_split_k_takes_a_plain_cooperative_kernel():
     with pytest.raises(ValueError, match="split_k takes"):
         HopperGemmKernel(dataclasses.replace(split, cluster_n=2), Epilogue())
     with pytest.raises(ValueError, match="split_k must be one of"):
-        HopperGemmKernel(dataclasses.replace(split, split_k=3), Epilogue())
+        HopperGemmKernel(dataclasses.replace(split, split_k=5), Epilogue())
     # its partial tiles take shared memory from the mainloop
-    assert split.partial_bytes == 3 * 64 * 128 * 4
+    assert split.partial_bytes == 3 * 64 * 64 * 4
     assert split.smem_bytes(2) <= SMEM_CAPACITY
 
 

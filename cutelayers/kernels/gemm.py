@@ -83,7 +83,7 @@ CONSUMER_REGISTERS = 232  # accumulators: 40 * 128 + 232 * 256 fits the SM's 64K
 # Named barriers: 1 + group for a group's epilogue, MMA_TURN_BARRIER + warpgroup for pingpong's
 # mainloop turns.
 MMA_TURN_BARRIER = 3
-SPLIT_K = (1, 2, 4, 8)  # CTAs a split-K cluster cuts a tile's contraction over
+SPLIT_K = (1, 2, 3, 4, 8)  # CTAs a split-K cluster cuts a tile's contraction over
 LEAKY_SLOPE = 0.01  # jax.nn.leaky_relu's default
 GELU_TANH_SCALE = math.sqrt(2.0 / math.pi)
 GELU_CUBIC = 0.044715

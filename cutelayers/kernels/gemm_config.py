@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from cutelayers.kernels.hopper import HOPPER_SMS, RESIDENT_CLUSTERS
+
 WARPGROUP = 128
 SMEM_CAPACITY = 227 * 1024  # sm_90 dynamic shared memory per CTA
 SMEM_RESERVED = 2048  # mbarriers and the 1 KiB alignment of each buffer
@@ -26,9 +28,9 @@ SOURCE_STAGES = 2  # epilogue source tiles (residual / pre-activation) in flight
 # Which operand's sums over the contraction a GEMM also gives (a weight gradient's bias gradient):
 # none, A or B.
 OPERAND_SUMS = (None, "a", "b")
-# SMs the persistent grid is sized for: H100 SXM and H200 have 132. A GPU with fewer runs the
-# extra CTAs as a short second wave (correct, slightly unbalanced); one with more idles a few SMs.
-PERSISTENT_SMS = 132
+# SMs the persistent grid is sized for. A GPU with fewer runs the extra CTAs as a short second wave
+# (correct, slightly unbalanced); one with more idles a few SMs.
+PERSISTENT_SMS = HOPPER_SMS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,16 +139,15 @@ EXTRA_CONFIGS = (
 )
 
 
-# Split-K over a cluster (GemmConfig.split_k), for outputs of few tiles such as a decode step's:
-# candidates of the families whose kernel takes them (one consumer warpgroup; no stream-K,
-# accumulation, operand sums or planes: GemmFamily.takes_split_k). At 16 x 4096 x 4096 they put 128
-# CTAs on the weight where the small_m tile puts 32 (docs/gemm_notes.md).
-SPLIT_K_CONFIGS = (
-    GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1, stages=4, split_k=4),
-    GemmConfig(tile_m=64, tile_n=64, consumer_warpgroups=1, stages=6, tile_k=128, split_k=2),
-    GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1, stages=4, split_k=2),
-    GemmConfig(tile_m=64, tile_n=64, consumer_warpgroups=1, stages=8, split_k=4),
-)
+# Split-K over a cluster (GemmConfig.split_k), for outputs of few tiles such as a decode step's, in
+# the order decode_split_config prefers them: candidates of the families whose kernel takes them
+# (one consumer warpgroup; no stream-K, accumulation, operand sums or planes:
+# GemmFamily.takes_split_k). At 16 x 4096 x 4096 they put 128 CTAs on the weight where the small_m
+# tile puts 32 (docs/gemm_notes.md).
+SPLIT_K_CONFIGS = tuple(
+    GemmConfig(tile_m=64, tile_n=64, consumer_warpgroups=1, stages=6, tile_k=128, split_k=split)
+    for split in (4, 3, 2)
+) + (GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1, stages=4, split_k=2),)
 
 
 # Stream-K (the weight gradient's small (K, N) outputs, contracting many rows): 128 x 256 tiles over
@@ -174,43 +175,46 @@ def stream_k_pays(m: int, n: int, k: int, batch: int = 1) -> bool:
 
 
 SMALL_M_MAX = 64  # rows up to this are "small_m"
-# A decode forward's default where its kernel takes split-K: the first of these whose split grid fits
-# one wave. H100, 16 rows, bias + gelu, against small_m and XLA (docs/benchmarks.md, twenty-second
-# session): N = 4096, K = 1024 ... 16384: 6.6 / 15.1 / 47.6 us (small_m 7.8 / 19.4 / 67.5, XLA 6.5 /
-# 15.5 / 49.3); N = 6144: 21.1 (24.0, 20.9). A split of 4 lost wherever measured (its k runs are
-# short and its partial tiles take stages).
-DECODE_SPLIT_CONFIGS = (SPLIT_K_CONFIGS[1], SPLIT_K_CONFIGS[2])
+# A decode GEMM's default where its kernel takes split-K: the first of SPLIT_K_CONFIGS whose
+# clusters, one a tile, are all resident at once (hopper.RESIDENT_CLUSTERS) -- the most CTAs on the
+# weight in one wave. H100, 16 rows, bias + gelu (docs/benchmarks.md, twenty-second session), us:
+# N = 4096 (64 tiles: split 2), K = 1024 ... 16384: 6.6 / 15.1 / 47.6 (small_m 7.8 / 19.4 / 67.5,
+# XLA 6.5 / 15.5 / 49.3); N = 2048 (32 tiles: split 3; 32 clusters of 4 are not resident), K =
+# 4096 / 16384: 11.0 / 27.1 (split 2 11.3 / 32.8, split 4 13.5 / 33.2, XLA 9.6 / 26.5); N = 1024
+# (split 4), K = 16384: 15.3 (split 3 16.5, XLA 16.9); N = 6144 (64 x 128 tiles): 21.1 (24.0, 20.9).
 
 
 def decode_split_config(m: int, n: int, k: int) -> GemmConfig | None:
     """The split-K config of a decode-sized GEMM (at most ``SMALL_M_MAX`` rows) into ``n`` columns
-    contracting ``k``: the first of ``DECODE_SPLIT_CONFIGS`` whose clusters, one per output tile,
-    fit on the SMs at once. None where none does (whole small_m tiles fill the GPU), where its
-    CTAs would not get a k tile each, or the rows are not decode rows."""
+    contracting ``k``: the first of ``SPLIT_K_CONFIGS`` whose clusters, one per output tile, are
+    resident at once, with a k tile for each of its CTAs; None where none is (whole small_m tiles
+    fill the GPU) or the rows are not decode rows."""
     if m > SMALL_M_MAX:
         return None
-    fits = (c for c in DECODE_SPLIT_CONFIGS if c.split_k * -(-n // c.tile_n) <= PERSISTENT_SMS)
-    config = next(fits, None)
-    return config if config is not None and k >= config.split_k * config.tile_k else None
+    return next((c for c in SPLIT_K_CONFIGS if -(-n // c.tile_n) <= RESIDENT_CLUSTERS[c.split_k]
+                 and k >= c.split_k * c.tile_k), None)
 
 
 # A decode-sized forward (rows up to SMALL_M_MAX) over a long contraction whose split-K grid
 # (decode_split_config) still leaves most SMs idle: stream-K on all of them, into float32 zeros,
-# with the epilogue in XLA. H100, 16 x 16384 x 2048, bias + gelu: 28.2 us against split-K's 32.9
-# (XLA 26.5); at N = 4096 split-K's 128 CTAs win (47.6 against 51.1). Over shorter contractions the
-# zeros and the epilogue pass cost more than they save.
+# with the epilogue in XLA. Where the split grid keeps more than a quarter of the SMs busy it won
+# (H100, bias + gelu, K = 16384: N = 1024, 64 CTAs: 15.3 us against 17.1; N = 2048: 27.1 against
+# 28.2); the small_m tiles' 32 CTAs lost to it (16 x 16384 x 4096: 66.0 against 50.8). Over
+# shorter contractions the zeros and the epilogue pass cost more than they save.
 DECODE_STREAM_K_MIN_K = 8192
+DECODE_STREAM_K_SMS = HOPPER_SMS // 4  # stream-K where the split grid has at most this many CTAs
 WIDE_MIN = 2048  # "wide" from this contraction and this many rows or columns
 
 
 def decode_stream_k_pays(m: int, n: int, k: int) -> bool:
     """Whether a forward of ``m`` rows (decode: at most ``SMALL_M_MAX``) into ``n`` columns
     contracting ``k`` runs stream-K: a contraction of at least ``DECODE_STREAM_K_MIN_K`` whose
-    split-K clusters (or small_m tiles, where none splits) would leave more than half the SMs idle."""
+    split-K clusters (or small_m tiles, where none splits) would run at most
+    ``DECODE_STREAM_K_SMS`` CTAs."""
     if m > SMALL_M_MAX or k < DECODE_STREAM_K_MIN_K:
         return False
     split = decode_split_config(m, n, k) or CONFIGS["small_m"]
-    return 2 * split.split_k * -(-n // split.tile_n) <= PERSISTENT_SMS
+    return split.split_k * -(-n // split.tile_n) <= DECODE_STREAM_K_SMS
 
 
 def stream_k_config(m: int) -> GemmConfig:

@@ -4,6 +4,7 @@ which fixes the shape of its dscale / dbias partials (:mod:`.norm`)."""
 
 from __future__ import annotations
 
+from cutelayers.kernels.hopper import HOPPER_SMS, RESIDENT_CLUSTERS
 from cutelayers.kernels.reduction_config import (
     STAGED_ROW_BYTES,
     STAGED_ROW_BYTES_ALONE,
@@ -43,9 +44,6 @@ FORWARD_SHARE_BYTES = {True: STAGED_ROW_BYTES, False: 40 * 1024}
 # registers more a thread, which cost LayerNorm's occupancy on many rows (its 63 -> 80 registers:
 # 181 -> 244 us at 16384 x 8192, 180 -> 198 at 131072 x 1024): docs/benchmarks.md, 21st session.
 FEW_ROWS = 64
-# The persistent backward grid: Hopper parts have 132 SMs (H100 SXM, H200); fewer SMs only means
-# a tail wave. Fixed so that the partials' shape is known without a device.
-HOPPER_SMS = 132
 # Resident threads per SM the backward grid aims for: a 128-thread CTA of the register-resident
 # backward used ~124 registers a thread (bf16 x 768 with residual, 64 threads a row), so 512 fit an
 # SM's 64K; a 1024-thread target launched a second wave of CTAs and twice the dscale / dbias
@@ -54,12 +52,6 @@ HOPPER_SMS = 132
 THREADS_PER_SM = 512
 
 
-# Clusters of each size resident at once with one CTA an SM: Hopper's 132 SMs sit in GPCs of
-# about 16 to 18 (which ones varies from chip to chip), and a cluster runs within one GPC
-# (cuOccupancyMaxActiveClusters on an H100 SXM: 132 / 66 / 30 / 15 / 7 for 1 / 2 / 4 / 8 / 16 CTAs
-# of 200 KiB, and twice that, but 62 for four, with 100 KiB: docs/benchmarks.md, eighteenth
-# session). A persistent grid larger than what is resident runs its last clusters as a second wave.
-RESIDENT_CLUSTERS = {1: HOPPER_SMS, 2: 66, 4: 30, 8: 15, 16: 7}
 # Row operands the backward stages (x and dy): with its fp32 dscale / dbias sums, a streamed row's
 # shared memory (:func:`streamed_cta_bytes`).
 STAGED_OPERANDS = 2

@@ -206,7 +206,7 @@ STAGED_ROW_BYTES_ALONE = 216 * 1024
 # (more CTAs a row, more of them an SM): the best cut differs by width and kernel (the norm
 # forward at N = 32768 ... 262144 in docs/benchmarks.md, eighteenth session). The largest, one CTA
 # an SM, cuts a row over fewer CTAs (a bf16 row of 131072 over 2, not 4): clusters of 4 or more
-# fit only 120-124 of the H100's 132 SMs at once (norm_config.RESIDENT_CLUSTERS), where LayerNorm's
+# fit only 120-124 of the H100's 132 SMs at once (hopper.RESIDENT_CLUSTERS), where LayerNorm's
 # forward stays under 90 % of copy at 131072 and 262144 (nineteenth session).
 SHARE_BUDGETS = (28 * 1024, 40 * 1024, 64 * 1024, 136 * 1024)
 # CTAs a row may be cut over: Hopper's largest (non-portable) cluster, which CuTe DSL allows on

@@ -24,7 +24,7 @@ applies to those XLA GEMMs; the kernels multiply bfloat16 / float16 exactly and 
 float32, at least as precise as any ``precision`` asks.
 
 Decode rows (at most 64) into few output tiles: each tile's contraction is split over a cluster
-of two CTAs, the fused epilogue unchanged
+of two to four CTAs, the fused epilogue unchanged
 (:func:`cutelayers.kernels.gemm_config.decode_split_config`); where even that would leave most SMs
 idle over a long contraction (:func:`cutelayers.kernels.gemm_config.decode_stream_k_pays`), the
 forward's GEMM is stream-K over the whole GPU into float32 zeros, and bias, activation and
