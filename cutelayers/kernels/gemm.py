@@ -473,28 +473,21 @@ class HopperGemmKernel:
 
         source_elems = cute.cosize(source_smem) if const_expr(epilogue.has_source) else 1
 
-        @cute.struct
-        class SharedStorage:
-            barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-            source_barriers: cute.struct.MemRange[cutlass.Int64, SOURCE_STAGES * groups * 2]
-            sa: cute.struct.Align[cute.struct.MemRange[a.element_type, cute.cosize(a_smem)], 1024]
-            sb: cute.struct.Align[cute.struct.MemRange[b.element_type, cute.cosize(b_smem)], 1024]
-            sc: cute.struct.Align[cute.struct.MemRange[c.element_type, cute.cosize(epi_smem)], 1024]
-            ss: cute.struct.Align[cute.struct.MemRange[c.element_type, source_elems], 1024]
+        # Shared memory, in this order; split-K adds the partial tiles its cluster's first CTA
+        # receives, and their barrier.
+        split = config.split_k > 1
+        fields = {"barriers": cute.struct.MemRange[cutlass.Int64, self.stages * 2],
+                  "source_barriers": cute.struct.MemRange[cutlass.Int64, SOURCE_STAGES * groups * 2]}
+        if const_expr(split):
+            fields["partials_barrier"] = cute.struct.MemRange[cutlass.Int64, 1]
+        fields["sa"] = cute.struct.Align[cute.struct.MemRange[a.element_type, cute.cosize(a_smem)], 1024]
+        fields["sb"] = cute.struct.Align[cute.struct.MemRange[b.element_type, cute.cosize(b_smem)], 1024]
+        fields["sc"] = cute.struct.Align[cute.struct.MemRange[c.element_type, cute.cosize(epi_smem)], 1024]
+        if const_expr(split):
+            fields["partials"] = cute.struct.Align[cute.struct.MemRange[Float32, config.partial_bytes // 4], 1024]
+        fields["ss"] = cute.struct.Align[cute.struct.MemRange[c.element_type, source_elems], 1024]
+        self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
-        # split-K adds the partial tiles its cluster's first CTA receives, and their barrier
-        @cute.struct
-        class SplitStorage:
-            barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-            source_barriers: cute.struct.MemRange[cutlass.Int64, SOURCE_STAGES * groups * 2]
-            partials_barrier: cute.struct.MemRange[cutlass.Int64, 1]
-            sa: cute.struct.Align[cute.struct.MemRange[a.element_type, cute.cosize(a_smem)], 1024]
-            sb: cute.struct.Align[cute.struct.MemRange[b.element_type, cute.cosize(b_smem)], 1024]
-            sc: cute.struct.Align[cute.struct.MemRange[c.element_type, cute.cosize(epi_smem)], 1024]
-            partials: cute.struct.Align[cute.struct.MemRange[Float32, max(config.partial_bytes // 4, 1)], 1024]
-            ss: cute.struct.Align[cute.struct.MemRange[c.element_type, source_elems], 1024]
-
-        self.shared_storage = SplitStorage if const_expr(config.split_k > 1) else SharedStorage
         # Work units of the persistent scheduler: output tiles x batch (see ``work_unit``).
         # split outputs: one per plane; summed planes: one output of L = 1
         batches = planes.count if const_expr(planes.c == "split") else c.shape[2]

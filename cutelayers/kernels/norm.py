@@ -412,9 +412,11 @@ class NormBackwardKernel:
             can_prefetch(self.config, t.element_type.width) for t in rows if t is not None)
 
     def slot_sum_bytes(self) -> int:
-        """Shared memory of :meth:`store_partial`'s row-slot sums (one buffer per partial)."""
+        """Shared memory of :meth:`store_partial`'s row-slot sums (one buffer per partial): only
+        register-resident rows store through it (a streamed row's slots keep their sums in
+        :meth:`sum_bytes` and store them as partial rows of their own)."""
         slots = self.config.row.rows_per_cta
-        if not self.persistent or slots == 1:
+        if not (self.persistent and self.config.resident) or slots == 1:
             return 0
         return self.wanted * (slots * self.config.n * 4 + 16)
 
