@@ -820,6 +820,67 @@ def test_split_k_configs_are_candidates_where_the_kernel_takes_them():
         assert not any(c.split_k > 1 for c in family.config_space(avals)), family
 
 
+def test_gated_forward_family():
+    # y (1, M, H) from a (K, 2H) kernel, z (1, M, 2H); tiles of 128 columns (64 of each half) only;
+    # its own tuning key; rows sharded, never the columns or the contraction
+    S = jax.ShapeDtypeStruct
+    x, w, b = S((1, 300, 768), jnp.bfloat16), S((1, 768, 6144), jnp.bfloat16), S((6144,), jnp.bfloat16)
+    family = LinearForward("silu", True, False, True, gated=True)
+    assert [o.shape for o in family.out_avals((x, w, b))] == [(1, 300, 3072), (1, 300, 6144)]
+    assert {c.tile_n for c in family.config_space((x, w, b))} == {128, 256}  # H = 3072: blocks of 64 or 128
+    assert family.default_config((x, w, b)) in family.config_space((x, w, b))
+    odd = (x, S((1, 768, 2 * 192), jnp.bfloat16), S((384,), jnp.bfloat16))  # H = 192: blocks of 64 only
+    assert {c.tile_n for c in family.config_space(odd)} == {128}
+    wide = (S((1, 8192, 4096), jnp.bfloat16), S((1, 4096, 32768), jnp.bfloat16), S((32768,), jnp.bfloat16))
+    assert family.default_config(wide) == CONFIGS["wide"]  # 128 x 256: H = 16384 is whole 128-blocks
+    wide_odd = (wide[0], S((1, 4096, 2 * 11072), jnp.bfloat16), S((2 * 11072,), jnp.bfloat16))
+    assert family.default_config(wide_odd).tile_n == 128  # H = 11072 = 173 x 64
+    decode = (S((1, 16, 4096), jnp.bfloat16), *wide[1:])
+    assert family.default_config(decode).tile_n >= 128
+    assert ("gated", True) in family.tuning_key((x, w, b))[1]
+    assert ("gated", True) not in LinearForward("silu", True, False, True).tuning_key((x, w, b))[1]
+    operands, results = family.factors()
+    assert not {"k", "n"} & {f for dims in (*operands, *results) for f in dims}
+    assert family.layer_activation() == "swiglu"
+    (y, z) = family.reference(*(jnp.ones(a.shape, jnp.float32) for a in (x, w, b)))
+    assert y.shape == (1, 300, 3072) and z.shape == (1, 300, 6144)
+
+
+@pytest.mark.gpu
+def test_gated_forward_every_config_gpu(rng):
+    # The gated forward (h and the stored z) on every config of its space: partial row tiles, H =
+    # 192 (three blocks of 64 columns of each half), 300 and 16 rows (split-K configs run too), and
+    # H = 256 (two blocks of 128: the 256-column tiles).
+    k = 264
+    for m, h in ((300, 192), (16, 192), (300, 256)):  # H = 256: 256-column tiles too
+        w = jnp.asarray(rng.standard_normal((1, k, 2 * h)) / np.sqrt(k), jnp.bfloat16)
+        b = random(rng, (2 * h,), jnp.bfloat16)
+        x = random(rng, (1, m, k), jnp.bfloat16)
+        family = LinearForward("silu", True, False, True, gated=True)
+        wants = family.reference(*(a.astype(jnp.float32) for a in (x, w, b)))
+        for config in family.config_space((x, w, b)):
+            member = dataclasses.replace(family, config=config)
+            with cl.use_backend("cute"):
+                outs = jax.jit(functools.partial(kernel_call, member))(x, w, b)
+            for out, want in zip(outs, wants, strict=True):
+                assert_close(out, want, jnp.bfloat16)
+
+
+@pytest.mark.cute
+def test_gated_epilogue_checks():
+    from cutelayers.kernels.gemm import Epilogue, HopperGemmKernel
+
+    HopperGemmKernel(CONFIGS["default"], Epilogue("silu", True, False, True, gated=True))
+    with pytest.raises(ValueError, match="gated epilogue takes the gate's activation"):
+        Epilogue("none", gated=True)
+    with pytest.raises(ValueError, match="gated epilogue takes the gate's activation"):
+        Epilogue("silu", has_residual=True, gated=True)
+    with pytest.raises(ValueError, match="tile_n 128 or 256"):
+        HopperGemmKernel(SPLIT_K_CONFIGS[0], Epilogue("silu", gated=True))  # 64 columns
+    with pytest.raises(ValueError, match="tile_n 128 or 256"):
+        HopperGemmKernel(CONFIGS["default"], Epilogue("silu", gated=True), sums="a")
+
+
 @pytest.mark.cute
 def test_split_k_takes_a_plain_cooperative_kernel():
     from cutelayers.kernels.gemm import Epilogue, HopperGemmKernel

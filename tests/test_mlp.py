@@ -9,8 +9,8 @@ from numerics import assert_close, random
 from test_linear import lower_cuda, plain
 
 import cutelayers as cl
-from cutelayers.ops.linear import ACTIVATION_FUNCTIONS, LinearInputGrad
-from cutelayers.ops.mlp import GATED_ACTIVATIONS, mlp
+from cutelayers.ops.linear import ACTIVATION_FUNCTIONS, GATED_ACTIVATIONS, LinearInputGrad
+from cutelayers.ops.mlp import mlp
 
 ACTS = list(ACTIVATION_FUNCTIONS)
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -187,16 +187,32 @@ def test_gated_block_lowers_to_the_gemm_kernels():
 
     with cl.use_backend("cute"):
         hlo = lower_cuda(jax.grad(loss, tuple(range(5))), *avals)
-    targets = sorted(line.split("@cutelayers_")[1].split("(")[0].rsplit("_", 1)[0]
-                     for line in hlo.splitlines() if "stablehlo.custom_call @cutelayers_" in line)
+    calls = [line for line in hlo.splitlines() if "stablehlo.custom_call @cutelayers_" in line]
+    targets = sorted(line.split("@cutelayers_")[1].split("(")[0].rsplit("_", 1)[0] for line in calls)
     assert targets == ["linear_dkernel", "linear_dkernel", "linear_dx", "linear_dx", "linear_fwd", "linear_fwd"]
+    # fc1 gates in its epilogue: h (256, 128) and the saved z (256, 256) from one launch
+    gated = "(tensor<1x256x64xbf16>, tensor<1x64x256xbf16>, tensor<256xbf16>) -> (tensor<1x256x128xbf16>, tensor<1x256x256xbf16>)"
+    assert sum(line.endswith(gated) for line in calls) == 1
+
+
+def test_gated_block_takes_xla_where_the_hidden_width_is_not_whole_blocks(rng):
+    # H = 40: not a multiple of GATED_BLOCK, so fc1 cannot hold matching gate and value blocks (the
+    # reference runs under "auto": test_gated_values_and_grads_reference checks its values)
+    x, w1, b1, w2, b2, _ = block_operands(rng, (4,), 16, 80, 8, jnp.bfloat16)
+    with cl.use_backend("cute"), pytest.raises(RuntimeError, match="hidden width 40 is not a multiple of 64"):
+        mlp(x, w1, b1, w2[:40], b2, activation="swiglu")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("activation", list(GATED_ACTIVATIONS))
 def test_gated_kernels_gpu(activation, rng):
+    # fc1 gates in its epilogue: several tiles of rows and columns (H = 512: 8 blocks), a partial
+    # row tile and 3 blocks (H = 192), decode rows split over a cluster (16 x 1024 -> 2 x 256), and
+    # the (N, K) layout
     with cl.use_backend("cute"):
         check_gated_block(rng, (1000,), 256, 512, 256, jnp.bfloat16, activation)
+        check_gated_block(rng, (2, 4111), 128, 192, 64, jnp.bfloat16, activation)
+        check_gated_block(rng, (16,), 1024, 256, 64, jnp.bfloat16, activation)
         check_gated_block(rng, (3, 7), 64, 128, 64, jnp.bfloat16, activation, "nk")
 
 

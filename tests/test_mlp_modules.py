@@ -26,8 +26,7 @@ import cutelayers as cl
 from cutelayers import equinox as cl_eqx
 from cutelayers.flax import linen as cl_linen
 from cutelayers.flax import nnx as cl_nnx
-from cutelayers.ops.linear import ACTIVATION_FUNCTIONS
-from cutelayers.ops.mlp import GATED_ACTIVATIONS
+from cutelayers.ops.linear import ACTIVATION_FUNCTIONS, GATED_ACTIVATIONS
 
 HIGHEST = jax.lax.Precision.HIGHEST
 NORMAL = nn.initializers.normal(1.0)  # non-zero biases, so that the bias paths are compared

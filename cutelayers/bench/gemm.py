@@ -20,8 +20,14 @@ import jax.numpy as jnp
 
 import cutelayers as cl
 from cutelayers.bench.timing import call_kernels, time_fn
-from cutelayers.ops.linear import ACTIVATION_FUNCTIONS, fused_linear, input_grad_fn, weight_grad_fn
-from cutelayers.ops.mlp import gated_hidden, is_gated
+from cutelayers.ops.linear import (
+    ACTIVATION_FUNCTIONS,
+    fused_linear,
+    gated_hidden,
+    input_grad_fn,
+    is_gated,
+    weight_grad_fn,
+)
 from cutelayers.ops.split_linear import split_linear
 
 PEAK_TFLOPS = 989.0  # H100 SXM dense bf16 / fp16

@@ -104,6 +104,10 @@ class Epilogue:
     # c = product * act'(preact): the backward of ``grad_of`` through an activation whose input
     # (preact, an (M, N, L) operand after b) is read as a source tile. Excludes the fields above.
     grad_of: str = "none"
+    # A gated layer (SwiGLU / GeGLU): B's N columns are a (K, 2H) weight's gate and value halves, c
+    # is (M, H) = act(gate) * value with ``activation`` the gate's, and bias and the stored preact
+    # span both halves (2H). Each tile holds tile_n / 2 columns of each half (``gated_view``).
+    gated: bool = False
 
     def __post_init__(self):
         for name in (self.activation, self.grad_of):
@@ -112,6 +116,8 @@ class Epilogue:
         if self.grad_of != "none" and (self.activation != "none" or self.has_bias or self.has_residual
                                        or self.store_preact):
             raise ValueError("an activation-gradient epilogue takes no activation, bias, residual or stored preact")
+        if self.gated and (self.activation == "none" or self.has_residual or self.grad_of != "none"):
+            raise ValueError("a gated epilogue takes the gate's activation, and no residual or activation gradient")
 
     @property
     def has_source(self) -> bool:
@@ -408,6 +414,10 @@ class HopperGemmKernel:
             raise ValueError("tile_n must be 64, 128, 192 or 256")
         if config.cluster_m * config.cluster_n > 2 or min(config.cluster_m, config.cluster_n) < 1:
             raise ValueError("cluster shape must be 1x1, 2x1 or 1x2")
+        if epilogue.gated and (config.tile_n not in (128, 256) or planes != Planes() or accumulate or stream_k
+                               or sums is not None):
+            raise ValueError("a gated epilogue takes tile_n 128 or 256 (whole 64-column subtiles of each half), "
+                             "and no planes, accumulation, stream-K or operand sums")
         if config.split_k not in SPLIT_K:
             raise ValueError(f"split_k must be one of {SPLIT_K}; got {config.split_k}")
         if config.split_k > 1 and (stream_k or accumulate or sums is not None or planes != Planes()
@@ -437,6 +447,8 @@ class HopperGemmKernel:
         preact = rest.pop(0) if const_expr(epilogue.store_preact) else None
         a, b, c = (x[0] if const_expr(isinstance(x, tuple)) else x for x in (a_in, b_in, c_in))
         summed = {None: None, "a": a_in, "b": b_in}[self.sums]  # the operand the summing warps read
+        # The tiles' N: a gated layer's B, bias and preact span both halves, c one.
+        c_n = c.shape[1] * 2 if const_expr(epilogue.gated) else c.shape[1]
 
         self.a_dtype, self.b_dtype, self.c_dtype = a.element_type, b.element_type, c.element_type
         self.stages = config.stages_for(a.element_type.width // 8, c.element_type.width // 8, epilogue.has_source)
@@ -454,6 +466,10 @@ class HopperGemmKernel:
         epi_smem = sm90.make_smem_layout_epi(c.element_type, c_layout, epi_tile, EPI_STAGES * groups)
         source_smem = sm90.make_smem_layout_epi(c.element_type, c_layout, epi_tile, SOURCE_STAGES * groups)
 
+        if const_expr(epilogue.gated):
+            b_in = self.gated_view(b_in, 0)
+            bias = self.gated_view(bias, 0) if const_expr(epilogue.has_bias) else None
+            preact = self.gated_view(preact, 1) if const_expr(epilogue.store_preact) else None
         # A is shared by the cluster_n CTAs of a cluster row, B by the cluster_m of a column.
         tma_a, tma_tensor_a = self.load_atom(a_in, a_smem, (config.tile_m, config.tile_k), config.cluster_n)
         tma_b, tma_tensor_b = self.load_atom(b_in, b_smem, (config.tile_n, config.tile_k), config.cluster_m)
@@ -491,9 +507,9 @@ class HopperGemmKernel:
         # Work units of the persistent scheduler: output tiles x batch (see ``work_unit``).
         # split outputs: one per plane; summed planes: one output of L = 1
         batches = planes.count if const_expr(planes.c == "split") else c.shape[2]
-        tiles = (cute.ceil_div(c.shape[0], config.tile_m), cute.ceil_div(c.shape[1], config.tile_n), batches)
+        tiles = (cute.ceil_div(c.shape[0], config.tile_m), cute.ceil_div(c_n, config.tile_n), batches)
         schedule = utils.PersistentTileSchedulerParams(
-            tiles, (config.cluster_m, config.cluster_n, 1), self.raster_group(c.shape[1]), True
+            tiles, (config.cluster_m, config.cluster_n, 1), self.raster_group(c_n), True
         )
         clusters_per_wave = PERSISTENT_SMS // (config.cluster_m * config.cluster_n)
         cluster = (config.cluster_m, config.cluster_n, 1)
@@ -507,7 +523,7 @@ class HopperGemmKernel:
         self.kernel(
             tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, tma_c, tma_tensor_c, tma_z, tma_tensor_z,
             tma_s, tma_tensor_s, bias, sums, summed, a_smem, b_smem, epi_smem, source_smem, epi_tile, schedule,
-            (c.shape[0], c.shape[1], batches),
+            (c.shape[0], c_n, batches),
         ).launch(
             grid=grid,
             block=[config.threads, 1, 1],
@@ -525,6 +541,19 @@ class HopperGemmKernel:
             return 1
         clusters = -(-n // (self.config.tile_n * self.config.cluster_n))
         return max(g for g in range(1, GROUP_N + 1) if clusters % g == 0)
+
+    def gated_view(self, tensor, mode: int):
+        """``tensor`` with its ``mode`` (a gated layer's 2H columns: gate, then value) as (tile_n / 2,
+        2, 2H / tile_n) blocks, so that tile n of that mode holds columns [n, n + 1) * tile_n / 2
+        of each half: the gate's first, the value's after them. H must be a multiple of
+        tile_n / 2 (the op checks)."""
+        half = self.config.tile_n // 2
+        shape, stride = tensor.layout.shape, tensor.layout.stride
+        width, step = shape[mode] // 2, stride[mode]
+        blocks = ((half, 2, width // half),)
+        steps = ((step, width * step, half * step),)
+        return cute.make_tensor(tensor.iterator, cute.make_layout(
+            shape[:mode] + blocks + shape[mode + 1:], stride=stride[:mode] + steps + stride[mode + 1:]))
 
     def load_atom(self, tensor, smem_staged, tile, multicast: int):
         """TMA load atom for one operand (per plane if split), multicast to ``multicast`` CTAs when
@@ -691,7 +720,7 @@ class HopperGemmKernel:
             )
             source_loaded = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SOURCE_STAGES)
             source_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SOURCE_STAGES)
-            stores_per_tile = self.epi_tiles(epi_tile) * (2 if const_expr(epilogue.store_preact) else 1)
+            stores_per_tile = self.out_tiles(epi_tile) + (self.epi_tiles(epi_tile) if const_expr(epilogue.store_preact) else 0)
             tiles_done = Int32(0)
             work = scheduler.initial_work_tile_info()
             if const_expr(config.pingpong):
@@ -895,6 +924,18 @@ class HopperGemmKernel:
     def epi_tiles(self, epi_tile) -> int:
         return (self.config.tile_m // epi_tile[0]) * (self.config.tile_n // epi_tile[1])
 
+    def out_tiles(self, epi_tile) -> int:
+        """Subtiles of c per tile: a gated layer's tile stores half its columns."""
+        return self.epi_tiles(epi_tile) // (2 if self.epilogue.gated else 1)
+
+    def acc_subtile(self, e: int, epi_tile) -> int:
+        """The accumulator subtile that c's subtile ``e`` is stored from: itself, or for a gated
+        layer the gate subtile its product went into (:meth:`gate`)."""
+        if not self.epilogue.gated:
+            return e
+        across = self.config.tile_n // epi_tile[1]
+        return e // (across // 2) * across + e % (across // 2)
+
     @cute.jit
     def epilogue_ring(self, tiled_mma, sc, storage, source_smem, sources, group, gtidx):
         """This thread's views of the epilogue rings: (stmatrix copy, its smem destinations in the
@@ -918,14 +959,19 @@ class HopperGemmKernel:
         return copy_r2s, r2s_dst, part_shape, sc, copy_s2r, s2r_src, ss
 
     @cute.jit
-    def subtile_views(self, tma_atom, tma_tensor, ring, tile_idx, epi_tile: cutlass.Constexpr):
+    def subtile_views(self, tma_atom, tma_tensor, ring, tile_idx, epi_tile: cutlass.Constexpr,
+                      half: cutlass.Constexpr = False):
         """(smem buffers of ``ring``, global subtiles of tile ``tile_idx`` of ``tma_tensor``, the
-        subtiles' row-major order) partitioned for ``tma_atom``: what a subtile's TMA copy takes."""
+        subtiles' row-major order) partitioned for ``tma_atom``: what a subtile's TMA copy takes.
+        ``half``: tiles half as wide (a gated layer's c)."""
         m, n, batch = tile_idx
-        g_tile = cute.local_tile(tma_tensor, self.tile_mnk, (m, n, None, batch), proj=(1, 1, None))
+        tile_m, tile_n, tile_k = self.tile_mnk
+        tile = (tile_m, tile_n // 2, tile_k) if const_expr(half) else self.tile_mnk
+        g_tile = cute.local_tile(tma_tensor, tile, (m, n, None, batch), proj=(1, 1, None))
         g_epi = cute.zipped_divide(g_tile, epi_tile)
         s_tma, g_tma = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(ring, 0, 2), g_epi)
-        epi_grid = g_epi.shape[1]
+        # (rows, columns) of subtiles; a gated layer's columns are (subtiles a block, 2 halves)
+        epi_grid = tuple(cute.size(mode) for mode in g_epi.shape[1])
         return s_tma, g_tma, cute.make_layout(epi_grid, stride=(epi_grid[1], 1))
 
     def group_state(self, state, group):
@@ -967,7 +1013,7 @@ class HopperGemmKernel:
             # Columns past the bias are past c too, where the TMA stores clip them: clamping the
             # index instead of branching leaves straight-line loads, and the compiler loads each
             # of the thread's distinct columns once (a branch per accumulator kept all 128).
-            last = bias.shape[0] - 1
+            last = cute.size(bias, mode=[0]) - 1
             for i in cutlass.range(cute.size(acc), unroll_full=True):
                 col = cutlass.min(n0 + tile_coords_c[i][1], last)
                 if const_expr(self.planes.count is None):
@@ -976,23 +1022,41 @@ class HopperGemmKernel:
                     acc[i] = acc[i] + bias[(col, tile_idx[2])].to(Float32)
         if const_expr(epilogue.store_preact):
             self.store_tile(acc, False, ring, sources, group, source_loaded, source_read, tma_z, tma_tensor_z,
-                            tma_s, tma_tensor_s, tile_idx, epi_tile, stores, store_warp, inside, first_store)
+                            tma_s, tma_tensor_s, tile_idx, epi_tile, stores, store_warp, inside, first_store, False)
             first_store += self.epi_tiles(epi_tile)
-        if const_expr(epilogue.activation != "none"):
+        if const_expr(epilogue.gated):
+            self.gate(acc, ring, epi_tile)
+        elif const_expr(epilogue.activation != "none"):
             for i in cutlass.range(cute.size(acc), unroll_full=True):
                 acc[i] = apply_activation(acc[i], epilogue.activation)
         self.store_tile(acc, epilogue.has_source, ring, sources, group, source_loaded, source_read, tma_c,
-                        tma_tensor_c, tma_s, tma_tensor_s, tile_idx, epi_tile, stores, store_warp, inside, first_store)
+                        tma_tensor_c, tma_s, tma_tensor_s, tile_idx, epi_tile, stores, store_warp, inside, first_store,
+                        epilogue.gated)
         return source_loaded, source_read
+
+    @cute.jit
+    def gate(self, acc, ring, epi_tile: cutlass.Constexpr):
+        """A gated layer's act(gate) * value, into the gate's subtiles of ``acc``: a tile's value
+        columns are its gate columns' plus tile_n / 2 (``gated_view``), so every thread holds both
+        of each pair, at the same place in subtiles half a row of subtiles apart."""
+        acc_view = ring[0].retile(acc)
+        count = cute.size(cute.make_layout(ring[2]))
+        across = self.config.tile_n // epi_tile[1]
+        for e in cutlass.range_constexpr(self.out_tiles(epi_tile)):
+            g = self.acc_subtile(e, epi_tile)
+            for v in cutlass.range_constexpr(count):
+                acc_view[g * count + v] = (apply_activation(acc_view[g * count + v], self.epilogue.activation)
+                                           * acc_view[(g + across // 2) * count + v])
 
     @cute.jit
     def store_tile(self, acc, with_source: cutlass.Constexpr, ring, sources, group, source_loaded, source_read,
                    tma_out, tma_tensor_out, tma_s, tma_tensor_s, tile_idx, epi_tile: cutlass.Constexpr, stores,
-                   store_warp, inside, first_store):
+                   store_warp, inside, first_store, half: cutlass.Constexpr):
         """Write the fp32 accumulators ``acc`` (combined with the source tile if ``with_source``:
         + residual, or x act'(preact)) to ``tma_tensor_out``'s tile in its dtype: registers ->
         smem (stmatrix) -> global (TMA store), one epilogue subtile at a time through the group's
-        ring of ``EPI_STAGES`` buffers. TMA clips what lies past the tensor."""
+        ring of ``EPI_STAGES`` buffers. TMA clips what lies past the tensor. ``half``: a gated
+        layer's c, whose tile is half as wide, stored from the gate subtiles (:meth:`gate`)."""
         config, epilogue = self.config, self.epilogue
         copy_r2s, r2s_dst, part_shape, sc, copy_s2r, s2r_src, ss = ring
         mma_threads = WARPGROUP * config.mma_warpgroups
@@ -1009,11 +1073,12 @@ class HopperGemmKernel:
             views = [self.subtile_views(atom, tensor, sc, (*tile_idx[:2], 0), epi_tile)
                      for atom, tensor in zip(tma_out, tma_tensor_out)]
         else:
-            views = self.subtile_views(tma_out, tma_tensor_out, sc, tile_idx, epi_tile)
-        subtiles = self.epi_tiles(epi_tile)
+            views = self.subtile_views(tma_out, tma_tensor_out, sc, tile_idx, epi_tile, half)
+        subtiles = self.out_tiles(epi_tile) if const_expr(half) else self.epi_tiles(epi_tile)
         for e in cutlass.range_constexpr(subtiles):
+            a = self.acc_subtile(e, epi_tile) if const_expr(half) else e
             for v in cutlass.range_constexpr(cute.size(part)):
-                part[v] = acc_view[e * cute.size(part) + v]
+                part[v] = acc_view[a * cute.size(part) + v]
             if const_expr(with_source):
                 state = self.group_state(source_read, group)
                 sources.consumer_wait(state)

@@ -83,6 +83,33 @@ ACTIVATION_FUNCTIONS = {
     "hardswish": jax.nn.hard_swish,
 }
 
+# Gated activations (an MLP's SwiGLU / GeGLU) -> the gate's activation: a (K, 2H) kernel holds the
+# gate and value halves side by side, and the layer's output (..., H) is act(gate) * value.
+GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu"}
+# The gated kernel's tiles hold a block of this many columns of each half (tile_n / 2 of its
+# 128-column tiles): the hidden width must be a multiple for the kernel to run.
+GATED_BLOCK = 64
+
+
+def is_gated(activation) -> bool:
+    """Whether ``activation`` names a gated layer (:data:`GATED_ACTIVATIONS`)."""
+    return isinstance(activation, str) and activation in GATED_ACTIVATIONS
+
+
+def gated_hidden(z, activation: str):
+    """A gated layer's output from its pre-activation z (..., 2H): act(gate) * value, in z's dtype."""
+    gate, value = jnp.split(z, 2, axis=-1)
+    return ACTIVATION_FUNCTIONS[GATED_ACTIVATIONS[activation]](gate) * value
+
+
+def activation_fn(activation: str):
+    """z (..., N) -> the layer's output before a residual: an elementwise activation, or a gated
+    one's act(gate) * value (..., N / 2)."""
+    if is_gated(activation):
+        return functools.partial(gated_hidden, activation=activation)
+    return ACTIVATION_FUNCTIONS[activation]
+
+
 # jax.nn / jnp function objects recognised as a fusable activation.
 _KNOWN_FUNCTIONS = (
     (jax.nn.relu, "relu"),
@@ -287,7 +314,12 @@ class GemmFamily(TunableFamily):
 @dataclasses.dataclass(frozen=True)
 class LinearForward(GemmFamily):
     """Kernel family: y (1, M, N) [, z (1, M, N)] from x (1, M, K), kernel (1, K, N)
-    [, bias (N,)] [, residual (1, M, N)]; all one dtype (bfloat16 / float16)."""
+    [, bias (N,)] [, residual (1, M, N)]; all one dtype (bfloat16 / float16).
+
+    ``gated``: the kernel's N columns are a gated layer's gate and value halves (N = 2H, H a
+    multiple of ``GATED_BLOCK``), ``activation`` the gate's, and y (1, M, H) = act(gate) * value;
+    z is (1, M, 2H). No residual; the columns are not sharded (each device would hold a gate
+    without its value)."""
 
     activation: str
     has_bias: bool
@@ -295,6 +327,7 @@ class LinearForward(GemmFamily):
     store_preact: bool
     config: GemmConfig | None = None
     kernel_nk: bool = False
+    gated: bool = False
 
     name = "linear_fwd"
 
@@ -311,11 +344,41 @@ class LinearForward(GemmFamily):
         return {"rows": _ROWS, "weight": weight, "vector": None}[self.kinds()[position]]
 
     def factors(self):
-        # K sharded: row-parallel (partial sums); N sharded: column-parallel.
+        # K sharded: row-parallel (partial sums); N sharded: column-parallel. A gated layer's rows
+        # only: its activation pairs columns 2H apart and needs the whole contraction.
+        if self.gated:
+            rows = (None, "rows", None)
+            return ((rows, (None, None, None)) + ((None,),) * self.has_bias), (rows,) * (1 + self.store_preact)
         rows_n = (None, "rows", "n")
         operands = (((None, "rows", "k"), self.kernel_factor()) + (("n",),) * self.has_bias
                     + (rows_n,) * self.has_residual)
         return operands, (rows_n,) * (1 + self.store_preact)
+
+    def takes(self, config, avals) -> bool:
+        """Whether the kernel runs ``config`` on these operands: a gated one only tiles of whole
+        ``GATED_BLOCK``-column blocks of each half -- 128 columns, or 256 where the half width H
+        is a multiple of 128."""
+        if not self.gated:
+            return True
+        half = self.gemm_shape(avals)[1] // 2
+        return config.tile_n == 2 * GATED_BLOCK or (config.tile_n == 4 * GATED_BLOCK and half % (2 * GATED_BLOCK) == 0)
+
+    def default_config(self, avals):
+        config = super().default_config(avals)
+        if self.takes(config, avals):
+            return config
+        m, n, k = self.gemm_shape(avals)
+        fallback = CONFIGS[config_class(m, n, k)]
+        if self.takes(fallback, avals):
+            return fallback
+        return next(c for c in self.config_space(avals) if c.tile_m == fallback.tile_m)
+
+    def config_space(self, avals) -> tuple:
+        return tuple(c for c in super().config_space(avals) if self.takes(c, avals))
+
+    def tuning_key(self, avals):
+        dtype, dims = super().tuning_key(avals)
+        return dtype, dims + (("gated", True),) * self.gated
 
     def layer_dims(self, avals):
         return self.kernel_kn(avals[1])
@@ -344,18 +407,25 @@ class LinearForward(GemmFamily):
     def epilogue(self):
         from cutelayers.kernels.gemm import Epilogue
 
-        return Epilogue(self.activation, self.has_bias, self.has_residual, self.store_preact)
+        return Epilogue(self.activation, self.has_bias, self.has_residual, self.store_preact, gated=self.gated)
 
     def out_avals(self, avals):
         x, w = avals[0], avals[1]
-        out = jax.ShapeDtypeStruct((1, x.shape[1], self.kernel_kn(w)[1]), x.dtype)
-        return (out,) * (1 + self.store_preact)
+        n = self.kernel_kn(w)[1]
+        y = jax.ShapeDtypeStruct((1, x.shape[1], n // 2 if self.gated else n), x.dtype)
+        return (y,) + (jax.ShapeDtypeStruct((1, x.shape[1], n), x.dtype),) * self.store_preact
+
+    def layer_activation(self) -> str:
+        """The op's activation name: ``activation``, or the gated one whose gate it is."""
+        if not self.gated:
+            return self.activation
+        return next(name for name, gate in GATED_ACTIVATIONS.items() if gate == self.activation)
 
     def reference(self, x, w, *rest):
         rest = list(rest)
         bias = rest.pop(0) if self.has_bias else None
         residual = rest.pop(0)[0] if self.has_residual else None
-        y, z = forward_reference(x[0], as_kn(w[0], self.kernel_nk), bias, residual, self.activation)
+        y, z = forward_reference(x[0], as_kn(w[0], self.kernel_nk), bias, residual, self.layer_activation())
         return (y[None],) + ((z[None],) if self.store_preact else ())
 
 
@@ -580,18 +650,19 @@ def apply_epilogue(product, bias, residual, activation: str, dtype):
     z = product.astype(jnp.float32)
     if bias is not None:
         z = z + bias.astype(jnp.float32).reshape((1,) * (z.ndim - 1) + bias.shape)  # explicit broadcast
-    y = ACTIVATION_FUNCTIONS[activation](z)
+    y = activation_fn(activation)(z)
     if residual is not None:
         y = y + residual.astype(jnp.float32)
     return y.astype(dtype), z.astype(dtype)
 
 
 def preact_grad(z, dy, activation: str):
-    """dz = dy * act'(z) in fp32, z and dy (..., N) in any float dtype."""
+    """dz = dy * act'(z) in fp32, z and dy (..., N) in any float dtype (a gated activation's dy
+    (..., N / 2))."""
     dy = dy.astype(jnp.float32)
     if activation == "none":
         return dy
-    _, vjp = jax.vjp(ACTIVATION_FUNCTIONS[activation], z.astype(jnp.float32))
+    _, vjp = jax.vjp(activation_fn(activation), z.astype(jnp.float32))
     return vjp(dy)[0]
 
 
@@ -599,15 +670,18 @@ def preact_grad(z, dy, activation: str):
 
 def _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kernels, precision, kernel_nk):
     """y [, z] for x (..., K): one kernel launch on x's rows -- for decode rows over a long
-    contraction, stream-K and an XLA epilogue (module docstring) -- or the jnp reference."""
+    contraction, stream-K and an XLA epilogue (module docstring) -- or the jnp reference. A gated
+    ``activation`` (no residual) gives y (..., N / 2)."""
     lead, n = x.shape[:-1], kernel.shape[0 if kernel_nk else 1]
+    gated = is_gated(activation)
     if not use_kernels:
         y, z = forward_reference(x, as_kn(kernel, kernel_nk), bias, residual, activation, precision)
         return (y, z) if store_preact else (y,)
     rows = x.reshape(1, -1, x.shape[-1])
     m = rows.shape[1]
+    widths = (n // 2 if gated else n, n)[:1 + store_preact]
     if m == 0:
-        return (jnp.zeros((*lead, n), x.dtype),) * (1 + store_preact)
+        return tuple(jnp.zeros((*lead, w), x.dtype) for w in widths)
     if decode_stream_k_pays(m, n, x.shape[-1]):
         # Decode rows over a long contraction: x @ kernel by stream-K, which is the input
         # gradient's GEMM reading the kernel in the other layout (dz @ kernelᵀ with kernelᵀ as
@@ -615,17 +689,18 @@ def _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kerne
         operands = (rows, kernel[None], _row_zeros(rows, n))
         (product,) = kernel_call(resolve(LinearInputGrad(kernel_nk=not kernel_nk, stream_k=True), operands),
                                  *operands)
-        y, z = apply_epilogue(product[0], bias, None if residual is None else residual.reshape(m, n),
+        y, z = apply_epilogue(product[0], bias, None if residual is None else residual.reshape(m, -1),
                               activation, x.dtype)
-        return tuple(o.reshape(*lead, n) for o in (y, z)[:1 + store_preact])
+        return tuple(o.reshape(*lead, w) for o, w in zip((y, z), widths))
     operands = [rows, kernel[None]]
     if bias is not None:
         operands.append(bias)
     if residual is not None:
-        operands.append(residual.reshape(1, m, n))
-    family = resolve(LinearForward(activation, bias is not None, residual is not None, store_preact,
-                                   kernel_nk=kernel_nk), operands)
-    return tuple(o.reshape(*lead, n) for o in kernel_call(family, *operands))
+        operands.append(residual.reshape(1, m, -1))
+    family = LinearForward(GATED_ACTIVATIONS[activation] if gated else activation, bias is not None,
+                           residual is not None, store_preact, kernel_nk=kernel_nk, gated=gated)
+    outs = kernel_call(resolve(family, operands), *operands)
+    return tuple(o.reshape(*lead, w) for o, w in zip(outs, widths))
 
 
 def _input_grad_rows(dz, kernel, preact, grad_of, use_kernels, precision, kernel_nk):
@@ -739,8 +814,10 @@ def forward_fn(activation: str, store_preact: bool, use_kernels: bool, precision
 
 
 @functools.cache
-def _linear_fn(activation: str, has_residual: bool, use_kernels: bool, precision, kernel_nk: bool):
-    """The differentiable op for one static configuration; args (x, kernel, bias, residual)."""
+def linear_fn(activation: str, has_residual: bool, use_kernels: bool, precision, kernel_nk: bool):
+    """The differentiable op for one static configuration; args (x, kernel, bias, residual).
+    ``activation`` may be gated (:data:`GATED_ACTIVATIONS`, without a residual): the layer maps a
+    (K, 2H) kernel to (..., H), its backward takes act'(gate) and value from the saved z."""
     plain = forward_fn(activation, False, use_kernels, precision, kernel_nk)
     saving = forward_fn(activation, True, use_kernels, precision, kernel_nk)
     input_grad = input_grad_fn(use_kernels, precision, kernel_nk=kernel_nk)
@@ -884,8 +961,8 @@ def fused_linear(x, kernel, bias=None, *, activation=None, residual=None, precis
         _backend.fall_back(op, why)
     kernel, bias = vary_like(x, kernel, bias)  # shared by every shard inside shard_map
     if unfused is None:
-        return _linear_fn(fused, residual is not None, use_kernels, precision, kernel_nk)(
+        return linear_fn(fused, residual is not None, use_kernels, precision, kernel_nk)(
             x, kernel, bias, residual)
-    z = _linear_fn("none", False, use_kernels, precision, kernel_nk)(x, kernel, bias, None)
+    z = linear_fn("none", False, use_kernels, precision, kernel_nk)(x, kernel, bias, None)
     y = unfused(z)
     return y if residual is None else (y + residual).astype(x.dtype)

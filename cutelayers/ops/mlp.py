@@ -20,9 +20,11 @@ once. vmap folds batch dims of x / residual into rows ahead of differentiation, 
 
 Gated blocks (``activation="swiglu"`` / ``"geglu"``, Llama's and T5 v1.1's feed-forward): w1 holds
 the gate and value halves side by side, (K, 2H), and ``h = act(gate) * value`` with act SiLU / GELU
-(tanh). The two GEMMs are the fused ones; the gating runs as one XLA fusion between them, and its
-backward as another before the hidden GEMMs' -- the epilogue-fused version (each fc1 tile holding
-matching gate and value columns) is not built yet.
+(tanh). fc1's kernel reads w1 in blocks of ``GATED_BLOCK`` columns of each half, so every tile
+holds matching gate and value columns and its epilogue writes h (and, differentiated, z (..., 2H)
+for the backward); the hidden width must be a multiple of ``GATED_BLOCK`` (else XLA, logged). The
+backward's gating derivative is one XLA fusion before fc1's gradient GEMMs (not yet in the dh
+GEMM's epilogue).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import check_float_array
 from cutelayers.ops.linear import (
     ACTIVATION_FUNCTIONS,
+    GATED_ACTIVATIONS,
+    GATED_BLOCK,
     check_kernel_layout,
     check_linear_operands,
     check_residual,
@@ -45,26 +49,13 @@ from cutelayers.ops.linear import (
     fused_linear,
     hashable_precision,
     input_grad_fn,
+    is_gated,
     kernels_apply,
+    linear_fn,
     resolve_activation,
     weight_and_bias_grads,
 )
 from cutelayers.runtime.sharding import vary_like
-
-# gated activation -> the gate's activation: h = act(gate) * value, gate and value halves of fc1
-GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu"}
-
-
-def is_gated(activation) -> bool:
-    """Whether ``activation`` names a gated block (:data:`GATED_ACTIVATIONS`)."""
-    return isinstance(activation, str) and activation in GATED_ACTIVATIONS
-
-
-def gated_hidden(z, activation: str):
-    """A gated block's hidden layer from fc1's output z (..., 2H): act(gate) * value, in z's dtype."""
-    gate, value = jnp.split(z, 2, axis=-1)
-    return ACTIVATION_FUNCTIONS[GATED_ACTIVATIONS[activation]](gate) * value
-
 
 @functools.cache
 def _mlp_fn(activation: str, has_residual: bool, use_kernels: bool, precision, kernel_nk: bool):
@@ -145,8 +136,15 @@ def mlp(x, w1, b1=None, w2=None, b2=None, *, activation="gelu", residual=None, p
         check_same_dtype(op, "b2", b2, "x", x)
     residual = check_residual(op, residual, x, n)
     if gated:
-        z = fused_linear(x, w1, b1, precision=precision, kernel_layout=kernel_layout)
-        h = gated_hidden(z.astype(jnp.float32), activation).astype(x.dtype)
+        # fc1 with the gating in its epilogue (h = act(gate) * value from each tile's matching
+        # gate and value columns), its backward's act' in XLA; fc2 the plain fused layer.
+        use_kernels, why = kernels_apply(x.dtype, x.shape[-1], 2 * h_width)
+        if use_kernels and h_width % GATED_BLOCK:
+            use_kernels, why = False, f"the hidden width {h_width} is not a multiple of {GATED_BLOCK}"
+        if not use_kernels:
+            _backend.fall_back(op, why)
+        w1, b1 = vary_like(x, w1, b1)
+        h = linear_fn(activation, False, use_kernels, hashable_precision(precision), kernel_nk)(x, w1, b1, None)
         return fused_linear(h, w2, b2, residual=residual, precision=precision, kernel_layout=kernel_layout)
     if isinstance(activation, str) and activation not in ACTIVATION_FUNCTIONS:
         raise ValueError(f"{op}: unknown activation {activation!r}; allowed: None, "
