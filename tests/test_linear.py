@@ -841,7 +841,6 @@ def test_gated_forward_family():
     assert ("gated", True) not in LinearForward("silu", True, False, True).tuning_key((x, w, b))[1]
     operands, results = family.factors()
     assert not {"k", "n"} & {f for dims in (*operands, *results) for f in dims}
-    assert family.layer_activation() == "swiglu"
     (y, z) = family.reference(*(jnp.ones(a.shape, jnp.float32) for a in (x, w, b)))
     assert y.shape == (1, 300, 3072) and z.shape == (1, 300, 6144)
 
@@ -866,11 +865,51 @@ def test_gated_forward_every_config_gpu(rng):
                 assert_close(out, want, jnp.bfloat16)
 
 
+def test_gated_input_grad_family():
+    # dz1 (1, M, 2H) = both halves' gradients from dh = dy @ w2ᵀ (1, M, H) and z1 (1, M, 2H); tiles of
+    # whole 64-column blocks (tile_n dividing H); H not sharded
+    S = jax.ShapeDtypeStruct
+    dy, w2, z1 = S((1, 300, 768), jnp.bfloat16), S((1, 3072, 768), jnp.bfloat16), S((1, 300, 6144), jnp.bfloat16)
+    family = LinearInputGrad("silu", gated=True)
+    assert [o.shape for o in family.out_avals((dy, w2, z1))] == [(1, 300, 6144)]
+    assert {c.tile_n for c in family.config_space((dy, w2, z1))} == {64, 128, 192, 256}
+    odd = (dy, S((1, 320, 768), jnp.bfloat16), S((1, 300, 640), jnp.bfloat16))  # H = 320 = 5 x 64
+    assert {c.tile_n for c in family.config_space(odd)} == {64}
+    assert family.default_config(odd).tile_n == 64
+    assert ("gated", True) in family.tuning_key((dy, w2, z1))[1]
+    operands, results = family.factors()
+    assert "k" not in {f for dims in (*operands, *results) for f in dims}
+    with pytest.raises(ValueError, match="gated takes the gate's activation"):
+        LinearInputGrad(gated=True)
+    (dz1,) = family.reference(*(jnp.ones(a.shape, jnp.float32) for a in (dy, w2, z1)))
+    assert dz1.shape == (1, 300, 6144)
+
+
+@pytest.mark.gpu
+def test_gated_input_grad_every_config_gpu(rng):
+    # dz1 = (dh * value * silu'(gate), dh * silu(gate)) in the dh GEMM's epilogue (two source and
+    # two output subtiles per accumulator subtile) on every config of its space: partial row tiles,
+    # H = 192 and 256, 300 and 16 rows (split-K configs too).
+    n = 264
+    for m, h in ((300, 192), (16, 192), (300, 256)):
+        dy = random(rng, (1, m, n), jnp.bfloat16)
+        w2 = jnp.asarray(rng.standard_normal((1, h, n)) / np.sqrt(n), jnp.bfloat16)
+        z1 = random(rng, (1, m, 2 * h), jnp.bfloat16)
+        family = LinearInputGrad("silu", gated=True)
+        (want,) = family.reference(*(a.astype(jnp.float32) for a in (dy, w2, z1)))
+        for config in family.config_space((dy, w2, z1)):
+            member = dataclasses.replace(family, config=config)
+            with cl.use_backend("cute"):
+                (out,) = jax.jit(functools.partial(kernel_call, member))(dy, w2, z1)
+            assert_close(out, want, jnp.bfloat16)
+
+
 @pytest.mark.cute
 def test_gated_epilogue_checks():
     from cutelayers.kernels.gemm import Epilogue, HopperGemmKernel
 
     HopperGemmKernel(CONFIGS["default"], Epilogue("silu", True, False, True, gated=True))
+    HopperGemmKernel(SPLIT_K_CONFIGS[0], Epilogue(grad_of="silu", gated=True))  # the backward: 64 columns too
     with pytest.raises(ValueError, match="gated epilogue takes the gate's activation"):
         Epilogue("none", gated=True)
     with pytest.raises(ValueError, match="gated epilogue takes the gate's activation"):

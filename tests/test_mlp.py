@@ -190,9 +190,13 @@ def test_gated_block_lowers_to_the_gemm_kernels():
     calls = [line for line in hlo.splitlines() if "stablehlo.custom_call @cutelayers_" in line]
     targets = sorted(line.split("@cutelayers_")[1].split("(")[0].rsplit("_", 1)[0] for line in calls)
     assert targets == ["linear_dkernel", "linear_dkernel", "linear_dx", "linear_dx", "linear_fwd", "linear_fwd"]
-    # fc1 gates in its epilogue: h (256, 128) and the saved z (256, 256) from one launch
+    # fc1 gates in its epilogue: h (256, 128) and the saved z (256, 256) from one launch; the dh
+    # GEMM's epilogue reads z and writes both halves' gradients (256, 256): no XLA pass between
     gated = "(tensor<1x256x64xbf16>, tensor<1x64x256xbf16>, tensor<256xbf16>) -> (tensor<1x256x128xbf16>, tensor<1x256x256xbf16>)"
     assert sum(line.endswith(gated) for line in calls) == 1
+    gated_grad = "(tensor<1x256x64xbf16>, tensor<1x128x64xbf16>, tensor<1x256x256xbf16>) -> tensor<1x256x256xbf16>"
+    assert sum(line.endswith(gated_grad) for line in calls) == 1
+    assert "logistic" not in hlo  # silu and its derivative live in the kernels
 
 
 def test_gated_block_takes_xla_where_the_hidden_width_is_not_whole_blocks(rng):

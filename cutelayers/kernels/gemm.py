@@ -104,9 +104,12 @@ class Epilogue:
     # c = product * act'(preact): the backward of ``grad_of`` through an activation whose input
     # (preact, an (M, N, L) operand after b) is read as a source tile. Excludes the fields above.
     grad_of: str = "none"
-    # A gated layer (SwiGLU / GeGLU): B's N columns are a (K, 2H) weight's gate and value halves, c
-    # is (M, H) = act(gate) * value with ``activation`` the gate's, and bias and the stored preact
-    # span both halves (2H). Each tile holds tile_n / 2 columns of each half (``gated_view``).
+    # A gated layer (SwiGLU / GeGLU). Forward (``activation`` the gate's): B's N columns are a
+    # (K, 2H) weight's gate and value halves, c is (M, H) = act(gate) * value, and bias and the
+    # stored preact span both halves; each tile holds tile_n / 2 columns of each half. Backward
+    # (``grad_of`` the gate's activation): the product is dh (M, H), the source z and c = dz are
+    # (M, 2H): dz = (dh * value * act'(gate), dh * act(gate)); each tile reads and writes tile_n
+    # columns of each half. Both through ``HopperGemmKernel.gated_view``.
     gated: bool = False
 
     def __post_init__(self):
@@ -116,8 +119,9 @@ class Epilogue:
         if self.grad_of != "none" and (self.activation != "none" or self.has_bias or self.has_residual
                                        or self.store_preact):
             raise ValueError("an activation-gradient epilogue takes no activation, bias, residual or stored preact")
-        if self.gated and (self.activation == "none" or self.has_residual or self.grad_of != "none"):
-            raise ValueError("a gated epilogue takes the gate's activation, and no residual or activation gradient")
+        if self.gated and ((self.activation == "none") == (self.grad_of == "none") or self.has_residual):
+            raise ValueError("a gated epilogue takes the gate's activation (forward) or its gradient (backward), "
+                             "and no residual")
 
     @property
     def has_source(self) -> bool:
@@ -414,10 +418,10 @@ class HopperGemmKernel:
             raise ValueError("tile_n must be 64, 128, 192 or 256")
         if config.cluster_m * config.cluster_n > 2 or min(config.cluster_m, config.cluster_n) < 1:
             raise ValueError("cluster shape must be 1x1, 2x1 or 1x2")
-        if epilogue.gated and (config.tile_n not in (128, 256) or planes != Planes() or accumulate or stream_k
-                               or sums is not None):
-            raise ValueError("a gated epilogue takes tile_n 128 or 256 (whole 64-column subtiles of each half), "
-                             "and no planes, accumulation, stream-K or operand sums")
+        if epilogue.gated and ((epilogue.grad_of == "none" and config.tile_n not in (128, 256)) or planes != Planes()
+                               or accumulate or stream_k or sums is not None):
+            raise ValueError("a gated epilogue takes (forward) tile_n 128 or 256 (whole 64-column subtiles of each "
+                             "half), and no planes, accumulation, stream-K or operand sums")
         if config.split_k not in SPLIT_K:
             raise ValueError(f"split_k must be one of {SPLIT_K}; got {config.split_k}")
         if config.split_k > 1 and (stream_k or accumulate or sums is not None or planes != Planes()
@@ -448,7 +452,9 @@ class HopperGemmKernel:
         a, b, c = (x[0] if const_expr(isinstance(x, tuple)) else x for x in (a_in, b_in, c_in))
         summed = {None: None, "a": a_in, "b": b_in}[self.sums]  # the operand the summing warps read
         # The tiles' N: a gated layer's B, bias and preact span both halves, c one.
-        c_n = c.shape[1] * 2 if const_expr(epilogue.gated) else c.shape[1]
+        c_n = c.shape[1]
+        if const_expr(epilogue.gated):
+            c_n = c.shape[1] // 2 if const_expr(self.paired) else c.shape[1] * 2
 
         self.a_dtype, self.b_dtype, self.c_dtype = a.element_type, b.element_type, c.element_type
         self.stages = config.stages_for(a.element_type.width // 8, c.element_type.width // 8, epilogue.has_source)
@@ -466,10 +472,13 @@ class HopperGemmKernel:
         epi_smem = sm90.make_smem_layout_epi(c.element_type, c_layout, epi_tile, EPI_STAGES * groups)
         source_smem = sm90.make_smem_layout_epi(c.element_type, c_layout, epi_tile, SOURCE_STAGES * groups)
 
-        if const_expr(epilogue.gated):
-            b_in = self.gated_view(b_in, 0)
-            bias = self.gated_view(bias, 0) if const_expr(epilogue.has_bias) else None
-            preact = self.gated_view(preact, 1) if const_expr(epilogue.store_preact) else None
+        if const_expr(self.paired):
+            c_in, c = (self.gated_view(c, 1, config.tile_n),) * 2
+            source = self.gated_view(source, 1, config.tile_n)
+        elif const_expr(epilogue.gated):
+            b_in = self.gated_view(b_in, 0, config.tile_n // 2)
+            bias = self.gated_view(bias, 0, config.tile_n // 2) if const_expr(epilogue.has_bias) else None
+            preact = self.gated_view(preact, 1, config.tile_n // 2) if const_expr(epilogue.store_preact) else None
         # A is shared by the cluster_n CTAs of a cluster row, B by the cluster_m of a column.
         tma_a, tma_tensor_a = self.load_atom(a_in, a_smem, (config.tile_m, config.tile_k), config.cluster_n)
         tma_b, tma_tensor_b = self.load_atom(b_in, b_smem, (config.tile_n, config.tile_k), config.cluster_m)
@@ -542,16 +551,16 @@ class HopperGemmKernel:
         clusters = -(-n // (self.config.tile_n * self.config.cluster_n))
         return max(g for g in range(1, GROUP_N + 1) if clusters % g == 0)
 
-    def gated_view(self, tensor, mode: int):
-        """``tensor`` with its ``mode`` (a gated layer's 2H columns: gate, then value) as (tile_n / 2,
-        2, 2H / tile_n) blocks, so that tile n of that mode holds columns [n, n + 1) * tile_n / 2
-        of each half: the gate's first, the value's after them. H must be a multiple of
-        tile_n / 2 (the op checks)."""
-        half = self.config.tile_n // 2
+    @staticmethod
+    def gated_view(tensor, mode: int, block: int):
+        """``tensor`` with its ``mode`` (a gated layer's 2H columns: gate, then value) as (block, 2,
+        H / block): columns [n, n + 1) * block of each half, the gate's first, are its n-th
+        2 * block (a forward tile: block = tile_n / 2; a backward one reads and writes 2 *
+        tile_n). H must be a multiple of ``block`` (the op checks)."""
         shape, stride = tensor.layout.shape, tensor.layout.stride
         width, step = shape[mode] // 2, stride[mode]
-        blocks = ((half, 2, width // half),)
-        steps = ((step, width * step, half * step),)
+        blocks = ((block, 2, width // block),)
+        steps = ((step, width * step, block * step),)
         return cute.make_tensor(tensor.iterator, cute.make_layout(
             shape[:mode] + blocks + shape[mode + 1:], stride=stride[:mode] + steps + stride[mode + 1:]))
 
@@ -721,6 +730,8 @@ class HopperGemmKernel:
             source_loaded = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SOURCE_STAGES)
             source_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SOURCE_STAGES)
             stores_per_tile = self.out_tiles(epi_tile) + (self.epi_tiles(epi_tile) if const_expr(epilogue.store_preact) else 0)
+            if const_expr(self.paired):
+                stores_per_tile = 2 * self.epi_tiles(epi_tile)
             tiles_done = Int32(0)
             work = scheduler.initial_work_tile_info()
             if const_expr(config.pingpong):
@@ -743,7 +754,7 @@ class HopperGemmKernel:
                     inside = inside & (rank == 0)  # the cluster's first CTA stores the summed tile
                 if const_expr(epilogue.has_source):
                     # The tile's first source subtiles load while its mainloop runs.
-                    for e in cutlass.range_constexpr(min(SOURCE_STAGES, self.epi_tiles(epi_tile))):
+                    for e in cutlass.range_constexpr(min(SOURCE_STAGES, self.source_tiles(epi_tile))):
                         source_loaded = self.load_source(sources, group, source_loaded, ring[6], tma_s,
                                                          tma_tensor_s, tile_idx, epi_tile, e, store_warp)
                 # Accumulate from zero rather than switching ACCUMULATE off for the first k tile:
@@ -925,13 +936,37 @@ class HopperGemmKernel:
         return (self.config.tile_m // epi_tile[0]) * (self.config.tile_n // epi_tile[1])
 
     def out_tiles(self, epi_tile) -> int:
-        """Subtiles of c per tile: a gated layer's tile stores half its columns."""
-        return self.epi_tiles(epi_tile) // (2 if self.epilogue.gated else 1)
+        """Subtiles of c per tile: a gated layer's forward tile stores half its columns."""
+        return self.epi_tiles(epi_tile) // (2 if self.halved else 1)
+
+    @property
+    def halved(self) -> bool:
+        """A gated layer's forward: c is half a tile wide (act(gate) * value)."""
+        return self.epilogue.gated and self.epilogue.grad_of == "none"
+
+    @property
+    def paired(self) -> bool:
+        """A gated layer's backward: c and the source span a tile's gate and value blocks."""
+        return self.epilogue.gated and self.epilogue.grad_of != "none"
+
+    def source_tiles(self, epi_tile) -> int:
+        """Source subtiles a tile reads: one per accumulator subtile, two (gate, value) if paired."""
+        return self.epi_tiles(epi_tile) * (2 if self.paired else 1)
+
+    def source_subtile(self, i: int, epi_tile) -> int:
+        """Where the tile's ``i``-th source read lies in the (2 x as wide, if paired) tile's subtile
+        order: ``i``, or the gate (i even) or value subtile of accumulator subtile i // 2 -- the
+        same places in dz as in z."""
+        if not self.paired:
+            return i
+        across = self.config.tile_n // epi_tile[1]
+        e, value = divmod(i, 2)
+        return e // across * 2 * across + e % across + value * across
 
     def acc_subtile(self, e: int, epi_tile) -> int:
         """The accumulator subtile that c's subtile ``e`` is stored from: itself, or for a gated
         layer the gate subtile its product went into (:meth:`gate`)."""
-        if not self.epilogue.gated:
+        if not self.halved:
             return e
         across = self.config.tile_n // epi_tile[1]
         return e // (across // 2) * across + e % (across // 2)
@@ -960,13 +995,13 @@ class HopperGemmKernel:
 
     @cute.jit
     def subtile_views(self, tma_atom, tma_tensor, ring, tile_idx, epi_tile: cutlass.Constexpr,
-                      half: cutlass.Constexpr = False):
+                      columns: cutlass.Constexpr = None):
         """(smem buffers of ``ring``, global subtiles of tile ``tile_idx`` of ``tma_tensor``, the
         subtiles' row-major order) partitioned for ``tma_atom``: what a subtile's TMA copy takes.
-        ``half``: tiles half as wide (a gated layer's c)."""
+        ``columns``: a tile's width where it is not tile_n (a gated layer's c and z)."""
         m, n, batch = tile_idx
         tile_m, tile_n, tile_k = self.tile_mnk
-        tile = (tile_m, tile_n // 2, tile_k) if const_expr(half) else self.tile_mnk
+        tile = (tile_m, tile_n if const_expr(columns is None) else columns, tile_k)
         g_tile = cute.local_tile(tma_tensor, tile, (m, n, None, batch), proj=(1, 1, None))
         g_epi = cute.zipped_divide(g_tile, epi_tile)
         s_tma, g_tma = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(ring, 0, 2), g_epi)
@@ -986,11 +1021,13 @@ class HopperGemmKernel:
         """The group's sending warp TMA-loads source subtile ``e`` of tile ``tile_idx`` into the
         next buffer of its source ring; every thread of the group advances its producer state,
         which it returns."""
-        s_tma, g_tma, epi_order = self.subtile_views(tma_s, tma_tensor_s, ss, tile_idx, epi_tile)
+        columns = 2 * self.config.tile_n if const_expr(self.paired) else None
+        s_tma, g_tma, epi_order = self.subtile_views(tma_s, tma_tensor_s, ss, tile_idx, epi_tile, columns)
         if store_warp:
             state = self.group_state(source_loaded, group)
             sources.producer_acquire(state)
-            cute.copy(tma_s, g_tma[(None, epi_order.get_hier_coord(e))], s_tma[(None, state.index)],
+            cute.copy(tma_s, g_tma[(None, epi_order.get_hier_coord(self.source_subtile(e, epi_tile)))],
+                      s_tma[(None, state.index)],
                       tma_bar_ptr=sources.producer_get_barrier(state))
             sources.producer_commit(state)
         source_loaded.advance()
@@ -1024,14 +1061,14 @@ class HopperGemmKernel:
             self.store_tile(acc, False, ring, sources, group, source_loaded, source_read, tma_z, tma_tensor_z,
                             tma_s, tma_tensor_s, tile_idx, epi_tile, stores, store_warp, inside, first_store, False)
             first_store += self.epi_tiles(epi_tile)
-        if const_expr(epilogue.gated):
+        if const_expr(self.halved):
             self.gate(acc, ring, epi_tile)
         elif const_expr(epilogue.activation != "none"):
             for i in cutlass.range(cute.size(acc), unroll_full=True):
                 acc[i] = apply_activation(acc[i], epilogue.activation)
         self.store_tile(acc, epilogue.has_source, ring, sources, group, source_loaded, source_read, tma_c,
                         tma_tensor_c, tma_s, tma_tensor_s, tile_idx, epi_tile, stores, store_warp, inside, first_store,
-                        epilogue.gated)
+                        self.halved)
         return source_loaded, source_read
 
     @cute.jit
@@ -1056,10 +1093,11 @@ class HopperGemmKernel:
         + residual, or x act'(preact)) to ``tma_tensor_out``'s tile in its dtype: registers ->
         smem (stmatrix) -> global (TMA store), one epilogue subtile at a time through the group's
         ring of ``EPI_STAGES`` buffers. TMA clips what lies past the tensor. ``half``: a gated
-        layer's c, whose tile is half as wide, stored from the gate subtiles (:meth:`gate`)."""
+        layer's c, whose tile is half as wide, stored from the gate subtiles (:meth:`gate`). A
+        gated layer's backward (:attr:`paired`) reads the gate and the value subtile of z for each
+        accumulator subtile and stores dz's two."""
         config, epilogue = self.config, self.epilogue
         copy_r2s, r2s_dst, part_shape, sc, copy_s2r, s2r_src, ss = ring
-        mma_threads = WARPGROUP * config.mma_warpgroups
         acc_view = copy_r2s.retile(acc)
         part_layout = cute.make_layout(part_shape)
         part = cute.make_rmem_tensor(part_layout, Float32)
@@ -1068,48 +1106,85 @@ class HopperGemmKernel:
         if const_expr(with_source):
             source_part = cute.make_rmem_tensor(part_layout, self.c_dtype)
         source_view = copy_s2r.retile(source_part) if const_expr(with_source) else None
+        reading = (sources, group, source_loaded, source_read, ss, tma_s, tma_tensor_s, tile_idx, epi_tile,
+                   store_warp, copy_s2r, s2r_src, source_view)
 
         if const_expr(isinstance(tma_out, tuple)):  # split outputs: each plane's views, at L = 0
             views = [self.subtile_views(atom, tensor, sc, (*tile_idx[:2], 0), epi_tile)
                      for atom, tensor in zip(tma_out, tma_tensor_out)]
         else:
-            views = self.subtile_views(tma_out, tma_tensor_out, sc, tile_idx, epi_tile, half)
-        subtiles = self.out_tiles(epi_tile) if const_expr(half) else self.epi_tiles(epi_tile)
-        for e in cutlass.range_constexpr(subtiles):
-            a = self.acc_subtile(e, epi_tile) if const_expr(half) else e
-            for v in cutlass.range_constexpr(cute.size(part)):
-                part[v] = acc_view[a * cute.size(part) + v]
-            if const_expr(with_source):
-                state = self.group_state(source_read, group)
-                sources.consumer_wait(state)
-                cute.copy(copy_s2r, s2r_src[(None, None, None, state.index)], source_view)
-                sources.consumer_release(state)
-                source_read.advance()
-                if const_expr(e + SOURCE_STAGES < subtiles):
-                    self.load_source(sources, group, source_loaded, ss, tma_s, tma_tensor_s, tile_idx, epi_tile,
-                                     e + SOURCE_STAGES, store_warp)
+            columns = config.tile_n // 2 if const_expr(half) else config.tile_n * (2 if const_expr(self.paired) else 1)
+            views = self.subtile_views(tma_out, tma_tensor_out, sc, tile_idx, epi_tile, columns)
+        sending = (ring, views, tma_out, tile_idx, group, stores, store_warp, inside)
+        if const_expr(self.paired):
+            # dz's gate subtile = dh * value * act'(gate), its value subtile = dh * act(gate)
+            gate = cute.make_rmem_tensor(part_layout, Float32)
+            for e in cutlass.range_constexpr(self.epi_tiles(epi_tile)):
+                self.read_source(2 * e, *reading)
                 for v in cutlass.range_constexpr(cute.size(part)):
-                    src = source_part[v].to(Float32)
-                    if const_expr(epilogue.grad_of != "none"):
-                        part[v] = part[v] * activation_grad(src, epilogue.grad_of)
-                    else:
-                        part[v] = part[v] + src
-            part_out.store(part.load().to(self.c_dtype))
-            buffer = group * EPI_STAGES + (first_store + e) % EPI_STAGES
-            cute.copy(copy_r2s, part_out, r2s_dst[(None, None, None, buffer)])
-            # Make the smem writes visible to the TMA (async proxy), then let one warp send them.
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=1 + group, number_of_threads=mma_threads)
-            if store_warp:
-                if inside:
-                    if const_expr(isinstance(tma_out, tuple)):
-                        for p in cutlass.range_constexpr(len(tma_out)):
-                            if tile_idx[2] == p:
-                                s_tma, g_tma, epi_order = views[p]
-                                cute.copy(tma_out[p], s_tma[(None, buffer)], g_tma[(None, epi_order.get_hier_coord(e))])
-                    else:
-                        s_tma, g_tma, epi_order = views
-                        cute.copy(tma_out, s_tma[(None, buffer)], g_tma[(None, epi_order.get_hier_coord(e))])
-                stores.producer_commit()
-                stores.producer_acquire()
-            cute.arch.barrier(barrier_id=1 + group, number_of_threads=mma_threads)
+                    gate[v] = source_part[v].to(Float32)
+                self.read_source(2 * e + 1, *reading)
+                for v in cutlass.range_constexpr(cute.size(part)):
+                    part[v] = (acc_view[e * cute.size(part) + v] * source_part[v].to(Float32)
+                               * activation_grad(gate[v], epilogue.grad_of))
+                self.send_subtile(part, part_out, self.source_subtile(2 * e, epi_tile), first_store + 2 * e, *sending)
+                for v in cutlass.range_constexpr(cute.size(part)):
+                    part[v] = acc_view[e * cute.size(part) + v] * apply_activation(gate[v], epilogue.grad_of)
+                self.send_subtile(part, part_out, self.source_subtile(2 * e + 1, epi_tile), first_store + 2 * e + 1,
+                                  *sending)
+        else:
+            subtiles = self.out_tiles(epi_tile) if const_expr(half) else self.epi_tiles(epi_tile)
+            for e in cutlass.range_constexpr(subtiles):
+                a = self.acc_subtile(e, epi_tile) if const_expr(half) else e
+                for v in cutlass.range_constexpr(cute.size(part)):
+                    part[v] = acc_view[a * cute.size(part) + v]
+                if const_expr(with_source):
+                    self.read_source(e, *reading)
+                    for v in cutlass.range_constexpr(cute.size(part)):
+                        src = source_part[v].to(Float32)
+                        if const_expr(epilogue.grad_of != "none"):
+                            part[v] = part[v] * activation_grad(src, epilogue.grad_of)
+                        else:
+                            part[v] = part[v] + src
+                self.send_subtile(part, part_out, e, first_store + e, *sending)
+
+    @cute.jit
+    def read_source(self, i: cutlass.Constexpr, sources, group, source_loaded, source_read, ss, tma_s, tma_tensor_s,
+                    tile_idx, epi_tile: cutlass.Constexpr, store_warp, copy_s2r, s2r_src, source_view):
+        """The tile's ``i``-th source subtile from the group's source ring into ``source_view``
+        (the thread's registers), then the load of the one ``SOURCE_STAGES`` later, if any."""
+        state = self.group_state(source_read, group)
+        sources.consumer_wait(state)
+        cute.copy(copy_s2r, s2r_src[(None, None, None, state.index)], source_view)
+        sources.consumer_release(state)
+        source_read.advance()
+        if const_expr(i + SOURCE_STAGES < self.source_tiles(epi_tile)):
+            self.load_source(sources, group, source_loaded, ss, tma_s, tma_tensor_s, tile_idx, epi_tile,
+                             i + SOURCE_STAGES, store_warp)
+
+    @cute.jit
+    def send_subtile(self, part, part_out, index: cutlass.Constexpr, store, ring, views, tma_out,
+                     tile_idx, group, stores, store_warp, inside):
+        """One subtile ``part`` (fp32) to the output's subtile ``index`` (in ``views``' order), in
+        its dtype, through buffer ``store`` mod ``EPI_STAGES`` of the group's ring."""
+        copy_r2s, r2s_dst = ring[0], ring[1]
+        mma_threads = WARPGROUP * self.config.mma_warpgroups
+        part_out.store(part.load().to(self.c_dtype))
+        buffer = group * EPI_STAGES + store % EPI_STAGES
+        cute.copy(copy_r2s, part_out, r2s_dst[(None, None, None, buffer)])
+        # Make the smem writes visible to the TMA (async proxy), then let one warp send them.
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=1 + group, number_of_threads=mma_threads)
+        if store_warp:
+            if inside:
+                if const_expr(isinstance(tma_out, tuple)):
+                    for p in cutlass.range_constexpr(len(tma_out)):
+                        if tile_idx[2] == p:
+                            s_tma, g_tma, epi_order = views[p]
+                            cute.copy(tma_out[p], s_tma[(None, buffer)], g_tma[(None, epi_order.get_hier_coord(index))])
+                else:
+                    s_tma, g_tma, epi_order = views
+                    cute.copy(tma_out, s_tma[(None, buffer)], g_tma[(None, epi_order.get_hier_coord(index))])
+            stores.producer_commit()
+            stores.producer_acquire()
+        cute.arch.barrier(barrier_id=1 + group, number_of_threads=mma_threads)

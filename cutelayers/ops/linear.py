@@ -102,6 +102,12 @@ def gated_hidden(z, activation: str):
     return ACTIVATION_FUNCTIONS[GATED_ACTIVATIONS[activation]](gate) * value
 
 
+def layer_activation(activation: str, gated: bool) -> str:
+    """The op's activation name of a kernel family's ``activation``: itself, or if ``gated`` the
+    gated activation whose gate it is."""
+    return next(name for name, gate in GATED_ACTIVATIONS.items() if gate == activation) if gated else activation
+
+
 def activation_fn(activation: str):
     """z (..., N) -> the layer's output before a residual: an elementwise activation, or a gated
     one's act(gate) * value (..., N / 2)."""
@@ -214,12 +220,40 @@ class GemmFamily(TunableFamily):
         if self.stream_k:
             return stream_k_config(m)
         split = decode_split_config(m, n, k) if self.takes_split_k else None
-        return split or CONFIGS[config_class(m, n, k)]
+        config = split or CONFIGS[config_class(m, n, k)]
+        if self.takes(config, avals):
+            return config
+        # a gated layer's: the class's, else one with its tile rows, else the first it takes
+        fallback = CONFIGS[config_class(m, n, k)]
+        if self.takes(fallback, avals):
+            return fallback
+        space = self.config_space(avals)
+        return next((c for c in space if c.tile_m == fallback.tile_m), space[0])
 
     def config_space(self, avals) -> tuple:
         space = tuple(CONFIGS.values()) + EXTRA_CONFIGS + (SPLIT_K_CONFIGS if self.takes_split_k else ())
         # stream-K's segments end where its chunks do, not with a warpgroup's tile: cooperative only
-        return tuple(c for c in space if not c.pingpong) if self.stream_k else space
+        if self.stream_k:
+            space = tuple(c for c in space if not c.pingpong)
+        return tuple(c for c in space if self.takes(c, avals))
+
+    gated = False  # a gated layer's forward or backward (LinearForward, LinearInputGrad)
+
+    def gated_block(self, config) -> int:
+        """Columns of each half (gate, value) one tile of a gated layer holds."""
+        return config.tile_n
+
+    def gated_width(self, avals) -> int:
+        """A gated layer's H: the width of each half."""
+        return self.gemm_shape(avals)[1]
+
+    def takes(self, config, avals) -> bool:
+        """Whether the kernel runs ``config`` on these operands: any, but a gated layer's tiles
+        must hold whole ``GATED_BLOCK``-column blocks of each half, which H is a multiple of."""
+        if not self.gated:
+            return True
+        block = self.gated_block(config)
+        return block % GATED_BLOCK == 0 and self.gated_width(avals) % block == 0
 
     fused_planes = False  # the kernel's batch mode holds a fused layer's planes (ops.split_linear)
 
@@ -237,6 +271,7 @@ class GemmFamily(TunableFamily):
         dims = (("m", m), ("n", n)) if self.contracts_rows else (("m", row_bucket(m)), ("k", k), ("n", n))
         dims += (("accumulate", True),) * self.accumulate + (("stream_k", True),) * self.stream_k
         dims += (("f32_out", True),) * self.f32_out + (("source", True),) * self.reads_source
+        dims += (("gated", True),) * self.gated
         return jnp.dtype(avals[0].dtype).name, dims
 
     def config_from_fields(self, fields: dict):
@@ -354,37 +389,17 @@ class LinearForward(GemmFamily):
                     + (rows_n,) * self.has_residual)
         return operands, (rows_n,) * (1 + self.store_preact)
 
-    def takes(self, config, avals) -> bool:
-        """Whether the kernel runs ``config`` on these operands: a gated one only tiles of whole
-        ``GATED_BLOCK``-column blocks of each half -- 128 columns, or 256 where the half width H
-        is a multiple of 128."""
-        if not self.gated:
-            return True
-        half = self.gemm_shape(avals)[1] // 2
-        return config.tile_n == 2 * GATED_BLOCK or (config.tile_n == 4 * GATED_BLOCK and half % (2 * GATED_BLOCK) == 0)
-
-    def default_config(self, avals):
-        config = super().default_config(avals)
-        if self.takes(config, avals):
-            return config
-        m, n, k = self.gemm_shape(avals)
-        fallback = CONFIGS[config_class(m, n, k)]
-        if self.takes(fallback, avals):
-            return fallback
-        return next(c for c in self.config_space(avals) if c.tile_m == fallback.tile_m)
-
-    def config_space(self, avals) -> tuple:
-        return tuple(c for c in super().config_space(avals) if self.takes(c, avals))
-
-    def tuning_key(self, avals):
-        dtype, dims = super().tuning_key(avals)
-        return dtype, dims + (("gated", True),) * self.gated
-
     def layer_dims(self, avals):
         return self.kernel_kn(avals[1])
 
     def gemm_shape(self, avals):
         return avals[0].shape[1], self.kernel_kn(avals[1])[1], avals[0].shape[2]  # x (1, M, K)
+
+    def gated_block(self, config) -> int:
+        return config.tile_n // 2  # the tile's columns are both halves' blocks
+
+    def gated_width(self, avals) -> int:
+        return self.gemm_shape(avals)[1] // 2
 
     def per_shard(self, rule, ctx, x, w, *rest):
         fused = self.activation != "none" or self.has_bias or self.has_residual
@@ -415,17 +430,12 @@ class LinearForward(GemmFamily):
         y = jax.ShapeDtypeStruct((1, x.shape[1], n // 2 if self.gated else n), x.dtype)
         return (y,) + (jax.ShapeDtypeStruct((1, x.shape[1], n), x.dtype),) * self.store_preact
 
-    def layer_activation(self) -> str:
-        """The op's activation name: ``activation``, or the gated one whose gate it is."""
-        if not self.gated:
-            return self.activation
-        return next(name for name, gate in GATED_ACTIVATIONS.items() if gate == self.activation)
-
     def reference(self, x, w, *rest):
         rest = list(rest)
         bias = rest.pop(0) if self.has_bias else None
         residual = rest.pop(0)[0] if self.has_residual else None
-        y, z = forward_reference(x[0], as_kn(w[0], self.kernel_nk), bias, residual, self.layer_activation())
+        y, z = forward_reference(x[0], as_kn(w[0], self.kernel_nk), bias, residual,
+                                 layer_activation(self.activation, self.gated))
         return (y[None],) + ((z[None],) if self.store_preact else ())
 
 
@@ -447,12 +457,15 @@ class LinearInputGrad(GemmFamily):
     config: GemmConfig | None = None
     kernel_nk: bool = False
     stream_k: bool = False
+    gated: bool = False
 
     name = "linear_dx"
 
     def __post_init__(self):
         if self.stream_k and self.grad_of != "none":
             raise ValueError("LinearInputGrad: stream-K adds partial products; it takes no activation gradient")
+        if self.gated and self.grad_of == "none":
+            raise ValueError("LinearInputGrad: gated takes the gate's activation as grad_of")
 
     @property
     def accumulate(self):
@@ -478,9 +491,12 @@ class LinearInputGrad(GemmFamily):
 
     def factors(self):
         # N is the contraction: with a column-parallel kernel each device's dx is a partial sum.
-        # The activation derivative scales each partial alike, so it applies before the psum.
-        operands = ((None, "rows", "n"), self.kernel_factor()) + ((None, "rows", "k"),) * (self.grad_of != "none")
-        return operands + ((None, "rows", "k"),) * self.stream_k, ((None, "rows", "k"),)
+        # The activation derivative scales each partial alike, so it applies before the psum. A
+        # gated layer's K (its hidden width, both halves in dx) is not sharded.
+        k = None if self.gated else "k"
+        weight = tuple(k if f == "k" else f for f in self.kernel_factor())
+        operands = ((None, "rows", "n"), weight) + ((None, "rows", k),) * (self.grad_of != "none")
+        return operands + ((None, "rows", k),) * self.stream_k, ((None, "rows", k),)
 
     def layer_dims(self, avals):
         return self.kernel_kn(avals[1])
@@ -495,18 +511,19 @@ class LinearInputGrad(GemmFamily):
     def epilogue(self):
         from cutelayers.kernels.gemm import Epilogue
 
-        return Epilogue(grad_of=self.grad_of)
+        return Epilogue(grad_of=self.grad_of, gated=self.gated)
 
     def out_avals(self, avals):
         dz, w = avals[:2]
-        return (jax.ShapeDtypeStruct((1, dz.shape[1], self.kernel_kn(w)[0]), jnp.float32 if self.stream_k else dz.dtype),)
+        k = self.kernel_kn(w)[0] * (2 if self.gated else 1)  # a gated layer's dz: both halves
+        return (jax.ShapeDtypeStruct((1, dz.shape[1], k), jnp.float32 if self.stream_k else dz.dtype),)
 
     def reference(self, dz, w, *rest):
         product = _matmul(dz[0], as_kn(w[0], self.kernel_nk).T)
         if self.stream_k:
             return ((rest[0][0] + product)[None],)
         if rest:
-            product = preact_grad(rest[0][0], product, self.grad_of)
+            product = preact_grad(rest[0][0], product, layer_activation(self.grad_of, self.gated))
         return (product.astype(dz.dtype)[None],)
 
 
@@ -705,8 +722,11 @@ def _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kerne
 
 def _input_grad_rows(dz, kernel, preact, grad_of, use_kernels, precision, kernel_nk):
     """dx (..., K) = dz (..., N) @ kernelᵀ [* act'(preact (..., K)) for ``grad_of`` an activation];
-    kernel (K, N), or (N, K) if ``kernel_nk``."""
+    kernel (K, N), or (N, K) if ``kernel_nk``. A gated ``grad_of``: preact and dx (..., 2K), the
+    gradient of both halves from the product (..., K)."""
     lead, k = dz.shape[:-1], kernel.shape[1 if kernel_nk else 0]
+    gated = is_gated(grad_of)
+    width = 2 * k if gated else k
     if not use_kernels:
         product = _matmul(dz, as_kn(kernel, kernel_nk).T, precision)
         if preact is not None:
@@ -715,14 +735,15 @@ def _input_grad_rows(dz, kernel, preact, grad_of, use_kernels, precision, kernel
     rows = dz.reshape(1, -1, dz.shape[-1])
     (_, m, n) = rows.shape
     if m == 0:
-        return jnp.zeros((*lead, k), dz.dtype)
+        return jnp.zeros((*lead, width), dz.dtype)
     # Too few output tiles to fill the GPU over a long contraction: stream-K, into zeros.
     stream_k = preact is None and stream_k_pays(m, k, n)
-    operands = ((rows, kernel[None]) + (() if preact is None else (preact.reshape(1, -1, k),))
+    operands = ((rows, kernel[None]) + (() if preact is None else (preact.reshape(1, -1, width),))
                 + ((_row_zeros(rows, k),) if stream_k else ()))
-    (dx,) = kernel_call(resolve(LinearInputGrad(grad_of, kernel_nk=kernel_nk, stream_k=stream_k), operands),
-                        *operands)
-    return dx.astype(dz.dtype).reshape(*lead, k)
+    family = LinearInputGrad(GATED_ACTIVATIONS[grad_of] if gated else grad_of, kernel_nk=kernel_nk,
+                             stream_k=stream_k, gated=gated)
+    (dx,) = kernel_call(resolve(family, operands), *operands)
+    return dx.astype(dz.dtype).reshape(*lead, width)
 
 
 def _row_zeros(rows, k):
@@ -814,10 +835,8 @@ def forward_fn(activation: str, store_preact: bool, use_kernels: bool, precision
 
 
 @functools.cache
-def linear_fn(activation: str, has_residual: bool, use_kernels: bool, precision, kernel_nk: bool):
-    """The differentiable op for one static configuration; args (x, kernel, bias, residual).
-    ``activation`` may be gated (:data:`GATED_ACTIVATIONS`, without a residual): the layer maps a
-    (K, 2H) kernel to (..., H), its backward takes act'(gate) and value from the saved z."""
+def _linear_fn(activation: str, has_residual: bool, use_kernels: bool, precision, kernel_nk: bool):
+    """The differentiable op for one static configuration; args (x, kernel, bias, residual)."""
     plain = forward_fn(activation, False, use_kernels, precision, kernel_nk)
     saving = forward_fn(activation, True, use_kernels, precision, kernel_nk)
     input_grad = input_grad_fn(use_kernels, precision, kernel_nk=kernel_nk)
@@ -961,8 +980,8 @@ def fused_linear(x, kernel, bias=None, *, activation=None, residual=None, precis
         _backend.fall_back(op, why)
     kernel, bias = vary_like(x, kernel, bias)  # shared by every shard inside shard_map
     if unfused is None:
-        return linear_fn(fused, residual is not None, use_kernels, precision, kernel_nk)(
+        return _linear_fn(fused, residual is not None, use_kernels, precision, kernel_nk)(
             x, kernel, bias, residual)
-    z = linear_fn("none", False, use_kernels, precision, kernel_nk)(x, kernel, bias, None)
+    z = _linear_fn("none", False, use_kernels, precision, kernel_nk)(x, kernel, bias, None)
     y = unfused(z)
     return y if residual is None else (y + residual).astype(x.dtype)

@@ -22,9 +22,9 @@ Gated blocks (``activation="swiglu"`` / ``"geglu"``, Llama's and T5 v1.1's feed-
 the gate and value halves side by side, (K, 2H), and ``h = act(gate) * value`` with act SiLU / GELU
 (tanh). fc1's kernel reads w1 in blocks of ``GATED_BLOCK`` columns of each half, so every tile
 holds matching gate and value columns and its epilogue writes h (and, differentiated, z (..., 2H)
-for the backward); the hidden width must be a multiple of ``GATED_BLOCK`` (else XLA, logged). The
-backward's gating derivative is one XLA fusion before fc1's gradient GEMMs (not yet in the dh
-GEMM's epilogue).
+for the backward); the hidden width must be a multiple of ``GATED_BLOCK`` (else XLA, logged). In
+the backward the dh GEMM's epilogue reads z's gate and value blocks and writes both halves of dz1 =
+(dh * value * act'(gate), dh * act(gate)): no pass of its own, as for the plain activations.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ from cutelayers.ops.linear import (
     input_grad_fn,
     is_gated,
     kernels_apply,
-    linear_fn,
     resolve_activation,
     weight_and_bias_grads,
 )
@@ -135,22 +134,11 @@ def mlp(x, w1, b1=None, w2=None, b2=None, *, activation="gelu", residual=None, p
             raise ValueError(f"{op}: argument 'b2' must have shape ({n},); got {tuple(b2.shape)}")
         check_same_dtype(op, "b2", b2, "x", x)
     residual = check_residual(op, residual, x, n)
-    if gated:
-        # fc1 with the gating in its epilogue (h = act(gate) * value from each tile's matching
-        # gate and value columns), its backward's act' in XLA; fc2 the plain fused layer.
-        use_kernels, why = kernels_apply(x.dtype, x.shape[-1], 2 * h_width)
-        if use_kernels and h_width % GATED_BLOCK:
-            use_kernels, why = False, f"the hidden width {h_width} is not a multiple of {GATED_BLOCK}"
-        if not use_kernels:
-            _backend.fall_back(op, why)
-        w1, b1 = vary_like(x, w1, b1)
-        h = linear_fn(activation, False, use_kernels, hashable_precision(precision), kernel_nk)(x, w1, b1, None)
-        return fused_linear(h, w2, b2, residual=residual, precision=precision, kernel_layout=kernel_layout)
-    if isinstance(activation, str) and activation not in ACTIVATION_FUNCTIONS:
+    if isinstance(activation, str) and activation not in ACTIVATION_FUNCTIONS and not gated:
         raise ValueError(f"{op}: unknown activation {activation!r}; allowed: None, "
                          f"{', '.join(repr(a) for a in (*ACTIVATION_FUNCTIONS, *GATED_ACTIVATIONS) if a != 'none')} "
                          "or a callable")
-    fused, unfused = resolve_activation(activation)
+    fused, unfused = (activation, None) if gated else resolve_activation(activation)
     if unfused is not None:
         h = unfused(fused_linear(x, w1, b1, precision=precision, kernel_layout=kernel_layout))
         return fused_linear(h, w2, b2, residual=residual, precision=precision, kernel_layout=kernel_layout)
@@ -158,6 +146,9 @@ def mlp(x, w1, b1=None, w2=None, b2=None, *, activation="gelu", residual=None, p
     use_kernels, why = kernels_apply(x.dtype, x.shape[-1], h_width)
     if use_kernels:
         use_kernels, why = kernels_apply(x.dtype, h_width, n)
+    if use_kernels and gated and h_width % GATED_BLOCK:
+        # each fc1 tile holds whole blocks of the gate's and the value's columns
+        use_kernels, why = False, f"the hidden width {h_width} is not a multiple of {GATED_BLOCK}"
     if not use_kernels:
         _backend.fall_back(op, why)
     w1, b1, w2, b2 = vary_like(x, w1, b1, w2, b2)  # shared by every shard inside shard_map
