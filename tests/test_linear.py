@@ -820,6 +820,17 @@ def test_split_k_configs_are_candidates_where_the_kernel_takes_them():
         assert not any(c.split_k > 1 for c in family.config_space(avals)), family
 
 
+def check_families(cases):
+    """Each (kernel family with its config, operands): the kernel's outputs against the family's
+    float32 reference, at bfloat16 tolerance."""
+    for family, args in cases:
+        with cl.use_backend("cute"):
+            outs = jax.jit(functools.partial(kernel_call, family))(*args)
+        wants = family.reference(*(a.astype(jnp.float32) for a in args))
+        for out, want in zip(outs, wants, strict=True):
+            assert_close(out, want, jnp.bfloat16)
+
+
 def test_gated_forward_family():
     # y (1, M, H) from a (K, 2H) kernel, z (1, M, 2H); tiles of 128 columns (64 of each half) only;
     # its own tuning key; rows sharded, never the columns or the contraction
@@ -856,13 +867,7 @@ def test_gated_forward_every_config_gpu(rng):
         b = random(rng, (2 * h,), jnp.bfloat16)
         x = random(rng, (1, m, k), jnp.bfloat16)
         family = LinearForward("silu", True, False, True, gated=True)
-        wants = family.reference(*(a.astype(jnp.float32) for a in (x, w, b)))
-        for config in family.config_space((x, w, b)):
-            member = dataclasses.replace(family, config=config)
-            with cl.use_backend("cute"):
-                outs = jax.jit(functools.partial(kernel_call, member))(x, w, b)
-            for out, want in zip(outs, wants, strict=True):
-                assert_close(out, want, jnp.bfloat16)
+        check_families([(dataclasses.replace(family, config=c), (x, w, b)) for c in family.config_space((x, w, b))])
 
 
 def test_gated_input_grad_family():
@@ -896,12 +901,8 @@ def test_gated_input_grad_every_config_gpu(rng):
         w2 = jnp.asarray(rng.standard_normal((1, h, n)) / np.sqrt(n), jnp.bfloat16)
         z1 = random(rng, (1, m, 2 * h), jnp.bfloat16)
         family = LinearInputGrad("silu", gated=True)
-        (want,) = family.reference(*(a.astype(jnp.float32) for a in (dy, w2, z1)))
-        for config in family.config_space((dy, w2, z1)):
-            member = dataclasses.replace(family, config=config)
-            with cl.use_backend("cute"):
-                (out,) = jax.jit(functools.partial(kernel_call, member))(dy, w2, z1)
-            assert_close(out, want, jnp.bfloat16)
+        check_families([(dataclasses.replace(family, config=c), (dy, w2, z1))
+                        for c in family.config_space((dy, w2, z1))])
 
 
 @pytest.mark.cute
@@ -956,12 +957,7 @@ def test_split_k_forward_and_input_grad_gpu(config, m, k, n, rng):
              (LinearForward("none", True, True, False, config=config), (x, w, b, r)),
              (LinearInputGrad(config=config), (dz, w)),
              (LinearInputGrad("gelu", config=config), (dz, w, preact))]
-    for family, args in cases:
-        with cl.use_backend("cute"):
-            outs = jax.jit(functools.partial(kernel_call, family))(*args)
-        wants = family.reference(*(a.astype(jnp.float32) for a in args))
-        for out, want in zip(outs, wants, strict=True):
-            assert_close(out, want, jnp.bfloat16)
+    check_families(cases)
 
 
 @pytest.mark.cute
@@ -989,12 +985,7 @@ def test_every_config_forward_epilogue_and_input_grad_gpu(config, rng):
     preact = random(rng, (1, m, k), jnp.bfloat16)
     cases = [(LinearForward("gelu", True, True, True, config=config), (x, w, b, r)),
              (LinearInputGrad("gelu", config=config), (dz, w, preact))]
-    for family, args in cases:
-        with cl.use_backend("cute"):
-            outs = jax.jit(functools.partial(kernel_call, family))(*args)
-        wants = family.reference(*(a.astype(jnp.float32) for a in args))
-        for out, want in zip(outs, wants, strict=True):
-            assert_close(out, want, jnp.bfloat16)
+    check_families(cases)
 
 
 def test_source_epilogues_are_tuned_on_their_own():
