@@ -17,7 +17,13 @@ from typing import Any
 import jax.numpy as jnp
 
 from cutelayers import backend
-from cutelayers.ops.linear import ACTIVATION_FUNCTIONS, GATED_ACTIVATIONS, gated_hidden, is_gated, resolve_activation
+from cutelayers.ops.linear import (
+    ACTIVATION_FUNCTIONS,
+    GATED_ACTIVATIONS,
+    gated_hidden,
+    is_gated,
+    resolve_activation,
+)
 from cutelayers.ops.lm_head import linear_cross_entropy
 from cutelayers.ops.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from cutelayers.runtime.tensors import FLOAT_DTYPES

@@ -1097,7 +1097,7 @@ class HopperGemmKernel:
         gated layer's backward (:attr:`paired`) reads the gate and the value subtile of z for each
         accumulator subtile and stores dz's two."""
         config, epilogue = self.config, self.epilogue
-        copy_r2s, r2s_dst, part_shape, sc, copy_s2r, s2r_src, ss = ring
+        copy_r2s, _, part_shape, sc, copy_s2r, s2r_src, ss = ring
         acc_view = copy_r2s.retile(acc)
         part_layout = cute.make_layout(part_shape)
         part = cute.make_rmem_tensor(part_layout, Float32)

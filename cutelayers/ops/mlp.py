@@ -32,7 +32,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from cutelayers import backend as _backend
 from cutelayers.ops._batching import fold_batch
@@ -55,6 +54,7 @@ from cutelayers.ops.linear import (
     weight_and_bias_grads,
 )
 from cutelayers.runtime.sharding import vary_like
+
 
 @functools.cache
 def _mlp_fn(activation: str, has_residual: bool, use_kernels: bool, precision, kernel_nk: bool):
