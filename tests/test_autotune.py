@@ -152,6 +152,23 @@ def test_a_decode_forward_over_a_long_contraction_is_tuned_as_the_layers_run_it(
     assert [c.family.name for c, _, _ in short][:2] == ["linear_fwd", "linear_fwd"]
 
 
+def test_a_gated_mlp_tunes_its_two_gated_kernels():
+    """gated_mlp M x K x H: fc1's gated forward (storing z1) and the hidden gradient writing both
+    halves, each with tiles of whole 64-column blocks of each half; a hidden width that is not
+    whole blocks is refused; a kernel's own name keeps selecting the linear op."""
+    (fwd, fwd_space, fwd_default), (grad, grad_space, grad_default) = autotune.list_candidates(
+        "gated_mlp", [(16384, 768, 3072)], ["bfloat16"])
+    assert (fwd.family.name, fwd.family.gated, fwd.family.store_preact) == ("linear_fwd", True, True)
+    assert [a.shape for a in fwd.avals] == [(1, 16384, 768), (1, 768, 6144), (6144,)]
+    assert (grad.family.name, grad.family.gated) == ("linear_dx", True)
+    assert [a.shape for a in grad.avals] == [(1, 16384, 768), (1, 3072, 768), (1, 16384, 6144)]
+    assert fwd_default in fwd_space and {c.tile_n for c in fwd_space} == {128, 256}
+    assert grad_default in grad_space and all(3072 % c.tile_n == 0 for c in grad_space)
+    with pytest.raises(ValueError, match="hidden width 40 is not a multiple of 64"):
+        autotune.cases("gated_mlp", [(64, 64, 40)], ["bfloat16"])
+    assert autotune.FAMILY_OPS["linear_fwd"] == "linear"
+
+
 def test_the_linear_weight_gradient_is_tuned_as_the_layers_run_it():
     """The linear autotune's weight gradient is the kernel a layer with a bias runs: db summed by it,
     and where the (K, N) output is too small to fill the GPU (GPT-2's layers over 16384 rows), on

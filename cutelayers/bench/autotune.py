@@ -5,8 +5,10 @@
     python -m cutelayers.bench.autotune --op cross_entropy --shape 8192x32768 --dry-run   # no GPU needed
 
 An op names the kernel families it runs (``layer_norm``: ``layer_norm_fwd`` and ``layer_norm_bwd``;
-``linear``: ``linear_fwd``, ``linear_dx``, ``linear_dkernel``); a family's own name tunes only
-that family. Shapes are ``ROWSxN`` for the row ops and ``MxKxN`` for ``linear``. For every (family,
+``linear``: ``linear_fwd``, ``linear_dx``, ``linear_dkernel``; ``gated_mlp``: a SwiGLU / GeGLU block's
+gated fc1 forward and hidden gradient, their own entries); a family's own name tunes only that
+family (in the first op that runs it). Shapes are ``ROWSxN`` for the row ops, ``MxKxN`` for
+``linear`` and ``MxKxH`` (rows, model width, hidden width) for ``gated_mlp``. For every (family,
 shape, dtype), each candidate config of the family's space
 (:meth:`cutelayers.runtime.family.TunableFamily.config_space`) is compiled (all of a run's
 candidates at once, in worker processes: :func:`cutelayers.parallel_compiles`) and run on random
@@ -42,7 +44,7 @@ from cutelayers import tuning
 from cutelayers.backend import use_backend
 from cutelayers.bench.timing import time_fn
 from cutelayers.kernels.gemm_config import decode_stream_k_pays, stream_k_pays
-from cutelayers.ops.linear import LinearForward, LinearInputGrad, LinearWeightGrad, kernels_apply
+from cutelayers.ops.linear import GATED_BLOCK, LinearForward, LinearInputGrad, LinearWeightGrad, kernels_apply
 from cutelayers.ops.norm import NormBackward, NormForward, forward_reference
 from cutelayers.ops.reduce import RowReduce
 from cutelayers.ops.softmax import CrossEntropyBackward, CrossEntropyForward, SoftmaxBackward, SoftmaxForward
@@ -221,10 +223,32 @@ def _linear_cases(op: str, shape, dtype) -> list[Case]:
     ]
 
 
+def _gated_mlp_cases(op: str, shape, dtype) -> list[Case]:
+    """A gated MLP block of shape M x K x H (rows, model width, hidden width): its two gated
+    kernels, fc1's forward (x @ w1 (K, 2H) + b1, gated, storing z1) and the hidden gradient
+    (dy @ w2ᵀ with w2 (H, K), both halves' act' from z1). Their entries serve silu and gelu gates
+    alike; fc2 and the other gradients are the linear op's (``linear`` at M x H x K)."""
+    m, k_dim, h = shape
+    usable, why = kernels_apply(dtype, k_dim, 2 * h)
+    if usable and h % GATED_BLOCK:
+        usable, why = False, f"the hidden width {h} is not a multiple of {GATED_BLOCK}"
+    if not usable:
+        raise ValueError(f"autotune {op}: shape {m}x{k_dim}x{h}, dtype {dtype.name}: {why}")
+    S = jax.ShapeDtypeStruct
+    x, w1, b1 = S((1, m, k_dim), dtype), S((1, k_dim, 2 * h), dtype), S((2 * h,), dtype)
+    w2, z1 = S((1, h, k_dim), dtype), S((1, m, 2 * h), dtype)
+    k = _keys(5)
+    forward = Case(op, LinearForward("silu", True, False, True, gated=True), (x, w1, b1), lambda: (
+        _normal(k[0], x.shape, dtype), _normal(k[1], w1.shape, dtype, k_dim**-0.5), _normal(k[2], b1.shape, dtype)))
+    hidden_grad = Case(op, LinearInputGrad("silu", gated=True), (x, w2, z1), lambda: (
+        _normal(k[3], x.shape, dtype), _normal(k[4], w2.shape, dtype, k_dim**-0.5), _normal(k[0], z1.shape, dtype)))
+    return [forward, hidden_grad]
+
+
 @dataclasses.dataclass(frozen=True)
 class OpSpec:
     build: Callable[..., list[Case]]  # (op, shape, dtype) -> cases
-    shape_form: str  # "ROWSxN" or "MxKxN"
+    shape_form: str  # "ROWSxN", "MxKxN" or "MxKxH"
     families: tuple[str, ...]  # names of the families the cases tune
 
 
@@ -244,8 +268,10 @@ OPS = {
     "reduce_mean": OpSpec(functools.partial(_reduce_cases, kind="mean"), "ROWSxN", ("reduce_mean",)),
     "reduce_max": OpSpec(functools.partial(_reduce_cases, kind="max"), "ROWSxN", ("reduce_max",)),
     "linear": OpSpec(_linear_cases, "MxKxN", ("linear_fwd", "linear_dx", "linear_dkernel")),
+    "gated_mlp": OpSpec(_gated_mlp_cases, "MxKxH", ("linear_fwd", "linear_dx")),
 }
-FAMILY_OPS = {family: op for op, spec in OPS.items() for family in spec.families}
+# a kernel's name selects the first op that tunes it (gated_mlp's kernels by their op's name)
+FAMILY_OPS = {family: op for op, spec in reversed(OPS.items()) for family in spec.families}
 
 
 def cases(name: str, shapes: Sequence[Sequence[int]], dtypes: Sequence) -> list[Case]:
@@ -477,7 +503,7 @@ def main(argv=None) -> int:
     parser.add_argument("--op", required=True, metavar="NAME",
                         help=f"an op ({', '.join(OPS)}) or one of its kernels ({', '.join(FAMILY_OPS)})")
     parser.add_argument("--shape", type=_parse_shape, nargs="+", required=True,
-                        help="ROWSxN for the row ops, MxKxN for linear")
+                        help="ROWSxN for the row ops, MxKxN for linear, MxKxH (model and hidden widths) for gated_mlp")
     parser.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=[d.name for d in FLOAT_DTYPES])
     parser.add_argument("--output", type=Path, help="tuned-config table to add the winners to "
                         "(default: $CUTELAYERS_TUNING_FILE or ~/.cache/cutelayers/tuned_configs.json)")
