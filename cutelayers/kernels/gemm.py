@@ -451,10 +451,11 @@ class HopperGemmKernel:
         preact = rest.pop(0) if const_expr(epilogue.store_preact) else None
         a, b, c = (x[0] if const_expr(isinstance(x, tuple)) else x for x in (a_in, b_in, c_in))
         summed = {None: None, "a": a_in, "b": b_in}[self.sums]  # the operand the summing warps read
-        # The tiles' N: a gated layer's B, bias and preact span both halves, c one.
+        # The tiles' N: c's columns, or for a gated layer (whose tile covers another width of c)
+        # the columns of its B.
         c_n = c.shape[1]
-        if const_expr(epilogue.gated):
-            c_n = c.shape[1] // 2 if const_expr(self.paired) else c.shape[1] * 2
+        if const_expr(self.c_columns != config.tile_n):
+            c_n = c.shape[1] * config.tile_n // self.c_columns
 
         self.a_dtype, self.b_dtype, self.c_dtype = a.element_type, b.element_type, c.element_type
         self.stages = config.stages_for(a.element_type.width // 8, c.element_type.width // 8, epilogue.has_source)
@@ -730,8 +731,6 @@ class HopperGemmKernel:
             source_loaded = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SOURCE_STAGES)
             source_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SOURCE_STAGES)
             stores_per_tile = self.out_tiles(epi_tile) + (self.epi_tiles(epi_tile) if const_expr(epilogue.store_preact) else 0)
-            if const_expr(self.paired):
-                stores_per_tile = 2 * self.epi_tiles(epi_tile)
             tiles_done = Int32(0)
             work = scheduler.initial_work_tile_info()
             if const_expr(config.pingpong):
@@ -754,7 +753,7 @@ class HopperGemmKernel:
                     inside = inside & (rank == 0)  # the cluster's first CTA stores the summed tile
                 if const_expr(epilogue.has_source):
                     # The tile's first source subtiles load while its mainloop runs.
-                    for e in cutlass.range_constexpr(min(SOURCE_STAGES, self.source_tiles(epi_tile))):
+                    for e in cutlass.range_constexpr(min(SOURCE_STAGES, self.out_tiles(epi_tile))):
                         source_loaded = self.load_source(sources, group, source_loaded, ring[6], tma_s,
                                                          tma_tensor_s, tile_idx, epi_tile, e, store_warp)
                 # Accumulate from zero rather than switching ACCUMULATE off for the first k tile:
@@ -935,9 +934,17 @@ class HopperGemmKernel:
     def epi_tiles(self, epi_tile) -> int:
         return (self.config.tile_m // epi_tile[0]) * (self.config.tile_n // epi_tile[1])
 
+    @property
+    def c_columns(self) -> int:
+        """Columns of c (and of the source, the same shape where there is one) a tile covers:
+        tile_n, half that for a gated layer's forward (act(gate) * value), twice for its backward
+        (both halves of dz)."""
+        tile_n = self.config.tile_n
+        return tile_n // 2 if self.halved else 2 * tile_n if self.paired else tile_n
+
     def out_tiles(self, epi_tile) -> int:
-        """Subtiles of c per tile: a gated layer's forward tile stores half its columns."""
-        return self.epi_tiles(epi_tile) // (2 if self.halved else 1)
+        """Subtiles of c per tile -- and source subtiles a tile reads, where it reads any."""
+        return (self.config.tile_m // epi_tile[0]) * (self.c_columns // epi_tile[1])
 
     @property
     def halved(self) -> bool:
@@ -948,10 +955,6 @@ class HopperGemmKernel:
     def paired(self) -> bool:
         """A gated layer's backward: c and the source span a tile's gate and value blocks."""
         return self.epilogue.gated and self.epilogue.grad_of != "none"
-
-    def source_tiles(self, epi_tile) -> int:
-        """Source subtiles a tile reads: one per accumulator subtile, two (gate, value) if paired."""
-        return self.epi_tiles(epi_tile) * (2 if self.paired else 1)
 
     def source_subtile(self, i: int, epi_tile) -> int:
         """Where the tile's ``i``-th source read lies in the (2 x as wide, if paired) tile's subtile
@@ -995,13 +998,13 @@ class HopperGemmKernel:
 
     @cute.jit
     def subtile_views(self, tma_atom, tma_tensor, ring, tile_idx, epi_tile: cutlass.Constexpr,
-                      columns: cutlass.Constexpr = None):
+                      columns: cutlass.Constexpr):
         """(smem buffers of ``ring``, global subtiles of tile ``tile_idx`` of ``tma_tensor``, the
         subtiles' row-major order) partitioned for ``tma_atom``: what a subtile's TMA copy takes.
-        ``columns``: a tile's width where it is not tile_n (a gated layer's c and z)."""
+        ``columns``: the tensor's columns a tile covers (``c_columns`` for c and the source,
+        tile_n for z)."""
         m, n, batch = tile_idx
-        tile_m, tile_n, tile_k = self.tile_mnk
-        tile = (tile_m, tile_n if const_expr(columns is None) else columns, tile_k)
+        tile = (self.config.tile_m, columns, self.config.tile_k)
         g_tile = cute.local_tile(tma_tensor, tile, (m, n, None, batch), proj=(1, 1, None))
         g_epi = cute.zipped_divide(g_tile, epi_tile)
         s_tma, g_tma = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(ring, 0, 2), g_epi)
@@ -1021,8 +1024,7 @@ class HopperGemmKernel:
         """The group's sending warp TMA-loads source subtile ``e`` of tile ``tile_idx`` into the
         next buffer of its source ring; every thread of the group advances its producer state,
         which it returns."""
-        columns = 2 * self.config.tile_n if const_expr(self.paired) else None
-        s_tma, g_tma, epi_order = self.subtile_views(tma_s, tma_tensor_s, ss, tile_idx, epi_tile, columns)
+        s_tma, g_tma, epi_order = self.subtile_views(tma_s, tma_tensor_s, ss, tile_idx, epi_tile, self.c_columns)
         if store_warp:
             state = self.group_state(source_loaded, group)
             sources.producer_acquire(state)
@@ -1068,7 +1070,7 @@ class HopperGemmKernel:
                 acc[i] = apply_activation(acc[i], epilogue.activation)
         self.store_tile(acc, epilogue.has_source, ring, sources, group, source_loaded, source_read, tma_c,
                         tma_tensor_c, tma_s, tma_tensor_s, tile_idx, epi_tile, stores, store_warp, inside, first_store,
-                        self.halved)
+                        True)
         return source_loaded, source_read
 
     @cute.jit
@@ -1088,14 +1090,15 @@ class HopperGemmKernel:
     @cute.jit
     def store_tile(self, acc, with_source: cutlass.Constexpr, ring, sources, group, source_loaded, source_read,
                    tma_out, tma_tensor_out, tma_s, tma_tensor_s, tile_idx, epi_tile: cutlass.Constexpr, stores,
-                   store_warp, inside, first_store, half: cutlass.Constexpr):
+                   store_warp, inside, first_store, c_tile: cutlass.Constexpr):
         """Write the fp32 accumulators ``acc`` (combined with the source tile if ``with_source``:
         + residual, or x act'(preact)) to ``tma_tensor_out``'s tile in its dtype: registers ->
         smem (stmatrix) -> global (TMA store), one epilogue subtile at a time through the group's
-        ring of ``EPI_STAGES`` buffers. TMA clips what lies past the tensor. ``half``: a gated
-        layer's c, whose tile is half as wide, stored from the gate subtiles (:meth:`gate`). A
-        gated layer's backward (:attr:`paired`) reads the gate and the value subtile of z for each
-        accumulator subtile and stores dz's two."""
+        ring of ``EPI_STAGES`` buffers. TMA clips what lies past the tensor. ``c_tile``: the output
+        is c (``c_columns`` a tile; a gated layer's forward stores it from the gate subtiles,
+        :meth:`gate`), else the stored preact z (tile_n). A gated layer's backward (:attr:`paired`)
+        reads the gate and the value subtile of z for each accumulator subtile and stores dz's
+        two."""
         config, epilogue = self.config, self.epilogue
         copy_r2s, _, part_shape, sc, copy_s2r, s2r_src, ss = ring
         acc_view = copy_r2s.retile(acc)
@@ -1110,11 +1113,11 @@ class HopperGemmKernel:
                    store_warp, copy_s2r, s2r_src, source_view)
 
         if const_expr(isinstance(tma_out, tuple)):  # split outputs: each plane's views, at L = 0
-            views = [self.subtile_views(atom, tensor, sc, (*tile_idx[:2], 0), epi_tile)
+            views = [self.subtile_views(atom, tensor, sc, (*tile_idx[:2], 0), epi_tile, config.tile_n)
                      for atom, tensor in zip(tma_out, tma_tensor_out)]
         else:
-            columns = config.tile_n // 2 if const_expr(half) else config.tile_n * (2 if const_expr(self.paired) else 1)
-            views = self.subtile_views(tma_out, tma_tensor_out, sc, tile_idx, epi_tile, columns)
+            views = self.subtile_views(tma_out, tma_tensor_out, sc, tile_idx, epi_tile,
+                                       self.c_columns if const_expr(c_tile) else config.tile_n)
         sending = (ring, views, tma_out, tile_idx, group, stores, store_warp, inside)
         if const_expr(self.paired):
             # dz's gate subtile = dh * value * act'(gate), its value subtile = dh * act(gate)
@@ -1133,9 +1136,9 @@ class HopperGemmKernel:
                 self.send_subtile(part, part_out, self.source_subtile(2 * e + 1, epi_tile), first_store + 2 * e + 1,
                                   *sending)
         else:
-            subtiles = self.out_tiles(epi_tile) if const_expr(half) else self.epi_tiles(epi_tile)
+            subtiles = self.out_tiles(epi_tile) if const_expr(c_tile) else self.epi_tiles(epi_tile)
             for e in cutlass.range_constexpr(subtiles):
-                a = self.acc_subtile(e, epi_tile) if const_expr(half) else e
+                a = self.acc_subtile(e, epi_tile) if const_expr(c_tile) else e
                 for v in cutlass.range_constexpr(cute.size(part)):
                     part[v] = acc_view[a * cute.size(part) + v]
                 if const_expr(with_source):
@@ -1158,7 +1161,7 @@ class HopperGemmKernel:
         cute.copy(copy_s2r, s2r_src[(None, None, None, state.index)], source_view)
         sources.consumer_release(state)
         source_read.advance()
-        if const_expr(i + SOURCE_STAGES < self.source_tiles(epi_tile)):
+        if const_expr(i + SOURCE_STAGES < self.out_tiles(epi_tile)):
             self.load_source(sources, group, source_loaded, ss, tma_s, tma_tensor_s, tile_idx, epi_tile,
                              i + SOURCE_STAGES, store_warp)
 
