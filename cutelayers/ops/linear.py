@@ -102,6 +102,11 @@ def gated_hidden(z, activation: str):
     return ACTIVATION_FUNCTIONS[GATED_ACTIVATIONS[activation]](gate) * value
 
 
+def kernel_activation(activation: str) -> tuple[str, bool]:
+    """(the kernel epilogue's activation, gated) of an op's activation name: a gated one's gate."""
+    return (GATED_ACTIVATIONS[activation], True) if is_gated(activation) else (activation, False)
+
+
 def layer_activation(activation: str, gated: bool) -> str:
     """The op's activation name of a kernel family's ``activation``: itself, or if ``gated`` the
     gated activation whose gate it is."""
@@ -219,16 +224,15 @@ class GemmFamily(TunableFamily):
         m, n, k = self.gemm_shape(avals)
         if self.stream_k:
             return stream_k_config(m)
+        classed = CONFIGS[config_class(m, n, k)]
         split = decode_split_config(m, n, k) if self.takes_split_k else None
-        config = split or CONFIGS[config_class(m, n, k)]
-        if self.takes(config, avals):
-            return config
-        # a gated layer's: the class's, else one with its tile rows, else the first it takes
-        fallback = CONFIGS[config_class(m, n, k)]
-        if self.takes(fallback, avals):
-            return fallback
+        # the decode split, else the shape class's; a gated layer's tiles may take neither: then
+        # one with the class's tile rows, else the first its space has
+        for config in (split, classed):
+            if config is not None and self.takes(config, avals):
+                return config
         space = self.config_space(avals)
-        return next((c for c in space if c.tile_m == fallback.tile_m), space[0])
+        return next((c for c in space if c.tile_m == classed.tile_m), space[0])
 
     def config_space(self, avals) -> tuple:
         space = tuple(CONFIGS.values()) + EXTRA_CONFIGS + (SPLIT_K_CONFIGS if self.takes_split_k else ())
@@ -690,7 +694,7 @@ def _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kerne
     contraction, stream-K and an XLA epilogue (module docstring) -- or the jnp reference. A gated
     ``activation`` (no residual) gives y (..., N / 2)."""
     lead, n = x.shape[:-1], kernel.shape[0 if kernel_nk else 1]
-    gated = is_gated(activation)
+    act, gated = kernel_activation(activation)
     if not use_kernels:
         y, z = forward_reference(x, as_kn(kernel, kernel_nk), bias, residual, activation, precision)
         return (y, z) if store_preact else (y,)
@@ -714,8 +718,8 @@ def _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kerne
         operands.append(bias)
     if residual is not None:
         operands.append(residual.reshape(1, m, -1))
-    family = LinearForward(GATED_ACTIVATIONS[activation] if gated else activation, bias is not None,
-                           residual is not None, store_preact, kernel_nk=kernel_nk, gated=gated)
+    family = LinearForward(act, bias is not None, residual is not None, store_preact, kernel_nk=kernel_nk,
+                           gated=gated)
     outs = kernel_call(resolve(family, operands), *operands)
     return tuple(o.reshape(*lead, w) for o, w in zip(outs, widths))
 
@@ -725,7 +729,7 @@ def _input_grad_rows(dz, kernel, preact, grad_of, use_kernels, precision, kernel
     kernel (K, N), or (N, K) if ``kernel_nk``. A gated ``grad_of``: preact and dx (..., 2K), the
     gradient of both halves from the product (..., K)."""
     lead, k = dz.shape[:-1], kernel.shape[1 if kernel_nk else 0]
-    gated = is_gated(grad_of)
+    act, gated = kernel_activation(grad_of)
     width = 2 * k if gated else k
     if not use_kernels:
         product = _matmul(dz, as_kn(kernel, kernel_nk).T, precision)
@@ -740,8 +744,7 @@ def _input_grad_rows(dz, kernel, preact, grad_of, use_kernels, precision, kernel
     stream_k = preact is None and stream_k_pays(m, k, n)
     operands = ((rows, kernel[None]) + (() if preact is None else (preact.reshape(1, -1, width),))
                 + ((_row_zeros(rows, k),) if stream_k else ()))
-    family = LinearInputGrad(GATED_ACTIVATIONS[grad_of] if gated else grad_of, kernel_nk=kernel_nk,
-                             stream_k=stream_k, gated=gated)
+    family = LinearInputGrad(act, kernel_nk=kernel_nk, stream_k=stream_k, gated=gated)
     (dx,) = kernel_call(resolve(family, operands), *operands)
     return dx.astype(dz.dtype).reshape(*lead, width)
 
