@@ -44,7 +44,13 @@ from cutelayers import tuning
 from cutelayers.backend import use_backend
 from cutelayers.bench.timing import time_fn
 from cutelayers.kernels.gemm_config import decode_stream_k_pays, stream_k_pays
-from cutelayers.ops.linear import GATED_BLOCK, LinearForward, LinearInputGrad, LinearWeightGrad, kernels_apply
+from cutelayers.ops.linear import (
+    LinearForward,
+    LinearInputGrad,
+    LinearWeightGrad,
+    gated_kernels_apply,
+    kernels_apply,
+)
 from cutelayers.ops.norm import NormBackward, NormForward, forward_reference
 from cutelayers.ops.reduce import RowReduce
 from cutelayers.ops.softmax import CrossEntropyBackward, CrossEntropyForward, SoftmaxBackward, SoftmaxForward
@@ -229,9 +235,7 @@ def _gated_mlp_cases(op: str, shape, dtype) -> list[Case]:
     (dy @ w2ᵀ with w2 (H, K), both halves' act' from z1). Their entries serve silu and gelu gates
     alike; fc2 and the other gradients are the linear op's (``linear`` at M x H x K)."""
     m, k_dim, h = shape
-    usable, why = kernels_apply(dtype, k_dim, 2 * h)
-    if usable and h % GATED_BLOCK:
-        usable, why = False, f"the hidden width {h} is not a multiple of {GATED_BLOCK}"
+    usable, why = gated_kernels_apply(dtype, k_dim, h)
     if not usable:
         raise ValueError(f"autotune {op}: shape {m}x{k_dim}x{h}, dtype {dtype.name}: {why}")
     S = jax.ShapeDtypeStruct

@@ -937,6 +937,15 @@ def kernels_apply(x_dtype, k: int, n: int) -> tuple[bool, str]:
     return True, ""
 
 
+def gated_kernels_apply(x_dtype, k: int, h: int) -> tuple[bool, str]:
+    """:func:`kernels_apply` for a gated layer K -> (gate, value) of H each, whose kernel tiles
+    hold whole ``GATED_BLOCK``-column blocks of each half."""
+    usable, why = kernels_apply(x_dtype, k, h)
+    if usable and h % GATED_BLOCK:
+        return False, f"the hidden width {h} is not a multiple of {GATED_BLOCK}"
+    return usable, why
+
+
 def check_kernel_layout(op: str, kernel_layout) -> bool:
     """Whether ``kernel_layout`` (one of KERNEL_LAYOUTS) stores kernels (N, K)."""
     if kernel_layout not in KERNEL_LAYOUTS:

@@ -39,13 +39,13 @@ from cutelayers.ops._rowwise import check_float_array
 from cutelayers.ops.linear import (
     ACTIVATION_FUNCTIONS,
     GATED_ACTIVATIONS,
-    GATED_BLOCK,
     check_kernel_layout,
     check_linear_operands,
     check_residual,
     check_same_dtype,
     forward_fn,
     fused_linear,
+    gated_kernels_apply,
     hashable_precision,
     input_grad_fn,
     is_gated,
@@ -143,12 +143,9 @@ def mlp(x, w1, b1=None, w2=None, b2=None, *, activation="gelu", residual=None, p
         h = unfused(fused_linear(x, w1, b1, precision=precision, kernel_layout=kernel_layout))
         return fused_linear(h, w2, b2, residual=residual, precision=precision, kernel_layout=kernel_layout)
     precision = hashable_precision(precision)
-    use_kernels, why = kernels_apply(x.dtype, x.shape[-1], h_width)
+    use_kernels, why = (gated_kernels_apply if gated else kernels_apply)(x.dtype, x.shape[-1], h_width)
     if use_kernels:
         use_kernels, why = kernels_apply(x.dtype, h_width, n)
-    if use_kernels and gated and h_width % GATED_BLOCK:
-        # each fc1 tile holds whole blocks of the gate's and the value's columns
-        use_kernels, why = False, f"the hidden width {h_width} is not a multiple of {GATED_BLOCK}"
     if not use_kernels:
         _backend.fall_back(op, why)
     w1, b1, w2, b2 = vary_like(x, w1, b1, w2, b2)  # shared by every shard inside shard_map
