@@ -5,6 +5,7 @@ so the custom_vjp/vmap plumbing and the backward formulas are checked against ja
 the plain jnp formula; `gpu` tests run the CuTe kernels; the lowering test compiles them on CPU.
 """
 
+import dataclasses
 import re
 
 import jax
@@ -649,6 +650,30 @@ def test_few_rows_take_register_resident_rows():
                           epsilon=1e-6, few_rows=True)
 
 
+@pytest.mark.cute
+def test_only_resident_rows_take_the_row_slot_sum_buffer():
+    # The persistent backward sums its row slots' dscale through a shared buffer only for
+    # register-resident rows; a streamed row's slots keep their sums in their shares' buffer and
+    # store them as partial rows of their own. The slot buffer was allocated for streamed rows too:
+    # 4 slots of a float32 12000-column RMSNorm row asked for 384 KiB, and the launch failed.
+    from cutelayers.ops.norm import NormBackward
+
+    S = jax.ShapeDtypeStruct
+    family = NormBackward(False, True, True, False)
+    for n in (12000, 1000):
+        x, stat, scale = S((512, n), jnp.float32), S((512, 1), jnp.float32), S((n,), jnp.float32)
+        avals = (x, x, stat, scale)
+        slotted = [c for c in family.config_space(avals) if c.rows_per_cta > 1]
+        assert slotted, n
+        for config in slotted:
+            member = dataclasses.replace(family, config=config)
+            kernel = member.launcher(avals, None)
+            if member.geometry(avals).resident:
+                assert kernel.slot_sum_bytes() == config.rows_per_cta * n * 4 + 16
+            else:
+                assert kernel.slot_sum_bytes() == 0 and kernel.sum_bytes() > 0
+
+
 # --- on the GPU: the CuTe kernels themselves ----------------------------------------------------
 
 @pytest.mark.gpu
@@ -788,28 +813,3 @@ def test_add_kernel_vmap_gpu(op, rng):
     for a, b in zip(g, g_ref):
         assert_close(a, np.asarray(jnp.asarray(b, jnp.float32)), a.dtype, scale=10.0)
 
-
-@pytest.mark.cute
-def test_only_resident_rows_take_the_row_slot_sum_buffer():
-    # The persistent backward sums its row slots' dscale through a shared buffer only for
-    # register-resident rows; a streamed row's slots keep their sums in their shares' buffer and
-    # store them as partial rows of their own. The slot buffer was allocated for streamed rows too:
-    # 4 slots of a float32 12000-column RMSNorm row asked for 384 KiB, and the launch failed.
-    import dataclasses
-
-    from cutelayers.ops.norm import NormBackward
-
-    S = jax.ShapeDtypeStruct
-    family = NormBackward(False, True, True, False)
-    for n in (12000, 1000):
-        x, stat, scale = S((512, n), jnp.float32), S((512, 1), jnp.float32), S((n,), jnp.float32)
-        avals = (x, x, stat, scale)
-        slotted = [c for c in family.config_space(avals) if c.rows_per_cta > 1]
-        assert slotted, n
-        for config in slotted:
-            member = dataclasses.replace(family, config=config)
-            kernel = member.launcher(avals, None)
-            if member.geometry(avals).resident:
-                assert kernel.slot_sum_bytes() == config.rows_per_cta * n * 4 + 16
-            else:
-                assert kernel.slot_sum_bytes() == 0 and kernel.sum_bytes() > 0
