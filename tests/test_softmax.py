@@ -319,8 +319,9 @@ WITH_GRAD_SHAPES = {
     (1000, jnp.float16): "registers",  # ragged: 1000 = 125 vectors of 8
     (50304, jnp.bfloat16): "shared",  # GPT-2's padded vocabulary: 98 KiB, two CTAs per SM
     (50257, jnp.bfloat16): "shared",  # odd: scalar accesses, a ragged last step
-    (131072, jnp.bfloat16): "global",  # 256 KiB: re-read (from L2)
-    (50304, jnp.float32): "global",
+    (131072, jnp.bfloat16): "cluster of 4",  # 256 KiB: 64 KiB a CTA
+    (128256, jnp.bfloat16): "cluster of 4",  # Llama-3's vocabulary: the last CTA's last step ragged
+    (50304, jnp.float32): "cluster of 4",
 }
 
 
@@ -328,22 +329,24 @@ WITH_GRAD_SHAPES = {
 def test_cross_entropy_with_grad_lowering():
     """The fused kernel compiles for sm_90a with each way of holding the row: one custom call,
     dlogits aliased to the logits, and two 512-thread CTAs' worth of shared memory for a staged
-    row."""
-    from cutelayers.kernels.reduction_config import STAGED_ROW_BYTES, row_geometry, staged
-    from cutelayers.kernels.softmax_config import WITH_GRAD_VALUES_PER_THREAD
-    from cutelayers.ops.softmax import cross_entropy_kernels
+    row or share of a row cut over a cluster."""
+    from cutelayers.kernels.reduction_config import STAGED_ROW_BYTES, share_bytes, staged
+    from cutelayers.ops.softmax import CrossEntropyWithGrad, cross_entropy_kernels
+    from cutelayers.tuning import resolve
 
     with_grad = cross_entropy_kernels(-100, 0.1, 1e-4, 0.0)[2]
     capped = cross_entropy_kernels(None, 0.0, 0.0, 30.0)[2]
     for (v, dtype), where in WITH_GRAD_SHAPES.items():
         itemsize = jnp.dtype(dtype).itemsize
-        g = row_geometry(v, 8 * itemsize, WITH_GRAD_VALUES_PER_THREAD)
-        holds = "registers" if g.resident else "shared" if staged(g, itemsize) else "global"
-        assert holds == where, (v, dtype)
-        if where == "shared":
-            assert g.row.num_threads == 512 and 2 * g.row.rows_per_cta * v * itemsize <= 2 * STAGED_ROW_BYTES
         avals = (jax.ShapeDtypeStruct((8, v), dtype), jax.ShapeDtypeStruct((8,), jnp.int32),
                  jax.ShapeDtypeStruct((8,), jnp.float32))
+        g = resolve(CrossEntropyWithGrad(), avals).geometry(avals)
+        holds = ("registers" if g.resident else f"cluster of {g.cluster}" if g.cluster > 1
+                 else "shared" if staged(g, itemsize) else "global")
+        assert holds == where, (v, dtype)
+        if not g.resident:
+            assert staged(g, itemsize)
+            assert g.row.num_threads == 512 and share_bytes(g, itemsize) <= STAGED_ROW_BYTES
         fn = capped if v == 50304 and dtype == jnp.bfloat16 else with_grad  # soft-capping once
         hlo = jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
         (call,) = [line for line in hlo.splitlines() if "stablehlo.custom_call @cutelayers_" in line]
@@ -388,11 +391,12 @@ def test_logsumexp_gpu(dtype, v, rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("v", [1000, 4096, 50257, 50304, 131072])
+@pytest.mark.parametrize("v", [1000, 4096, 50257, 50304, 128256, 131072, 151936])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cfg", WITH_GRAD_CFGS, ids=["plain", "all-options"])
 def test_cross_entropy_with_grad_gpu(cfg, dtype, v, rng):
-    """The fused kernel (registers, shared-memory staging, re-read; ragged and odd V) against the
+    """The fused kernel (registers, shared-memory staging, rows cut over a cluster -- the label in
+    any CTA's share --; ragged and odd V) against the
     float32 reference and the two-kernel path: lse, loss, dlogits; ignore_index, an out-of-range
     label's NaN row, smoothing, z-loss, soft-capping."""
     with cl.use_backend("cute"):

@@ -136,12 +136,13 @@ def combined_lse(slots, geometry: cutlass.Constexpr):
     return shift + cute.math.log(total, fastmath=True)
 
 
-def _launch(kernel, geometry: RowGeometry, rows, stream, buffers: int, extra_smem: int = 0):
-    """One CTA per ``rows_per_cta`` rows -- ``cluster`` CTAs, a cluster, where rows are cut."""
+def _launch(kernel, geometry: RowGeometry, rows, stream, buffers: int, extra_smem: int = 0, slot_values: int = 1):
+    """One CTA per ``rows_per_cta`` rows -- ``cluster`` CTAs, a cluster, where rows are cut (their
+    CTAs exchanging ``slot_values`` values: :func:`.reduction.cluster_slots`)."""
     kernel.launch(
         grid=[cute.ceil_div(rows, geometry.row.rows_per_cta) * geometry.cluster, 1, 1],
         block=[geometry.row.num_threads, 1, 1],
-        smem=shared_buffer_bytes(geometry, buffers) + cluster_slot_bytes(geometry) + extra_smem,
+        smem=shared_buffer_bytes(geometry, buffers) + cluster_slot_bytes(geometry, slot_values) + extra_smem,
         stream=stream,
         **cluster_launch(geometry),
     )
@@ -414,30 +415,38 @@ class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
     with ``dloss`` given, written over x. Launcher ``(stream, x, labels, dloss, lse, loss)``.
 
     Pass 1 folds the row's online (max, shift, sum); after the row reductions pass 2 computes dx.
-    Where the row stays in registers it is read once. A streamed row whose CTA rows fit in shared
-    memory (:func:`.reduction_config.staged`) is read once, into shared memory: with cp.async, every
-    step issued at once when the CTA starts (the whole row in flight, no registers held: on an
-    H200 0.206 ms at 4096 x 50304 bf16, against 0.246 ms for copying each step from registers as
-    pass 1 loads it), or from registers where accesses are narrower than cp.async's 4 bytes (odd
-    V in 16 bits). Both passes then read the steps from shared memory; each thread reads back
-    only the elements it wrote itself, so no barrier orders them. Other streamed rows are read
-    from global memory again in pass 2.
+    Where the row stays in registers it is read once. A streamed row is read once too, into
+    shared memory: with cp.async, every step issued at once when the CTA starts (the whole share
+    in flight, no registers held: on an H200 0.206 ms at 4096 x 50304 bf16, against 0.246 ms for
+    copying each step from registers as pass 1 loads it), or from registers where accesses are
+    narrower than cp.async's 4 bytes (odd V in 16 bits). A row whose share does not fit one CTA
+    (a Llama-3 vocabulary, 128256 bf16 logits: 250 KiB) is cut over a cluster
+    (:func:`.reduction_config.split_rows`): each CTA stages its share, and the CTAs' logsumexps
+    (and, with label smoothing, row sums) are combined through distributed shared memory. Both
+    passes read the steps from shared memory; each thread reads back only the elements it wrote
+    itself, so no barrier orders them. Rows too long even for a cluster are read from global
+    memory again in pass 2.
 
-    x is overwritten as pass 2 goes. The label's logit is read by the one thread whose fragment
-    holds its column -- the only thread that writes that element -- before its own pass 2, and
-    that thread writes the row's loss (the row's first thread does for ignored and out-of-range
-    labels); no thread reads an element another may have overwritten.
+    x is overwritten as pass 2 goes. The label's logit is read by the one thread of the cluster
+    whose fragment holds its column -- the only thread that writes that element -- before its own
+    pass 2, and that thread writes the row's loss (the row's first thread does for ignored and
+    out-of-range labels); no thread reads an element another may have overwritten.
     """
 
     def __init__(self, geometry: RowGeometry, ignore_index, smoothing: float, z_loss: float,
                  soft_cap: float = 0.0):
         super().__init__(geometry, True, ignore_index, smoothing, z_loss, soft_cap)
 
+    @property
+    def slot_values(self) -> int:
+        """Values the CTAs of a cut row exchange: their logsumexps [, row sums]."""
+        return self.buffers - 1
+
     @cute.jit
     def __call__(self, stream, x, labels, dloss, lse, loss):
         g = self.geometry
         kernel = self.kernel(x, labels, dloss, lse, loss, row_tiled_copy(x.element_type, g))
-        _launch(kernel, g, x.shape[0], stream, self.buffers, staged_smem(g, (x,)))
+        _launch(kernel, g, x.shape[0], stream, self.buffers, staged_smem(g, (x,)), self.slot_values)
 
     @cute.jit
     def grad_step(self, opx, source, step, edge: cutlass.Constexpr, label, lse, scale):
@@ -452,29 +461,47 @@ class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
     def kernel(self, x, labels, dloss, lse_out, loss_out, copy_x):
         g = self.geometry
         n, a, tpr = g.n, self.smoothing, g.row.threads_per_row
-        tidx, bidx, buffers, opx, row, valid_row = self.row_start(x, copy_x)
-        source, stage, again, prefetch = row_staging(g, x, opx, (bidx, None), tidx,
+        tidx, _, _ = cute.arch.thread_idx()
+        tile, rank, steps = cta_position(g)  # the row's share: all of it without a cluster
+        buffers = shared_buffers(g, self.buffers)
+        slots = cluster_slots(g, self.slot_values)
+        x_share = row_share(x, g, tile, rank)
+        opx = row_operand(x_share, copy_x, row_share(cute.make_identity_tensor(x.shape), g, tile, rank), g,
+                          (0, None), tidx)
+        row = opx.coords[0][0]
+        valid_row = row < x.shape[0]
+        source, stage, again, prefetch = row_staging(g, x_share, opx, (0, None), tidx,
                                                      staged(g, x.element_type.width // 8))
         opx.frag.fill(0.0)
-        prefetch_shares((prefetch,), valid_row, g.num_steps, g)
+        prefetch_shares((prefetch,), valid_row, steps, g)
+        # only the row's last step can be partial: the last one of the last CTA's share
         mx, c, s, total = -Float32.inf, Float32(0.0), Float32(0.0), Float32(0.0)
-        for step in cutlass.range(g.num_steps - 1, unroll=1):
+        for step in cutlass.range(steps - 1, unroll=1):
             mx, c, s, total = self.fold_step(source, step, valid_row, False, mx, c, s, total, stage)
-        mx, c, s, total = self.fold_step(source, g.num_steps - 1, valid_row, g.ragged, mx, c, s, total, stage)
+        mx, c, s, total = self.fold_step(source, steps - 1, valid_row, g.ragged, mx, c, s, total, stage)
         lse = row_lse(mx, c, s, g, buffers[0], buffers[1])
         if const_expr(self.buffers > 2):
             total = row_allreduce(total, operator.add, Float32(0.0), g.row, buffers[2])
+        if const_expr(g.cluster > 1):
+            cluster_gather((lse, total)[:self.slot_values], slots, g)
+            lse = combined_lse(slots, g)
+            if const_expr(self.buffers > 2):
+                total = Float32(0.0)
+                for r in cutlass.range_constexpr(g.cluster):
+                    total = total + slots.values[0, 1, r]
         if valid_row:
-            lane = tidx % tpr
+            # this thread's position among the cluster's threads of the row (its lane without one)
+            lane = rank * tpr + (opx.coords[0][1] // g.vec) % tpr
             label = Int32(labels[row])
             loss = Float32(math.nan)
             scale = grad_scale(dloss[row], label, n, self.ignore_index)
             writer = lane == 0
             if label >= 0:
                 if label < n:
-                    # column j lies in the fragment of lane (j // vec) % threads_per_row (row_tv_layout);
-                    # that thread alone overwrites x[row, label], in its pass 2 below
-                    writer = (label // g.vec) % tpr == (opx.coords[0][1] // g.vec) % tpr
+                    # column j lies in the share of CTA j // share_width, in the fragment of lane
+                    # (j // vec) % threads_per_row (row_tv_layout); that thread alone overwrites
+                    # x[row, label], in its pass 2 below
+                    writer = (label // g.share_width) * tpr + (label // g.vec) % tpr == lane
                     if writer:
                         picked = x[row, label].to(Float32)
                         if const_expr(self.soft_cap > 0.0):
@@ -488,6 +515,6 @@ class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
                 loss_out[row] = loss
             if lane == 0:
                 lse_out[row] = lse
-            for step in cutlass.range(g.num_steps - 1, unroll=1):
+            for step in cutlass.range(steps - 1, unroll=1):
                 self.grad_step(opx, again, step, False, label, lse, scale)
-            self.grad_step(opx, again, g.num_steps - 1, g.ragged, label, lse, scale)
+            self.grad_step(opx, again, steps - 1, g.ragged, label, lse, scale)

@@ -236,6 +236,7 @@ class CrossEntropyWithGrad(LossOptions, RowKernelFamily):
 
     config: RowConfig | None = None
     values_per_thread = softmax_config.WITH_GRAD_VALUES_PER_THREAD
+    staged_operands = 1  # a streamed row of logits, kept for pass 2 (cut over a cluster where long)
     arg_names = ("logits", "labels", "dloss")
 
     @property
