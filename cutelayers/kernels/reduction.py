@@ -429,11 +429,17 @@ def cluster_sum(values, slots: ClusterSlots, geometry: cutlass.Constexpr, index=
     if const_expr(geometry.cluster > 1):
         buffer = cluster_gather(values, slots, geometry, index)
         for i in cutlass.range_constexpr(len(values)):
-            total = Float32(0.0)
-            for r in cutlass.range_constexpr(geometry.cluster):
-                total = total + slots.values[buffer, i, r]
-            sums[i] = total
+            sums[i] = slot_total(slots, buffer, i, geometry)
     return tuple(sums)
+
+
+@cute.jit
+def slot_total(slots: ClusterSlots, buffer, i: cutlass.Constexpr, geometry: cutlass.Constexpr):
+    """Value ``i`` of a :func:`cluster_gather` (in its ``buffer``) summed over the cluster's CTAs."""
+    total = Float32(0.0)
+    for r in cutlass.range_constexpr(geometry.cluster):
+        total = total + slots.values[buffer, i, r]
+    return total
 
 
 @cute.jit

@@ -42,6 +42,7 @@ from cutelayers.kernels.reduction import (
     save_step,
     shared_buffer_bytes,
     shared_buffers,
+    slot_total,
     staged_smem,
     store_step,
 )
@@ -483,12 +484,10 @@ class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
         if const_expr(self.buffers > 2):
             total = row_allreduce(total, operator.add, Float32(0.0), g.row, buffers[2])
         if const_expr(g.cluster > 1):
-            cluster_gather((lse, total)[:self.slot_values], slots, g)
+            buffer = cluster_gather((lse, total)[:self.slot_values], slots, g)
             lse = combined_lse(slots, g)
             if const_expr(self.buffers > 2):
-                total = Float32(0.0)
-                for r in cutlass.range_constexpr(g.cluster):
-                    total = total + slots.values[0, 1, r]
+                total = slot_total(slots, buffer, 1, g)
         if valid_row:
             # this thread's position among the cluster's threads of the row (its lane without one)
             lane = rank * tpr + (opx.coords[0][1] // g.vec) % tpr
