@@ -53,6 +53,7 @@ import cutlass
 from cutlass import Float32, const_expr, cute
 
 from cutelayers.kernels.reduction import (
+    STAGED_ROW_ALIGNMENT,
     can_prefetch,
     cluster_gather,
     cluster_launch,
@@ -152,8 +153,6 @@ class NormForwardKernel:
         n = config.n
         tidx, _, _ = cute.arch.thread_idx()
         tile, rank, steps = cta_position(config)
-        buffers = shared_buffers(config, 2)
-        slots = cluster_slots(config, self.cluster_values)
         coords = row_share(cute.make_identity_tensor(x.shape), config, tile, rank)
         x_share = row_share(x, config, tile, rank)
         opx = row_operand(x_share, copy_x, coords, config, (0, None), tidx)
@@ -174,6 +173,8 @@ class NormForwardKernel:
         source, copy_to, again, prefetch = row_staging(
             config, src_share, src, (0, None), tidx, staged(config, widest_bytes(x, scale, bias, y)),
             prefetch=not self.has_residual)
+        buffers = shared_buffers(config, 2)  # after the staged row (see reduction.shared_row_tensor)
+        slots = cluster_slots(config, self.cluster_values)
         if const_expr(self.has_residual):
             source = opx  # pass 1 reads x (and the residual) from global memory; it stages summed
         src.frag.fill(0.0)
@@ -362,7 +363,11 @@ class NormBackwardKernel:
         ).launch(
             grid=[grid * config.cluster, 1, 1],
             block=[config.row.num_threads, 1, 1],
-            smem=(shared_buffer_bytes(config, 2) + self.ring_bytes(x, dy, dsummed) + self.slot_sum_bytes()
+            # the reduction buffers (and cluster slots) come first here, so the staged rows start
+            # after one alignment's padding at most (placed first, RMSNorm's backward at 32768 x 4096
+            # ran 20 % slower, for no reason the profile showed: docs/benchmarks.md, 24th session)
+            smem=(shared_buffer_bytes(config, 2) + STAGED_ROW_ALIGNMENT + self.ring_bytes(x, dy, dsummed)
+                  + self.slot_sum_bytes()
                   + cluster_slot_bytes(config, self.cluster_values, 2) + self.sum_bytes()
                   + staged_smem(config, (x, dy), widest_bytes(x, dy, dsummed, scale), self.streamed_sums)
                   + (shared_row_bytes(config, scale.element_type.width // 8)

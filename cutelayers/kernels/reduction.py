@@ -263,14 +263,29 @@ def row_share(tensor, geometry: RowGeometry, tile, rank):
                            (tile, rank))
 
 
+# Alignment of a staged row in shared memory. cp.async moves whole 32-byte global sectors only
+# into 32-byte-aligned shared memory: a destination 16 bytes off (where the reduction buffers and
+# cluster slots before it left it) split every sector in two requests, each fetching the whole
+# sector from L2 -- twice the row's L2 reads (Nsight Compute on the H100: LayerNorm's forward at
+# N = 131072 read 537 MB from L2 for 268 MB of x, at 88 % of copy bandwidth; docs/benchmarks.md,
+# twenty-fourth session). Staged rows are rounded up to the alignment, so consecutive ones need no
+# padding. The one-pass-per-row kernels (norm forward, softmax, cross-entropy) allocate their
+# staged rows first and their small buffers (reductions, cluster slots) after them, so no padding
+# is spent at all: three 64 KiB shares and their buffers still fit an SM's 196 KiB shared-memory
+# carveout, leaving L1 its 60 KiB for the parameters' reads (with 128 bytes more, add_layer_norm's
+# forward at 262144 got the 228 KiB carveout and ran 6 % slower). The norm backward keeps its
+# buffers first and counts one alignment's padding.
+STAGED_ROW_ALIGNMENT = 128
+
+
 def shared_row_tensor(geometry: RowGeometry, dtype):
     """Shared memory for the CTA's share of its rows, (rows_per_cta, share_width) of ``dtype``:
     sized to the row where one CTA covers it, not to whole steps (a ragged last step's columns
-    past n are never stored or loaded)."""
+    past n are never stored or loaded); aligned to ``STAGED_ROW_ALIGNMENT``."""
     rows, width = geometry.row.rows_per_cta, geometry.share_width
     smem = cutlass.memory.SmemAllocator()
     layout = cute.make_layout((rows, width), stride=(width, 1))
-    return smem.allocate_tensor(dtype, layout, byte_alignment=16)
+    return smem.allocate_tensor(dtype, layout, byte_alignment=STAGED_ROW_ALIGNMENT)
 
 
 def shared_row_operand(tensor, like: RowOperand, thread) -> RowOperand:
@@ -338,8 +353,10 @@ def prefetch_step(op: RowPrefetch, step, edge: cutlass.Constexpr = None):
 
 
 def shared_row_bytes(geometry: RowGeometry, elem_bytes: int) -> int:
-    """Shared memory of :func:`shared_row_tensor` (plus its alignment)."""
-    return geometry.row.rows_per_cta * geometry.share_width * elem_bytes + 16
+    """Shared memory of :func:`shared_row_tensor`, rounded up to its alignment (the kernel allocates
+    its staged rows one after another from the start of its shared memory)."""
+    size = geometry.row.rows_per_cta * geometry.share_width * elem_bytes
+    return -(-size // STAGED_ROW_ALIGNMENT) * STAGED_ROW_ALIGNMENT
 
 
 @dataclasses.dataclass(frozen=True)

@@ -190,8 +190,6 @@ class SoftmaxForwardKernel:
         g = self.geometry
         tidx, _, _ = cute.arch.thread_idx()
         tile, rank, steps = cta_position(g)
-        buffers = shared_buffers(g, 2)
-        slots = cluster_slots(g)
         coords = row_share(cute.make_identity_tensor(x.shape), g, tile, rank)
         x_share = row_share(x, g, tile, rank)
         opx = row_operand(x_share, copy_x, coords, g, (0, None), tidx)
@@ -199,6 +197,8 @@ class SoftmaxForwardKernel:
         valid_row = opx.coords[0][0] < x.shape[0]
         source, copy_to, again, prefetch = row_staging(g, x_share, opx, (0, None), tidx,
                                                        staged(g, x.element_type.width // 8))
+        buffers = shared_buffers(g, 2)  # after the staged row (see reduction.shared_row_tensor)
+        slots = cluster_slots(g)
         opx.frag.fill(0.0)
         prefetch_shares((prefetch,), valid_row, steps, g)
         mx, c, s = -Float32.inf, Float32(0.0), Float32(0.0)
@@ -242,8 +242,6 @@ class SoftmaxBackwardKernel:
         g = self.geometry
         tidx, _, _ = cute.arch.thread_idx()
         tile, rank, steps = cta_position(g)
-        buffers = shared_buffers(g, 1)
-        slots = cluster_slots(g)
         coords = row_share(cute.make_identity_tensor(y.shape), g, tile, rank)
         y_share, dy_share = row_share(y, g, tile, rank), row_share(dy, g, tile, rank)
         opy = row_operand(y_share, copy_y, coords, g, (0, None), tidx)
@@ -253,6 +251,8 @@ class SoftmaxBackwardKernel:
         stage = staged(g, max(y.element_type.width, dy.element_type.width) // 8, 2)
         source_y, copy_y_to, again_y, prefetch_y = row_staging(g, y_share, opy, (0, None), tidx, stage)
         source_g, copy_g_to, again_g, prefetch_g = row_staging(g, dy_share, opg, (0, None), tidx, stage)
+        buffers = shared_buffers(g, 1)  # after the staged rows (see reduction.shared_row_tensor)
+        slots = cluster_slots(g)
         opy.frag.fill(0.0)
         opg.frag.fill(0.0)
         prefetch_shares((prefetch_y, prefetch_g), valid_row, steps, g)
@@ -464,8 +464,6 @@ class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
         n, a, tpr = g.n, self.smoothing, g.row.threads_per_row
         tidx, _, _ = cute.arch.thread_idx()
         tile, rank, steps = cta_position(g)  # the row's share: all of it without a cluster
-        buffers = shared_buffers(g, self.buffers)
-        slots = cluster_slots(g, self.slot_values)
         x_share = row_share(x, g, tile, rank)
         opx = row_operand(x_share, copy_x, row_share(cute.make_identity_tensor(x.shape), g, tile, rank), g,
                           (0, None), tidx)
@@ -473,6 +471,8 @@ class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
         valid_row = row < x.shape[0]
         source, stage, again, prefetch = row_staging(g, x_share, opx, (0, None), tidx,
                                                      staged(g, x.element_type.width // 8))
+        buffers = shared_buffers(g, self.buffers)  # after the staged row (see reduction.shared_row_tensor)
+        slots = cluster_slots(g, self.slot_values)
         opx.frag.fill(0.0)
         prefetch_shares((prefetch,), valid_row, steps, g)
         # only the row's last step can be partial: the last one of the last CTA's share
