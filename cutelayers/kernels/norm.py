@@ -179,6 +179,8 @@ class NormForwardKernel:
             source = opx  # pass 1 reads x (and the residual) from global memory; it stages summed
         src.frag.fill(0.0)
         prefetch_shares((prefetch,), valid_row, steps, config)
+        # a ragged row's steps but the share's last are whole: they skip the column predicates
+        whole = steps - int(config.ragged)
         if const_expr(self.params_first):
             # The parameters' loads go out with the row's, not after its reductions: one memory
             # round trip fewer on the critical path of a grid of few rows.
@@ -202,29 +204,17 @@ class NormForwardKernel:
                 sq = row_sum(vals * vals)
             var = row_allreduce(sq, operator.add, Float32(0.0), config.row, buffers[1]) / n
         elif const_expr(self.center):
-            count = Float32(0.0)
-            t_mean = Float32(0.0)
-            t_m2 = Float32(0.0)
-            for step in cutlass.range(steps, unroll=1):
+            # this thread's (count, mean, M2): a ragged row's whole steps first, then the share's
+            # last one -- the row's partial step -- alone, so only it pays for column masks
+            count, t_mean, t_m2 = Float32(0.0), Float32(0.0), Float32(0.0)
+            for step in cutlass.range(whole, unroll=1):
                 if valid_row:
-                    self.load_row_step(source, opr, ops_sum, copy_to, step)
-                vals = src.frag.load().to(Float32)
-                if const_expr(config.ragged):
-                    mask = column_mask(src.coords[None, None, None, step], src.frag, n)
-                    s_count = row_sum(cute.where(mask, cute.full_like(vals, 1.0), Float32(0.0)))
-                else:
-                    s_count = Float32(cute.size(src.frag))
-                s_mean = row_sum(vals) / cute.arch.fmax(s_count, Float32(1.0))
-                dev = vals - s_mean
-                if const_expr(config.ragged):
-                    dev = cute.where(mask, dev, Float32(0.0))
-                s_m2 = row_sum(dev * dev)
-                new_count = count + s_count
-                delta = s_mean - t_mean
-                weight = s_count / cute.arch.fmax(new_count, Float32(1.0))
-                t_mean = t_mean + delta * weight
-                t_m2 = t_m2 + s_m2 + delta * delta * count * weight
-                count = new_count
+                    self.load_row_step(source, opr, ops_sum, copy_to, step, False)
+                count, t_mean, t_m2 = self.merged_moments(src, step, False, count, t_mean, t_m2)
+            if const_expr(config.ragged):
+                if valid_row:
+                    self.load_row_step(source, opr, ops_sum, copy_to, steps - 1, True)
+                count, t_mean, t_m2 = self.merged_moments(src, steps - 1, True, count, t_mean, t_m2)
             width = self.share_columns(rank)
             row_mean = row_allreduce(t_mean * count, operator.add, Float32(0.0), config.row, buffers[0]) / width
             spread = t_mean - row_mean
@@ -235,10 +225,15 @@ class NormForwardKernel:
             var = m2 / n
         else:
             sq = Float32(0.0)
-            for step in cutlass.range(steps, unroll=1):
+            for step in cutlass.range(whole, unroll=1):
                 if valid_row:
-                    self.load_row_step(source, opr, ops_sum, copy_to, step)
+                    self.load_row_step(source, opr, ops_sum, copy_to, step, False)
                 vals = src.frag.load().to(Float32)
+                sq = sq + row_sum(vals * vals)
+            if const_expr(config.ragged):
+                if valid_row:
+                    self.load_row_step(source, opr, ops_sum, copy_to, steps - 1, True)
+                vals = src.frag.load().to(Float32)  # the columns past n load as zeros
                 sq = sq + row_sum(vals * vals)
             sq = row_allreduce(sq, operator.add, Float32(0.0), config.row, buffers[0])
             (sq,) = cluster_sum((sq,), slots, config)
@@ -250,9 +245,12 @@ class NormForwardKernel:
             if const_expr(self.center):
                 mean[row, 0] = row_mean
         # --- normalize -----------------------------------------------------------------------
-        for step in cutlass.range(steps, unroll=1):
+        for step in cutlass.range(whole, unroll=1):
             if valid_row:
-                self.normalize_step(src, again, ops, opb, opy, step, row_mean, row_rstd)
+                self.normalize_step(src, again, ops, opb, opy, step, row_mean, row_rstd, False)
+        if const_expr(config.ragged):
+            if valid_row:
+                self.normalize_step(src, again, ops, opb, opy, steps - 1, row_mean, row_rstd, True)
 
     @cute.jit
     def share_columns(self, rank):
@@ -280,35 +278,57 @@ class NormForwardKernel:
         return row_mean, m2
 
     @cute.jit
-    def load_row_step(self, source, opr, ops_sum, copy_to, step):
+    def load_row_step(self, source, opr, ops_sum, copy_to, step, edge: cutlass.Constexpr = None):
         """Load ``step`` of the row into its fragment: x's (from ``source``: global memory or its
         shared copy); with a residual, summed's -- x + residual added in fp32, rounded to summed's
-        dtype and stored to summed as well. ``copy_to``: where the row is staged (None: not)."""
-        load_step(source, step)
+        dtype and stored to summed as well. ``copy_to``: where the row is staged (None: not).
+        ``edge``: whether the step may be partial (:func:`.reduction.partial_step`)."""
+        load_step(source, step, edge)
         if const_expr(self.has_residual):
-            residual = load_step(opr, step).reshape(source.frag.shape)
-            store_step(ops_sum, step, source.frag.load().to(Float32) + residual)
+            residual = load_step(opr, step, edge).reshape(source.frag.shape)
+            store_step(ops_sum, step, source.frag.load().to(Float32) + residual, edge)
         if const_expr(copy_to is not None):
-            save_step(copy_to, step)
+            save_step(copy_to, step, edge)
 
     @cute.jit
-    def normalize_step(self, src, again, ops, opb, opy, step, row_mean, row_rstd):
+    def merged_moments(self, src, step, edge: cutlass.Constexpr, count, mean, m2):
+        """This thread's (count, mean, M2) with its values of ``step`` (in ``src``'s fragment)
+        merged in by Chan et al.'s pairwise update; ``edge``: the step may be partial (its columns
+        past n left out)."""
+        vals = src.frag.load().to(Float32)
+        if const_expr(edge):
+            mask = column_mask(src.coords[None, None, None, step], src.frag, self.config.n)
+            s_count = row_sum(cute.where(mask, cute.full_like(vals, 1.0), Float32(0.0)))
+        else:
+            s_count = Float32(cute.size(src.frag))
+        s_mean = row_sum(vals) / cute.arch.fmax(s_count, Float32(1.0))
+        dev = vals - s_mean
+        if const_expr(edge):
+            dev = cute.where(mask, dev, Float32(0.0))
+        s_m2 = row_sum(dev * dev)
+        new_count = count + s_count
+        delta = s_mean - mean
+        weight = s_count / cute.arch.fmax(new_count, Float32(1.0))
+        return new_count, mean + delta * weight, m2 + s_m2 + delta * delta * count * weight
+
+    @cute.jit
+    def normalize_step(self, src, again, ops, opb, opy, step, row_mean, row_rstd, edge: cutlass.Constexpr = None):
         if const_expr(again is not None):
-            load_step(again, step)  # a streamed row: x or summed again, from shared or global memory
+            load_step(again, step, edge)  # a streamed row: x or summed again, from shared or global memory
         vals = src.frag.load().to(Float32)
         out = (vals - row_mean) * row_rstd if const_expr(self.center) else vals * row_rstd
         if const_expr(self.has_scale):
-            out = out * self.param_step(ops, step).reshape(out.shape)
+            out = out * self.param_step(ops, step, edge).reshape(out.shape)
         if const_expr(self.has_bias):
-            out = out + self.param_step(opb, step).reshape(out.shape)
-        store_step(opy, step, out)
+            out = out + self.param_step(opb, step, edge).reshape(out.shape)
+        store_step(opy, step, out, edge)
 
     @cute.jit
-    def param_step(self, op, step):
+    def param_step(self, op, step, edge: cutlass.Constexpr = None):
         """A parameter's ``step`` in fp32: loaded now, or already (``params_first``)."""
         if const_expr(self.params_first):
             return op.frag.load().to(Float32)
-        return load_step(op, step)
+        return load_step(op, step, edge)
 
 
 class NormBackwardKernel:
