@@ -638,7 +638,7 @@ class NormBackwardKernel:
         config = self.config
         n = config.n
         rows = x.shape[0]
-        steps, slots, index = config.num_steps, None, None
+        steps, slots, index, copies = config.num_steps, None, None, (None, None)
         if const_expr(cut is not None):  # the operands' shares (rows_per_cta rows: group 0)
             (tile, rank), steps, slots, sources, copies, agains, index = cut
             dx = row_share(dx, config, tile, rank)
@@ -665,27 +665,16 @@ class NormBackwardKernel:
             row_mean, row_rstd = stats
         else:
             row_mean, row_rstd = self.row_statistics(mean, rstd, row, valid_row)
-        # mean(g * xhat) and mean(g) over the row; padding has dy = 0, so it adds nothing.
-        dot = Float32(0.0)
-        g_sum = Float32(0.0)
-        for step in cutlass.range(steps, unroll=1):
-            if valid_row:
-                load_step(source_x, step)
-                load_step(source_g, step)
-                if const_expr(cut is not None):
-                    if const_expr(copies[0] is not None):
-                        save_step(copies[0], step)
-                    if const_expr(copies[1] is not None):
-                        save_step(copies[1], step)
-                if const_expr(self.has_scale and not config.resident):
-                    load_step(ops, step)
-            xhat = (opx.frag.load().to(Float32) - row_mean) * row_rstd
-            g = opg.frag.load().to(Float32)
-            if const_expr(self.has_scale):
-                g = g * ops.frag.load().to(Float32).reshape(g.shape)
-            dot = dot + row_sum(g * xhat)
-            if const_expr(self.center):
-                g_sum = g_sum + row_sum(g)
+        # mean(g * xhat) and mean(g) over the row; padding has dy = 0, so it adds nothing. A ragged
+        # row's whole steps skip the column predicates; the share's last step alone takes them.
+        whole = steps - int(config.ragged)
+        dot, g_sum = Float32(0.0), Float32(0.0)
+        for step in cutlass.range(whole, unroll=1):
+            dot, g_sum = self.row_sums_step(source_x, source_g, copies, ops, step, False, valid_row, row_mean,
+                                            row_rstd, dot, g_sum)
+        if const_expr(config.ragged):
+            dot, g_sum = self.row_sums_step(source_x, source_g, copies, ops, steps - 1, True, valid_row, row_mean,
+                                            row_rstd, dot, g_sum)
         c_dot = row_allreduce(dot, operator.add, Float32(0.0), config.row, buffers[0])
         c_sum = Float32(0.0)
         if const_expr(self.center):
@@ -697,16 +686,12 @@ class NormBackwardKernel:
         else:
             (c_dot,) = cluster_sum((c_dot,), slots, config, index)
         c_dot, c_sum = c_dot / n, c_sum / n
-        for step in cutlass.range(steps, unroll=1):
-            if valid_row:
-                self.dx_step(again_x, again_g, opds, ops, opd, acc_scale, acc_bias, step, row_mean, row_rstd, c_dot,
-                             c_sum)
-            if const_expr(refill is not None):
-                # the step's x and dy are in registers now: start copying the next row's in
-                if refill[2]:
-                    for prefetch in refill[:2]:
-                        if const_expr(prefetch is not None):
-                            prefetch_step(prefetch, step)
+        for step in cutlass.range(whole, unroll=1):
+            self.dx_step(again_x, again_g, opds, ops, opd, acc_scale, acc_bias, step, False, valid_row, row_mean,
+                         row_rstd, c_dot, c_sum, refill)
+        if const_expr(config.ragged):
+            self.dx_step(again_x, again_g, opds, ops, opd, acc_scale, acc_bias, steps - 1, True, valid_row,
+                         row_mean, row_rstd, c_dot, c_sum, refill)
         if const_expr(refill is not None):
             cute.arch.cp_async_commit_group()
 
@@ -722,31 +707,63 @@ class NormBackwardKernel:
         return row_mean, row_rstd
 
     @cute.jit
-    def dx_step(self, opx, opg, opds, ops, opd, acc_scale, acc_bias, step, row_mean, row_rstd, c_dot, c_sum):
-        if const_expr(not self.config.resident):
-            load_step(opx, step)
-            load_step(opg, step)
-            if const_expr(self.has_scale):
-                load_step(ops, step)
-        xhat = (opx.frag.load().to(Float32) - row_mean) * row_rstd
-        dyv = opg.frag.load().to(Float32)
-        g = dyv
+    def row_sums_step(self, source_x, source_g, copies, ops, step, edge: cutlass.Constexpr, valid_row, row_mean,
+                      row_rstd, dot, g_sum):
+        """Pass 1 over ``step`` (``edge``: it may be partial): x and dy loaded (and copied to
+        ``copies``, a streamed row's staging), the row's running sums of g * xhat and g."""
+        if valid_row:
+            load_step(source_x, step, edge)
+            load_step(source_g, step, edge)
+            for copy in copies:
+                if const_expr(copy is not None):
+                    save_step(copy, step, edge)
+            if const_expr(self.has_scale and not self.config.resident):
+                load_step(ops, step, edge)
+        xhat = (source_x.frag.load().to(Float32) - row_mean) * row_rstd
+        g = source_g.frag.load().to(Float32)
         if const_expr(self.has_scale):
             g = g * ops.frag.load().to(Float32).reshape(g.shape)
-        dxv = (g - xhat * c_dot - c_sum) * row_rstd
-        if const_expr(self.has_residual):
-            dxv = dxv + load_step(opds, step).reshape(dxv.shape)
-        store_step(opd, step, dxv)
-        if const_expr(self.want_dscale):
-            self.accumulate(acc_scale, step, dyv * xhat)
-        if const_expr(self.want_dbias):
-            self.accumulate(acc_bias, step, dyv)
+        dot = dot + row_sum(g * xhat)
+        if const_expr(self.center):
+            g_sum = g_sum + row_sum(g)
+        return dot, g_sum
 
     @cute.jit
-    def accumulate(self, acc, step, values):
+    def dx_step(self, opx, opg, opds, ops, opd, acc_scale, acc_bias, step, edge: cutlass.Constexpr, valid_row,
+                row_mean, row_rstd, c_dot, c_sum, refill):
+        """dx of ``step`` (``edge``: it may be partial) and its dscale / dbias terms; then, with
+        ``refill``, the next row's copy of the step (its x and dy are in registers now)."""
+        if valid_row:
+            if const_expr(not self.config.resident):
+                load_step(opx, step, edge)
+                load_step(opg, step, edge)
+                if const_expr(self.has_scale):
+                    load_step(ops, step, edge)
+            xhat = (opx.frag.load().to(Float32) - row_mean) * row_rstd
+            dyv = opg.frag.load().to(Float32)
+            g = dyv
+            if const_expr(self.has_scale):
+                g = g * ops.frag.load().to(Float32).reshape(g.shape)
+            dxv = (g - xhat * c_dot - c_sum) * row_rstd
+            if const_expr(self.has_residual):
+                dxv = dxv + load_step(opds, step, edge).reshape(dxv.shape)
+            store_step(opd, step, dxv, edge)
+            if const_expr(self.want_dscale):
+                self.accumulate(acc_scale, step, dyv * xhat, edge)
+            if const_expr(self.want_dbias):
+                self.accumulate(acc_bias, step, dyv, edge)
+        if const_expr(refill is not None):
+            if refill[2]:
+                for prefetch in refill[:2]:
+                    if const_expr(prefetch is not None):
+                        prefetch_step(prefetch, step, edge)
+
+    @cute.jit
+    def accumulate(self, acc, step, values, edge: cutlass.Constexpr = None):
         """Add ``values`` (fp32, a row step's fragment) to a dscale / dbias accumulator: registers
-        for a resident row, the step's columns of the CTA's shared sums for a streamed one."""
+        for a resident row, the step's columns of the CTA's shared sums for a streamed one
+        (``edge``: the step may be partial)."""
         if const_expr(self.config.resident):
             acc.store(acc.load() + values)
         else:
-            store_step(acc, step, load_step(acc, step) + values.reshape(acc.frag.shape))
+            store_step(acc, step, load_step(acc, step, edge) + values.reshape(acc.frag.shape), edge)
