@@ -53,7 +53,13 @@ from cutelayers.ops.linear import (
 )
 from cutelayers.ops.norm import NormBackward, NormForward, forward_reference
 from cutelayers.ops.reduce import RowReduce
-from cutelayers.ops.softmax import CrossEntropyBackward, CrossEntropyForward, SoftmaxBackward, SoftmaxForward
+from cutelayers.ops.softmax import (
+    CrossEntropyBackward,
+    CrossEntropyForward,
+    CrossEntropyWithGrad,
+    SoftmaxBackward,
+    SoftmaxForward,
+)
 from cutelayers.runtime.family import TunableFamily
 from cutelayers.runtime.parallel_compile import parallel_compiles
 from cutelayers.runtime.primitive import kernels_supported, target_arch
@@ -179,8 +185,15 @@ def _cross_entropy_cases(op: str, shape, dtype) -> list[Case]:
         lse, _ = forward.reference(x, y)
         return x, y, lse, _normal(k[2], (m,), F32)
 
+    def with_grad_operands():
+        x, y = forward_operands()
+        return x, y, _normal(k[2], (m,), F32)
+
+    # the loss and its gradient in one pass, as an LM head's chunk runs it (the gradient written
+    # over the logits: the timed call copies them first, the same for every candidate)
     return [Case(op, forward, (logits, labels), forward_operands),
-            Case(op, CrossEntropyBackward(), (logits, labels, per_row, per_row), backward_operands)]
+            Case(op, CrossEntropyBackward(), (logits, labels, per_row, per_row), backward_operands),
+            Case(op, CrossEntropyWithGrad(), (logits, labels, per_row), with_grad_operands)]
 
 
 def _reduce_cases(op: str, kind: str, shape, dtype) -> list[Case]:
@@ -267,7 +280,8 @@ OPS = {
     "log_softmax": OpSpec(functools.partial(_softmax_cases, log=True), "ROWSxN",
                           ("log_softmax_fwd", "log_softmax_bwd")),
     "logsumexp": OpSpec(_logsumexp_cases, "ROWSxN", ("logsumexp",)),
-    "cross_entropy": OpSpec(_cross_entropy_cases, "ROWSxN", ("cross_entropy_fwd", "cross_entropy_bwd")),
+    "cross_entropy": OpSpec(_cross_entropy_cases, "ROWSxN",
+                            ("cross_entropy_fwd", "cross_entropy_bwd", "cross_entropy_with_grad")),
     "reduce_sum": OpSpec(functools.partial(_reduce_cases, kind="sum"), "ROWSxN", ("reduce_sum",)),
     "reduce_mean": OpSpec(functools.partial(_reduce_cases, kind="mean"), "ROWSxN", ("reduce_mean",)),
     "reduce_max": OpSpec(functools.partial(_reduce_cases, kind="max"), "ROWSxN", ("reduce_max",)),
