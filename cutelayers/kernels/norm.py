@@ -14,8 +14,9 @@ are combined through distributed shared memory (:func:`.reduction_config.split_r
 :func:`.reduction.cluster_gather`). Only rows too long even for that are read twice. The
 backward of a streamed row is a persistent loop of clusters (:meth:`NormBackwardKernel.streamed_rows`)
 that also sums dscale / dbias over its rows in shared memory, and reads its share of scale from
-shared memory too, staged once where it fits. The config
-(a :class:`.reduction_config.RowGeometry`) is given to the kernel; the autotuner may pick another
+shared memory too, staged once where it fits. Where N is not a multiple of the step (a ragged
+row), only a share's last step can be partial: both kernels run the whole steps without column
+predicates and the last one with them. The config (a :class:`.reduction_config.RowGeometry`) is given to the kernel; the autotuner may pick another
 one from :func:`.reduction_config.row_geometry_space`.
 
 Statistics are fp32. LayerNorm's variance never uses E[x^2] - E[x]^2 (which cancels for inputs
