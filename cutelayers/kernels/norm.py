@@ -16,8 +16,9 @@ backward of a streamed row is a persistent loop of clusters (:meth:`NormBackward
 that also sums dscale / dbias over its rows in shared memory, and reads its share of scale from
 shared memory too, staged once where it fits. Where N is not a multiple of the step (a ragged
 row), only a share's last step can be partial: both kernels run the whole steps without column
-predicates and the last one with them. The config (a :class:`.reduction_config.RowGeometry`) is given to the kernel; the autotuner may pick another
-one from :func:`.reduction_config.row_geometry_space`.
+predicates and the last one with them. The config (a :class:`.reduction_config.RowGeometry`) is
+given to the kernel; the autotuner may pick another one from
+:func:`.reduction_config.row_geometry_space`.
 
 Statistics are fp32. LayerNorm's variance never uses E[x^2] - E[x]^2 (which cancels for inputs
 such as 1000 + N(0, 1)): a register-resident row takes the mean first and then the mean of
