@@ -36,7 +36,10 @@ STREAMED_BACKWARD_THREADS = {True: 256, False: 512}
 # H100, 256 MiB of bf16 x, % of copy bandwidth at 112 / 40 KiB: rms_norm 96 / 90 at N = 32768,
 # 77 / 97 at 50304, 89 / 98 at 65536, 94 / 92 at 131072, 88 / 91 at 262144; add_rms_norm 85-96 /
 # 96-98 over the same widths), LayerNorm's on the largest (96 / 88 at 65536, 86 / 74 at 262144):
-# docs/benchmarks.md, eighteenth session.
+# docs/benchmarks.md, eighteenth session. Those figures are confounded: until the twenty-fourth
+# session a staged row sat 16 bytes off a 32-byte boundary for some cuts (twice the L2 reads; see
+# reduction.STAGED_ROW_ALIGNMENT). Re-swept with aligned staging, both defaults are within 1.3 % of
+# the best cut at 32768 ... 262144 (docs/benchmarks.md, twenty-fourth session).
 FORWARD_SHARE_BYTES = {True: STAGED_ROW_BYTES, False: 40 * 1024}
 # Row counts up to which the forward's register-resident rows load scale and bias before their
 # reductions, not after: one memory round trip fewer where the kernel is a few rows' latency (H100,

@@ -206,8 +206,9 @@ STAGED_ROW_BYTES_ALONE = 216 * 1024
 # (more CTAs a row, more of them an SM): the best cut differs by width and kernel (the norm
 # forward at N = 32768 ... 262144 in docs/benchmarks.md, eighteenth session). The largest, one CTA
 # an SM, cuts a row over fewer CTAs (a bf16 row of 131072 over 2, not 4): clusters of 4 or more
-# fit only 120-124 of the H100's 132 SMs at once (hopper.RESIDENT_CLUSTERS), where LayerNorm's
-# forward stays under 90 % of copy at 131072 and 262144 (nineteenth session).
+# fit only 120-124 of the H100's 132 SMs at once (hopper.RESIDENT_CLUSTERS). (It was offered for
+# LayerNorm's forward at 131072 and 262144, under 90 % of copy until the twenty-fourth session;
+# that gap was misaligned staging, reduction.STAGED_ROW_ALIGNMENT, and the default cut now wins.)
 SHARE_BUDGETS = (28 * 1024, 40 * 1024, 64 * 1024, 136 * 1024)
 # CTAs a row may be cut over: Hopper's largest (non-portable) cluster, which CuTe DSL allows on
 # every kernel. A bf16 softmax backward at 262144 stages 64 KiB a CTA over 16 (128 KiB over 8).
