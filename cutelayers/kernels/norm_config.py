@@ -26,9 +26,9 @@ BACKWARD_VALUES_PER_THREAD = {16: 24, 32: 16}  # by the row operands' widest ele
 # 189 us). The persistent backward, by ``center``: RMSNorm's 512 (H100, bf16, fwd+bwd 256 -> 512:
 # rms_norm 480 -> 467 us at 16384, 551 -> 526 at 65536, 650 -> 610 at 262144; add_rms_norm
 # 863 -> 844, 945 -> 914, 1048 -> 966), LayerNorm's 256 (add_layer_norm 913 -> 1027 at 16384,
-# 977 -> 1117 at 65536 with 512; layer_norm 525 -> 544 at 16384; the widths where LayerNorm's
-# backward gains from 512 -- 50304, 262144 -- are tuned-table entries): docs/benchmarks.md,
-# eighteenth session.
+# 977 -> 1117 at 65536 with 512; layer_norm 525 -> 544 at 16384): docs/benchmarks.md, eighteenth
+# session. Where 512 wins (layer_norm at 262144, add_layer_norm at 50304) is in the tuned table
+# (twenty-fifth session).
 STREAMED_THREADS = 256
 STREAMED_BACKWARD_THREADS = {True: 256, False: 512}
 # Shared memory a streamed row's forward CTA may stage before the row is cut over more CTAs, by
@@ -39,7 +39,8 @@ STREAMED_BACKWARD_THREADS = {True: 256, False: 512}
 # docs/benchmarks.md, eighteenth session. Those figures are confounded: until the twenty-fourth
 # session a staged row sat 16 bytes off a 32-byte boundary for some cuts (twice the L2 reads; see
 # reduction.STAGED_ROW_ALIGNMENT). Re-swept with aligned staging, both defaults are within 1.3 % of
-# the best cut at 32768 ... 262144 (docs/benchmarks.md, twenty-fourth session).
+# the best cut at 32768 ... 262144 (docs/benchmarks.md, twenty-fourth session); add_layer_norm's
+# forward, swept on its own, takes 40 KiB shares at 50304 from the tuned table (twenty-fifth).
 FORWARD_SHARE_BYTES = {True: STAGED_ROW_BYTES, False: 40 * 1024}
 # Row counts up to which the forward's register-resident rows load scale and bias before their
 # reductions, not after: one memory round trip fewer where the kernel is a few rows' latency (H100,
