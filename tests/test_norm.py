@@ -464,7 +464,7 @@ def test_streamed_rows_are_staged_and_cut_over_clusters():
             assert staged(g, itemsize, operands, sums)
             assert share_bytes(g, itemsize, operands, sums) <= STAGED_ROW_BYTES_ALONE
             assert sums_fit(g, sums)
-            assert (g.cluster - 1) * g.steps_per_cta < g.num_steps <= g.cluster * g.steps_per_cta
+            assert 0 < g.last_share_width <= g.share_width and g.steps_per_cta * g.tile_n >= g.share_width
 
 
 # --- CUDA lowering on CPU: compiles every kernel variant ----------------------------------------

@@ -191,7 +191,7 @@ SPLIT_ROWS = {
     (4096, jnp.bfloat16, 1): 1,  # in registers
     (32768, jnp.bfloat16, 1): 1,  # 64 KiB: one CTA stages it
     (32768, jnp.bfloat16, 2): 2,  # y and dy: 128 KiB
-    (50304, jnp.bfloat16, 2): 4,  # 7 steps: the last CTA gets one
+    (50304, jnp.bfloat16, 2): 2,  # 25152 columns a CTA: 98 KiB
     (131072, jnp.bfloat16, 1): 4,
     (262144, jnp.bfloat16, 2): 16,  # 64 KiB a CTA (128 over 8)
     (262144, jnp.float32, 2): 16,  # 128 KiB a CTA, one CTA an SM
@@ -217,26 +217,28 @@ def test_long_rows_are_cut_over_a_cluster_whose_shares_stage():
         values = FORWARD_VALUES_PER_THREAD if operands == 1 else BACKWARD_VALUES_PER_THREAD
         g = split_rows(row_geometry(n, 8 * itemsize, values), itemsize, operands)
         assert g.cluster == cluster, (n, dtype, operands)
-        assert g.cluster <= MAX_CLUSTER and (g.cluster - 1) * g.steps_per_cta < g.num_steps  # every CTA a step
+        assert g.cluster <= MAX_CLUSTER and 0 < g.last_share_width <= g.share_width  # every CTA a column
         if g.cluster > 1:
             assert staged(g, itemsize, operands) and g.row.rows_per_cta == 1
             limit = STAGED_ROW_BYTES if g.cluster < MAX_CLUSTER else STAGED_ROW_BYTES_ALONE
             assert share_bytes(g, itemsize, operands) <= limit
-            # the CTAs' shares cover the row
-            assert g.cluster * g.steps_per_cta * g.tile_n >= n
-    g = row_geometry(131072, 16, FORWARD_VALUES_PER_THREAD)
+            # the CTAs' shares cover the row, evenly, and their steps cover the shares
+            assert (g.cluster - 1) * g.share_width + g.last_share_width == n
+            assert g.share_width - g.last_share_width < g.cluster * g.share_quantum
+            assert g.steps_per_cta * g.tile_n >= g.share_width and g.last_steps * g.tile_n >= g.last_share_width
+    g = row_geometry(24, 16, FORWARD_VALUES_PER_THREAD)
     with pytest.raises(ValueError, match="leaves a CTA none"):
-        dataclasses.replace(g, cluster=16)  # 8 steps
+        dataclasses.replace(g, cluster=4)  # shares of 8 columns: the last CTA none
 
 
 @pytest.mark.cute
 def test_softmax_kernels_lower_with_rows_cut_over_clusters():
     """Cut rows compile for sm_90a: an even cut (131072), an uneven one with scalar accesses
-    staged from registers (50257: 7 steps over 4 CTAs), both directions."""
+    staged from registers (50257: shares of 25136 and 25121 columns), both directions."""
     from cutelayers.ops.softmax import SoftmaxBackward, SoftmaxForward
     from cutelayers.tuning import resolve
 
-    for v, clusters in {131072: (4, 8), 50257: (1, 4)}.items():
+    for v, clusters in {131072: (4, 8), 50257: (1, 2)}.items():
         x = jax.ShapeDtypeStruct((8, v), jnp.bfloat16)
         forward, backward = resolve(SoftmaxForward(False), (x,)), resolve(SoftmaxBackward(False), (x, x))
         assert (forward.geometry((x,)).cluster, backward.geometry((x, x)).cluster) == clusters
@@ -320,8 +322,9 @@ WITH_GRAD_SHAPES = {
     (50304, jnp.bfloat16): "shared",  # GPT-2's padded vocabulary: 98 KiB, two CTAs per SM
     (50257, jnp.bfloat16): "shared",  # odd: scalar accesses, a ragged last step
     (131072, jnp.bfloat16): "cluster of 4",  # 256 KiB: 64 KiB a CTA
-    (128256, jnp.bfloat16): "cluster of 4",  # Llama-3's vocabulary: the last CTA's last step ragged
-    (50304, jnp.float32): "cluster of 4",
+    (128256, jnp.bfloat16): "cluster of 4",  # Llama-3's vocabulary: shares of 32064, each last step ragged
+    (151936, jnp.bfloat16): "cluster of 4",  # shares of 38016, the last CTA's 37888
+    (50304, jnp.float32): "cluster of 2",  # 98 KiB a CTA
 }
 
 

@@ -8,15 +8,15 @@ times per step of ``threads_per_row * vec * unroll`` columns. The heuristic conf
 step, i.e. stays in registers between the statistics and the normalize pass -- one HBM read of
 x. Larger rows stream in steps, one row per 256-thread CTA, and are staged in shared memory for
 the second pass (the forward's x, the backward's x and dy): a row whose share does not fit one CTA
-is cut over a thread-block cluster, each CTA staging its steps, and the CTAs' partial statistics
+is cut evenly over a thread-block cluster, each CTA staging its share, and the CTAs' partial statistics
 (the forward's mean and M2 of its share, or sum of squares; the backward's sums of g * xhat and g)
 are combined through distributed shared memory (:func:`.reduction_config.split_rows`,
 :func:`.reduction.cluster_gather`). Only rows too long even for that are read twice. The
 backward of a streamed row is a persistent loop of clusters (:meth:`NormBackwardKernel.streamed_rows`)
 that also sums dscale / dbias over its rows in shared memory, and reads its share of scale from
-shared memory too, staged once where it fits. Where N is not a multiple of the step (a ragged
-row), only a share's last step can be partial: both kernels run the whole steps without column
-predicates and the last one with them. The config (a :class:`.reduction_config.RowGeometry`) is
+shared memory too, staged once where it fits. Where N (or a cut row's share) is not a multiple
+of the step, only a share's last step can be partial: both kernels run the whole steps without
+column predicates and the last one with them (up to the share's end). The config (a :class:`.reduction_config.RowGeometry`) is
 given to the kernel; the autotuner may pick another one from
 :func:`.reduction_config.row_geometry_space`.
 
@@ -200,7 +200,7 @@ class NormForwardKernel:
                 row_mean = row_allreduce(row_sum(vals), operator.add, Float32(0.0), config.row, buffers[0]) / n
                 dev = vals - row_mean
                 if const_expr(config.ragged):
-                    dev = cute.where(column_mask(src.coords[None, None, None, 0], src.frag, n), dev, Float32(0.0))
+                    dev = cute.where(column_mask(src.coords[None, None, None, 0], src.frag, src.limit), dev, Float32(0.0))
                 sq = row_sum(dev * dev)
             else:
                 sq = row_sum(vals * vals)
@@ -258,10 +258,11 @@ class NormForwardKernel:
     def share_columns(self, rank):
         """Columns of the row in CTA ``rank``'s share (the row's width without a cluster)."""
         config = self.config
-        width = config.steps_per_cta * config.tile_n
         columns = Float32(config.n)
         if const_expr(config.cluster > 1):
-            columns = Float32(min(width, config.n - rank * width))
+            columns = Float32(config.share_width)
+            if rank == config.cluster - 1:
+                columns = Float32(config.last_share_width)
         return columns
 
     @cute.jit
@@ -299,7 +300,7 @@ class NormForwardKernel:
         past n left out)."""
         vals = src.frag.load().to(Float32)
         if const_expr(edge):
-            mask = column_mask(src.coords[None, None, None, step], src.frag, self.config.n)
+            mask = column_mask(src.coords[None, None, None, step], src.frag, src.limit)
             s_count = row_sum(cute.where(mask, cute.full_like(vals, 1.0), Float32(0.0)))
         else:
             s_count = Float32(cute.size(src.frag))

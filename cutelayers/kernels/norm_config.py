@@ -27,8 +27,8 @@ BACKWARD_VALUES_PER_THREAD = {16: 24, 32: 16}  # by the row operands' widest ele
 # rms_norm 480 -> 467 us at 16384, 551 -> 526 at 65536, 650 -> 610 at 262144; add_rms_norm
 # 863 -> 844, 945 -> 914, 1048 -> 966), LayerNorm's 256 (add_layer_norm 913 -> 1027 at 16384,
 # 977 -> 1117 at 65536 with 512; layer_norm 525 -> 544 at 16384): docs/benchmarks.md, eighteenth
-# session. Where 512 wins (layer_norm at 262144, add_layer_norm at 50304) is in the tuned table
-# (twenty-fifth session).
+# session. Where another wins (layer_norm at 262144: 512; the RMSNorms' at 50304: 256 threads over
+# clusters of 8) is in the tuned table (twenty-fifth and twenty-sixth sessions).
 STREAMED_THREADS = 256
 STREAMED_BACKWARD_THREADS = {True: 256, False: 512}
 # Shared memory a streamed row's forward CTA may stage before the row is cut over more CTAs, by

@@ -200,9 +200,12 @@ class RowOperand:
     coords: object  # the same view of its coordinates
     frag: object  # registers for one step
     geometry: RowGeometry
+    limit: object  # the column its partial steps stop at (:func:`share_limit`)
 
 
 def row_operand(tensor, tiled_copy, coords, geometry: RowGeometry, tile_coord, thread) -> RowOperand:
+    """``tensor`` (rows, columns: a whole row tensor or a CTA's :func:`row_share` of one; ``coords``
+    the same view of its coordinates) tiled in steps, partitioned for ``thread``."""
     thr = tiled_copy.get_slice(thread)
     tiler = (geometry.row.rows_per_cta, geometry.tile_n)
     src = thr.partition_S(cute.local_tile(tensor, tiler, tile_coord))
@@ -212,7 +215,17 @@ def row_operand(tensor, tiled_copy, coords, geometry: RowGeometry, tile_coord, t
         coords=thr.partition_S(cute.local_tile(coords, tiler, tile_coord)),
         frag=cute.make_fragment_like(src[None, None, None, 0]),
         geometry=geometry,
+        limit=share_limit(coords, geometry),
     )
+
+
+def share_limit(coords, geometry: RowGeometry):
+    """The column where the row columns of ``coords`` end: the row's end, or for a row cut over a
+    cluster (``coords`` a :func:`row_share`'s), the CTA's share's -- the next CTA's share starts
+    there, and a share's partial last step must not reach into it."""
+    if geometry.cluster == 1:
+        return geometry.n
+    return cutlass.min(coords[0][1] + geometry.share_width, geometry.n)
 
 
 def partial_step(geometry: RowGeometry, edge) -> bool:
@@ -228,7 +241,7 @@ def load_step(op: RowOperand, step, edge: cutlass.Constexpr = None):
     geometry = op.geometry
     if const_expr(partial_step(geometry, edge)):
         op.frag.fill(0.0)
-        pred = column_predicate(op.coords[None, None, None, step], geometry.n)
+        pred = column_predicate(op.coords[None, None, None, step], op.limit)
         cute.copy(op.copy, op.src[None, None, None, step], op.frag, pred=pred)
     else:
         cute.copy(op.copy, op.src[None, None, None, step], op.frag)
@@ -249,7 +262,7 @@ def save_step(op: RowOperand, step, edge: cutlass.Constexpr = None):
     shared memory by :func:`shared_row_operand`; ``edge`` as in :func:`load_step`."""
     geometry = op.geometry
     if const_expr(partial_step(geometry, edge)):
-        pred = column_predicate(op.coords[None, None, None, step], geometry.n)
+        pred = column_predicate(op.coords[None, None, None, step], op.limit)
         cute.copy(op.copy, op.frag, op.src[None, None, None, step], pred=pred)
     else:
         cute.copy(op.copy, op.frag, op.src[None, None, None, step])
@@ -257,10 +270,12 @@ def save_step(op: RowOperand, step, edge: cutlass.Constexpr = None):
 
 def row_share(tensor, geometry: RowGeometry, tile, rank):
     """CTA ``rank``'s share of row tile ``tile`` of ``tensor`` (rows, n): ``rows_per_cta`` rows,
-    ``steps_per_cta`` steps from step ``rank * steps_per_cta`` (see ``RowGeometry.cluster``); its
-    row operands then count steps from 0. Works on a coordinate tensor too (global columns)."""
-    return cute.local_tile(tensor, (geometry.row.rows_per_cta, geometry.steps_per_cta * geometry.tile_n),
-                           (tile, rank))
+    ``share_width`` columns from column ``rank * share_width`` (see ``RowGeometry.cluster``); its
+    row operands then count steps from 0. Works on a coordinate tensor too (global columns). An
+    uncut row's share spans its whole steps: tiled by a step, a view as narrow as one column
+    repeats it (the size-1 mode loses its stride) where the row's own layout predicates it off."""
+    width = geometry.share_width if geometry.cluster > 1 else geometry.steps_per_cta * geometry.tile_n
+    return cute.local_tile(tensor, (geometry.row.rows_per_cta, width), (tile, rank))
 
 
 # Alignment of a staged row in shared memory. cp.async moves whole 32-byte global sectors only
@@ -313,6 +328,7 @@ class RowPrefetch:
     dst: object  # the same of the shared one
     coords: object
     geometry: RowGeometry
+    limit: object  # as RowOperand's
 
 
 def row_prefetch(tensor, shared, like: RowOperand, tile_coord, thread) -> RowPrefetch:
@@ -332,6 +348,7 @@ def row_prefetch(tensor, shared, like: RowOperand, tile_coord, thread) -> RowPre
         dst=thr.partition_D(cute.local_tile(shared, tiler, (0, None))),
         coords=like.coords,
         geometry=geometry,
+        limit=like.limit,
     )
 
 
@@ -346,7 +363,7 @@ def prefetch_step(op: RowPrefetch, step, edge: cutlass.Constexpr = None):
         coords = op.coords[None, None, None, step]
         for v in cutlass.range_constexpr(cute.size(coords, mode=[0, 1])):
             for k in cutlass.range_constexpr(cute.size(coords, mode=[2])):
-                if cute.elem_less(coords[(0, v), 0, k][1], geometry.n):
+                if cute.elem_less(coords[(0, v), 0, k][1], op.limit):
                     cute.copy(op.copy, src[(None, v), None, k], dst[(None, v), None, k])
     else:
         cute.copy(op.copy, src, dst)
@@ -466,8 +483,10 @@ def cta_position(geometry: cutlass.Constexpr):
     tile, rank, steps = bidx, 0, geometry.steps_per_cta
     if const_expr(geometry.cluster > 1):
         tile, rank = bidx // geometry.cluster, bidx % geometry.cluster
-        if const_expr(geometry.num_steps % geometry.cluster):
-            steps = min(geometry.steps_per_cta, geometry.num_steps - rank * geometry.steps_per_cta)
+        if const_expr(geometry.last_steps != geometry.steps_per_cta):
+            # the steps of the row's rest from this share on: more than a share's but in the last
+            rest = geometry.n - rank * geometry.share_width
+            steps = min(geometry.steps_per_cta, (rest + geometry.tile_n - 1) // geometry.tile_n)
     return tile, rank, steps
 
 

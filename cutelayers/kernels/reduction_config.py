@@ -102,10 +102,11 @@ class RowGeometry:
     """A row config plus the step geometry for rows of ``n`` elements.
 
     ``cluster`` > 1 cuts each row over that many CTAs of a thread-block cluster (a kernel that
-    supports it: the softmax kernels' long rows): CTA ``r`` of a cluster walks steps
-    ``[r * steps_per_cta, (r + 1) * steps_per_cta)`` of its rows (the last CTA fewer where
-    ``cluster`` does not divide ``num_steps``; every CTA at least one), and the row's statistics
-    are combined through distributed shared memory.
+    supports it: the softmax kernels' long rows): CTA ``r`` of a cluster covers columns
+    ``[r * share_width, (r + 1) * share_width)`` of its rows (the last CTA what is left, at least
+    a column) in ``steps_per_cta`` steps from the share's start, the last of them partial where
+    the share is not whole steps; the row's statistics are combined through distributed shared
+    memory.
     """
 
     row: RowConfig
@@ -114,8 +115,9 @@ class RowGeometry:
     cluster: int = 1
 
     def __post_init__(self):
-        if (self.cluster - 1) * self.steps_per_cta >= self.num_steps:
-            raise ValueError(f"cluster {self.cluster} leaves a CTA none of the row's {self.num_steps} steps")
+        if self.last_share_width < 1:
+            raise ValueError(f"cluster {self.cluster} leaves a CTA none of the row's {self.n} columns "
+                             f"(shares of {self.share_width})")
         if self.cluster > 1 and self.row.rows_per_cta != 1:
             raise ValueError("a row cut over a cluster needs one row per CTA")
 
@@ -128,13 +130,30 @@ class RowGeometry:
         return math.ceil(self.n / self.tile_n)
 
     @property
-    def steps_per_cta(self) -> int:
-        return math.ceil(self.num_steps / self.cluster)
+    def share_width(self) -> int:
+        """Columns of a row one CTA covers: the row's own width without a cluster, else
+        :func:`cut_share_width`."""
+        return cut_share_width(self.n, self.cluster, self.share_quantum)
 
     @property
-    def share_width(self) -> int:
-        """Columns of a row one CTA covers (the row's own width where one CTA covers it whole)."""
-        return min(self.n, self.steps_per_cta * self.tile_n)
+    def share_quantum(self) -> int:
+        """Columns a cut row's shares are whole multiples of: ``SHARE_QUANTUM_ACCESSES`` vector
+        accesses (fewer where a step has fewer)."""
+        return self.vec * min(SHARE_QUANTUM_ACCESSES, self.row.threads_per_row * self.row.unroll)
+
+    @property
+    def last_share_width(self) -> int:
+        """Columns of the cluster's last CTA's share (the rest of the row)."""
+        return self.n - (self.cluster - 1) * self.share_width
+
+    @property
+    def steps_per_cta(self) -> int:
+        """Steps of a CTA's share (the last CTA's may have fewer: :attr:`last_steps`)."""
+        return math.ceil(self.share_width / self.tile_n)
+
+    @property
+    def last_steps(self) -> int:
+        return math.ceil(self.last_share_width / self.tile_n)
 
     @property
     def resident(self) -> bool:
@@ -143,8 +162,26 @@ class RowGeometry:
 
     @property
     def ragged(self) -> bool:
-        """The last step is partial: loads and stores need column predicates."""
-        return self.n % self.tile_n != 0
+        """A share's last step may be partial: its loads and stores need column predicates (the
+        share's end: :func:`.reduction.row_operand`)."""
+        return self.share_width % self.tile_n != 0 or self.last_share_width % self.tile_n != 0
+
+
+# A cut row's shares start this many vector accesses apart at least: 128 bytes of a row of full
+# 16-byte vectors, so every share starts on whole L2 sectors and stages into aligned shared memory
+# (reduction.STAGED_ROW_ALIGNMENT) as the row's start does.
+SHARE_QUANTUM_ACCESSES = 8
+
+
+def cut_share_width(n: int, cluster: int, quantum: int) -> int:
+    """Columns of each CTA's share of a row of ``n`` cut over ``cluster`` CTAs: the row split
+    evenly, rounded up to whole ``quantum`` columns (the last CTA gets the rest). Shares are
+    balanced whatever the step: until the twenty-sixth session they were whole steps, and a row
+    of 50304 in steps of 8192 was cut over 4 CTAs as 16384, 16384, 16384 and 1152 columns -- a
+    persistent cluster walks its rows at the pace of its widest share."""
+    if cluster == 1:
+        return n
+    return -(-n // (cluster * quantum)) * quantum
 
 
 def row_geometry(n: int, elem_bits: int, values_per_thread: int) -> RowGeometry:
@@ -213,13 +250,6 @@ SHARE_BUDGETS = (28 * 1024, 40 * 1024, 64 * 1024, 136 * 1024)
 # CTAs a row may be cut over: Hopper's largest (non-portable) cluster, which CuTe DSL allows on
 # every kernel. A bf16 softmax backward at 262144 stages 64 KiB a CTA over 16 (128 KiB over 8).
 MAX_CLUSTER = 16
-# A persistent kernel's cluster walks its rows in lockstep, so a cut whose CTAs' shares differ too
-# much (16384 columns in steps of 6144 over two CTAs: 12288 and 4096) runs at the pace of the
-# widest, every row; such kernels take those cuts only where no other fits. (Where each cluster
-# runs one row, a CTA done early frees its SM for the next cluster's: imbalance costs little.)
-MAX_CUT_IMBALANCE = 1.25
-
-
 def share_bytes(geometry: RowGeometry, elem_bytes: int, operands: int = 1, accumulators: int = 0) -> int:
     """Shared memory one CTA needs to stage its share of ``operands`` row operands, plus
     ``accumulators`` fp32 sums per column of the share (the norm backward's dscale / dbias)."""
@@ -235,16 +265,14 @@ def staged(geometry: RowGeometry, elem_bytes: int, operands: int = 1, accumulato
 
 
 def split_rows(geometry: RowGeometry, elem_bytes: int, operands: int, accumulators: int = 0,
-               balanced: bool = False, budget: int = STAGED_ROW_BYTES) -> RowGeometry:
+               budget: int = STAGED_ROW_BYTES) -> RowGeometry:
     """``geometry`` with a streamed row of one-row CTAs cut over the fewest CTAs (a power of two,
-    at most ``MAX_CLUSTER``, each with a step) whose shares of ``operands`` row operands (and
+    at most ``MAX_CLUSTER``, each with a column) whose shares of ``operands`` row operands (and
     ``accumulators`` fp32 sums a column) stage in ``budget`` (``STAGED_ROW_BYTES`` by default, two
     CTAs an SM; a kernel may want smaller shares, more CTAs a row, or larger ones, fewer CTAs a row
-    and one of them an SM) -- at the config's unroll, else at a smaller one (finer steps, finer
-    shares); with ``balanced`` (a persistent kernel), cuts whose widest share is within
-    ``MAX_CUT_IMBALANCE`` of the mean first -- or failing that, the cut with the smallest shares,
-    where they stage in ``STAGED_ROW_BYTES_ALONE`` or the kernel keeps sums there; the row is read
-    from global memory once instead of twice. Other geometries are returned as they are."""
+    and one of them an SM) -- or failing that, the cut with the smallest shares, where they stage
+    in ``STAGED_ROW_BYTES_ALONE`` or the kernel keeps sums there; the row is read from global
+    memory once instead of twice. Other geometries are returned as they are."""
     if geometry.resident or geometry.row.rows_per_cta != 1:
         return geometry
     if share_bytes(geometry, elem_bytes, operands, accumulators) <= min(budget, STAGED_ROW_BYTES):
@@ -253,23 +281,28 @@ def split_rows(geometry: RowGeometry, elem_bytes: int, operands: int, accumulato
     def size(g):
         return share_bytes(g, elem_bytes, operands, accumulators)
 
-    candidates = [
-        cut
-        for unroll in range(geometry.row.unroll, 0, -1)
-        for cut in _cuts(dataclasses.replace(geometry, row=dataclasses.replace(geometry.row, unroll=unroll)))
-    ]
+    candidates = _cuts(geometry)
     fitting = [cut for cut in candidates if size(cut) <= budget]
-    even = [cut for cut in fitting if balanced and cut.cluster * cut.share_width <= MAX_CUT_IMBALANCE * cut.n]
-    if even or fitting:
-        return (even or fitting)[0]
+    if fitting:
+        return _fitted_steps(fitting[0])
     smallest = min(candidates, key=size, default=None)
     if smallest is not None and (accumulators or staged(smallest, elem_bytes, operands, accumulators)):
-        return smallest
+        return _fitted_steps(smallest)
     return geometry
 
 
+def _fitted_steps(cut: RowGeometry) -> RowGeometry:
+    """``cut`` at the unroll (at most its config's) whose steps cover the shares: in whole steps if
+    any do -- a share of 8192 columns in one step of 8192 (512 threads at unroll 2), not of 12288
+    with a third of its accesses past the share --, else in the fewest, each as narrow as that
+    many allow."""
+    options = [dataclasses.replace(cut, row=dataclasses.replace(cut.row, unroll=u))
+               for u in range(cut.row.unroll, 0, -1)]
+    return min(options, key=lambda g: (g.ragged, g.steps_per_cta, g.steps_per_cta * g.tile_n))
+
+
 def _cuts(geometry: RowGeometry) -> list[RowGeometry]:
-    """``geometry`` cut over 2, 4, ... ``MAX_CLUSTER`` CTAs, each of which gets a step."""
-    steps = geometry.num_steps
+    """``geometry`` cut over 2, 4, ... ``MAX_CLUSTER`` CTAs, each of which gets a column."""
+    n, quantum = geometry.n, geometry.share_quantum
     return [dataclasses.replace(geometry, cluster=c) for c in (2, 4, 8, 16)
-            if c <= MAX_CLUSTER and (c - 1) * -(-steps // c) < steps]
+            if c <= MAX_CLUSTER and (c - 1) * cut_share_width(n, c, quantum) < n]

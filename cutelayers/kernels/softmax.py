@@ -153,7 +153,7 @@ def _launch(kernel, geometry: RowGeometry, rows, stream, buffers: int, extra_sme
 def masked(op, step, vals, fill):
     """``vals`` with columns past N replaced by ``fill`` (only for ragged geometries)."""
     if const_expr(op.geometry.ragged):
-        vals = cute.where(column_mask(op.coords[None, None, None, step], op.frag, op.geometry.n), vals, Float32(fill))
+        vals = cute.where(column_mask(op.coords[None, None, None, step], op.frag, op.limit), vals, Float32(fill))
     return vals
 
 
@@ -490,17 +490,19 @@ class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
                 total = slot_total(slots, buffer, 1, g)
         if valid_row:
             # this thread's position among the cluster's threads of the row (its lane without one)
-            lane = rank * tpr + (opx.coords[0][1] // g.vec) % tpr
+            lane = rank * tpr + ((opx.coords[0][1] - rank * g.share_width) // g.vec) % tpr
             label = Int32(labels[row])
             loss = Float32(math.nan)
             scale = grad_scale(dloss[row], label, n, self.ignore_index)
             writer = lane == 0
             if label >= 0:
                 if label < n:
-                    # column j lies in the share of CTA j // share_width, in the fragment of lane
-                    # (j // vec) % threads_per_row (row_tv_layout); that thread alone overwrites
+                    # column j lies in the share of CTA r = j // share_width, in the fragment of
+                    # lane ((j - r * share_width) // vec) % threads_per_row (row_tv_layout: a
+                    # share's steps count from its start); that thread alone overwrites
                     # x[row, label], in its pass 2 below
-                    writer = (label // g.share_width) * tpr + (label // g.vec) % tpr == lane
+                    owner = label // g.share_width
+                    writer = owner * tpr + ((label - owner * g.share_width) // g.vec) % tpr == lane
                     if writer:
                         picked = x[row, label].to(Float32)
                         if const_expr(self.soft_cap > 0.0):

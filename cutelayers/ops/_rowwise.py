@@ -63,10 +63,6 @@ class RowKernelFamily(TunableFamily):
     """Shared memory a CTA's share of a streamed row may take before the row is cut over more CTAs
     (:func:`cutelayers.kernels.reduction_config.split_rows`)."""
 
-    persistent_rows: bool = False
-    """A streamed row's kernel walks its rows in a persistent loop, a cluster's CTAs in lockstep: its
-    rows are cut into balanced shares where one fits (``split_rows(balanced=True)``)."""
-
     streamed_threads: int | None = None
     """Threads per row (one row a CTA) of a streamed row's heuristic config; None: the table's."""
 
@@ -133,7 +129,7 @@ class RowKernelFamily(TunableFamily):
         g = geometry_for(config, self.row_length(avals), self.elem_bits(avals))
         if self.staged_operands:
             g = split_rows(g, self.elem_bits(avals) // 8, self.staged_operands, self.staged_sums,
-                           balanced=self.persistent_rows, budget=config.share_budget or self.share_budget)
+                           budget=config.share_budget or self.share_budget)
         return g
 
 

@@ -153,7 +153,6 @@ class NormBackward(RowKernelFamily):
     grid: int | None = None
     per_row_rank = 2
     staged_operands = norm_config.STAGED_OPERANDS  # a streamed row's x and dy, kept for the dx pass
-    persistent_rows = True
 
     @property
     def streamed_threads(self) -> int:
