@@ -91,7 +91,20 @@ def table_grad(dy: jax.Array, ids: jax.Array, num_embeddings: int, block_tokens:
     if sums.shape[-1] != h:
         sums = sums[..., :h] + sums[..., h:2 * h] + sums[..., 2 * h:]
     targets = jnp.where(first, ids, num_embeddings).reshape(-1)
-    return zeros_after(sums, (num_embeddings, h)).at[targets].add(sums.reshape(-1, h), mode="drop")
+    # Under Explicit mesh axes the row-sharded sums go into a replicated table: JAX types that
+    # scatter only when told its result's sharding (its zeros must carry the mesh, too).
+    replicated = _replicated_sharding(sums)
+    zeros = zeros_after(sums, (num_embeddings, h), out_sharding=replicated)
+    return zeros.at[targets].add(sums.reshape(-1, h), mode="drop", out_sharding=replicated)
+
+
+def _replicated_sharding(x):
+    """A replicated sharding on x's mesh where x's type is sharded (``Explicit`` mesh axes); None
+    elsewhere (``Auto`` axes, inside ``jax.shard_map``, one device)."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    if all(axis is None for axis in getattr(sharding, "spec", ())):
+        return None
+    return sharding.update(spec=jax.sharding.PartitionSpec())
 
 
 def _rows_sharding(ids):

@@ -77,19 +77,19 @@ def _argument_name(family: KernelFamily, i: int) -> str:
 
 
 def _spec_axes(sharding: NamedSharding, ndim: int) -> tuple[tuple[str, ...], ...]:
-    """Per dim: the mesh axes of size > 1 that shard it."""
+    """Per dim: the mesh axes that shard it, size-1 axes included: they split nothing, but they
+    are part of the spec (of the type, under ``Explicit`` axes) that the results must keep -- a
+    (data=1, model=2) mesh's batch stays ``data``."""
     spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-    sizes = dict(sharding.mesh.shape)
 
     def axes(entry) -> tuple[str, ...]:
-        names = (entry,) if isinstance(entry, str) else entry if isinstance(entry, tuple) else ()
-        return tuple(a for a in names if sizes[a] > 1)
+        return (entry,) if isinstance(entry, str) else entry if isinstance(entry, tuple) else ()
 
     return tuple(axes(entry) for entry in spec[:ndim])
 
 
 def _dim_axes(family, i, sharding, ndim) -> tuple[tuple[str, ...], ...]:
-    """Per dim of operand ``i``: the mesh axes of size > 1 that shard it."""
+    """Per dim of operand ``i``: the mesh axes that shard it (:func:`_spec_axes`)."""
     if isinstance(sharding, NamedSharding):
         return _spec_axes(sharding, ndim)
     if sharding is None or sharding.is_fully_replicated:
@@ -118,13 +118,18 @@ def plan(family: KernelFamily, avals, shardings: Sequence) -> Plan:
     needs whole, or along a dim that does not divide evenly over its mesh axes.
     """
     rule = rule_for(family, avals)
-    axes_of: dict[str, tuple[str, ...]] = {}
+    axes_of: dict[str, tuple[str, ...]] = {}  # size-1 axes included: they stay in the specs
     taken: set[str] = set()
+    sizes: dict[str, int] = {}
     for i, (dims, aval, sharding) in enumerate(zip(rule.operands, avals, shardings)):
         for d, (factor, axes) in enumerate(zip(dims, _dim_axes(family, i, sharding, len(aval.shape)))):
             if not axes:
                 continue
+            sizes.update(sharding.mesh.shape)
             name = _argument_name(family, i)
+            devices = math.prod(sharding.mesh.shape[a] for a in axes)
+            if factor is None and devices == 1:
+                continue  # size-1 axes split nothing: the dim is whole on every device anyway
             if factor is None:
                 raise ValueError(
                     f"{family.name}: argument {name!r} is sharded over mesh axes {axes} along dim {d} "
@@ -133,7 +138,6 @@ def plan(family: KernelFamily, avals, shardings: Sequence) -> Plan:
                     "and combine the shards yourself.")
             if factor in axes_of or taken & set(axes):
                 continue  # already decided by an earlier operand: this one is resharded to match
-            devices = math.prod(sharding.mesh.shape[a] for a in axes)
             if aval.shape[d] % devices:
                 raise ValueError(
                     f"{family.name}: argument {name!r} (shape {tuple(aval.shape)}) is sharded over "
@@ -150,8 +154,10 @@ def plan(family: KernelFamily, avals, shardings: Sequence) -> Plan:
 
         return PartitionSpec(*(entry(f) for f in dims))
 
+    # The per-device program sums over (and branches on) only the axes that split a dim.
+    split = {f: kept for f, axes in axes_of.items() if (kept := tuple(a for a in axes if sizes[a] > 1))}
     return Plan(rule, tuple(spec(d) for d in rule.operands), tuple(spec(d) for d in rule.results),
-                ShardContext(axes_of))
+                ShardContext(split))
 
 
 def _sharding_hint(rule: ShardingRule, i: int) -> str:
@@ -275,13 +281,19 @@ def _explicit_axes(mesh) -> set[str]:
 
 def _explicit_call(family, avals, arrays, shardings):
     """Explicit sharding is known while tracing: run the per-device program in ``jax.shard_map``
-    over the mesh's explicit axes, with the plan's specs (operands resharded to them first)."""
+    over the mesh's explicit axes, with the plan's specs (operands resharded to them first).
+
+    ``check_vma=False``: the plan, not JAX's varying-axes types, says which results are the same
+    on every device of an axis. Its type inference cannot see it where a result does not depend
+    on a sharded operand dim (a row-parallel weight gradient's bias sums, of dz, replicated over
+    the kernel's K axis, while the kernel call's results vary like x), nor over an axis of size 1
+    (never psum'd); the per-device program psums every partial sum itself."""
     p = plan(family, avals, shardings)
     mesh = next(s.mesh for s in shardings if isinstance(s, NamedSharding) and not s.mesh.empty)
     operands = [jax.sharding.reshard(a, NamedSharding(mesh, spec))
                 for a, spec in zip(arrays, p.operand_specs)]
     program = jax.shard_map(per_shard_program(family, p), mesh=mesh, in_specs=p.operand_specs,
-                            out_specs=p.result_specs, axis_names=_explicit_axes(mesh))
+                            out_specs=p.result_specs, axis_names=_explicit_axes(mesh), check_vma=False)
     return tuple(program(*operands))
 
 
