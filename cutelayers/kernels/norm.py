@@ -64,6 +64,7 @@ from cutelayers.kernels.reduction import (
     cluster_sum,
     column_mask,
     cta_position,
+    cta_share,
     load_step,
     prefetch_shares,
     prefetch_step,
@@ -154,15 +155,14 @@ class NormForwardKernel:
         config = self.config
         n = config.n
         tidx, _, _ = cute.arch.thread_idx()
-        tile, rank, steps = cta_position(config)
-        coords = row_share(cute.make_identity_tensor(x.shape), config, tile, rank)
-        x_share = row_share(x, config, tile, rank)
-        opx = row_operand(x_share, copy_x, coords, config, (0, None), tidx)
-        opr = row_operand(row_share(residual, config, tile, rank), copy_residual, coords, config, (0, None), tidx) if const_expr(self.has_residual) else None
+        share = cta_share(config, x.shape, tidx)
+        rank, steps = share.rank, share.steps
+        opx = share.operand(x, copy_x)
+        opr = share.operand(residual, copy_residual) if const_expr(self.has_residual) else None
         # the row being normalized: x's share, or summed's (x + residual)
-        src_share = row_share(summed, config, tile, rank) if const_expr(self.has_residual) else x_share
-        ops_sum = row_operand(src_share, copy_summed, coords, config, (0, None), tidx) if const_expr(self.has_residual) else None
-        opy = row_operand(row_share(y, config, tile, rank), copy_y, coords, config, (0, None), tidx)
+        normalized = summed if const_expr(self.has_residual) else x
+        ops_sum = share.operand(summed, copy_summed) if const_expr(self.has_residual) else None
+        opy = share.operand(y, copy_y)
         pcoords = row_share(cute.make_identity_tensor((config.row.rows_per_cta, n)), config, 0, rank)
         ops = row_operand(row_share(_broadcast_rows(scale, config), config, 0, rank), copy_scale, pcoords, config, (0, None), tidx) if const_expr(self.has_scale) else None
         opb = row_operand(row_share(_broadcast_rows(bias, config), config, 0, rank), copy_bias, pcoords, config, (0, None), tidx) if const_expr(self.has_bias) else None
@@ -172,9 +172,8 @@ class NormForwardKernel:
         valid_row = row < x.shape[0]
         # A streamed row kept in shared memory for the normalize pass: x prefetched, or summed
         # copied from registers as pass 1 computes it.
-        source, copy_to, again, prefetch = row_staging(
-            config, src_share, src, (0, None), tidx, staged(config, widest_bytes(x, scale, bias, y)),
-            prefetch=not self.has_residual)
+        source, copy_to, again, prefetch = share.staging(normalized, src, staged(config, widest_bytes(x, scale, bias, y)),
+                                                         prefetch=not self.has_residual)
         buffers = shared_buffers(config, 2)  # after the staged row (see reduction.shared_row_tensor)
         slots = cluster_slots(config, self.cluster_values)
         if const_expr(self.has_residual):

@@ -490,6 +490,40 @@ def cta_position(geometry: cutlass.Constexpr):
     return tile, rank, steps
 
 
+@dataclasses.dataclass(frozen=True)
+class CtaShare:
+    """This CTA's share of its row tile (:func:`cta_share`): its ``rows_per_cta`` rows -- for a row
+    cut over a cluster, the columns of its ``rank`` -- walked in ``steps`` steps; ``coords`` the
+    share's coordinates. Frozen, as :class:`RowOperand`."""
+
+    geometry: RowGeometry
+    tile: object
+    rank: object
+    steps: object
+    coords: object
+    thread: object
+
+    def view(self, tensor):
+        """The share of ``tensor`` (rows, n)."""
+        return row_share(tensor, self.geometry, self.tile, self.rank)
+
+    def operand(self, tensor, tiled_copy) -> RowOperand:
+        """The share of ``tensor`` as this thread's row operand."""
+        return row_operand(self.view(tensor), tiled_copy, self.coords, self.geometry, (0, None), self.thread)
+
+    def staging(self, tensor, op: RowOperand, stage: bool, prefetch: bool = True):
+        """How a two-pass kernel holds ``op`` (:meth:`operand` of ``tensor``) between its passes:
+        :func:`row_staging`'s ``(source, stage, again, prefetch)``."""
+        return row_staging(self.geometry, self.view(tensor), op, (0, None), self.thread, stage, prefetch)
+
+
+def cta_share(geometry: RowGeometry, shape, thread) -> CtaShare:
+    """This CTA's :class:`CtaShare` of row tensors of ``shape`` (:func:`cta_position`)."""
+    tile, rank, steps = cta_position(geometry)
+    coords = row_share(cute.make_identity_tensor(shape), geometry, tile, rank)
+    return CtaShare(geometry, tile, rank, steps, coords, thread)
+
+
 def row_staging(geometry: RowGeometry, tensor, op, tile_coord, tidx, stage: bool, prefetch: bool = True,
                 shared=None):
     """How a two-pass kernel holds ``op``'s row (of ``tensor``, tiled at ``tile_coord``) between

@@ -29,14 +29,12 @@ from cutelayers.kernels.reduction import (
     cluster_slots,
     cluster_sum,
     column_mask,
-    cta_position,
+    cta_share,
     load_step,
     nan_max,
     prefetch_shares,
     row_allreduce,
     row_operand,
-    row_share,
-    row_staging,
     row_sum,
     row_tiled_copy,
     save_step,
@@ -189,14 +187,12 @@ class SoftmaxForwardKernel:
     def kernel(self, x, y, copy_x, copy_y):
         g = self.geometry
         tidx, _, _ = cute.arch.thread_idx()
-        tile, rank, steps = cta_position(g)
-        coords = row_share(cute.make_identity_tensor(x.shape), g, tile, rank)
-        x_share = row_share(x, g, tile, rank)
-        opx = row_operand(x_share, copy_x, coords, g, (0, None), tidx)
-        opy = row_operand(row_share(y, g, tile, rank), copy_y, coords, g, (0, None), tidx)
+        share = cta_share(g, x.shape, tidx)
+        steps = share.steps
+        opx = share.operand(x, copy_x)
+        opy = share.operand(y, copy_y)
         valid_row = opx.coords[0][0] < x.shape[0]
-        source, copy_to, again, prefetch = row_staging(g, x_share, opx, (0, None), tidx,
-                                                       staged(g, x.element_type.width // 8))
+        source, copy_to, again, prefetch = share.staging(x, opx, staged(g, x.element_type.width // 8))
         buffers = shared_buffers(g, 2)  # after the staged row (see reduction.shared_row_tensor)
         slots = cluster_slots(g)
         opx.frag.fill(0.0)
@@ -241,16 +237,15 @@ class SoftmaxBackwardKernel:
     def kernel(self, y, dy, dx, copy_y, copy_dy, copy_dx):
         g = self.geometry
         tidx, _, _ = cute.arch.thread_idx()
-        tile, rank, steps = cta_position(g)
-        coords = row_share(cute.make_identity_tensor(y.shape), g, tile, rank)
-        y_share, dy_share = row_share(y, g, tile, rank), row_share(dy, g, tile, rank)
-        opy = row_operand(y_share, copy_y, coords, g, (0, None), tidx)
-        opg = row_operand(dy_share, copy_dy, coords, g, (0, None), tidx)
-        opd = row_operand(row_share(dx, g, tile, rank), copy_dx, coords, g, (0, None), tidx)
+        share = cta_share(g, y.shape, tidx)
+        steps = share.steps
+        opy = share.operand(y, copy_y)
+        opg = share.operand(dy, copy_dy)
+        opd = share.operand(dx, copy_dx)
         valid_row = opy.coords[0][0] < y.shape[0]
         stage = staged(g, max(y.element_type.width, dy.element_type.width) // 8, 2)
-        source_y, copy_y_to, again_y, prefetch_y = row_staging(g, y_share, opy, (0, None), tidx, stage)
-        source_g, copy_g_to, again_g, prefetch_g = row_staging(g, dy_share, opg, (0, None), tidx, stage)
+        source_y, copy_y_to, again_y, prefetch_y = share.staging(y, opy, stage)
+        source_g, copy_g_to, again_g, prefetch_g = share.staging(dy, opg, stage)
         buffers = shared_buffers(g, 1)  # after the staged rows (see reduction.shared_row_tensor)
         slots = cluster_slots(g)
         opy.frag.fill(0.0)
@@ -463,14 +458,12 @@ class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
         g = self.geometry
         n, a, tpr = g.n, self.smoothing, g.row.threads_per_row
         tidx, _, _ = cute.arch.thread_idx()
-        tile, rank, steps = cta_position(g)  # the row's share: all of it without a cluster
-        x_share = row_share(x, g, tile, rank)
-        opx = row_operand(x_share, copy_x, row_share(cute.make_identity_tensor(x.shape), g, tile, rank), g,
-                          (0, None), tidx)
+        share = cta_share(g, x.shape, tidx)  # the row's share: all of it without a cluster
+        steps, rank = share.steps, share.rank
+        opx = share.operand(x, copy_x)
         row = opx.coords[0][0]
         valid_row = row < x.shape[0]
-        source, stage, again, prefetch = row_staging(g, x_share, opx, (0, None), tidx,
-                                                     staged(g, x.element_type.width // 8))
+        source, stage, again, prefetch = share.staging(x, opx, staged(g, x.element_type.width // 8))
         buffers = shared_buffers(g, self.buffers)  # after the staged row (see reduction.shared_row_tensor)
         slots = cluster_slots(g, self.slot_values)
         opx.frag.fill(0.0)
