@@ -272,8 +272,9 @@ def row_share(tensor, geometry: RowGeometry, tile, rank):
     """CTA ``rank``'s share of row tile ``tile`` of ``tensor`` (rows, n): ``rows_per_cta`` rows,
     ``share_width`` columns from column ``rank * share_width`` (see ``RowGeometry.cluster``); its
     row operands then count steps from 0. Works on a coordinate tensor too (global columns). An
-    uncut row's share spans its whole steps: tiled by a step, a view as narrow as one column
-    repeats it (the size-1 mode loses its stride) where the row's own layout predicates it off."""
+    uncut row's view spans whole steps, as the row's own layout does: a view one column wide,
+    tiled by a wider step, would repeat that column (a size-1 mode keeps no stride) instead of
+    running on to columns its predicates turn off (N = 1 failed so on the GPU)."""
     width = geometry.share_width if geometry.cluster > 1 else geometry.steps_per_cta * geometry.tile_n
     return cute.local_tile(tensor, (geometry.row.rows_per_cta, width), (tile, rank))
 
@@ -484,7 +485,7 @@ def cta_position(geometry: cutlass.Constexpr):
     if const_expr(geometry.cluster > 1):
         tile, rank = bidx // geometry.cluster, bidx % geometry.cluster
         if const_expr(geometry.last_steps != geometry.steps_per_cta):
-            # the steps of the row's rest from this share on: more than a share's but in the last
+            # the last CTA's share is shorter: the steps of what is left of the row, at most a share's
             rest = geometry.n - rank * geometry.share_width
             steps = min(geometry.steps_per_cta, (rest + geometry.tile_n - 1) // geometry.tile_n)
     return tile, rank, steps

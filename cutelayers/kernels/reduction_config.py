@@ -153,6 +153,7 @@ class RowGeometry:
 
     @property
     def last_steps(self) -> int:
+        """Steps of the cluster's last CTA's share."""
         return math.ceil(self.last_share_width / self.tile_n)
 
     @property
@@ -162,8 +163,8 @@ class RowGeometry:
 
     @property
     def ragged(self) -> bool:
-        """A share's last step may be partial: its loads and stores need column predicates (the
-        share's end: :func:`.reduction.row_operand`)."""
+        """A share's last step may be partial: its loads and stores need column predicates (up to
+        the share's end: :func:`.reduction.share_limit`)."""
         return self.share_width % self.tile_n != 0 or self.last_share_width % self.tile_n != 0
 
 
@@ -250,6 +251,8 @@ SHARE_BUDGETS = (28 * 1024, 40 * 1024, 64 * 1024, 136 * 1024)
 # CTAs a row may be cut over: Hopper's largest (non-portable) cluster, which CuTe DSL allows on
 # every kernel. A bf16 softmax backward at 262144 stages 64 KiB a CTA over 16 (128 KiB over 8).
 MAX_CLUSTER = 16
+
+
 def share_bytes(geometry: RowGeometry, elem_bytes: int, operands: int = 1, accumulators: int = 0) -> int:
     """Shared memory one CTA needs to stage its share of ``operands`` row operands, plus
     ``accumulators`` fp32 sums per column of the share (the norm backward's dscale / dbias)."""
