@@ -119,13 +119,13 @@ def plan(family: KernelFamily, avals, shardings: Sequence) -> Plan:
     """
     rule = rule_for(family, avals)
     axes_of: dict[str, tuple[str, ...]] = {}  # size-1 axes included: they stay in the specs
+    # those of them that split the dim: the per-device program sums over (and branches on) only these
+    split: dict[str, tuple[str, ...]] = {}
     taken: set[str] = set()
-    sizes: dict[str, int] = {}
     for i, (dims, aval, sharding) in enumerate(zip(rule.operands, avals, shardings)):
         for d, (factor, axes) in enumerate(zip(dims, _dim_axes(family, i, sharding, len(aval.shape)))):
             if not axes:
                 continue
-            sizes.update(sharding.mesh.shape)
             name = _argument_name(family, i)
             devices = math.prod(sharding.mesh.shape[a] for a in axes)
             if factor is None and devices == 1:
@@ -145,6 +145,8 @@ def plan(family: KernelFamily, avals, shardings: Sequence) -> Plan:
                     "which does not divide evenly. Make that dim a multiple of the device count "
                     "(e.g. the batch size), or replicate it.")
             axes_of[factor] = axes
+            if kept := tuple(a for a in axes if sharding.mesh.shape[a] > 1):
+                split[factor] = kept
             taken.update(axes)
 
     def spec(dims) -> PartitionSpec:
@@ -154,8 +156,6 @@ def plan(family: KernelFamily, avals, shardings: Sequence) -> Plan:
 
         return PartitionSpec(*(entry(f) for f in dims))
 
-    # The per-device program sums over (and branches on) only the axes that split a dim.
-    split = {f: kept for f, axes in axes_of.items() if (kept := tuple(a for a in axes if sizes[a] > 1))}
     return Plan(rule, tuple(spec(d) for d in rule.operands), tuple(spec(d) for d in rule.results),
                 ShardContext(split))
 
