@@ -93,29 +93,21 @@ def table_grad(dy: jax.Array, ids: jax.Array, num_embeddings: int, block_tokens:
     targets = jnp.where(first, ids, num_embeddings).reshape(-1)
     # Under Explicit mesh axes the row-sharded sums go into a replicated table: JAX types that
     # scatter only when told its result's sharding (its zeros must carry the mesh, too).
-    replicated = _replicated_sharding(sums)
+    replicated = _explicit_sharding(sums, lambda spec: jax.sharding.PartitionSpec())
     zeros = zeros_after(sums, (num_embeddings, h), out_sharding=replicated)
     return zeros.at[targets].add(sums.reshape(-1, h), mode="drop", out_sharding=replicated)
 
 
-def _replicated_sharding(x):
-    """A replicated sharding on x's mesh where x's type is sharded (``Explicit`` mesh axes); None
-    elsewhere (``Auto`` axes, inside ``jax.shard_map``, one device)."""
+def _explicit_sharding(x, spec_from):
+    """Where x's type is sharded (``Explicit`` mesh axes), the sharding ``spec_from(x's spec)`` on
+    x's own (abstract) mesh -- for a result JAX cannot infer; None elsewhere (``Auto`` axes, inside
+    ``jax.shard_map``, one device). Built from x's sharding because jax >= 0.11 takes a bare
+    PartitionSpec only inside ``jax.set_mesh``."""
     sharding = getattr(jax.typeof(x), "sharding", None)
-    if all(axis is None for axis in getattr(sharding, "spec", ())):
-        return None
-    return sharding.update(spec=jax.sharding.PartitionSpec())
-
-
-def _rows_sharding(ids):
-    """The lookup's result sharding under explicit mesh axes (ids' spec, features whole), where
-    JAX cannot infer it; None elsewhere. Built from the ids' own sharding, so it carries their
-    (abstract) mesh: jax >= 0.11 takes a bare PartitionSpec only inside ``jax.set_mesh``."""
-    sharding = getattr(jax.typeof(ids), "sharding", None)
     spec = getattr(sharding, "spec", None)
     if spec is None or all(axis is None for axis in spec):
         return None
-    return sharding.update(spec=jax.sharding.PartitionSpec(*spec, None))
+    return sharding.update(spec=spec_from(spec))
 
 
 @functools.cache
@@ -143,7 +135,9 @@ def _embed_fn(num_embeddings: int, table_dtype, dtype, mode: str):
 
     def lookup_fwd(table, ids):
         ids = _normalized(ids, num_embeddings, mode)
-        rows = table.at[ids].get(mode="fill", fill_value=jnp.nan, out_sharding=_rows_sharding(ids))
+        # ids' spec, the features whole
+        rows_sharding = _explicit_sharding(ids, lambda spec: jax.sharding.PartitionSpec(*spec, None))
+        rows = table.at[ids].get(mode="fill", fill_value=jnp.nan, out_sharding=rows_sharding)
         return rows.astype(dtype), ids
 
     def lookup_bwd(ids, dy):
