@@ -60,6 +60,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90
 from cutlass import Float32, Int32, Int64, const_expr
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 from cutlass.tensor_utils import LayoutEnum
@@ -258,6 +259,21 @@ def activation_grad(x: Float32, name: cutlass.Constexpr) -> Float32:
         if x > -3.0 and x < 3.0:
             d = d + x * (1.0 / 6.0)
     return d
+
+
+@cute.jit
+def pin_zeros(acc):
+    """Zeros into every register of ``acc``, each through an empty asm (CUTLASS's
+    ``warpgroup_fence_operand``): a value the compiler can neither carry in from the last tile nor
+    sink past the next warpgroup fence. The tile's first wgmma runs with ACCUMULATE off, so these
+    are never read; what they do is end the accumulators' live range at the tile's start. Carried
+    across tiles instead (the first wgmma reads its registers), the accumulators stayed live
+    through the epilogue, which spilled (8-48 bytes where it computes gelu on a stored z);
+    zeroed with plain moves, the compiler sank those past the fence and ptxas injected a
+    warpgroup.arrive of its own, serializing every wgmma (C7519 / C7520)."""
+    for i in cutlass.range_constexpr(cute.size(acc)):
+        acc[i] = Float32(llvm.inline_asm(Float32.mlir_type, [Float32(0.0).ir_value()], "", "=f,0",
+                                         has_side_effects=True))
 
 
 class StreamKScheduler:
@@ -710,8 +726,13 @@ class HopperGemmKernel:
             group = cute.arch.make_warp_uniform(ctidx // mma_threads) if const_expr(config.pingpong) else 0
             gtidx = ctidx % mma_threads
             store_warp = cute.arch.make_warp_uniform(gtidx // 32) == 0  # the group's first warp sends
+            # The warpgroup's index made warp-uniform: its A descriptors (a 64-row slice of the
+            # stage) are then built in uniform registers.
+            mma_warpgroup = 0
+            if const_expr(config.mma_warpgroups > 1):
+                mma_warpgroup = cute.arch.make_warp_uniform(gtidx // WARPGROUP)
             thr_mma = tiled_mma.get_slice(
-                cute.make_layout(config.mma_warpgroups, stride=WARPGROUP)(gtidx // WARPGROUP))
+                cute.make_layout(config.mma_warpgroups, stride=WARPGROUP)(mma_warpgroup))
             frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))
             frag_b = tiled_mma.make_fragment_B(thr_mma.partition_B(sb))
             # wgmma operands are per warpgroup, but each thread holds its own accumulators: their
@@ -756,41 +777,43 @@ class HopperGemmKernel:
                     for e in cutlass.range_constexpr(min(SOURCE_STAGES, self.out_tiles(epi_tile))):
                         source_loaded = self.load_source(sources, group, source_loaded, ring[6], tma_s,
                                                          tma_tensor_s, tile_idx, epi_tile, e, store_warp)
-                # Accumulate from zero rather than switching ACCUMULATE off for the first k tile:
-                # the flag is fixed when the loop body is traced.
-                acc.fill(0.0)
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                 if const_expr(config.pingpong):
                     # Mainloops take turns: a warpgroup waits for stages only after the other has
                     # waited for all of its own, so no stage barrier is awaited two phases ahead
                     # (its parity could not tell those phases apart).
                     cute.arch.barrier(barrier_id=MMA_TURN_BARRIER + group, number_of_threads=2 * WARPGROUP)
-                warpgroup.fence()
-                for k in cutlass.range(k_count, unroll=1):
-                    loads.consumer_wait(consumer)
-                    for kb in cutlass.range_constexpr(k_blocks):
-                        stage = (None, None, kb, consumer.index)
-                        cute.gemm(tiled_mma, acc, frag_a[stage], frag_b[stage], acc)
-                    warpgroup.commit_group()
-                    consumer.advance()
-                    if k > 0:
-                        # The batch before this one has finished reading its stage: release it.
-                        warpgroup.wait_group(1)
-                        loads.consumer_release(released)
-                        released.advance()
+                # The tile's first k tile runs with ACCUMULATE off (peeled, so the flag is static
+                # in the loop); ``pin_zeros`` says why the accumulators are set all the same.
+                pin_zeros(acc)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                if k_count > 0:
+                    consumer, released = self.mma_k_tile(tiled_mma, acc, frag_a, frag_b, k_blocks, loads, consumer,
+                                                         released, True)
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                for k in cutlass.range(1, k_count, unroll=1):
+                    consumer, released = self.mma_k_tile(tiled_mma, acc, frag_a, frag_b, k_blocks, loads, consumer,
+                                                         released, False)
                 if const_expr(config.pingpong):
                     cute.arch.barrier_arrive(barrier_id=MMA_TURN_BARRIER + 1 - group,
                                              number_of_threads=2 * WARPGROUP)
+                # No k tile (a split-K rank's empty share, an empty contraction) leaves the
+                # accumulators unwritten: zeros. Only once no wgmma is in flight (reading them
+                # while one is made ptxas serialize the wgmmas: C7514).
                 if const_expr(split > 1):
+                    warpgroup.wait_group(0)
                     if k_count > 0:  # a split-K rank may have no k tiles: no stage to release
-                        warpgroup.wait_group(0)
                         loads.consumer_release(released)
                         released.advance()
+                    if k_count == 0:
+                        acc.fill(0.0)
                     self.gather_partials(acc, storage, rank, gtidx)
                 else:
                     warpgroup.wait_group(0)
                     loads.consumer_release(released)
                     released.advance()
+                    if k_count == 0:
+                        acc.fill(0.0)
 
                 # The source ring's states are assigned here so that the loop carries them to the
                 # next tile: the DSL carries what a loop body assigns or calls a method of, not
@@ -811,6 +834,38 @@ class HopperGemmKernel:
                 work = scheduler.get_current_work()
             if store_warp:
                 stores.producer_tail()
+
+    @cute.jit
+    def mma_k_tile(self, tiled_mma, acc, frag_a, frag_b, k_blocks: cutlass.Constexpr, loads, consumer, released,
+                   first: cutlass.Constexpr):
+        """One k tile of the consumer's mainloop: wait for the stage ``consumer`` stands at and
+        issue its wgmma batch into ``acc``. The tile's ``first`` k tile runs with the caller's
+        ACCUMULATE off, which its first wgmma turns on (the caller sets it too: ``set`` makes a new
+        value, which a dynamic region carries out only where the caller's body sets it); every
+        other k tile then releases the stage of the batch before once that batch has finished.
+        Returns the advanced (consumer, released) states: the caller assigns them, which makes a
+        dynamic loop carry them.
+
+        The stage index is made warp-uniform and, with the warpgroup index (see the kernel), every
+        wgmma descriptor is built in uniform registers -- a ULEA and a UIADD3 per wgmma, as cuBLAS
+        steps them -- where they were rebuilt in vector registers every k tile (IMAD / LEA / LOP3)
+        and moved over with R2UR. The fence before every batch, as CUTLASS issues it, keeps ptxas
+        from injecting one of its own (C7519), which serialized the wgmmas (C7520)."""
+        loads.consumer_wait(consumer)
+        warpgroup.fence()
+        stage = cute.arch.make_warp_uniform(consumer.index)
+        for kb in cutlass.range_constexpr(k_blocks):
+            cute.gemm(tiled_mma, acc, frag_a[(None, None, kb, stage)], frag_b[(None, None, kb, stage)], acc)
+            if const_expr(first):
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        consumer.advance()
+        if const_expr(not first):
+            # The batch before this one has finished reading its stage: release it.
+            warpgroup.wait_group(1)
+            loads.consumer_release(released)
+            released.advance()
+        return consumer, released
 
     @cute.jit
     def gather_partials(self, acc, storage, rank, gtidx):
