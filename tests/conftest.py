@@ -107,6 +107,7 @@ RUN_FIRST = (
     "tests/test_parallel_compile.py",  # its module fixture: one parallel lowering for the module's tests
     "tests/test_linear.py::test_lowering_grad_of_vmap_is_one_weight_grad_on_all_rows",
     "tests/test_linear.py::test_lowering_kernel_layout_nk_reads_and_writes_the_kernel_as_stored",
+    "tests/test_linear.py::test_ptxas_neither_serializes_the_wgmmas_nor_spills",  # ~10 s: 9 kernels + ptxas
     "tests/test_linear_modules.py::test_linen_dense_lowers_to_the_gemm_kernels_for_cuda",
     "tests/test_heads.py::test_vmap_jit_grad_compositions",
     "tests/test_training.py::test_checkpoint_round_trip_and_exact_resume",

@@ -7,7 +7,13 @@ CuTe kernels for sm_90a without a GPU; `gpu` tests run the kernels.
 
 import dataclasses
 import functools
+import json
+import os
 import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -1112,6 +1118,107 @@ def test_lowering_kernel_layout_nk_reads_and_writes_the_kernel_as_stored(fresh_c
     assert "stablehlo.transpose" not in hlo
     (dkernel,) = [line for line in hlo.splitlines() if "@cutelayers_linear_dkernel" in line]
     assert dkernel.endswith(f"-> tensor<1x{n}x{k}xf32>")  # stream-K's float32 sum, (N, K)
+
+
+# --- ptxas on the GEMM kernels' PTX: no serialized wgmmas, no spills --------------------------------
+
+# Lowers each case's GEMM kernels for sm_90a in a fresh process (the CuTe DSL reads CUTE_DSL_KEEP and
+# CUTE_DSL_DUMP_DIR once, at import; no disk cache, so every kernel is compiled and dumped; no user
+# tuning table, so the heuristic configs) and moves the PTX each case dumped into <dump>/<case>/: one
+# file a kernel, named after the launcher's operands, which a later case with the same operands
+# (another config) would overwrite. Prints {case: [its PTX files]}.
+PTXAS_CASES_PROGRAM = """
+import dataclasses, functools, json, os, sys
+import jax, jax.numpy as jnp
+import cutelayers as cl
+from cutelayers.kernels.gemm_config import CONFIGS
+from cutelayers.ops.linear import LinearForward, fused_linear
+from cutelayers.runtime.sharding import kernel_call
+
+dump = sys.argv[1]
+S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+
+def forward(config, *avals):
+    family = LinearForward("none", False, False, False, config=config)
+    return functools.partial(kernel_call, family), avals
+
+def gelu_train(x, w, b):  # GPT-2 fc1: the forward storing z, dx through gelu', stream-K dkernel with dbias
+    loss = lambda x, w, b: jnp.sum(jnp.sin(fused_linear(x, w, b, activation="gelu").astype(jnp.float32)))
+    return jax.grad(loss, (0, 1, 2))(x, w, b)
+
+def gelu(x, w, b):
+    return fused_linear(x, w, b, activation="gelu")
+
+gated_avals = (S((1, 4096, 1024), bf), S((1, 1024, 2 * 2816), bf), S((2 * 2816,), bf))
+gated = LinearForward("silu", True, False, False, gated=True)  # swiglu's fc1 forward
+gated = dataclasses.replace(gated, config=gated.default_config(gated_avals))
+fc1 = (S((16384, 768), bf), S((768, 3072), bf), S((3072,), bf))
+cases = {f"forward_8192x4096x4096_{name}": forward(config, S((1, 8192, 4096), bf), S((1, 4096, 4096), bf))
+         for name, config in CONFIGS.items()}
+cases["fc1_gelu_forward"] = (gelu, fc1)
+cases["fc1_gelu_train_step"] = (gelu_train, fc1)
+cases["swiglu_forward"] = (functools.partial(kernel_call, gated), gated_avals)
+cases["decode_split_k_16x4096x4096"] = (gelu, (S((16, 4096), bf), S((4096, 4096), bf), S((4096,), bf)))
+found = {}
+with cl.use_backend("cute"):
+    for case, (f, avals) in cases.items():
+        jax.jit(f).trace(*avals).lower(lowering_platforms=("cuda",))
+        os.mkdir(os.path.join(dump, case))
+        found[case] = sorted(name for name in os.listdir(dump) if name.endswith(".ptx"))
+        for name in found[case]:
+            os.rename(os.path.join(dump, name), os.path.join(dump, case, name))
+print(json.dumps(found))
+"""
+# The GEMM kernels each case lowers
+PTXAS_CASE_KERNELS = {"forward_8192x4096x4096_small_m": 1, "forward_8192x4096x4096_default": 1,
+                      "forward_8192x4096x4096_wide": 1, "fc1_gelu_forward": 1, "fc1_gelu_train_step": 3,
+                      "swiglu_forward": 1, "decode_split_k_16x4096x4096": 1}
+
+
+@pytest.mark.cute
+def test_ptxas_neither_serializes_the_wgmmas_nor_spills(tmp_path):
+    # ptxas's performance advisories on the consumer mainloop: C7514 / C7517 / C7519 (a warpgroup
+    # fence or arrive ptxas inserts, accumulators touched while a wgmma is in flight) and C7520 (so
+    # the wgmmas are serialized) -- the mainloop's descriptors in uniform registers, a fence before
+    # each batch and the first k tile's zeros pinned made every kernel free of them. Kernels: the
+    # plain forward at 8192 x 4096 x 4096 in each heuristic config, GPT-2's fc1 (16384 x 768 x 3072,
+    # the pingpong "default" config) with bias and gelu -- its inference forward, and its training
+    # forward storing z, input gradient through gelu' and stream-K weight gradient with the bias
+    # sums -- a swiglu forward, and a decode step's split-K forward (16 x 4096 x 4096).
+    # None spills (ptxas -v: 0 bytes spill stores for each, before the change as after).
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        pytest.skip("ptxas (the CUDA toolkit's PTX assembler) is not on PATH")
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])),
+           "JAX_PLATFORMS": "cpu", "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "ptx",
+           "CUTE_DSL_DUMP_DIR": str(tmp_path), "CUTELAYERS_CACHE_DIR": "", "CUTELAYERS_TUNING_FILE": ""}
+    proc = subprocess.run([sys.executable, "-c", PTXAS_CASES_PROGRAM, str(tmp_path)], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.splitlines()[-1])
+    assert {case: len(files) for case, files in found.items()} == PTXAS_CASE_KERNELS
+    problems = []
+    for case, files in found.items():
+        for index, name in enumerate(files):
+            path = tmp_path / case / name
+            assert "HopperGemmKernel" in path.read_text(), path
+            run = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(path), "-o", str(path.with_suffix(".cubin"))],
+                                 capture_output=True, text=True, timeout=300)
+            notes = run.stdout + run.stderr
+            if run.returncode != 0 and "Unsupported .version" in notes:
+                pytest.skip(f"{ptxas} is older than the PTX the CuTe DSL emits: {notes.strip()[:200]}")
+            assert run.returncode == 0, notes[-3000:]
+            advisories = sorted(set(re.findall(r"\((C75\d\d)\)", notes)))
+            spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", notes)]
+            assert spills, notes  # ptxas -v reports each kernel's spills
+            if advisories or any(spills):
+                tile = re.search(r"ShapeMNK(\d+)", notes)  # the wgmma atom's M, N, K run together
+                lines = [line.strip()[:160] for line in notes.splitlines() if "(C75" in line]
+                problems.append(f"{case}, kernel {index} (wgmma {tile and tile.group(1)}): "
+                                f"{', '.join(advisories) or 'no advisory'}, {max(spills)} bytes spill stores"
+                                + "".join(f"\n    {line}" for line in lines))
+    assert not problems, "ptxas -arch=sm_90a on the GEMM kernels:\n" + "\n".join(problems)
 
 
 @pytest.mark.gpu
