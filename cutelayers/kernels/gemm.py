@@ -790,6 +790,9 @@ class HopperGemmKernel:
                     consumer, released = self.mma_k_tile(tiled_mma, acc, frag_a, frag_b, k_blocks, loads, consumer,
                                                          released, True)
                     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                # Set in the branch (the DSL's dynamic if must leave the MMA state the same on both
+                # paths: without it no valid IR) and again here, so the loop sees a static True,
+                # not a select on k_count.
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                 for k in cutlass.range(1, k_count, unroll=1):
                     consumer, released = self.mma_k_tile(tiled_mma, acc, frag_a, frag_b, k_blocks, loads, consumer,
