@@ -6,6 +6,7 @@ the plain jnp formula; `gpu` tests run the CuTe kernels; the lowering test compi
 """
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -604,6 +605,94 @@ def test_streamed_backward_stages_its_scale_share_where_residency_keeps():
     assert not norm_config.scale_fits(wide, 2, 2, 2)
 
 
+def test_staging_fewer_operands_fits_two_ctas_an_sm():
+    """A backward config that stages dy alone (norm_config.StagingConfig) keeps RMSNorm's bf16 row of
+    262144 -- cut over 16 CTAs as with x and dy -- in 96 KiB a CTA with its dscale sums, not 128:
+    two CTAs an SM, twice the resident clusters; staging neither, 64 KiB, which leaves room for
+    scale's share too. A plain RowConfig stages both, as before."""
+    from cutelayers.kernels.reduction_config import RowGeometry
+
+    row = RowConfig(threads_per_row=512, num_threads=512, unroll=3)
+    plain = RowGeometry(row, 262144, 8, cluster=16)  # 16384 columns a CTA
+    dy_only, neither = (dataclasses.replace(plain, row=norm_config.StagingConfig(
+        **dataclasses.asdict(row), staged_operands=operands)) for operands in norm_config.FEWER_STAGED_OPERANDS)
+    assert [norm_config.staged_shares(g, 2, 1) for g in (plain, dy_only, neither)] == [
+        (True, True), (False, True), (False, False)]
+    assert [norm_config.streamed_cta_bytes(g, 2, 1) // 1024 for g in (plain, dy_only, neither)] == [128, 96, 64]
+    clusters = norm_config.RESIDENT_CLUSTERS[16]
+    assert [norm_config.backward_grid(g, None, 2, 1) for g in (plain, dy_only, neither)] == [
+        clusters, 2 * clusters, 2 * clusters]
+    # a bf16 scale's 32 KiB share: next to x and dy (one CTA an SM either way) and next to the sums
+    # alone, not next to dy's share (it would cost the second CTA)
+    assert [norm_config.scale_fits(g, 2, 1, 2) for g in (plain, dy_only, neither)] == [True, False, True]
+    with pytest.raises(ValueError, match=r"staged_operands 2: a StagingConfig stages one of \(1, 0\)"):
+        norm_config.StagingConfig(**dataclasses.asdict(row), staged_operands=2)
+
+
+def test_staging_configs_round_trip_the_tuning_table(tmp_path, monkeypatch):
+    """The backward's configs that stage fewer operands are candidates of its space at a streamed
+    width (not at a register-resident one), written to the tuned table with their staged_operands
+    and read back as themselves; an entry without the field (all written before it) reads as the
+    plain RowConfig, and one naming another count is refused for the heuristic."""
+    from cutelayers import tuning
+    from cutelayers.ops.norm import NormBackward
+
+    S = jax.ShapeDtypeStruct
+    device = "Fake H100 for tests"
+    monkeypatch.setattr(tuning, "device_kind", lambda: device)
+    n = 262144
+    x, stat, p = S((8, n), jnp.bfloat16), S((8, 1), jnp.float32), S((n,), jnp.bfloat16)
+    family, avals = NormBackward(False, True, True, False), (x, x, stat, p)
+    space = family.config_space(avals)
+    fewer = [c for c in space if isinstance(c, norm_config.StagingConfig)]
+    assert {c.staged_operands for c in fewer} == set(norm_config.FEWER_STAGED_OPERANDS)
+    small = (S((8, 768), jnp.bfloat16),) * 2 + (stat, S((768,), jnp.bfloat16))
+    assert not [c for c in family.config_space(small) if isinstance(c, norm_config.StagingConfig)]
+    dtype, dims = family.tuning_key(avals)
+    plain_256 = {"threads_per_row": 256, "num_threads": 256, "unroll": 3}
+
+    def resolved(i, config):
+        path = tmp_path / f"tuned{i}.json"
+        tuning.write_entries(path, [{"device": device, "kernel": family.name, "dtype": dtype, "dims": dict(dims),
+                                     "config": config}])
+        monkeypatch.setenv("CUTELAYERS_TUNING_FILE", str(path))
+        return tuning.resolve(family, avals).config
+
+    for i, config in enumerate(fewer):
+        assert tuning.config_fields(config)["staged_operands"] == config.staged_operands
+        assert resolved(i, tuning.config_fields(config)) == config
+    assert resolved(len(fewer), plain_256) == RowConfig(**plain_256)
+    assert type(resolved(len(fewer) + 1, {**plain_256, "staged_operands": 2})) is RowConfig
+    with pytest.warns(tuning.TuningTableWarning, match="names an invalid config"):
+        assert resolved(len(fewer) + 2, {**plain_256, "staged_operands": 3}) == family.default_config(avals)
+
+
+@pytest.mark.cute
+@pytest.mark.parametrize("center,residual,n", [(False, False, 262144), (False, True, 262144), (True, True, 50257)])
+def test_backward_staging_fewer_operands_lowers_for_cuda(center, residual, n):
+    """The heuristic backward config staging dy alone, or neither of x and dy, compiles for sm_90a,
+    each its own kernel: RMSNorm's with and without the residual at N = 262144, and
+    add_layer_norm's at an odd N (dy staged from registers: 2-byte accesses, no cp.async)."""
+    from cutelayers.ops.norm import NormBackward
+    from cutelayers.runtime.sharding import kernel_call
+
+    S = jax.ShapeDtypeStruct
+    x, stat, p = S((64, n), jnp.bfloat16), S((64, 1), jnp.float32), S((n,), jnp.bfloat16)
+    family = NormBackward(center, True, True, center, residual)
+    avals = (x,) * (2 + residual) + (stat,) * (1 + center) + (p,)
+    default = family.default_config(avals)
+    fewer = [norm_config.StagingConfig(**dataclasses.asdict(default), staged_operands=operands)
+             for operands in norm_config.FEWER_STAGED_OPERANDS]
+    assert set(fewer) <= set(family.config_space(avals))
+    names = []
+    for config in fewer:
+        with cl.use_backend("cute"):
+            lowered = jax.jit(functools.partial(kernel_call, dataclasses.replace(family, config=config))).trace(
+                *avals).lower(lowering_platforms=("cuda",))
+        names += re.findall(r"custom_call @(cutelayers_\w+_bwd_[0-9a-f]{16})\(", lowered.as_text())
+    assert len(names) == len(set(names)) == len(fewer)
+
+
 @pytest.mark.cute
 def test_decode_sized_backward_writes_few_partials():
     # 8 rows: the dscale / dbias partials are a few rows of N, not a GPU's worth (~1000 rows)
@@ -813,3 +902,39 @@ def test_add_kernel_vmap_gpu(op, rng):
     for a, b in zip(g, g_ref):
         assert_close(a, np.asarray(jnp.asarray(b, jnp.float32)), a.dtype, scale=10.0)
 
+
+# (backward kernel, rows x N, dtype): more rows than the persistent grid has clusters, so each walks
+# several, copying the next row's staged share in during the dx pass
+STAGING_CASES = [("rms_norm_bwd", (40, 262144), "bfloat16"), ("add_rms_norm_bwd", (40, 262144), "bfloat16"),
+                 ("rms_norm_bwd", (24, 262144), "float32"),  # dy alone: 128 KiB, one CTA an SM
+                 ("add_layer_norm_bwd", (100, 50257), "bfloat16")]  # odd N: dy staged from registers
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel,shape,dtype", STAGING_CASES)
+def test_backward_staging_fewer_operands_gpu(kernel, shape, dtype):
+    """The heuristic backward config staging dy alone, or neither of x and dy
+    (norm_config.StagingConfig), gives the heuristic's dx exactly -- the same arithmetic on the same
+    values, read from global memory instead of shared memory -- and dscale / dbias within float32's
+    tolerance of the reference (their rows summed in another order: twice the clusters)."""
+    from cutelayers.bench import autotune
+    from cutelayers.runtime.sharding import kernel_call
+
+    ((case, configs, default),) = autotune.list_candidates(kernel, [shape], [dtype])
+    fewer = [norm_config.StagingConfig(**dataclasses.asdict(default), staged_operands=operands)
+             for operands in norm_config.FEWER_STAGED_OPERANDS]
+    assert set(fewer) <= set(configs)
+    operands = case.make_operands()
+
+    def run(config):
+        with cl.use_backend("cute"):
+            kernel = jax.jit(functools.partial(kernel_call, dataclasses.replace(case.family, config=config)))
+            return case.observe(kernel(*operands))
+
+    dx, *_ = run(default)
+    _, *expected = case.observe(dataclasses.replace(case.family, config=default).reference(*operands))
+    for config in fewer:
+        got_dx, *got = run(config)
+        np.testing.assert_array_equal(got_dx, dx)
+        for a, b in zip(got, expected, strict=True):
+            assert_close(a, b, jnp.float32)

@@ -7,7 +7,8 @@ times per step of ``threads_per_row * vec * unroll`` columns. The heuristic conf
 :mod:`.norm_config`) picks the smallest ``threads_per_row`` (<= 512) for which the whole row is one
 step, i.e. stays in registers between the statistics and the normalize pass -- one HBM read of
 x. Larger rows stream in steps, one row per 256-thread CTA, and are staged in shared memory for
-the second pass (the forward's x, the backward's x and dy): a row whose share does not fit one CTA
+the second pass (the forward's x, the backward's x and dy -- or, as its config says, dy alone or
+neither: :class:`.norm_config.StagingConfig`): a row whose share does not fit one CTA
 is cut evenly over a thread-block cluster, each CTA staging its share, and the CTAs' partial statistics
 (the forward's mean and M2 of its share, or sum of squares; the backward's sums of g * xhat and g)
 are combined through distributed shared memory (:func:`.reduction_config.split_rows`,
@@ -85,7 +86,7 @@ from cutelayers.kernels.reduction import (
     store_step,
     widest_bytes,
 )
-from cutelayers.kernels.norm_config import STAGED_OPERANDS, partial_rows, scale_fits, sums_fit
+from cutelayers.kernels.norm_config import partial_rows, scale_fits, staged_shares, sums_fit
 from cutelayers.kernels.reduction_config import RowGeometry, staged
 
 
@@ -391,7 +392,7 @@ class NormBackwardKernel:
             smem=(shared_buffer_bytes(config, 2) + STAGED_ROW_ALIGNMENT + self.ring_bytes(x, dy, dsummed)
                   + self.slot_sum_bytes()
                   + cluster_slot_bytes(config, self.cluster_values, 2) + self.sum_bytes()
-                  + staged_smem(config, (x, dy), widest_bytes(x, dy, dsummed, scale), self.streamed_sums)
+                  + self.staged_share_bytes(x, dy, dsummed, scale)
                   + (shared_row_bytes(config, scale.element_type.width // 8)
                      if const_expr(self.stages_scale(x, dy, dsummed, scale)) else 0)),
             stream=stream,
@@ -417,6 +418,16 @@ class NormBackwardKernel:
             return False
         return scale_fits(config, widest_bytes(x, dy, dsummed, scale), self.streamed_sums,
                           scale.element_type.width // 8)
+
+    def staged_shares(self, x, dy, dsummed, scale) -> tuple[bool, bool]:
+        """Whether a streamed row's CTA stages its share of x, and its share of dy
+        (:func:`.norm_config.staged_shares`)."""
+        return staged_shares(self.config, widest_bytes(x, dy, dsummed, scale), self.streamed_sums)
+
+    def staged_share_bytes(self, x, dy, dsummed, scale) -> int:
+        """Shared memory of a streamed row's staged shares (:meth:`staged_shares`)."""
+        kept = zip((x, dy), self.staged_shares(x, dy, dsummed, scale))
+        return sum(shared_row_bytes(self.config, t.element_type.width // 8) for t, stage in kept if stage)
 
     def sum_bytes(self) -> int:
         """Shared memory of a streamed row's dscale / dbias sums (one fp32 share each)."""
@@ -507,8 +518,9 @@ class NormBackwardKernel:
                       copy_dsummed, copy_scale, copy_dx, copy_partial, coords, buffers, tidx):
         """The persistent loop of a streamed row: cluster c (a CTA without one) walks row groups
         c, c + clusters, ... (one row a group where rows are cut), each CTA its share of every row
-        (:func:`.reduction.row_share`): x and dy staged in shared memory where they fit (read
-        once; else the dx pass reads them again), the row's sums of g * xhat and g combined over
+        (:func:`.reduction.row_share`): x and dy -- or those the config stages -- staged in shared
+        memory where they fit (read once; else the dx pass reads them again, mostly from L2:
+        :meth:`staged_shares`), the row's sums of g * xhat and g combined over
         the cluster once per row (double-buffered slots), dscale / dbias summed over the rows in
         shared memory, one fp32 per share column and row slot, and stored at the end as the
         cluster's partial rows (each CTA its share's columns)."""
@@ -518,9 +530,9 @@ class NormBackwardKernel:
         cid, rank, steps = cta_position(config)
         clusters = gdim // config.cluster
         slots = cluster_slots(config, self.cluster_values, 2)
-        stage = staged(config, widest_bytes(x, dy, dsummed, scale), STAGED_OPERANDS, self.streamed_sums)
-        shared_x = shared_row_tensor(config, x.element_type) if const_expr(stage) else None
-        shared_g = shared_row_tensor(config, dy.element_type) if const_expr(stage) else None
+        stage_x, stage_g = self.staged_shares(x, dy, dsummed, scale)
+        shared_x = shared_row_tensor(config, x.element_type) if const_expr(stage_x) else None
+        shared_g = shared_row_tensor(config, dy.element_type) if const_expr(stage_g) else None
         share_coords = row_share(coords, config, cid, rank)  # the share's columns (rows unused)
         ops = None
         if const_expr(self.has_scale):
@@ -536,7 +548,7 @@ class NormBackwardKernel:
                 for step in cutlass.range(steps, unroll=1):
                     save_step(sums[i], step)
         groups = cute.ceil_div(x.shape[0], config.row.rows_per_cta)
-        operands = (x, dy, coords, copy_x, copy_dy, (shared_x, shared_g), stage, rank, tidx)
+        operands = (x, dy, coords, copy_x, copy_dy, (shared_x, shared_g), rank, tidx)
         _, first_row, (_, _, _, first_x), (_, _, _, first_g) = self.streamed_share(cid, *operands)
         # x and dy copied in whole, asynchronously, where cp.async can (each on its own: a bf16 x
         # with odd N is copied from registers, a float32 dy of it still prefetched)
@@ -570,18 +582,18 @@ class NormBackwardKernel:
                 for step in cutlass.range(steps, unroll=1):
                     store_step(out, step, load_step(acc, step))
 
-    def streamed_share(self, tile, x, dy, coords, copy_x, copy_dy, shared, stage, rank, tidx):
+    def streamed_share(self, tile, x, dy, coords, copy_x, copy_dy, shared, rank, tidx):
         """This CTA's share of row group ``tile``: its coordinates, this thread's row (past the
         last one where the group is), and x's and dy's staging (:func:`.reduction.row_staging`,
-        in the ``shared`` tensors allocated once)."""
+        in the ``shared`` tensors allocated once; None: that operand is not staged)."""
         config = self.config
         tile_coords = row_share(coords, config, tile, rank)
         x_share, dy_share = row_share(x, config, tile, rank), row_share(dy, config, tile, rank)
         opx = row_operand(x_share, copy_x, tile_coords, config, (0, None), tidx)
         opg = row_operand(dy_share, copy_dy, tile_coords, config, (0, None), tidx)
         return (tile_coords, opx.coords[0][0],
-                row_staging(config, x_share, opx, (0, None), tidx, stage, shared=shared[0]),
-                row_staging(config, dy_share, opg, (0, None), tidx, stage, shared=shared[1]))
+                row_staging(config, x_share, opx, (0, None), tidx, shared[0] is not None, shared=shared[0]),
+                row_staging(config, dy_share, opg, (0, None), tidx, shared[1] is not None, shared=shared[1]))
 
     @cute.jit
     def store_partial(self, acc, partial, probe, copy_partial, bidx, tidx):

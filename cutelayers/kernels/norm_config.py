@@ -4,10 +4,13 @@ which fixes the shape of its dscale / dbias partials (:mod:`.norm`)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from cutelayers.kernels.hopper import HOPPER_SMS, RESIDENT_CLUSTERS
 from cutelayers.kernels.reduction_config import (
     STAGED_ROW_BYTES,
     STAGED_ROW_BYTES_ALONE,
+    RowConfig,
     RowGeometry,
     share_bytes,
     staged,
@@ -57,8 +60,43 @@ THREADS_PER_SM = 512
 
 
 # Row operands the backward stages (x and dy): with its fp32 dscale / dbias sums, a streamed row's
-# shared memory (:func:`streamed_cta_bytes`).
+# shared memory (:func:`streamed_cta_bytes`). Its rows are cut for both
+# (:func:`.reduction_config.split_rows`), also where a :class:`StagingConfig` stages fewer.
 STAGED_OPERANDS = 2
+# Row operands a StagingConfig stages instead: 1, dy alone, or 0, neither.
+FEWER_STAGED_OPERANDS = (1, 0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StagingConfig(RowConfig):
+    """A config of the backward whose streamed row stages fewer of its operands than a plain
+    :class:`RowConfig` (x and dy): ``staged_operands`` 1, dy alone -- the dx pass reads x from
+    global memory again, mostly from L2, pass 1 having just read it --, or 0, neither. The smaller
+    shares may fit two CTAs an SM where x and dy fit one (:func:`streamed_ctas_per_sm`): RMSNorm's
+    bf16 row of 262144, cut over 16 CTAs, takes 96 KiB a CTA with dy and the dscale sums, 128 with
+    x too."""
+
+    staged_operands: int
+
+    def __post_init__(self):
+        if self.staged_operands not in FEWER_STAGED_OPERANDS:
+            raise ValueError(f"staged_operands {self.staged_operands!r}: a StagingConfig stages one of "
+                             f"{FEWER_STAGED_OPERANDS} row operands (a RowConfig stages {STAGED_OPERANDS})")
+
+
+def staged_operands(config: RowConfig) -> int:
+    """Row operands the backward with ``config`` stages of a streamed row (:class:`StagingConfig`)."""
+    return config.staged_operands if isinstance(config, StagingConfig) else STAGED_OPERANDS
+
+
+def staged_shares(geometry: RowGeometry, elem_bytes: int, sums: int) -> tuple[bool, bool]:
+    """Whether the backward's CTA keeps its share of a streamed row's x, and its share of dy, in
+    shared memory for the dx pass (else that pass reads them again): those its config stages, dy
+    first (:func:`staged_operands`), where they fit next to ``sums`` fp32 sums a column
+    (:func:`.reduction_config.staged`)."""
+    operands = staged_operands(geometry.row)
+    stage = staged(geometry, elem_bytes, operands, sums)
+    return stage and operands > 1, stage and operands > 0
 
 
 def sums_fit(geometry: RowGeometry, sums: int) -> bool:
@@ -68,11 +106,9 @@ def sums_fit(geometry: RowGeometry, sums: int) -> bool:
 
 
 def streamed_cta_bytes(geometry: RowGeometry, elem_bytes: int, sums: int) -> int:
-    """Shared memory of the backward's share of a streamed row: x and dy where they stage, and
-    ``sums`` fp32 sums a column."""
-    if staged(geometry, elem_bytes, STAGED_OPERANDS, sums):
-        return share_bytes(geometry, elem_bytes, STAGED_OPERANDS, sums)
-    return share_bytes(geometry, 0, 0, sums)
+    """Shared memory of the backward's share of a streamed row: x and dy where they stage
+    (:func:`staged_shares`), and ``sums`` fp32 sums a column."""
+    return share_bytes(geometry, elem_bytes, sum(staged_shares(geometry, elem_bytes, sums)), sums)
 
 
 def streamed_ctas_per_sm(cta_bytes: int) -> int:

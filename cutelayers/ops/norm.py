@@ -138,7 +138,7 @@ class NormBackward(RowKernelFamily):
     the op sizes it for its rows with :func:`cutelayers.kernels.norm_config.backward_grid`), so it
     is fixed per compile key; any row count runs correctly on any grid. A streamed row keeps its
     CTA's dscale / dbias sums in shared memory (``staged_sums``), where they fit
-    (:meth:`holds_sums`).
+    (:meth:`holds_sums`), and its shares of x and dy, or fewer of them (:meth:`staging_configs`).
     ``has_residual``: the backward of the fused residual add -- x is the forward's summed, and
     dsummed (the gradient of summed) is added to dx, which is then the gradient of both x and
     the residual.
@@ -152,7 +152,8 @@ class NormBackward(RowKernelFamily):
     config: RowConfig | None = None
     grid: int | None = None
     per_row_rank = 2
-    staged_operands = norm_config.STAGED_OPERANDS  # a streamed row's x and dy, kept for the dx pass
+    # a streamed row's x and dy, kept for the dx pass; its cut is sized for both (a StagingConfig keeps fewer)
+    staged_operands = norm_config.STAGED_OPERANDS
 
     @property
     def streamed_threads(self) -> int:
@@ -172,10 +173,34 @@ class NormBackward(RowKernelFamily):
     def config_space(self, avals) -> tuple:
         # streamed rows whose CTA cannot hold its shares' dscale / dbias sums: not candidates
         space = super().config_space(avals)
-        if not self.wanted:
-            return space
-        holds = [c for c in space if dataclasses.replace(self, config=c).holds_sums(avals)]
-        return tuple(holds) or space
+        if self.wanted:
+            space = tuple(c for c in space if dataclasses.replace(self, config=c).holds_sums(avals)) or space
+        return space + self.staging_configs(space, avals)
+
+    def staging_configs(self, space, avals) -> tuple:
+        """The configs of ``space`` staging fewer of a streamed row's operands, dy alone or neither
+        (:class:`~cutelayers.kernels.norm_config.StagingConfig`), each where its CTA then keeps other
+        shares in shared memory than with the config's own
+        (:func:`~cutelayers.kernels.norm_config.staged_shares`)."""
+        elem_bytes = self.elem_bits(avals) // 8
+        found = []
+        for config in space:
+            kept = {norm_config.staged_shares(self.cut(config, avals), elem_bytes, self.wanted)}
+            for operands in norm_config.FEWER_STAGED_OPERANDS:
+                fewer = norm_config.StagingConfig(**dataclasses.asdict(config), staged_operands=operands)
+                shares = norm_config.staged_shares(self.cut(fewer, avals), elem_bytes, self.wanted)
+                if shares not in kept:
+                    found.append(fewer)
+                    kept.add(shares)
+        return tuple(found)
+
+    def config_from_fields(self, fields: dict):
+        # a StagingConfig names its staged operands; a plain RowConfig (every entry before them) not
+        fields = dict(fields)
+        operands = fields.pop("staged_operands", self.staged_operands)
+        if operands == self.staged_operands:
+            return super().config_from_fields(fields)
+        return norm_config.StagingConfig(**fields, staged_operands=operands)
 
     def holds_sums(self, avals) -> bool:
         """Whether the kernel sums dscale / dbias for these operands (a streamed row's in the CTA's
