@@ -17,9 +17,9 @@ backward of a streamed row is a persistent loop of clusters (:meth:`NormBackward
 that also sums dscale / dbias over its rows in shared memory, and reads its share of scale from
 shared memory too, staged once where it fits. Where N (or a cut row's share) is not a multiple
 of the step, only a share's last step can be partial: both kernels run the whole steps without
-column predicates and the last one with them (up to the share's end). The config (a :class:`.reduction_config.RowGeometry`) is
-given to the kernel; the autotuner may pick another one from
-:func:`.reduction_config.row_geometry_space`.
+column predicates and the last one with them (up to the share's end:
+:func:`.reduction.share_steps`). The config (a :class:`.reduction_config.RowGeometry`) is given to
+the kernel; the autotuner may pick another one from :func:`.reduction_config.row_geometry_space`.
 
 Statistics are fp32. LayerNorm's variance never uses E[x^2] - E[x]^2 (which cancels for inputs
 such as 1000 + N(0, 1)): a register-resident row takes the mean first and then the mean of
@@ -64,7 +64,6 @@ from cutelayers.kernels.reduction import (
     cluster_slots,
     cluster_sum,
     column_mask,
-    cta_position,
     cta_share,
     load_step,
     prefetch_shares,
@@ -77,6 +76,7 @@ from cutelayers.kernels.reduction import (
     row_sum,
     row_tiled_copy,
     save_step,
+    share_steps,
     shared_buffer_bytes,
     shared_buffers,
     shared_row_bytes,
@@ -181,8 +181,6 @@ class NormForwardKernel:
             source = opx  # pass 1 reads x (and the residual) from global memory; it stages summed
         src.frag.fill(0.0)
         prefetch_shares((prefetch,), valid_row, steps, config)
-        # a ragged row's steps but the share's last are whole: they skip the column predicates
-        whole = steps - int(config.ragged)
         if const_expr(self.params_first):
             # The parameters' loads go out with the row's, not after its reductions: one memory
             # round trip fewer on the critical path of a grid of few rows.
@@ -205,41 +203,30 @@ class NormForwardKernel:
             else:
                 sq = row_sum(vals * vals)
             var = row_allreduce(sq, operator.add, Float32(0.0), config.row, buffers[1]) / n
-        elif const_expr(self.center):
-            # this thread's (count, mean, M2): a ragged row's whole steps first, then the share's
-            # last one -- the row's partial step -- alone, so only it pays for column masks
-            count, t_mean, t_m2 = Float32(0.0), Float32(0.0), Float32(0.0)
-            for step in cutlass.range(whole, unroll=1):
-                if valid_row:
-                    self.load_row_step(source, opr, ops_sum, copy_to, step, False)
-                count, t_mean, t_m2 = self.merged_moments(src, step, False, count, t_mean, t_m2)
-            if const_expr(config.ragged):
-                if valid_row:
-                    self.load_row_step(source, opr, ops_sum, copy_to, steps - 1, True)
-                count, t_mean, t_m2 = self.merged_moments(src, steps - 1, True, count, t_mean, t_m2)
-            width = self.share_columns(rank)
-            row_mean = row_allreduce(t_mean * count, operator.add, Float32(0.0), config.row, buffers[0]) / width
-            spread = t_mean - row_mean
-            m2 = row_allreduce(t_m2 + count * spread * spread, operator.add, Float32(0.0), config.row, buffers[1])
-            if const_expr(config.cluster > 1):
-                cluster_gather((row_mean, m2), slots, config)
-                row_mean, m2 = self.combined_moments(slots)
-            var = m2 / n
         else:
-            sq = Float32(0.0)
-            for step in cutlass.range(whole, unroll=1):
-                if valid_row:
-                    self.load_row_step(source, opr, ops_sum, copy_to, step, False)
-                vals = src.frag.load().to(Float32)
-                sq = sq + row_sum(vals * vals)
-            if const_expr(config.ragged):
-                if valid_row:
-                    self.load_row_step(source, opr, ops_sum, copy_to, steps - 1, True)
-                vals = src.frag.load().to(Float32)  # the columns past n load as zeros
-                sq = sq + row_sum(vals * vals)
-            sq = row_allreduce(sq, operator.add, Float32(0.0), config.row, buffers[0])
-            (sq,) = cluster_sum((sq,), slots, config)
-            var = sq / n
+            # this thread's statistics: a ragged row's whole steps first, then the share's last
+            # one -- the row's partial step -- alone, so only it pays for column masks
+            stats = share_steps(
+                steps, config.ragged,
+                lambda step, edge, stats: self.statistics_step(
+                    source, opr, ops_sum, copy_to, src, valid_row, step, edge, stats),
+                (Float32(0.0),) * (3 if self.center else 1))
+            if const_expr(self.center):
+                count, t_mean, t_m2 = stats
+                width = self.share_columns(rank)
+                share_sum = row_allreduce(t_mean * count, operator.add, Float32(0.0), config.row, buffers[0])
+                row_mean = share_sum / width
+                spread = t_mean - row_mean
+                m2 = row_allreduce(t_m2 + count * spread * spread, operator.add, Float32(0.0), config.row,
+                                   buffers[1])
+                if const_expr(config.cluster > 1):
+                    cluster_gather((row_mean, m2), slots, config)
+                    row_mean, m2 = self.combined_moments(slots)
+                var = m2 / n
+            else:
+                sq = row_allreduce(stats[0], operator.add, Float32(0.0), config.row, buffers[0])
+                (sq,) = cluster_sum((sq,), slots, config)
+                var = sq / n
         row_rstd = cute.math.rsqrt(var + self.epsilon)
 
         if valid_row and tidx % config.row.threads_per_row == 0 and rank == 0:
@@ -247,12 +234,8 @@ class NormForwardKernel:
             if const_expr(self.center):
                 mean[row, 0] = row_mean
         # --- normalize -----------------------------------------------------------------------
-        for step in cutlass.range(whole, unroll=1):
-            if valid_row:
-                self.normalize_step(src, again, ops, opb, opy, step, row_mean, row_rstd, False)
-        if const_expr(config.ragged):
-            if valid_row:
-                self.normalize_step(src, again, ops, opb, opy, steps - 1, row_mean, row_rstd, True)
+        share_steps(steps, config.ragged, lambda step, edge, _: self.normalize_step(
+            src, again, ops, opb, opy, valid_row, step, row_mean, row_rstd, edge))
 
     @cute.jit
     def share_columns(self, rank):
@@ -294,6 +277,19 @@ class NormForwardKernel:
             save_step(copy_to, step, edge)
 
     @cute.jit
+    def statistics_step(self, source, opr, ops_sum, copy_to, src, valid_row, step, edge: cutlass.Constexpr,
+                        stats):
+        """Pass 1 over ``step`` of a streamed row (``edge``: it may be partial): the step loaded
+        (:meth:`load_row_step`, where ``valid_row``) and folded into this thread's ``stats`` --
+        (count, mean, M2) with ``center`` (:meth:`merged_moments`), else (sum of squares,)."""
+        if valid_row:
+            self.load_row_step(source, opr, ops_sum, copy_to, step, edge)
+        if const_expr(self.center):
+            return self.merged_moments(src, step, edge, *stats)
+        vals = src.frag.load().to(Float32)  # a partial step's columns past n load as zeros
+        return (stats[0] + row_sum(vals * vals),)
+
+    @cute.jit
     def merged_moments(self, src, step, edge: cutlass.Constexpr, count, mean, m2):
         """This thread's (count, mean, M2) with its values of ``step`` (in ``src``'s fragment)
         merged in by Chan et al.'s pairwise update; ``edge``: the step may be partial (its columns
@@ -315,16 +311,20 @@ class NormForwardKernel:
         return new_count, mean + delta * weight, m2 + s_m2 + delta * delta * count * weight
 
     @cute.jit
-    def normalize_step(self, src, again, ops, opb, opy, step, row_mean, row_rstd, edge: cutlass.Constexpr = None):
-        if const_expr(again is not None):
-            load_step(again, step, edge)  # a streamed row: x or summed again, from shared or global memory
-        vals = src.frag.load().to(Float32)
-        out = (vals - row_mean) * row_rstd if const_expr(self.center) else vals * row_rstd
-        if const_expr(self.has_scale):
-            out = out * self.param_step(ops, step, edge).reshape(out.shape)
-        if const_expr(self.has_bias):
-            out = out + self.param_step(opb, step, edge).reshape(out.shape)
-        store_step(opy, step, out, edge)
+    def normalize_step(self, src, again, ops, opb, opy, valid_row, step, row_mean, row_rstd,
+                       edge: cutlass.Constexpr = None):
+        """y of ``step`` (``edge``: it may be partial), where ``valid_row``."""
+        if valid_row:
+            if const_expr(again is not None):
+                # a streamed row: x or summed again, from shared or global memory
+                load_step(again, step, edge)
+            vals = src.frag.load().to(Float32)
+            out = (vals - row_mean) * row_rstd if const_expr(self.center) else vals * row_rstd
+            if const_expr(self.has_scale):
+                out = out * self.param_step(ops, step, edge).reshape(out.shape)
+            if const_expr(self.has_bias):
+                out = out + self.param_step(opb, step, edge).reshape(out.shape)
+            store_step(opy, step, out, edge)
 
     @cute.jit
     def param_step(self, op, step, edge: cutlass.Constexpr = None):
@@ -506,7 +506,7 @@ class NormBackwardKernel:
                                    copy_dsummed, copy_dx, coords, buffers, group, tidx)
         else:
             self.streamed_rows(x, dy, dsummed, mean, rstd, scale, dx, dscale, dbias, copy_x, copy_dy,
-                               copy_dsummed, copy_scale, copy_dx, copy_partial, coords, buffers, tidx)
+                               copy_dsummed, copy_scale, copy_dx, copy_partial, buffers, tidx)
 
         if const_expr(self.persistent and config.resident):
             for acc, partial in ((acc_scale, dscale), (acc_bias, dbias)):
@@ -515,7 +515,7 @@ class NormBackwardKernel:
 
     @cute.jit
     def streamed_rows(self, x, dy, dsummed, mean, rstd, scale, dx, dscale, dbias, copy_x, copy_dy,
-                      copy_dsummed, copy_scale, copy_dx, copy_partial, coords, buffers, tidx):
+                      copy_dsummed, copy_scale, copy_dx, copy_partial, buffers, tidx):
         """The persistent loop of a streamed row: cluster c (a CTA without one) walks row groups
         c, c + clusters, ... (one row a group where rows are cut), each CTA its share of every row
         (:func:`.reduction.row_share`): x and dy -- or those the config stages -- staged in shared
@@ -527,13 +527,13 @@ class NormBackwardKernel:
         config = self.config
         n = config.n
         gdim, _, _ = cute.arch.grid_dim()
-        cid, rank, steps = cta_position(config)
+        share = cta_share(config, x.shape, tidx)  # of its first row group
+        cid, rank, steps = share.tile, share.rank, share.steps
         clusters = gdim // config.cluster
         slots = cluster_slots(config, self.cluster_values, 2)
         stage_x, stage_g = self.staged_shares(x, dy, dsummed, scale)
         shared_x = shared_row_tensor(config, x.element_type) if const_expr(stage_x) else None
         shared_g = shared_row_tensor(config, dy.element_type) if const_expr(stage_g) else None
-        share_coords = row_share(coords, config, cid, rank)  # the share's columns (rows unused)
         ops = None
         if const_expr(self.has_scale):
             pshare = row_share(cute.make_identity_tensor((config.row.rows_per_cta, n)), config, 0, rank)
@@ -542,14 +542,15 @@ class NormBackwardKernel:
         sums = [None, None]  # dscale's, dbias's: fp32 shares in shared memory, zeroed
         for i, want in enumerate((self.want_dscale, self.want_dbias)):
             if const_expr(want):
-                sums[i] = row_operand(shared_row_tensor(config, Float32), copy_partial, share_coords, config,
+                # the share's columns (its rows unused)
+                sums[i] = row_operand(shared_row_tensor(config, Float32), copy_partial, share.coords, config,
                                       (0, None), tidx)
                 sums[i].frag.fill(0.0)
                 for step in cutlass.range(steps, unroll=1):
                     save_step(sums[i], step)
         groups = cute.ceil_div(x.shape[0], config.row.rows_per_cta)
-        operands = (x, dy, coords, copy_x, copy_dy, (shared_x, shared_g), rank, tidx)
-        _, first_row, (_, _, _, first_x), (_, _, _, first_g) = self.streamed_share(cid, *operands)
+        operands = (x, dy, copy_x, copy_dy, (shared_x, shared_g))
+        first_row, (_, _, _, first_x), (_, _, _, first_g) = self.streamed_staging(share, *operands)
         # x and dy copied in whole, asynchronously, where cp.async can (each on its own: a bf16 x
         # with odd N is copied from registers, a float32 dy of it still prefetched)
         prefetched = first_x is not None or first_g is not None
@@ -561,17 +562,19 @@ class NormBackwardKernel:
             _, _, ops, scale_copy = row_staging(config, scale_share, ops, (0, None), tidx, True)
             prefetch_shares((scale_copy,), True, steps, config, wait=not prefetched)
         for tile in cutlass.range(cid, groups, clusters, unroll=1):
-            tile_coords, row, (source_x, copy_x_to, again_x, _), (source_g, copy_g_to, again_g, _) = \
-                self.streamed_share(tile, *operands)
+            group_share = share.for_tile(tile)
+            row, (source_x, copy_x_to, again_x, _), (source_g, copy_g_to, again_g, _) = \
+                self.streamed_staging(group_share, *operands)
             stats = self.row_statistics(mean, rstd, row, row < x.shape[0])  # loaded while the share arrives
             refill = None
             if const_expr(prefetched):
-                _, next_row, (_, _, _, next_x), (_, _, _, next_g) = self.streamed_share(tile + clusters, *operands)
+                next_row, (_, _, _, next_x), (_, _, _, next_g) = \
+                    self.streamed_staging(share.for_tile(tile + clusters), *operands)
                 refill = (next_x, next_g, next_row < x.shape[0])
                 cute.arch.cp_async_wait_group(0)  # this row's share, copied in during the last row
             self.backward_rows(x, dy, dsummed, mean, rstd, dx, ops, sums[0], sums[1], copy_x, copy_dy,
-                               copy_dsummed, copy_dx, tile_coords, buffers, 0, tidx,
-                               cut=((tile, rank), steps, slots, (source_x, source_g), (copy_x_to, copy_g_to),
+                               copy_dsummed, copy_dx, group_share.coords, buffers, 0, tidx,
+                               cut=(group_share, slots, (source_x, source_g), (copy_x_to, copy_g_to),
                                     (again_x, again_g), (tile - cid) // clusters), refill=refill,
                                stats=stats)
         for acc, partial in zip(sums, (dscale, dbias)):
@@ -582,18 +585,14 @@ class NormBackwardKernel:
                 for step in cutlass.range(steps, unroll=1):
                     store_step(out, step, load_step(acc, step))
 
-    def streamed_share(self, tile, x, dy, coords, copy_x, copy_dy, shared, rank, tidx):
-        """This CTA's share of row group ``tile``: its coordinates, this thread's row (past the
-        last one where the group is), and x's and dy's staging (:func:`.reduction.row_staging`,
+    def streamed_staging(self, share, x, dy, copy_x, copy_dy, shared):
+        """This thread's row in ``share`` (a :class:`.reduction.CtaShare` of one row group; past the
+        last row where the group is) and x's and dy's staging there (:func:`.reduction.row_staging`,
         in the ``shared`` tensors allocated once; None: that operand is not staged)."""
-        config = self.config
-        tile_coords = row_share(coords, config, tile, rank)
-        x_share, dy_share = row_share(x, config, tile, rank), row_share(dy, config, tile, rank)
-        opx = row_operand(x_share, copy_x, tile_coords, config, (0, None), tidx)
-        opg = row_operand(dy_share, copy_dy, tile_coords, config, (0, None), tidx)
-        return (tile_coords, opx.coords[0][0],
-                row_staging(config, x_share, opx, (0, None), tidx, shared[0] is not None, shared=shared[0]),
-                row_staging(config, dy_share, opg, (0, None), tidx, shared[1] is not None, shared=shared[1]))
+        opx, opg = share.operand(x, copy_x), share.operand(dy, copy_dy)
+        return (opx.coords[0][0],
+                share.staging(x, opx, shared[0] is not None, shared=shared[0]),
+                share.staging(dy, opg, shared[1] is not None, shared=shared[1]))
 
     @cute.jit
     def store_partial(self, acc, partial, probe, copy_partial, bidx, tidx):
@@ -640,7 +639,7 @@ class NormBackwardKernel:
         """dx of the ``rows_per_cta`` rows of ``group``; adds their dscale/dbias terms to the
         accumulators. ``staged``: shared tensors holding the group's x, dy [, dsummed] (read
         from there, not from global memory). ``cut``: a streamed row's share (``coords`` then its
-        coordinates, ``group`` 0): ((row tile, rank), its steps, the cluster's slots, where pass 1
+        coordinates, ``group`` 0): (its :class:`.reduction.CtaShare`, the cluster's slots, where pass 1
         loads x and dy from, where it copies them to, where the dx pass loads them from, the row's
         number in the CTA's loop); the accumulators are then its shared dscale / dbias sums.
         ``refill``: (x's, dy's :class:`.reduction.RowPrefetch` of the next row's share into the
@@ -654,10 +653,10 @@ class NormBackwardKernel:
         rows = x.shape[0]
         steps, slots, index, copies = config.num_steps, None, None, (None, None)
         if const_expr(cut is not None):  # the operands' shares (rows_per_cta rows: group 0)
-            (tile, rank), steps, slots, sources, copies, agains, index = cut
-            dx = row_share(dx, config, tile, rank)
+            share, slots, sources, copies, agains, index = cut
+            steps, dx = share.steps, share.view(dx)
             if const_expr(self.has_residual):
-                dsummed = row_share(dsummed, config, tile, rank)
+                dsummed = share.view(dsummed)
             (source_x, source_g), (again_x, again_g) = sources, agains  # x's and dy's, staged by the caller
         else:
             source_x = row_operand(x, copy_x, coords, config, (group, None), tidx)
@@ -681,14 +680,11 @@ class NormBackwardKernel:
             row_mean, row_rstd = self.row_statistics(mean, rstd, row, valid_row)
         # mean(g * xhat) and mean(g) over the row; padding has dy = 0, so it adds nothing. A ragged
         # row's whole steps skip the column predicates; the share's last step alone takes them.
-        whole = steps - int(config.ragged)
-        dot, g_sum = Float32(0.0), Float32(0.0)
-        for step in cutlass.range(whole, unroll=1):
-            dot, g_sum = self.row_sums_step(source_x, source_g, copies, ops, step, False, valid_row, row_mean,
-                                            row_rstd, dot, g_sum)
-        if const_expr(config.ragged):
-            dot, g_sum = self.row_sums_step(source_x, source_g, copies, ops, steps - 1, True, valid_row, row_mean,
-                                            row_rstd, dot, g_sum)
+        dot, g_sum = share_steps(
+            steps, config.ragged,
+            lambda step, edge, sums: self.row_sums_step(
+                source_x, source_g, copies, ops, step, edge, valid_row, row_mean, row_rstd, *sums),
+            (Float32(0.0), Float32(0.0)))
         c_dot = row_allreduce(dot, operator.add, Float32(0.0), config.row, buffers[0])
         c_sum = Float32(0.0)
         if const_expr(self.center):
@@ -700,12 +696,9 @@ class NormBackwardKernel:
         else:
             (c_dot,) = cluster_sum((c_dot,), slots, config, index)
         c_dot, c_sum = c_dot / n, c_sum / n
-        for step in cutlass.range(whole, unroll=1):
-            self.dx_step(again_x, again_g, opds, ops, opd, acc_scale, acc_bias, step, False, valid_row, row_mean,
-                         row_rstd, c_dot, c_sum, refill)
-        if const_expr(config.ragged):
-            self.dx_step(again_x, again_g, opds, ops, opd, acc_scale, acc_bias, steps - 1, True, valid_row,
-                         row_mean, row_rstd, c_dot, c_sum, refill)
+        share_steps(steps, config.ragged, lambda step, edge, _: self.dx_step(
+            again_x, again_g, opds, ops, opd, acc_scale, acc_bias, step, edge, valid_row, row_mean, row_rstd,
+            c_dot, c_sum, refill))
         if const_expr(refill is not None):
             cute.arch.cp_async_commit_group()
 

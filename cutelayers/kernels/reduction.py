@@ -16,6 +16,7 @@ always one of the space's candidates.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 
@@ -232,6 +233,19 @@ def partial_step(geometry: RowGeometry, edge) -> bool:
     """Whether a step needs column predicates: ``edge`` if given (False: a step known to be whole),
     else whether any step of the geometry may be partial."""
     return geometry.ragged if edge is None else edge
+
+
+@cute.jit
+def share_steps(steps, ragged: cutlass.Constexpr, step_fn: cutlass.Constexpr, state=None):
+    """Run ``state = step_fn(step, edge, state)`` over a share's ``steps`` steps: the whole ones in
+    a dynamic loop, without column predicates (``edge`` False), then a ragged geometry's last one
+    alone, with them (``edge`` True), so that only it pays for them. ``state`` (DSL values, a
+    tuple of them, or None) is carried through the loop; returns the last one."""
+    for step in cutlass.range(steps - int(ragged), unroll=1):
+        state = step_fn(step, False, state)
+    if const_expr(ragged):
+        state = step_fn(steps - 1, True, state)
+    return state
 
 
 @cute.jit
@@ -494,15 +508,29 @@ def cta_position(geometry: cutlass.Constexpr):
 @dataclasses.dataclass(frozen=True)
 class CtaShare:
     """This CTA's share of its row tile (:func:`cta_share`): its ``rows_per_cta`` rows -- for a row
-    cut over a cluster, the columns of its ``rank`` -- walked in ``steps`` steps; ``coords`` the
-    share's coordinates. Frozen, as :class:`RowOperand`."""
+    cut over a cluster, the columns of its ``rank`` -- walked in ``steps`` steps; ``row_coords``
+    the coordinates of the whole row tensors. Frozen, as :class:`RowOperand`."""
 
     geometry: RowGeometry
     tile: object
     rank: object
     steps: object
-    coords: object
     thread: object
+    row_coords: object
+
+    @functools.cached_property
+    def coords(self):
+        """The share's coordinates, computed once, where first used: a persistent kernel takes its
+        share before it sets up its shared memory and cluster barriers, and a cut row's column
+        offsets computed ahead of that setup cost the norm backward registers and instructions
+        (add_rms_norm's at N = 50257: 114 -> 116 registers; rms_norm's at 50304: 8 more SASS
+        instructions). A kernel that uses them after a dynamic loop or branch must not use them
+        first inside it."""
+        return row_share(self.row_coords, self.geometry, self.tile, self.rank)
+
+    def for_tile(self, tile) -> CtaShare:
+        """The same CTA's share of row tile ``tile`` (a persistent kernel's next rows)."""
+        return dataclasses.replace(self, tile=tile)
 
     def view(self, tensor):
         """The share of ``tensor`` (rows, n)."""
@@ -510,19 +538,20 @@ class CtaShare:
 
     def operand(self, tensor, tiled_copy) -> RowOperand:
         """The share of ``tensor`` as this thread's row operand."""
-        return row_operand(self.view(tensor), tiled_copy, self.coords, self.geometry, (0, None), self.thread)
+        coords = self.coords  # first: the address arithmetic in the order the kernels were measured with
+        return row_operand(self.view(tensor), tiled_copy, coords, self.geometry, (0, None), self.thread)
 
-    def staging(self, tensor, op: RowOperand, stage: bool, prefetch: bool = True):
+    def staging(self, tensor, op: RowOperand, stage: bool, prefetch: bool = True, shared=None):
         """How a two-pass kernel holds ``op`` (:meth:`operand` of ``tensor``) between its passes:
-        :func:`row_staging`'s ``(source, stage, again, prefetch)``."""
-        return row_staging(self.geometry, self.view(tensor), op, (0, None), self.thread, stage, prefetch)
+        :func:`row_staging`'s ``(source, stage, again, prefetch)`` (``shared`` as there)."""
+        return row_staging(self.geometry, self.view(tensor), op, (0, None), self.thread, stage, prefetch,
+                           shared)
 
 
 def cta_share(geometry: RowGeometry, shape, thread) -> CtaShare:
     """This CTA's :class:`CtaShare` of row tensors of ``shape`` (:func:`cta_position`)."""
     tile, rank, steps = cta_position(geometry)
-    coords = row_share(cute.make_identity_tensor(shape), geometry, tile, rank)
-    return CtaShare(geometry, tile, rank, steps, coords, thread)
+    return CtaShare(geometry, tile, rank, steps, thread, cute.make_identity_tensor(shape))
 
 
 def row_staging(geometry: RowGeometry, tensor, op, tile_coord, tidx, stage: bool, prefetch: bool = True,
