@@ -155,6 +155,14 @@ def masked(op, step, vals, fill):
     return vals
 
 
+def column_lane(column, owner, geometry: RowGeometry):
+    """The position, among a cluster's threads of a row (a CTA's without a cluster), of the thread
+    whose fragments hold ``column`` of CTA ``owner``'s share: ``row_tv_layout`` gives column j of a
+    share -- whose steps count from its start -- to lane ((j - start) // vec) % threads_per_row."""
+    tpr = geometry.row.threads_per_row
+    return owner * tpr + ((column - owner * geometry.share_width) // geometry.vec) % tpr
+
+
 @cute.jit
 def label_mask(op, step, label):
     """Per-element ``column == label`` for this thread's step fragment."""
@@ -456,7 +464,7 @@ class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
     @cute.kernel
     def kernel(self, x, labels, dloss, lse_out, loss_out, copy_x):
         g = self.geometry
-        n, a, tpr = g.n, self.smoothing, g.row.threads_per_row
+        n, a = g.n, self.smoothing
         tidx, _, _ = cute.arch.thread_idx()
         share = cta_share(g, x.shape, tidx)  # the row's share: all of it without a cluster
         steps, rank = share.steps, share.rank
@@ -482,20 +490,16 @@ class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
             if const_expr(self.buffers > 2):
                 total = slot_total(slots, buffer, 1, g)
         if valid_row:
-            # this thread's position among the cluster's threads of the row (its lane without one)
-            lane = rank * tpr + ((opx.coords[0][1] - rank * g.share_width) // g.vec) % tpr
+            lane = column_lane(opx.coords[0][1], rank, g)  # this thread's, from a column it holds
             label = Int32(labels[row])
             loss = Float32(math.nan)
             scale = grad_scale(dloss[row], label, n, self.ignore_index)
             writer = lane == 0
             if label >= 0:
                 if label < n:
-                    # column j lies in the share of CTA r = j // share_width, in the fragment of
-                    # lane ((j - r * share_width) // vec) % threads_per_row (row_tv_layout: a
-                    # share's steps count from its start); that thread alone overwrites
-                    # x[row, label], in its pass 2 below
-                    owner = label // g.share_width
-                    writer = owner * tpr + ((label - owner * g.share_width) // g.vec) % tpr == lane
+                    # column j lies in the share of CTA j // share_width; the thread holding it
+                    # alone overwrites x[row, label], in its pass 2 below
+                    writer = column_lane(label, label // g.share_width, g) == lane
                     if writer:
                         picked = x[row, label].to(Float32)
                         if const_expr(self.soft_cap > 0.0):
