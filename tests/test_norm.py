@@ -614,8 +614,7 @@ def test_staging_fewer_operands_fits_two_ctas_an_sm():
 
     row = RowConfig(threads_per_row=512, num_threads=512, unroll=3)
     plain = RowGeometry(row, 262144, 8, cluster=16)  # 16384 columns a CTA
-    dy_only, neither = (dataclasses.replace(plain, row=norm_config.StagingConfig(
-        **dataclasses.asdict(row), staged_operands=operands)) for operands in norm_config.FEWER_STAGED_OPERANDS)
+    dy_only, neither = (dataclasses.replace(plain, row=fewer) for fewer in norm_config.staging_variants(row))
     assert [norm_config.staged_shares(g, 2, 1) for g in (plain, dy_only, neither)] == [
         (True, True), (False, True), (False, False)]
     assert [norm_config.streamed_cta_bytes(g, 2, 1) // 1024 for g in (plain, dy_only, neither)] == [128, 96, 64]
@@ -681,8 +680,7 @@ def test_backward_staging_fewer_operands_lowers_for_cuda(center, residual, n):
     family = NormBackward(center, True, True, center, residual)
     avals = (x,) * (2 + residual) + (stat,) * (1 + center) + (p,)
     default = family.default_config(avals)
-    fewer = [norm_config.StagingConfig(**dataclasses.asdict(default), staged_operands=operands)
-             for operands in norm_config.FEWER_STAGED_OPERANDS]
+    fewer = norm_config.staging_variants(default)
     assert set(fewer) <= set(family.config_space(avals))
     names = []
     for config in fewer:
@@ -921,8 +919,7 @@ def test_backward_staging_fewer_operands_gpu(kernel, shape, dtype):
     from cutelayers.runtime.sharding import kernel_call
 
     ((case, configs, default),) = autotune.list_candidates(kernel, [shape], [dtype])
-    fewer = [norm_config.StagingConfig(**dataclasses.asdict(default), staged_operands=operands)
-             for operands in norm_config.FEWER_STAGED_OPERANDS]
+    fewer = norm_config.staging_variants(default)
     assert set(fewer) <= set(configs)
     operands = case.make_operands()
 

@@ -84,6 +84,13 @@ class StagingConfig(RowConfig):
                              f"{FEWER_STAGED_OPERANDS} row operands (a RowConfig stages {STAGED_OPERANDS})")
 
 
+def staging_variants(config: RowConfig) -> tuple[StagingConfig, ...]:
+    """``config`` staging fewer of a streamed row's operands: dy alone, then neither
+    (:data:`FEWER_STAGED_OPERANDS`)."""
+    return tuple(StagingConfig(**dataclasses.asdict(config), staged_operands=operands)
+                 for operands in FEWER_STAGED_OPERANDS)
+
+
 def staged_operands(config: RowConfig) -> int:
     """Row operands the backward with ``config`` stages of a streamed row (:class:`StagingConfig`)."""
     return config.staged_operands if isinstance(config, StagingConfig) else STAGED_OPERANDS

@@ -186,8 +186,7 @@ class NormBackward(RowKernelFamily):
         found = []
         for config in space:
             kept = {norm_config.staged_shares(self.cut(config, avals), elem_bytes, self.wanted)}
-            for operands in norm_config.FEWER_STAGED_OPERANDS:
-                fewer = norm_config.StagingConfig(**dataclasses.asdict(config), staged_operands=operands)
+            for fewer in norm_config.staging_variants(config):
                 shares = norm_config.staged_shares(self.cut(fewer, avals), elem_bytes, self.wanted)
                 if shares not in kept:
                     found.append(fewer)
