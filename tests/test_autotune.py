@@ -25,6 +25,7 @@ from cutelayers.kernels import norm_config, reduction_config, softmax_config
 from cutelayers.kernels.gemm_config import (
     CONFIGS,
     EXTRA_CONFIGS,
+    PERSISTENT_SMS,
     SMEM_CAPACITY,
     SPLIT_K_CONFIGS,
     STREAM_K_CONFIG,
@@ -172,28 +173,34 @@ def test_a_gated_mlp_tunes_its_two_gated_kernels():
 def test_the_linear_weight_gradient_is_tuned_as_the_layers_run_it():
     """The linear autotune's weight gradient is the kernel a layer with a bias runs: db summed by it,
     and where the (K, N) output is too small to fill the GPU (GPT-2's layers over 16384 rows), on
-    the stream-K schedule into zeros -- whose space is the cooperative configs (HopperGemmKernel
-    refuses pingpong ones for stream-K), its heuristic STREAM_K_CONFIG among them."""
+    the stream-K schedule -- its partial tiles meeting in a workspace (flags in, scratch out, not
+    compared with the reference), or for the fewest tiles (the attention output's) added into
+    float32 zeros; its space is the cooperative configs (HopperGemmKernel refuses pingpong ones
+    for stream-K), its heuristic STREAM_K_CONFIG among them."""
     from cutelayers.kernels.gemm import Epilogue, HopperGemmKernel
 
-    for shape, stream_k in (((16384, 768, 768), True), ((16384, 4096, 16384), False),
-                            ((1000, 768, 768), False)):
+    for shape, stream_k in (((16384, 768, 2304), "workspace"), ((16384, 768, 768), "zeros"),
+                            ((16384, 4096, 16384), None), ((1000, 768, 768), None)):
         (*_, (case, space, default)) = autotune.list_candidates("linear", [shape], ["bfloat16"])
         family = case.family
         assert (family.name, family.stream_k, family.accumulate, family.operand_sums) == (
-            "linear_dkernel", stream_k, stream_k, "b"), shape
-        assert dict(case.key[1]).get("stream_k", False) == stream_k
-        assert [a.shape for a in case.avals][2:] == [(1, shape[2])] + [(1, shape[1], shape[2])] * stream_k
+            "linear_dkernel", stream_k is not None, stream_k == "zeros", "b"), shape
+        assert family.fixup == (stream_k == "workspace")
+        assert dict(case.key[1]).get("stream_k", False) == (stream_k is not None)
+        last = {"workspace": [(PERSISTENT_SMS,)], "zeros": [(1, shape[1], shape[2])], None: []}[stream_k]
+        assert [a.shape for a in case.avals][2:] == [(1, shape[2])] + last
         if stream_k:
             assert default == STREAM_K_CONFIG and default in space
             assert space and not any(c.pingpong for c in space)
             assert set(space) == {c for c in CONFIGS.values() if not c.pingpong} | {
                 c for c in EXTRA_CONFIGS if not c.pingpong}
             for config in space:
-                HopperGemmKernel(config, Epilogue(), accumulate=True, stream_k=True)
+                HopperGemmKernel(config, Epilogue(), accumulate=family.accumulate, stream_k=True)
+        if stream_k == "workspace":
+            assert case.observe(("dkernel", "sums", "workspace", "flags")) == ("dkernel", "sums")
         operands = case.make_operands()
         assert all(o.dtype == a.dtype for o, a in zip(operands, case.avals, strict=True))
-        assert all(not o.any() for o in operands[2:])  # the sums and the accumulator start at zero
+        assert all(not o.any() for o in operands[2:])  # the sums, the flags, the accumulator start at zero
 
 
 def families_and_avals():

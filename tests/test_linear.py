@@ -25,6 +25,7 @@ import cutelayers as cl
 from cutelayers.kernels.gemm_config import (
     CONFIGS,
     EXTRA_CONFIGS,
+    PERSISTENT_SMS,
     SMEM_CAPACITY,
     STREAM_K_CONFIG,
     SPLIT_K_CONFIGS,
@@ -33,6 +34,7 @@ from cutelayers.kernels.gemm_config import (
     decode_split_config,
     decode_stream_k_pays,
     stream_k_pays,
+    stream_k_workspace_pays,
 )
 from cutelayers.ops.linear import (
     ACTIVATION_FUNCTIONS,
@@ -355,16 +357,16 @@ def kernel_targets(hlo: str) -> list[str]:
 
 
 def zeros_filled_after_an_operand(hlo: str, call: str) -> int:
-    """How many operands of the custom call ``call`` (a line of ``hlo``) are float32 fills of a
-    zero that passed an optimization barrier with another of its operands (``ops._zeros``): fills
-    XLA cannot schedule before that operand exists. Any other float32 fill fails the test."""
+    """How many operands of the custom call ``call`` (a line of ``hlo``) are float32 / int32 fills
+    of a zero that passed an optimization barrier with another of its operands (``ops._zeros``):
+    fills XLA cannot schedule before that operand exists. Any other such fill fails the test."""
     defs = {m.group(1): m.group(2) for m in re.finditer(r"^\s*(%[\w#]+)(?::\d+)? = (.*)$", hlo, re.MULTILINE)}
     operands = re.search(r"\(([^()]*)\)", call.split("custom_call", 1)[1]).group(1).split(", ")
     count = 0
     for operand in operands:
-        fill = re.match(r"stablehlo\.broadcast_in_dim (%\w+)#0, dims = \[\] : \(tensor<f32>\)", defs[operand])
+        fill = re.match(r"stablehlo\.broadcast_in_dim (%\w+)#0, dims = \[\] : \(tensor<[fi]32>\)", defs[operand])
         if fill is None:
-            assert not re.match(r"stablehlo\.broadcast_in_dim .*: \(tensor<f32>\)", defs[operand]), defs[operand]
+            assert not re.match(r"stablehlo\.broadcast_in_dim .*: \(tensor<[fi]32>\)", defs[operand]), defs[operand]
             continue
         barrier = re.match(r"stablehlo\.optimization_barrier %\w+, (%\w+) :", defs[fill.group(1)])
         assert barrier and barrier.group(1) in operands, defs[fill.group(1)]
@@ -506,19 +508,26 @@ def test_lowering_grad_of_vmap_is_one_weight_grad_on_all_rows(fresh_cache):
 @pytest.mark.parametrize("kernel_nk", [False, True], ids=["kn", "nk"])
 def test_lowering_bias_grad_comes_from_the_weight_grad_kernel(kernel_nk, fresh_cache):
     # dbias is the dkernel GEMM's second result (dz summed over the rows by its idle producer
-    # warps, A of dzᵀ @ x for an (N, K) kernel): no reduction over the (M, N) dz in XLA. The
-    # stream-K shape (GPT-2's attention output, 16384 rows) and a whole-tile one.
+    # warps, A of dzᵀ @ x for an (N, K) kernel): no reduction over the (M, N) dz in XLA. Stream-K
+    # shapes -- GPT-2's qkv (27 cluster tiles: the partial tiles meet in a workspace, the gradient
+    # comes out in the kernel's dtype) and attention output (9 cluster tiles: added into float32
+    # zeros, then cast) -- and a whole-tile one.
     S = jax.ShapeDtypeStruct
     layout = "nk" if kernel_nk else "kn"
-    for m, k, n in ((16384, 768, 768), (300, 64, 136)):
+    for m, k, n, stream_k in ((16384, 768, 2304, "workspace"), (16384, 768, 768, "zeros"), (300, 64, 136, None)):
+        assert stream_k_pays(k, n, m) == (stream_k is not None)
+        assert stream_k_workspace_pays(k, n) == (stream_k == "workspace") or stream_k is None
         grad = jax.grad(lambda x, w, b: jnp.sum(jnp.sin(fused_linear(x, w, b, kernel_layout=layout)
                                                         .astype(jnp.float32))), (1, 2))
         hlo = lower_cuda(grad, S((m, k), jnp.bfloat16), S((n, k) if kernel_nk else (k, n), jnp.bfloat16),
                          S((n,), jnp.bfloat16))
         (call,) = [line for line in hlo.splitlines() if "@cutelayers_linear_dkernel" in line]
-        assert call.count(f"tensor<1x{n}xf32>") == 2 and call.endswith(f"tensor<1x{n}xf32>)")  # zeros in, sums out
+        assert call.count(f"tensor<1x{n}xf32>") == 2  # zeros in, sums out
         assert "output_operand_aliases" in call
-        assert zeros_filled_after_an_operand(hlo, call) == (2 if m == 16384 else 1)  # + stream-K's
+        assert zeros_filled_after_an_operand(hlo, call) == (2 if stream_k else 1)  # + the flags / the zeros
+        dkernel = f"tensor<1x{n if kernel_nk else k}x{k if kernel_nk else n}x{'f32' if stream_k == 'zeros' else 'bf16'}>"
+        scratch = ", tensor<[0-9]+x[0-9]+xf32>, tensor<[0-9]+xi32>" if stream_k == "workspace" else ""
+        assert re.search(rf"-> \({dkernel}, tensor<1x{n}xf32>{scratch}\)$", call), call
         assert not [line for line in hlo.splitlines() if "stablehlo.reduce" in line and f"{m}x" in line]
 
 
@@ -625,20 +634,64 @@ def test_accumulating_reference_adds_into_the_accumulator(rng):
     assert_close(out, want, jnp.float32, scale=10.0)
 
 
+def test_stream_k_without_an_accumulator_has_flags_in_and_a_workspace_out(rng):
+    # The partial tiles meet in a scratch workspace (one float32 tile a CTA), each announced by an
+    # Int32 flag, which the kernel writes in place of its zeros operand: the gradient itself comes
+    # out once, in x's dtype.
+    x, dz = random(rng, (2, 40, 16), jnp.bfloat16), random(rng, (2, 40, 24), jnp.bfloat16)
+    sums, flags = jnp.zeros((2, 24), jnp.float32), jnp.zeros((PERSISTENT_SMS,), jnp.int32)
+    family = LinearWeightGrad(config=STREAM_K_CONFIG, stream_k=True, operand_sums="b")
+    assert family.fixup and family.arg_names == ("x", "dz", "sums", "flags")
+    # the sums and the flags are written in place of their zeros
+    assert family.kept_outputs(4) == (0, 2) and family.operand_output_aliases() == {2: 1, 3: 3}
+    avals = family.out_avals((x, dz, sums, flags))
+    ctas = PERSISTENT_SMS // 2 * 2
+    assert [(a.shape, a.dtype) for a in avals] == [((2, 16, 24), jnp.bfloat16), ((2, 24), jnp.float32),
+                                                   ((ctas, 128 * 256), jnp.float32), ((PERSISTENT_SMS,), jnp.int32)]
+    out, out_sums, workspace, out_flags = family.reference(x, dz, sums, flags)
+    assert out.dtype == jnp.bfloat16 and workspace.shape == avals[2].shape and out_flags.shape == flags.shape
+    want = jnp.einsum("lmk,lmn->lkn", x.astype(jnp.float32), dz.astype(jnp.float32), precision=HIGHEST)
+    assert_close(out, want, jnp.bfloat16)
+    assert_close(out_sums, jnp.sum(dz.astype(jnp.float32), axis=1), jnp.float32)
+
+
 @pytest.mark.cute
 def test_lowering_stream_k_weight_grad(fresh_cache):
-    # The dkernel call adds its partial tiles into a zeroed float32 buffer it aliases; the gradient
-    # is that sum in the kernel's dtype. (The (K, N) of the accumulating weight gradients below and
-    # of the tuned-config tests' forward: the same kernels, compiled once.)
+    # 24 cluster tiles: the dkernel call's partial tiles meet in its workspace, announced by flags
+    # filled with zeros once dz exists: the gradient comes out in the kernel's dtype, with no
+    # float32 zeros to add into and no cast after.
+    S = jax.ShapeDtypeStruct
+    m, k, n = 4096, 768, 2048
+    assert stream_k_pays(k, n, m) and stream_k_workspace_pays(k, n)
+    grad = jax.grad(lambda x, w: jnp.sum(fused_linear(x, w).astype(jnp.float32) ** 2), 1)
+    hlo = lower_cuda(grad, S((m, k), jnp.bfloat16), S((k, n), jnp.bfloat16))
+    (call,) = [line for line in hlo.splitlines() if "@cutelayers_linear_dkernel" in line]
+    ctas, elements = STREAM_K_CONFIG.stream_k_workspace
+    assert call.endswith(f"(tensor<1x{m}x{k}xbf16>, tensor<1x{m}x{n}xbf16>, tensor<{PERSISTENT_SMS}xi32>) -> "
+                         f"(tensor<1x{k}x{n}xbf16>, tensor<{ctas}x{elements}xf32>, tensor<{PERSISTENT_SMS}xi32>)")
+    assert "output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [2], operand_index = 2," \
+        in call  # the flags, written in place
+    assert zeros_filled_after_an_operand(hlo, call) == 1
+    assert f"{k}x{n}xf32" not in hlo
+    assert built(cl.cache_info()["linear_dkernel"]) == 1
+
+
+@pytest.mark.cute
+def test_lowering_stream_k_weight_grad_of_few_tiles_adds_into_zeros(fresh_cache):
+    # 2 cluster tiles, each cut over ~33 clusters: the partial tiles are added into a zeroed
+    # float32 buffer the call aliases; the gradient is that sum in the kernel's dtype. (The (K, N)
+    # of the accumulating weight gradients below and of the tuned-config tests' forward: the same
+    # kernels, compiled once.)
     S = jax.ShapeDtypeStruct
     m, k, n = 4096, 256, 512
+    assert stream_k_pays(k, n, m) and not stream_k_workspace_pays(k, n)
     grad = jax.grad(lambda x, w: jnp.sum(fused_linear(x, w).astype(jnp.float32) ** 2), 1)
     hlo = lower_cuda(grad, S((m, k), jnp.bfloat16), S((k, n), jnp.bfloat16))
     (call,) = [line for line in hlo.splitlines() if "@cutelayers_linear_dkernel" in line]
     assert call.endswith(f"(tensor<1x{m}x{k}xbf16>, tensor<1x{m}x{n}xbf16>, tensor<1x{k}x{n}xf32>) -> "
                          f"tensor<1x{k}x{n}xf32>")
-    assert "output_operand_aliases" in call
-    assert stream_k_pays(k, n, m) and built(cl.cache_info()["linear_dkernel"]) == 1
+    assert "output_operand_aliases" in call and zeros_filled_after_an_operand(hlo, call) == 1
+    assert built(cl.cache_info()["linear_dkernel"]) == 1
 
 
 def test_stream_k_input_grad_reference_and_checks(rng):
@@ -808,11 +861,6 @@ def test_weight_grad_operand_sums_reference(sums, rng):
         LinearWeightGrad(operand_sums="c")
 
 
-def test_stream_k_needs_an_accumulator():
-    with pytest.raises(ValueError, match="accumulator"):
-        LinearWeightGrad(stream_k=True)
-
-
 def test_split_k_configs_are_candidates_where_the_kernel_takes_them():
     S = jax.ShapeDtypeStruct
     x, w, b, r = S((1, 16, 4096), jnp.bfloat16), S((1, 4096, 4096), jnp.bfloat16), S((4096,), jnp.bfloat16), \
@@ -973,8 +1021,8 @@ def test_stream_k_needs_a_cooperative_config():
     pingpong = next(c for c in ACCUMULATE_CONFIGS if c.pingpong)
     with pytest.raises(ValueError, match="cooperative"):
         HopperGemmKernel(pingpong, Epilogue(), accumulate=True, stream_k=True)
-    with pytest.raises(ValueError, match="accumulate=True"):
-        HopperGemmKernel(STREAM_K_CONFIG, Epilogue(), stream_k=True)
+    with pytest.raises(ValueError, match="no source tile"):
+        HopperGemmKernel(STREAM_K_CONFIG, Epilogue(has_residual=True), stream_k=True)
 
 
 @pytest.mark.gpu
@@ -1035,12 +1083,13 @@ def test_weight_grad_operand_sums_every_config_gpu(schedule, sums, rng):
     zeros = jnp.zeros(want_sums.shape, jnp.float32)
     failures = []
     for config in [c for c, s in _schedule_cases() if s == schedule]:
-        for accumulate in {schedule == "stream_k", True}:
+        for accumulate in (False, True):
             family = LinearWeightGrad(config=config, accumulate=accumulate, stream_k=schedule == "stream_k",
                                       operand_sums=sums)
             operands = (x, dz, zeros) + ((jnp.zeros(want.shape, jnp.float32),) if accumulate else ())
+            operands += (jnp.zeros((PERSISTENT_SMS,), jnp.int32),) * family.fixup
             with cl.use_backend("cute"):
-                out, out_sums = jax.jit(functools.partial(kernel_call, family))(*operands)
+                out, out_sums, *_ = jax.jit(functools.partial(kernel_call, family))(*operands)
             try:
                 assert_close(out_sums, want_sums, jnp.float32, scale=100.0)
                 assert_close(out, want, jnp.float32 if accumulate else jnp.bfloat16, scale=100.0)
@@ -1050,17 +1099,29 @@ def test_weight_grad_operand_sums_every_config_gpu(schedule, sums, rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,k,n,batch", [(16384, 768, 3072, 1), (5000, 192, 640, 3), (70, 64, 64, 1)],
-                         ids=["fc1", "odd-batched", "short"])
-def test_stream_k_weight_grad_gpu(rows, k, n, batch, rng):
-    # GPT-2's fc1 (36 cluster tiles over 256 k tiles: every chunk crosses a tile, rotated k);
-    # a batch of outputs with partial tiles; fewer steps than clusters (empty chunks)
-    family = LinearWeightGrad(config=STREAM_K_CONFIG, accumulate=True, stream_k=True)
+@pytest.mark.parametrize("accumulate", [False, True], ids=["workspace", "accumulator"])
+@pytest.mark.parametrize("rows,k,n,batch", [(16384, 768, 3072, 1), (16384, 768, 768, 1), (5000, 192, 640, 3),
+                                            (8192, 64, 64, 1), (70, 64, 64, 1)],
+                         ids=["fc1", "attention-out", "odd-batched", "one-tile", "short"])
+def test_stream_k_weight_grad_gpu(rows, k, n, batch, accumulate, rng):
+    # GPT-2's fc1 (36 cluster tiles over 256 k tiles: every chunk crosses a tile, rotated k) and
+    # attention output (9 cluster tiles: each cut over ~7 clusters); a batch of outputs with
+    # partial tiles; one tile cut over every cluster of the grid; fewer steps than clusters (empty
+    # chunks). The partial tiles added into the accumulator, or meeting in the workspace (the
+    # gradient then in x's dtype).
+    family = LinearWeightGrad(config=STREAM_K_CONFIG, accumulate=accumulate, stream_k=True)
     x, dz = random(rng, (batch, rows, k), jnp.bfloat16), random(rng, (batch, rows, n), jnp.bfloat16)
-    with cl.use_backend("cute"):
-        (out,) = jax.jit(functools.partial(kernel_call, family))(x, dz, jnp.zeros((batch, k, n), jnp.float32))
+    last = jnp.zeros((batch, k, n), jnp.float32) if accumulate else jnp.zeros((PERSISTENT_SMS,), jnp.int32)
+    call = jax.jit(functools.partial(kernel_call, family))
     want = jnp.einsum("lmk,lmn->lkn", x.astype(jnp.float32), dz.astype(jnp.float32), precision=HIGHEST)
-    assert_close(out, want, jnp.float32, scale=100.0)
+    # twice on the same operands: the flags, written by the kernel, are a copy of the zeros passed
+    for _ in range(2):
+        with cl.use_backend("cute"):
+            out, *_ = call(x, dz, last)
+        assert out.dtype == (jnp.float32 if accumulate else jnp.bfloat16)
+        assert_close(out, want, out.dtype, scale=100.0)
+    if not accumulate:
+        assert not last.any()  # the caller's zeros, untouched
 
 
 @pytest.mark.gpu

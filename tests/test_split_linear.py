@@ -181,10 +181,13 @@ def test_lowering_has_three_kernels_and_no_activation_sized_slice_or_concatenati
         for line in re.findall(rf"stablehlo\.{op}.*", hlo):
             assert not re.search(rf"tensor<{m}x", line.split("->")[-1]), line  # only the bias's (3d,)
     # dbias is the dkernel launch's (3, d) second result: no reduction over the rows in XLA
-    assert re.search(rf"custom_call @cutelayers_split_linear_dkernel.*-> \(tensor<[^>]*>, tensor<3x{d}xf32>\)", hlo)
+    # (and the gradient in the kernel's dtype, stream-K's workspace after the sums)
+    dkernel_out = rf"tensor<3x{d}x{k}xbf16>" if kernel_nk else rf"tensor<{k}x3x{d}xbf16>"
+    assert re.search(rf"custom_call @cutelayers_split_linear_dkernel.*-> \({dkernel_out}, tensor<3x{d}xf32>, "
+                     r"tensor<\d+x\d+xf32>, tensor<\d+xi32>\)", hlo)
     assert not [line for line in hlo.splitlines() if "stablehlo.reduce" in line and f"{m}x" in line]
     (dkernel_call,) = [line for line in hlo.splitlines() if "@cutelayers_split_linear_dkernel" in line]
-    assert zeros_filled_after_an_operand(hlo, dkernel_call) == 2  # the sums' and stream-K's
+    assert zeros_filled_after_an_operand(hlo, dkernel_call) == 2  # the sums' and stream-K's flags
 
 
 # --- sharded (four fake CPU devices): data- and row-parallel run the families' rules per device ------

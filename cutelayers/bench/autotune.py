@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from cutelayers import tuning
 from cutelayers.backend import use_backend
 from cutelayers.bench.timing import time_fn
-from cutelayers.kernels.gemm_config import decode_stream_k_pays, stream_k_pays
+from cutelayers.kernels.gemm_config import PERSISTENT_SMS, decode_stream_k_pays, stream_k_pays, stream_k_workspace_pays
 from cutelayers.ops.linear import (
     LinearForward,
     LinearInputGrad,
@@ -211,16 +211,19 @@ def _linear_cases(op: str, shape, dtype) -> list[Case]:
     k = _keys(5)
     # operand -> (key, aval, scale): the weight scaled by 1/sqrt(K) keeps the outputs of order 1;
     # the residual is an (M, N) tile like dz, the pre-activation an (M, K) one like x; the weight
-    # gradient's float32 bias-gradient sums and accumulator start as zeros (scale 0)
+    # gradient's float32 bias-gradient sums, stream-K's flags and accumulator start as zeros (scale 0)
     draws = {"x": (k[0], x, 1.0), "w": (k[1], w, k_dim**-0.5), "b": (k[2], b, 1.0), "dz": (k[3], dz, 1.0),
              "residual": (k[4], dz, 1.0), "preact": (k[4], x, 1.0),
              "sums": (k[0], S((1, n), F32), 0.0), "accumulator": (k[0], S((1, k_dim, n), F32), 0.0),
-             "zeros": (k[0], S((1, m, n), F32), 0.0)}
+             "zeros": (k[0], S((1, m, n), F32), 0.0), "flags": (k[0], S((PERSISTENT_SMS,), jnp.int32), 0.0)}
 
     def case(family, *names):
         avals = tuple(draws[name][1] for name in names)
+        # stream-K's workspace and flags (the last two results, when its partial tiles meet in the
+        # workspace) are scratch
+        observe = (lambda results: tuple(results)[:-2]) if family.fixup else tuple
         return Case(op, family, avals, lambda: tuple(_normal(key, aval.shape, aval.dtype, scale)
-                                                     for key, aval, scale in (draws[name] for name in names)))
+                                                     for key, aval, scale in (draws[name] for name in names)), observe)
 
     # Without a source tile the forward is tuned with the benchmark's epilogue (bias + gelu), whose
     # entry serves every such epilogue (their cost is small next to the mainloop). An epilogue that
@@ -235,10 +238,12 @@ def _linear_cases(op: str, shape, dtype) -> list[Case]:
         case(LinearInputGrad(), "dz", "w"),
         case(LinearInputGrad("gelu"), "dz", "w", "preact"),
         # the weight gradient as a layer with a bias runs it: db from the same kernel, and where the
-        # (K, N) output is too small to fill the GPU, on the stream-K schedule into zeros
-        case(LinearWeightGrad(accumulate=True, stream_k=True, operand_sums="b"), "x", "dz", "sums",
-             "accumulator") if stream_k_pays(k_dim, n, m)
-        else case(LinearWeightGrad(operand_sums="b"), "x", "dz", "sums"),
+        # (K, N) output is too small to fill the GPU, on the stream-K schedule (its partial tiles in
+        # a workspace, or for the fewest tiles added into float32 zeros)
+        case(LinearWeightGrad(operand_sums="b"), "x", "dz", "sums") if not stream_k_pays(k_dim, n, m)
+        else case(LinearWeightGrad(stream_k=True, operand_sums="b"), "x", "dz", "sums", "flags")
+        if stream_k_workspace_pays(k_dim, n)
+        else case(LinearWeightGrad(accumulate=True, stream_k=True, operand_sums="b"), "x", "dz", "sums", "accumulator"),
     ]
 
 

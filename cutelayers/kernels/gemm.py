@@ -40,8 +40,9 @@ so no padding tile is ever scheduled): CTAs running together share A and B tiles
 
 Few output tiles over a long contraction (a weight gradient's (K, N) over all the tokens) would
 leave most SMs idle: ``stream_k`` (:class:`StreamKScheduler`) gives every cluster one equal
-share of all the (tile, k tile) steps instead, and the partial tiles meet in c through reduce-add
-TMA stores.
+share of all the (tile, k tile) steps instead. The partial tiles meet in a float32 workspace, the
+segment owning a tile adds them and runs its epilogue (:meth:`HopperGemmKernel.fix_up`) -- or,
+adding into a running sum (``accumulate``), they meet in c through reduce-add TMA stores.
 
 *Planes* (:class:`Planes`): the P equal column blocks of one fused layer -- the q, k and v of an
 attention projection -- as the GEMM's batch mode, with an operand given as P separate buffers
@@ -60,6 +61,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90
 from cutlass import Float32, Int32, Int64, const_expr
+from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
@@ -276,6 +278,12 @@ def pin_zeros(acc):
                                          has_side_effects=True))
 
 
+def chunk_start(cluster, steps, clusters):
+    """Stream-K: the first of ``steps`` steps in the chunk of ``cluster`` (of ``clusters``); Int64
+    inside, as clusters x steps can pass 2^31 on a long contraction."""
+    return Int32(Int64(cluster) * Int64(steps) // Int64(clusters))
+
+
 class StreamKScheduler:
     """Stream-K schedule: the flattened space of (cluster tile, k tile) steps -- every tile's
     contraction in turn, tiles ordered m, n, batch -- cut into one equal contiguous chunk per
@@ -306,9 +314,7 @@ class StreamKScheduler:
         steps = Int32(clusters_m * clusters_n * c_shape[2] * k_tiles)
         cluster = Int32(cute.arch.block_idx()[2])
         clusters = Int32(cute.arch.grid_dim()[2])
-        # Int64: clusters x steps can pass 2^31 on a long contraction
-        start = Int32(Int64(cluster) * Int64(steps) // Int64(clusters))
-        end = Int32(Int64(cluster + 1) * Int64(steps) // Int64(clusters))
+        start, end = chunk_start(cluster, steps, clusters), chunk_start(cluster + 1, steps, clusters)
         state = (start, end, Int32(k_tiles), steps, clusters, Int32(cluster_coord[0]), Int32(cluster_coord[1]))
         return StreamKScheduler(state, clusters_m, clusters_n, cluster_mn)
 
@@ -343,6 +349,27 @@ class StreamKScheduler:
         pos, end, k_tiles = self.state[:3]
         pos = pos + cutlass.min(end - pos, k_tiles - pos % k_tiles)
         self.state = (pos, *self.state[1:])
+
+    def chunk_start(self, cluster):
+        """The first step of ``cluster``'s chunk (its chunk ends where the next one starts)."""
+        return chunk_start(cluster, self.state[3], self.state[4])
+
+    def fixup_role(self):
+        """Where the current segment's partial tile goes when partial tiles meet in a workspace
+        (:meth:`HopperGemmKernel.fix_up`): (its first step within its tile, first and one past
+        the last cluster it adds). A segment that does not hold its tile's first step starts its
+        cluster's chunk, so each cluster has at most one such *partial* segment, which goes to
+        the cluster's workspace slot. The segment holding the first step *owns* the tile: it adds
+        the partials of the later clusters whose chunks hold the rest of the tile (each started
+        its chunk with it, so it is done or nearly so when the owner, at the end of its own chunk,
+        needs it), then stores the tile. A partial never waits, so the waits form no cycle."""
+        pos, k_tiles, steps, clusters = self.state[0], self.state[2], self.state[3], self.state[4]
+        tile = pos // k_tiles
+        # the cluster holding the tile's last step: the last one whose chunk starts at or before
+        # it (chunks are empty where there are fewer steps than clusters)
+        last = Int32((Int64(tile + 1) * Int64(k_tiles) * Int64(clusters) - 1) // Int64(steps))
+        first = Int32(cute.arch.block_idx()[2]) + 1
+        return tuple(cute.arch.make_warp_uniform(v) for v in (pos - tile * k_tiles, first, last + 1))
 
 
 class SplitKScheduler:
@@ -386,8 +413,9 @@ class SplitKScheduler:
 class HopperGemmKernel:
     """C = epilogue(A @ Bᵀ) on Hopper: persistent, warp-specialized TMA + wgmma, fp32 accumulation.
 
-    Launcher ``(stream, a, b, [bias], [residual | preact_in], [sums], c, [preact])``, which optional
-    tensors are present being fixed by ``epilogue``, each of a, b and c being ``planes.count``
+    Launcher ``(stream, a, b, [bias], [residual | preact_in], [sums], [flags], c, [preact],
+    [workspace])``, which optional tensors are present being fixed by ``epilogue`` (and flags and
+    workspace by stream-K without ``accumulate``), each of a, b and c being ``planes.count``
     tensors where :class:`Planes` splits it:
 
     * a: (M, K, L), b: (N, K, L): bfloat16 or float16 (same dtype), any one of the two modes
@@ -396,9 +424,13 @@ class HopperGemmKernel:
     * bias: (N,) in c's dtype, (N, P) with a plane count (each plane its own); residual,
       preact_in (the source of ``grad_of``), c, preact: (M, N, L), N contiguous, c's dtype.
 
-    ``accumulate``: C += A @ Bᵀ, each tile added into c by the TMA store (reduce-add): how
-    ``stream_k`` (:class:`StreamKScheduler`) sums its partial tiles, and how a caller adds into a
-    running float32 sum without a pass of its own.
+    ``accumulate``: C += A @ Bᵀ, each tile added into c by the TMA store (reduce-add): how a caller
+    adds into a running float32 sum without a pass of its own, and how ``stream_k``
+    (:class:`StreamKScheduler`) then sums its partial tiles. Without it, stream-K's partial tiles
+    meet in a float32 ``workspace`` (CTAs, tile_m * tile_n) (``GemmConfig.stream_k_workspace``),
+    each announced by its Int32 ``flags`` (CTAs,) entry, zeros on entry; the segment owning a
+    tile adds them and runs the epilogue (:meth:`fix_up`), so c is written once, in its dtype, with
+    no zeros to add into and no cast after.
 
     ``sums`` ("a" or "b"): also the sums of that operand over the contraction, added into a float32
     (M, L) or (N, L) tensor (``sums``, zeros for a plain sum): a weight gradient's bias gradient,
@@ -417,8 +449,9 @@ class HopperGemmKernel:
             raise ValueError("split outputs take an epilogue without source tiles or a stored pre-activation")
         if planes.summed and (stream_k or epilogue.has_bias):
             raise ValueError("summed planes take no stream-K and no bias")
-        if stream_k and not accumulate:
-            raise ValueError("stream-K partial tiles are summed into c: stream_k needs accumulate=True")
+        self.fixup = stream_k and not accumulate  # stream-K's partial tiles meet in a workspace
+        if self.fixup and epilogue.has_source:
+            raise ValueError("stream-K without accumulate stores only its tiles' owning segments: no source tile")
         if stream_k and config.pingpong:
             raise ValueError("stream_k takes a cooperative (not pingpong) config")
         if accumulate and epilogue != Epilogue():
@@ -463,8 +496,10 @@ class HopperGemmKernel:
         bias = rest.pop(0) if const_expr(epilogue.has_bias) else None
         source = rest.pop(0) if const_expr(epilogue.has_source) else None
         sums = rest.pop(0) if const_expr(self.sums is not None) else None
+        flags = rest.pop(0) if const_expr(self.fixup) else None
         c_in = take(planes.c)
         preact = rest.pop(0) if const_expr(epilogue.store_preact) else None
+        workspace = rest.pop(0) if const_expr(self.fixup) else None
         a, b, c = (x[0] if const_expr(isinstance(x, tuple)) else x for x in (a_in, b_in, c_in))
         summed = {None: None, "a": a_in, "b": b_in}[self.sums]  # the operand the summing warps read
         # The tiles' N: c's columns, or for a gated layer (whose tile covers another width of c)
@@ -499,8 +534,8 @@ class HopperGemmKernel:
         # A is shared by the cluster_n CTAs of a cluster row, B by the cluster_m of a column.
         tma_a, tma_tensor_a = self.load_atom(a_in, a_smem, (config.tile_m, config.tile_k), config.cluster_n)
         tma_b, tma_tensor_b = self.load_atom(b_in, b_smem, (config.tile_n, config.tile_k), config.cluster_m)
-        # accumulate: the TMA unit adds each tile into c (stream-K partials into a zeroed c, or a
-        # running sum such as the LM head's dkernel over token chunks).
+        # accumulate: the TMA unit adds each tile into c (a running sum such as the LM head's
+        # dkernel over token chunks, or stream-K partials into zeros: the decode forward's).
         store = cpasync.CopyReduceBulkTensorTileS2GOp() if const_expr(
             self.accumulate) else cpasync.CopyBulkTensorTileS2GOp()
         epi_smem_one = cute.slice_(epi_smem, (None, None, 0))
@@ -548,8 +583,8 @@ class HopperGemmKernel:
             grid = utils.StaticPersistentTileScheduler.get_grid_shape(schedule, clusters_per_wave)
         self.kernel(
             tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, tma_c, tma_tensor_c, tma_z, tma_tensor_z,
-            tma_s, tma_tensor_s, bias, sums, summed, a_smem, b_smem, epi_smem, source_smem, epi_tile, schedule,
-            (c.shape[0], c_n, batches),
+            tma_s, tma_tensor_s, bias, sums, summed, flags, workspace, a_smem, b_smem, epi_smem, source_smem,
+            epi_tile, schedule, (c.shape[0], c_n, batches),
         ).launch(
             grid=grid,
             block=[config.threads, 1, 1],
@@ -605,6 +640,8 @@ class HopperGemmKernel:
         bias,
         sums,
         summed,  # the operand ``sums`` adds up, as given (a tuple of planes if split), or None
+        flags,  # stream-K's workspace: its ready flags and partial tiles (``fix_up``), or None
+        workspace,
         a_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
         epi_smem: cute.ComposedLayout,
@@ -817,16 +854,20 @@ class HopperGemmKernel:
                     released.advance()
                     if k_count == 0:
                         acc.fill(0.0)
+                owns = True  # whether this CTA stores the tile
+                if const_expr(self.fixup):
+                    owns = self.fix_up(acc, scheduler, flags, workspace, rank, gtidx)
 
                 # The source ring's states are assigned here so that the loop carries them to the
                 # next tile: the DSL carries what a loop body assigns or calls a method of, not
                 # what it only passes to a call (they restarted every tile, which a ring walked an
                 # odd number of times per tile -- 2 or 6 subtiles, 2 buffers -- got wrong: a hang).
-                source_loaded, source_read = self.epilogue_tile(
-                    acc, tile_coords_c, tile_idx, ring, sources, group, source_loaded, source_read, tma_c,
-                    tma_tensor_c, tma_z, tma_tensor_z, tma_s, tma_tensor_s, bias, epi_tile, stores,
-                    store_warp, inside, tiles_done * stores_per_tile)
-                tiles_done += 1
+                if owns:
+                    source_loaded, source_read = self.epilogue_tile(
+                        acc, tile_coords_c, tile_idx, ring, sources, group, source_loaded, source_read, tma_c,
+                        tma_tensor_c, tma_z, tma_tensor_z, tma_s, tma_tensor_s, bias, epi_tile, stores,
+                        store_warp, inside, tiles_done * stores_per_tile)
+                    tiles_done += 1
                 if const_expr(config.pingpong):
                     # Past the other warpgroup's next tile and its stages.
                     scheduler.advance_to_next_work(advance_count=2)
@@ -900,6 +941,58 @@ class HopperGemmKernel:
                 base = cute.assume((((rank - 1) * quads + q) * threads + gtidx) * 4, divby=4)
                 cute.arch.store_async_dsmem(partials.iterator + base, (bits[0], bits[1], bits[2], bits[3]),
                                             barrier, 0)
+
+    @cute.jit
+    def fix_up(self, acc, scheduler, flags, workspace, rank, gtidx):
+        """Stream-K without accumulation, after a segment's mainloop: a *partial* segment (see
+        :meth:`StreamKScheduler.fixup_role`) writes its float32 tile to this CTA's workspace slot
+        and raises the slot's flag; the tile's owner waits for the flags of the later clusters
+        that hold the rest of its tile and adds their partials (same rank in the cluster: the
+        same part of the tile). Returns whether this CTA stores the tile (it owns it).
+
+        Slot ``cluster * cluster size + rank`` holds thread t's q-th four accumulators at
+        ``(q * threads + t) * 4``: consecutive threads move consecutive 16 bytes. The data moves
+        with ``.cg`` (L2, not the SM's L1, where a line could be stale); a flag is stored with
+        release semantics once every consumer thread has fenced its stores, and read with acquire
+        semantics by one thread before a barrier lets the others read."""
+        config = self.config
+        threads = WARPGROUP * config.mma_warpgroups
+        quads = cute.size(acc) // 4
+        cluster_size = config.cluster_m * config.cluster_n
+        elements = config.tile_m * config.tile_n
+        vector = ir.VectorType.get([4], Float32.mlir_type)
+        inner, first, end = scheduler.fixup_role()
+        if inner > 0:
+            slot = Int32(cute.arch.block_idx()[2]) * cluster_size + rank
+            four = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+            for q in cutlass.range_constexpr(quads):
+                for j in cutlass.range_constexpr(4):
+                    four[j] = acc[4 * q + j]
+                offset = cute.assume(slot * elements + (q * threads + gtidx) * 4, divby=4)
+                cute.arch.store(workspace.iterator + offset, four.load(), cop="cg")
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.barrier(barrier_id=1, number_of_threads=threads)
+            if gtidx == 0:
+                cute.arch.store(flags.iterator + slot, Int32(1), sem="release", scope="gpu")
+        else:
+            if gtidx == 0:
+                for cluster in cutlass.range(first, end, unroll=1):
+                    if scheduler.chunk_start(cluster + 1) > scheduler.chunk_start(cluster):  # not empty
+                        ready = Int32(0)
+                        while ready == 0:
+                            ready = cute.arch.load(flags.iterator + (cluster * cluster_size + rank), Int32,
+                                                   sem="acquire", scope="gpu")
+            cute.arch.barrier(barrier_id=1, number_of_threads=threads)
+            for cluster in cutlass.range(first, end, unroll=1):
+                if scheduler.chunk_start(cluster + 1) > scheduler.chunk_start(cluster):
+                    slot = cluster * cluster_size + rank
+                    for q in cutlass.range_constexpr(quads):
+                        offset = cute.assume(slot * elements + (q * threads + gtidx) * 4, divby=4)
+                        four = cute.TensorSSA(cute.arch.load(workspace.iterator + offset, vector, cop="cg"), (4,),
+                                              Float32)
+                        for j in cutlass.range_constexpr(4):
+                            acc[4 * q + j] = acc[4 * q + j] + four[j]
+        return inner == 0
 
     @cute.jit
     def sum_operand(self, summed, sums, sum_warp):

@@ -92,6 +92,14 @@ class GemmConfig:
         """Shared memory of the float32 partial tiles a split-K cluster's first CTA receives."""
         return (self.split_k - 1) * self.tile_m * self.tile_n * 4
 
+    @property
+    def stream_k_workspace(self) -> tuple[int, int]:
+        """(CTAs of the persistent grid, float32 elements of a tile): the global scratch of a
+        stream-K kernel whose partial tiles meet in a workspace (one partial tile a CTA at most),
+        not in c -- and, by its first size, the count of its ready flags."""
+        size = self.cluster_m * self.cluster_n
+        return PERSISTENT_SMS // size * size, self.tile_m * self.tile_n
+
     def stages_for(self, ab_bytes: int, c_bytes: int, source: bool) -> int:
         """Mainloop stages: ``stages``, or fewer where the epilogue's rings (and split-K's partial
         tiles) leave less room."""
@@ -157,6 +165,25 @@ SPLIT_K_CONFIGS = tuple(
 STREAM_K_CONFIG = GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, stages=4, cluster_m=2)
 STREAM_K_MIN_ROWS = 2048  # shorter contractions run whole tiles
 STREAM_K_BELOW = 0.8  # stream-K when whole tiles would keep less than this of the grid's waves busy
+
+
+# Stream-K's partial tiles meet in a workspace, the segment owning a tile adding them before its
+# epilogue (gemm.HopperGemmKernel.fix_up: no float32 zeros, no cast), where a cluster tile is cut
+# over a few clusters; over many, the owners' reads of the partials pile up at the end of the
+# kernel and adding them into float32 zeros by TMA, then a cast, was faster. H100, fwd+bwd of the
+# GPT-2 layers (docs/benchmarks.md, 28th session), ms, zeros -> workspace: qkv (27 cluster tiles
+# on 66 clusters) 0.310 -> 0.306, fc1 (36) 0.540 -> 0.529, fc2 (36) 0.341 -> 0.338; attention out
+# (9: ~7 clusters a tile) 0.129 -> 0.132 with its best workspace config (0.140 with this one).
+STREAM_K_WORKSPACE_MAX_CUTS = 3
+
+
+def stream_k_workspace_pays(m: int, n: int, batch: int = 1) -> bool:
+    """Whether the stream-K partial tiles of an (m, n) output per batch meet in a workspace rather
+    than in float32 zeros: where ``STREAM_K_CONFIG``'s clusters cut each of its cluster tiles
+    over at most ``STREAM_K_WORKSPACE_MAX_CUTS`` of them on average."""
+    c = STREAM_K_CONFIG
+    cluster_tiles = batch * -(-m // (c.tile_m * c.cluster_m)) * -(-n // (c.tile_n * c.cluster_n))
+    return PERSISTENT_SMS // (c.cluster_m * c.cluster_n) <= STREAM_K_WORKSPACE_MAX_CUTS * cluster_tiles
 
 
 def stream_k_pays(m: int, n: int, k: int, batch: int = 1) -> bool:

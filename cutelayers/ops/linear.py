@@ -53,6 +53,7 @@ from cutelayers.kernels.gemm_config import (
     CONFIGS,
     EXTRA_CONFIGS,
     OPERAND_SUMS,
+    PERSISTENT_SMS,
     SPLIT_K_CONFIGS,
     GemmConfig,
     config_class,
@@ -61,6 +62,7 @@ from cutelayers.kernels.gemm_config import (
     row_bucket,
     stream_k_config,
     stream_k_pays,
+    stream_k_workspace_pays,
 )
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import check_float_array
@@ -283,6 +285,8 @@ class GemmFamily(TunableFamily):
 
     def sharding_rule(self, avals) -> ShardingRule:
         operands, results = self.factors()
+        if self.fixup:  # each device's scratch is its own, whole
+            operands, results = operands + ((None,),), results + ((None, None), (None,))
         rule = ShardingRule(operands, results)
         return dataclasses.replace(rule, per_shard=functools.partial(self.per_shard, rule))
 
@@ -294,7 +298,10 @@ class GemmFamily(TunableFamily):
         independent = self.sums_independent_factor()
         if independent is not None:
             rule = dataclasses.replace(rule, results=(rule.results[0], rule.results[1] + (independent,)))
-        return sum_partials(rule, ctx, self.run_local(*operands))
+        results = self.run_local(*operands)
+        if self.fixup:  # the workspace and flags are scratch, not partial sums
+            return sum_partials(rule, ctx, results[:-2]) + results[-2:]
+        return sum_partials(rule, ctx, results)
 
     def sums_independent_factor(self) -> str | None:
         """With operand sums: the sharding factor of the other operand's features, which the sums
@@ -312,6 +319,8 @@ class GemmFamily(TunableFamily):
 
     def dynamic_dims_at(self, position, aval):
         kind = self.kinds()[position]
+        if kind == "scratch":
+            return (False,) * len(aval.shape)
         return {
             "rows": (False, True, False),  # (1, M, F): M symbolic
             "weight": (False,) * len(aval.shape),
@@ -322,9 +331,44 @@ class GemmFamily(TunableFamily):
         }[kind]
 
     accumulate = False  # result added into a float32 operand (LinearWeightGrad; LinearInputGrad's stream-K)
-    stream_k = False  # stream-K schedule (LinearWeightGrad, LinearInputGrad)
+    stream_k = False  # stream-K schedule (the weight gradients, LinearInputGrad)
     operand_sums = None  # "a" / "b": that operand's sums over the contraction too (a bias gradient)
     f32_out = False  # a float32 result of 16-bit operands without accumulating (LinearWeightGrad)
+
+    # Stream-K without an accumulator: the partial tiles meet in a float32 workspace, a scratch
+    # result (``GemmConfig.stream_k_workspace``), each announced by an Int32 flag of a zeros
+    # operand after the others (:func:`stream_k_flags`), which the kernel writes: the last result,
+    # in its place (where the operand is not a temporary, XLA copies it first, so every launch
+    # starts from zeros). The tile's owning segment adds the partials and stores the result once,
+    # in its dtype (``HopperGemmKernel.fix_up``).
+
+    @property
+    def fixup(self) -> bool:
+        """Whether stream-K's partial tiles meet in a workspace (not added into an accumulator)."""
+        return self.stream_k and not self.accumulate
+
+    def scratch_avals(self) -> tuple:
+        """The scratch results of :attr:`fixup` (none without it): the workspace, the flags."""
+        if not self.fixup:
+            return ()
+        return (jax.ShapeDtypeStruct(self.chosen_config().stream_k_workspace, jnp.float32),
+                jax.ShapeDtypeStruct((PERSISTENT_SMS,), jnp.int32))
+
+    def scratch_reference(self) -> tuple:
+        """What the jnp reference gives for the scratch results: zeros."""
+        return tuple(jnp.zeros(a.shape, a.dtype) for a in self.scratch_avals())
+
+    def flags_alias(self, operands: int, results: int) -> dict[int, int]:
+        """{the flags operand: the flags result} of a family of ``operands`` operands and
+        ``results`` results, each list ending with them ({} without :attr:`fixup`)."""
+        return {operands - 1: results - 1} if self.fixup else {}
+
+    def modes_at(self, position):
+        return None if self.kinds()[position] == "scratch" else self.gemm_modes(position)
+
+    def gemm_modes(self, position) -> tuple[int, ...] | None:
+        """The mode order of a GEMM operand or result (see :meth:`modes_at`; scratch as stored)."""
+        return None
 
     @property
     def reads_source(self) -> bool:
@@ -378,7 +422,7 @@ class LinearForward(GemmFamily):
         return (("rows", "weight") + ("vector",) * self.has_bias + ("rows",) * self.has_residual
                 + ("rows",) * (1 + self.store_preact))
 
-    def modes_at(self, position):
+    def gemm_modes(self, position):
         weight = _ROWS if self.kernel_nk else _WEIGHT_AS_N_K
         return {"rows": _ROWS, "weight": weight, "vector": None}[self.kinds()[position]]
 
@@ -488,7 +532,7 @@ class LinearInputGrad(GemmFamily):
     def kept_outputs(self, n_outputs):
         return () if self.stream_k else tuple(range(n_outputs))
 
-    def modes_at(self, position):
+    def gemm_modes(self, position):
         if self.kernel_nk and self.kinds()[position] == "weight":
             return _TRANSPOSED  # (1, N, K) -> (K, N, 1): the same B, its N (the layer's K) contiguous
         return _ROWS  # the kernel's (K, N) rows are the GEMM's N, its contiguous N the contraction
@@ -536,10 +580,12 @@ class LinearWeightGrad(GemmFamily):
     """Kernel family: dkernel (L, K, N) = x (L, M, K)ᵀ @ dz (L, M, N) per batch index l.
 
     With ``accumulate``: a float32 (L, K, N) accumulator operand too, which the product is added
-    into by the TMA unit (the result, float32, is that buffer). ``stream_k`` -- for a (K, N) output
-    with too few tiles to fill the GPU -- sums its partial tiles that way, into zeros; the LM head
-    adds each token chunk's dkernel into its running sum, which its first chunk starts as a
-    float32 result (``f32_out``: dkernel in float32, not x's dtype).
+    into by the TMA unit (the result, float32, is that buffer): the LM head adds each token chunk's
+    dkernel into its running sum, which its first chunk starts as a float32 result (``f32_out``:
+    dkernel in float32, not x's dtype). ``stream_k`` -- for a (K, N) output with too few tiles to
+    fill the GPU -- splits the (tile, k tile) steps evenly over the GPU: its partial tiles are added
+    into the accumulator, or without one meet in a workspace (flags operand, scratch result:
+    :attr:`GemmFamily.fixup`).
 
     ``operand_sums`` "a" / "b": also x's (L, K) or dz's (L, N) sums over the rows, float32 -- a
     bias gradient, summed by the kernel from the tiles it loads anyway (no pass over dz of its
@@ -556,8 +602,6 @@ class LinearWeightGrad(GemmFamily):
     name = "linear_dkernel"
 
     def __post_init__(self):
-        if self.stream_k and not self.accumulate:
-            raise ValueError("LinearWeightGrad: stream-K sums partial tiles into an accumulator (accumulate=True)")
         if self.operand_sums not in OPERAND_SUMS:
             raise ValueError(f"LinearWeightGrad: operand_sums must be one of {OPERAND_SUMS}; got {self.operand_sums!r}")
 
@@ -570,13 +614,14 @@ class LinearWeightGrad(GemmFamily):
 
     @property
     def arg_names(self):
-        return ("x", "dz") + ("sums",) * self.with_sums + ("accumulator",) * self.accumulate
+        return ("x", "dz") + ("sums",) * self.with_sums + ("accumulator",) * self.accumulate + ("flags",) * self.fixup
 
     def kinds(self):
         sums = ("batched_vector",) * self.with_sums
-        return ("batched", "batched") + sums + ("batched_out",) * self.accumulate + ("batched_out",) + sums
+        return (("batched", "batched") + sums + ("batched_out",) * self.accumulate + ("scratch",) * self.fixup
+                + ("batched_out",) + sums + ("scratch",) * (2 * self.fixup))
 
-    def modes_at(self, position):
+    def gemm_modes(self, position):
         if position < 2:
             return _TRANSPOSED
         return (1, 0) if self.kinds()[position] == "batched_vector" else _ROWS  # (L, N) -> (N, L)
@@ -599,10 +644,11 @@ class LinearWeightGrad(GemmFamily):
 
     def operand_output_aliases(self):
         aliases = ({2: 1} if self.with_sums else {}) | ({2 + self.with_sums: 0} if self.accumulate else {})
+        aliases |= self.flags_alias(3 + self.with_sums, 3 + self.with_sums)
         return aliases or None
 
     def kept_outputs(self, n_outputs):
-        return () if self.accumulate else (0,)
+        return () if self.accumulate else (0,) + (n_outputs - 2,) * self.fixup
 
     def layer_dims(self, avals):
         return avals[0].shape[2], avals[1].shape[2]
@@ -614,19 +660,17 @@ class LinearWeightGrad(GemmFamily):
         x, dz = avals[:2]
         dtype = jnp.float32 if self.accumulate or self.f32_out else x.dtype
         dkernel = jax.ShapeDtypeStruct((x.shape[0], x.shape[2], dz.shape[2]), dtype)
-        if not self.with_sums:
-            return (dkernel,)
-        return dkernel, jax.ShapeDtypeStruct(avals[2].shape, jnp.float32)
+        sums = (jax.ShapeDtypeStruct(avals[2].shape, jnp.float32),) if self.with_sums else ()
+        return (dkernel,) + sums + self.scratch_avals()
 
     def reference(self, x, dz, *rest):
         if self.accumulate:
             dkernel = rest[-1] + _weight_grad_einsum(x, dz, dtype=jnp.float32)
         else:
             dkernel = _weight_grad_einsum(x, dz, dtype=jnp.float32 if self.f32_out else None)
-        if not self.with_sums:
-            return (dkernel,)
         summed = x if self.operand_sums == "a" else dz
-        return dkernel, rest[0] + jnp.sum(summed.astype(jnp.float32), axis=1)
+        sums = (rest[0] + jnp.sum(summed.astype(jnp.float32), axis=1),) if self.with_sums else ()
+        return (dkernel,) + sums + self.scratch_reference()
 
 
 # --- jnp reference: the kernels' decomposition -----------------------------------------------------
@@ -749,6 +793,13 @@ def _input_grad_rows(dz, kernel, preact, grad_of, use_kernels, precision, kernel
     return dx.astype(dz.dtype).reshape(*lead, width)
 
 
+def stream_k_flags(anchor):
+    """The zeros flags operand of a stream-K kernel without an accumulator (see
+    :attr:`GemmFamily.fixup`): an Int32 per CTA of any persistent grid, filled once ``anchor``
+    exists."""
+    return zeros_after(anchor, (PERSISTENT_SMS,), jnp.int32)
+
+
 def _row_zeros(rows, k):
     """float32 zeros (1, M, k) for rows (1, M, N), sharded like them over ``Explicit`` mesh axes."""
     sharding = jax.typeof(rows).sharding
@@ -775,16 +826,21 @@ def _weight_grad_batched(x, dz, accumulator, use_kernels, precision, sums=None, 
         return dw if sums is None else (dw, jnp.sum(summed.astype(jnp.float32), axis=1))
     (batch, rows, k), n = x.shape, dz.shape[-1]
     sums_in = () if sums is None else (zeros_after(summed, (batch, summed.shape[-1])),)
-    # Too few output tiles to fill the GPU: stream-K, its partial tiles added into zeros.
+    # Too few output tiles to fill the GPU: stream-K, its partial tiles meeting in a workspace, or
+    # added into the accumulator -- into float32 zeros, then cast, where the tiles are so few that
+    # each is cut over many clusters.
     stream_k = stream_k_pays(k, n, rows, batch)
-    if not stream_k and accumulator is None:
-        operands = (x, dz, *sums_in)
-        out = kernel_call(resolve(LinearWeightGrad(operand_sums=sums, f32_out=f32_out), operands), *operands)
-        return out[0] if sums is None else tuple(out)
-    operands = (x, dz, *sums_in, zeros_after(dz, (batch, k, n)) if accumulator is None else accumulator)
-    out = kernel_call(resolve(LinearWeightGrad(accumulate=True, stream_k=stream_k, operand_sums=sums), operands),
-                      *operands)
-    dw = out[0] if accumulator is not None else out[0].astype(out_dtype)
+    into_zeros = accumulator is None and stream_k and not stream_k_workspace_pays(k, n, batch)
+    if into_zeros:
+        accumulator = zeros_after(dz, (batch, k, n))
+    if accumulator is None:
+        operands = (x, dz, *sums_in) + ((stream_k_flags(dz),) if stream_k else ())
+        family = LinearWeightGrad(stream_k=stream_k, operand_sums=sums, f32_out=f32_out)
+    else:
+        operands = (x, dz, *sums_in, accumulator)
+        family = LinearWeightGrad(accumulate=True, stream_k=stream_k, operand_sums=sums)
+    out = kernel_call(resolve(family, operands), *operands)
+    dw = out[0].astype(out_dtype) if into_zeros else out[0]
     return dw if sums is None else (dw, out[1])
 
 

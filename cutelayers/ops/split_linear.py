@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from cutelayers import backend as _backend
-from cutelayers.kernels.gemm_config import stream_k_pays
+from cutelayers.kernels.gemm_config import stream_k_pays, stream_k_workspace_pays
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._zeros import zeros_after
 from cutelayers.ops.linear import (
@@ -47,6 +47,7 @@ from cutelayers.ops.linear import (
     fused_linear,
     hashable_precision,
     kernels_apply,
+    stream_k_flags,
 )
 from cutelayers.runtime.sharding import kernel_call, vary_like
 from cutelayers.tuning import resolve
@@ -97,7 +98,7 @@ class SplitForward(GemmFamily):
     def kinds(self):
         return ("rows", "weight") + ("weight",) * self.has_bias + ("rows",) * self.parts
 
-    def modes_at(self, position):
+    def gemm_modes(self, position):
         if position == 1:
             return _PLANES_AS_N_K[self.kernel_nk]
         return (1, 0) if self.kinds()[position] == "weight" else _ROWS  # bias (P, d) -> (d, P)
@@ -164,7 +165,7 @@ class SplitInputGrad(GemmFamily):
     def kinds(self):
         return ("rows",) * self.parts + ("weight", "rows")
 
-    def modes_at(self, position):
+    def gemm_modes(self, position):
         return _PLANES_AS_K_N[self.kernel_nk] if position == self.parts else _ROWS
 
     def factors(self):
@@ -201,23 +202,21 @@ class SplitInputGrad(GemmFamily):
 class SplitWeightGrad(GemmFamily):
     """Kernel family: dkernel as stored -- (K, P, d), or (P, d, K) if ``kernel_nk`` -- from x
     (1, M, K) and the P dy_l (1, M, d), operands in GEMM order: (x, dy...) or (dy..., x) for
-    ``kernel_nk`` (whose gradient is dyᵀ @ x). ``stream_k``: its partial tiles added into a
-    float32 operand of zeros (the result, float32, is that buffer). ``with_sums``: also every
-    dy_l's sums over the rows (P, d), float32 -- the bias gradient -- added by the kernel into a
-    float32 zeros operand before the stream-K one."""
+    ``kernel_nk`` (whose gradient is dyᵀ @ x). ``stream_k``: its partial tiles meet in a
+    workspace (flags operand, scratch result: :attr:`GemmFamily.fixup`), or with ``accumulate``
+    are added into a float32 operand of zeros (the result, float32, is that buffer).
+    ``with_sums``: also every dy_l's sums over the rows (P, d), float32 -- the bias gradient --
+    added by the kernel into a float32 zeros operand before the stream-K one."""
 
     parts: int
     config: object = None
     kernel_nk: bool = False
     stream_k: bool = False
     with_sums: bool = False
+    accumulate: bool = False
     contracts_rows = True
 
     name = "split_linear_dkernel"
-
-    @property
-    def accumulate(self):
-        return self.stream_k
 
     @property
     def operand_sums(self):
@@ -231,13 +230,14 @@ class SplitWeightGrad(GemmFamily):
     def arg_names(self):
         dys = tuple(f"dy{i}" for i in range(self.parts))
         return ((dys + ("x",) if self.kernel_nk else ("x",) + dys) + ("sums",) * self.with_sums
-                + ("zeros",) * self.stream_k)
+                + ("zeros",) * self.accumulate + ("flags",) * self.fixup)
 
     def kinds(self):
         sums = ("batched_vector",) * self.with_sums
-        return ("rows",) * (1 + self.parts) + sums + ("weight",) * self.stream_k + ("weight",) + sums
+        return (("rows",) * (1 + self.parts) + sums + ("weight",) * self.accumulate + ("scratch",) * self.fixup
+                + ("weight",) + sums + ("scratch",) * (2 * self.fixup))
 
-    def modes_at(self, position):
+    def gemm_modes(self, position):
         if position <= self.parts:
             return _TRANSPOSED  # (1, M, F) -> (F, M, 1): the rows are the contraction
         if self.kinds()[position] == "batched_vector":
@@ -249,15 +249,16 @@ class SplitWeightGrad(GemmFamily):
         operands = (dy,) * self.parts + (x,) if self.kernel_nk else (x,) + (dy,) * self.parts
         out = _kernel_factor(self.kernel_nk)
         sums = ((None, "n"),) * self.with_sums
-        return operands + sums + (out,) * self.stream_k, (out,) + sums
+        return operands + sums + (out,) * self.accumulate, (out,) + sums
 
     def operand_output_aliases(self):
         aliases = ({1 + self.parts: 1} if self.with_sums else {}) | (
-            {1 + self.parts + self.with_sums: 0} if self.stream_k else {})
+            {1 + self.parts + self.with_sums: 0} if self.accumulate else {})
+        aliases |= self.flags_alias(2 + self.parts + self.with_sums, 3 + self.with_sums)
         return aliases or None
 
     def kept_outputs(self, n_outputs):
-        return () if self.stream_k else (0,)
+        return () if self.accumulate else (0,) + (n_outputs - 2,) * self.fixup
 
     def layer_dims(self, avals):
         x, dy = (avals[self.parts], avals[0]) if self.kernel_nk else (avals[0], avals[1])
@@ -281,20 +282,21 @@ class SplitWeightGrad(GemmFamily):
     def out_avals(self, avals):
         k, d = self.layer_dims(avals)
         shape = (self.parts, d, k) if self.kernel_nk else (k, self.parts, d)
-        dkernel = jax.ShapeDtypeStruct(shape, jnp.float32 if self.stream_k else avals[0].dtype)
-        return (dkernel,) + (jax.ShapeDtypeStruct((self.parts, d), jnp.float32),) * self.with_sums
+        dkernel = jax.ShapeDtypeStruct(shape, jnp.float32 if self.accumulate else avals[0].dtype)
+        return ((dkernel,) + (jax.ShapeDtypeStruct((self.parts, d), jnp.float32),) * self.with_sums
+                + self.scratch_avals())
 
     def reference(self, *operands):
-        operands = list(operands)
-        zeros = operands.pop() if self.stream_k else None
+        operands = list(operands[:len(operands) - self.fixup])  # the flags: the kernel's alone
+        zeros = operands.pop() if self.accumulate else None
         sums = operands.pop() if self.with_sums else None
         dys, x = (operands[:-1], operands[-1]) if self.kernel_nk else (operands[1:], operands[0])
         dkernel = _weight_grad_kn(x[0], [dy[0] for dy in dys], None, jnp.float32)
-        out = as_planes(dkernel.T if self.kernel_nk else dkernel, self.parts, self.kernel_nk)
-        out = (zeros + out) if self.stream_k else out.astype(x.dtype)
-        if not self.with_sums:
-            return (out,)
-        return out, sums + jnp.stack([jnp.sum(dy[0].astype(jnp.float32), axis=0) for dy in dys])
+        dkernel = as_planes(dkernel.T if self.kernel_nk else dkernel, self.parts, self.kernel_nk)
+        out = (zeros + dkernel if self.accumulate else dkernel.astype(x.dtype),)
+        if self.with_sums:
+            out += (sums + jnp.stack([jnp.sum(dy[0].astype(jnp.float32), axis=0) for dy in dys]),)
+        return out + self.scratch_reference()
 
 
 # --- jnp reference ---------------------------------------------------------------------------------
@@ -353,14 +355,20 @@ def _weight_grad_rows(x, dys, kernel_shape, bias_dtype, parts, use_kernels, prec
     rows = x.reshape(1, -1, x.shape[-1])
     dy_rows = tuple(dy.reshape(1, -1, dy.shape[-1]) for dy in dys)
     (m, k), d = rows.shape[1:], dy_rows[0].shape[2]
-    stream_k = stream_k_pays(*((d, k) if kernel_nk else (k, d)), m, parts)
+    out_mn = (d, k) if kernel_nk else (k, d)
+    stream_k = stream_k_pays(*out_mn, m, parts)
+    # stream-K's partial tiles in a workspace, or in float32 zeros (see ops.linear's weight gradient)
+    into_zeros = stream_k and not stream_k_workspace_pays(*out_mn, parts)
     with_sums = bias_dtype is not None
     operands = (*dy_rows, rows) if kernel_nk else (rows, *dy_rows)
     if with_sums:
         operands += (zeros_after(dy_rows[0], (parts, d)),)
-    if stream_k:
+    if into_zeros:
         operands += (zeros_after(dy_rows[0], (parts, d, k) if kernel_nk else (k, parts, d)),)
-    family = resolve(SplitWeightGrad(parts, kernel_nk=kernel_nk, stream_k=stream_k, with_sums=with_sums), operands)
+    elif stream_k:
+        operands += (stream_k_flags(dy_rows[0]),)
+    family = resolve(SplitWeightGrad(parts, kernel_nk=kernel_nk, stream_k=stream_k, with_sums=with_sums,
+                                     accumulate=into_zeros), operands)
     dkernel, *sums = kernel_call(family, *operands)
     dbias = sums[0].reshape(-1).astype(bias_dtype) if with_sums else None
     return dkernel.astype(x.dtype).reshape(kernel_shape), dbias
