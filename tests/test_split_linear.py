@@ -17,6 +17,7 @@ from test_linear import lower_cuda, zeros_filled_after_an_operand
 
 import cutelayers as cl
 from cutelayers.kernels.gemm import Planes
+from cutelayers.kernels.gemm_config import stream_k_pays, stream_k_workspace_pays
 from cutelayers.ops import split_linear
 from cutelayers.ops.split_linear import SplitForward, SplitInputGrad, SplitWeightGrad, as_planes
 
@@ -192,6 +193,19 @@ def test_lowering_has_three_kernels_and_no_activation_sized_slice_or_concatenati
 
 # --- sharded (four fake CPU devices): data- and row-parallel run the families' rules per device ------
 
+@pytest.mark.cute
+def test_lowering_few_tiles_adds_stream_k_partials_into_zeros():
+    # 3 cluster tiles (d = 256 a plane), each cut over ~22 clusters: the dkernel launch adds its
+    # partial tiles into float32 zeros it aliases (not a workspace), cast after
+    k, d, m = 256, 256, 4096
+    assert stream_k_pays(k, d, m, 3) and not stream_k_workspace_pays(k, d, 3)
+    x, w = jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, 3 * d), jnp.bfloat16)
+    hlo = lower_cuda(jax.grad(lambda x, w: jnp.sum(split_linear(x, w, parts=3)[1].astype(jnp.float32)), 1), x, w)
+    (call,) = [line for line in hlo.splitlines() if "@cutelayers_split_linear_dkernel" in line]
+    assert call.endswith(f"tensor<{k}x3x{d}xf32>) -> tensor<{k}x3x{d}xf32>") and "output_operand_aliases" in call
+    assert zeros_filled_after_an_operand(hlo, call) == 1
+
+
 @pytest.mark.parametrize("layout", ["row-parallel", "column-parallel"])
 def test_sharded_kernel_matches_one_device(layout, rng):
     """K sharded (row-parallel: partial products psum'd, the bias added once after) or N sharded
@@ -221,8 +235,11 @@ def test_sharded_kernel_matches_one_device(layout, rng):
 @pytest.mark.parametrize("kernel_nk", [False, True], ids=["kn", "nk"])
 def test_kernels_gpu(dtype, kernel_nk, rng):
     with cl.use_backend("cute"):
-        # GPT-2's qkv at 4096 tokens (stream-K dkernel); odd rows and a d not a multiple of the tiles
+        # GPT-2's qkv at 4096 tokens (stream-K dkernel, its partial tiles in a workspace), a narrow
+        # one (stream-K into float32 zeros: 3 cluster tiles); odd rows and a d not a multiple of
+        # the tiles
         check(rng, (4096,), 768, 2304, 3, jnp.dtype(dtype), kernel_nk, scale=4.0)
+        check(rng, (4096,), 256, 768, 3, jnp.dtype(dtype), kernel_nk, scale=4.0)
         check(rng, (3, 37), 200, 216, 3, jnp.dtype(dtype), kernel_nk, scale=4.0)
         check(rng, (1,), 64, 128, 2, jnp.dtype(dtype), kernel_nk, bias=False, scale=4.0)
 
