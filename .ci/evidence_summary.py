@@ -69,9 +69,9 @@ def tests_table(out: Path) -> list[str]:
     for file in sorted(set(per_file) | set(collected)):
         c, t = per_file[file], timing[file]
         failed = c["FAILED"] + c["ERROR"] + c["XPASS"]
-        row = dict(collected=collected[file], passed=c["PASSED"], failed=failed, skipped=c["SKIPPED"] + c["XFAIL"],
-                   not_run=max(collected[file] - sum(c.values()), 0), seconds=t["seconds"],
-                   cute=t["cute_compile_s"], kernels=t["cute_compiles"], xla=t["xla_compile_s"], lower=t["lowering_s"])
+        row = {"collected": collected[file], "passed": c["PASSED"], "failed": failed, "skipped": c["SKIPPED"] + c["XFAIL"],
+                   "not_run": max(collected[file] - sum(c.values()), 0), "seconds": t["seconds"],
+                   "cute": t["cute_compile_s"], "kernels": t["cute_compiles"], "xla": t["xla_compile_s"], "lower": t["lowering_s"]}
         total.update(row)
         lines.append(_test_row(file, row))
     lines.append(_test_row("**total**", total))

@@ -12,7 +12,7 @@ Public surface:
 
 from cutelayers import aot, ops
 from cutelayers.backend import BACKENDS, current_backend, use_backend
-from cutelayers.cute_call import cute_call, custom_op, rowwise_vmap
+from cutelayers.cute_call import custom_op, cute_call, rowwise_vmap
 from cutelayers.runtime.cache import KernelStats, cache_info, clear_cache
 from cutelayers.runtime.parallel_compile import parallel_compiles
 
@@ -25,8 +25,8 @@ __all__ = [
     "cache_info",
     "clear_cache",
     "current_backend",
-    "cute_call",
     "custom_op",
+    "cute_call",
     "ops",
     "parallel_compiles",
     "rowwise_vmap",

@@ -20,6 +20,7 @@ from cutelayers import backend
 from cutelayers.ops.linear import (
     ACTIVATION_FUNCTIONS,
     GATED_ACTIVATIONS,
+    MIXED_PRECISION_DTYPES,
     gated_hidden,
     is_gated,
     resolve_activation,
@@ -129,6 +130,19 @@ def stock_norm(norm, x, residual):
         return norm(x)
     summed = (x + residual).astype(jnp.asarray(residual).dtype)
     return norm(summed), summed
+
+
+def op_operands(promoted, params):
+    """The operands as the ops take them: ``promoted`` is ``promote_dtype``'s result (the inputs
+    first, then ``params``, the module's own parameters). Float32 parameters of a 16-bit
+    computation stay float32 (mixed precision: the ops cast them for their GEMMs and return their
+    gradients in float32 from the GEMMs' accumulators -- no 16-bit rounding of the gradient, no
+    cast passes around it; :func:`cutelayers.ops.linear.compute_params`); otherwise as promoted."""
+    x, *cast = promoted
+    given = [p for p in params if p is not None]
+    if jnp.dtype(x.dtype) in MIXED_PRECISION_DTYPES and given and all(p.dtype == jnp.float32 for p in given):
+        return (x, *params)
+    return (x, *cast)
 
 
 def finish_linear(y, activation, residual):

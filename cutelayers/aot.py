@@ -29,7 +29,7 @@ import io
 import json
 import re
 import zipfile
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 from jax import export as jax_export
@@ -42,7 +42,7 @@ from cutelayers.runtime.primitive import (
     target_arch,
 )
 
-__all__ = ["export", "serialize", "deserialize", "kernel_targets"]
+__all__ = ["deserialize", "export", "kernel_targets", "serialize"]
 
 BUNDLE_FORMAT = 1
 _TARGET = re.compile(r"custom_call @(cutelayers_\w+)")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 from cutelayers.runtime._jax_compat import enum_state
 

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +38,7 @@ from cutelayers.runtime.placement import check_arrays
 from cutelayers.runtime.sharding import kernel_call
 from cutelayers.runtime.tensors import cutlass_dtype
 
-__all__ = ["cute_call", "custom_op", "rowwise_vmap"]
+__all__ = ["custom_op", "cute_call", "rowwise_vmap"]
 
 
 @dataclasses.dataclass(frozen=True)

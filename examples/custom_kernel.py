@@ -9,10 +9,10 @@ kernel needs the CuTe DSL: ``pip install 'cutelayers[cute]'`` (the other example
 """
 
 import cutlass
-import cutlass.cute as cute
 import jax
 import jax.numpy as jnp
 import numpy as np
+from cutlass import cute
 
 import cutelayers as cl
 
@@ -78,8 +78,8 @@ def main():
     y = jax.jit(row_scale)(x, s)
     np.testing.assert_allclose(y, x * s[..., None], rtol=1e-6)
 
-    loss = lambda x, s: jnp.sum(jnp.tanh(row_scale(x, s)))  # noqa: E731
-    ref_loss = lambda x, s: jnp.sum(jnp.tanh(x * s[..., None]))  # noqa: E731
+    loss = lambda x, s: jnp.sum(jnp.tanh(row_scale(x, s)))
+    ref_loss = lambda x, s: jnp.sum(jnp.tanh(x * s[..., None]))
     for ours, ref in zip(jax.grad(loss, (0, 1))(x, s), jax.grad(ref_loss, (0, 1))(x, s)):
         np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-6)
 

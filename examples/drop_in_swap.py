@@ -23,12 +23,11 @@ import secrets
 import sys
 
 import equinox as eqx
-import flax.linen as linen
 import flax.serialization
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import linen, nnx
 
 from cutelayers import equinox as cl_eqx
 from cutelayers.flax import linen as cl_linen

@@ -33,7 +33,8 @@ import dataclasses
 import functools
 import importlib
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -98,7 +99,7 @@ def _cuda_compute_capability() -> tuple[int, int] | None:
     return major, minor
 
 
-@functools.lru_cache(maxsize=None)  # one decision (and one log line) per distinct input
+@functools.cache  # one decision (and one log line) per distinct input
 def _attention_choice(dtype: str, head_dim: int, capability: tuple[int, int] | None) -> str:
     max_head_dim = 256 if capability is not None and capability >= (9, 0) else 128
     if capability is None or capability < (8, 0):

@@ -29,8 +29,15 @@ import jax
 import jax.numpy as jnp
 
 from cutelayers import equinox as cl_eqx
-from models.common import (Functional, add_norm, causal_attention, cross_entropy, head_logits, positions,
-                           qkv_split)
+from models.common import (
+    Functional,
+    add_norm,
+    causal_attention,
+    cross_entropy,
+    head_logits,
+    positions,
+    qkv_split,
+)
 from models.configs import GPTConfig
 
 

@@ -19,8 +19,15 @@ import jax
 import jax.numpy as jnp
 
 from cutelayers.flax import linen as cl_linen
-from models.common import (Functional, add_norm, causal_attention, cross_entropy, head_logits, positions,
-                           qkv_split)
+from models.common import (
+    Functional,
+    add_norm,
+    causal_attention,
+    cross_entropy,
+    head_logits,
+    positions,
+    qkv_split,
+)
 from models.configs import GPTConfig
 
 
@@ -123,7 +130,7 @@ def init(config: GPTConfig, key: jax.Array, *, stock: bool = False, abstract: bo
     ``abstract``: shapes only (``jax.ShapeDtypeStruct`` leaves), nothing computed."""
     model = GPT(config, stock=stock)
     dummy = jax.ShapeDtypeStruct((1, min(8, config.seq_len)), jnp.int32)
-    init_params = lambda k: model.lazy_init(k, dummy, dummy)["params"]  # noqa: E731  (no forward pass)
+    init_params = lambda k: model.lazy_init(k, dummy, dummy)["params"]
     params = jax.eval_shape(init_params, key) if abstract else jax.jit(init_params)(key)
 
     def loss(params, inputs, targets):

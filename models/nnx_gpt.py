@@ -15,8 +15,15 @@ import jax
 from flax import nnx
 
 from cutelayers.flax import nnx as cl_nnx
-from models.common import (Functional, add_norm, causal_attention, cross_entropy, head_logits, positions,
-                           qkv_split)
+from models.common import (
+    Functional,
+    add_norm,
+    causal_attention,
+    cross_entropy,
+    head_logits,
+    positions,
+    qkv_split,
+)
 from models.configs import GPTConfig
 
 
@@ -70,7 +77,7 @@ class Block(nnx.Module):
         d, dt = config.d_model, config.compute_dtype
         init = nnx.initializers.normal(config.init_std)
         proj_init = nnx.initializers.normal(config.proj_init_std)
-        norm = dict(epsilon=config.norm_eps, dtype=dt, rngs=rngs)
+        norm = {"epsilon": config.norm_eps, "dtype": dt, "rngs": rngs}
         self.n_heads = config.n_heads
         self.split_qkv = config.split_qkv and not stock
         self.ln1 = LayerNorm(d, **norm)
@@ -120,7 +127,7 @@ class GPT(nnx.Module):
 def init(config: GPTConfig, key: jax.Array, *, stock: bool = False, abstract: bool = False) -> Functional:
     """Build the model; returns its functional view (params: the ``nnx.State`` of its Params).
     ``abstract``: shapes only (``jax.ShapeDtypeStruct`` leaves), nothing computed."""
-    make = lambda: GPT(config, stock=stock, rngs=nnx.Rngs(params=key))  # noqa: E731
+    make = lambda: GPT(config, stock=stock, rngs=nnx.Rngs(params=key))
     model = nnx.eval_shape(make) if abstract else make()
     graphdef, params = nnx.split(model, nnx.Param)
 

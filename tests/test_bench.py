@@ -27,8 +27,10 @@ def test_help_lists_every_family():
     ["norms", "--n", "128", "--dtype", "float16"],
     ["softmax", "--n", "128"],
     ["gemm", "--shapes", "64x128x256", "--epilogue", "bias", "--dtype", "float16", "--parts"],
+    ["gemm", "--shapes", "64x128x256", "--param-dtype", "float32"],
     ["lm_head", "--tokens", "64", "--hidden", "64", "--vocab", "256", "--dtype", "float32", "--chunk-size", "32"],
-], ids=lambda argv: argv[0])
+    ["lm_head", "--tokens", "64", "--hidden", "64", "--vocab", "256", "--param-dtype", "float32"],
+], ids=["reduce", "norms", "softmax", "gemm", "gemm-float32-params", "lm_head", "lm_head-float32-params"])
 def test_gpu_families_need_a_gpu(argv, capsys):
     assert main(argv) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
@@ -67,9 +69,9 @@ def test_call_kernels_gives_each_kernel_its_median(monkeypatch, capsys):
     monkeypatch.setattr(timing, "traced_kernels", lambda run: (run(), traced)[1])
     assert timing.call_kernels(lambda a: a + 1, jnp.ones(4), iters=3) == [("gemm", 4e-6), ("cast", 2e-6)]
     assert timing.call_kernels(lambda a: a + 1, jnp.ones(4), iters=4) == []
-    gemm.print_kernels([dict(layer="l", impl="ours", kernel="gemm", us=4.0),
-                        dict(layer="l", impl="ours", kernel="cast", us=2.0),
-                        dict(layer="l", impl="XLA", kernel="cublas", us=5.5)])
+    gemm.print_kernels([{"layer": "l", "impl": "ours", "kernel": "gemm", "us": 4.0},
+                        {"layer": "l", "impl": "ours", "kernel": "cast", "us": 2.0},
+                        {"layer": "l", "impl": "XLA", "kernel": "cublas", "us": 5.5}])
     out = capsys.readouterr().out
     assert "| l | ours | total | 6.0 |" in out and "| l | XLA | total | 5.5 |" in out
 

@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numerics import random
 
 import cutelayers as cl
-from numerics import random
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 

@@ -23,13 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from numerics import assert_close, least_precise
 
 import cutelayers
 import cutelayers.backend
 from cutelayers import equinox as cl_eqx
 from cutelayers.flax import linen as cl_linen
 from cutelayers.flax import nnx as cl_nnx
-from numerics import assert_close, least_precise
 
 KERNEL, STOCK = "kernel", "stock"
 X_DTYPES = (jnp.float32, jnp.bfloat16, jnp.complex64)
@@ -219,9 +219,7 @@ def _run(case: Case, classes, x):
 
 def _input(case: Case, dtype, rng):
     framework, name = case.module.split(".")
-    if framework != "equinox":
-        shape = (4, 3, FEATURES)
-    elif name != "Linear":
+    if framework != "equinox" or name != "Linear":
         shape = (4, 3, FEATURES)
     else:
         n_in = case.init.get("in_features", FEATURES)
@@ -284,7 +282,7 @@ def test_same_as_stock(case, dtype, rng, fallbacks):
     x = _input(case, dtype, rng)
     try:
         stock_params, y_ref, g_ref = _run(case, STOCK_CLASSES, x)
-    except Exception as error:  # stock refuses: ours must refuse with the same type
+    except Exception as error:  # noqa: BLE001 -- stock refuses: ours must refuse with the same type
         with pytest.raises(type(error)):
             _run(case, OUR_CLASSES, x)
         return

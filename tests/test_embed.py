@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from numerics import assert_close, dtype_cover, random
 
 import cutelayers.backend
 from cutelayers import equinox as cl_eqx
@@ -21,7 +22,6 @@ from cutelayers.flax import linen as cl_linen
 from cutelayers.flax import nnx as cl_nnx
 from cutelayers.ops import embed
 from cutelayers.ops.embed import BLOCK_TOKENS, table_grad
-from numerics import assert_close, dtype_cover, random
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -174,8 +174,8 @@ def fallbacks(monkeypatch):
     return seen
 
 
-NNX_CASES = [dict(), dict(dtype=jnp.bfloat16), dict(param_dtype=jnp.bfloat16), dict(dtype=jnp.float16),
-             dict(embedding_init=nnx.initializers.ones), dict(embedding_metadata={"description": "tokens"})]
+NNX_CASES = [{}, {"dtype": jnp.bfloat16}, {"param_dtype": jnp.bfloat16}, {"dtype": jnp.float16},
+             {"embedding_init": nnx.initializers.ones}, {"embedding_metadata": {"description": "tokens"}}]
 
 
 def _case_id(init: dict) -> str:
@@ -216,8 +216,8 @@ def test_nnx_embed_falls_back_where_only_stock_serves(rng, fallbacks):
     assert fallbacks == ["Embed"] * 4
 
 
-@pytest.mark.parametrize("init", [dict(), dict(dtype=jnp.bfloat16), dict(param_dtype=jnp.float16),
-                                  dict(embedding_init=nn.initializers.ones)], ids=_case_id)
+@pytest.mark.parametrize("init", [{}, {"dtype": jnp.bfloat16}, {"param_dtype": jnp.float16},
+                                  {"embedding_init": nn.initializers.ones}], ids=_case_id)
 def test_linen_embed_matches_stock(init, rng, fallbacks):
     vocab, h = 30, 8
     ids = token_ids(rng, (4, 33), vocab, out_of_range=4)
@@ -241,7 +241,7 @@ def test_equinox_embedding_matches_stock(dtype, rng, fallbacks):
     ids = token_ids(rng, (4, 33), vocab, out_of_range=4)
     ours, stock = (cls(vocab, h, dtype=dtype, key=jax.random.key(2)) for cls in (cl_eqx.Embedding, eqx.nn.Embedding))
     np.testing.assert_array_equal(ours.weight, stock.weight)
-    lookup = lambda m: jax.vmap(jax.vmap(m))(ids)  # noqa: E731
+    lookup = lambda m: jax.vmap(jax.vmap(m))(ids)
     np.testing.assert_array_equal(np.asarray(lookup(ours), np.float32), np.asarray(lookup(stock), np.float32))
     got = jax.grad(lambda m: _loss(lookup(m)))(ours).weight
     dy = jax.grad(_loss)(lookup(stock))  # stock sums in the weight's dtype: compare with float64

@@ -17,6 +17,8 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from numerics import assert_close, assert_matches, assert_trees_match, random, same_tree
+from test_linear import kernel_targets, lower_cuda
 
 import cutelayers as cl
 from cutelayers import equinox as cl_eqx
@@ -24,8 +26,6 @@ from cutelayers.flax import linen as cl_linen
 from cutelayers.flax import nnx as cl_nnx
 from cutelayers.ops import linear_cross_entropy, masked_mean_pool
 from cutelayers.ops.lm_head import chunk_layout
-from numerics import assert_close, assert_matches, assert_trees_match, random, same_tree
-from test_linear import kernel_targets, lower_cuda
 
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -49,10 +49,12 @@ def reference_loss(logits, labels, ignore_index=None, reduction="mean", label_sm
     return jnp.sum(losses) / jnp.maximum(jnp.sum(~ignored), 1)
 
 
-def head_operands(rng, lead, hidden, vocab, dtype, ignore_index=None):
+def head_operands(rng, lead, hidden, vocab, dtype, ignore_index=None, param_dtype=None):
+    """h in ``dtype``, kernel and bias in ``param_dtype`` (default: ``dtype``), labels."""
+    param_dtype = param_dtype or dtype
     h = random(rng, (*lead, hidden), dtype)
-    kernel = jnp.asarray(rng.standard_normal((hidden, vocab)) / np.sqrt(hidden), dtype)
-    bias = random(rng, (vocab,), dtype)
+    kernel = jnp.asarray(rng.standard_normal((hidden, vocab)) / np.sqrt(hidden), param_dtype)
+    bias = random(rng, (vocab,), param_dtype)
     labels = rng.integers(0, vocab, lead)
     if ignore_index is not None:
         labels = np.where(rng.random(lead) < 0.3, ignore_index, labels)
@@ -131,12 +133,47 @@ def test_half_precision_through_the_kernel_path(dtype, rng):
         assert_close(g, g_ref, dtype, scale=2.0)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_float32_params_through_the_kernel_path(reduction, rng):
+    # mixed precision: bfloat16 h, float32 kernel and bias -- cast for the GEMMs, their gradients
+    # the float32 sums over the chunks as they are
+    h, kernel, bias, labels = head_operands(rng, (4, 50), 64, 256, jnp.bfloat16, -1, param_dtype=F32)
+    weights = jnp.asarray(rng.uniform(0.5, 1.5, labels.shape), F32)
+
+    def ours(h, kernel, bias):
+        out = linear_cross_entropy(h, kernel, labels, bias=bias, ignore_index=-1, chunk_size=64, reduction=reduction)
+        return jnp.sum(out * weights) if reduction == "none" else out
+
+    def ref(h, kernel, bias):
+        out = reference_loss(f32_logits(h, kernel, bias), labels, -1, reduction)
+        return jnp.sum(out * weights) if reduction == "none" else out
+
+    grads = jax.jit(jax.grad(ours, (0, 1, 2)))(h, kernel, bias)
+    refs = jax.grad(ref, (0, 1, 2))(*(a.astype(F32) for a in (h, kernel, bias)))
+    for g, g_ref, primal in zip(grads, refs, (h, kernel, bias)):
+        assert g.dtype == primal.dtype and g.shape == primal.shape
+        assert_close(g, g_ref, jnp.bfloat16, scale=2.0)
+
+
+@pytest.mark.gpu
+def test_float32_params_kernel_path_gpu(rng):
+    h, kernel, bias, labels = head_operands(rng, (3, 333), 256, 1000, jnp.bfloat16, -100, param_dtype=F32)
+    ours, ref = head_call({}, labels, -100, "mean", chunk=128)
+    with cl.use_backend("cute"):
+        value, grads = jax.jit(jax.value_and_grad(ours, (0, 1, 2)))(h, kernel, bias)
+    want, refs = jax.jit(jax.value_and_grad(ref, (0, 1, 2)))(*(a.astype(F32) for a in (h, kernel, bias)))
+    assert_close(value, want, jnp.bfloat16)
+    for g, g_ref, primal in zip(grads, refs, (h, kernel, bias)):
+        assert g.dtype == primal.dtype and g.shape == primal.shape
+        assert_close(g, g_ref, jnp.bfloat16, scale=2.0)
+
+
 OPTIONS = [  # the loss options, each alone and all together, with an (H, V) or (V, H) kernel
-    dict(label_smoothing=0.1),
-    dict(z_loss=1e-2),
-    dict(logit_soft_cap=3.0),
-    dict(kernel_layout="vh"),
-    dict(label_smoothing=0.2, z_loss=1e-3, logit_soft_cap=5.0, kernel_layout="vh"),
+    {"label_smoothing": 0.1},
+    {"z_loss": 1e-2},
+    {"logit_soft_cap": 3.0},
+    {"kernel_layout": "vh"},
+    {"label_smoothing": 0.2, "z_loss": 1e-3, "logit_soft_cap": 5.0, "kernel_layout": "vh"},
 ]
 
 
@@ -227,7 +264,7 @@ def test_vmap_jit_grad_compositions(rng):
     def ref(h, labels, kernel, bias):
         return reference_loss(f32_logits(h, kernel, bias), labels, -100)
 
-    tol = dict(rtol=1e-4, atol=1e-6)
+    tol = {"rtol": 1e-4, "atol": 1e-6}
     shared = (0, 0, None, None)
     args = (h, labels, kernel, bias)
     with jax.default_matmul_precision("highest"):
@@ -339,6 +376,12 @@ def test_lowers_to_the_kernels_for_cuda(reduction):
     # without differentiation: the forward GEMM and cross-entropy pass only
     assert collections.Counter(kernel_targets(lower_cuda(loss, *avals))) == {"linear_fwd": 1, "cross_entropy_fwd": 1}
     assert f"{tokens}x{vocab}x" not in hlo
+    # a float32 kernel: cast to bfloat16 for the GEMMs (again in the backward that recomputes the
+    # logits), and its gradient is the float32 sum as it is: no convert of an (H, V) gradient
+    hlo = lower_cuda(jax.value_and_grad(loss, (0, 1)), avals[0], S((hidden, vocab), F32), avals[2])
+    converts = re.findall(rf"stablehlo\.convert .*tensor<(?:1x)?{hidden}x{vocab}x(\w+)>\) -> tensor<(?:1x)?{hidden}x{vocab}x(\w+)>",
+                          hlo)
+    assert converts == [("f32", "bf16")] * (1 + (reduction == "none")), converts
 
 
 def test_chunk_layout():
@@ -503,7 +546,7 @@ def test_linen_lm_head_tied(rng):
 
 def test_nnx_lm_head(rng):
     h, _, _, labels = head_operands(rng, (3, 5), 32, 40, F32, ignore_index=-100)
-    kwargs = dict(bias_init=nnx.initializers.normal(1.0), param_dtype=jnp.bfloat16)
+    kwargs = {"bias_init": nnx.initializers.normal(1.0), "param_dtype": jnp.bfloat16}
     head = cl_nnx.LMHead(32, 40, ignore_index=-100, chunk_size=4, rngs=nnx.Rngs(0), **kwargs)
     stock = nnx.Linear(32, 40, rngs=nnx.Rngs(0), **kwargs)
     state = nnx.state(stock, nnx.Param)
@@ -557,9 +600,9 @@ def test_lm_head_modules_pass_the_loss_options(framework, tied, rng):
     """Every LMHead hands its loss options (and a tied or Equinox (V, H) table, read as stored) to
     linear_cross_entropy: the module's loss is the op's on the same arrays."""
     h, kernel, _, labels = head_operands(rng, (2, 7), 16, 24, F32, ignore_index=-1)
-    options = dict(ignore_index=-1, label_smoothing=0.1, z_loss=1e-2, logit_soft_cap=2.0, chunk_size=5)
+    options = {"ignore_index": -1, "label_smoothing": 0.1, "z_loss": 1e-2, "logit_soft_cap": 2.0, "chunk_size": 5}
     table = kernel.T  # (V, H)
-    embedding = dict(embedding=table) if tied else {}
+    embedding = {"embedding": table} if tied else {}
     if framework == "linen":
         head = cl_linen.LMHead(24, use_bias=False, tie_embedding=tied, **options)
         variables = head.init(jax.random.key(0), h, labels, **embedding)

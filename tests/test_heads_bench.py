@@ -28,6 +28,17 @@ def test_chunked_head_temp_memory_does_not_grow_with_tokens():
     assert large["fused"]["temp"] <= 1.25 * small["fused"]["temp"]
 
 
+def test_float32_params_head_keeps_no_float32_gradient_scratch():
+    # mixed precision: the fused head's float32 dkernel sum is the gradient (an output), so its
+    # temp memory is the bfloat16 kernel copy and a chunk's logits; the same head with bfloat16
+    # parameters holds the float32 sum as scratch on top
+    t, h, v = 1024, 256, 16384
+    mixed = head_memory(t, h, v, jnp.bfloat16, chunk_size=256, param_dtype=F32)
+    plain = head_memory(t, h, v, jnp.bfloat16, chunk_size=256)
+    assert mixed["fused"]["outputs"] == mixed["xla"]["outputs"] >= h * v * 4
+    assert mixed["fused"]["temp"] <= plain["fused"]["temp"] - h * v * 2
+
+
 @pytest.mark.gpu
 def test_lm_head_benchmark_rows():
     rows = bench_lm_head(512, 256, 4096, jnp.bfloat16, chunk_sizes=(None, 128))

@@ -14,13 +14,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from numerics import (
+    assert_close,
+    assert_matches,
+    assert_trees_match,
+    perturbed_stock_checkpoint,
+    random,
+    same_tree,
+)
+from test_linear import kernel_targets, lower_cuda
 
 import cutelayers as cl
 from cutelayers import equinox as cl_eqx
 from cutelayers.flax import linen as cl_linen
 from cutelayers.flax import nnx as cl_nnx
-from numerics import assert_close, assert_matches, assert_trees_match, perturbed_stock_checkpoint, random, same_tree
-from test_linear import kernel_targets, lower_cuda
 
 HIGHEST = jax.lax.Precision.HIGHEST
 NORMAL = nn.initializers.normal(1.0)  # a non-zero bias, so that the bias path is compared
@@ -51,11 +58,11 @@ def weighted_sum(y):
 
 LINEN_CASES = [
     {},
-    dict(use_bias=False),
-    dict(bias_init=NORMAL, param_dtype=jnp.bfloat16),
-    dict(bias_init=NORMAL, dtype=jnp.bfloat16),
-    dict(bias_init=NORMAL, dtype=jnp.float16, param_dtype=jnp.bfloat16),
-    dict(bias_init=NORMAL, precision=HIGHEST, kernel_init=nn.initializers.xavier_uniform()),
+    {"use_bias": False},
+    {"bias_init": NORMAL, "param_dtype": jnp.bfloat16},
+    {"bias_init": NORMAL, "dtype": jnp.bfloat16},
+    {"bias_init": NORMAL, "dtype": jnp.float16, "param_dtype": jnp.bfloat16},
+    {"bias_init": NORMAL, "precision": HIGHEST, "kernel_init": nn.initializers.xavier_uniform()},
 ]
 
 
@@ -107,10 +114,10 @@ def test_linen_dense_lowers_to_the_gemm_kernels_for_cuda():
 
 NNX_CASES = [
     {},
-    dict(use_bias=False),
-    dict(bias_init=NORMAL, param_dtype=jnp.bfloat16),
-    dict(bias_init=NORMAL, dtype=jnp.bfloat16, preferred_element_type=jnp.bfloat16),
-    dict(bias_init=NORMAL, precision=HIGHEST, kernel_metadata=dict(note="checkpointed")),
+    {"use_bias": False},
+    {"bias_init": NORMAL, "param_dtype": jnp.bfloat16},
+    {"bias_init": NORMAL, "dtype": jnp.bfloat16, "preferred_element_type": jnp.bfloat16},
+    {"bias_init": NORMAL, "precision": HIGHEST, "kernel_metadata": {"note": "checkpointed"}},
 ]
 
 
@@ -176,11 +183,11 @@ def test_stock_options_keep_activation_and_residual(dtype, rng):
 
 EQX_CASES = [
     (48, 24, {}),
-    (48, 24, dict(use_bias=False)),
-    (48, 24, dict(dtype=jnp.bfloat16)),
+    (48, 24, {"use_bias": False}),
+    (48, 24, {"dtype": jnp.bfloat16}),
     ("scalar", 24, {}),
     (48, "scalar", {}),
-    ("scalar", "scalar", dict(dtype=jnp.bfloat16)),
+    ("scalar", "scalar", {"dtype": jnp.bfloat16}),
 ]
 
 

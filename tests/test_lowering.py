@@ -78,7 +78,7 @@ def test_concurrent_lowering_compiles_once():
     def work(rows):
         try:
             lower_cuda(cl.ops.reduce_max, jax.ShapeDtypeStruct((rows, 320), jnp.float16))
-        except Exception as e:  # pragma: no cover - reported below
+        except Exception as e:  # noqa: BLE001 -- reported below
             errors.append(e)
 
     threads = [threading.Thread(target=work, args=(r,)) for r in range(1, 9)]
@@ -165,7 +165,7 @@ def test_building_a_kernel_does_not_import_torch(tmp_path, allow_torch):
     if allow_torch:
         env["CUTELAYERS_TVM_FFI_TORCH"] = "1"
     proc = subprocess.run([sys.executable, "-c", TORCH_PROBE, str(marker)], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"built; torch imported: {allow_torch}" in proc.stdout, proc.stdout  # by the build, before ours
     assert "torch: stand-in torch" in proc.stdout and marker.exists()  # the module is reached after

@@ -26,18 +26,20 @@ def plain_mlp(x, w1, b1, w2, b2, residual, activation, saved_dtype=None):
     return plain(h, w2, b2, residual)
 
 
-def block_operands(rng, lead, k, h, n, dtype, biases=True, residual=True):
+def block_operands(rng, lead, k, h, n, dtype, biases=True, residual=True, param_dtype=None):
+    """x (and the residual) in ``dtype``, the parameters in ``param_dtype`` (default: ``dtype``)."""
+    param_dtype = param_dtype or dtype
     x = random(rng, (*lead, k), dtype)
-    w1 = jnp.asarray(rng.standard_normal((k, h)) / np.sqrt(k), dtype)
-    w2 = jnp.asarray(rng.standard_normal((h, n)) / np.sqrt(h), dtype)
-    b1 = random(rng, (h,), dtype) if biases else None
-    b2 = random(rng, (n,), dtype) if biases else None
+    w1 = jnp.asarray(rng.standard_normal((k, h)) / np.sqrt(k), param_dtype)
+    w2 = jnp.asarray(rng.standard_normal((h, n)) / np.sqrt(h), param_dtype)
+    b1 = random(rng, (h,), param_dtype) if biases else None
+    b2 = random(rng, (n,), param_dtype) if biases else None
     r = random(rng, (*lead, n), dtype) if residual else None
     return x, w1, b1, w2, b2, r
 
 
-def check_block(rng, lead, k, h, n, dtype, activation, jit=True):
-    args = block_operands(rng, lead, k, h, n, dtype)
+def check_block(rng, lead, k, h, n, dtype, activation, jit=True, param_dtype=None):
+    args = block_operands(rng, lead, k, h, n, dtype, param_dtype=param_dtype)
     act = None if activation == "none" else activation
     weights = jnp.asarray(rng.uniform(0.5, 1.5, (*lead, n)), jnp.float32)
 
@@ -63,6 +65,15 @@ def check_block(rng, lead, k, h, n, dtype, activation, jit=True):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_values_and_grads_reference(activation, dtype, rng):
     check_block(rng, (2, 9), 64, 128, 32, dtype, activation)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_float32_params_reference(activation, rng):
+    # mixed precision: bfloat16 x, float32 parameters, whose gradients come back float32
+    if activation == "swiglu":
+        check_gated_block(rng, (2, 9), 64, 128, 32, jnp.bfloat16, activation, param_dtype=jnp.float32)
+    else:
+        check_block(rng, (2, 9), 64, 128, 32, jnp.bfloat16, activation, param_dtype=jnp.float32)
 
 
 def test_float16_and_unaligned_widths_take_the_reference(rng):
@@ -116,7 +127,7 @@ def test_bad_inputs_name_the_argument(rng):
         mlp(x, w1, b1, w2, b1)
     with pytest.raises(ValueError, match="'residual' must have shape"):
         mlp(x, w1, b1, w2, b2, residual=r[:2])
-    with pytest.raises(TypeError, match="'w2' has dtype bfloat16"):
+    with pytest.raises(TypeError, match="the parameters must share one dtype; got .*'w2' bfloat16"):
         mlp(x, w1, b1, w2.astype(jnp.bfloat16), b2)
     with pytest.raises(TypeError, match="'w2' is required"):
         mlp(x, w1, b1)
@@ -136,8 +147,8 @@ def plain_gated_mlp(x, w1, b1, w2, b2, residual, activation, saved_dtype):
     return plain(h, w2, b2, residual)
 
 
-def check_gated_block(rng, lead, k, h, n, dtype, activation, kernel_layout="kn"):
-    x, w1, b1, w2, b2, r = block_operands(rng, lead, k, 2 * h, n, dtype)
+def check_gated_block(rng, lead, k, h, n, dtype, activation, kernel_layout="kn", param_dtype=None):
+    x, w1, b1, w2, b2, r = block_operands(rng, lead, k, 2 * h, n, dtype, param_dtype=param_dtype)
     w2 = w2[:h]
     weights = jnp.asarray(rng.uniform(0.5, 1.5, (*lead, n)), jnp.float32)
     nk = kernel_layout == "nk"
@@ -251,6 +262,16 @@ def test_kernels_gpu(activation, dtype, rng):
     with cl.use_backend("cute"):
         check_block(rng, (1000,), 256, 1024, 256, dtype, activation)
         check_block(rng, (3, 7), 64, 128, 64, dtype, activation)
+
+
+@pytest.mark.gpu
+def test_float32_params_kernels_gpu(rng):
+    # the weight-gradient kernels storing float32: whole tiles, and GPT-2's widths (stream-K into
+    # float32 zeros) -- plain and gated
+    with cl.use_backend("cute"):
+        check_block(rng, (1000,), 256, 1024, 256, jnp.bfloat16, "gelu", param_dtype=jnp.float32)
+        check_block(rng, (16384,), 768, 3072, 768, jnp.bfloat16, "gelu", param_dtype=jnp.float32)
+        check_gated_block(rng, (1000,), 256, 512, 256, jnp.bfloat16, "swiglu", param_dtype=jnp.float32)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

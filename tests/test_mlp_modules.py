@@ -17,8 +17,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from numerics import (assert_close, assert_matches, assert_trees_match, least_precise, perturbed_stock_checkpoint,
-                      random, same_tree)
+from numerics import (
+    assert_close,
+    assert_matches,
+    assert_trees_match,
+    least_precise,
+    perturbed_stock_checkpoint,
+    random,
+    same_tree,
+)
 from test_linear import kernel_operand_counts, kernel_targets, lower_cuda
 from test_linear_modules import assert_equal_leaves, weighted_sum
 

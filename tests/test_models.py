@@ -12,13 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import built
+from numerics import assert_close
+from test_linear import kernel_operand_counts
 
 import cutelayers as cl
 from models import common
 from models.configs import CONFIGS, GPTConfig, get_config
-from conftest import built
-from numerics import assert_close
-from test_linear import kernel_operand_counts
 
 FRAMEWORKS = common.FRAMEWORKS
 
@@ -83,7 +83,7 @@ def test_forward_backward_and_stock_twin(framework, tiny):
     for path, g in jax.tree.leaves_with_path(out_grads):
         assert np.all(np.isfinite(g)) and float(jnp.max(jnp.abs(g))) > 0, jax.tree_util.keystr(path)
     assert_close(out, ref, jnp.float32, scale=2.0)
-    flat = lambda t: jnp.concatenate([g.ravel() for g in jax.tree.leaves(t)])  # noqa: E731
+    flat = lambda t: jnp.concatenate([g.ravel() for g in jax.tree.leaves(t)])
     assert_close(flat(out_grads), flat(ref_grads), jnp.float32, scale=50.0)
     # each twin's logits give its loss
     for model, params, loss in ((ours, loaded, out), (stock, stock_params, ref)):
@@ -203,6 +203,26 @@ def test_each_mlp_is_one_op_in_the_train_step(deep_train_steps):
         fc1_forwards = re.findall(r"%\S+:2 = stablehlo\.custom_call @cutelayers_linear_fwd_", hlo)
         assert len(fc1_forwards) == DEEP.n_layers, framework
         assert "tanh" not in hlo, framework
+
+
+@pytest.mark.cute
+def test_flax_weight_gradients_leave_their_kernels_in_float32(deep_train_steps):
+    """The Flax models hold float32 parameters and compute in bfloat16: every weight gradient is a
+    weight-gradient kernel's float32 result (the head's: its float32 sum over the chunks), with no
+    bfloat16 gradient copied to float32 after it. (The Equinox model casts its parameters to
+    bfloat16 before the forward pass, as Equinox's dtype rule asks: its gradients go through that
+    cast.)"""
+    hlos, _ = deep_train_steps
+    d, vocab = DEEP.d_model, DEEP.vocab_size
+    weights = {(d, 3 * d), (d, d), (d, DEEP.mlp_ratio * d), (DEEP.mlp_ratio * d, d), (d, vocab)}
+    for framework in ("nnx", "linen"):
+        widened = [shape for shape in weights
+                   if re.search(rf"stablehlo\.convert .*\(tensor<{shape[0]}x{shape[1]}xbf16>\) -> "
+                                rf"tensor<{shape[0]}x{shape[1]}xf32>", hlos[framework])]
+        assert not widened, (framework, widened)
+        # the forward's casts of the float32 weights are there: the check above can see weight shapes
+        assert re.search(rf"\(tensor<{d}x{d}xf32>\) -> tensor<{d}x{d}xbf16>", hlos[framework]), framework
+    assert re.search(rf"\(tensor<{d}x{d}xbf16>\) -> tensor<{d}x{d}xf32>", hlos["equinox"])
 
 
 def kernel_calls(hlo: str) -> list[str]:

@@ -7,14 +7,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from numerics import random
+from test_linear import lower_cuda
 
 import cutelayers as cl
 from cutelayers import tuning
 from cutelayers.ops.reduce import RowReduce
 from cutelayers.runtime.primitive import kernel_call_p
-from numerics import random
-from test_linear import lower_cuda
 
 
 @pytest.fixture

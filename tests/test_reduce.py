@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numerics import assert_close, dtype_cover, random
 
 import cutelayers as cl
 from cutelayers.ops.reduce import RowReduce
 from cutelayers.runtime.sharding import kernel_call
-from numerics import assert_close, dtype_cover, random
 
 OPS = {
     "sum": (cl.ops.reduce_sum, lambda a, axis=-1: np.sum(a, axis=axis), jnp.sum),

@@ -61,7 +61,7 @@ def check_ce(rng, rows, v, dtype, **cfg):
     labels = jnp.asarray(rng.integers(0, v, rows), jnp.int32)
     if cfg.get("ignore_index") is not None and labels.size > 1:
         labels = labels.at[(0,) * len(rows)].set(cfg["ignore_index"])
-    kw = dict(ignore_index=cfg.get("ignore_index"), label_smoothing=cfg.get("smoothing", 0.0), z_loss=cfg.get("z", 0.0))
+    kw = {"ignore_index": cfg.get("ignore_index"), "label_smoothing": cfg.get("smoothing", 0.0), "z_loss": cfg.get("z", 0.0)}
     loss = cl.ops.softmax_cross_entropy(x, labels, **kw)
     dloss = random(rng, rows, jnp.float32)
     g = jax.grad(lambda x: jnp.sum(dloss * cl.ops.softmax_cross_entropy(x, labels, **kw)))(x)

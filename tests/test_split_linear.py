@@ -31,10 +31,12 @@ def plain(x, kernel, bias, parts, kernel_nk=False):
     return tuple(jnp.split(y, parts, axis=-1))
 
 
-def operands(rng, lead, k, n, dtype, kernel_nk=False, bias=True):
+def operands(rng, lead, k, n, dtype, kernel_nk=False, bias=True, param_dtype=None):
+    """x in ``dtype``, kernel and bias in ``param_dtype`` (default: ``dtype``)."""
+    param_dtype = param_dtype or dtype
     x = random(rng, (*lead, k), dtype)
-    kernel = (random(rng, (n, k) if kernel_nk else (k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
-    return x, kernel, random(rng, (n,), dtype) if bias else None
+    kernel = (random(rng, (n, k) if kernel_nk else (k, n), jnp.float32) / np.sqrt(k)).astype(param_dtype)
+    return x, kernel, random(rng, (n,), param_dtype) if bias else None
 
 
 def loss_of(f, weights):
@@ -45,8 +47,8 @@ def loss_of(f, weights):
     return loss
 
 
-def check(rng, lead, k, n, parts, dtype, kernel_nk=False, bias=True, scale=3.0):
-    x, kernel, b = operands(rng, lead, k, n, dtype, kernel_nk, bias)
+def check(rng, lead, k, n, parts, dtype, kernel_nk=False, bias=True, scale=3.0, param_dtype=None):
+    x, kernel, b = operands(rng, lead, k, n, dtype, kernel_nk, bias, param_dtype)
     layout = "nk" if kernel_nk else "kn"
     out = split_linear(x, kernel, b, parts=parts, kernel_layout=layout)
     ref = plain(x, kernel, b, parts, kernel_nk)
@@ -70,6 +72,26 @@ def check(rng, lead, k, n, parts, dtype, kernel_nk=False, bias=True, scale=3.0):
 def test_values_and_grads(dtype, kernel_nk, rng):
     # float32 runs the op's jnp path, the half dtypes the kernel families' references
     check(rng, (3, 7), 48, 72, 3, jnp.dtype(dtype), kernel_nk)
+
+
+@pytest.mark.parametrize("kernel_nk", [False, True], ids=["kn", "nk"])
+def test_float32_params(kernel_nk, rng):
+    # mixed precision: bfloat16 x, float32 kernel and bias, whose gradients come back float32
+    check(rng, (3, 7), 48, 72, 3, jnp.bfloat16, kernel_nk, param_dtype=jnp.float32)
+
+
+@pytest.mark.cute
+def test_lowering_float32_params_gradient_is_the_kernels_float32_result():
+    # GPT-2's qkv: the stream-K dkernel adds into float32 zeros, which are the gradient (no cast);
+    # a wide layer's whole tiles store float32
+    for m, k, d in ((16384, 768, 768), (4096, 1024, 4096)):
+        x, w = jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, 3 * d), jnp.float32)
+        hlo = lower_cuda(jax.grad(lambda x, w: jnp.sum(split_linear(x, w, parts=3)[1].astype(jnp.float32)), 1), x, w)
+        (call,) = [line for line in hlo.splitlines() if "@cutelayers_split_linear_dkernel" in line]
+        assert call.endswith(f"tensor<{k}x3x{d}xf32>"), call
+        assert zeros_filled_after_an_operand(hlo, call) == (1 if stream_k_pays(k, d, m, 3) else 0)
+        assert not [line for line in hlo.splitlines() if "stablehlo.convert" in line and f"-> tensor<{k}x" in line
+                    and "xf32>" in line.split("->")[1]]
 
 
 def test_without_bias_other_part_counts_and_one_row(rng):
@@ -245,8 +267,17 @@ def test_kernels_gpu(dtype, kernel_nk, rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel_nk", [False, True], ids=["kn", "nk"])
+def test_float32_params_kernels_gpu(kernel_nk, rng):
+    with cl.use_backend("cute"):
+        # stream-K into float32 zeros (GPT-2's qkv), and whole tiles storing float32
+        check(rng, (4096,), 768, 2304, 3, jnp.bfloat16, kernel_nk, scale=4.0, param_dtype=jnp.float32)
+        check(rng, (1000,), 256, 3 * 1024, 3, jnp.bfloat16, kernel_nk, scale=4.0, param_dtype=jnp.float32)
+
+
+@pytest.mark.gpu
 def test_vmap_per_example_grads_gpu(rng):
-    x, kernel, b = operands(rng, (3, 300), 128, 384, jnp.bfloat16)
+    x, kernel, _ = operands(rng, (3, 300), 128, 384, jnp.bfloat16)
     with cl.use_backend("cute"):
         per = jax.jit(jax.vmap(jax.grad(
             lambda x, k: jnp.sum(jnp.sin(split_linear(x, k, parts=3)[2].astype(jnp.float32))), 1), (0, None)))(

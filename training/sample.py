@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +24,15 @@ from models import common
 from models.configs import GPTConfig
 from training.checkpoint import Checkpointer
 from training.data import VOCAB_SIZE, decode, encode
-from training.train import (LibraryNotes, Schedule, UsageError, _int_at_least, _nonneg_float, make_optimizer,
-                            train_state)
+from training.train import (
+    LibraryNotes,
+    Schedule,
+    UsageError,
+    _int_at_least,
+    _nonneg_float,
+    make_optimizer,
+    train_state,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

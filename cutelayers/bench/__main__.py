@@ -23,7 +23,8 @@ from cutelayers.bench import gemm
 from cutelayers.bench.compile import bench_compile
 from cutelayers.bench.embed import bench_embed
 from cutelayers.bench.lm_head import bench_lm_head
-from cutelayers.bench.norms import DEFAULT_NS as NORM_NS, bench_norms
+from cutelayers.bench.norms import DEFAULT_NS as NORM_NS
+from cutelayers.bench.norms import bench_norms
 from cutelayers.bench.reduce import bench_reduce
 from cutelayers.bench.softmax import bench_softmax
 from cutelayers.bench.timing import load_baseline, measured_bandwidth, print_table, save_rows
@@ -68,6 +69,8 @@ def main(argv=None) -> int:
                      help="MxKxN ... (default: the transformer layers of cutelayers.bench.gemm.LAYERS)")
     lin.add_argument("--epilogue", choices=gemm.EPILOGUES, default="bias+gelu", help="epilogue of --shapes")
     lin.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    lin.add_argument("--param-dtype", choices=["float32"], default=None,
+                     help="float32 parameters (mixed precision; default: --dtype's)")
     lin.add_argument("--parts", action="store_true",
                      help="then each layer's backward GEMMs (dx, dkernel) alone vs XLA's")
     lin.add_argument("--kernels", action="store_true",
@@ -79,6 +82,9 @@ def main(argv=None) -> int:
     head.add_argument("--hidden", type=int, default=4096, help="hidden size H (default 4096)")
     head.add_argument("--vocab", type=int, default=131072, help="vocabulary size V (default 131072)")
     head.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    head.add_argument("--param-dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                      help="the kernel's dtype (default: --dtype's; float32: mixed precision, the XLA head "
+                           "casting it for its GEMM)")
     head.add_argument("--chunk-size", type=int, nargs="+", default=[None],
                       help="tokens per chunk of the fused head, one row each (default: the op's)")
     emb = sub.add_parser("embed", help="embedding lookup + table gradient vs jnp.take, per id distribution")
@@ -123,17 +129,21 @@ def main(argv=None) -> int:
     elif args.suite == "gemm":
         print(f"# device: {jax.devices()[0].device_kind}")
         layers = gemm.layers_from_args(args.shapes, args.epilogue)
-        results = gemm.bench_gemm(layers, jnp.dtype(args.dtype))
+        param_dtype = args.param_dtype and jnp.dtype(args.param_dtype)
+        if param_dtype:
+            print(f"# parameters: {param_dtype.name}")
+        results = gemm.bench_gemm(layers, jnp.dtype(args.dtype), param_dtype)
         if not args.shapes:
-            results += gemm.bench_mlp(dtype=jnp.dtype(args.dtype))
+            results += gemm.bench_mlp(dtype=jnp.dtype(args.dtype), param_dtype=param_dtype)
         gemm.print_table(results)
         if args.parts:
             gemm.print_parts(gemm.bench_parts(layers, jnp.dtype(args.dtype)))
         if args.kernels:
-            gemm.print_kernels(gemm.bench_kernels(layers, jnp.dtype(args.dtype)))
+            gemm.print_kernels(gemm.bench_kernels(layers, jnp.dtype(args.dtype), param_dtype))
     elif args.suite == "lm_head":
         print(f"# device: {jax.devices()[0].device_kind}")
-        print_records(bench_lm_head(args.tokens, args.hidden, args.vocab, jnp.dtype(args.dtype), args.chunk_size))
+        print_records(bench_lm_head(args.tokens, args.hidden, args.vocab, jnp.dtype(args.dtype), args.chunk_size,
+                                    args.param_dtype and jnp.dtype(args.param_dtype)))
     elif args.suite == "embed":
         print_records(bench_embed(args.tokens, args.hidden, args.vocab, jnp.dtype(args.dtype), measured_bandwidth(),
                                   args.block_tokens))

@@ -34,8 +34,9 @@ import argparse
 import dataclasses
 import functools
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +44,12 @@ import jax.numpy as jnp
 from cutelayers import tuning
 from cutelayers.backend import use_backend
 from cutelayers.bench.timing import time_fn
-from cutelayers.kernels.gemm_config import PERSISTENT_SMS, decode_stream_k_pays, stream_k_pays, stream_k_workspace_pays
+from cutelayers.kernels.gemm_config import (
+    PERSISTENT_SMS,
+    decode_stream_k_pays,
+    stream_k_pays,
+    stream_k_workspace_pays,
+)
 from cutelayers.ops.linear import (
     LinearForward,
     LinearInputGrad,
@@ -432,7 +438,7 @@ def sweep(case: Case, runner: Runner, *, min_gain: float = MIN_GAIN, log: Callab
         label += " (heuristic)" if config == default else ""
         try:
             results = case.observe(runner.run(configured, operands))
-        except Exception as e:  # a candidate that fails to compile or launch is reported, not fatal
+        except Exception as e:  # noqa: BLE001 -- a candidate that fails to compile or launch is reported, not fatal
             trials.append(Trial(config, rejected=f"failed: {type(e).__name__}: {e}"))
             log(f"{label}: FAILED ({type(e).__name__}: {e})")
             continue

@@ -1,5 +1,5 @@
 """GEMM benchmark: ``python -m cutelayers.bench gemm [--shapes MxKxN ... --epilogue E] [--dtype bfloat16]
-[--parts] [--kernels]``.
+[--param-dtype float32] [--parts] [--kernels]``.
 
 Each case is a layer as a transformer uses it -- M x K x N and an epilogue (``plain``: x @ w;
 ``bias``; ``bias+gelu``; ``bias+residual``; ``bias+qkv``: three equal parts, ``split_linear``) -- timed as ``fused_linear`` forward (2MNK flops) and
@@ -7,6 +7,9 @@ forward + backward (6MNK: y, dx, dkernel) next to XLA's jnp version of the same 
 VJP, in the same process. TFLOP/s and the fraction of the H100's dense bf16 peak (989 TFLOP/s)
 are the floor: a GEMM cannot beat FLOPs / peak. ``--parts`` then times each layer's backward GEMMs
 alone; ``--kernels`` lists each layer's forward + backward kernel by kernel, ours and XLA's.
+``--param-dtype float32`` gives the layers and blocks float32 parameters (mixed precision, as the
+GPT models hold them): XLA's versions cast them to the compute dtype, as Flax's ``promote_dtype``
+does, and ours take them as they are (their gradients float32 from the GEMMs).
 """
 
 from __future__ import annotations
@@ -69,13 +72,14 @@ def _layer_fns(epilogue: str):
     act = ACTIVATION_FUNCTIONS[activation or "none"]
     if epilogue == "bias+qkv":
         return (lambda x, w, b, r: split_linear(x, w, b, parts=3),
-                lambda x, w, b, r: tuple(jnp.split(x @ w + b[None, :], 3, axis=-1)))
+                lambda x, w, b, r: tuple(jnp.split(x @ w.astype(x.dtype) + b.astype(x.dtype)[None, :], 3, axis=-1)))
 
     def ours(x, w, b, r):
         return fused_linear(x, w, b if has_bias else None, activation=activation,
                             residual=r if has_residual else None)
 
     def xla(x, w, b, r):
+        w, b = w.astype(x.dtype), b.astype(x.dtype)  # float32 parameters: Flax's promote_dtype
         y = x @ w
         y = act(y + b[None, :]) if has_bias else y
         return y + r if has_residual else y
@@ -117,27 +121,32 @@ def _result(name, shape, epilogue, dtype, flops, ours, xla, args, dy):
     """One row: forward and forward + backward of ``ours`` and ``xla`` on ``args`` (cotangent dy)."""
     fwd, fwd_xla = _time_pair(ours, xla, args)
     train, train_xla = _time_pair(_vjp_of(ours), _vjp_of(xla), (*args, dy))
-    return dict(
-        layer=name, shape=shape, epilogue=epilogue, dtype=jnp.dtype(dtype).name,
-        fwd_ms=fwd * 1e3, xla_fwd_ms=fwd_xla * 1e3, fwd_tflops=flops / fwd / 1e12,
-        xla_fwd_tflops=flops / fwd_xla / 1e12, fwd_vs_xla=fwd_xla / fwd,
-        train_ms=train * 1e3, xla_train_ms=train_xla * 1e3, train_tflops=3 * flops / train / 1e12,
-        xla_train_tflops=3 * flops / train_xla / 1e12, train_vs_xla=train_xla / train,
-    )
+    return {
+        "layer": name, "shape": shape, "epilogue": epilogue, "dtype": jnp.dtype(dtype).name,
+        "fwd_ms": fwd * 1e3, "xla_fwd_ms": fwd_xla * 1e3, "fwd_tflops": flops / fwd / 1e12,
+        "xla_fwd_tflops": flops / fwd_xla / 1e12, "fwd_vs_xla": fwd_xla / fwd,
+        "train_ms": train * 1e3, "xla_train_ms": train_xla * 1e3, "train_tflops": 3 * flops / train / 1e12,
+        "xla_train_tflops": 3 * flops / train_xla / 1e12, "train_vs_xla": train_xla / train,
+    }
 
 
-def bench_mlp(blocks=BLOCKS, dtype=jnp.bfloat16) -> list[dict]:
-    """Time cutelayers.ops.mlp against XLA's jnp block (same formula) for every block. A gated
-    block's w1 is (k, 2h): gate and value halves (``cutelayers.ops.mlp``)."""
+def bench_mlp(blocks=BLOCKS, dtype=jnp.bfloat16, param_dtype=None) -> list[dict]:
+    """Time cutelayers.ops.mlp against XLA's jnp block (same formula) for every block, the
+    parameters in ``param_dtype`` (default: ``dtype``). A gated block's w1 is (k, 2h): gate and
+    value halves (``cutelayers.ops.mlp``)."""
     results = []
     for block in blocks:
         m, k, h = block.m, block.k, block.h
         gated = is_gated(block.activation)
         w1_width = 2 * h if gated else h
         keys = jax.random.split(jax.random.key(1), 7)
-        normal = lambda key, shape, scale=1.0: (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-        args = (normal(keys[0], (m, k)), normal(keys[1], (k, w1_width), k**-0.5), normal(keys[2], (w1_width,)),
-                normal(keys[3], (h, k), h**-0.5), normal(keys[4], (k,)), normal(keys[5], (m, k)))
+        def normal(key, shape, scale=1.0, as_dtype=dtype):
+            return (scale * jax.random.normal(key, shape, jnp.float32)).astype(as_dtype)
+
+        params = param_dtype or dtype
+        args = (normal(keys[0], (m, k)), normal(keys[1], (k, w1_width), k**-0.5, params),
+                normal(keys[2], (w1_width,), as_dtype=params), normal(keys[3], (h, k), h**-0.5, params),
+                normal(keys[4], (k,), as_dtype=params), normal(keys[5], (m, k)))
         hidden = (functools.partial(gated_hidden, activation=block.activation) if gated
                   else ACTIVATION_FUNCTIONS[block.activation])
 
@@ -145,6 +154,7 @@ def bench_mlp(blocks=BLOCKS, dtype=jnp.bfloat16) -> list[dict]:
             return cl.ops.mlp(x, w1, b1, w2, b2, activation=activation, residual=r)
 
         def xla(x, w1, b1, w2, b2, r, hidden=hidden):
+            w1, b1, w2, b2 = (p.astype(x.dtype) for p in (w1, b1, w2, b2))  # Flax's promote_dtype
             return hidden(x @ w1 + b1[None, :]) @ w2 + b2[None, :] + r
 
         results.append(_result(block.name, f"{m} x {k} -> {h} -> {k}", f"{block.activation} mlp", dtype,
@@ -152,32 +162,35 @@ def bench_mlp(blocks=BLOCKS, dtype=jnp.bfloat16) -> list[dict]:
     return results
 
 
-def bench_gemm(layers=LAYERS, dtype=jnp.bfloat16) -> list[dict]:
-    """Time fused_linear against XLA for every layer; one dict per layer."""
+def bench_gemm(layers=LAYERS, dtype=jnp.bfloat16, param_dtype=None) -> list[dict]:
+    """Time fused_linear against XLA for every layer, the parameters in ``param_dtype`` (default:
+    ``dtype``); one dict per layer."""
     results = []
     for layer in layers:
         m, k, n = layer.m, layer.k, layer.n
-        args, dy = _layer_args(layer, dtype)
+        args, dy = _layer_args(layer, dtype, param_dtype)
         ours, xla = _layer_fns(layer.epilogue)
         results.append(_result(layer.name, f"{m} x {k} x {n}", layer.epilogue, dtype, 2.0 * m * n * k, ours, xla,
                                args, dy))
     return results
 
 
-def _layer_operands(layer: Layer, dtype):
-    """Random normal x (M, K), w (K, N) scaled by K^-1/2, dy (M, N), bias (N,), residual (M, N)."""
+def _layer_operands(layer: Layer, dtype, param_dtype=None):
+    """Random normal x (M, K), w (K, N) scaled by K^-1/2, dy (M, N), bias (N,), residual (M, N);
+    w and bias in ``param_dtype`` (default: ``dtype``)."""
     m, k, n = layer.m, layer.k, layer.n
+    params = param_dtype or dtype
     keys = jax.random.split(jax.random.key(0), 5)
     normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32)
-    return (normal(keys[0], (m, k)).astype(dtype), (normal(keys[1], (k, n)) / k**0.5).astype(dtype),
-            normal(keys[2], (m, n)).astype(dtype), normal(keys[3], (n,)).astype(dtype),
+    return (normal(keys[0], (m, k)).astype(dtype), (normal(keys[1], (k, n)) / k**0.5).astype(params),
+            normal(keys[2], (m, n)).astype(dtype), normal(keys[3], (n,)).astype(params),
             normal(keys[4], (m, n)).astype(dtype))
 
 
-def _layer_args(layer: Layer, dtype):
+def _layer_args(layer: Layer, dtype, param_dtype=None):
     """The layer functions' (x, w, b, r) and the cotangent of their output: dy, or its three
     (M, N / 3) parts for ``bias+qkv``."""
-    x, w, dy, b, r = _layer_operands(layer, dtype)
+    x, w, dy, b, r = _layer_operands(layer, dtype, param_dtype)
     if layer.epilogue == "bias+qkv":
         dy = tuple(jnp.split(dy, 3, axis=-1))
     return (x, w, b, r), dy
@@ -199,22 +212,22 @@ def bench_parts(layers=LAYERS, dtype=jnp.bfloat16) -> list[dict]:
         flops = 2.0 * m * n * k
         for part, (ours, xla) in parts.items():
             t, t_xla = _time_pair(ours, xla, (x, w, dz))
-            results.append(dict(layer=layer.name, part=part, ms=t * 1e3, xla_ms=t_xla * 1e3,
-                                tflops=flops / t / 1e12, xla_tflops=flops / t_xla / 1e12, vs_xla=t_xla / t))
+            results.append({"layer": layer.name, "part": part, "ms": t * 1e3, "xla_ms": t_xla * 1e3,
+                                "tflops": flops / t / 1e12, "xla_tflops": flops / t_xla / 1e12, "vs_xla": t_xla / t})
     return results
 
 
-def bench_kernels(layers=LAYERS, dtype=jnp.bfloat16) -> list[dict]:
+def bench_kernels(layers=LAYERS, dtype=jnp.bfloat16, param_dtype=None) -> list[dict]:
     """Each layer's forward + backward (the vjp the fwd+bwd column times) kernel by kernel, ours
     and XLA's, in launch order: where a layer's fwd+bwd gap is (a GEMM, a cast, a reduction)."""
     rows = []
     for layer in layers:
-        args, dy = _layer_args(layer, dtype)
+        args, dy = _layer_args(layer, dtype, param_dtype)
         for impl, fn in zip(("ours", "XLA"), _layer_fns(layer.epilogue)):
             with cl.use_backend("cute") if impl == "ours" else contextlib.nullcontext():
                 kernels = call_kernels(jax.jit(_vjp_of(fn)), *args, dy)
-            rows += [dict(layer=f"{layer.name} ({layer.epilogue})", impl=impl, kernel=_short_name(name),
-                          us=t * 1e6) for name, t in kernels]
+            rows += [{"layer": f"{layer.name} ({layer.epilogue})", "impl": impl, "kernel": _short_name(name),
+                          "us": t * 1e6} for name, t in kernels]
     return rows
 
 

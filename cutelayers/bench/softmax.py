@@ -55,8 +55,8 @@ def bench_softmax(ns: list[int], dtype=jnp.bfloat16) -> list[dict]:
         logits = 2 * jax.random.normal(kx, (_rows(CE_ROWS, n, dtype), n), dtype)
         labels = jax.random.randint(kl, logits.shape[:1], 0, n)
 
-        def ce(f):
-            return jax.jit(jax.value_and_grad(lambda x: jnp.mean(f(x, labels))))
+        def ce(f, labels=labels):
+            return jax.jit(jax.value_and_grad(lambda z: jnp.mean(f(z, labels))))
 
         with cl.use_backend("cute"):
             t = time_fn(ce(cl.ops.softmax_cross_entropy), logits)

@@ -42,15 +42,16 @@ from cutelayers._module_checks import (
     array_blocker,
     check_mlp,
     check_parts,
-    fc1_features,
     check_tied_embedding,
     embed_blocker,
+    fc1_features,
     finish_linear,
     finish_mlp,
     kernels_serve,
     lm_head_loss,
     norm_blocker,
     norm_op,
+    op_operands,
     options_blocker,
     residual_blocker,
     residual_like,
@@ -131,7 +132,7 @@ class Dense(nn.Dense):
         if not kernels_serve("Dense", why):
             return split_result(finish_linear(super().__call__(inputs), self.activation, residual), parts)
         kernel, bias = _dense_params(self, jnp.shape(inputs)[-1])
-        inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        inputs, kernel, bias = op_operands(self.promote_dtype(inputs, kernel, bias, dtype=self.dtype), (kernel, bias))
         if parts is not None:
             return split_linear(inputs, kernel, bias, parts=parts, precision=self.precision)
         return fused_linear(inputs, kernel, bias, activation=self.activation, precision=self.precision,
@@ -219,7 +220,8 @@ class MLP(Module):
             return finish_mlp(fc1, fc2, inputs, self.activation, residual)
         w1, b1 = fc1(jnp.shape(inputs)[-1])
         w2, b2 = fc2(self.hidden_features)
-        inputs, w1, b1, w2, b2 = dtypes.promote_dtype(inputs, w1, b1, w2, b2, dtype=self.dtype)
+        inputs, w1, b1, w2, b2 = op_operands(dtypes.promote_dtype(inputs, w1, b1, w2, b2, dtype=self.dtype),
+                                             (w1, b1, w2, b2))
         return mlp(inputs, w1, b1, w2, b2, activation=self.activation, precision=self.precision,
                    residual=residual_like(residual, inputs))
 
@@ -269,7 +271,7 @@ class LMHead(Module):
         else:
             weight = self.param("kernel", self.kernel_init, (hidden, self.vocab_size), self.param_dtype)
         bias = self.param("bias", self.bias_init, (self.vocab_size,), self.param_dtype) if self.use_bias else None
-        h, weight, bias = self.promote_dtype(h, weight, bias, dtype=self.dtype)
+        h, weight, bias = op_operands(self.promote_dtype(h, weight, bias, dtype=self.dtype), (weight, bias))
         return lm_head_loss(self, h, weight, bias, labels, vocab_major=self.tie_embedding)
 
 

@@ -46,15 +46,16 @@ from cutelayers._module_checks import (
     array_blocker,
     check_mlp,
     check_parts,
-    fc1_features,
     check_tied_embedding,
     embed_blocker,
+    fc1_features,
     finish_linear,
     finish_mlp,
     kernels_serve,
     lm_head_loss,
     norm_blocker,
     norm_op,
+    op_operands,
     options_blocker,
     residual_blocker,
     residual_like,
@@ -136,7 +137,7 @@ class Linear(nnx.Linear):
                                out_sharding=out_sharding, promote_dtype=_custom(self.promote_dtype))
                or array_blocker(inputs, kernel=kernel.dtype, bias=getattr(bias, "dtype", None),
                                 dtype=self.dtype))
-        inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
+        inputs, kernel, bias = op_operands(self.promote_dtype((inputs, kernel, bias), dtype=self.dtype), (kernel, bias))
         preferred = self.preferred_element_type
         # the GEMM's result is in the compute dtype: asking for that one is honoured
         why = why or options_blocker(preferred_element_type=None if preferred is None
@@ -221,7 +222,7 @@ class MLP(nnx.Module):
                             **{n: p.dtype for n, p in zip(names, params) if p is not None})
         if not kernels_serve("MLP", why):
             return finish_mlp(fc1, fc2, inputs, self.activation, residual)
-        inputs, w1, b1, w2, b2 = dtypes.promote_dtype((inputs, *params), dtype=fc1.dtype)
+        inputs, w1, b1, w2, b2 = op_operands(dtypes.promote_dtype((inputs, *params), dtype=fc1.dtype), params)
         return mlp(inputs, w1, b1, w2, b2, activation=self.activation, precision=fc1.precision,
                    residual=residual_like(residual, inputs))
 
@@ -301,7 +302,7 @@ class LMHead(nnx.Module):
         check_tied_embedding("LMHead", self.tie_embedding, embedding, self.vocab_size, self.in_features)
         weight = embedding if self.tie_embedding else self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
-        h, weight, bias = self.promote_dtype((h, weight, bias), dtype=self.dtype)
+        h, weight, bias = op_operands(self.promote_dtype((h, weight, bias), dtype=self.dtype), (weight, bias))
         return lm_head_loss(self, h, weight, bias, labels, vocab_major=self.tie_embedding)
 
 

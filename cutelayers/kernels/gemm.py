@@ -56,11 +56,8 @@ import dataclasses
 import math
 
 import cutlass
-import cutlass.cute as cute
-import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32, Int64, const_expr, cute, pipeline, utils
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup

@@ -55,6 +55,7 @@ import operator
 import cutlass
 from cutlass import Float32, const_expr, cute
 
+from cutelayers.kernels.norm_config import partial_rows, scale_fits, staged_shares, sums_fit
 from cutelayers.kernels.reduction import (
     STAGED_ROW_ALIGNMENT,
     can_prefetch,
@@ -86,7 +87,6 @@ from cutelayers.kernels.reduction import (
     store_step,
     widest_bytes,
 )
-from cutelayers.kernels.norm_config import partial_rows, scale_fits, staged_shares, sums_fit
 from cutelayers.kernels.reduction_config import RowGeometry, staged
 
 

@@ -21,8 +21,7 @@ import math
 import operator
 
 import cutlass
-import cutlass.cute as cute
-from cutlass import Float32, const_expr
+from cutlass import Float32, const_expr, cute
 
 from cutelayers.kernels.reduction_config import WARP, RowConfig, RowGeometry, staged, vector_width
 

@@ -51,7 +51,7 @@ def row_config(n: int, elem_bits: int) -> RowConfig:
     """The heuristic config table for a row of ``n`` elements (see docs/benchmarks.md)."""
     chunks = row_chunks(n, elem_bits)
     if chunks <= 64:
-        tpr = 1 << max(int(math.ceil(math.log2(max(chunks, 1)))), 0)
+        tpr = 1 << max(math.ceil(math.log2(max(chunks, 1))), 0)
         tpr = min(max(tpr, 4), 32)
         return RowConfig(threads_per_row=tpr, num_threads=128, unroll=1)
     if chunks <= 512:

@@ -19,8 +19,7 @@ import math
 import operator
 
 import cutlass
-import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, const_expr, cute
 
 from cutelayers.kernels.reduction import (
     cluster_gather,

@@ -7,8 +7,8 @@ from cutelayers.ops.mlp import mlp
 from cutelayers.ops.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from cutelayers.ops.pool import masked_mean_pool
 from cutelayers.ops.reduce import reduce_max, reduce_mean, reduce_sum
-from cutelayers.ops.split_linear import split_linear
 from cutelayers.ops.softmax import log_softmax, logsumexp, softmax, softmax_cross_entropy
+from cutelayers.ops.split_linear import split_linear
 
 __all__ = [
     "add_layer_norm",

@@ -30,6 +30,12 @@ idle over a long contraction (:func:`cutelayers.kernels.gemm_config.decode_strea
 forward's GEMM is stream-K over the whole GPU into float32 zeros, and bias, activation and
 residual are one XLA pass over that (rows, N) sum.
 
+Mixed precision: the parameters (kernel, bias) may be float32 while x is bfloat16 / float16, as a
+Flax module with ``param_dtype=float32, dtype=bfloat16`` holds them. The op casts them to x's dtype
+for its GEMMs (what the module's ``promote_dtype`` would do) and returns their gradients in float32
+straight from the GEMMs' float32 accumulators: no bfloat16 rounding of dkernel, and no cast passes
+(a bfloat16 dkernel then a float32 copy of it) after the weight-gradient GEMM.
+
 vmap (:mod:`cutelayers.ops._batching`): batch dims of x / residual fold into rows (one launch)
 while kernel / bias are shared; per-example kernel or bias falls back to ``jax.lax.map`` (one
 launch per example). The fold happens before differentiation (the rule is around the custom_vjp),
@@ -91,6 +97,8 @@ GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu"}
 # The gated kernel's tiles hold a block of this many columns of each half (tile_n / 2 of its
 # 128-column tiles): the hidden width must be a multiple for the kernel to run.
 GATED_BLOCK = 64
+# Operand dtypes whose layers may keep float32 parameters (cast for the GEMMs, float32 gradients).
+MIXED_PRECISION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def is_gated(activation) -> bool:
@@ -828,9 +836,9 @@ def _weight_grad_batched(x, dz, accumulator, use_kernels, precision, sums=None, 
     sums_in = () if sums is None else (zeros_after(summed, (batch, summed.shape[-1])),)
     # Too few output tiles to fill the GPU: stream-K, its partial tiles meeting in a workspace, or
     # added into the accumulator -- into float32 zeros, then cast, where the tiles are so few that
-    # each is cut over many clusters.
+    # each is cut over many clusters, or where the result is float32 anyway (the sum is the result).
     stream_k = stream_k_pays(k, n, rows, batch)
-    into_zeros = accumulator is None and stream_k and not stream_k_workspace_pays(k, n, batch)
+    into_zeros = accumulator is None and stream_k and (f32_out or not stream_k_workspace_pays(k, n, batch))
     if into_zeros:
         accumulator = zeros_after(dz, (batch, k, n))
     if accumulator is None:
@@ -894,8 +902,10 @@ def forward_fn(activation: str, store_preact: bool, use_kernels: bool, precision
 
 
 @functools.cache
-def _linear_fn(activation: str, has_residual: bool, use_kernels: bool, precision, kernel_nk: bool):
-    """The differentiable op for one static configuration; args (x, kernel, bias, residual)."""
+def _linear_fn(activation: str, has_residual: bool, use_kernels: bool, precision, kernel_nk: bool,
+               f32_params: bool):
+    """The differentiable op for one static configuration; args (x, kernel, bias, residual), the
+    parameters in x's dtype or, with ``f32_params``, float32 (:func:`compute_params`)."""
     plain = forward_fn(activation, False, use_kernels, precision, kernel_nk)
     saving = forward_fn(activation, True, use_kernels, precision, kernel_nk)
     input_grad = input_grad_fn(use_kernels, precision, kernel_nk=kernel_nk)
@@ -903,9 +913,10 @@ def _linear_fn(activation: str, has_residual: bool, use_kernels: bool, precision
 
     @jax.custom_vjp
     def linear(x, kernel, bias, residual):
-        return plain(x, kernel, bias, residual)[0]
+        return plain(x, *compute_params(x, kernel, bias), residual)[0]
 
     def fwd(x, kernel, bias, residual):
+        kernel, bias = compute_params(x, kernel, bias)  # saved as cast: dx reads it
         if needs_preact:
             y, z = saving(x, kernel, bias, residual)
         else:
@@ -916,23 +927,26 @@ def _linear_fn(activation: str, has_residual: bool, use_kernels: bool, precision
         x, kernel, z, bias = res
         dz = preact_grad(z, dy, activation).astype(x.dtype)
         dx = input_grad(dz, kernel)
-        dkernel, dbias = weight_and_bias_grads(x, dz, kernel_nk, bias, use_kernels, precision)
+        dkernel, dbias = weight_and_bias_grads(x, dz, kernel_nk, bias is not None, use_kernels, precision,
+                                               f32_params)
         return dx, dkernel, dbias, dy if has_residual else None
 
     linear.defvjp(fwd, bwd)
     return fold_batch(linear, shared=(1, 2), per_example=linear)
 
 
-def weight_and_bias_grads(x, dz, kernel_nk: bool, bias, use_kernels: bool, precision=None):
+def weight_and_bias_grads(x, dz, kernel_nk: bool, has_bias: bool, use_kernels: bool, precision,
+                          f32_params: bool):
     """(dkernel, dbias) of x (..., K) and dz (..., N): dkernel as the kernel is stored, xᵀ @ dz
     (K, N), or dzᵀ @ x (N, K) for ``kernel_nk`` -- the same GEMM with its operands swapped, so no
-    transpose; dbias (None without a ``bias``) the column sums of dz in the bias's dtype, from
-    the same GEMM (dz is its B, or its A when swapped)."""
+    transpose; dbias (None without a bias) the column sums of dz, from the same GEMM (dz is its
+    B, or its A when swapped). Both in x's dtype, or float32 for ``f32_params`` (the GEMM stores
+    its float32 accumulators as they are)."""
     a, b = (dz, x) if kernel_nk else (x, dz)
-    if bias is None:
-        return weight_grad_fn(use_kernels, precision)(a[None], b[None])[0], None
-    dkernel, sums = weight_grad_fn(use_kernels, precision, "a" if kernel_nk else "b")(a[None], b[None])
-    return dkernel[0], sums[0].astype(bias.dtype)
+    if not has_bias:
+        return weight_grad_fn(use_kernels, precision, f32_out=f32_params)(a[None], b[None])[0], None
+    dkernel, sums = weight_grad_fn(use_kernels, precision, "a" if kernel_nk else "b", f32_params)(a[None], b[None])
+    return dkernel[0], sums[0].astype(jnp.float32 if f32_params else x.dtype)
 
 
 # --- the op ------------------------------------------------------------------------------------------
@@ -945,10 +959,38 @@ def check_same_dtype(op, name, a, x_name, x):
         )
 
 
+def check_param_dtypes(op: str, x_name: str, x, **params) -> bool:
+    """Check that the parameters (name -> array | None) share one dtype: x's, or float32 where x
+    is bfloat16 / float16 (mixed precision: :func:`compute_params`). Returns whether they are
+    float32 parameters of a 16-bit x."""
+    given = {name: jnp.dtype(p.dtype) for name, p in params.items() if p is not None}
+    dtypes = set(given.values())
+    if len(dtypes) > 1:
+        listed = ", ".join(f"{name!r} {dtype.name}" for name, dtype in given.items())
+        raise TypeError(f"{op}: the parameters must share one dtype; got {listed}")
+    if not dtypes or dtypes == {jnp.dtype(x.dtype)}:
+        return False
+    (dtype,) = dtypes
+    if dtype == jnp.float32 and x.dtype in MIXED_PRECISION_DTYPES:
+        return True
+    name = next(iter(given))
+    raise TypeError(
+        f"{op}: argument {name!r} has dtype {dtype.name} but {x_name!r} has {jnp.dtype(x.dtype).name}; "
+        f"the parameters must be in {x_name}'s dtype, or float32 for a bfloat16 / float16 {x_name} "
+        "(cast before calling)")
+
+
+def compute_params(x, *params):
+    """The parameters in x's dtype, as the GEMMs take them (None stays None): float32 parameters of
+    a 16-bit x are cast here, inside the ops' custom_vjp, so their gradients come back float32 from
+    the weight-gradient GEMM's accumulators rather than through a 16-bit result and a cast."""
+    return tuple(None if p is None else p.astype(x.dtype) for p in params)
+
+
 def check_linear_operands(op: str, x_name: str, x, kernel, bias, *, kernel_transposed: bool = False):
-    """Validate x (..., K), kernel (K, N) -- (N, K) if ``kernel_transposed`` --, bias (N,) | None of
-    one float dtype; returns them as arrays. Shared by :func:`fused_linear` and
-    :func:`cutelayers.ops.linear_cross_entropy`."""
+    """Validate x (..., K), kernel (K, N) -- (N, K) if ``kernel_transposed`` --, bias (N,) | None,
+    the parameters in x's dtype or float32 (:func:`check_param_dtypes`); returns them as arrays.
+    Shared by :func:`fused_linear` and :func:`cutelayers.ops.linear_cross_entropy`."""
     x = check_float_array(op, x_name, x)
     kernel = check_float_array(op, "kernel", kernel)
     layout = "(N, K)" if kernel_transposed else "(K, N)"
@@ -958,12 +1000,11 @@ def check_linear_operands(op: str, x_name: str, x, kernel, bias, *, kernel_trans
     if x.shape[-1] != k:
         raise ValueError(f"{op}: argument {x_name!r} has {x.shape[-1]} features (shape {tuple(x.shape)}) "
                          f"but 'kernel' expects K={k} (shape {tuple(kernel.shape)})")
-    check_same_dtype(op, "kernel", kernel, x_name, x)
     if bias is not None:
         bias = check_float_array(op, "bias", bias)
         if tuple(bias.shape) != (n,):
             raise ValueError(f"{op}: argument 'bias' must have shape ({n},); got {tuple(bias.shape)}")
-        check_same_dtype(op, "bias", bias, x_name, x)
+    check_param_dtypes(op, x_name, x, kernel=kernel, bias=bias)
     return x, kernel, bias
 
 
@@ -1016,8 +1057,9 @@ def fused_linear(x, kernel, bias=None, *, activation=None, residual=None, precis
 
     Args:
       x: (..., K), any leading shape (flattened to rows), dtype bfloat16, float16 or float32.
-      kernel: (K, N) as in ``flax.linen.Dense``, x's dtype.
-      bias: (N,) in x's dtype, or None.
+      kernel: (K, N) as in ``flax.linen.Dense``, x's dtype -- or float32 for a bfloat16 / float16
+        x (mixed precision, module docstring: cast for the GEMMs, gradient in float32).
+      bias: (N,) in the kernel's dtype, or None.
       activation: None; one of 'relu', 'gelu' (tanh approximation, jax.nn.gelu's default),
         'gelu_exact', 'silu', 'sigmoid', 'tanh', 'leaky_relu' (slope 0.01), 'hardswish'; or the
         matching function (jax.nn.relu, jax.nn.gelu, jax.nn.silu / swish, jax.nn.sigmoid,
@@ -1043,13 +1085,14 @@ def fused_linear(x, kernel, bias=None, *, activation=None, residual=None, precis
     fused, unfused = resolve_activation(activation)
     precision = hashable_precision(precision)
 
+    f32_params = check_param_dtypes(op, "x", x, kernel=kernel, bias=bias)
     use_kernels, why = kernels_apply(x.dtype, k, n)
     if not use_kernels:
         _backend.fall_back(op, why)
     kernel, bias = vary_like(x, kernel, bias)  # shared by every shard inside shard_map
     if unfused is None:
-        return _linear_fn(fused, residual is not None, use_kernels, precision, kernel_nk)(
+        return _linear_fn(fused, residual is not None, use_kernels, precision, kernel_nk, f32_params)(
             x, kernel, bias, residual)
-    z = _linear_fn("none", False, use_kernels, precision, kernel_nk)(x, kernel, bias, None)
+    z = _linear_fn("none", False, use_kernels, precision, kernel_nk, f32_params)(x, kernel, bias, None)
     y = unfused(z)
     return y if residual is None else (y + residual).astype(x.dtype)

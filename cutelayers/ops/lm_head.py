@@ -35,7 +35,8 @@ is transposed.
   buffer. Saved: dh (tokens, H) in h's dtype, dkernel and dbias in float32. Without
   differentiation only the forward GEMM and the cross-entropy forward kernel run.
 
-Memory: O(chunk × V) for the logits plus the float32 (H, V) gradient accumulator. The chunk is at
+Memory: O(chunk × V) for the logits plus the float32 (H, V) gradient accumulator (for float32
+parameters the gradient itself, returned as it is). The chunk is at
 most 4096 tokens and 2 GiB of float32-equivalent logits unless ``chunk_size`` says otherwise (a
 bf16 chunk and its gradient are half that: 2 GiB at V = 131072); the tokens are split into
 equal chunks, a number that divides the tokens where one is near (see :func:`chunk_layout`), else
@@ -61,8 +62,16 @@ import jax
 import jax.numpy as jnp
 
 from cutelayers import backend as _backend
-from cutelayers.ops.linear import (check_linear_operands, forward_fn, fused_linear, input_grad_fn, kernels_apply,
-                                   weight_grad_fn)
+from cutelayers.ops.linear import (
+    check_linear_operands,
+    check_param_dtypes,
+    compute_params,
+    forward_fn,
+    fused_linear,
+    input_grad_fn,
+    kernels_apply,
+    weight_grad_fn,
+)
 from cutelayers.ops.softmax import check_labels, check_loss_options, cross_entropy_kernels
 from cutelayers.runtime.sharding import vary_like
 
@@ -113,10 +122,13 @@ def _zeros_of_type(a, dtype=None):
 
 
 @functools.cache
-def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major: bool, use_kernels: bool):
+def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major: bool, use_kernels: bool,
+                 f32_params: bool):
     """``(losses, weighted_total)`` over h (R, C, H), labels (R, C) in the strided layout (chunk
-    ``c`` is column ``c``), kernel (H, V) -- (V, H) if ``vocab_major`` --, bias (V,) | None; the
-    cross-entropy ``options`` (smoothing, z_loss, soft_cap) of :func:`check_loss_options`:
+    ``c`` is column ``c``), kernel (H, V) -- (V, H) if ``vocab_major`` --, bias (V,) | None, in h's
+    dtype or, with ``f32_params``, float32 (cast for the GEMMs; their gradients are the float32
+    sums themselves, no cast); the cross-entropy ``options`` (smoothing, z_loss, soft_cap) of
+    :func:`check_loss_options`:
 
     * ``losses(h, labels, kernel, bias)``: (per-token losses, lse), each (R, C) float32; the
       backward recomputes each chunk's logits;
@@ -167,14 +179,16 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
         carry, ys = jax.lax.scan(step, carry, jax.tree.map(lambda a: a[1:], xs))
         return carry, jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), y, ys)
 
-    def cotangents(grads, kernel, bias, scale=None):
-        """(dh, dlabels, dkernel, dbias) in the primals' dtypes, times ``scale`` (in float32)."""
+    def cotangents(grads, scale=None):
+        """(dh, dlabels, dkernel, dbias) in the primals' dtypes (the parameters': h's, or float32),
+        times ``scale`` (in float32)."""
         dh, dkernel, dbias = grads
+        param_dtype = F32 if f32_params else dh.dtype
         if scale is not None:
             dh = (dh.astype(F32) * scale).astype(dh.dtype)
             dkernel = dkernel * scale
             dbias = None if dbias is None else dbias * scale
-        return dh, None, dkernel.astype(kernel.dtype), None if bias is None else dbias.astype(bias.dtype)
+        return dh, None, dkernel.astype(param_dtype), None if dbias is None else dbias.astype(param_dtype)
 
     def forward(h, labels, kernel, bias):
         def step(_, c):
@@ -185,15 +199,17 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
 
     @jax.custom_vjp
     def losses(h, labels, kernel, bias):
-        lse, loss = forward(h, labels, kernel, bias)
+        lse, loss = forward(h, labels, *compute_params(h, kernel, bias))
         return loss, lse
 
     def losses_fwd(h, labels, kernel, bias):
-        lse, loss = forward(h, labels, kernel, bias)
+        lse, loss = forward(h, labels, *compute_params(h, kernel, bias))
+        # the parameters as given (alive anyway): cast again in the backward, not kept cast
         return (loss, lse), (h, labels, kernel, bias, lse)
 
     def losses_bwd(res, cotangents_out):
         h, labels, kernel, bias, lse = res
+        kernel, bias = compute_params(h, kernel, bias)
         dloss = cotangents_out[0].astype(F32)  # lse's is dropped (the op stops its gradient)
 
         def step(grads, chunk):
@@ -202,16 +218,18 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
             return add_chunk_grads(grads, h, kernel, bias, c, dz), ()
 
         grads, _ = scan_chunks(step, (jnp.arange(h.shape[1]), lse))
-        return cotangents(grads, kernel, bias)
+        return cotangents(grads)
 
     losses.defvjp(losses_fwd, losses_bwd)
 
     @jax.custom_vjp
     def weighted_total(h, labels, kernel, bias, weights):
-        lse, loss = forward(h, labels, kernel, bias)
+        lse, loss = forward(h, labels, *compute_params(h, kernel, bias))
         return jnp.sum(loss * weights), lse
 
     def total_fwd(h, labels, kernel, bias, weights):
+        kernel, bias = compute_params(h, kernel, bias)
+
         def step(carry, c):
             grads, total = carry or (None, None)
             w_c = _chunk(weights, c)
@@ -222,11 +240,10 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
             return (grads, chunk_total if total is None else total + chunk_total), lse_c
 
         (grads, total), lse = scan_chunks(step, jnp.arange(h.shape[1]))
-        return (total, lse), (grads, kernel, bias)
+        return (total, lse), grads
 
-    def total_bwd(res, cotangents_out):
-        grads, kernel, bias = res
-        return *cotangents(grads, kernel, bias, scale=cotangents_out[0]), None
+    def total_bwd(grads, cotangents_out):
+        return *cotangents(grads, scale=cotangents_out[0]), None
 
     weighted_total.defvjp(total_fwd, total_bwd)
     return losses, weighted_total
@@ -242,11 +259,12 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
     Args:
       h: (..., H) hidden states, any leading shape (the tokens), bfloat16, float16 or float32.
       kernel: (H, V) in h's dtype (``flax.linen.Dense`` layout), or (V, H) with
-        ``kernel_layout="vh"``.
+        ``kernel_layout="vh"``; or float32 for a bfloat16 / float16 h (mixed precision: cast for the
+        GEMMs, and its gradient is the float32 sum over the chunks itself, no cast pass).
       labels: (...) integers in [0, V), h's leading shape. Tokens equal to ``ignore_index`` give
         loss 0 and no gradient; any other label outside [0, V) raises when the labels are
         concrete and gives a NaN loss (and gradient) for that token under jit.
-      bias: (V,) in h's dtype, or None.
+      bias: (V,) in the kernel's dtype, or None.
       ignore_index: label value of tokens to ignore (e.g. -100 or a padding id), or None.
       reduction: "mean" over the tokens that are not ignored (0 when all are), "sum", or "none".
       label_smoothing: a in [0, 1): targets (1 - a) onehot + a / V, as ``optax.smooth_labels``.
@@ -311,7 +329,8 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
     if vocab_major and bias is not None:
         kernel, vocab_major = kernel.T, False  # see kernel_layout above
     kernel, bias = vary_like(h, kernel, bias)  # shared by every shard inside shard_map
-    per_token, weighted_total = _chunked_fns(ignore_index, options, vocab_major, use_kernels)
+    f32_params = check_param_dtypes(op, "h", h, kernel=kernel, bias=bias)
+    per_token, weighted_total = _chunked_fns(ignore_index, options, vocab_major, use_kernels, f32_params)
 
     def per_token_order(a):  # (R, C) strided -> the tokens' leading shape
         return a.reshape(-1)[:tokens].reshape(lead)

@@ -41,8 +41,9 @@ from cutelayers.ops.linear import (
     GATED_ACTIVATIONS,
     check_kernel_layout,
     check_linear_operands,
+    check_param_dtypes,
     check_residual,
-    check_same_dtype,
+    compute_params,
     forward_fn,
     fused_linear,
     gated_kernels_apply,
@@ -57,8 +58,10 @@ from cutelayers.runtime.sharding import vary_like
 
 
 @functools.cache
-def _mlp_fn(activation: str, has_residual: bool, use_kernels: bool, precision, kernel_nk: bool):
-    """The differentiable block for one static configuration; args (x, w1, b1, w2, b2, residual)."""
+def _mlp_fn(activation: str, has_residual: bool, use_kernels: bool, precision, kernel_nk: bool, f32_params: bool):
+    """The differentiable block for one static configuration; args (x, w1, b1, w2, b2, residual),
+    the parameters in x's dtype or, with ``f32_params``, float32 (cast for the GEMMs; their
+    gradients float32 from the weight-gradient GEMMs, :func:`cutelayers.ops.linear.compute_params`)."""
     needs_preact = activation != "none"
     fc1 = forward_fn(activation, False, use_kernels, precision, kernel_nk)
     fc1_saving = forward_fn(activation, needs_preact, use_kernels, precision, kernel_nk)
@@ -68,10 +71,12 @@ def _mlp_fn(activation: str, has_residual: bool, use_kernels: bool, precision, k
 
     @jax.custom_vjp
     def mlp(x, w1, b1, w2, b2, residual):
+        w1, b1, w2, b2 = compute_params(x, w1, b1, w2, b2)
         (h,) = fc1(x, w1, b1, None)
         return fc2(h, w2, b2, residual)[0]
 
     def fwd(x, w1, b1, w2, b2, residual):
+        w1, b1, w2, b2 = compute_params(x, w1, b1, w2, b2)
         h, *z1 = fc1_saving(x, w1, b1, None)
         (y,) = fc2(h, w2, b2, residual)
         return y, (x, w1, z1[0] if z1 else None, h, w2, b1, b2)
@@ -79,9 +84,9 @@ def _mlp_fn(activation: str, has_residual: bool, use_kernels: bool, precision, k
     def bwd(res, dy):
         x, w1, z1, h, w2, b1, b2 = res
         dz1 = hidden_grad(dy, w2, z1) if needs_preact else input_grad(dy, w2)
-        dw2, db2 = weight_and_bias_grads(h, dy, kernel_nk, b2, use_kernels, precision)
+        dw2, db2 = weight_and_bias_grads(h, dy, kernel_nk, b2 is not None, use_kernels, precision, f32_params)
         dx = input_grad(dz1, w1)
-        dw1, db1 = weight_and_bias_grads(x, dz1, kernel_nk, b1, use_kernels, precision)
+        dw1, db1 = weight_and_bias_grads(x, dz1, kernel_nk, b1 is not None, use_kernels, precision, f32_params)
         return dx, dw1, db1, dw2, db2, dy if has_residual else None
 
     mlp.defvjp(fwd, bwd)
@@ -95,7 +100,9 @@ def mlp(x, w1, b1=None, w2=None, b2=None, *, activation="gelu", residual=None, p
     Args:
       x: (..., K), any leading shape, bfloat16 / float16 / float32.
       w1: (K, H) and w2: (H, N), as the kernels of two stacked ``flax.linen.Dense`` layers.
-      b1: (H,) or None; b2: (N,) or None. All operands in x's dtype.
+      b1: (H,) or None; b2: (N,) or None. The parameters in x's dtype, or all float32 for a
+        bfloat16 / float16 x (mixed precision, as for ``fused_linear``: cast for the GEMMs, their
+        gradients in float32).
       activation: the hidden activation, as ``fused_linear``'s (a name, a recognised jax.nn
         function, or any callable, which then runs unfused between two ``fused_linear`` calls), or
         a gated one, ``"swiglu"`` / ``"geglu"``: then w1 is (K, 2H), its first H columns the gate
@@ -126,13 +133,12 @@ def mlp(x, w1, b1=None, w2=None, b2=None, *, activation="gelu", residual=None, p
         expected = f"(N, {h_width})" if kernel_nk else f"({h_width}, N)"
         raise ValueError(f"{op}: argument 'w2' must have shape {expected} to follow w1 {tuple(w1.shape)}; "
                          f"got {tuple(w2.shape)}")
-    check_same_dtype(op, "w2", w2, "x", x)
     n = w2.shape[0 if kernel_nk else 1]
     if b2 is not None:
         b2 = check_float_array(op, "b2", b2)
         if tuple(b2.shape) != (n,):
             raise ValueError(f"{op}: argument 'b2' must have shape ({n},); got {tuple(b2.shape)}")
-        check_same_dtype(op, "b2", b2, "x", x)
+    f32_params = check_param_dtypes(op, "x", x, w1=w1, b1=b1, w2=w2, b2=b2)
     residual = check_residual(op, residual, x, n)
     if isinstance(activation, str) and activation not in ACTIVATION_FUNCTIONS and not gated:
         raise ValueError(f"{op}: unknown activation {activation!r}; allowed: None, "
@@ -149,5 +155,5 @@ def mlp(x, w1, b1=None, w2=None, b2=None, *, activation="gelu", residual=None, p
     if not use_kernels:
         _backend.fall_back(op, why)
     w1, b1, w2, b2 = vary_like(x, w1, b1, w2, b2)  # shared by every shard inside shard_map
-    fn = _mlp_fn(fused, residual is not None, use_kernels, precision, kernel_nk)
+    fn = _mlp_fn(fused, residual is not None, use_kernels, precision, kernel_nk, f32_params)
     return fn(x, w1, b1, w2, b2, residual)

@@ -42,7 +42,9 @@ from cutelayers.ops.linear import (
     as_kn,
     check_kernel_layout,
     check_linear_operands,
+    check_param_dtypes,
     column_sum,
+    compute_params,
     forward_reference,
     fused_linear,
     hashable_precision,
@@ -206,7 +208,8 @@ class SplitWeightGrad(GemmFamily):
     workspace (flags operand, scratch result: :attr:`GemmFamily.fixup`), or with ``accumulate``
     are added into a float32 operand of zeros (the result, float32, is that buffer).
     ``with_sums``: also every dy_l's sums over the rows (P, d), float32 -- the bias gradient --
-    added by the kernel into a float32 zeros operand before the stream-K one."""
+    added by the kernel into a float32 zeros operand before the stream-K one. ``f32_out``: dkernel
+    stored in float32 (a float32 parameter's gradient), not the operands' dtype."""
 
     parts: int
     config: object = None
@@ -214,6 +217,7 @@ class SplitWeightGrad(GemmFamily):
     stream_k: bool = False
     with_sums: bool = False
     accumulate: bool = False
+    f32_out: bool = False
     contracts_rows = True
 
     name = "split_linear_dkernel"
@@ -282,7 +286,7 @@ class SplitWeightGrad(GemmFamily):
     def out_avals(self, avals):
         k, d = self.layer_dims(avals)
         shape = (self.parts, d, k) if self.kernel_nk else (k, self.parts, d)
-        dkernel = jax.ShapeDtypeStruct(shape, jnp.float32 if self.accumulate else avals[0].dtype)
+        dkernel = jax.ShapeDtypeStruct(shape, jnp.float32 if self.accumulate or self.f32_out else avals[0].dtype)
         return ((dkernel,) + (jax.ShapeDtypeStruct((self.parts, d), jnp.float32),) * self.with_sums
                 + self.scratch_avals())
 
@@ -293,7 +297,7 @@ class SplitWeightGrad(GemmFamily):
         dys, x = (operands[:-1], operands[-1]) if self.kernel_nk else (operands[1:], operands[0])
         dkernel = _weight_grad_kn(x[0], [dy[0] for dy in dys], None, jnp.float32)
         dkernel = as_planes(dkernel.T if self.kernel_nk else dkernel, self.parts, self.kernel_nk)
-        out = (zeros + dkernel if self.accumulate else dkernel.astype(x.dtype),)
+        out = (zeros + dkernel if self.accumulate else dkernel.astype(jnp.float32 if self.f32_out else x.dtype),)
         if self.with_sums:
             out += (sums + jnp.stack([jnp.sum(dy[0].astype(jnp.float32), axis=0) for dy in dys]),)
         return out + self.scratch_reference()
@@ -345,11 +349,13 @@ def _input_grad_rows(dys, kernel, parts, use_kernels, precision, kernel_nk):
     return dx.reshape(*lead, k)
 
 
-def _weight_grad_rows(x, dys, kernel_shape, bias_dtype, parts, use_kernels, precision, kernel_nk):
-    """(dkernel in the kernel's layout and x's dtype, summed over every row of x (..., K) and dys;
-    dbias (N,) in ``bias_dtype``, the dys' column sums side by side -- None for a None dtype)."""
+def _weight_grad_rows(x, dys, kernel_shape, bias_dtype, parts, use_kernels, precision, kernel_nk, f32_out):
+    """(dkernel in the kernel's layout and x's dtype -- float32 for ``f32_out`` --, summed over
+    every row of x (..., K) and dys; dbias (N,) in ``bias_dtype``, the dys' column sums side by
+    side -- None for a None dtype)."""
+    out_dtype = jnp.float32 if f32_out else x.dtype
     if not use_kernels or x.size == 0:
-        dkernel = _weight_grad_kn(x, dys, precision, x.dtype)
+        dkernel = _weight_grad_kn(x, dys, precision, out_dtype)
         dbias = None if bias_dtype is None else jnp.concatenate([column_sum(dy, bias_dtype) for dy in dys])
         return dkernel.T if kernel_nk else dkernel, dbias
     rows = x.reshape(1, -1, x.shape[-1])
@@ -358,7 +364,7 @@ def _weight_grad_rows(x, dys, kernel_shape, bias_dtype, parts, use_kernels, prec
     out_mn = (d, k) if kernel_nk else (k, d)
     stream_k = stream_k_pays(*out_mn, m, parts)
     # stream-K's partial tiles in a workspace, or in float32 zeros (see ops.linear's weight gradient)
-    into_zeros = stream_k and not stream_k_workspace_pays(*out_mn, parts)
+    into_zeros = stream_k and (f32_out or not stream_k_workspace_pays(*out_mn, parts))
     with_sums = bias_dtype is not None
     operands = (*dy_rows, rows) if kernel_nk else (rows, *dy_rows)
     if with_sums:
@@ -368,15 +374,16 @@ def _weight_grad_rows(x, dys, kernel_shape, bias_dtype, parts, use_kernels, prec
     elif stream_k:
         operands += (stream_k_flags(dy_rows[0]),)
     family = resolve(SplitWeightGrad(parts, kernel_nk=kernel_nk, stream_k=stream_k, with_sums=with_sums,
-                                     accumulate=into_zeros), operands)
+                                     accumulate=into_zeros, f32_out=f32_out and not into_zeros), operands)
     dkernel, *sums = kernel_call(family, *operands)
     dbias = sums[0].reshape(-1).astype(bias_dtype) if with_sums else None
-    return dkernel.astype(x.dtype).reshape(kernel_shape), dbias
+    return dkernel.astype(out_dtype).reshape(kernel_shape), dbias
 
 
 @functools.cache
-def _split_fn(parts: int, use_kernels: bool, precision, kernel_nk: bool):
-    """The differentiable op for one static configuration; args (x, kernel, bias)."""
+def _split_fn(parts: int, use_kernels: bool, precision, kernel_nk: bool, f32_params: bool):
+    """The differentiable op for one static configuration; args (x, kernel, bias), the parameters
+    in x's dtype or, with ``f32_params``, float32 (:func:`cutelayers.ops.linear.compute_params`)."""
 
     def forward(x, kernel, bias):
         return _forward_rows(x, kernel, bias, parts, use_kernels, precision, kernel_nk)
@@ -385,16 +392,18 @@ def _split_fn(parts: int, use_kernels: bool, precision, kernel_nk: bool):
         return _input_grad_rows(dys, kernel, parts, use_kernels, precision, kernel_nk)
 
     def weight_grad(x, dys, kernel_shape, bias_dtype):
-        return _weight_grad_rows(x, dys, kernel_shape, bias_dtype, parts, use_kernels, precision, kernel_nk)
+        return _weight_grad_rows(x, dys, kernel_shape, bias_dtype, parts, use_kernels, precision, kernel_nk,
+                                 f32_params)
 
     forward = fold_batch(forward, shared=(1, 2))
     input_grad = fold_batch(input_grad, shared=(1,))
 
     @jax.custom_vjp
     def split(x, kernel, bias):
-        return forward(x, kernel, bias)
+        return forward(x, *compute_params(x, kernel, bias))
 
     def fwd(x, kernel, bias):
+        kernel, bias = compute_params(x, kernel, bias)  # saved as cast: dx reads it
         return forward(x, kernel, bias), (x, kernel, bias)
 
     def bwd(res, dys):
@@ -402,21 +411,21 @@ def _split_fn(parts: int, use_kernels: bool, precision, kernel_nk: bool):
         dys = tuple(dy.astype(x.dtype) for dy in dys)
         dx = input_grad(dys, kernel)
         # per-example kernels (vmap of grad) come here batched: each example its own sum over rows
-        dkernel, dbias = _per_example_weight_grad(weight_grad, x, dys, kernel, bias)
+        dkernel, dbias = _per_example_weight_grad(weight_grad, x, dys, kernel.shape,
+                                                  None if bias is None else jnp.float32 if f32_params else x.dtype)
         return dx, dkernel, dbias
 
     split.defvjp(fwd, bwd)
     return fold_batch(split, shared=(1, 2), per_example=split)
 
 
-def _per_example_weight_grad(weight_grad, x, dys, kernel, bias):
-    """``weight_grad`` (dkernel, dbias) for this call's rows; under ``vmap(grad(...))`` a
-    ``jax.lax.map`` over the examples (one launch each), since the rows of different examples must
-    not be summed."""
-    bias_dtype = None if bias is None else bias.dtype
+def _per_example_weight_grad(weight_grad, x, dys, kernel_shape, bias_dtype):
+    """``weight_grad`` (dkernel, dbias) for this call's rows (dbias in ``bias_dtype``, None for
+    None); under ``vmap(grad(...))`` a ``jax.lax.map`` over the examples (one launch each), since
+    the rows of different examples must not be summed."""
 
     def grads(x, dys):
-        return weight_grad(x, dys, kernel.shape, bias_dtype)
+        return weight_grad(x, dys, kernel_shape, bias_dtype)
 
     fn = fold_batch(grads, batched=lambda x, dys: jax.lax.map(lambda e: grads(*e), (x, dys)))
     return fn(x, dys)
@@ -432,8 +441,9 @@ def split_linear(x, kernel, bias=None, *, parts: int, precision=None, kernel_lay
     Args:
       x: (..., K), any leading shape (flattened to rows), dtype bfloat16, float16 or float32.
       kernel: (K, N) as in ``flax.linen.Dense`` (or (N, K) with ``kernel_layout="nk"``), x's
-        dtype; N a multiple of ``parts``.
-      bias: (N,) in x's dtype, or None.
+        dtype or float32 for a bfloat16 / float16 x (mixed precision, as for ``fused_linear``);
+        N a multiple of ``parts``.
+      bias: (N,) in the kernel's dtype, or None.
       parts: how many equal blocks N is cut into (a positive int); 1 is ``fused_linear``.
       precision: as ``jax.lax.dot``'s, for the XLA GEMMs of the jnp path (float32, unaligned
         sizes); the kernels' bfloat16 / float16 products are exact.
@@ -459,4 +469,5 @@ def split_linear(x, kernel, bias=None, *, parts: int, precision=None, kernel_lay
     if not use_kernels:
         _backend.fall_back(op, why)
     kernel, bias = vary_like(x, kernel, bias)
-    return _split_fn(parts, use_kernels, precision, kernel_nk)(x, kernel, bias)
+    f32_params = check_param_dtypes(op, "x", x, kernel=kernel, bias=bias)
+    return _split_fn(parts, use_kernels, precision, kernel_nk, f32_params)(x, kernel, bias)

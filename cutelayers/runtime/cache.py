@@ -17,7 +17,8 @@ import contextlib
 import dataclasses
 import threading
 import time
-from typing import Callable, Hashable, TypeVar
+from collections.abc import Callable, Hashable
+from typing import TypeVar
 
 T = TypeVar("T")
 _MISSING = object()

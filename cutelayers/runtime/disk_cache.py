@@ -140,12 +140,11 @@ class DiskEntry:
             return self._reject("object file does not match its recorded size and hash")
         try:
             return load_object(self.object_path), data
-        except Exception as error:  # a corrupt object that still hashes right (e.g. hand-written)
+        except Exception as error:  # noqa: BLE001 -- a corrupt object that still hashes right (e.g. hand-written)
             return self._reject(f"object file failed to load ({type(error).__name__}: {error})")
 
     def _reject(self, why: str):
         _backend.warn_once(f"disk cache entry {self.meta_path} ignored and recompiled: {why}")
-        return None
 
     def store(self, data: bytes) -> None:
         """Write the object and then its metadata, each by atomic rename."""

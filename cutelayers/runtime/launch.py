@@ -7,7 +7,7 @@ its compile-time keywords.
 """
 
 import cutlass
-import cutlass.cute as cute
+from cutlass import cute
 
 
 @cute.jit

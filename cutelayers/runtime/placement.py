@@ -10,7 +10,7 @@ limit: XLA partitions it like any jnp code.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax
 

@@ -37,8 +37,9 @@ import os
 import sys
 import tempfile
 import threading
+from collections.abc import Hashable
 from pathlib import Path
-from typing import Any, Hashable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -114,7 +115,7 @@ def import_tvm_ffi() -> None:
     kernel. Torch already imported, or ``CUTELAYERS_TVM_FFI_TORCH=1``: the plain import, torch
     interop included (set it to pass torch tensors to TVM-FFI functions in the same process)."""
     if "tvm_ffi" in sys.modules or "torch" in sys.modules or os.environ.get(TVM_FFI_TORCH_VARIABLE) == "1":
-        import tvm_ffi  # noqa: F401
+        import tvm_ffi
         return
     sys.modules["torch"] = None  # makes `import torch` raise ImportError, which tvm_ffi handles
     try:
@@ -225,7 +226,7 @@ def build_launcher(family: KernelFamily, avals, out_avals):
     stored nor registered. The build step of every compile, in this process (:func:`compile_kernel`)
     or in a compile worker (:mod:`cutelayers.runtime.parallel_compile`)."""
     import_tvm_ffi()
-    import cutlass.cute as cute
+    from cutlass import cute
     from cutlass.cute.runtime import make_fake_stream
 
     from cutelayers.runtime.launch import call_launcher

@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -220,7 +220,7 @@ def _sdy_rule(family, avals, mesh, operand_types, result_types) -> SdyShardingRu
 
 def _partition(family, avals, mesh, arg_shapes, result_shape):
     p = plan(family, avals, [a.sharding for a in arg_shapes])
-    named = lambda specs: tuple(NamedSharding(mesh, s) for s in specs)  # noqa: E731
+    named = lambda specs: tuple(NamedSharding(mesh, s) for s in specs)
     return mesh, per_shard_program(family, p), named(p.result_specs), named(p.operand_specs)
 
 
@@ -269,9 +269,9 @@ def _explicit_shardings(arrays) -> list | None:
     (``jax.make_mesh``'s default); None otherwise (``Auto`` axes: XLA decides at compile time)."""
     shardings = [getattr(jax.typeof(a), "sharding", None) for a in arrays]
     for s in shardings:
-        if isinstance(s, NamedSharding) and not s.mesh.empty:
-            if any(set(axes) & _explicit_axes(s.mesh) for axes in _spec_axes(s, len(s.spec))):
-                return shardings
+        if (isinstance(s, NamedSharding) and not s.mesh.empty
+                and any(set(axes) & _explicit_axes(s.mesh) for axes in _spec_axes(s, len(s.spec)))):
+            return shardings
     return None
 
 

@@ -7,7 +7,7 @@ aligned is known at compile time from the feature size.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax.numpy as jnp
 
@@ -43,7 +43,7 @@ def fake_tensor(dtype, shape: Sequence[int], dynamic: Sequence[bool], symbols: d
     size to its SymInt, so dynamic dims that are equal now share one symbol (the compile key
     records that equality pattern).
     """
-    import cutlass.cute as cute
+    from cutlass import cute
     from cutlass.cute.runtime import make_fake_compact_tensor
 
     dims = tuple(

@@ -47,8 +47,9 @@ import dataclasses
 import functools
 import json
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
