@@ -155,6 +155,21 @@ def test_float32_params_through_the_kernel_path(reduction, rng):
         assert_close(g, g_ref, jnp.bfloat16, scale=2.0)
 
 
+@pytest.mark.parametrize("ignore_index", [None, -100])
+def test_mean_gradient_is_not_scaled_in_a_pass_of_its_own(ignore_index):
+    # the mean's 1 / count rides the per-token weights (the cross-entropy kernels' dloss): the
+    # backward's scale is the loss's own cotangent, the constant 1 of value_and_grad, which XLA
+    # drops -- no multiply over the (H, V) gradient in the compiled program (here XLA's CPU one:
+    # the same custom_vjp around the reference path)
+    t, hidden, vocab = 512, 64, 1024
+    S = jax.ShapeDtypeStruct
+    grad = jax.jit(jax.value_and_grad(lambda h, w, labels: linear_cross_entropy(
+        h, w, labels, ignore_index=ignore_index, chunk_size=128), (0, 1)))
+    compiled = grad.lower(S((t, hidden), jnp.bfloat16), S((hidden, vocab), F32), S((t,), jnp.int32)).compile()
+    passes = [line for line in compiled.as_text().splitlines() if "multiply" in line and f"[{hidden},{vocab}]" in line]
+    assert not passes, passes
+
+
 @pytest.mark.gpu
 def test_float32_params_kernel_path_gpu(rng):
     h, kernel, bias, labels = head_operands(rng, (3, 333), 256, 1000, jnp.bfloat16, -100, param_dtype=F32)

@@ -30,13 +30,14 @@ def test_chunked_head_temp_memory_does_not_grow_with_tokens():
 
 def test_float32_params_head_keeps_no_float32_gradient_scratch():
     # mixed precision: the fused head's float32 dkernel sum is the gradient (an output), so its
-    # temp memory is the bfloat16 kernel copy and a chunk's logits; the same head with bfloat16
-    # parameters holds the float32 sum as scratch on top
+    # scratch holds the kernel's bfloat16 copy (2 bytes a weight) where the same head with
+    # bfloat16 parameters holds the float32 sum (4 bytes a weight); XLA's buffer assignment moves
+    # the rest by a few percent, hence the margin of one byte a weight
     t, h, v = 1024, 256, 16384
     mixed = head_memory(t, h, v, jnp.bfloat16, chunk_size=256, param_dtype=F32)
     plain = head_memory(t, h, v, jnp.bfloat16, chunk_size=256)
     assert mixed["fused"]["outputs"] == mixed["xla"]["outputs"] >= h * v * 4
-    assert mixed["fused"]["temp"] <= plain["fused"]["temp"] - h * v * 2
+    assert mixed["fused"]["temp"] <= plain["fused"]["temp"] - h * v
 
 
 @pytest.mark.gpu

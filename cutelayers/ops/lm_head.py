@@ -26,9 +26,10 @@ is transposed.
   (the dkernel GEMM adds its product into the carry as it stores: no pass over (H, V) of its own).
 * ``"mean"`` / ``"sum"``: the loss is a weighted total, so every token's cotangent is the same
   scalar ``g`` (times 1 / count for the mean) -- known up to that factor in the forward. When
-  differentiated, the forward therefore computes the gradients of the plain sum while it has each
-  chunk's logits, with dloss = 1 per token, 0 per padded row, and the backward only scales them
-  by ``g``: three GEMMs per chunk instead of four (6·T·H·V FLOPs, as the unfused head, instead of
+  differentiated, the forward therefore computes the gradients of the weighted sum while it has
+  each chunk's logits, with dloss = 1 per token (1 / count for the mean), 0 per padded row, and the
+  backward only scales them by ``g`` -- a pass XLA drops when ``g`` is the constant 1 of a
+  differentiated loss: three GEMMs per chunk instead of four (6·T·H·V FLOPs, as the unfused head, instead of
   8). Between the logits GEMM and the dh / dkernel GEMMs one fused cross-entropy kernel gives
   lse, the loss and dz in one pass over the logits (a streamed row is kept in shared memory for
   its second pass: :class:`cutelayers.ops.softmax.CrossEntropyWithGrad`), dz over the logits'
@@ -339,12 +340,16 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
         loss, lse = per_token(h_strided, labels_strided, kernel, bias)
         loss = per_token_order(loss)
     else:
-        # weight 1 per token, 0 per padded row; laid out (and sharded) as the labels are
-        real = jnp.pad(_zeros_of_type(labels.reshape(tokens), F32) + 1.0, (0, pad)).reshape(rows, n_chunks)
-        loss, lse = weighted_total(h_strided, labels_strided, kernel, bias, real)
+        # weight 1 per token (1 / the counted tokens for a mean), 0 per padded row; laid out (and
+        # sharded) as the labels are. The mean's scale rides the weights, not the result: the
+        # backward then scales the gradients by the loss's own cotangent alone, which XLA drops
+        # where it is the constant 1 of a differentiated loss (no pass over dkernel).
+        weight = 1.0
         if reduction == "mean":
             counted = tokens if ignore_index is None else jnp.sum(labels != ignore_index)
-            loss = loss / jnp.maximum(counted, 1).astype(F32)
+            weight = 1.0 / jnp.maximum(counted, 1).astype(F32)
+        real = jnp.pad(_zeros_of_type(labels.reshape(tokens), F32) + weight, (0, pad)).reshape(rows, n_chunks)
+        loss, lse = weighted_total(h_strided, labels_strided, kernel, bias, real)
     if not return_lse:
         return loss
     return loss, jax.lax.stop_gradient(per_token_order(lse.T))  # lse is chunk-major (C, R)
