@@ -9,7 +9,7 @@ are the floor: a GEMM cannot beat FLOPs / peak. ``--parts`` then times each laye
 alone; ``--kernels`` lists each layer's forward + backward kernel by kernel, ours and XLA's.
 ``--param-dtype float32`` gives the layers and blocks float32 parameters (mixed precision, as the
 GPT models hold them): XLA's versions cast them to the compute dtype, as Flax's ``promote_dtype``
-does, and ours take them as they are (their gradients float32 from the GEMMs).
+does, and ours take them as they are (float32 gradients: see ``cutelayers.ops.fused_linear``).
 """
 
 from __future__ import annotations

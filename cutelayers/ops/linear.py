@@ -32,9 +32,10 @@ residual are one XLA pass over that (rows, N) sum.
 
 Mixed precision: the parameters (kernel, bias) may be float32 while x is bfloat16 / float16, as a
 Flax module with ``param_dtype=float32, dtype=bfloat16`` holds them. The op casts them to x's dtype
-for its GEMMs (what the module's ``promote_dtype`` would do) and returns their gradients in float32
-straight from the GEMMs' float32 accumulators: no bfloat16 rounding of dkernel, and no cast passes
-(a bfloat16 dkernel then a float32 copy of it) after the weight-gradient GEMM.
+for its GEMMs (what the module's ``promote_dtype`` would do) and returns their gradients in float32:
+dbias and a stream-K dkernel as the kernel's float32 sums are (no 16-bit rounding, no cast pass),
+any other dkernel as its kernel's 16-bit result converted, which XLA fuses into the gradient's
+readers (the optimizer then reads 2 bytes a weight; a float32 store would cost more bytes).
 
 vmap (:mod:`cutelayers.ops._batching`): batch dims of x / residual fold into rows (one launch)
 while kernel / bias are shared; per-example kernel or bias falls back to ``jax.lax.map`` (one
@@ -816,16 +817,22 @@ def _row_zeros(rows, k):
     return zeros_after(rows, (1, rows.shape[1], k), out_sharding=explicit)
 
 
-def _weight_grad_batched(x, dz, accumulator, use_kernels, precision, sums=None, f32_out=False):
+def _weight_grad_batched(x, dz, accumulator, use_kernels, precision, sums=None, f32_out=False,
+                         result_dtype=None):
     """dkernel (L, K, N) from x (L, ..., K), dz (L, ..., N): one launch, L the kernel's batch, in
-    x's dtype (float32 with ``f32_out``).
+    ``result_dtype`` (default: x's dtype, float32 with ``f32_out``).
+    ``f32_out``: the kernel stores float32 (a running sum's start, read next by a kernel). A float32
+    ``result_dtype`` alone (a float32 parameter's gradient, read next by XLA's optimizer) takes the
+    float32 sum where stream-K makes one anyway, and otherwise the kernel's 16-bit result,
+    converted: XLA fuses that convert into the gradient's readers, which then read 2 bytes a
+    weight, where a float32 store would cost 2 more to write and 2 more to each reader.
     With a float32 (L, K, N) ``accumulator`` (else None): ``accumulator + dkernel`` in float32,
     the kernel adding into it as it stores (no pass of its own). With ``sums`` "a" / "b": the pair
     (dkernel, the float32 sums of x (L, K) / dz (L, N) over the rows), summed by the same kernel."""
     x = x.reshape(x.shape[0], -1, x.shape[-1])
     dz = dz.reshape(dz.shape[0], -1, dz.shape[-1])
     summed = x if sums == "a" else dz
-    out_dtype = jnp.float32 if f32_out else x.dtype
+    out_dtype = result_dtype or (jnp.float32 if f32_out else x.dtype)
     if not use_kernels or x.shape[1] == 0:
         if accumulator is None:
             dw = _weight_grad_einsum(x, dz, precision, dtype=out_dtype)
@@ -836,9 +843,10 @@ def _weight_grad_batched(x, dz, accumulator, use_kernels, precision, sums=None, 
     sums_in = () if sums is None else (zeros_after(summed, (batch, summed.shape[-1])),)
     # Too few output tiles to fill the GPU: stream-K, its partial tiles meeting in a workspace, or
     # added into the accumulator -- into float32 zeros, then cast, where the tiles are so few that
-    # each is cut over many clusters, or where the result is float32 anyway (the sum is the result).
+    # each is cut over many clusters.
     stream_k = stream_k_pays(k, n, rows, batch)
-    into_zeros = accumulator is None and stream_k and (f32_out or not stream_k_workspace_pays(k, n, batch))
+    running = accumulator is not None
+    into_zeros = not running and stream_k and not stream_k_workspace_pays(k, n, batch)
     if into_zeros:
         accumulator = zeros_after(dz, (batch, k, n))
     if accumulator is None:
@@ -848,7 +856,7 @@ def _weight_grad_batched(x, dz, accumulator, use_kernels, precision, sums=None, 
         operands = (x, dz, *sums_in, accumulator)
         family = LinearWeightGrad(accumulate=True, stream_k=stream_k, operand_sums=sums)
     out = kernel_call(resolve(family, operands), *operands)
-    dw = out[0].astype(out_dtype) if into_zeros else out[0]
+    dw = out[0] if running else out[0].astype(out_dtype)
     return dw if sums is None else (dw, out[1])
 
 
@@ -868,9 +876,11 @@ def input_grad_fn(use_kernels: bool, precision=None, grad_of: str = "none", kern
 
 
 @functools.cache
-def weight_grad_fn(use_kernels: bool, precision=None, sums: str | None = None, f32_out: bool = False):
+def weight_grad_fn(use_kernels: bool, precision=None, sums: str | None = None, f32_out: bool = False,
+                   result_dtype=None):
     """``weight_grad(x, dz [, accumulator])``: dkernel (L, K, N) of batch-leading (L, ..., K) x and
-    (L, ..., N) dz in x's dtype (float32 with ``f32_out``), or ``accumulator + dkernel`` for a
+    (L, ..., N) dz in ``result_dtype`` (default: x's dtype, float32 with ``f32_out``: the kernel
+    stores float32; see :func:`_weight_grad_batched`), or ``accumulator + dkernel`` for a
     float32 (L, K, N) accumulator; vmappable: a vmap adds its batch to L (the kernel's batch
     mode), so per-example dkernel is still one launch. Shared with :mod:`cutelayers.ops.lm_head`.
 
@@ -878,7 +888,8 @@ def weight_grad_fn(use_kernels: bool, precision=None, sums: str | None = None, f
     a bias gradient from the same kernel (see :class:`LinearWeightGrad`)."""
 
     def weight_grad(x, dz, *accumulator):
-        return _weight_grad_batched(x, dz, *accumulator or (None,), use_kernels, precision, sums, f32_out)
+        return _weight_grad_batched(x, dz, *accumulator or (None,), use_kernels, precision, sums, f32_out,
+                                    result_dtype)
 
     def batched(*operands):
         # Each example's dkernel sums over its own rows: the batch joins L, not the rows.
@@ -940,13 +951,15 @@ def weight_and_bias_grads(x, dz, kernel_nk: bool, has_bias: bool, use_kernels: b
     """(dkernel, dbias) of x (..., K) and dz (..., N): dkernel as the kernel is stored, xᵀ @ dz
     (K, N), or dzᵀ @ x (N, K) for ``kernel_nk`` -- the same GEMM with its operands swapped, so no
     transpose; dbias (None without a bias) the column sums of dz, from the same GEMM (dz is its
-    B, or its A when swapped). Both in x's dtype, or float32 for ``f32_params`` (the GEMM stores
-    its float32 accumulators as they are)."""
+    B, or its A when swapped). Both in x's dtype, or float32 for ``f32_params`` (dbias and a
+    stream-K float32 sum as they are; see :func:`_weight_grad_batched`)."""
     a, b = (dz, x) if kernel_nk else (x, dz)
+    dtype = jnp.float32 if f32_params else x.dtype
     if not has_bias:
-        return weight_grad_fn(use_kernels, precision, f32_out=f32_params)(a[None], b[None])[0], None
-    dkernel, sums = weight_grad_fn(use_kernels, precision, "a" if kernel_nk else "b", f32_params)(a[None], b[None])
-    return dkernel[0], sums[0].astype(jnp.float32 if f32_params else x.dtype)
+        return weight_grad_fn(use_kernels, precision, result_dtype=dtype)(a[None], b[None])[0], None
+    dkernel, sums = weight_grad_fn(use_kernels, precision, "a" if kernel_nk else "b",
+                                   result_dtype=dtype)(a[None], b[None])
+    return dkernel[0], sums[0].astype(dtype)
 
 
 # --- the op ------------------------------------------------------------------------------------------

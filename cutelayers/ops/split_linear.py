@@ -208,8 +208,7 @@ class SplitWeightGrad(GemmFamily):
     workspace (flags operand, scratch result: :attr:`GemmFamily.fixup`), or with ``accumulate``
     are added into a float32 operand of zeros (the result, float32, is that buffer).
     ``with_sums``: also every dy_l's sums over the rows (P, d), float32 -- the bias gradient --
-    added by the kernel into a float32 zeros operand before the stream-K one. ``f32_out``: dkernel
-    stored in float32 (a float32 parameter's gradient), not the operands' dtype."""
+    added by the kernel into a float32 zeros operand before the stream-K one."""
 
     parts: int
     config: object = None
@@ -217,7 +216,6 @@ class SplitWeightGrad(GemmFamily):
     stream_k: bool = False
     with_sums: bool = False
     accumulate: bool = False
-    f32_out: bool = False
     contracts_rows = True
 
     name = "split_linear_dkernel"
@@ -286,7 +284,7 @@ class SplitWeightGrad(GemmFamily):
     def out_avals(self, avals):
         k, d = self.layer_dims(avals)
         shape = (self.parts, d, k) if self.kernel_nk else (k, self.parts, d)
-        dkernel = jax.ShapeDtypeStruct(shape, jnp.float32 if self.accumulate or self.f32_out else avals[0].dtype)
+        dkernel = jax.ShapeDtypeStruct(shape, jnp.float32 if self.accumulate else avals[0].dtype)
         return ((dkernel,) + (jax.ShapeDtypeStruct((self.parts, d), jnp.float32),) * self.with_sums
                 + self.scratch_avals())
 
@@ -297,7 +295,7 @@ class SplitWeightGrad(GemmFamily):
         dys, x = (operands[:-1], operands[-1]) if self.kernel_nk else (operands[1:], operands[0])
         dkernel = _weight_grad_kn(x[0], [dy[0] for dy in dys], None, jnp.float32)
         dkernel = as_planes(dkernel.T if self.kernel_nk else dkernel, self.parts, self.kernel_nk)
-        out = (zeros + dkernel if self.accumulate else dkernel.astype(jnp.float32 if self.f32_out else x.dtype),)
+        out = (zeros + dkernel if self.accumulate else dkernel.astype(x.dtype),)
         if self.with_sums:
             out += (sums + jnp.stack([jnp.sum(dy[0].astype(jnp.float32), axis=0) for dy in dys]),)
         return out + self.scratch_reference()
@@ -349,11 +347,12 @@ def _input_grad_rows(dys, kernel, parts, use_kernels, precision, kernel_nk):
     return dx.reshape(*lead, k)
 
 
-def _weight_grad_rows(x, dys, kernel_shape, bias_dtype, parts, use_kernels, precision, kernel_nk, f32_out):
-    """(dkernel in the kernel's layout and x's dtype -- float32 for ``f32_out`` --, summed over
-    every row of x (..., K) and dys; dbias (N,) in ``bias_dtype``, the dys' column sums side by
-    side -- None for a None dtype)."""
-    out_dtype = jnp.float32 if f32_out else x.dtype
+def _weight_grad_rows(x, dys, kernel_shape, bias_dtype, parts, use_kernels, precision, kernel_nk, f32_grad):
+    """(dkernel in the kernel's layout and x's dtype -- float32 for ``f32_grad``: a stream-K float32
+    sum as it is, else the kernel's result converted, as :mod:`cutelayers.ops.linear`'s weight
+    gradient does --, summed over every row of x (..., K) and dys; dbias (N,) in ``bias_dtype``,
+    the dys' column sums side by side -- None for a None dtype)."""
+    out_dtype = jnp.float32 if f32_grad else x.dtype
     if not use_kernels or x.size == 0:
         dkernel = _weight_grad_kn(x, dys, precision, out_dtype)
         dbias = None if bias_dtype is None else jnp.concatenate([column_sum(dy, bias_dtype) for dy in dys])
@@ -364,7 +363,7 @@ def _weight_grad_rows(x, dys, kernel_shape, bias_dtype, parts, use_kernels, prec
     out_mn = (d, k) if kernel_nk else (k, d)
     stream_k = stream_k_pays(*out_mn, m, parts)
     # stream-K's partial tiles in a workspace, or in float32 zeros (see ops.linear's weight gradient)
-    into_zeros = stream_k and (f32_out or not stream_k_workspace_pays(*out_mn, parts))
+    into_zeros = stream_k and not stream_k_workspace_pays(*out_mn, parts)
     with_sums = bias_dtype is not None
     operands = (*dy_rows, rows) if kernel_nk else (rows, *dy_rows)
     if with_sums:
@@ -374,7 +373,7 @@ def _weight_grad_rows(x, dys, kernel_shape, bias_dtype, parts, use_kernels, prec
     elif stream_k:
         operands += (stream_k_flags(dy_rows[0]),)
     family = resolve(SplitWeightGrad(parts, kernel_nk=kernel_nk, stream_k=stream_k, with_sums=with_sums,
-                                     accumulate=into_zeros, f32_out=f32_out and not into_zeros), operands)
+                                     accumulate=into_zeros), operands)
     dkernel, *sums = kernel_call(family, *operands)
     dbias = sums[0].reshape(-1).astype(bias_dtype) if with_sums else None
     return dkernel.astype(out_dtype).reshape(kernel_shape), dbias
