@@ -345,7 +345,8 @@ def test_bad_inputs_name_the_argument():
         fused_linear(x, jnp.ones((32, 64), jnp.bfloat16))
     with pytest.raises(ValueError, match=r"'bias' must have shape \(32,\); got \(64,\)"):
         fused_linear(x, w, jnp.ones((64,), jnp.bfloat16))
-    with pytest.raises(TypeError, match="the parameters must share one dtype; got 'kernel' bfloat16, 'bias' float32"):
+    with pytest.raises(TypeError, match=r"the parameters must share one dtype \(x's, or float32 for a bfloat16 / "
+                                        r"float16 x\); got 'kernel' bfloat16, 'bias' float32"):
         fused_linear(x, w, jnp.ones((32,), jnp.float32))
     with pytest.raises(ValueError, match=r"'residual' must have shape \(4, 32\); got \(4, 64\)"):
         fused_linear(x, w, residual=jnp.ones((4, 64), jnp.bfloat16))

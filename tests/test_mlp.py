@@ -127,7 +127,7 @@ def test_bad_inputs_name_the_argument(rng):
         mlp(x, w1, b1, w2, b1)
     with pytest.raises(ValueError, match="'residual' must have shape"):
         mlp(x, w1, b1, w2, b2, residual=r[:2])
-    with pytest.raises(TypeError, match="the parameters must share one dtype; got .*'w2' bfloat16"):
+    with pytest.raises(TypeError, match="the parameters must share one dtype .*; got .*'w2' bfloat16"):
         mlp(x, w1, b1, w2.astype(jnp.bfloat16), b2)
     with pytest.raises(TypeError, match="'w2' is required"):
         mlp(x, w1, b1)

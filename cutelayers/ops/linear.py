@@ -980,7 +980,8 @@ def check_param_dtypes(op: str, x_name: str, x, **params) -> bool:
     dtypes = set(given.values())
     if len(dtypes) > 1:
         listed = ", ".join(f"{name!r} {dtype.name}" for name, dtype in given.items())
-        raise TypeError(f"{op}: the parameters must share one dtype; got {listed}")
+        raise TypeError(f"{op}: the parameters must share one dtype ({x_name}'s, or float32 for a bfloat16 / "
+                        f"float16 {x_name}); got {listed}")
     if not dtypes or dtypes == {jnp.dtype(x.dtype)}:
         return False
     (dtype,) = dtypes
