@@ -135,9 +135,10 @@ def stock_norm(norm, x, residual):
 def op_operands(promoted, params):
     """The operands as the ops take them: ``promoted`` is ``promote_dtype``'s result (the inputs
     first, then ``params``, the module's own parameters). Float32 parameters of a 16-bit
-    computation stay float32 (mixed precision: the ops cast them for their GEMMs and return their
-    gradients in float32 from the GEMMs' accumulators -- no 16-bit rounding of the gradient, no
-    cast passes around it; :func:`cutelayers.ops.linear.compute_params`); otherwise as promoted."""
+    computation stay float32 (mixed precision: the ops cast them for their GEMMs and return float32
+    gradients, unrounded where a kernel's result is float32 anyway -- the LM head's sum, the bias
+    sums -- with no cast pass there; :mod:`cutelayers.ops.linear`'s docstring); otherwise as
+    promoted."""
     x, *cast = promoted
     given = [p for p in params if p is not None]
     if jnp.dtype(x.dtype) in MIXED_PRECISION_DTYPES and given and all(p.dtype == jnp.float32 for p in given):
