@@ -47,8 +47,7 @@ from cutelayers.bench.timing import time_fn
 from cutelayers.kernels.gemm_config import (
     PERSISTENT_SMS,
     decode_stream_k_pays,
-    stream_k_pays,
-    stream_k_workspace_pays,
+    weight_grad_stream_k,
 )
 from cutelayers.ops.linear import (
     LinearForward,
@@ -246,11 +245,18 @@ def _linear_cases(op: str, shape, dtype) -> list[Case]:
         # the weight gradient as a layer with a bias runs it: db from the same kernel, and where the
         # (K, N) output is too small to fill the GPU, on the stream-K schedule (its partial tiles in
         # a workspace, or for the fewest tiles added into float32 zeros)
-        case(LinearWeightGrad(operand_sums="b"), "x", "dz", "sums") if not stream_k_pays(k_dim, n, m)
-        else case(LinearWeightGrad(stream_k=True, operand_sums="b"), "x", "dz", "sums", "flags")
-        if stream_k_workspace_pays(k_dim, n)
-        else case(LinearWeightGrad(accumulate=True, stream_k=True, operand_sums="b"), "x", "dz", "sums", "accumulator"),
+        _weight_grad_case(case, weight_grad_stream_k(k_dim, n, m)),
     ]
+
+
+def _weight_grad_case(case, schedule: str | None) -> Case:
+    """The layer's weight gradient with a bias, as its op runs it on ``schedule``
+    (:func:`weight_grad_stream_k`)."""
+    if schedule is None:
+        return case(LinearWeightGrad(operand_sums="b"), "x", "dz", "sums")
+    if schedule == "workspace":
+        return case(LinearWeightGrad(stream_k=True, operand_sums="b"), "x", "dz", "sums", "flags")
+    return case(LinearWeightGrad(accumulate=True, stream_k=True, operand_sums="b"), "x", "dz", "sums", "accumulator")
 
 
 def _gated_mlp_cases(op: str, shape, dtype) -> list[Case]:

@@ -201,6 +201,15 @@ def stream_k_pays(m: int, n: int, k: int, batch: int = 1) -> bool:
     return tiles / (waves * PERSISTENT_SMS) < STREAM_K_BELOW
 
 
+def weight_grad_stream_k(m: int, n: int, k: int, batch: int = 1) -> str | None:
+    """How a weight gradient of an (m, n) output per batch contracting k (adding into no running
+    sum) meets its stream-K partial tiles: None (whole tiles, :func:`stream_k_pays` says no),
+    ``"workspace"`` (:func:`stream_k_workspace_pays`) or ``"zeros"`` (added into float32 zeros)."""
+    if not stream_k_pays(m, n, k, batch):
+        return None
+    return "workspace" if stream_k_workspace_pays(m, n, batch) else "zeros"
+
+
 SMALL_M_MAX = 64  # rows up to this are "small_m"
 # A decode GEMM's default where its kernel takes split-K: the first of SPLIT_K_CONFIGS whose
 # clusters, one a tile, are all resident at once (hopper.RESIDENT_CLUSTERS) -- the most CTAs on the

@@ -69,7 +69,7 @@ from cutelayers.kernels.gemm_config import (
     row_bucket,
     stream_k_config,
     stream_k_pays,
-    stream_k_workspace_pays,
+    weight_grad_stream_k,
 )
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import check_float_array
@@ -809,6 +809,19 @@ def stream_k_flags(anchor):
     return zeros_after(anchor, (PERSISTENT_SMS,), jnp.int32)
 
 
+def weight_grad_schedule(anchor, m: int, n: int, rows: int, batch: int, out_shape) -> tuple[bool, bool, tuple]:
+    """How a weight gradient of an (m, n) output per batch, contracting ``rows``, runs when it adds
+    into no running sum: ``(stream_k, into_zeros, operands)``, the operands following the kernel's
+    others. Whole tiles where they fill the GPU (no operands); else stream-K, its partial tiles
+    meeting in a workspace (the flags operand, :func:`stream_k_flags`), or -- where the tiles are
+    so few that each is cut over many clusters -- added into float32 zeros of ``out_shape`` (the
+    result then is that float32 sum). Made after ``anchor``."""
+    schedule = weight_grad_stream_k(m, n, rows, batch)
+    if schedule == "zeros":
+        return True, True, (zeros_after(anchor, out_shape),)
+    return schedule is not None, False, (stream_k_flags(anchor),) if schedule else ()
+
+
 def _row_zeros(rows, k):
     """float32 zeros (1, M, k) for rows (1, M, N), sharded like them over ``Explicit`` mesh axes."""
     sharding = jax.typeof(rows).sharding
@@ -841,20 +854,14 @@ def _weight_grad_batched(x, dz, accumulator, use_kernels, precision, sums=None, 
         return dw if sums is None else (dw, jnp.sum(summed.astype(jnp.float32), axis=1))
     (batch, rows, k), n = x.shape, dz.shape[-1]
     sums_in = () if sums is None else (zeros_after(summed, (batch, summed.shape[-1])),)
-    # Too few output tiles to fill the GPU: stream-K, its partial tiles meeting in a workspace, or
-    # added into the accumulator -- into float32 zeros, then cast, where the tiles are so few that
-    # each is cut over many clusters.
-    stream_k = stream_k_pays(k, n, rows, batch)
     running = accumulator is not None
-    into_zeros = not running and stream_k and not stream_k_workspace_pays(k, n, batch)
-    if into_zeros:
-        accumulator = zeros_after(dz, (batch, k, n))
-    if accumulator is None:
-        operands = (x, dz, *sums_in) + ((stream_k_flags(dz),) if stream_k else ())
-        family = LinearWeightGrad(stream_k=stream_k, operand_sums=sums, f32_out=f32_out)
+    if running:  # stream-K's partial tiles, if any, are added into the running sum too
+        stream_k, accumulate, tail = stream_k_pays(k, n, rows, batch), True, (accumulator,)
     else:
-        operands = (x, dz, *sums_in, accumulator)
-        family = LinearWeightGrad(accumulate=True, stream_k=stream_k, operand_sums=sums)
+        stream_k, accumulate, tail = weight_grad_schedule(dz, k, n, rows, batch, (batch, k, n))
+    operands = (x, dz, *sums_in, *tail)
+    family = LinearWeightGrad(accumulate=accumulate, stream_k=stream_k, operand_sums=sums,
+                              f32_out=f32_out and not accumulate)
     out = kernel_call(resolve(family, operands), *operands)
     dw = out[0] if running else out[0].astype(out_dtype)
     return dw if sums is None else (dw, out[1])
@@ -1003,8 +1010,9 @@ def compute_params(x, *params):
 
 def check_linear_operands(op: str, x_name: str, x, kernel, bias, *, kernel_transposed: bool = False):
     """Validate x (..., K), kernel (K, N) -- (N, K) if ``kernel_transposed`` --, bias (N,) | None,
-    the parameters in x's dtype or float32 (:func:`check_param_dtypes`); returns them as arrays.
-    Shared by :func:`fused_linear` and :func:`cutelayers.ops.linear_cross_entropy`."""
+    the parameters in x's dtype or float32; returns them as arrays and whether the parameters are
+    float32 ones of a 16-bit x (:func:`check_param_dtypes`). Shared by the linear ops and
+    :func:`cutelayers.ops.linear_cross_entropy`."""
     x = check_float_array(op, x_name, x)
     kernel = check_float_array(op, "kernel", kernel)
     layout = "(N, K)" if kernel_transposed else "(K, N)"
@@ -1018,8 +1026,7 @@ def check_linear_operands(op: str, x_name: str, x, kernel, bias, *, kernel_trans
         bias = check_float_array(op, "bias", bias)
         if tuple(bias.shape) != (n,):
             raise ValueError(f"{op}: argument 'bias' must have shape ({n},); got {tuple(bias.shape)}")
-    check_param_dtypes(op, x_name, x, kernel=kernel, bias=bias)
-    return x, kernel, bias
+    return x, kernel, bias, check_param_dtypes(op, x_name, x, kernel=kernel, bias=bias)
 
 
 def check_residual(op: str, residual, x, n: int):
@@ -1093,13 +1100,12 @@ def fused_linear(x, kernel, bias=None, *, activation=None, residual=None, precis
     """
     op = "fused_linear"
     kernel_nk = check_kernel_layout(op, kernel_layout)
-    x, kernel, bias = check_linear_operands(op, "x", x, kernel, bias, kernel_transposed=kernel_nk)
+    x, kernel, bias, f32_params = check_linear_operands(op, "x", x, kernel, bias, kernel_transposed=kernel_nk)
     k, n = kernel.shape[::-1] if kernel_nk else kernel.shape
     residual = check_residual(op, residual, x, n)
     fused, unfused = resolve_activation(activation)
     precision = hashable_precision(precision)
 
-    f32_params = check_param_dtypes(op, "x", x, kernel=kernel, bias=bias)
     use_kernels, why = kernels_apply(x.dtype, k, n)
     if not use_kernels:
         _backend.fall_back(op, why)

@@ -29,8 +29,8 @@ is transposed.
   differentiated, the forward therefore computes the gradients of the weighted sum while it has
   each chunk's logits, with dloss = 1 per token (1 / count for the mean), 0 per padded row, and the
   backward only scales them by ``g`` -- a pass XLA drops when ``g`` is the constant 1 of a
-  differentiated loss: three GEMMs per chunk instead of four (6·T·H·V FLOPs, as the unfused head, instead of
-  8). Between the logits GEMM and the dh / dkernel GEMMs one fused cross-entropy kernel gives
+  differentiated loss: three GEMMs per chunk instead of four (6·T·H·V FLOPs, as the unfused head,
+  instead of 8). Between the logits GEMM and the dh / dkernel GEMMs one fused cross-entropy kernel gives
   lse, the loss and dz in one pass over the logits (a streamed row is kept in shared memory for
   its second pass: :class:`cutelayers.ops.softmax.CrossEntropyWithGrad`), dz over the logits'
   buffer. Saved: dh (tokens, H) in h's dtype, dkernel and dbias in float32. Without
@@ -65,7 +65,6 @@ import jax.numpy as jnp
 from cutelayers import backend as _backend
 from cutelayers.ops.linear import (
     check_linear_operands,
-    check_param_dtypes,
     compute_params,
     forward_fn,
     fused_linear,
@@ -298,7 +297,7 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
         raise ValueError(f"{op}: kernel_layout must be one of {', '.join(map(repr, KERNEL_LAYOUTS))}; "
                          f"got {kernel_layout!r}")
     vocab_major = kernel_layout == "vh"
-    h, kernel, bias = check_linear_operands(op, "h", h, kernel, bias, kernel_transposed=vocab_major)
+    h, kernel, bias, f32_params = check_linear_operands(op, "h", h, kernel, bias, kernel_transposed=vocab_major)
     hidden, vocab = kernel.shape[::-1] if vocab_major else kernel.shape
     lead = h.shape[:-1]
     labels, ignore_index = check_labels(op, labels, ignore_index, lead, vocab, "h's shape without the feature axis")
@@ -330,7 +329,6 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
     if vocab_major and bias is not None:
         kernel, vocab_major = kernel.T, False  # see kernel_layout above
     kernel, bias = vary_like(h, kernel, bias)  # shared by every shard inside shard_map
-    f32_params = check_param_dtypes(op, "h", h, kernel=kernel, bias=bias)
     per_token, weighted_total = _chunked_fns(ignore_index, options, vocab_major, use_kernels, f32_params)
 
     def per_token_order(a):  # (R, C) strided -> the tokens' leading shape
@@ -348,8 +346,8 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
         if reduction == "mean":
             counted = tokens if ignore_index is None else jnp.sum(labels != ignore_index)
             weight = 1.0 / jnp.maximum(counted, 1).astype(F32)
-        real = jnp.pad(_zeros_of_type(labels.reshape(tokens), F32) + weight, (0, pad)).reshape(rows, n_chunks)
-        loss, lse = weighted_total(h_strided, labels_strided, kernel, bias, real)
+        weights = jnp.pad(_zeros_of_type(labels.reshape(tokens), F32) + weight, (0, pad)).reshape(rows, n_chunks)
+        loss, lse = weighted_total(h_strided, labels_strided, kernel, bias, weights)
     if not return_lse:
         return loss
     return loss, jax.lax.stop_gradient(per_token_order(lse.T))  # lse is chunk-major (C, R)

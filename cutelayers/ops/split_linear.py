@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 
 from cutelayers import backend as _backend
-from cutelayers.kernels.gemm_config import stream_k_pays, stream_k_workspace_pays
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._zeros import zeros_after
 from cutelayers.ops.linear import (
@@ -42,14 +41,13 @@ from cutelayers.ops.linear import (
     as_kn,
     check_kernel_layout,
     check_linear_operands,
-    check_param_dtypes,
     column_sum,
     compute_params,
     forward_reference,
     fused_linear,
     hashable_precision,
     kernels_apply,
-    stream_k_flags,
+    weight_grad_schedule,
 )
 from cutelayers.runtime.sharding import kernel_call, vary_like
 from cutelayers.tuning import resolve
@@ -361,17 +359,13 @@ def _weight_grad_rows(x, dys, kernel_shape, bias_dtype, parts, use_kernels, prec
     dy_rows = tuple(dy.reshape(1, -1, dy.shape[-1]) for dy in dys)
     (m, k), d = rows.shape[1:], dy_rows[0].shape[2]
     out_mn = (d, k) if kernel_nk else (k, d)
-    stream_k = stream_k_pays(*out_mn, m, parts)
-    # stream-K's partial tiles in a workspace, or in float32 zeros (see ops.linear's weight gradient)
-    into_zeros = stream_k and not stream_k_workspace_pays(*out_mn, parts)
+    stream_k, into_zeros, tail = weight_grad_schedule(dy_rows[0], *out_mn, m, parts,
+                                                      (parts, d, k) if kernel_nk else (k, parts, d))
     with_sums = bias_dtype is not None
     operands = (*dy_rows, rows) if kernel_nk else (rows, *dy_rows)
     if with_sums:
         operands += (zeros_after(dy_rows[0], (parts, d)),)
-    if into_zeros:
-        operands += (zeros_after(dy_rows[0], (parts, d, k) if kernel_nk else (k, parts, d)),)
-    elif stream_k:
-        operands += (stream_k_flags(dy_rows[0]),)
+    operands += tail
     family = resolve(SplitWeightGrad(parts, kernel_nk=kernel_nk, stream_k=stream_k, with_sums=with_sums,
                                      accumulate=into_zeros), operands)
     dkernel, *sums = kernel_call(family, *operands)
@@ -410,8 +404,8 @@ def _split_fn(parts: int, use_kernels: bool, precision, kernel_nk: bool, f32_par
         dys = tuple(dy.astype(x.dtype) for dy in dys)
         dx = input_grad(dys, kernel)
         # per-example kernels (vmap of grad) come here batched: each example its own sum over rows
-        dkernel, dbias = _per_example_weight_grad(weight_grad, x, dys, kernel.shape,
-                                                  None if bias is None else jnp.float32 if f32_params else x.dtype)
+        bias_dtype = None if bias is None else (jnp.float32 if f32_params else x.dtype)
+        dkernel, dbias = _per_example_weight_grad(weight_grad, x, dys, kernel.shape, bias_dtype)
         return dx, dkernel, dbias
 
     split.defvjp(fwd, bwd)
@@ -454,7 +448,7 @@ def split_linear(x, kernel, bias=None, *, parts: int, precision=None, kernel_lay
     """
     op = "split_linear"
     kernel_nk = check_kernel_layout(op, kernel_layout)
-    x, kernel, bias = check_linear_operands(op, "x", x, kernel, bias, kernel_transposed=kernel_nk)
+    x, kernel, bias, f32_params = check_linear_operands(op, "x", x, kernel, bias, kernel_transposed=kernel_nk)
     k, n = kernel.shape[::-1] if kernel_nk else kernel.shape
     if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
         raise ValueError(f"{op}: argument 'parts' must be a positive int; got {parts!r}")
@@ -468,5 +462,4 @@ def split_linear(x, kernel, bias=None, *, parts: int, precision=None, kernel_lay
     if not use_kernels:
         _backend.fall_back(op, why)
     kernel, bias = vary_like(x, kernel, bias)
-    f32_params = check_param_dtypes(op, "x", x, kernel=kernel, bias=bias)
     return _split_fn(parts, use_kernels, precision, kernel_nk, f32_params)(x, kernel, bias)
