@@ -12,7 +12,9 @@ cannot run. ``reference`` always lowers the jnp reference.
 Every fallback from the kernels to the reference -- the CuTe DSL not installed (the ``cute`` extra),
 no Hopper GPU, a platform other than CUDA, an op's dtype or size the kernels do not take, a module
 argument only the stock module implements -- goes through :func:`fall_back`: one log line under
-``auto``, an error under ``cute``.
+``auto``, an error under ``cute``. Where the kernels can run but XLA is measured faster (float32
+parameters at decode rows: :func:`cutelayers.ops.linear.choose_kernels`), :func:`fall_back` picks
+the reference under ``auto`` (one log line) and leaves ``cute`` with the kernels it asks for.
 
 Set it with the ``CUTELAYERS_BACKEND`` environment variable or, for a region of code, with
 :func:`use_backend`. The setting is part of JAX's jit cache key, so a function jitted under one
@@ -80,11 +82,16 @@ def log_once(backend: str, why: str) -> None:
     warn_once(f"running the {backend} path ({why})")
 
 
-def fall_back(op: str, why: str) -> None:
-    """The one place a call leaves the CuTe kernels for the reference: ``op`` cannot run its
-    kernels because ``why``. Logs that once under ``auto`` (and ``reference``); raises
-    ``RuntimeError`` under ``cute``, an explicit request for kernels that cannot be honoured."""
+def fall_back(op: str, why: str, *, kernels_can_run: bool = False) -> bool:
+    """The one place a call leaves the CuTe kernels for the reference: ``op`` runs the reference
+    because ``why``. Logs that once under ``auto`` (and ``reference``). Under ``cute``, an explicit
+    request for kernels: raises ``RuntimeError`` where they cannot run; where they can but XLA is
+    measured faster (``kernels_can_run``), the kernels run as asked. Returns whether the reference
+    runs."""
     if current_backend() == "cute":
+        if kernels_can_run:
+            return False
         raise RuntimeError(f"{op}: backend 'cute' asks for the CuTe kernels, but {why}. Use backend 'auto' "
                            "(falls back to the reference and logs why) or 'reference'.")
     log_once("reference", f"{op}: {why}")
+    return True

@@ -257,9 +257,9 @@ def fallbacks(monkeypatch):
     seen = []
     original = cutelayers.backend.fall_back
 
-    def record(op, why):
+    def record(op, why, **kwargs):
         seen.append(op)
-        original(op, why)
+        return original(op, why, **kwargs)
 
     monkeypatch.setattr(cutelayers.backend, "fall_back", record)
     return seen

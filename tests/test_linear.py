@@ -39,6 +39,7 @@ from cutelayers.kernels.gemm_config import (
 )
 from cutelayers.ops.linear import (
     ACTIVATION_FUNCTIONS,
+    MIXED_PRECISION_KERNEL_ROWS,
     LinearForward,
     LinearInputGrad,
     LinearWeightGrad,
@@ -558,7 +559,8 @@ def test_lowering_float32_params_gradients(fresh_cache):
         assert stream_k_pays(k, n, m) == (path != "tiles")
         assert stream_k_workspace_pays(k, n) == (path == "workspace") or path == "tiles"
         grad = jax.grad(lambda x, w, b: jnp.sum(jnp.sin(fused_linear(x, w, b).astype(jnp.float32))), (1, 2))
-        hlo = lower_cuda(grad, S((m, k), jnp.bfloat16), S((k, n), jnp.float32), S((n,), jnp.float32))
+        with cl.use_backend("cute"):  # 300 rows would go to XLA under auto
+            hlo = lower_cuda(grad, S((m, k), jnp.bfloat16), S((k, n), jnp.float32), S((n,), jnp.float32))
         (call,) = [line for line in hlo.splitlines() if "@cutelayers_linear_dkernel" in line]
         stored = "f32" if path == "zeros" else "bf16"
         assert re.search(rf"-> \(tensor<1x{k}x{n}x{stored}>, tensor<1x{n}xf32>", call), call
@@ -584,6 +586,31 @@ def test_fallback_sizes_lower_no_kernel(fresh_cache):
     S = jax.ShapeDtypeStruct
     hlo = lower_cuda(lambda x, w: fused_linear(x, w, activation="gelu"), S((8, 100), jnp.bfloat16), S((100, 64), jnp.bfloat16))
     assert kernel_targets(hlo) == [] and "dot_general" in hlo
+
+
+def test_float32_params_at_decode_rows_lower_to_xla(fresh_cache, caplog, monkeypatch):
+    # Float32 parameters of few rows: XLA fuses their cast into its GEMM, so "auto" lowers the
+    # reference (logged once) and "cute" keeps the kernels; from MIXED_PRECISION_KERNEL_ROWS rows
+    # on, or with parameters in x's dtype, the kernels run. The GEMM ops decide alike (the LM head,
+    # a loss over many tokens, does not: its chunked design is for memory).
+    monkeypatch.setattr(cl.backend, "_logged", set())
+    S = jax.ShapeDtypeStruct
+    bf, f32 = jnp.bfloat16, jnp.float32
+    few, many = S((4, 16, 256), bf), S((MIXED_PRECISION_KERNEL_ROWS, 256), bf)
+    ops = {
+        "fused_linear": (lambda x, w, b: fused_linear(x, w, b, activation="gelu"), ((256, 512), (512,))),
+        "mlp": (lambda x, w1, w2: cl.ops.mlp(x, w1, None, w2, None), ((256, 512), (512, 256))),
+        "split_linear": (lambda x, w: cl.ops.split_linear(x, w, parts=2), ((256, 512),)),
+    }
+    for name, (f, shapes) in ops.items():
+        params = [S(shape, f32) for shape in shapes]
+        with caplog.at_level("WARNING", logger="cutelayers"):
+            assert kernel_targets(lower_cuda(f, few, *params)) == [], name
+        assert f"{name}: float32 parameters at fewer than {MIXED_PRECISION_KERNEL_ROWS} rows" in caplog.text
+        with cl.use_backend("cute"):
+            assert kernel_targets(lower_cuda(f, few, *params)), name
+        assert kernel_targets(lower_cuda(f, few, *(S(shape, bf) for shape in shapes))), name
+        assert kernel_targets(lower_cuda(f, many, *params)), name
 
 
 # --- on the GPU: the CuTe kernels themselves ------------------------------------------------------------

@@ -35,7 +35,10 @@ Flax module with ``param_dtype=float32, dtype=bfloat16`` holds them. The op cast
 for its GEMMs (what the module's ``promote_dtype`` would do) and returns their gradients in float32:
 dbias and a stream-K dkernel as the kernel's float32 sums are (no 16-bit rounding, no cast pass),
 any other dkernel as its kernel's 16-bit result converted, which XLA fuses into the gradient's
-readers (the optimizer then reads 2 bytes a weight; a float32 store would cost more bytes).
+readers (the optimizer then reads 2 bytes a weight; a float32 store would cost more bytes). Below
+``MIXED_PRECISION_KERNEL_ROWS`` rows (decode) the weights' bytes are the cost, and XLA, which fuses
+the cast into its own GEMM, is faster: there the ``auto`` backend runs the jnp path (logged once,
+:func:`choose_kernels`, which every GEMM op's kernel-or-reference choice goes through).
 
 vmap (:mod:`cutelayers.ops._batching`): batch dims of x / residual fold into rows (one launch)
 while kernel / bias are shared; per-example kernel or bias falls back to ``jax.lax.map`` (one
@@ -50,6 +53,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -1055,6 +1059,28 @@ def kernels_apply(x_dtype, k: int, n: int) -> tuple[bool, str]:
     return True, ""
 
 
+# Fewer rows than this make a GEMM with float32 parameters weight-bound: XLA fuses their cast into
+# its own GEMM (4 bytes a weight), where the kernels read the 16-bit copy a cast pass wrote (8).
+# H100, K = 4096 (docs/benchmarks.md, thirtieth session): ours 0.50-0.75x XLA's forward at 16-512
+# rows, 1.00x at 1024.
+MIXED_PRECISION_KERNEL_ROWS = 1024
+
+
+def choose_kernels(op: str, usable: bool, why: str, x, f32_params: bool) -> bool:
+    """The GEMM ops' kernel-or-reference decision: ``usable, why`` from :func:`kernels_apply`, then
+    float32 parameters of fewer than ``MIXED_PRECISION_KERNEL_ROWS`` rows of x (..., K) go to XLA
+    under ``auto``; both through :func:`cutelayers.backend.fall_back`. Returns whether the
+    kernels run."""
+    if not usable:
+        return not _backend.fall_back(op, why)
+    rows = math.prod(x.shape[:-1])  # symbolic under shape polymorphism: then not known to be few
+    if f32_params and isinstance(rows, int) and rows < MIXED_PRECISION_KERNEL_ROWS:
+        return not _backend.fall_back(
+            op, f"float32 parameters at fewer than {MIXED_PRECISION_KERNEL_ROWS} rows: XLA fuses their cast into "
+            "its GEMM, where the kernels would cast them in a pass of their own", kernels_can_run=True)
+    return True
+
+
 def gated_kernels_apply(x_dtype, k: int, h: int) -> tuple[bool, str]:
     """:func:`kernels_apply` for a gated layer K -> (gate, value) of H each, whose kernel tiles
     hold whole ``GATED_BLOCK``-column blocks of each half."""
@@ -1106,9 +1132,7 @@ def fused_linear(x, kernel, bias=None, *, activation=None, residual=None, precis
     fused, unfused = resolve_activation(activation)
     precision = hashable_precision(precision)
 
-    use_kernels, why = kernels_apply(x.dtype, k, n)
-    if not use_kernels:
-        _backend.fall_back(op, why)
+    use_kernels = choose_kernels(op, *kernels_apply(x.dtype, k, n), x, f32_params)
     kernel, bias = vary_like(x, kernel, bias)  # shared by every shard inside shard_map
     if unfused is None:
         return _linear_fn(fused, residual is not None, use_kernels, precision, kernel_nk, f32_params)(

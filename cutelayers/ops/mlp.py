@@ -33,7 +33,6 @@ import functools
 
 import jax
 
-from cutelayers import backend as _backend
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import check_float_array
 from cutelayers.ops.linear import (
@@ -43,6 +42,7 @@ from cutelayers.ops.linear import (
     check_linear_operands,
     check_param_dtypes,
     check_residual,
+    choose_kernels,
     compute_params,
     forward_fn,
     fused_linear,
@@ -149,11 +149,10 @@ def mlp(x, w1, b1=None, w2=None, b2=None, *, activation="gelu", residual=None, p
         h = unfused(fused_linear(x, w1, b1, precision=precision, kernel_layout=kernel_layout))
         return fused_linear(h, w2, b2, residual=residual, precision=precision, kernel_layout=kernel_layout)
     precision = hashable_precision(precision)
-    use_kernels, why = (gated_kernels_apply if gated else kernels_apply)(x.dtype, x.shape[-1], h_width)
-    if use_kernels:
-        use_kernels, why = kernels_apply(x.dtype, h_width, n)
-    if not use_kernels:
-        _backend.fall_back(op, why)
+    usable, why = (gated_kernels_apply if gated else kernels_apply)(x.dtype, x.shape[-1], h_width)
+    if usable:
+        usable, why = kernels_apply(x.dtype, h_width, n)
+    use_kernels = choose_kernels(op, usable, why, x, f32_params)
     w1, b1, w2, b2 = vary_like(x, w1, b1, w2, b2)  # shared by every shard inside shard_map
     fn = _mlp_fn(fused, residual is not None, use_kernels, precision, kernel_nk, f32_params)
     return fn(x, w1, b1, w2, b2, residual)

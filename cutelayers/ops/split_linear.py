@@ -29,7 +29,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from cutelayers import backend as _backend
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._zeros import zeros_after
 from cutelayers.ops.linear import (
@@ -41,6 +40,7 @@ from cutelayers.ops.linear import (
     as_kn,
     check_kernel_layout,
     check_linear_operands,
+    choose_kernels,
     column_sum,
     compute_params,
     forward_reference,
@@ -458,8 +458,6 @@ def split_linear(x, kernel, bias=None, *, parts: int, precision=None, kernel_lay
     if parts == 1:
         return (fused_linear(x, kernel, bias, precision=precision, kernel_layout=kernel_layout),)
     precision = hashable_precision(precision)
-    use_kernels, why = kernels_apply(x.dtype, k, n // parts)
-    if not use_kernels:
-        _backend.fall_back(op, why)
+    use_kernels = choose_kernels(op, *kernels_apply(x.dtype, k, n // parts), x, f32_params)
     kernel, bias = vary_like(x, kernel, bias)
     return _split_fn(parts, use_kernels, precision, kernel_nk, f32_params)(x, kernel, bias)
