@@ -69,6 +69,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from cutelayers.kernels.gemm_config import (
     EPI_STAGES,
+    EXP_CLAMP,
     OPERAND_SUMS,
     PERSISTENT_SMS,
     ROW_SUM_BLOCK,
@@ -115,7 +116,8 @@ class Epilogue:
     # (M, 2H): dz = (dh * value * act'(gate), dh * act(gate)); each tile reads and writes tile_n
     # columns of each half. Both through ``HopperGemmKernel.gated_view``.
     gated: bool = False
-    # c = exp(product + bias), and each row's sum of it over every ROW_SUM_BLOCK columns inside N,
+    # c = exp(min(product + bias, EXP_CLAMP)) -- finite in bf16, whatever the logits -- and each
+    # row's sum of it over every ROW_SUM_BLOCK columns inside N,
     # in float32 before c's rounding, into an (M, ceil(N / ROW_SUM_BLOCK), L) result: the
     # unnormalized softmax of a chunk of logits and its denominator's parts. Excludes activation,
     # residual, stored preact, grad_of and gated.
@@ -1241,7 +1243,7 @@ class HopperGemmKernel:
 
     @cute.jit
     def exp_row_sums(self, acc, tile_coords_c, tile_idx, row_sums, c_shape, inside, gtidx):
-        """``acc = exp(acc)``, and each row's sums of it over the tile's ``ROW_SUM_BLOCK``-column
+        """``acc = exp(min(acc, EXP_CLAMP))``, and each row's sums of it over the tile's ``ROW_SUM_BLOCK``-column
         blocks into ``row_sums`` (columns past N left out). In the wgmma accumulator layout a
         thread holds, per 64-row slice of the tile (mode 1), two rows -- value mode (2 columns,
         2 rows 8 apart, tile_n / 8 groups of 8 columns) -- and the 4 lanes of a quad hold the
@@ -1262,7 +1264,7 @@ class HopperGemmKernel:
                     for g in cutlass.range_constexpr(groups_per_block):
                         for c2 in cutlass.range_constexpr(2):
                             at = ((c2, r, blk * groups_per_block + g), mm, 0)
-                            e = cute.math.exp2(acc[at] * LOG2E, fastmath=True)
+                            e = cute.math.exp2(cute.arch.fmin(acc[at], Float32(EXP_CLAMP)) * LOG2E, fastmath=True)
                             acc[at] = e
                             inside_n = n0 + tile_coords_c[at][1] < c_shape[1]
                             total = total + cutlass.select_(inside_n, e, Float32(0.0))

@@ -62,6 +62,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from cutelayers import backend as _backend
 from cutelayers.kernels.gemm_config import (
     CONFIGS,
+    EXP_CLAMP,
     EXTRA_CONFIGS,
     OPERAND_SUMS,
     PERSISTENT_SMS,
@@ -755,10 +756,10 @@ def apply_epilogue(product, bias, residual, activation: str, dtype):
 
 
 def exp_row_sums_reference(product, bias, dtype):
-    """(exp(z)[None] in ``dtype``, its float32 sums over every ROW_SUM_BLOCK columns [None]) for
-    the float32 product (M, N) = x @ kernel, z = product + bias: what an ``exp_row_sums`` GEMM
-    returns."""
-    e = jnp.exp(apply_epilogue(product, bias, None, "none", jnp.float32)[0])
+    """(exp(min(z, EXP_CLAMP))[None] in ``dtype``, its float32 sums over every ROW_SUM_BLOCK
+    columns [None]) for the float32 product (M, N) = x @ kernel, z = product + bias: what an
+    ``exp_row_sums`` GEMM returns."""
+    e = jnp.exp(jnp.minimum(apply_epilogue(product, bias, None, "none", jnp.float32)[0], EXP_CLAMP))
     m, n = e.shape
     blocks = -(-n // ROW_SUM_BLOCK)
     sums = jnp.pad(e, ((0, 0), (0, blocks * ROW_SUM_BLOCK - n))).reshape(m, blocks, ROW_SUM_BLOCK).sum(-1)
@@ -766,10 +767,11 @@ def exp_row_sums_reference(product, bias, dtype):
 
 
 def exp_logits(x, kernel, bias):
-    """(exp(x @ kernel + bias), its float32 row sums over every ROW_SUM_BLOCK columns) for x
-    (M, K), kernel (K, N), bias (N,) | None, all x's dtype: one GEMM whose epilogue takes the
-    exponential and sums it (``Epilogue.exp_row_sums``). exp overflows past 88 (to inf) and the
-    sums underflow below about -87: the caller checks them (:mod:`cutelayers.ops.lm_head`)."""
+    """(exp(min(x @ kernel + bias, EXP_CLAMP)), its float32 row sums over every ROW_SUM_BLOCK
+    columns) for x (M, K), kernel (K, N), bias (N,) | None, all x's dtype: one GEMM whose epilogue
+    takes the exponential and sums it (``Epilogue.exp_row_sums``). The values are finite; a row
+    with logits past EXP_CLAMP, or all far below 0 (sums underflowing), is wrong or imprecise: the
+    caller checks the sums (:mod:`cutelayers.ops.lm_head`)."""
     operands = [x[None], kernel[None]] + ([] if bias is None else [bias])
     family = LinearForward("none", bias is not None, False, False, exp_row_sums=True)
     e, sums = kernel_call(resolve(family, operands), *operands)
