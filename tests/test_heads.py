@@ -199,6 +199,20 @@ def test_exp_path_with_rows_out_of_its_range(reduction, z_loss, rng):
         assert_close(g, g_ref, jnp.bfloat16, scale=2.0)
 
 
+def test_exp_path_fix_loop_over_several_blocks(rng):
+    # 90 of 150 tokens out of the exp path's range: the fix loop takes them FIX_ROWS at a time,
+    # the last block padded (its extra rows change nothing)
+    lead, hidden, vocab = (150,), 32, 200
+    h, kernel, _, labels = head_operands(rng, lead, hidden, vocab, jnp.bfloat16)
+    h = h.at[::5].multiply(300.0).at[1::5].multiply(300.0).at[2::5].multiply(300.0)
+    ours, ref = head_call({}, labels, None, "mean", chunk=64)
+    value, grads = jax.jit(jax.value_and_grad(ours, (0, 1)))(h, kernel, None)
+    want, refs = jax.value_and_grad(ref, (0, 1))(h.astype(F32), kernel.astype(F32), None)
+    assert_close(value, want, jnp.bfloat16)
+    for g, g_ref in zip(grads, refs):
+        assert_close(g, g_ref, jnp.bfloat16, scale=2.0)
+
+
 @pytest.mark.gpu
 def test_float32_params_kernel_path_gpu(rng):
     h, kernel, bias, labels = head_operands(rng, (3, 333), 256, 1000, jnp.bfloat16, -100, param_dtype=F32)
