@@ -161,13 +161,56 @@ def test_mean_gradient_is_not_scaled_in_a_pass_of_its_own(ignore_index):
     # backward's scale is the loss's own cotangent, the constant 1 of value_and_grad, which XLA
     # drops -- no multiply over the (H, V) gradient in the compiled program (here XLA's CPU one:
     # the same custom_vjp around the reference path)
-    t, hidden, vocab = 512, 64, 1024
+    t, hidden, vocab = 512, 96, 1024  # hidden != FIX_ROWS: the fix loop has (64, V) arrays
     S = jax.ShapeDtypeStruct
     grad = jax.jit(jax.value_and_grad(lambda h, w, labels: linear_cross_entropy(
         h, w, labels, ignore_index=ignore_index, chunk_size=128), (0, 1)))
     compiled = grad.lower(S((t, hidden), jnp.bfloat16), S((hidden, vocab), F32), S((t,), jnp.int32)).compile()
     passes = [line for line in compiled.as_text().splitlines() if "multiply" in line and f"[{hidden},{vocab}]" in line]
     assert not passes, passes
+
+
+@pytest.mark.parametrize("reduction,z_loss", [("mean", 0.0), ("sum", 1e-2)])
+def test_exp_path_with_rows_out_of_its_range(reduction, z_loss, rng):
+    # bf16 (H, V) heads without bias, smoothing or soft cap take the exp path (P = exp(logits),
+    # module docstring). Rows it cannot hold -- logits past its clamp (scaled h), a label whose
+    # exp underflows, an ignored such row -- get weight 0 there and their exact gradients from the
+    # fix loop; with the reference lowering here, the same decomposition as on the GPU
+    lead, hidden, vocab, ignore_index = (3, 50), 32, 200, -100
+    h, kernel, _, labels = head_operands(rng, lead, hidden, vocab, jnp.bfloat16, ignore_index)
+    h = h.at[0, 5].multiply(200.0).at[0, 20].multiply(200.0).at[2, 9].multiply(40.0)
+    logits = f32_logits(h, kernel, None)
+    labels = labels.at[0, 5].set(3).at[0, 20].set(ignore_index).at[2, 9].set(jnp.argmin(logits[2, 9]))
+    assert jnp.max(jnp.abs(logits[0, 5])) > 200 and jnp.min(logits[2, 9]) < -70
+    ours, ref = head_call({"z_loss": z_loss}, labels, ignore_index, reduction, chunk=64)
+    value, grads = jax.jit(jax.value_and_grad(ours, (0, 1)))(h, kernel, None)
+    want, refs = jax.value_and_grad(ref, (0, 1))(h.astype(F32), kernel.astype(F32), None)
+    assert jnp.isfinite(value) and all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
+    assert_close(value, want, jnp.bfloat16)
+    for g, g_ref in zip(grads, refs):
+        assert_close(g, g_ref, jnp.bfloat16, scale=2.0)
+    # and the ordinary rows alone: no row takes the fix loop
+    keep = jnp.ones(lead, bool).at[0, 5].set(False).at[0, 20].set(False).at[2, 9].set(False)
+    calm = jnp.where(keep[..., None], h, 0.1)
+    value, grads = jax.jit(jax.value_and_grad(ours, (0, 1)))(calm, kernel, None)
+    want, refs = jax.value_and_grad(ref, (0, 1))(calm.astype(F32), kernel.astype(F32), None)
+    assert_close(value, want, jnp.bfloat16)
+    for g, g_ref in zip(grads, refs):
+        assert_close(g, g_ref, jnp.bfloat16, scale=2.0)
+
+
+def test_exp_path_fix_loop_over_several_blocks(rng):
+    # 90 of 150 tokens out of the exp path's range: the fix loop takes them FIX_ROWS at a time,
+    # the last block padded (its extra rows change nothing)
+    lead, hidden, vocab = (150,), 32, 200
+    h, kernel, _, labels = head_operands(rng, lead, hidden, vocab, jnp.bfloat16)
+    h = h.at[::5].multiply(300.0).at[1::5].multiply(300.0).at[2::5].multiply(300.0)
+    ours, ref = head_call({}, labels, None, "mean", chunk=64)
+    value, grads = jax.jit(jax.value_and_grad(ours, (0, 1)))(h, kernel, None)
+    want, refs = jax.value_and_grad(ref, (0, 1))(h.astype(F32), kernel.astype(F32), None)
+    assert_close(value, want, jnp.bfloat16)
+    for g, g_ref in zip(grads, refs):
+        assert_close(g, g_ref, jnp.bfloat16, scale=2.0)
 
 
 @pytest.mark.gpu
@@ -350,9 +393,10 @@ def test_strided_chunks_never_copy_h_whole():
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_lowers_to_the_kernels_for_cuda(reduction):
     """Every chunk's GEMMs and cross-entropy passes are our kernels. A mean or sum computes the
-    gradients in the forward: one logits GEMM per chunk and one fused cross-entropy pass (lse,
-    loss and dz), not a forward + backward pair; per-token losses recompute the logits in the
-    backward (two GEMMs, the two cross-entropy kernels)."""
+    gradients in the forward on the exp path: one GEMM per chunk gives exp(logits) and their row
+    sums (two results), and no cross-entropy pass runs; the exact path's loop over out-of-range
+    rows adds one more dkernel GEMM. Per-token losses recompute the logits in the backward (two
+    GEMMs, the two cross-entropy kernels)."""
     tokens, hidden, vocab, chunk = 4096, 128, 1024, 512
     S = jax.ShapeDtypeStruct
     avals = (S((tokens, hidden), jnp.bfloat16), S((hidden, vocab), jnp.bfloat16), S((tokens,), jnp.int32))
@@ -366,26 +410,31 @@ def test_lowers_to_the_kernels_for_cuda(reduction):
     # The loops that sum gradients run their first chunk before the loop over the others (the
     # sums start from it): their calls are in the program twice.
     if reduction == "none":
-        expected = {"linear_fwd": 1 + 2, "cross_entropy_fwd": 1, "cross_entropy_bwd": 2}
+        expected = {"linear_fwd": 1 + 2, "cross_entropy_fwd": 1, "cross_entropy_bwd": 2, "linear_dkernel": 2}
     else:
-        expected = {"linear_fwd": 2, "cross_entropy_with_grad": 2}
-    assert calls == {**expected, "linear_dx": 2, "linear_dkernel": 2}
+        expected = {"linear_fwd": 2, "linear_dkernel": 2 + 1}
+        exp_gemms = [line for line in hlo.splitlines() if "@cutelayers_linear_fwd" in line]
+        assert all(f"-> (tensor<1x{chunk}x{vocab}xbf16>, tensor<1x{chunk}x{vocab // 64}xf32>)" in line
+                   for line in exp_gemms), exp_gemms
+    assert calls == {**expected, "linear_dx": 2}
     # dkernel is summed over the chunks by the GEMM itself: the first chunk's is a float32
     # result, to which each later chunk's GEMM adds its own in the float32 carry it aliases; no
     # (H, V) zeros are made and no (H, V) add runs per chunk, and one cast gives the gradient its
     # dtype at the end
-    first, running = [line for line in hlo.splitlines() if "@cutelayers_linear_dkernel" in line]
+    first, running, *fixing = [line for line in hlo.splitlines() if "@cutelayers_linear_dkernel" in line]
     out = f"tensor<1x{hidden}x{vocab}xf32>"
     assert first.endswith(f"xbf16>) -> {out}") and "output_operand_aliases" not in first
     assert running.endswith(f"{out}) -> {out}") and "output_operand_aliases" in running
+    # the exp path's fix loop adds its rows' gradient into the same sum, in place
+    assert len(fixing) == (reduction != "none") and all("output_operand_aliases" in line for line in fixing)
     # the only scalar spread over (H, V) is a total's gradient scale (there are no zeros)
     scalar_fills = re.findall(rf"broadcast_in_dim %\w+, dims = \[\] : \(tensor<f32>\) -> tensor<(1x)?{hidden}x{vocab}xf32>",
                               hlo)
     assert len(scalar_fills) == (reduction != "none")
     # a chunk's dz is written over its logits (they die there)
-    dz_kernel = "cross_entropy_bwd" if reduction == "none" else "cross_entropy_with_grad"
-    dz_calls = [line for line in hlo.splitlines() if f"@cutelayers_{dz_kernel}" in line]
-    assert len(dz_calls) == 2 and all("output_operand_aliases" in line for line in dz_calls)
+    if reduction == "none":
+        dz_calls = [line for line in hlo.splitlines() if "@cutelayers_cross_entropy_bwd" in line]
+        assert len(dz_calls) == 2 and all("output_operand_aliases" in line for line in dz_calls)
     assert not re.findall(rf"stablehlo\.add .*tensor<(1x)?{hidden}x{vocab}x", hlo)
     assert len(re.findall(rf"stablehlo\.convert .*tensor<{hidden}x{vocab}xf32>\) ->", hlo)) == 1
     # without differentiation: the forward GEMM and cross-entropy pass only

@@ -43,6 +43,7 @@ from cutelayers.ops.linear import (
     LinearForward,
     LinearInputGrad,
     LinearWeightGrad,
+    exp_logits,
     fused_linear,
     input_grad_fn,
     kernels_apply,
@@ -611,6 +612,45 @@ def test_float32_params_at_decode_rows_lower_to_xla(fresh_cache, caplog, monkeyp
             assert kernel_targets(lower_cuda(f, few, *params)), name
         assert kernel_targets(lower_cuda(f, few, *(S(shape, bf) for shape in shapes))), name
         assert kernel_targets(lower_cuda(f, many, *params)), name
+
+
+def test_exp_logits_reference(rng):
+    # exp(x @ kernel + bias) in x's dtype and its float32 sums over 64-column blocks (the last one
+    # partial), as the reference computes them where the kernel cannot run
+    x = random(rng, (37, 64), jnp.bfloat16)
+    w, b = (jnp.asarray(0.2 * random(rng, shape, jnp.float32), jnp.bfloat16) for shape in ((64, 200), (200,)))
+    e, sums = jax.jit(exp_logits)(x, w, b)
+    z = np.asarray(x, np.float64) @ np.asarray(w, np.float64) + np.asarray(b, np.float64)
+    assert e.dtype == jnp.bfloat16 and e.shape == (37, 200) and sums.dtype == jnp.float32
+    assert_close(e, np.exp(z), jnp.bfloat16)
+    want = np.pad(np.exp(z), ((0, 0), (0, 56))).reshape(37, 4, 64).sum(-1)
+    assert_close(sums, want, jnp.float32, scale=10.0)
+
+
+@pytest.mark.cute
+def test_lowering_exp_logits(fresh_cache):
+    # one GEMM with two results: exp(logits) in bf16 and the (M, ceil(N / 64)) float32 row sums
+    S = jax.ShapeDtypeStruct
+    hlo = lower_cuda(lambda x, w: exp_logits(x, w, None), S((300, 128), jnp.bfloat16), S((128, 1000), jnp.bfloat16))
+    (call,) = [line for line in hlo.splitlines() if "stablehlo.custom_call @cutelayers_linear_fwd" in line]
+    assert "-> (tensor<1x300x1000xbf16>, tensor<1x300x16xf32>)" in call, call
+
+
+@pytest.mark.gpu
+def test_exp_logits_gpu(rng):
+    # the exp_row_sums epilogue against float64: rows past a tile, a last tile reaching past N by
+    # whole 64-column blocks (4104 = 32 x 128 + 8), a bias, and a GPT-2 vocabulary
+    with cl.use_backend("cute"):
+        for m, k, n, with_bias in ((1000, 256, 1000, True), (333, 768, 50304, False), (4096, 128, 4104, True)):
+            x = random(rng, (m, k), jnp.bfloat16)
+            w, b = (jnp.asarray(random(rng, shape, jnp.float32) * 3.0 / k**0.5, jnp.bfloat16) for shape in ((k, n), (n,)))
+            b = b if with_bias else None
+            e, sums = jax.jit(exp_logits)(x, w, b)
+            z = np.asarray(x, np.float64) @ np.asarray(w, np.float64) + (0 if b is None else np.asarray(b, np.float64))
+            blocks = -(-n // 64)
+            assert_close(e, np.exp(z), jnp.bfloat16)
+            assert_close(sums, np.pad(np.exp(z), ((0, 0), (0, blocks * 64 - n))).reshape(m, blocks, 64).sum(-1),
+                         jnp.float32, scale=100.0)
 
 
 # --- on the GPU: the CuTe kernels themselves ------------------------------------------------------------

@@ -225,20 +225,24 @@ def test_lm_head_chunk_count_divides_a_batch_rows_tokens(axis_type, rng):
     assert_no_activation_collectives(compiled.as_text(), parameter_elements(case, args))
 
 
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "exp_path"])
 @pytest.mark.parametrize("mode", ["shard_map", *AXIS_TYPES])
-def test_lm_head_total_sharded_matches_one_device(mode, rng):
+def test_lm_head_total_sharded_matches_one_device(mode, with_bias, rng):
     """A mean / sum LM head computes its gradients in the forward, carrying the total over the
     chunks: per shard in shard_map (a sum, summed over the shards with psum) and under sharded jit
-    (a mean), its value and gradients are one device's."""
+    (a mean), its value and gradients are one device's -- with a bias (the cross-entropy pass) and
+    without (the exp path, its fix loop included: one token's logits out of its range)."""
     reduction = "sum" if mode == "shard_map" else "mean"
     mesh = make_mesh((4,), ("data",), "Auto" if mode == "shard_map" else mode)
-    dtype = jnp.float16
+    dtype = jnp.float16 if with_bias else jnp.bfloat16  # the exp path takes bfloat16
     h, w, b, labels = (_x(rng, dtype, 32), random(rng, (32, 64), dtype) / 6, random(rng, (64,), dtype),
                        _labels(rng, 64))
+    if not with_bias:
+        h = h.at[1, 3].multiply(2000.0)
 
     def head(h, w, b, labels):
-        return cl.ops.linear_cross_entropy(h, w, labels, bias=b, ignore_index=-1, reduction=reduction,
-                                           chunk_size=8)
+        return cl.ops.linear_cross_entropy(h, w, labels, bias=b if with_bias else None, ignore_index=-1,
+                                           reduction=reduction, chunk_size=8)
 
     if mode == "shard_map":
         per_shard = jax.shard_map(lambda *a: jax.lax.psum(head(*a), "data"), mesh=mesh,

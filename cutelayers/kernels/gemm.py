@@ -6,6 +6,9 @@ The kernel computes, for every batch index ``l``::
     c[m, n, l]   = act(z[m, n, l])  (+ residual[m, n, l])                  stored in c's dtype
     preact       = z                                                       stored only if asked
 
+or, with ``Epilogue.exp_row_sums`` (the LM head's logits), ``c = exp(z)`` and per row the sum of
+``exp(z)`` over each ``ROW_SUM_BLOCK`` columns, float32 (see :meth:`HopperGemmKernel.exp_row_sums`).
+
 ``a`` is (M, K, L) and ``b`` (N, K, L); each may be K-major or M/N-major (a transposed view of a
 row-major buffer: the op passes ``modes`` to the primitive instead of transposing), which is how
 one kernel serves the forward (x @ W), dX = dZ @ Wᵀ and dW = Xᵀ @ dZ.
@@ -66,8 +69,10 @@ from cutlass.tensor_utils import LayoutEnum
 
 from cutelayers.kernels.gemm_config import (
     EPI_STAGES,
+    EXP_CLAMP,
     OPERAND_SUMS,
     PERSISTENT_SMS,
+    ROW_SUM_BLOCK,
     SOURCE_STAGES,
     WARPGROUP,
     GemmConfig,
@@ -111,6 +116,12 @@ class Epilogue:
     # (M, 2H): dz = (dh * value * act'(gate), dh * act(gate)); each tile reads and writes tile_n
     # columns of each half. Both through ``HopperGemmKernel.gated_view``.
     gated: bool = False
+    # c = exp(min(product + bias, EXP_CLAMP)) -- finite in bf16, whatever the logits -- and each
+    # row's sum of it over every ROW_SUM_BLOCK columns inside N,
+    # in float32 before c's rounding, into an (M, ceil(N / ROW_SUM_BLOCK), L) result: the
+    # unnormalized softmax of a chunk of logits and its denominator's parts. Excludes activation,
+    # residual, stored preact, grad_of and gated.
+    exp_row_sums: bool = False
 
     def __post_init__(self):
         for name in (self.activation, self.grad_of):
@@ -122,6 +133,9 @@ class Epilogue:
         if self.gated and ((self.activation == "none") == (self.grad_of == "none") or self.has_residual):
             raise ValueError("a gated epilogue takes the gate's activation (forward) or its gradient (backward), "
                              "and no residual")
+        if self.exp_row_sums and (self.activation != "none" or self.grad_of != "none" or self.has_residual
+                                  or self.store_preact or self.gated):
+            raise ValueError("an exp_row_sums epilogue takes no activation, residual, stored preact or gating")
 
     @property
     def has_source(self) -> bool:
@@ -411,7 +425,7 @@ class HopperGemmKernel:
     """C = epilogue(A @ Bᵀ) on Hopper: persistent, warp-specialized TMA + wgmma, fp32 accumulation.
 
     Launcher ``(stream, a, b, [bias], [residual | preact_in], [sums], [flags], c, [preact],
-    [workspace])``, which optional tensors are present being fixed by ``epilogue`` (and flags and
+    [workspace], [row_sums])``, which optional tensors are present being fixed by ``epilogue`` (and flags and
     workspace by stream-K without ``accumulate``), each of a, b and c being ``planes.count``
     tensors where :class:`Planes` splits it:
 
@@ -453,6 +467,8 @@ class HopperGemmKernel:
             raise ValueError("stream_k takes a cooperative (not pingpong) config")
         if accumulate and epilogue != Epilogue():
             raise ValueError("accumulate takes a plain epilogue (c += A @ Bᵀ by TMA)")
+        if epilogue.exp_row_sums and (stream_k or planes != Planes() or sums is not None or config.split_k > 1):
+            raise ValueError("an exp_row_sums epilogue takes no stream-K, planes, operand sums or split-K")
         self.tile_mnk = (config.tile_m, config.tile_n, config.tile_k)
         if config.consumer_warpgroups not in (1, 2):
             raise ValueError("consumer_warpgroups must be 1 or 2")
@@ -497,6 +513,7 @@ class HopperGemmKernel:
         c_in = take(planes.c)
         preact = rest.pop(0) if const_expr(epilogue.store_preact) else None
         workspace = rest.pop(0) if const_expr(self.fixup) else None
+        row_sums = rest.pop(0) if const_expr(epilogue.exp_row_sums) else None
         a, b, c = (x[0] if const_expr(isinstance(x, tuple)) else x for x in (a_in, b_in, c_in))
         summed = {None: None, "a": a_in, "b": b_in}[self.sums]  # the operand the summing warps read
         # The tiles' N: c's columns, or for a gated layer (whose tile covers another width of c)
@@ -580,8 +597,8 @@ class HopperGemmKernel:
             grid = utils.StaticPersistentTileScheduler.get_grid_shape(schedule, clusters_per_wave)
         self.kernel(
             tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, tma_c, tma_tensor_c, tma_z, tma_tensor_z,
-            tma_s, tma_tensor_s, bias, sums, summed, flags, workspace, a_smem, b_smem, epi_smem, source_smem,
-            epi_tile, schedule, (c.shape[0], c_n, batches),
+            tma_s, tma_tensor_s, bias, sums, summed, flags, workspace, row_sums, a_smem, b_smem, epi_smem,
+            source_smem, epi_tile, schedule, (c.shape[0], c_n, batches),
         ).launch(
             grid=grid,
             block=[config.threads, 1, 1],
@@ -639,6 +656,7 @@ class HopperGemmKernel:
         summed,  # the operand ``sums`` adds up, as given (a tuple of planes if split), or None
         flags,  # stream-K's workspace: its ready flags and partial tiles (``fix_up``), or None
         workspace,
+        row_sums,  # exp_row_sums' (M, N / ROW_SUM_BLOCK, L) float32 result, or None
         a_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
         epi_smem: cute.ComposedLayout,
@@ -862,8 +880,8 @@ class HopperGemmKernel:
                 if owns:
                     source_loaded, source_read = self.epilogue_tile(
                         acc, tile_coords_c, tile_idx, ring, sources, group, source_loaded, source_read, tma_c,
-                        tma_tensor_c, tma_z, tma_tensor_z, tma_s, tma_tensor_s, bias, epi_tile, stores,
-                        store_warp, inside, tiles_done * stores_per_tile)
+                        tma_tensor_c, tma_z, tma_tensor_z, tma_s, tma_tensor_s, bias, row_sums, c_shape,
+                        epi_tile, stores, store_warp, inside, tiles_done * stores_per_tile, gtidx)
                     tiles_done += 1
                 if const_expr(config.pingpong):
                     # Past the other warpgroup's next tile and its stages.
@@ -1185,8 +1203,8 @@ class HopperGemmKernel:
 
     @cute.jit
     def epilogue_tile(self, acc, tile_coords_c, tile_idx, ring, sources, group, source_loaded, source_read,
-                      tma_c, tma_tensor_c, tma_z, tma_tensor_z, tma_s, tma_tensor_s, bias,
-                      epi_tile: cutlass.Constexpr, stores, store_warp, inside, first_store):
+                      tma_c, tma_tensor_c, tma_z, tma_tensor_z, tma_s, tma_tensor_s, bias, row_sums, c_shape,
+                      epi_tile: cutlass.Constexpr, stores, store_warp, inside, first_store, gtidx):
         """Bias, [pre-activation store], activation, source and the store of one finished tile.
 
         ``first_store``: stores this group made before, so the ring buffer of each subtile is
@@ -1207,6 +1225,8 @@ class HopperGemmKernel:
                     acc[i] = acc[i] + bias[col].to(Float32)
                 else:
                     acc[i] = acc[i] + bias[(col, tile_idx[2])].to(Float32)
+        if const_expr(epilogue.exp_row_sums):
+            self.exp_row_sums(acc, tile_coords_c, tile_idx, row_sums, c_shape, inside, gtidx)
         if const_expr(epilogue.store_preact):
             self.store_tile(acc, False, ring, sources, group, source_loaded, source_read, tma_z, tma_tensor_z,
                             tma_s, tma_tensor_s, tile_idx, epi_tile, stores, store_warp, inside, first_store, False)
@@ -1220,6 +1240,40 @@ class HopperGemmKernel:
                         tma_tensor_c, tma_s, tma_tensor_s, tile_idx, epi_tile, stores, store_warp, inside, first_store,
                         True)
         return source_loaded, source_read
+
+    @cute.jit
+    def exp_row_sums(self, acc, tile_coords_c, tile_idx, row_sums, c_shape, inside, gtidx):
+        """``acc = exp(min(acc, EXP_CLAMP))``, and each row's sums of it over the tile's ``ROW_SUM_BLOCK``-column
+        blocks into ``row_sums`` (columns past N left out). In the wgmma accumulator layout a
+        thread holds, per 64-row slice of the tile (mode 1), two rows -- value mode (2 columns,
+        2 rows 8 apart, tile_n / 8 groups of 8 columns) -- and the 4 lanes of a quad hold the
+        same rows' other columns: each thread sums its 16 values of a row's block, two butterfly
+        shuffles add the quad's, and the quad's first lane stores."""
+        config = self.config
+        values = acc.shape[0]
+        if const_expr(cute.rank(values) != 3 or values[0] != 2 or values[1] != 2 or cute.size(acc, mode=[2]) != 1):
+            raise ValueError(f"exp_row_sums expects the wgmma accumulator layout ((2, 2, N / 8), M, 1); got {acc.shape}")
+        groups_per_block = ROW_SUM_BLOCK // 8
+        m0, n0 = tile_idx[0] * config.tile_m, tile_idx[1] * config.tile_n
+        block0 = tile_idx[1] * (config.tile_n // ROW_SUM_BLOCK)
+        for mm in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+            for r in cutlass.range_constexpr(2):
+                row = m0 + tile_coords_c[((0, r, 0), mm, 0)][0]
+                for blk in cutlass.range_constexpr(config.tile_n // ROW_SUM_BLOCK):
+                    total = Float32(0.0)
+                    for g in cutlass.range_constexpr(groups_per_block):
+                        for c2 in cutlass.range_constexpr(2):
+                            at = ((c2, r, blk * groups_per_block + g), mm, 0)
+                            e = cute.math.exp2(cute.arch.fmin(acc[at], Float32(EXP_CLAMP)) * LOG2E, fastmath=True)
+                            acc[at] = e
+                            inside_n = n0 + tile_coords_c[at][1] < c_shape[1]
+                            total = total + cutlass.select_(inside_n, e, Float32(0.0))
+                    total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
+                    total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+                    # a last tile may reach past N by whole blocks, which row_sums does not have
+                    block_inside = (block0 + blk) * ROW_SUM_BLOCK < c_shape[1]
+                    if inside and block_inside and gtidx % 4 == 0 and row < c_shape[0]:
+                        row_sums[(row, block0 + blk, tile_idx[2])] = total
 
     @cute.jit
     def gate(self, acc, ring, epi_tile: cutlass.Constexpr):

@@ -62,9 +62,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from cutelayers import backend as _backend
 from cutelayers.kernels.gemm_config import (
     CONFIGS,
+    EXP_CLAMP,
     EXTRA_CONFIGS,
     OPERAND_SUMS,
     PERSISTENT_SMS,
+    ROW_SUM_BLOCK,
     SPLIT_K_CONFIGS,
     GemmConfig,
     config_class,
@@ -424,6 +426,10 @@ class LinearForward(GemmFamily):
     config: GemmConfig | None = None
     kernel_nk: bool = False
     gated: bool = False
+    # y = exp(x @ kernel + bias) and its row sums over every ROW_SUM_BLOCK columns, a float32
+    # (1, M, ceil(N / ROW_SUM_BLOCK)) second result (no activation, residual or stored preact):
+    # the LM head's unnormalized softmax (:func:`exp_logits`)
+    exp_row_sums: bool = False
 
     name = "linear_fwd"
 
@@ -433,7 +439,7 @@ class LinearForward(GemmFamily):
 
     def kinds(self):
         return (("rows", "weight") + ("vector",) * self.has_bias + ("rows",) * self.has_residual
-                + ("rows",) * (1 + self.store_preact))
+                + ("rows",) * (1 + self.store_preact + self.exp_row_sums))
 
     def gemm_modes(self, position):
         weight = _ROWS if self.kernel_nk else _WEIGHT_AS_N_K
@@ -448,7 +454,8 @@ class LinearForward(GemmFamily):
         rows_n = (None, "rows", "n")
         operands = (((None, "rows", "k"), self.kernel_factor()) + (("n",),) * self.has_bias
                     + (rows_n,) * self.has_residual)
-        return operands, (rows_n,) * (1 + self.store_preact)
+        # the row sums' blocks split as the columns do (a shard's N a multiple of ROW_SUM_BLOCK)
+        return operands, (rows_n,) * (1 + self.store_preact + self.exp_row_sums)
 
     def layer_dims(self, avals):
         return self.kernel_kn(avals[1])
@@ -463,7 +470,7 @@ class LinearForward(GemmFamily):
         return self.gemm_shape(avals)[1] // 2
 
     def per_shard(self, rule, ctx, x, w, *rest):
-        fused = self.activation != "none" or self.has_bias or self.has_residual
+        fused = self.activation != "none" or self.has_bias or self.has_residual or self.exp_row_sums
         if not (fused and ctx.sharded("k")):
             return super().per_shard(rule, ctx, x, w, *rest)
         # Row-parallel: every device holds a partial x @ kernel. Bias, activation and residual
@@ -472,6 +479,8 @@ class LinearForward(GemmFamily):
         (partial,) = LinearForward("none", False, False, False, self.config, self.kernel_nk).run_local(x, w)
         rest = list(rest)
         bias = rest.pop(0) if self.has_bias else None
+        if self.exp_row_sums:
+            return exp_row_sums_reference(ctx.psum(partial, {"k"})[0], bias, x.dtype)
         residual = rest.pop(0)[0] if self.has_residual else None
         y, z = apply_epilogue(ctx.psum(partial, {"k"})[0], bias, residual, self.activation, x.dtype)
         return (y[None],) + ((z[None],) if self.store_preact else ())
@@ -480,20 +489,32 @@ class LinearForward(GemmFamily):
     def reads_source(self):
         return self.has_residual
 
+    @property
+    def takes_split_k(self) -> bool:
+        return super().takes_split_k and not self.exp_row_sums  # row sums of whole tiles
+
+    def tuning_key(self, avals):
+        dtype, dims = super().tuning_key(avals)
+        return dtype, dims + (("exp_row_sums", True),) * self.exp_row_sums
+
     def epilogue(self):
         from cutelayers.kernels.gemm import Epilogue
 
-        return Epilogue(self.activation, self.has_bias, self.has_residual, self.store_preact, gated=self.gated)
+        return Epilogue(self.activation, self.has_bias, self.has_residual, self.store_preact, gated=self.gated,
+                        exp_row_sums=self.exp_row_sums)
 
     def out_avals(self, avals):
         x, w = avals[0], avals[1]
         n = self.kernel_kn(w)[1]
         y = jax.ShapeDtypeStruct((1, x.shape[1], n // 2 if self.gated else n), x.dtype)
-        return (y,) + (jax.ShapeDtypeStruct((1, x.shape[1], n), x.dtype),) * self.store_preact
+        sums = jax.ShapeDtypeStruct((1, x.shape[1], -(-n // ROW_SUM_BLOCK)), jnp.float32)
+        return (y,) + (jax.ShapeDtypeStruct((1, x.shape[1], n), x.dtype),) * self.store_preact + (sums,) * self.exp_row_sums
 
     def reference(self, x, w, *rest):
         rest = list(rest)
         bias = rest.pop(0) if self.has_bias else None
+        if self.exp_row_sums:
+            return exp_row_sums_reference(_matmul(x[0], as_kn(w[0], self.kernel_nk)), bias, x.dtype)
         residual = rest.pop(0)[0] if self.has_residual else None
         y, z = forward_reference(x[0], as_kn(w[0], self.kernel_nk), bias, residual,
                                  layer_activation(self.activation, self.gated))
@@ -732,6 +753,29 @@ def apply_epilogue(product, bias, residual, activation: str, dtype):
     if residual is not None:
         y = y + residual.astype(jnp.float32)
     return y.astype(dtype), z.astype(dtype)
+
+
+def exp_row_sums_reference(product, bias, dtype):
+    """(exp(min(z, EXP_CLAMP))[None] in ``dtype``, its float32 sums over every ROW_SUM_BLOCK
+    columns [None]) for the float32 product (M, N) = x @ kernel, z = product + bias: what an
+    ``exp_row_sums`` GEMM returns."""
+    e = jnp.exp(jnp.minimum(apply_epilogue(product, bias, None, "none", jnp.float32)[0], EXP_CLAMP))
+    m, n = e.shape
+    blocks = -(-n // ROW_SUM_BLOCK)
+    sums = jnp.pad(e, ((0, 0), (0, blocks * ROW_SUM_BLOCK - n))).reshape(m, blocks, ROW_SUM_BLOCK).sum(-1)
+    return e.astype(dtype)[None], sums[None]
+
+
+def exp_logits(x, kernel, bias):
+    """(exp(min(x @ kernel + bias, EXP_CLAMP)), its float32 row sums over every ROW_SUM_BLOCK
+    columns) for x (M, K), kernel (K, N), bias (N,) | None, all x's dtype: one GEMM whose epilogue
+    takes the exponential and sums it (``Epilogue.exp_row_sums``). The values are finite; a row
+    with logits past EXP_CLAMP, or all far below 0 (sums underflowing), is wrong or imprecise: the
+    caller checks the sums (:mod:`cutelayers.ops.lm_head`)."""
+    operands = [x[None], kernel[None]] + ([] if bias is None else [bias])
+    family = LinearForward("none", bias is not None, False, False, exp_row_sums=True)
+    e, sums = kernel_call(resolve(family, operands), *operands)
+    return e[0], sums[0]
 
 
 def preact_grad(z, dy, activation: str):

@@ -35,6 +35,17 @@ is transposed.
   its second pass: :class:`cutelayers.ops.softmax.CrossEntropyWithGrad`), dz over the logits'
   buffer. Saved: dh (tokens, H) in h's dtype, dkernel and dbias in float32. Without
   differentiation only the forward GEMM and the cross-entropy forward kernel run.
+* The **exp path** of ``"mean"`` / ``"sum"`` -- bfloat16, an (H, V) kernel without bias, label
+  smoothing or soft cap -- has no cross-entropy pass: the logits GEMM's epilogue stores ``P = exp(z)`` (bf16,
+  whose exponent range is float32's: no shift is needed for logits within about +-60) and its
+  float32 row sums S (:func:`cutelayers.ops.linear.exp_logits`). Then lse = log S, the label's
+  logit is log P[y], and ``dz = s (P - c onehot)`` with ``s = w (1 + 2 z_loss lse) / S`` and
+  ``c = S / (1 + 2 z_loss lse)``: one in-place scatter-add of ``-c`` into each row's label entry,
+  dh = s * (P @ kernelᵀ), dkernel += (s * h)ᵀ @ P -- the same two GEMMs, each logit exp'd once.
+  A row whose S leaves [e^-60, e^60] or whose label's P underflows (logits past the epilogue's
+  clamp at 80, or a label beyond ~69 nats) gets weight 0 there, and a loop after the chunks
+  computes its exact loss, lse and gradients, ``FIX_ROWS`` tokens at a time with float32 logits;
+  it runs no step when every row is in range (docs/lm_head_notes.md).
 
 Memory: O(chunk × V) for the logits plus the float32 (H, V) gradient accumulator (for float32
 parameters the gradient itself, returned as it is). The chunk is at
@@ -66,6 +77,7 @@ from cutelayers import backend as _backend
 from cutelayers.ops.linear import (
     check_linear_operands,
     compute_params,
+    exp_logits,
     forward_fn,
     fused_linear,
     input_grad_fn,
@@ -84,6 +96,13 @@ F32 = jnp.float32
 CHUNK_ROWS = 4096
 LOGITS_CHUNK_BYTES = 2 * 2**30
 REDUCTIONS = ("mean", "sum", "none")
+# The exp path (module docstring) keeps a row whose sum of exp(logits) lies in
+# [e^-EXP_RANGE, e^EXP_RANGE] and whose label's exp(logit) is at least LABEL_EXP_MIN (a bf16
+# normal: its log is the label's logit to 2^-9); any other row takes the exact path,
+# FIX_ROWS at a time.
+EXP_RANGE = 60.0
+LABEL_EXP_MIN = 1e-30
+FIX_ROWS = 64
 KERNEL_LAYOUTS = ("hv", "vh")
 
 
@@ -138,6 +157,9 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
     """
     # a chunk's logits die in the cross-entropy gradient kernels: dz takes their buffer
     ce_forward, ce_backward, ce_with_grad = cross_entropy_kernels(ignore_index, *options, in_place=True)
+    smoothing, z_loss, soft_cap = options
+    # the exp path: an (H, V) kernel, no label smoothing or soft cap (and no bias: at the call)
+    exp_path = use_kernels and not vocab_major and smoothing == 0.0 and soft_cap == 0.0
     plain_gemm, input_grad = forward_fn("none", False, use_kernels), input_grad_fn(use_kernels)
     weight_grad = weight_grad_fn(use_kernels, f32_out=True)
     # A (V, H) kernel (a tied embedding table) swaps the roles of the forward and dx GEMMs and
@@ -229,6 +251,8 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
 
     def total_fwd(h, labels, kernel, bias, weights):
         kernel, bias = compute_params(h, kernel, bias)
+        if exp_path and bias is None and h.dtype == jnp.bfloat16:  # float16's exponents stop at e^11
+            return exp_total_fwd(h, labels, kernel, weights)
 
         def step(carry, c):
             grads, total = carry or (None, None)
@@ -241,6 +265,79 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
 
         (grads, total), lse = scan_chunks(step, jnp.arange(h.shape[1]))
         return (total, lse), grads
+
+    def counted(labels):
+        return jnp.ones(labels.shape, bool) if ignore_index is None else labels != ignore_index
+
+    def exp_total_fwd(h, labels, kernel, weights):
+        """total_fwd's exp path (module docstring): per chunk one GEMM gives P = exp(z) and its
+        row sums S; dz = s (P - c onehot) with s = w (1 + 2 z_loss lse) / S, c = S / (1 + 2
+        z_loss lse), so the label's entry of P takes -c in place and the dh / dkernel GEMMs read P
+        (dh scaled after, h scaled before). Rows out of the exp's range get weight 0 there and
+        their exact gradients after the chunks (:func:`fix_rows`)."""
+        def step(carry, c):
+            grads, total = carry or (None, None)
+            h_c, y_c = _chunk(h, c), _chunk(labels, c)
+            if grads is not None:  # this chunk's P only once the last one's GEMMs have read theirs
+                h_c, grads = jax.lax.optimization_barrier((h_c, grads))
+            valid = counted(y_c)
+            p, sums = exp_logits(h_c, kernel, None)
+            s = jnp.sum(sums, axis=-1)
+            lse = jnp.log(s)
+            rows = jnp.arange(y_c.shape[0])
+            y_safe = jnp.where(valid, y_c, 0)
+            p_y = p[rows, y_safe].astype(F32)
+            good = (s >= math.exp(-EXP_RANGE)) & (s <= math.exp(EXP_RANGE)) & (~valid | (p_y >= LABEL_EXP_MIN))
+            factor = 1.0 + 2.0 * z_loss * lse
+            w_c = jnp.where(good & valid, _chunk(weights, c), 0.0)
+            scale = jnp.where(good, w_c * factor / jnp.where(good, s, 1.0), 0.0)
+            p = p.at[rows, y_safe].add(jnp.where(good & valid, -s / factor, 0.0).astype(p.dtype))
+            dh_c = jnp.where(good[:, None], chunk_input_grad(p, kernel).astype(F32) * scale[:, None], 0.0)
+            dh, dkernel, _ = grads or (_zeros_of_type(h), None, None)
+            dh = jax.lax.dynamic_update_index_in_dim(dh, dh_c.astype(h.dtype), c, axis=1)
+            dkernel = add_kernel_grad(dkernel, (h_c.astype(F32) * scale[:, None]).astype(h.dtype), p)
+            loss = jnp.where(good & valid, lse - jnp.log(jnp.where(good & valid, p_y, 1.0)) + z_loss * lse**2, 0.0)
+            chunk_total = jnp.sum(loss * w_c)
+            return ((dh, dkernel, None), chunk_total if total is None else total + chunk_total), (lse, good)
+
+        ((dh, dkernel, _), total), (lse, good) = scan_chunks(step, jnp.arange(h.shape[1]))
+        dh, dkernel, total, lse = fix_rows(h, labels, kernel, weights, ~good.T, dh, dkernel, total, lse)
+        return (total, lse), (dh, dkernel, None)
+
+    def fix_rows(h, labels, kernel, weights, bad, dh, dkernel, total, lse):
+        """The exact loss, lse and gradients of the (R, C) ``bad`` tokens, FIX_ROWS at a time with
+        (FIX_ROWS, V) float32 logits, into dh, dkernel, total and lse (C, R): a loop that runs
+        no step when no row is bad."""
+        n_chunks = h.shape[1]
+        flat = bad.reshape(-1)
+        block = min(FIX_ROWS, flat.shape[0])  # fewer tokens than FIX_ROWS: all of them at once
+        order = jnp.argsort(~flat, stable=True)  # the bad tokens first, then padding to whole blocks
+        order = jnp.pad(order, (0, -order.shape[0] % block))
+        n_bad = jnp.sum(flat)
+
+        def body(state):
+            i, dh, dkernel, total, lse = state
+            picked = jax.lax.dynamic_slice_in_dim(order, i * block, block)
+            live = i * block + jnp.arange(block) < n_bad
+            r, c = picked // n_chunks, picked % n_chunks
+            h_b, y_b = h[r, c], labels[r, c]
+            valid = counted(y_b) & live
+            w_b = jnp.where(valid, weights[r, c], 0.0)
+            z = jnp.dot(h_b, kernel, preferred_element_type=F32)
+            lse_b = jax.nn.logsumexp(z, axis=-1)
+            onehot = jax.nn.one_hot(jnp.where(valid, y_b, 0), z.shape[-1], dtype=F32)
+            z_y = jnp.sum(z * onehot, axis=-1)
+            loss = jnp.where(valid, lse_b - z_y + z_loss * lse_b**2, 0.0)
+            dz = w_b[:, None] * (jnp.exp(z - lse_b[:, None]) * (1.0 + 2.0 * z_loss * lse_b[:, None]) - onehot)
+            dh_b = jnp.einsum("bv,hv->bh", dz.astype(h.dtype), kernel, preferred_element_type=F32).astype(dh.dtype)
+            dh = dh.at[r, c].set(jnp.where(live[:, None], dh_b, dh[r, c]))
+            dkernel = add_kernel_grad(dkernel, h_b, dz.astype(h.dtype))
+            lse = lse.at[c, r].set(jnp.where(live, lse_b, lse[c, r]))
+            return i + 1, dh, dkernel, total + jnp.sum(loss * w_b), lse
+
+        _, dh, dkernel, total, lse = jax.lax.while_loop(
+            lambda state: state[0] * block < n_bad, body, (jnp.int32(0), dh, dkernel, total, lse))
+        return dh, dkernel, total, lse
 
     def total_bwd(grads, cotangents_out):
         return *cotangents(grads, scale=cotangents_out[0]), None
