@@ -454,8 +454,9 @@ class LinearForward(GemmFamily):
         rows_n = (None, "rows", "n")
         operands = (((None, "rows", "k"), self.kernel_factor()) + (("n",),) * self.has_bias
                     + (rows_n,) * self.has_residual)
-        # the row sums' blocks split as the columns do (a shard's N a multiple of ROW_SUM_BLOCK)
-        return operands, (rows_n,) * (1 + self.store_preact + self.exp_row_sums)
+        # the row sums carry no "n": over split columns each device's are partial, psum'd
+        # (:meth:`exp_row_sums_per_shard`)
+        return operands, (rows_n,) * (1 + self.store_preact) + ((None, "rows", None),) * self.exp_row_sums
 
     def layer_dims(self, avals):
         return self.kernel_kn(avals[1])
@@ -470,7 +471,9 @@ class LinearForward(GemmFamily):
         return self.gemm_shape(avals)[1] // 2
 
     def per_shard(self, rule, ctx, x, w, *rest):
-        fused = self.activation != "none" or self.has_bias or self.has_residual or self.exp_row_sums
+        if self.exp_row_sums:
+            return self.exp_row_sums_per_shard(rule, ctx, x, w, *rest)
+        fused = self.activation != "none" or self.has_bias or self.has_residual
         if not (fused and ctx.sharded("k")):
             return super().per_shard(rule, ctx, x, w, *rest)
         # Row-parallel: every device holds a partial x @ kernel. Bias, activation and residual
@@ -479,11 +482,26 @@ class LinearForward(GemmFamily):
         (partial,) = LinearForward("none", False, False, False, self.config, self.kernel_nk).run_local(x, w)
         rest = list(rest)
         bias = rest.pop(0) if self.has_bias else None
-        if self.exp_row_sums:
-            return exp_row_sums_reference(ctx.psum(partial, {"k"})[0], bias, x.dtype)
         residual = rest.pop(0)[0] if self.has_residual else None
         y, z = apply_epilogue(ctx.psum(partial, {"k"})[0], bias, residual, self.activation, x.dtype)
         return (y[None],) + ((z[None],) if self.store_preact else ())
+
+    def exp_row_sums_per_shard(self, rule, ctx, x, w, *rest):
+        """One device's exp GEMM. Over a split contraction the exponential waits for the psum
+        (the reference epilogue after a plain GEMM). Over split columns a device's blocks need
+        not be whole ROW_SUM_BLOCKs of the full N, so its row sums' total goes into the first
+        block and the psum over the column devices (the sums carry no "n" factor) adds them up:
+        then only the blocks' total is defined, which is what the LM head reads."""
+        if ctx.sharded("k"):
+            (partial,) = LinearForward("none", False, False, False, self.config, self.kernel_nk).run_local(x, w)
+            e, sums = exp_row_sums_reference(ctx.psum(partial, {"k"})[0], rest[0] if self.has_bias else None, x.dtype)
+        else:
+            e, sums = self.run_local(x, w, *rest)
+        if ctx.sharded("n"):
+            devices = math.prod(jax.lax.axis_size(axis) for axis in ctx.axes["n"])
+            blocks = -(-self.kernel_kn(w)[1] * devices // ROW_SUM_BLOCK)
+            sums = jnp.pad(jnp.sum(sums, axis=-1, keepdims=True), ((0, 0), (0, 0), (0, blocks - 1)))
+        return sum_partials(rule, ctx, (e, sums))
 
     @property
     def reads_source(self):
@@ -771,7 +789,8 @@ def exp_logits(x, kernel, bias):
     columns) for x (M, K), kernel (K, N), bias (N,) | None, all x's dtype: one GEMM whose epilogue
     takes the exponential and sums it (``Epilogue.exp_row_sums``). The values are finite; a row
     with logits past EXP_CLAMP, or all far below 0 (sums underflowing), is wrong or imprecise: the
-    caller checks the sums (:mod:`cutelayers.ops.lm_head`)."""
+    caller checks the sums (:mod:`cutelayers.ops.lm_head`). Under a sharded N (a vocabulary split)
+    only the sums' total over the blocks is defined (``LinearForward.exp_row_sums_per_shard``)."""
     operands = [x[None], kernel[None]] + ([] if bias is None else [bias])
     family = LinearForward("none", bias is not None, False, False, exp_row_sums=True)
     e, sums = kernel_call(resolve(family, operands), *operands)
