@@ -476,15 +476,18 @@ class LinearForward(GemmFamily):
         fused = self.activation != "none" or self.has_bias or self.has_residual
         if not (fused and ctx.sharded("k")):
             return super().per_shard(rule, ctx, x, w, *rest)
-        # Row-parallel: every device holds a partial x @ kernel. Bias, activation and residual
-        # apply once, to the sum, so the kernel runs without its epilogue and XLA fuses the
-        # epilogue after the psum.
-        (partial,) = LinearForward("none", False, False, False, self.config, self.kernel_nk).run_local(x, w)
         rest = list(rest)
         bias = rest.pop(0) if self.has_bias else None
         residual = rest.pop(0)[0] if self.has_residual else None
-        y, z = apply_epilogue(ctx.psum(partial, {"k"})[0], bias, residual, self.activation, x.dtype)
+        y, z = apply_epilogue(self.row_parallel_product(ctx, x, w), bias, residual, self.activation, x.dtype)
         return (y[None],) + ((z[None],) if self.store_preact else ())
+
+    def row_parallel_product(self, ctx, x, w):
+        """x @ kernel (M, N) in float32 over a split contraction: every device holds a partial
+        product, from the kernel without its epilogue, and the psum adds them; the epilogue then
+        applies once, to the sum (XLA fuses it after the psum)."""
+        (partial,) = LinearForward("none", False, False, False, self.config, self.kernel_nk).run_local(x, w)
+        return ctx.psum(partial, {"k"})[0]
 
     def exp_row_sums_per_shard(self, rule, ctx, x, w, *rest):
         """One device's exp GEMM. Over a split contraction the exponential waits for the psum
@@ -493,8 +496,8 @@ class LinearForward(GemmFamily):
         block and the psum over the column devices (the sums carry no "n" factor) adds them up:
         then only the blocks' total is defined, which is what the LM head reads."""
         if ctx.sharded("k"):
-            (partial,) = LinearForward("none", False, False, False, self.config, self.kernel_nk).run_local(x, w)
-            e, sums = exp_row_sums_reference(ctx.psum(partial, {"k"})[0], rest[0] if self.has_bias else None, x.dtype)
+            e, sums = exp_row_sums_reference(self.row_parallel_product(ctx, x, w), rest[0] if self.has_bias else None,
+                                             x.dtype)
         else:
             e, sums = self.run_local(x, w, *rest)
         if ctx.sharded("n"):
