@@ -213,6 +213,15 @@ def test_exp_path_fix_loop_over_several_blocks(rng):
         assert_close(g, g_ref, jnp.bfloat16, scale=2.0)
 
 
+def test_exp_path_label_outside_the_vocabulary_is_nan(rng):
+    # as on the cross-entropy path (test_argument_errors): under jit a label outside [0, V) cannot
+    # be checked, and the loss comes out NaN -- the exp path (differentiated) sends that row to
+    # the exact loop, whose reference makes it so
+    h, kernel, _, labels = head_operands(rng, (40,), 32, 200, jnp.bfloat16)
+    total = jax.jit(jax.value_and_grad(lambda h, y: linear_cross_entropy(h, kernel, y, reduction="sum")))
+    assert np.isfinite(total(h, labels)[0]) and np.isnan(total(h, labels.at[7].set(200))[0])
+
+
 @pytest.mark.gpu
 def test_float32_params_kernel_path_gpu(rng):
     h, kernel, bias, labels = head_operands(rng, (3, 333), 256, 1000, jnp.bfloat16, -100, param_dtype=F32)

@@ -84,7 +84,12 @@ from cutelayers.ops.linear import (
     kernels_apply,
     weight_grad_fn,
 )
-from cutelayers.ops.softmax import check_labels, check_loss_options, cross_entropy_kernels
+from cutelayers.ops.softmax import (
+    CrossEntropyWithGrad,
+    check_labels,
+    check_loss_options,
+    cross_entropy_kernels,
+)
 from cutelayers.runtime.sharding import vary_like
 
 F32 = jnp.float32
@@ -160,6 +165,8 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
     smoothing, z_loss, soft_cap = options
     # the exp path: an (H, V) kernel, no label smoothing or soft cap (and no bias: at the call)
     exp_path = use_kernels and not vocab_major and smoothing == 0.0 and soft_cap == 0.0
+    # its out-of-range rows' exact (lse, loss, dz), from float32 logits (:func:`fix_rows`)
+    exact_loss = CrossEntropyWithGrad(ignore_index=ignore_index, smoothing=smoothing, z_loss=z_loss, soft_cap=soft_cap)
     plain_gemm, input_grad = forward_fn("none", False, use_kernels), input_grad_fn(use_kernels)
     weight_grad = weight_grad_fn(use_kernels, f32_out=True)
     # A (V, H) kernel (a tied embedding table) swaps the roles of the forward and dx GEMMs and
@@ -266,9 +273,6 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
         (grads, total), lse = scan_chunks(step, jnp.arange(h.shape[1]))
         return (total, lse), grads
 
-    def counted(labels):
-        return jnp.ones(labels.shape, bool) if ignore_index is None else labels != ignore_index
-
     def exp_total_fwd(h, labels, kernel, weights):
         """total_fwd's exp path (module docstring): per chunk one GEMM gives P = exp(z) and its
         row sums S; dz = s (P - c onehot) with s = w (1 + 2 z_loss lse) / S, c = S / (1 + 2
@@ -280,14 +284,16 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
             h_c, y_c = _chunk(h, c), _chunk(labels, c)
             if grads is not None:  # this chunk's P only once the last one's GEMMs have read theirs
                 h_c, grads = jax.lax.optimization_barrier((h_c, grads))
-            valid = counted(y_c)
+            valid = jnp.ones(y_c.shape, bool) if ignore_index is None else y_c != ignore_index
             p, sums = exp_logits(h_c, kernel, None)
             s = jnp.sum(sums, axis=-1)
             lse = jnp.log(s)
             rows = jnp.arange(y_c.shape[0])
-            y_safe = jnp.where(valid, y_c, 0)
+            # a label outside the vocabulary takes the exact path, whose loss it makes NaN
+            known = valid & (y_c >= 0) & (y_c < p.shape[-1])
+            y_safe = jnp.where(known, y_c, 0)
             p_y = p[rows, y_safe].astype(F32)
-            good = (s >= math.exp(-EXP_RANGE)) & (s <= math.exp(EXP_RANGE)) & (~valid | (p_y >= LABEL_EXP_MIN))
+            good = (s >= math.exp(-EXP_RANGE)) & (s <= math.exp(EXP_RANGE)) & (~valid | (known & (p_y >= LABEL_EXP_MIN)))
             factor = 1.0 + 2.0 * z_loss * lse
             w_c = jnp.where(good & valid, _chunk(weights, c), 0.0)
             scale = jnp.where(good, w_c * factor / jnp.where(good, s, 1.0), 0.0)
@@ -320,15 +326,11 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
             picked = jax.lax.dynamic_slice_in_dim(order, i * block, block)
             live = i * block + jnp.arange(block) < n_bad
             r, c = picked // n_chunks, picked % n_chunks
-            h_b, y_b = h[r, c], labels[r, c]
-            valid = counted(y_b) & live
-            w_b = jnp.where(valid, weights[r, c], 0.0)
+            h_b = h[r, c]
+            # a block's rows past the bad ones: label 0 and weight 0, so they add nothing
+            y_b, w_b = jnp.where(live, labels[r, c], 0), jnp.where(live, weights[r, c], 0.0)
             z = jnp.dot(h_b, kernel, preferred_element_type=F32)
-            lse_b = jax.nn.logsumexp(z, axis=-1)
-            onehot = jax.nn.one_hot(jnp.where(valid, y_b, 0), z.shape[-1], dtype=F32)
-            z_y = jnp.sum(z * onehot, axis=-1)
-            loss = jnp.where(valid, lse_b - z_y + z_loss * lse_b**2, 0.0)
-            dz = w_b[:, None] * (jnp.exp(z - lse_b[:, None]) * (1.0 + 2.0 * z_loss * lse_b[:, None]) - onehot)
+            dz, lse_b, loss = exact_loss.reference(z, y_b, w_b)  # the kernels' jnp decomposition
             dh_b = jnp.einsum("bv,hv->bh", dz.astype(h.dtype), kernel, preferred_element_type=F32).astype(dh.dtype)
             dh = dh.at[r, c].set(jnp.where(live[:, None], dh_b, dh[r, c]))
             dkernel = add_kernel_grad(dkernel, h_b, dz.astype(h.dtype))
