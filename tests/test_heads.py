@@ -178,7 +178,12 @@ def test_exp_path_with_rows_out_of_its_range(reduction, z_loss, rng):
     # fix loop; with the reference lowering here, the same decomposition as on the GPU
     lead, hidden, vocab, ignore_index = (3, 50), 32, 200, -100
     h, kernel, _, labels = head_operands(rng, lead, hidden, vocab, jnp.bfloat16, ignore_index)
-    h = h.at[0, 5].multiply(200.0).at[0, 20].multiply(200.0).at[2, 9].multiply(40.0)
+    # rows scaled to set logits: the largest |logit| of (0, 5) and (0, 20) to 400, the smallest
+    # logit of (2, 9) to -100 (whatever the draw)
+    logits = f32_logits(h, kernel, None)
+    h = (h.at[0, 5].multiply(float(400.0 / jnp.max(jnp.abs(logits[0, 5]))))
+         .at[0, 20].multiply(float(400.0 / jnp.max(jnp.abs(logits[0, 20]))))
+         .at[2, 9].multiply(float(100.0 / -jnp.min(logits[2, 9]))))
     logits = f32_logits(h, kernel, None)
     labels = labels.at[0, 5].set(3).at[0, 20].set(ignore_index).at[2, 9].set(jnp.argmin(logits[2, 9]))
     assert jnp.max(jnp.abs(logits[0, 5])) > 200 and jnp.min(logits[2, 9]) < -70
