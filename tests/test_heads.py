@@ -170,12 +170,14 @@ def test_mean_gradient_is_not_scaled_in_a_pass_of_its_own(ignore_index):
     assert not passes, passes
 
 
+@pytest.mark.parametrize("layout", ["hv", "vh"])
 @pytest.mark.parametrize("reduction,z_loss", [("mean", 0.0), ("sum", 1e-2)])
-def test_exp_path_with_rows_out_of_its_range(reduction, z_loss, rng):
-    # bf16 (H, V) heads without bias, smoothing or soft cap take the exp path (P = exp(logits),
-    # module docstring). Rows it cannot hold -- logits past its clamp (scaled h), a label whose
-    # exp underflows, an ignored such row -- get weight 0 there and their exact gradients from the
-    # fix loop; with the reference lowering here, the same decomposition as on the GPU
+def test_exp_path_with_rows_out_of_its_range(reduction, z_loss, layout, rng):
+    # bf16 heads (either kernel layout) without bias, smoothing or soft cap take the exp path (P =
+    # exp(logits), module docstring). Rows it cannot hold -- logits past its clamp (scaled h), a
+    # label whose exp underflows, an ignored such row -- get weight 0 there and their exact
+    # gradients from the fix loop; with the reference lowering here, the same decomposition as on
+    # the GPU
     lead, hidden, vocab, ignore_index = (3, 50), 32, 200, -100
     h, kernel, _, labels = head_operands(rng, lead, hidden, vocab, jnp.bfloat16, ignore_index)
     # rows scaled to set logits: the largest |logit| of (0, 5) and (0, 20) to 400, the smallest
@@ -187,7 +189,7 @@ def test_exp_path_with_rows_out_of_its_range(reduction, z_loss, rng):
     logits = f32_logits(h, kernel, None)
     labels = labels.at[0, 5].set(3).at[0, 20].set(ignore_index).at[2, 9].set(jnp.argmin(logits[2, 9]))
     assert jnp.max(jnp.abs(logits[0, 5])) > 200 and jnp.min(logits[2, 9]) < -70
-    ours, ref = head_call({"z_loss": z_loss}, labels, ignore_index, reduction, chunk=64)
+    ours, ref = head_call({"z_loss": z_loss, "kernel_layout": layout}, labels, ignore_index, reduction, chunk=64)
     value, grads = jax.jit(jax.value_and_grad(ours, (0, 1)))(h, kernel, None)
     want, refs = jax.value_and_grad(ref, (0, 1))(h.astype(F32), kernel.astype(F32), None)
     assert jnp.isfinite(value) and all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
@@ -236,6 +238,24 @@ def test_float32_params_kernel_path_gpu(rng):
     want, refs = jax.jit(jax.value_and_grad(ref, (0, 1, 2)))(*(a.astype(F32) for a in (h, kernel, bias)))
     assert_close(value, want, jnp.bfloat16)
     for g, g_ref, primal in zip(grads, refs, (h, kernel, bias)):
+        assert g.dtype == primal.dtype and g.shape == primal.shape
+        assert_close(g, g_ref, jnp.bfloat16, scale=2.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["hv", "vh"])
+def test_exp_path_kernels_gpu(layout, rng):
+    """The exp path's kernels on the GPU, both kernel layouts (a (V, H) table read as stored by
+    the logits GEMM): several chunks, z-loss, ignored tokens, and rows out of the exp's range
+    for the fix loop -- loss and gradients vs a float32 reference."""
+    h, kernel, _, labels = head_operands(rng, (3, 333), 256, 1000, jnp.bfloat16, -100)
+    h = h.at[0, 5].multiply(100.0).at[1, 7].multiply(100.0)  # logits past the clamp
+    ours, ref = head_call({"z_loss": 1e-3, "kernel_layout": layout}, labels, -100, "mean", chunk=128)
+    with cl.use_backend("cute"):
+        value, grads = jax.jit(jax.value_and_grad(ours, (0, 1)))(h, kernel, None)
+    want, refs = jax.jit(jax.value_and_grad(ref, (0, 1)))(h.astype(F32), kernel.astype(F32), None)
+    assert_close(value, want, jnp.bfloat16)
+    for g, g_ref, primal in zip(grads, refs, (h, kernel)):
         assert g.dtype == primal.dtype and g.shape == primal.shape
         assert_close(g, g_ref, jnp.bfloat16, scale=2.0)
 
@@ -460,6 +480,30 @@ def test_lowers_to_the_kernels_for_cuda(reduction):
     converts = re.findall(rf"stablehlo\.convert .*tensor<(?:1x)?{hidden}x{vocab}x(\w+)>\) -> tensor<(?:1x)?{hidden}x{vocab}x(\w+)>",
                           hlo)
     assert converts == [("f32", "bf16")] * (1 + (reduction == "none")), converts
+
+
+@pytest.mark.cute
+def test_vocab_major_exp_path_lowers_to_the_kernels_for_cuda():
+    """A (V, H) table (an Equinox head, a tied embedding) takes the exp path too: the logits GEMM
+    reads the table as stored and gives exp(logits) with their row sums, no cross-entropy kernel
+    runs, dh is the plain forward GEMM on the table and dkernel a (V, H) float32 sum."""
+    tokens, hidden, vocab, chunk = 4096, 128, 1024, 512
+    S = jax.ShapeDtypeStruct
+    avals = (S((tokens, hidden), jnp.bfloat16), S((vocab, hidden), jnp.bfloat16), S((tokens,), jnp.int32))
+
+    def loss(h, table, labels):
+        return linear_cross_entropy(h, table, labels, chunk_size=chunk, kernel_layout="vh")
+
+    hlo = lower_cuda(jax.value_and_grad(loss, (0, 1)), *avals)
+    calls = collections.Counter(kernel_targets(hlo))
+    # per chunk (the first one before the loop): the exp GEMM and dh, both linear_fwd; the
+    # dkernel GEMMs, and the fix loop's
+    assert calls == {"linear_fwd": 2 + 2, "linear_dkernel": 2 + 1}, calls
+    forwards = [line for line in hlo.splitlines() if "@cutelayers_linear_fwd" in line]
+    exp_gemms = [line for line in forwards if f"tensor<1x{chunk}x{vocab // 64}xf32>" in line]
+    assert len(exp_gemms) == 2 and all(f"tensor<1x{vocab}x{hidden}xbf16>" in line for line in exp_gemms), forwards
+    dkernels = [line for line in hlo.splitlines() if "@cutelayers_linear_dkernel" in line]
+    assert all(line.endswith(f"-> tensor<1x{vocab}x{hidden}xf32>") for line in dkernels), dkernels
 
 
 def test_chunk_layout():

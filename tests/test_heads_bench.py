@@ -1,10 +1,11 @@
 """The LM-head benchmark's memory analysis (on CPU: the ops' reference path, chunked the same way)
 and its rows on a GPU; its subcommand is tested with the others in test_bench.py."""
 
+import jax
 import jax.numpy as jnp
 import pytest
 
-from cutelayers.bench.lm_head import bench_lm_head, head_memory
+from cutelayers.bench.lm_head import bench_lm_head, device_peak_bytes, head_memory
 
 F32 = jnp.float32
 
@@ -20,6 +21,14 @@ def test_chunked_head_needs_a_fraction_of_the_unfused_temp_memory():
     # same operands and results: only the scratch memory differs
     assert memory["fused"]["arguments"] == memory["xla"]["arguments"]
     assert memory["fused"]["outputs"] == memory["xla"]["outputs"]
+
+
+def test_vocab_major_table_head_memory():
+    # a (V, H) table: the same chunked scratch, and XLA's head reads it as stored too
+    t, h, v = 2048, 256, 32768
+    memory = head_memory(t, h, v, F32, chunk_size=256, kernel_layout="vh")
+    assert memory["fused"]["temp"] < memory["xla"]["temp"] / 6
+    assert memory["fused"]["arguments"] == memory["xla"]["arguments"] == (t * h + v * h + t) * 4
 
 
 def test_chunked_head_temp_memory_does_not_grow_with_tokens():
@@ -40,6 +49,24 @@ def test_float32_params_head_keeps_no_float32_gradient_scratch():
     assert mixed["fused"]["temp"] <= plain["fused"]["temp"] - h * v
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's case: a device without statistics")
+def test_device_peak_is_none_without_device_statistics():
+    # the measuring process runs (a fresh python -m cutelayers.bench.lm_head) and says so
+    assert device_peak_bytes("fused", 64, 32, 200, jnp.bfloat16) is None
+
+
+@pytest.mark.gpu
+def test_lm_head_device_peak():
+    # each head's temporary memory by the device's counter (its peak's rise less its outputs), each
+    # in a fresh process: the fused head's chunked scratch -- the kernel's bf16 copy, a chunk of
+    # logits -- well under XLA's (T, V) float32 logits, and near the compiled program's account
+    t, h, v = 4096, 256, 32768
+    rows = bench_lm_head(t, h, v, jnp.bfloat16, chunk_sizes=(512,), param_dtype=jnp.float32, device_peak=True)
+    fused, xla = (float(row["peak_temp_gb"].lstrip("<=")) * 1e9 for row in rows)
+    assert xla >= t * v * 4 and h * v * 2 <= fused < xla / 4, rows
+    assert abs(fused - float(rows[0]["temp_gb"]) * 1e9) <= 0.5 * fused, rows
+
+
 @pytest.mark.gpu
 def test_lm_head_benchmark_rows():
     rows = bench_lm_head(512, 256, 4096, jnp.bfloat16, chunk_sizes=(None, 128))
@@ -47,3 +74,6 @@ def test_lm_head_benchmark_rows():
     *fused, xla = (float(row["loss"]) for row in rows)
     assert all(abs(loss - xla) <= 1e-2 * abs(xla) for loss in fused)
     assert all(float(row["temp_vs_xla"]) < 1.0 for row in rows[:2]) and rows[2]["time_vs_xla"] == "1.00"
+    fused, xla = bench_lm_head(512, 256, 4096, jnp.bfloat16, kernel_layout="vh")
+    assert fused["layout"] == xla["layout"] == "vh"
+    assert abs(float(fused["loss"]) - float(xla["loss"])) <= 1e-2 * abs(float(xla["loss"]))

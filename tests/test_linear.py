@@ -1309,7 +1309,7 @@ import dataclasses, functools, json, os, sys
 import jax, jax.numpy as jnp
 import cutelayers as cl
 from cutelayers.kernels.gemm_config import CONFIGS
-from cutelayers.ops.linear import LinearForward, fused_linear
+from cutelayers.ops.linear import LinearForward, exp_logits, fused_linear
 from cutelayers.runtime.sharding import kernel_call
 
 dump = sys.argv[1]
@@ -1336,6 +1336,7 @@ cases["fc1_gelu_forward"] = (gelu, fc1)
 cases["fc1_gelu_train_step"] = (gelu_train, fc1)
 cases["swiglu_forward"] = (functools.partial(kernel_call, gated), gated_avals)
 cases["decode_split_k_16x4096x4096"] = (gelu, (S((16, 4096), bf), S((4096, 4096), bf), S((4096,), bf)))
+cases["lm_head_exp_4096x4096x131072"] = (lambda x, w: exp_logits(x, w, None), (S((4096, 4096), bf), S((4096, 131072), bf)))
 found = {}
 with cl.use_backend("cute"):
     for case, (f, avals) in cases.items():
@@ -1349,7 +1350,7 @@ print(json.dumps(found))
 # The GEMM kernels each case lowers
 PTXAS_CASE_KERNELS = {"forward_8192x4096x4096_small_m": 1, "forward_8192x4096x4096_default": 1,
                       "forward_8192x4096x4096_wide": 1, "fc1_gelu_forward": 1, "fc1_gelu_train_step": 3,
-                      "swiglu_forward": 1, "decode_split_k_16x4096x4096": 1}
+                      "swiglu_forward": 1, "decode_split_k_16x4096x4096": 1, "lm_head_exp_4096x4096x131072": 1}
 
 
 @pytest.mark.cute
@@ -1361,7 +1362,8 @@ def test_ptxas_neither_serializes_the_wgmmas_nor_spills(tmp_path):
     # plain forward at 8192 x 4096 x 4096 in each heuristic config, GPT-2's fc1 (16384 x 768 x 3072,
     # the pingpong "default" config) with bias and gelu -- its inference forward, and its training
     # forward storing z, input gradient through gelu' and stream-K weight gradient with the bias
-    # sums -- a swiglu forward, and a decode step's split-K forward (16 x 4096 x 4096).
+    # sums -- a swiglu forward, a decode step's split-K forward (16 x 4096 x 4096) and an LM head
+    # chunk's logits GEMM with the exp epilogue.
     # None spills (ptxas -v: 0 bytes spill stores for each, before the change as after).
     ptxas = shutil.which("ptxas")
     if ptxas is None:

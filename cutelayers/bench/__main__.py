@@ -87,6 +87,10 @@ def main(argv=None) -> int:
                            "casting it for its GEMM)")
     head.add_argument("--chunk-size", type=int, nargs="+", default=[None],
                       help="tokens per chunk of the fused head, one row each (default: the op's)")
+    head.add_argument("--kernel-layout", choices=["hv", "vh"], default="hv",
+                      help="the kernel as (H, V), or as a (V, H) table (Equinox's Linear weight, a tied embedding)")
+    head.add_argument("--device-peak", action="store_true",
+                      help="also each head's rise of the device's peak memory, one fresh process per head")
     emb = sub.add_parser("embed", help="embedding lookup + table gradient vs jnp.take, per id distribution")
     emb.add_argument("--tokens", type=int, default=16384, help="tokens T (default 16384)")
     emb.add_argument("--hidden", type=int, default=768, help="features H (default 768)")
@@ -143,7 +147,8 @@ def main(argv=None) -> int:
     elif args.suite == "lm_head":
         print(f"# device: {jax.devices()[0].device_kind}")
         print_records(bench_lm_head(args.tokens, args.hidden, args.vocab, jnp.dtype(args.dtype), args.chunk_size,
-                                    args.param_dtype and jnp.dtype(args.param_dtype)))
+                                    args.param_dtype and jnp.dtype(args.param_dtype), args.kernel_layout,
+                                    args.device_peak))
     elif args.suite == "embed":
         print_records(bench_embed(args.tokens, args.hidden, args.vocab, jnp.dtype(args.dtype), measured_bandwidth(),
                                   args.block_tokens))

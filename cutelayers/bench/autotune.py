@@ -3,12 +3,15 @@
     python -m cutelayers.bench.autotune --op layer_norm --shape 32768x4096 --dtype bfloat16
     python -m cutelayers.bench.autotune --op linear --shape 8192x4096x4096 4096x1024x4096 --output table.json
     python -m cutelayers.bench.autotune --op cross_entropy --shape 8192x32768 --dry-run   # no GPU needed
+    python -m cutelayers.bench.autotune --op lm_head --shape 4096x4096x131072   # one chunk of a head
 
 An op names the kernel families it runs (``layer_norm``: ``layer_norm_fwd`` and ``layer_norm_bwd``;
 ``linear``: ``linear_fwd``, ``linear_dx``, ``linear_dkernel``; ``gated_mlp``: a SwiGLU / GeGLU block's
 gated fc1 forward and hidden gradient, their own entries); a family's own name tunes only that
 family (in the first op that runs it). Shapes are ``ROWSxN`` for the row ops, ``MxKxN`` for
-``linear`` and ``MxKxH`` (rows, model width, hidden width) for ``gated_mlp``. For every (family,
+``linear``, ``MxKxH`` (rows, model width, hidden width) for ``gated_mlp`` and ``MxKxV`` (chunk
+rows, hidden width, vocabulary) for ``lm_head``, whose kernels -- the logits GEMM with its exp
+epilogue, the hidden and kernel gradients of a chunk -- have entries of their own. For every (family,
 shape, dtype), each candidate config of the family's space
 (:meth:`cutelayers.runtime.family.TunableFamily.config_space`) is compiled (all of a run's
 candidates at once, in worker processes: :func:`cutelayers.parallel_compiles`) and run on random
@@ -47,6 +50,7 @@ from cutelayers.bench.timing import time_fn
 from cutelayers.kernels.gemm_config import (
     PERSISTENT_SMS,
     decode_stream_k_pays,
+    stream_k_pays,
     weight_grad_stream_k,
 )
 from cutelayers.ops.linear import (
@@ -206,21 +210,21 @@ def _reduce_cases(op: str, kind: str, shape, dtype) -> list[Case]:
     return [Case(op, RowReduce(kind), (jax.ShapeDtypeStruct(shape, dtype),), lambda: (_normal(k[0], shape, dtype),))]
 
 
-def _linear_cases(op: str, shape, dtype) -> list[Case]:
-    m, k_dim, n = shape
-    usable, why = kernels_apply(dtype, k_dim, n)
-    if not usable:
-        raise ValueError(f"autotune {op}: shape {m}x{k_dim}x{n}, dtype {dtype.name}: {why}")
+def _gemm_case_maker(op: str, m: int, k_dim: int, n: int, dtype) -> Callable[..., Case]:
+    """``case(family, *operand names)``: a Case of a GEMM family on random operands of an
+    M x K x N GEMM (x (1, M, K), w (1, K, N), dz (1, M, N), ...), drawn by name."""
     S = jax.ShapeDtypeStruct
     x, w, b, dz = S((1, m, k_dim), dtype), S((1, k_dim, n), dtype), S((n,), dtype), S((1, m, n), dtype)
     k = _keys(5)
     # operand -> (key, aval, scale): the weight scaled by 1/sqrt(K) keeps the outputs of order 1;
     # the residual is an (M, N) tile like dz, the pre-activation an (M, K) one like x; the weight
-    # gradient's float32 bias-gradient sums, stream-K's flags and accumulator start as zeros (scale 0)
+    # gradient's float32 bias-gradient sums, stream-K's flags, zeros and accumulator start as zeros
+    # (scale 0)
     draws = {"x": (k[0], x, 1.0), "w": (k[1], w, k_dim**-0.5), "b": (k[2], b, 1.0), "dz": (k[3], dz, 1.0),
              "residual": (k[4], dz, 1.0), "preact": (k[4], x, 1.0),
              "sums": (k[0], S((1, n), F32), 0.0), "accumulator": (k[0], S((1, k_dim, n), F32), 0.0),
-             "zeros": (k[0], S((1, m, n), F32), 0.0), "flags": (k[0], S((PERSISTENT_SMS,), jnp.int32), 0.0)}
+             "zeros": (k[0], S((1, m, n), F32), 0.0), "dx_zeros": (k[0], S((1, m, k_dim), F32), 0.0),
+             "flags": (k[0], S((PERSISTENT_SMS,), jnp.int32), 0.0)}
 
     def case(family, *names):
         avals = tuple(draws[name][1] for name in names)
@@ -229,6 +233,16 @@ def _linear_cases(op: str, shape, dtype) -> list[Case]:
         observe = (lambda results: tuple(results)[:-2]) if family.fixup else tuple
         return Case(op, family, avals, lambda: tuple(_normal(key, aval.shape, aval.dtype, scale)
                                                      for key, aval, scale in (draws[name] for name in names)), observe)
+
+    return case
+
+
+def _linear_cases(op: str, shape, dtype) -> list[Case]:
+    m, k_dim, n = shape
+    usable, why = kernels_apply(dtype, k_dim, n)
+    if not usable:
+        raise ValueError(f"autotune {op}: shape {m}x{k_dim}x{n}, dtype {dtype.name}: {why}")
+    case = _gemm_case_maker(op, m, k_dim, n, dtype)
 
     # Without a source tile the forward is tuned with the benchmark's epilogue (bias + gelu), whose
     # entry serves every such epilogue (their cost is small next to the mainloop). An epilogue that
@@ -259,6 +273,26 @@ def _weight_grad_case(case, schedule: str | None) -> Case:
     return case(LinearWeightGrad(accumulate=True, stream_k=True, operand_sums="b"), "x", "dz", "sums", "accumulator")
 
 
+def _lm_head_cases(op: str, shape, dtype) -> list[Case]:
+    """An LM head chunk of shape M x K x V (chunk rows, hidden width, vocabulary; an (H, V)
+    kernel) as :func:`cutelayers.ops.linear_cross_entropy` runs it: the logits GEMM with the exp
+    epilogue (:func:`cutelayers.ops.linear.exp_logits`), the hidden gradient over the vocabulary
+    (stream-K where it pays, into zeros) and the kernel gradient added into the float32 running
+    sum -- each its own entry."""
+    m, k_dim, n = shape
+    usable, why = kernels_apply(dtype, k_dim, n)
+    if not usable:
+        raise ValueError(f"autotune {op}: shape {m}x{k_dim}x{n}, dtype {dtype.name}: {why}")
+    case = _gemm_case_maker(op, m, k_dim, n, dtype)
+    dh_stream_k = stream_k_pays(m, k_dim, n)
+    dkernel_stream_k = stream_k_pays(k_dim, n, m)
+    return [
+        case(LinearForward("none", False, False, False, exp_row_sums=True), "x", "w"),
+        case(LinearInputGrad(stream_k=dh_stream_k), "dz", "w", *("dx_zeros",) * dh_stream_k),
+        case(LinearWeightGrad(accumulate=True, stream_k=dkernel_stream_k), "x", "dz", "accumulator"),
+    ]
+
+
 def _gated_mlp_cases(op: str, shape, dtype) -> list[Case]:
     """A gated MLP block of shape M x K x H (rows, model width, hidden width): its two gated
     kernels, fc1's forward (x @ w1 (K, 2H) + b1, gated, storing z1) and the hidden gradient
@@ -282,7 +316,7 @@ def _gated_mlp_cases(op: str, shape, dtype) -> list[Case]:
 @dataclasses.dataclass(frozen=True)
 class OpSpec:
     build: Callable[..., list[Case]]  # (op, shape, dtype) -> cases
-    shape_form: str  # "ROWSxN", "MxKxN" or "MxKxH"
+    shape_form: str  # "ROWSxN", "MxKxN", "MxKxH" or "MxKxV"
     families: tuple[str, ...]  # names of the families the cases tune
 
 
@@ -304,6 +338,7 @@ OPS = {
     "reduce_max": OpSpec(functools.partial(_reduce_cases, kind="max"), "ROWSxN", ("reduce_max",)),
     "linear": OpSpec(_linear_cases, "MxKxN", ("linear_fwd", "linear_dx", "linear_dkernel")),
     "gated_mlp": OpSpec(_gated_mlp_cases, "MxKxH", ("linear_fwd", "linear_dx")),
+    "lm_head": OpSpec(_lm_head_cases, "MxKxV", ("linear_fwd", "linear_dx", "linear_dkernel")),
 }
 # a kernel's name selects the first op that tunes it (gated_mlp's kernels by their op's name)
 FAMILY_OPS = {family: op for op, spec in reversed(OPS.items()) for family in spec.families}
@@ -538,7 +573,8 @@ def main(argv=None) -> int:
     parser.add_argument("--op", required=True, metavar="NAME",
                         help=f"an op ({', '.join(OPS)}) or one of its kernels ({', '.join(FAMILY_OPS)})")
     parser.add_argument("--shape", type=_parse_shape, nargs="+", required=True,
-                        help="ROWSxN for the row ops, MxKxN for linear, MxKxH (model and hidden widths) for gated_mlp")
+                        help="ROWSxN for the row ops, MxKxN for linear, MxKxH (model and hidden widths) for gated_mlp, "
+                             "MxKxV (chunk rows, hidden width, vocabulary) for lm_head")
     parser.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=[d.name for d in FLOAT_DTYPES])
     parser.add_argument("--output", type=Path, help="tuned-config table to add the winners to "
                         "(default: $CUTELAYERS_TUNING_FILE or ~/.cache/cutelayers/tuned_configs.json)")

@@ -1249,10 +1249,20 @@ class HopperGemmKernel:
         2 rows 8 apart, tile_n / 8 groups of 8 columns) -- and the 4 lanes of a quad hold the
         same rows' other columns: each thread sums its 16 values of a row's block, two butterfly
         shuffles add the quad's, and the quad's first lane stores."""
-        config = self.config
         values = acc.shape[0]
         if const_expr(cute.rank(values) != 3 or values[0] != 2 or values[1] != 2 or cute.size(acc, mode=[2]) != 1):
             raise ValueError(f"exp_row_sums expects the wgmma accumulator layout ((2, 2, N / 8), M, 1); got {acc.shape}")
+        # only a tile reaching past N tests each column (a select per value the other tiles skip)
+        if tile_idx[1] * self.config.tile_n + self.config.tile_n <= c_shape[1]:
+            self.exp_block_sums(acc, tile_coords_c, tile_idx, row_sums, c_shape, inside, gtidx, False)
+        else:
+            self.exp_block_sums(acc, tile_coords_c, tile_idx, row_sums, c_shape, inside, gtidx, True)
+
+    @cute.jit
+    def exp_block_sums(self, acc, tile_coords_c, tile_idx, row_sums, c_shape, inside, gtidx,
+                       masked: cutlass.Constexpr):
+        """:meth:`exp_row_sums` on one tile, testing each column against N if ``masked``."""
+        config = self.config
         groups_per_block = ROW_SUM_BLOCK // 8
         m0, n0 = tile_idx[0] * config.tile_m, tile_idx[1] * config.tile_n
         block0 = tile_idx[1] * (config.tile_n // ROW_SUM_BLOCK)
@@ -1266,8 +1276,9 @@ class HopperGemmKernel:
                             at = ((c2, r, blk * groups_per_block + g), mm, 0)
                             e = cute.math.exp2(cute.arch.fmin(acc[at], Float32(EXP_CLAMP)) * LOG2E, fastmath=True)
                             acc[at] = e
-                            inside_n = n0 + tile_coords_c[at][1] < c_shape[1]
-                            total = total + cutlass.select_(inside_n, e, Float32(0.0))
+                            if const_expr(masked):
+                                e = cutlass.select_(n0 + tile_coords_c[at][1] < c_shape[1], e, Float32(0.0))
+                            total = total + e
                     total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
                     total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
                     # a last tile may reach past N by whole blocks, which row_sums does not have

@@ -787,15 +787,16 @@ def exp_row_sums_reference(product, bias, dtype):
     return e.astype(dtype)[None], sums[None]
 
 
-def exp_logits(x, kernel, bias):
+def exp_logits(x, kernel, bias, kernel_nk: bool = False):
     """(exp(min(x @ kernel + bias, EXP_CLAMP)), its float32 row sums over every ROW_SUM_BLOCK
-    columns) for x (M, K), kernel (K, N), bias (N,) | None, all x's dtype: one GEMM whose epilogue
+    columns) for x (M, K), kernel (K, N) -- (N, K) if ``kernel_nk``: a vocabulary-major table,
+    read as stored --, bias (N,) | None, all x's dtype: one GEMM whose epilogue
     takes the exponential and sums it (``Epilogue.exp_row_sums``). The values are finite; a row
     with logits past EXP_CLAMP, or all far below 0 (sums underflowing), is wrong or imprecise: the
     caller checks the sums (:mod:`cutelayers.ops.lm_head`). Under a sharded N (a vocabulary split)
     only the sums' total over the blocks is defined (``LinearForward.exp_row_sums_per_shard``)."""
     operands = [x[None], kernel[None]] + ([] if bias is None else [bias])
-    family = LinearForward("none", bias is not None, False, False, exp_row_sums=True)
+    family = LinearForward("none", bias is not None, False, False, kernel_nk=kernel_nk, exp_row_sums=True)
     e, sums = kernel_call(resolve(family, operands), *operands)
     return e[0], sums[0]
 

@@ -35,13 +35,14 @@ is transposed.
   its second pass: :class:`cutelayers.ops.softmax.CrossEntropyWithGrad`), dz over the logits'
   buffer. Saved: dh (tokens, H) in h's dtype, dkernel and dbias in float32. Without
   differentiation only the forward GEMM and the cross-entropy forward kernel run.
-* The **exp path** of ``"mean"`` / ``"sum"`` -- bfloat16, an (H, V) kernel without bias, label
-  smoothing or soft cap -- has no cross-entropy pass: the logits GEMM's epilogue stores ``P = exp(z)`` (bf16,
+* The **exp path** of ``"mean"`` / ``"sum"`` -- bfloat16, a kernel (either layout) without bias,
+  label smoothing or soft cap -- has no cross-entropy pass: the logits GEMM's epilogue stores ``P = exp(z)`` (bf16,
   whose exponent range is float32's: no shift is needed for logits within about +-60) and its
   float32 row sums S (:func:`cutelayers.ops.linear.exp_logits`). Then lse = log S, the label's
   logit is log P[y], and ``dz = s (P - c onehot)`` with ``s = w (1 + 2 z_loss lse) / S`` and
   ``c = S / (1 + 2 z_loss lse)``: one in-place scatter-add of ``-c`` into each row's label entry,
-  dh = s * (P @ kernelᵀ), dkernel += (s * h)ᵀ @ P -- the same two GEMMs, each logit exp'd once.
+  dh = s * (P @ kernelᵀ), dkernel += (s * h)ᵀ @ P -- the same two GEMMs, each logit exp'd once
+  (a (V, H) table: the logits GEMM reads it as stored, as the dh GEMM does).
   A row whose S leaves [e^-60, e^60] or whose label's P underflows (logits past the epilogue's
   clamp at 80, or a label beyond ~69 nats) gets weight 0 there, and a loop after the chunks
   computes its exact loss, lse and gradients, ``FIX_ROWS`` tokens at a time with float32 logits;
@@ -163,8 +164,8 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
     # a chunk's logits die in the cross-entropy gradient kernels: dz takes their buffer
     ce_forward, ce_backward, ce_with_grad = cross_entropy_kernels(ignore_index, *options, in_place=True)
     smoothing, z_loss, soft_cap = options
-    # the exp path: an (H, V) kernel, no label smoothing or soft cap (and no bias: at the call)
-    exp_path = use_kernels and not vocab_major and smoothing == 0.0 and soft_cap == 0.0
+    # the exp path: no label smoothing or soft cap (and no bias: at the call)
+    exp_path = use_kernels and smoothing == 0.0 and soft_cap == 0.0
     # its out-of-range rows' exact (lse, loss, dz), from float32 logits (:func:`fix_rows`)
     exact_loss = CrossEntropyWithGrad(ignore_index=ignore_index, smoothing=smoothing, z_loss=z_loss, soft_cap=soft_cap)
     plain_gemm, input_grad = forward_fn("none", False, use_kernels), input_grad_fn(use_kernels)
@@ -285,7 +286,7 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
             if grads is not None:  # this chunk's P only once the last one's GEMMs have read theirs
                 h_c, grads = jax.lax.optimization_barrier((h_c, grads))
             valid = jnp.ones(y_c.shape, bool) if ignore_index is None else y_c != ignore_index
-            p, sums = exp_logits(h_c, kernel, None)
+            p, sums = exp_logits(h_c, kernel, None, kernel_nk=vocab_major)
             s = jnp.sum(sums, axis=-1)
             lse = jnp.log(s)
             rows = jnp.arange(y_c.shape[0])
@@ -315,6 +316,7 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
         (FIX_ROWS, V) float32 logits, into dh, dkernel, total and lse (C, R): a loop that runs
         no step when no row is bad."""
         n_chunks = h.shape[1]
+        table = "vh" if vocab_major else "hv"
         flat = bad.reshape(-1)
         block = min(FIX_ROWS, flat.shape[0])  # fewer tokens than FIX_ROWS: all of them at once
         order = jnp.argsort(~flat, stable=True)  # the bad tokens first, then padding to whole blocks
@@ -329,9 +331,9 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
             h_b = h[r, c]
             # a block's rows past the bad ones: label 0 and weight 0, so they add nothing
             y_b, w_b = jnp.where(live, labels[r, c], 0), jnp.where(live, weights[r, c], 0.0)
-            z = jnp.dot(h_b, kernel, preferred_element_type=F32)
+            z = jnp.einsum(f"bh,{table}->bv", h_b, kernel, preferred_element_type=F32)
             dz, lse_b, loss = exact_loss.reference(z, y_b, w_b)  # the kernels' jnp decomposition
-            dh_b = jnp.einsum("bv,hv->bh", dz.astype(h.dtype), kernel, preferred_element_type=F32).astype(dh.dtype)
+            dh_b = jnp.einsum(f"bv,{table}->bh", dz.astype(h.dtype), kernel, preferred_element_type=F32).astype(dh.dtype)
             dh = dh.at[r, c].set(jnp.where(live[:, None], dh_b, dh[r, c]))
             dkernel = add_kernel_grad(dkernel, h_b, dz.astype(h.dtype))
             lse = lse.at[c, r].set(jnp.where(live, lse_b, lse[c, r]))
