@@ -171,7 +171,7 @@ def test_mean_gradient_is_not_scaled_in_a_pass_of_its_own(ignore_index):
 
 
 @pytest.mark.parametrize("layout", ["hv", "vh"])
-@pytest.mark.parametrize("reduction,z_loss", [("mean", 0.0), ("sum", 1e-2)])
+@pytest.mark.parametrize("reduction,z_loss", [("mean", 0.0), ("sum", 1e-2), ("none", 1e-2)])
 def test_exp_path_with_rows_out_of_its_range(reduction, z_loss, layout, rng):
     # bf16 heads (either kernel layout) without bias, smoothing or soft cap take the exp path (P =
     # exp(logits), module docstring). Rows it cannot hold -- logits past its clamp (scaled h), a
@@ -190,6 +190,17 @@ def test_exp_path_with_rows_out_of_its_range(reduction, z_loss, layout, rng):
     labels = labels.at[0, 5].set(3).at[0, 20].set(ignore_index).at[2, 9].set(jnp.argmin(logits[2, 9]))
     assert jnp.max(jnp.abs(logits[0, 5])) > 200 and jnp.min(logits[2, 9]) < -70
     ours, ref = head_call({"z_loss": z_loss, "kernel_layout": layout}, labels, ignore_index, reduction, chunk=64)
+    if reduction == "none":  # the per-token losses, fixed rows included, then a weighted sum's gradients
+        assert_close(jax.jit(ours)(h, kernel, None), ref(h.astype(F32), kernel.astype(F32), None), jnp.bfloat16)
+        weights = jnp.asarray(rng.uniform(0.5, 1.5, lead), F32)
+        per_token, per_token_ref = ours, ref
+
+        def ours(*args):
+            return jnp.sum(per_token(*args) * weights)
+
+        def ref(*args):
+            return jnp.sum(per_token_ref(*args) * weights)
+
     value, grads = jax.jit(jax.value_and_grad(ours, (0, 1)))(h, kernel, None)
     want, refs = jax.value_and_grad(ref, (0, 1))(h.astype(F32), kernel.astype(F32), None)
     assert jnp.isfinite(value) and all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
@@ -243,14 +254,28 @@ def test_float32_params_kernel_path_gpu(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("layout", ["hv", "vh"])
-def test_exp_path_kernels_gpu(layout, rng):
+def test_exp_path_kernels_gpu(layout, reduction, rng):
     """The exp path's kernels on the GPU, both kernel layouts (a (V, H) table read as stored by
     the logits GEMM): several chunks, z-loss, ignored tokens, and rows out of the exp's range
-    for the fix loop -- loss and gradients vs a float32 reference."""
+    for the fix loop -- loss (per token for "none", then a weighted sum) and gradients vs a
+    float32 reference."""
     h, kernel, _, labels = head_operands(rng, (3, 333), 256, 1000, jnp.bfloat16, -100)
     h = h.at[0, 5].multiply(100.0).at[1, 7].multiply(100.0)  # logits past the clamp
-    ours, ref = head_call({"z_loss": 1e-3, "kernel_layout": layout}, labels, -100, "mean", chunk=128)
+    ours, ref = head_call({"z_loss": 1e-3, "kernel_layout": layout}, labels, -100, reduction, chunk=128)
+    if reduction == "none":
+        with cl.use_backend("cute"):
+            assert_close(jax.jit(ours)(h, kernel, None), ref(h.astype(F32), kernel.astype(F32), None), jnp.bfloat16)
+        weights = jnp.asarray(rng.uniform(0.5, 1.5, labels.shape), F32)
+        per_token, per_token_ref = ours, ref
+
+        def ours(*args):
+            return jnp.sum(per_token(*args) * weights)
+
+        def ref(*args):
+            return jnp.sum(per_token_ref(*args) * weights)
+
     with cl.use_backend("cute"):
         value, grads = jax.jit(jax.value_and_grad(ours, (0, 1)))(h, kernel, None)
     want, refs = jax.jit(jax.value_and_grad(ref, (0, 1)))(h.astype(F32), kernel.astype(F32), None)
@@ -426,31 +451,38 @@ def test_strided_chunks_never_copy_h_whole():
 @pytest.mark.cute
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_lowers_to_the_kernels_for_cuda(reduction):
-    """Every chunk's GEMMs and cross-entropy passes are our kernels. A mean or sum computes the
-    gradients in the forward on the exp path: one GEMM per chunk gives exp(logits) and their row
-    sums (two results), and no cross-entropy pass runs; the exact path's loop over out-of-range
-    rows adds one more dkernel GEMM. Per-token losses recompute the logits in the backward (two
-    GEMMs, the two cross-entropy kernels)."""
+    """Every chunk's GEMMs are our kernels, and a bfloat16 head without bias runs the exp path:
+    one GEMM per chunk gives exp(logits) and their row sums (two results), and no cross-entropy
+    pass runs. A mean or sum computes the gradients in the forward; per-token losses recompute
+    the exp GEMM in the backward; the exact path's loop over out-of-range rows adds one more
+    dkernel GEMM. With a bias, the cross-entropy kernels instead."""
     tokens, hidden, vocab, chunk = 4096, 128, 1024, 512
     S = jax.ShapeDtypeStruct
     avals = (S((tokens, hidden), jnp.bfloat16), S((hidden, vocab), jnp.bfloat16), S((tokens,), jnp.int32))
 
-    def loss(h, kernel, labels):
-        out = linear_cross_entropy(h, kernel, labels, ignore_index=-100, chunk_size=chunk, reduction=reduction)
+    def loss(h, kernel, labels, bias=None):
+        out = linear_cross_entropy(h, kernel, labels, bias=bias, ignore_index=-100, chunk_size=chunk,
+                                   reduction=reduction)
         return jnp.sum(out)
 
     hlo = lower_cuda(jax.value_and_grad(loss, (0, 1)), *avals)
     calls = collections.Counter(kernel_targets(hlo))
     # The loops that sum gradients run their first chunk before the loop over the others (the
     # sums start from it): their calls are in the program twice.
+    exp_gemms = 2 + (reduction == "none")  # per-token losses: the forward's loop, then the backward's
+    assert calls == {"linear_fwd": exp_gemms, "linear_dkernel": 2 + 1, "linear_dx": 2}, calls
+    forwards = [line for line in hlo.splitlines() if "@cutelayers_linear_fwd" in line]
+    assert all(f"-> (tensor<1x{chunk}x{vocab}xbf16>, tensor<1x{chunk}x{vocab // 64}xf32>)" in line
+               for line in forwards), forwards
+    # with a bias: the logits GEMM and the cross-entropy kernels (the loss and its gradient in one
+    # pass for a total; forward, then the backward recomputing the logits, for per-token losses)
+    biased = collections.Counter(kernel_targets(lower_cuda(jax.value_and_grad(loss, (0, 1, 3)), *avals,
+                                                           S((vocab,), jnp.bfloat16))))
     if reduction == "none":
-        expected = {"linear_fwd": 1 + 2, "cross_entropy_fwd": 1, "cross_entropy_bwd": 2, "linear_dkernel": 2}
+        assert biased == {"linear_fwd": 1 + 2, "cross_entropy_fwd": 1, "cross_entropy_bwd": 2, "linear_dkernel": 2,
+                          "linear_dx": 2}, biased
     else:
-        expected = {"linear_fwd": 2, "linear_dkernel": 2 + 1}
-        exp_gemms = [line for line in hlo.splitlines() if "@cutelayers_linear_fwd" in line]
-        assert all(f"-> (tensor<1x{chunk}x{vocab}xbf16>, tensor<1x{chunk}x{vocab // 64}xf32>)" in line
-                   for line in exp_gemms), exp_gemms
-    assert calls == {**expected, "linear_dx": 2}
+        assert biased == {"linear_fwd": 2, "cross_entropy_with_grad": 2, "linear_dkernel": 2, "linear_dx": 2}, biased
     # dkernel is summed over the chunks by the GEMM itself: the first chunk's is a float32
     # result, to which each later chunk's GEMM adds its own in the float32 carry it aliases; no
     # (H, V) zeros are made and no (H, V) add runs per chunk, and one cast gives the gradient its
@@ -460,19 +492,15 @@ def test_lowers_to_the_kernels_for_cuda(reduction):
     assert first.endswith(f"xbf16>) -> {out}") and "output_operand_aliases" not in first
     assert running.endswith(f"{out}) -> {out}") and "output_operand_aliases" in running
     # the exp path's fix loop adds its rows' gradient into the same sum, in place
-    assert len(fixing) == (reduction != "none") and all("output_operand_aliases" in line for line in fixing)
+    assert len(fixing) == 1 and "output_operand_aliases" in fixing[0]
     # the only scalar spread over (H, V) is a total's gradient scale (there are no zeros)
     scalar_fills = re.findall(rf"broadcast_in_dim %\w+, dims = \[\] : \(tensor<f32>\) -> tensor<(1x)?{hidden}x{vocab}xf32>",
                               hlo)
     assert len(scalar_fills) == (reduction != "none")
-    # a chunk's dz is written over its logits (they die there)
-    if reduction == "none":
-        dz_calls = [line for line in hlo.splitlines() if "@cutelayers_cross_entropy_bwd" in line]
-        assert len(dz_calls) == 2 and all("output_operand_aliases" in line for line in dz_calls)
     assert not re.findall(rf"stablehlo\.add .*tensor<(1x)?{hidden}x{vocab}x", hlo)
     assert len(re.findall(rf"stablehlo\.convert .*tensor<{hidden}x{vocab}xf32>\) ->", hlo)) == 1
-    # without differentiation: the forward GEMM and cross-entropy pass only
-    assert collections.Counter(kernel_targets(lower_cuda(loss, *avals))) == {"linear_fwd": 1, "cross_entropy_fwd": 1}
+    # without differentiation: the exp GEMM only
+    assert collections.Counter(kernel_targets(lower_cuda(loss, *avals))) == {"linear_fwd": 1}
     assert f"{tokens}x{vocab}x" not in hlo
     # a float32 kernel: cast to bfloat16 for the GEMMs (again in the backward that recomputes the
     # logits), and its gradient is the float32 sum as it is: no convert of an (H, V) gradient

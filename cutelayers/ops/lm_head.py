@@ -35,8 +35,8 @@ is transposed.
   its second pass: :class:`cutelayers.ops.softmax.CrossEntropyWithGrad`), dz over the logits'
   buffer. Saved: dh (tokens, H) in h's dtype, dkernel and dbias in float32. Without
   differentiation only the forward GEMM and the cross-entropy forward kernel run.
-* The **exp path** of ``"mean"`` / ``"sum"`` -- bfloat16, a kernel (either layout) without bias,
-  label smoothing or soft cap -- has no cross-entropy pass: the logits GEMM's epilogue stores ``P = exp(z)`` (bf16,
+* The **exp path** -- bfloat16, a kernel (either layout) without bias, label smoothing or soft
+  cap; every reduction -- has no cross-entropy pass: the logits GEMM's epilogue stores ``P = exp(z)`` (bf16,
   whose exponent range is float32's: no shift is needed for logits within about +-60) and its
   float32 row sums S (:func:`cutelayers.ops.linear.exp_logits`). Then lse = log S, the label's
   logit is log P[y], and ``dz = s (P - c onehot)`` with ``s = w (1 + 2 z_loss lse) / S`` and
@@ -46,7 +46,10 @@ is transposed.
   A row whose S leaves [e^-60, e^60] or whose label's P underflows (logits past the epilogue's
   clamp at 80, or a label beyond ~69 nats) gets weight 0 there, and a loop after the chunks
   computes its exact loss, lse and gradients, ``FIX_ROWS`` tokens at a time with float32 logits;
-  it runs no step when every row is in range (docs/lm_head_notes.md).
+  it runs no step when every row is in range (docs/lm_head_notes.md). Per-token losses
+  (``"none"``) and a forward without differentiation take lse and the loss from the exp GEMM's
+  sums and the label's P (the loop fixing their rows without gradients); the backward of
+  ``"none"`` is the weighted total's exp-path gradients with the cotangents as the weights.
 
 Memory: O(chunk × V) for the logits plus the float32 (H, V) gradient accumulator (for float32
 parameters the gradient itself, returned as it is). The chunk is at
@@ -70,6 +73,7 @@ import functools
 import itertools
 import math
 import operator
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -110,6 +114,22 @@ EXP_RANGE = 60.0
 LABEL_EXP_MIN = 1e-30
 FIX_ROWS = 64
 KERNEL_LAYOUTS = ("hv", "vh")
+
+
+class ExpChunk(NamedTuple):
+    """One chunk on the exp path (:func:`_chunked_fns`): P = exp(logits) (rows, V) in bf16, the
+    row indices, each row's label (0 where it is not one of the vocabulary), S, lse = log S and
+    the loss (float32, rows), which rows the exp path holds (``good``) and which of those count
+    (``counted``: good and not ignored)."""
+
+    p: jax.Array
+    rows: jax.Array
+    y_safe: jax.Array
+    s: jax.Array
+    lse: jax.Array
+    loss: jax.Array
+    good: jax.Array
+    counted: jax.Array
 
 
 def chunk_layout(lead: tuple[int, ...], vocab: int, chunk_size: int | None) -> tuple[int, int]:
@@ -220,7 +240,15 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
             dbias = None if dbias is None else dbias * scale
         return dh, None, dkernel.astype(param_dtype), None if dbias is None else dbias.astype(param_dtype)
 
+    def takes_exp_path(h, bias) -> bool:
+        """Whether this call runs the exp path (module docstring): bfloat16 (float16's exponents
+        stop at e^11) and no bias."""
+        return exp_path and bias is None and h.dtype == jnp.bfloat16
+
     def forward(h, labels, kernel, bias):
+        if takes_exp_path(h, bias):
+            return exp_forward(h, labels, kernel)
+
         def step(_, c):
             return None, ce_forward(chunk_logits(h, kernel, bias, c), _chunk(labels, c))
 
@@ -241,6 +269,8 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
         h, labels, kernel, bias, lse = res
         kernel, bias = compute_params(h, kernel, bias)
         dloss = cotangents_out[0].astype(F32)  # lse's is dropped (the op stops its gradient)
+        if takes_exp_path(h, bias):  # the weighted total's gradients, the cotangents its weights
+            return cotangents(exp_total_fwd(h, labels, kernel, dloss)[1])
 
         def step(grads, chunk):
             c, lse_c = chunk
@@ -259,7 +289,7 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
 
     def total_fwd(h, labels, kernel, bias, weights):
         kernel, bias = compute_params(h, kernel, bias)
-        if exp_path and bias is None and h.dtype == jnp.bfloat16:  # float16's exponents stop at e^11
+        if takes_exp_path(h, bias):
             return exp_total_fwd(h, labels, kernel, weights)
 
         def step(carry, c):
@@ -274,6 +304,33 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
         (grads, total), lse = scan_chunks(step, jnp.arange(h.shape[1]))
         return (total, lse), grads
 
+    def exp_chunk(h_c, y_c, kernel) -> ExpChunk:
+        """One chunk's exp GEMM (P and its row sums S) and what the exp path reads of it."""
+        valid = jnp.ones(y_c.shape, bool) if ignore_index is None else y_c != ignore_index
+        p, sums = exp_logits(h_c, kernel, None, kernel_nk=vocab_major)
+        s = jnp.sum(sums, axis=-1)
+        lse = jnp.log(s)
+        rows = jnp.arange(y_c.shape[0])
+        # a label outside the vocabulary takes the exact path, whose loss it makes NaN
+        known = valid & (y_c >= 0) & (y_c < p.shape[-1])
+        y_safe = jnp.where(known, y_c, 0)
+        p_y = p[rows, y_safe].astype(F32)
+        good = (s >= math.exp(-EXP_RANGE)) & (s <= math.exp(EXP_RANGE)) & (~valid | (known & (p_y >= LABEL_EXP_MIN)))
+        counted = good & valid
+        loss = jnp.where(counted, lse - jnp.log(jnp.where(counted, p_y, 1.0)) + z_loss * lse**2, 0.0)
+        return ExpChunk(p, rows, y_safe, s, lse, loss, good, counted)
+
+    def exp_forward(h, labels, kernel):
+        """forward's exp path: per chunk the exp GEMM's row sums give lse and the loss; the rows
+        out of its range get theirs after the chunks (:func:`fix_rows`)."""
+        def step(_, c):
+            chunk = exp_chunk(_chunk(h, c), _chunk(labels, c), kernel)
+            return None, (chunk.lse, chunk.loss, chunk.good)
+
+        _, (lse, loss, good) = jax.lax.scan(step, None, jnp.arange(h.shape[1]))
+        lse, loss, _, _ = fix_rows(h, labels, kernel, ~good.T, lse, loss=loss.T)
+        return lse, loss
+
     def exp_total_fwd(h, labels, kernel, weights):
         """total_fwd's exp path (module docstring): per chunk one GEMM gives P = exp(z) and its
         row sums S; dz = s (P - c onehot) with s = w (1 + 2 z_loss lse) / S, c = S / (1 + 2
@@ -285,36 +342,30 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
             h_c, y_c = _chunk(h, c), _chunk(labels, c)
             if grads is not None:  # this chunk's P only once the last one's GEMMs have read theirs
                 h_c, grads = jax.lax.optimization_barrier((h_c, grads))
-            valid = jnp.ones(y_c.shape, bool) if ignore_index is None else y_c != ignore_index
-            p, sums = exp_logits(h_c, kernel, None, kernel_nk=vocab_major)
-            s = jnp.sum(sums, axis=-1)
-            lse = jnp.log(s)
-            rows = jnp.arange(y_c.shape[0])
-            # a label outside the vocabulary takes the exact path, whose loss it makes NaN
-            known = valid & (y_c >= 0) & (y_c < p.shape[-1])
-            y_safe = jnp.where(known, y_c, 0)
-            p_y = p[rows, y_safe].astype(F32)
-            good = (s >= math.exp(-EXP_RANGE)) & (s <= math.exp(EXP_RANGE)) & (~valid | (known & (p_y >= LABEL_EXP_MIN)))
-            factor = 1.0 + 2.0 * z_loss * lse
-            w_c = jnp.where(good & valid, _chunk(weights, c), 0.0)
-            scale = jnp.where(good, w_c * factor / jnp.where(good, s, 1.0), 0.0)
-            p = p.at[rows, y_safe].add(jnp.where(good & valid, -s / factor, 0.0).astype(p.dtype))
+            chunk = exp_chunk(h_c, y_c, kernel)
+            p, rows, good = chunk.p, chunk.rows, chunk.good
+            factor = 1.0 + 2.0 * z_loss * chunk.lse
+            w_c = jnp.where(chunk.counted, _chunk(weights, c), 0.0)
+            scale = jnp.where(good, w_c * factor / jnp.where(good, chunk.s, 1.0), 0.0)
+            p = p.at[rows, chunk.y_safe].add(jnp.where(chunk.counted, -chunk.s / factor, 0.0).astype(p.dtype))
             dh_c = jnp.where(good[:, None], chunk_input_grad(p, kernel).astype(F32) * scale[:, None], 0.0)
             dh, dkernel, _ = grads or (_zeros_of_type(h), None, None)
             dh = jax.lax.dynamic_update_index_in_dim(dh, dh_c.astype(h.dtype), c, axis=1)
             dkernel = add_kernel_grad(dkernel, (h_c.astype(F32) * scale[:, None]).astype(h.dtype), p)
-            loss = jnp.where(good & valid, lse - jnp.log(jnp.where(good & valid, p_y, 1.0)) + z_loss * lse**2, 0.0)
-            chunk_total = jnp.sum(loss * w_c)
-            return ((dh, dkernel, None), chunk_total if total is None else total + chunk_total), (lse, good)
+            chunk_total = jnp.sum(chunk.loss * w_c)
+            return ((dh, dkernel, None), chunk_total if total is None else total + chunk_total), (chunk.lse, good)
 
         ((dh, dkernel, _), total), (lse, good) = scan_chunks(step, jnp.arange(h.shape[1]))
-        dh, dkernel, total, lse = fix_rows(h, labels, kernel, weights, ~good.T, dh, dkernel, total, lse)
+        lse, _, total, (dh, dkernel) = fix_rows(h, labels, kernel, ~good.T, lse, weights=weights, total=total,
+                                                grads=(dh, dkernel))
         return (total, lse), (dh, dkernel, None)
 
-    def fix_rows(h, labels, kernel, weights, bad, dh, dkernel, total, lse):
-        """The exact loss, lse and gradients of the (R, C) ``bad`` tokens, FIX_ROWS at a time with
-        (FIX_ROWS, V) float32 logits, into dh, dkernel, total and lse (C, R): a loop that runs
-        no step when no row is bad."""
+    def fix_rows(h, labels, kernel, bad, lse, *, loss=None, weights=None, total=None, grads=None):
+        """The exact lse of the (R, C) ``bad`` tokens into ``lse`` (C, R), FIX_ROWS at a time with
+        (FIX_ROWS, V) float32 logits -- a loop that runs no step when no row is bad --, and as
+        asked: their losses into ``loss`` (R, C); their losses times ``weights`` (R, C) added to
+        ``total``; their weighted loss's gradients added into ``grads`` (dh (R, C, H), the
+        float32 dkernel sum). Returns (lse, loss, total, grads)."""
         n_chunks = h.shape[1]
         table = "vh" if vocab_major else "hv"
         flat = bad.reshape(-1)
@@ -324,24 +375,31 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
         n_bad = jnp.sum(flat)
 
         def body(state):
-            i, dh, dkernel, total, lse = state
+            i, lse, loss, total, grads = state
             picked = jax.lax.dynamic_slice_in_dim(order, i * block, block)
             live = i * block + jnp.arange(block) < n_bad
             r, c = picked // n_chunks, picked % n_chunks
             h_b = h[r, c]
             # a block's rows past the bad ones: label 0 and weight 0, so they add nothing
-            y_b, w_b = jnp.where(live, labels[r, c], 0), jnp.where(live, weights[r, c], 0.0)
+            y_b = jnp.where(live, labels[r, c], 0)
+            w_b = jnp.where(live, 1.0 if weights is None else weights[r, c], 0.0)
             z = jnp.einsum(f"bh,{table}->bv", h_b, kernel, preferred_element_type=F32)
-            dz, lse_b, loss = exact_loss.reference(z, y_b, w_b)  # the kernels' jnp decomposition
-            dh_b = jnp.einsum(f"bv,{table}->bh", dz.astype(h.dtype), kernel, preferred_element_type=F32).astype(dh.dtype)
-            dh = dh.at[r, c].set(jnp.where(live[:, None], dh_b, dh[r, c]))
-            dkernel = add_kernel_grad(dkernel, h_b, dz.astype(h.dtype))
+            dz, lse_b, loss_b = exact_loss.reference(z, y_b, w_b)  # the kernels' jnp decomposition
             lse = lse.at[c, r].set(jnp.where(live, lse_b, lse[c, r]))
-            return i + 1, dh, dkernel, total + jnp.sum(loss * w_b), lse
+            if loss is not None:
+                loss = loss.at[r, c].set(jnp.where(live, loss_b, loss[r, c]))
+            if total is not None:
+                total = total + jnp.sum(loss_b * w_b)
+            if grads is not None:
+                dh, dkernel = grads
+                dh_b = jnp.einsum(f"bv,{table}->bh", dz.astype(h.dtype), kernel, preferred_element_type=F32)
+                dh = dh.at[r, c].set(jnp.where(live[:, None], dh_b.astype(dh.dtype), dh[r, c]))
+                grads = dh, add_kernel_grad(dkernel, h_b, dz.astype(h.dtype))
+            return i + 1, lse, loss, total, grads
 
-        _, dh, dkernel, total, lse = jax.lax.while_loop(
-            lambda state: state[0] * block < n_bad, body, (jnp.int32(0), dh, dkernel, total, lse))
-        return dh, dkernel, total, lse
+        _, *state = jax.lax.while_loop(lambda state: state[0] * block < n_bad, body,
+                                       (jnp.int32(0), lse, loss, total, grads))
+        return tuple(state)
 
     def total_bwd(grads, cotangents_out):
         return *cotangents(grads, scale=cotangents_out[0]), None
