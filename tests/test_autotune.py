@@ -170,6 +170,22 @@ def test_a_gated_mlp_tunes_its_two_gated_kernels():
     assert autotune.FAMILY_OPS["linear_fwd"] == "linear"
 
 
+def test_an_lm_head_chunk_tunes_its_three_kernels():
+    """lm_head M x K x V: the exp logits GEMM (two results, its own key), the hidden gradient over
+    the vocabulary (stream-K into zeros where the (M, K) output is too small to fill the GPU) and
+    the kernel gradient added into the float32 running sum; each as the op runs it."""
+    gpt2, llama = (autotune.cases("lm_head", [shape], ["bfloat16"]) for shape in ((4096, 768, 50304), (4096, 4096, 131072)))
+    for (exp, dh, dkernel), (m, k, v) in ((gpt2, (4096, 768, 50304)), (llama, (4096, 4096, 131072))):
+        assert exp.family.exp_row_sums and dict(exp.key[1])["exp_row_sums"]
+        assert [a.shape for a in exp.avals] == [(1, m, k), (1, k, v)]
+        assert dh.family.name == "linear_dx" and [a.shape for a in dh.avals][:2] == [(1, m, v), (1, k, v)]
+        assert dkernel.family.accumulate and [a.shape for a in dkernel.avals] == [(1, m, k), (1, m, v), (1, k, v)]
+        assert dkernel.avals[2].dtype == jnp.float32
+    assert gpt2[1].family.stream_k and gpt2[1].avals[2].shape == (1, 4096, 768)  # 96 output tiles
+    assert not llama[1].family.stream_k and len(llama[1].avals) == 2
+    assert autotune.FAMILY_OPS["linear_fwd"] == "linear"
+
+
 def test_the_linear_weight_gradient_is_tuned_as_the_layers_run_it():
     """The linear autotune's weight gradient is the kernel a layer with a bias runs: db summed by it,
     and where the (K, N) output is too small to fill the GPU (GPT-2's layers over 16384 rows), on

@@ -30,7 +30,9 @@ def test_help_lists_every_family():
     ["gemm", "--shapes", "64x128x256", "--param-dtype", "float32"],
     ["lm_head", "--tokens", "64", "--hidden", "64", "--vocab", "256", "--dtype", "float32", "--chunk-size", "32"],
     ["lm_head", "--tokens", "64", "--hidden", "64", "--vocab", "256", "--param-dtype", "float32"],
-], ids=["reduce", "norms", "softmax", "gemm", "gemm-float32-params", "lm_head", "lm_head-float32-params"])
+    ["lm_head", "--tokens", "64", "--hidden", "64", "--vocab", "256", "--kernel-layout", "vh", "--device-peak"],
+], ids=["reduce", "norms", "softmax", "gemm", "gemm-float32-params", "lm_head", "lm_head-float32-params",
+        "lm_head-vh-device-peak"])
 def test_gpu_families_need_a_gpu(argv, capsys):
     assert main(argv) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
