@@ -5,6 +5,7 @@ compose.
 """
 
 import collections
+import contextlib
 import functools
 import math
 import re
@@ -193,28 +194,12 @@ def test_exp_path_with_rows_out_of_its_range(reduction, z_loss, layout, rng):
     if reduction == "none":  # the per-token losses, fixed rows included, then a weighted sum's gradients
         assert_close(jax.jit(ours)(h, kernel, None), ref(h.astype(F32), kernel.astype(F32), None), jnp.bfloat16)
         weights = jnp.asarray(rng.uniform(0.5, 1.5, lead), F32)
-        per_token, per_token_ref = ours, ref
-
-        def ours(*args):
-            return jnp.sum(per_token(*args) * weights)
-
-        def ref(*args):
-            return jnp.sum(per_token_ref(*args) * weights)
-
-    value, grads = jax.jit(jax.value_and_grad(ours, (0, 1)))(h, kernel, None)
-    want, refs = jax.value_and_grad(ref, (0, 1))(h.astype(F32), kernel.astype(F32), None)
+        ours, ref = weighted_sum(ours, weights), weighted_sum(ref, weights)
+    value, grads = check_value_and_grads(ours, ref, (h, kernel), None)
     assert jnp.isfinite(value) and all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
-    assert_close(value, want, jnp.bfloat16)
-    for g, g_ref in zip(grads, refs):
-        assert_close(g, g_ref, jnp.bfloat16, scale=2.0)
     # and the ordinary rows alone: no row takes the fix loop
     keep = jnp.ones(lead, bool).at[0, 5].set(False).at[0, 20].set(False).at[2, 9].set(False)
-    calm = jnp.where(keep[..., None], h, 0.1)
-    value, grads = jax.jit(jax.value_and_grad(ours, (0, 1)))(calm, kernel, None)
-    want, refs = jax.value_and_grad(ref, (0, 1))(calm.astype(F32), kernel.astype(F32), None)
-    assert_close(value, want, jnp.bfloat16)
-    for g, g_ref in zip(grads, refs):
-        assert_close(g, g_ref, jnp.bfloat16, scale=2.0)
+    check_value_and_grads(ours, ref, (jnp.where(keep[..., None], h, 0.1), kernel), None)
 
 
 def test_exp_path_fix_loop_over_several_blocks(rng):
@@ -223,12 +208,7 @@ def test_exp_path_fix_loop_over_several_blocks(rng):
     lead, hidden, vocab = (150,), 32, 200
     h, kernel, _, labels = head_operands(rng, lead, hidden, vocab, jnp.bfloat16)
     h = h.at[::5].multiply(300.0).at[1::5].multiply(300.0).at[2::5].multiply(300.0)
-    ours, ref = head_call({}, labels, None, "mean", chunk=64)
-    value, grads = jax.jit(jax.value_and_grad(ours, (0, 1)))(h, kernel, None)
-    want, refs = jax.value_and_grad(ref, (0, 1))(h.astype(F32), kernel.astype(F32), None)
-    assert_close(value, want, jnp.bfloat16)
-    for g, g_ref in zip(grads, refs):
-        assert_close(g, g_ref, jnp.bfloat16, scale=2.0)
+    check_value_and_grads(*head_call({}, labels, None, "mean", chunk=64), (h, kernel), None)
 
 
 def test_exp_path_label_outside_the_vocabulary_is_nan(rng):
@@ -243,14 +223,7 @@ def test_exp_path_label_outside_the_vocabulary_is_nan(rng):
 @pytest.mark.gpu
 def test_float32_params_kernel_path_gpu(rng):
     h, kernel, bias, labels = head_operands(rng, (3, 333), 256, 1000, jnp.bfloat16, -100, param_dtype=F32)
-    ours, ref = head_call({}, labels, -100, "mean", chunk=128)
-    with cl.use_backend("cute"):
-        value, grads = jax.jit(jax.value_and_grad(ours, (0, 1, 2)))(h, kernel, bias)
-    want, refs = jax.jit(jax.value_and_grad(ref, (0, 1, 2)))(*(a.astype(F32) for a in (h, kernel, bias)))
-    assert_close(value, want, jnp.bfloat16)
-    for g, g_ref, primal in zip(grads, refs, (h, kernel, bias)):
-        assert g.dtype == primal.dtype and g.shape == primal.shape
-        assert_close(g, g_ref, jnp.bfloat16, scale=2.0)
+    check_value_and_grads(*head_call({}, labels, -100, "mean", chunk=128), (h, kernel, bias), on_kernels=True)
 
 
 @pytest.mark.gpu
@@ -268,21 +241,8 @@ def test_exp_path_kernels_gpu(layout, reduction, rng):
         with cl.use_backend("cute"):
             assert_close(jax.jit(ours)(h, kernel, None), ref(h.astype(F32), kernel.astype(F32), None), jnp.bfloat16)
         weights = jnp.asarray(rng.uniform(0.5, 1.5, labels.shape), F32)
-        per_token, per_token_ref = ours, ref
-
-        def ours(*args):
-            return jnp.sum(per_token(*args) * weights)
-
-        def ref(*args):
-            return jnp.sum(per_token_ref(*args) * weights)
-
-    with cl.use_backend("cute"):
-        value, grads = jax.jit(jax.value_and_grad(ours, (0, 1)))(h, kernel, None)
-    want, refs = jax.jit(jax.value_and_grad(ref, (0, 1)))(h.astype(F32), kernel.astype(F32), None)
-    assert_close(value, want, jnp.bfloat16)
-    for g, g_ref, primal in zip(grads, refs, (h, kernel)):
-        assert g.dtype == primal.dtype and g.shape == primal.shape
-        assert_close(g, g_ref, jnp.bfloat16, scale=2.0)
+        ours, ref = weighted_sum(ours, weights), weighted_sum(ref, weights)
+    check_value_and_grads(ours, ref, (h, kernel), None, on_kernels=True)
 
 
 OPTIONS = [  # the loss options, each alone and all together, with an (H, V) or (V, H) kernel
@@ -309,6 +269,31 @@ def head_call(options, labels, ignore_index, reduction, chunk):
         return reference_loss(f32_logits(h, kernel, bias), labels, ignore_index, reduction, **options)
 
     return ours, ref
+
+
+def weighted_sum(loss_fn, weights):
+    """Per-token losses summed with ``weights`` (positive: a signed sum would cancel, and its
+    relative error be noise): a scalar whose gradients weigh every token."""
+    def total(*args):
+        return jnp.sum(loss_fn(*args) * weights)
+
+    return total
+
+
+def check_value_and_grads(ours, ref, primals, *rest, on_kernels=False):
+    """ours (jitted; under backend "cute" if ``on_kernels``) against ref on float32 copies of
+    ``primals``, both differentiated w.r.t. the primals (``rest`` follows them undifferentiated):
+    the value and each gradient within bf16 tolerance, each gradient in its primal's dtype and
+    shape. Returns ours' (value, gradients)."""
+    argnums = tuple(range(len(primals)))
+    with cl.use_backend("cute") if on_kernels else contextlib.nullcontext():
+        value, grads = jax.jit(jax.value_and_grad(ours, argnums))(*primals, *rest)
+    want, refs = jax.jit(jax.value_and_grad(ref, argnums))(*(a.astype(F32) for a in primals), *rest)
+    assert_close(value, want, jnp.bfloat16)
+    for g, g_ref, primal in zip(grads, refs, primals, strict=True):
+        assert g.dtype == primal.dtype and g.shape == primal.shape
+        assert_close(g, g_ref, jnp.bfloat16, scale=2.0)
+    return value, grads
 
 
 @pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
@@ -350,26 +335,12 @@ def test_return_lse(rng):
 def test_kernel_path_gpu(options, reduction, rng):
     """The kernels on the GPU, several chunks (the last one padded): loss and every gradient vs a
     float32 reference, dkernel summed over the chunks by its GEMM."""
-    dtype = jnp.bfloat16
-    h, kernel, bias, labels = head_operands(rng, (3, 333), 256, 1000, dtype, ignore_index=-100)
-    # positive weights: a signed sum of the per-token losses cancels, and its relative error is noise
-    weights = jnp.asarray(rng.uniform(0.5, 1.5, labels.shape), F32)
-    ours_fn, ref_fn = head_call(options, labels, -100, reduction, chunk=128)
-
-    def total(loss_fn):
-        def fn(h, kernel, bias):
-            out = loss_fn(h, kernel, bias)
-            return out if reduction == "mean" else jnp.sum(out * weights)
-        return fn
-
-    ours, ref = total(ours_fn), total(ref_fn)
-    with cl.use_backend("cute"):
-        value, grads = jax.jit(jax.value_and_grad(ours, (0, 1, 2)))(h, kernel, bias)
-    want, refs = jax.jit(jax.value_and_grad(ref, (0, 1, 2)))(*(a.astype(F32) for a in (h, kernel, bias)))
-    assert_close(value, want, dtype)
-    for g, g_ref, primal in zip(grads, refs, (h, kernel, bias)):
-        assert g.dtype == primal.dtype and g.shape == primal.shape
-        assert_close(g, g_ref, dtype, scale=2.0)
+    h, kernel, bias, labels = head_operands(rng, (3, 333), 256, 1000, jnp.bfloat16, ignore_index=-100)
+    ours, ref = head_call(options, labels, -100, reduction, chunk=128)
+    if reduction == "none":
+        weights = jnp.asarray(rng.uniform(0.5, 1.5, labels.shape), F32)
+        ours, ref = weighted_sum(ours, weights), weighted_sum(ref, weights)
+    check_value_and_grads(ours, ref, (h, kernel, bias), on_kernels=True)
 
 
 def test_vmap_jit_grad_compositions(rng):
