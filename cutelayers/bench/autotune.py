@@ -212,7 +212,11 @@ def _reduce_cases(op: str, kind: str, shape, dtype) -> list[Case]:
 
 def _gemm_case_maker(op: str, m: int, k_dim: int, n: int, dtype) -> Callable[..., Case]:
     """``case(family, *operand names)``: a Case of a GEMM family on random operands of an
-    M x K x N GEMM (x (1, M, K), w (1, K, N), dz (1, M, N), ...), drawn by name."""
+    M x K x N GEMM (x (1, M, K), w (1, K, N), dz (1, M, N), ...), drawn by name; a shape or dtype
+    the kernels do not take is refused here."""
+    usable, why = kernels_apply(dtype, k_dim, n)
+    if not usable:
+        raise ValueError(f"autotune {op}: shape {m}x{k_dim}x{n}, dtype {dtype.name}: {why}")
     S = jax.ShapeDtypeStruct
     x, w, b, dz = S((1, m, k_dim), dtype), S((1, k_dim, n), dtype), S((n,), dtype), S((1, m, n), dtype)
     k = _keys(5)
@@ -239,9 +243,6 @@ def _gemm_case_maker(op: str, m: int, k_dim: int, n: int, dtype) -> Callable[...
 
 def _linear_cases(op: str, shape, dtype) -> list[Case]:
     m, k_dim, n = shape
-    usable, why = kernels_apply(dtype, k_dim, n)
-    if not usable:
-        raise ValueError(f"autotune {op}: shape {m}x{k_dim}x{n}, dtype {dtype.name}: {why}")
     case = _gemm_case_maker(op, m, k_dim, n, dtype)
 
     # Without a source tile the forward is tuned with the benchmark's epilogue (bias + gelu), whose
@@ -280,9 +281,6 @@ def _lm_head_cases(op: str, shape, dtype) -> list[Case]:
     (stream-K where it pays, into zeros) and the kernel gradient added into the float32 running
     sum -- each its own entry."""
     m, k_dim, n = shape
-    usable, why = kernels_apply(dtype, k_dim, n)
-    if not usable:
-        raise ValueError(f"autotune {op}: shape {m}x{k_dim}x{n}, dtype {dtype.name}: {why}")
     case = _gemm_case_maker(op, m, k_dim, n, dtype)
     dh_stream_k = stream_k_pays(m, k_dim, n)
     dkernel_stream_k = stream_k_pays(k_dim, n, m)

@@ -58,12 +58,16 @@ def loss_and_grads(head: str, chunk_size: int | None = None, kernel_layout: str 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
 
+def kernel_shape(h: int, v: int, kernel_layout: str) -> tuple[int, int]:
+    """The kernel's shape: (H, V), or (V, H) for ``kernel_layout`` "vh"."""
+    return (v, h) if kernel_layout == "vh" else (h, v)
+
+
 def head_specs(t: int, h: int, v: int, dtype, param_dtype=None,
                kernel_layout: str = "hv") -> tuple[jax.ShapeDtypeStruct, ...]:
     """Shapes of (h (T, H), kernel (H, V) -- (V, H) for ``kernel_layout`` "vh" -- in
     ``param_dtype`` (default: ``dtype``), labels (T,)): lowering needs no arrays."""
-    kernel_shape = (v, h) if kernel_layout == "vh" else (h, v)
-    return (jax.ShapeDtypeStruct((t, h), dtype), jax.ShapeDtypeStruct(kernel_shape, param_dtype or dtype),
+    return (jax.ShapeDtypeStruct((t, h), dtype), jax.ShapeDtypeStruct(kernel_shape(h, v, kernel_layout), param_dtype or dtype),
             jax.ShapeDtypeStruct((t,), jnp.int32))
 
 
@@ -92,8 +96,7 @@ def head_operands(t: int, h: int, v: int, dtype, seed: int = 0, param_dtype=None
     (V, H) for ``kernel_layout`` "vh") and labels."""
     kh, kk, kl = jax.random.split(jax.random.key(seed), 3)
     hidden = jax.random.normal(kh, (t, h), F32).astype(dtype)
-    kernel = (jax.random.normal(kk, (v, h) if kernel_layout == "vh" else (h, v), F32) / np.sqrt(h))
-    kernel = kernel.astype(param_dtype or dtype)
+    kernel = (jax.random.normal(kk, kernel_shape(h, v, kernel_layout), F32) / np.sqrt(h)).astype(param_dtype or dtype)
     return hidden, kernel, jax.random.randint(kl, (t,), 0, v, jnp.int32)
 
 
@@ -125,10 +128,9 @@ def _measure_peak(job: dict) -> dict:
         return {"peak_rise": None}
     t, h, v, layout = job["t"], job["h"], job["v"], job["kernel_layout"]
     dtype, param_dtype = jnp.dtype(job["dtype"]), jnp.dtype(job["param_dtype"] or job["dtype"])
-    rng = np.random.default_rng(0)
-    hidden = jnp.asarray(rng.standard_normal((t, h), np.float32)).astype(dtype)
-    kernel = rng.standard_normal((v, h) if layout == "vh" else (h, v), np.float32)
-    kernel = jnp.asarray(kernel / np.float32(np.sqrt(h))).astype(param_dtype)
+    rng = np.random.default_rng(0)  # drawn and cast on the host: no device temporaries
+    hidden = jnp.asarray(rng.standard_normal((t, h), np.float32).astype(dtype))
+    kernel = jnp.asarray((rng.standard_normal(kernel_shape(h, v, layout), np.float32) / np.sqrt(h)).astype(param_dtype))
     labels = jnp.asarray(rng.integers(0, v, t, np.int32))
     with cl.use_backend("cute"):
         fn = compile_head(job["head"], (hidden, kernel, labels), job["chunk_size"], layout)
