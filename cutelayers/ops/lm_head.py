@@ -314,7 +314,12 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
         # a label outside the vocabulary takes the exact path, whose loss it makes NaN
         known = valid & (y_c >= 0) & (y_c < p.shape[-1])
         y_safe = jnp.where(known, y_c, 0)
+        # The label's P read before anything else: past the barrier no fusion reads P as the exp
+        # GEMM wrote it, so the scatter-add into the label entries (exp_total_fwd) updates P in
+        # place. Without it XLA may fuse this gather into a consumer after the update and keep a
+        # copy of P: a second chunk of scratch (tests/test_heads_bench.py).
         p_y = p[rows, y_safe].astype(F32)
+        p, p_y = jax.lax.optimization_barrier((p, p_y))
         good = (s >= math.exp(-EXP_RANGE)) & (s <= math.exp(EXP_RANGE)) & (~valid | (known & (p_y >= LABEL_EXP_MIN)))
         counted = good & valid
         loss = jnp.where(counted, lse - jnp.log(jnp.where(counted, p_y, 1.0)) + z_loss * lse**2, 0.0)
