@@ -208,13 +208,22 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
         running = () if dkernel is None else (dkernel[None],)
         return weight_grad(*(a[None] for a in operands), *running)[0]
 
-    def add_chunk_grads(grads, h, kernel, bias, c, dz):
+    def add_chunk_grads(grads, h, kernel, bias, c, dz, h_c=None, row_scale=None):
         """Adds chunk ``c``'s gradients, given its logits' gradient ``dz``, to (dh, dkernel, dbias):
-        for ``grads`` None (the first chunk) they start them."""
+        for ``grads`` None (the first chunk) they start them. ``h_c``: the chunk's rows of h, if
+        not read from h here. ``row_scale`` (R,) float32: the gradient is diag(row_scale) dz (the
+        exp path's P), so dh_c is scaled after its GEMM and h_c before dkernel's; a row of scale 0
+        adds nothing (its dz may not be finite)."""
         dh, dkernel, dbias = grads or (_zeros_of_type(h), None, None)
+        h_c = _chunk(h, c) if h_c is None else h_c
+        dh_c = chunk_input_grad(dz, kernel)
+        if row_scale is not None:
+            kept = (row_scale != 0.0)[:, None]
+            dh_c = jnp.where(kept, dh_c.astype(F32) * row_scale[:, None], 0.0).astype(h.dtype)
+            h_c = (h_c.astype(F32) * row_scale[:, None]).astype(h.dtype)
         # dh_c written in place into its column: stacking (C, R, H) would need a transpose
-        dh = jax.lax.dynamic_update_index_in_dim(dh, chunk_input_grad(dz, kernel), c, axis=1)
-        dkernel = add_kernel_grad(dkernel, _chunk(h, c), dz)
+        dh = jax.lax.dynamic_update_index_in_dim(dh, dh_c, c, axis=1)
+        dkernel = add_kernel_grad(dkernel, h_c, dz)
         if bias is not None:
             chunk_dbias = jnp.sum(dz.astype(F32), axis=0)
             dbias = chunk_dbias if dbias is None else dbias + chunk_dbias
@@ -353,12 +362,9 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
             w_c = jnp.where(chunk.counted, _chunk(weights, c), 0.0)
             scale = jnp.where(good, w_c * factor / jnp.where(good, chunk.s, 1.0), 0.0)
             p = p.at[rows, chunk.y_safe].add(jnp.where(chunk.counted, -chunk.s / factor, 0.0).astype(p.dtype))
-            dh_c = jnp.where(good[:, None], chunk_input_grad(p, kernel).astype(F32) * scale[:, None], 0.0)
-            dh, dkernel, _ = grads or (_zeros_of_type(h), None, None)
-            dh = jax.lax.dynamic_update_index_in_dim(dh, dh_c.astype(h.dtype), c, axis=1)
-            dkernel = add_kernel_grad(dkernel, (h_c.astype(F32) * scale[:, None]).astype(h.dtype), p)
+            grads = add_chunk_grads(grads, h, kernel, None, c, p, h_c=h_c, row_scale=scale)
             chunk_total = jnp.sum(chunk.loss * w_c)
-            return ((dh, dkernel, None), chunk_total if total is None else total + chunk_total), (chunk.lse, good)
+            return (grads, chunk_total if total is None else total + chunk_total), (chunk.lse, good)
 
         ((dh, dkernel, _), total), (lse, good) = scan_chunks(step, jnp.arange(h.shape[1]))
         lse, _, total, (dh, dkernel) = fix_rows(h, labels, kernel, ~good.T, lse, weights=weights, total=total,
