@@ -10,6 +10,10 @@ presets:
 * ``gpt2``   -- GPT-2 small's shape (12 blocks, d 768, 12 heads, sequence 1024; 163M parameters with the
   untied head), vocabulary padded to 50304 (a multiple of 128), bfloat16: the benchmark model. The
   shipped corpus is bytes, so training it uses the first 256 ids of that vocabulary.
+* ``wide``   -- GPT blocks at Llama 3.2 1B's width, depth and vocabulary (16 blocks, d 2048, 16 heads of
+  128, sequence 2048, vocabulary 128256; 1.33B parameters with the untied head), bfloat16: the
+  Llama-width shapes of the kernel benchmarks (the MLP 2048 -> 8192 -> 2048, the LM head's
+  128256 columns) in a model. GPT's LayerNorm, GELU and biases, not Llama's RMSNorm and SwiGLU.
 """
 
 from __future__ import annotations
@@ -84,11 +88,12 @@ CONFIGS: dict[str, GPTConfig] = {
     "small": GPTConfig(seq_len=512, n_layers=8, d_model=512, n_heads=8, dtype="bfloat16"),
     "deep24": GPTConfig(seq_len=128, n_layers=24, d_model=128, n_heads=4, dtype="bfloat16"),
     "gpt2": GPTConfig(vocab_size=50304, seq_len=1024, n_layers=12, d_model=768, n_heads=12, dtype="bfloat16"),
+    "wide": GPTConfig(vocab_size=128256, seq_len=2048, n_layers=16, d_model=2048, n_heads=16, dtype="bfloat16"),
 }
 
 
 def get_config(name: str, **overrides) -> GPTConfig:
-    """The preset ``name`` (``tiny``, ``small``, ``deep24``, ``gpt2``) with optional field overrides."""
+    """The preset ``name`` (``tiny``, ``small``, ``deep24``, ``gpt2``, ``wide``) with optional field overrides."""
     if name not in CONFIGS:
         raise ValueError(f"unknown model config {name!r}; choose from {', '.join(CONFIGS)}")
     return dataclasses.replace(CONFIGS[name], **overrides)

@@ -36,11 +36,15 @@ def tiny():
 # --- configs -----------------------------------------------------------------------------------
 
 def test_configs():
-    assert set(CONFIGS) == {"tiny", "small", "deep24", "gpt2"}
+    assert set(CONFIGS) == {"tiny", "small", "deep24", "gpt2", "wide"}
     assert CONFIGS["deep24"].n_layers == 24
     gpt2 = CONFIGS["gpt2"]
     assert (gpt2.n_layers, gpt2.d_model, gpt2.n_heads, gpt2.vocab_size, gpt2.seq_len, gpt2.dtype) == (
         12, 768, 12, 50304, 1024, "bfloat16")
+    wide = CONFIGS["wide"]  # Llama 3.2 1B's width, depth, heads of 128 and vocabulary
+    assert (wide.n_layers, wide.d_model, wide.head_dim, wide.d_mlp, wide.vocab_size, wide.seq_len) == (
+        16, 2048, 128, 8192, 128256, 2048)
+    assert 1.3e9 <= wide.num_params() <= 1.4e9
     assert 20e6 <= CONFIGS["small"].num_params() <= 50e6
     assert CONFIGS["tiny"].num_params() < 1e6
     with pytest.raises(ValueError, match="multiple of n_heads"):
