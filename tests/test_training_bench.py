@@ -28,6 +28,29 @@ def in_this_process(flag, job, timeout):
     return json.loads(printed.getvalue().splitlines()[-1])
 
 
+def test_a_part_times_the_forward_outputs_and_a_cotangent_read_from_memory():
+    """The breakdown's programs (``vjp_program``) return the forward's outputs and the gradients for
+    a random cotangent passed in as an operand: with a constant one XLA folds dy into its fusions
+    and drops the unreturned forward, which timed the stock parts on less work than the step's."""
+    kw, kx = jax.random.split(jax.random.key(0))
+    w = jax.random.normal(kw, (16, 24), jax.numpy.float32)
+    x = jax.random.normal(kx, (8, 16), jax.numpy.float32)
+    f = lambda w, x: (jax.numpy.tanh(x @ w), x * 2.0)  # two outputs, two cotangents
+    program, (args, cotangent) = bench.vjp_program(f, w, x)
+    assert [c.shape for c in cotangent] == [(8, 24), (8, 16)]
+    assert all(0.5 < float(np.std(c)) < 2.0 for c in cotangent)  # random normal, not ones
+    y, grads = program(args, cotangent)
+    np.testing.assert_allclose(y[0], f(w, x)[0], rtol=1e-6)
+    expected = jax.vjp(f, w, x)[1](cotangent)
+    for got, want in zip(grads, expected, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # every operand (w, x and both cotangents) reaches the compiled program, and every output leaves it
+    hlo = program.lower(args, cotangent).compile().as_text()
+    entry = hlo[hlo.index("ENTRY"):]
+    assert len(re.findall(r"parameter\(\d+\)", entry)) == 4
+    assert len(jax.tree.leaves(program.eval_shape(args, cotangent))) == 4
+
+
 def test_bench_tiny_cases_table_and_breakdown(tmp_path, capsys, monkeypatch):
     """The cases run in their own processes (``--one-case``); the per-part breakdown, which times
     eighteen small programs, runs its ``--one-breakdown`` command in this process with two calls

@@ -249,6 +249,26 @@ def in_subprocess(flag: str, job: dict, timeout: float):
 
 # --- per-part breakdown ---------------------------------------------------------------------------
 
+def vjp_program(f, *args):
+    """``f``'s forward and backward at ``args`` as a train step runs them: (a jitted program,
+    its operands). The program returns the forward's outputs, which a train step writes for the next
+    layer, and the gradients of every argument. The backward reads its cotangent, random normal,
+    from an operand. A constant cotangent would let XLA fold it into its fusions, so the stock
+    layers would never read dy, and unreturned forward outputs would be dead code for XLA but not
+    for a custom call: either would time the stock parts on less work than the step gives them."""
+    out = jax.eval_shape(f, *args)
+    leaves, tree = jax.tree.flatten(out)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    cotangent = jax.tree.unflatten(tree, [jax.random.normal(key, o.shape, jnp.float32).astype(o.dtype)
+                                          for key, o in zip(keys, leaves)])
+
+    def program(args, cotangent):
+        y, backward = jax.vjp(f, *args)
+        return y, backward(cotangent)
+
+    return jax.jit(program), (args, cotangent)
+
+
 def part_seconds(config: GPTConfig, batch_size: int, *, stock: bool) -> dict[str, float]:
     """Seconds per train step spent in each part, each timed alone at the model's shapes (forward +
     backward, times its count per step), built from the linen twins' layers."""
@@ -265,9 +285,8 @@ def part_seconds(config: GPTConfig, batch_size: int, *, stock: bool) -> dict[str
     def fwd_bwd(module, *inputs, **kwargs):
         """Seconds of the forward and backward of ``module`` (gradients of params and inputs)."""
         params = module.init(jax.random.key(0), *inputs, **kwargs)["params"]
-        f = lambda p, *x: module.apply({"params": p}, *x, **kwargs)
-        cotangent = jax.tree.map(lambda o: jnp.ones(o.shape, o.dtype), jax.eval_shape(f, params, *inputs))
-        return time_fn(jax.jit(lambda p, *x: jax.vjp(f, p, *x)[1](cotangent)), params, *inputs)
+        program, operands = vjp_program(lambda p, *x: module.apply({"params": p}, *x, **kwargs), params, *inputs)
+        return time_fn(program, *operands)
 
     x = act(*rows, d)
     parts = {}
@@ -279,10 +298,8 @@ def part_seconds(config: GPTConfig, batch_size: int, *, stock: bool) -> dict[str
     # the first norm alone, the other 2 n_layers with the residual add (models.common.add_norm)
     norm = LayerNorm(epsilon=config.norm_eps, dtype=dt)
     parts["LayerNorm"] = fwd_bwd(norm, x) + 2 * n_layers * fwd_bwd(norm, x, residual=act(*rows, d))
-    qkv = act(*rows, 3 * d)
-    attention = jax.jit(lambda q: jax.vjp(lambda a: common.causal_attention(a, config.n_heads), q)[1](
-        jnp.ones((*rows, d), dt)))
-    parts["attention"] = n_layers * time_fn(attention, qkv)
+    attention, operands = vjp_program(lambda a: common.causal_attention(a, config.n_heads), act(*rows, 3 * d))
+    parts["attention"] = n_layers * time_fn(attention, *operands)
     targets = jnp.asarray(rng.integers(0, config.vocab_size, rows), jnp.int32)
     head = Head(config.vocab_size, use_bias=False, dtype=dt)
     head_params = head.init(jax.random.key(0), x, targets)["params"]
