@@ -104,6 +104,37 @@ def test_kernel_families(name, family):
     assert bench.kernel_family(name) == family
 
 
+def test_kernel_profile_gives_the_idle_time_between_kernels(monkeypatch):
+    """A synthetic trace of two steps: time per step by kernel and family, the device's busy time,
+    and its idle gaps by the families either side -- a gap counts from the latest end so far (a
+    kernel inside another leaves none), and the table shows each pair's gaps."""
+    gemm = "kernel_cutlass_kernel_cutelayerskernelsgemmHopperGemmKernel"
+    us = 1e-6
+    spans = []
+    for t0 in (0.0, 100 * us):  # (name, start, seconds)
+        spans += [("loop_add_fusion", t0, 2 * us), (gemm, t0 + 5 * us, 10 * us),  # 3 us before the GEMM
+                  ("input_reduce_fusion", t0 + 6 * us, 1 * us),  # on another stream, inside the GEMM
+                  ("nvjet_sm90_tst", t0 + 16 * us, 4 * us)]  # 1 us after the GEMM, which ended last
+    monkeypatch.setattr(bench, "traced_kernel_spans", lambda run: spans)
+    profile = bench.kernel_profile(None, None, None, steps=2, top=2)
+    assert [name for name, _, _ in profile["kernels"]] == [gemm, "nvjet_sm90_tst"]
+    assert profile["kernels"][0][1:] == pytest.approx((1.0, 0.010))
+    assert profile["busy_ms"] == pytest.approx(0.017)
+    assert profile["families"] == pytest.approx({"cutelayers (CuTe)": 0.010, "cuBLAS GEMM": 0.004,
+                                                 "XLA fusions and other": 0.003})
+    # per step: 3 us before the GEMM, 1 us after it; between the steps 80 us, cuBLAS -> XLA (once in two steps)
+    idle = {(before, after): (gaps, ms) for before, after, gaps, ms in profile["idle"]}
+    expected = {("XLA fusions and other", "cutelayers (CuTe)"): (1.0, 0.003),
+                ("cutelayers (CuTe)", "cuBLAS GEMM"): (1.0, 0.001),
+                ("cuBLAS GEMM", "XLA fusions and other"): (0.5, 0.040)}
+    assert idle.keys() == expected.keys()
+    assert all(idle[pair] == pytest.approx(expected[pair]) for pair in expected)
+    assert profile["idle"][0][:2] == ("cuBLAS GEMM", "XLA fusions and other")  # most idle first
+    table = bench.kernel_table({"config": "tiny", "model": "nnx", "variant": "cutelayers", "loop_ms": 0.1,
+                                "kernels": profile})
+    assert "| XLA fusions and other | cutelayers (CuTe) | 1 | 0.003 | 3.0 |" in table
+
+
 def test_corpus_batches_are_the_training_runs_windows():
     config = bench.bench_config("gpt2")  # vocabulary 50304, of which the corpus uses bytes
     sharding = NamedSharding(jax.make_mesh((1,), ("data",)), PartitionSpec())

@@ -35,7 +35,8 @@ of the step (``other`` = step - parts).
 ``--kernels N`` traces each case's timed steps with jax.profiler and adds, per case, the device
 time per step of each kernel family (the CuTe kernels, cuBLAS, cuDNN attention, XLA's fusions) and
 its N costliest GPU kernels: where a step's time goes inside the one compiled program, which the
-per-part breakdown (parts compiled alone) cannot show.
+per-part breakdown (parts compiled alone) cannot show. It also adds the device's idle time between
+kernels, by the kernel families on either side of each gap: the launches' share of a step.
 
 The tables are printed and appended to ``--output`` (default docs/benchmarks.md) with the GPU,
 versions, date and command. On CPU, tiny settings (``--config tiny --steps 3``) check it runs.
@@ -64,7 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import cutelayers as cl
-from cutelayers.bench.timing import kernel_totals, time_fn, traced_kernels
+from cutelayers.bench.timing import idle_gaps, kernel_totals, time_fn, traced_kernel_spans
 from models import common
 from models.configs import CONFIGS, GPTConfig, get_config
 from training import sharding
@@ -199,9 +200,11 @@ def kernel_family(name: str) -> str:
 
 def kernel_profile(step, leaves, batches, steps: int, top: int) -> dict:
     """Device time per step by GPU kernel: ``steps`` steps traced with jax.profiler
-    (:func:`cutelayers.bench.timing.traced_kernels`), summed by name. ``{"kernels": [(name,
-    calls/step, ms/step)] x top, "families": {family: ms/step}, "busy_ms": ms/step}``; empty
-    lists where the platform records no device kernels (CPU)."""
+    (:func:`cutelayers.bench.timing.traced_kernel_spans`), summed by name. ``{"kernels": [(name,
+    calls/step, ms/step)] x top, "families": {family: ms/step}, "busy_ms": ms/step, "idle":
+    [(family before, family after, gaps/step, ms/step)]}`` -- the device's idle time between
+    kernels by the families either side of each gap (:func:`cutelayers.bench.timing.idle_gaps`),
+    most first; empty lists where the platform records no device kernels (CPU)."""
 
     def run():
         state = leaves
@@ -209,15 +212,19 @@ def kernel_profile(step, leaves, batches, steps: int, top: int) -> dict:
             state, _, _ = step.run(state, *batches[i % 2])
         jax.block_until_ready(state)
 
+    spans = traced_kernel_spans(run)
     totals = {name: (calls / steps, seconds * 1e3 / steps)
-              for name, (calls, seconds) in kernel_totals(traced_kernels(run)).items()}
+              for name, (calls, seconds) in kernel_totals([(n, s) for n, _, s in spans]).items()}
     families = collections.defaultdict(float)
     for name, (_, ms) in totals.items():
         families[kernel_family(name)] += ms
     ranked = sorted(totals, key=lambda name: totals[name][1], reverse=True)[:top]
+    idle = sorted(((before, after, gaps / steps, seconds * 1e3 / steps)
+                   for (before, after), (gaps, seconds) in idle_gaps(spans, kernel_family).items()),
+                  key=lambda row: -row[3])
     return {"kernels": [(name, *totals[name]) for name in ranked],
             "families": dict(sorted(families.items(), key=lambda kv: -kv[1])),
-            "busy_ms": sum(ms for _, ms in totals.values())}
+            "busy_ms": sum(ms for _, ms in totals.values()), "idle": idle}
 
 
 def kernel_table(row: dict) -> str:
@@ -232,6 +239,10 @@ def kernel_table(row: dict) -> str:
     lines += ["", "| kernel | calls/step | ms/step |", "|---|---|---|"]
     short = lambda name: name.removeprefix("kernel_cutlass_kernel_cutelayerskernels")[:110]
     lines += [f"| `{short(name)}` | {count:g} | {ms:.3f} |" for name, count, ms in profile["kernels"]]
+    lines += ["", "The device idle between kernels, by the kernel families either side:", "",
+              "| before | after | gaps/step | ms/step | us a gap |", "|---|---|---|---|---|"]
+    lines += [f"| {before} | {after} | {gaps:g} | {ms:.3f} | {1e3 * ms / gaps:.1f} |"
+              for before, after, gaps, ms in profile["idle"]]
     return "\n".join(lines)
 
 
@@ -418,8 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="add the per-part table (cutelayers vs stock, on one device)")
     p.add_argument("--kernels", type=_int_at_least(0), default=0, metavar="N",
                    help="trace --steps steps of each case with jax.profiler and add its N costliest GPU "
-                        "kernels (ms per step) and the time per kernel family (CuTe, cuBLAS, cuDNN, XLA "
-                        "fusions)")
+                        "kernels (ms per step), the time per kernel family (CuTe, cuBLAS, cuDNN, XLA "
+                        "fusions) and the device's idle time between kernels by the families either side")
     p.add_argument("--case-timeout", type=_int_at_least(1), default=600, help="seconds allowed per case")
     p.add_argument("--output", type=Path, default=REPO / "docs" / "benchmarks.md",
                    help="markdown file the tables are appended to")

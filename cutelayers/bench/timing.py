@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 
 
-def traced_kernels(run) -> list[tuple[str, float]]:
-    """``run()`` under jax.profiler: the (name, seconds) of every kernel it launched on the first
-    GPU's streams, in the order they started; [] where no device kernels are recorded (CPU)."""
+def traced_kernel_spans(run) -> list[tuple[str, float, float]]:
+    """``run()`` under jax.profiler: the (name, start, seconds) of every kernel it launched on the
+    first GPU's streams, in the order they started (start in seconds on the trace's clock); []
+    where no device kernels are recorded (CPU)."""
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             run()
@@ -28,7 +29,28 @@ def traced_kernels(run) -> list[tuple[str, float]]:
         profile = jax.profiler.ProfileData.from_file(path)
     events = [event for plane in profile.planes if plane.name == "/device:GPU:0"  # over a mesh: the first device's
               for line in plane.lines if line.name.startswith("Stream") for event in line.events]
-    return [(event.name, event.duration_ns / 1e9) for event in sorted(events, key=lambda event: event.start_ns)]
+    return [(event.name, event.start_ns / 1e9, event.duration_ns / 1e9)
+            for event in sorted(events, key=lambda event: event.start_ns)]
+
+
+def traced_kernels(run) -> list[tuple[str, float]]:
+    """:func:`traced_kernel_spans` without the starts: (name, seconds) in the order they started."""
+    return [(name, seconds) for name, _, seconds in traced_kernel_spans(run)]
+
+
+def idle_gaps(spans: list[tuple[str, float, float]], key) -> dict[tuple[str, str], tuple[int, float]]:
+    """Where the device sat idle between the kernels of :func:`traced_kernel_spans`: each gap
+    before a kernel that started after every earlier one had ended, summed by (``key`` of the
+    kernel that ended last before it, ``key`` of the kernel it waited for) -> (gaps, seconds)."""
+    totals = collections.defaultdict(lambda: (0, 0.0))
+    end, last = None, None
+    for name, start, seconds in spans:
+        if end is not None and start > end:
+            gaps, idle = totals[key(last), key(name)]
+            totals[key(last), key(name)] = (gaps + 1, idle + start - end)
+        if end is None or start + seconds > end:
+            end, last = start + seconds, name
+    return dict(totals)
 
 
 def kernel_totals(kernels: list[tuple[str, float]]) -> dict[str, tuple[int, float]]:
