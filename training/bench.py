@@ -214,7 +214,7 @@ def kernel_profile(step, leaves, batches, steps: int, top: int) -> dict:
 
     spans = traced_kernel_spans(run)
     totals = {name: (calls / steps, seconds * 1e3 / steps)
-              for name, (calls, seconds) in kernel_totals([(n, s) for n, _, s in spans]).items()}
+              for name, (calls, seconds) in kernel_totals(spans).items()}
     families = collections.defaultdict(float)
     for name, (_, ms) in totals.items():
         families[kernel_family(name)] += ms

@@ -53,10 +53,10 @@ def idle_gaps(spans: list[tuple[str, float, float]], key) -> dict[tuple[str, str
     return dict(totals)
 
 
-def kernel_totals(kernels: list[tuple[str, float]]) -> dict[str, tuple[int, float]]:
-    """{name: (launches, seconds)} of :func:`traced_kernels`' list."""
+def kernel_totals(spans: list[tuple[str, float, float]]) -> dict[str, tuple[int, float]]:
+    """{name: (launches, seconds)} of :func:`traced_kernel_spans`' list."""
     totals = collections.defaultdict(lambda: (0, 0.0))
-    for name, seconds in kernels:
+    for name, _, seconds in spans:
         calls, total = totals[name]
         totals[name] = (calls + 1, total + seconds)
     return dict(totals)
