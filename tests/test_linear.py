@@ -1130,6 +1130,23 @@ def test_split_k_forward_and_input_grad_gpu(config, m, k, n, rng):
     check_families(cases)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [CONFIGS["small_m"], SPLIT_K_CONFIGS[0]], ids=str)
+@pytest.mark.parametrize("m", [8, 21, 63, 121, 4104])
+def test_row_box_loads_of_a_tile_crossing_m_gpu(config, m, rng):
+    # A 64-row tile crossing M with at least ROW_BOX rows inside it loads A in row boxes, those
+    # past M reloading the tile's first: 8 (one box), 21 (a box crossing M), 63, a second tile of
+    # 57 rows, and many whole tiles before one of 8 rows.
+    k, n = 384, 200
+    x = random(rng, (1, m, k), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((1, k, n)) / np.sqrt(k), jnp.bfloat16)
+    b, r, dz = (random(rng, shape, jnp.bfloat16) for shape in ((n,), (1, m, n), (1, m, n)))
+    cases = [(LinearForward("gelu", True, False, True, config=config), (x, w, b)),
+             (LinearForward("none", True, True, False, config=config), (x, w, b, r)),
+             (LinearInputGrad(config=config), (dz, w))]
+    check_families(cases)
+
+
 @pytest.mark.cute
 def test_stream_k_needs_a_cooperative_config():
     from cutelayers.kernels.gemm import Epilogue, HopperGemmKernel
@@ -1365,6 +1382,8 @@ def test_ptxas_neither_serializes_the_wgmmas_nor_spills(tmp_path):
     # sums -- a swiglu forward, a decode step's split-K forward (16 x 4096 x 4096) and an LM head
     # chunk's logits GEMM with the exp epilogue.
     # None spills (ptxas -v: 0 bytes spill stores for each, before the change as after).
+    from cutelayers.kernels.gemm import ROW_BOX
+
     ptxas = shutil.which("ptxas")
     if ptxas is None:
         pytest.skip("ptxas (the CUDA toolkit's PTX assembler) is not on PATH")
@@ -1381,7 +1400,13 @@ def test_ptxas_neither_serializes_the_wgmmas_nor_spills(tmp_path):
     for case, files in found.items():
         for index, name in enumerate(files):
             path = tmp_path / case / name
-            assert "HopperGemmKernel" in path.read_text(), path
+            ptx = path.read_text()
+            assert "HopperGemmKernel" in ptx, path
+            if case.startswith("decode"):
+                # A's 64-row tile in ROW_BOX-row boxes where it crosses M: per 64-column swizzle
+                # atom of the k tile, 64 / ROW_BOX box loads beside the whole tile's
+                loads = len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx))
+                assert loads >= 2 * 64 // ROW_BOX, (case, loads)
             run = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(path), "-o", str(path.with_suffix(".cubin"))],
                                  capture_output=True, text=True, timeout=300, check=False)
             notes = run.stdout + run.stderr
