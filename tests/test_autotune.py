@@ -537,6 +537,17 @@ def _shapes_for(entry) -> list[tuple]:
     return [(rows, dims["n"], dims["k"])] if kernel == "linear_dx" else [(rows, dims["k"], dims["n"])]
 
 
+def _cases_for(entry) -> list:
+    """The autotuner's cases of the entry's kernel at ``_shapes_for`` it -- and, for an
+    accumulating kernel gradient, an LM head chunk's of that (hidden, vocabulary)."""
+    dims, dtypes = entry["dims"], entry["dtype"].split("+")
+    found = autotune.cases(entry["kernel"], _shapes_for(entry), dtypes)
+    if entry["kernel"] == "linear_dkernel" and dims.get("accumulate"):
+        head = autotune.cases("lm_head", [(4096, dims["m"], dims["n"])], dtypes)
+        found += [case for case in head if case.family.name == entry["kernel"]]
+    return found
+
+
 def test_every_shipped_entry_names_a_candidate_config(monkeypatch):
     """Each entry of the shipped table is found by its kernel at a shape of its dims and names a
     config of that kernel's space there -- else the runtime warns and runs the heuristic (an entry
@@ -548,10 +559,9 @@ def test_every_shipped_entry_names_a_candidate_config(monkeypatch):
     for entry in entries:
         monkeypatch.setattr(tuning, "device_kind", lambda: entry["device"])
         key = tuning.table_key(entry["device"], entry["kernel"], entry["dtype"], entry["dims"])
-        found = [case for case in autotune.cases(entry["kernel"], _shapes_for(entry), entry["dtype"].split("+"))
+        found = [case for case in _cases_for(entry)
                  if tuning.table_key(entry["device"], case.family.name, *case.family.tuning_key(case.avals)) == key]
-        assert len(found) == 1, (entry, [c.describe() for c in autotune.cases(
-            entry["kernel"], _shapes_for(entry), entry["dtype"].split("+"))])
+        assert len(found) == 1, (entry, [c.describe() for c in _cases_for(entry)])
         (case,) = found
         config = case.family.config_from_fields(entry["config"])
         assert config in case.family.config_space(case.avals), entry
