@@ -1132,11 +1132,11 @@ def test_split_k_forward_and_input_grad_gpu(config, m, k, n, rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [CONFIGS["small_m"], SPLIT_K_CONFIGS[0]], ids=str)
-@pytest.mark.parametrize("m", [8, 21, 63, 121, 4104])
+@pytest.mark.parametrize("m", [1, 5, 8, 21, 63, 121, 4104])
 def test_row_box_loads_of_a_tile_crossing_m_gpu(config, m, rng):
-    # A 64-row tile crossing M with at least ROW_BOX rows inside it loads A in row boxes, those
-    # past M reloading the tile's first: 8 (one box), 21 (a box crossing M), 63, a second tile of
-    # 57 rows, and many whole tiles before one of 8 rows.
+    # A 64-row tile crossing M loads A in row boxes, only those starting inside M, the rest of the
+    # stage's bytes completed without a load: 1 and 5 (one box crossing M), 8 (one box), 21, 63, a
+    # second tile of 57 rows, and many whole tiles before one of 8 rows.
     k, n = 384, 200
     x = random(rng, (1, m, k), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((1, k, n)) / np.sqrt(k), jnp.bfloat16)
@@ -1404,7 +1404,9 @@ def test_ptxas_neither_serializes_the_wgmmas_nor_spills(tmp_path):
             assert "HopperGemmKernel" in ptx, path
             if case.startswith("decode"):
                 # A's 64-row tile in ROW_BOX-row boxes where it crosses M: per 64-column swizzle
-                # atom of the k tile, 64 / ROW_BOX box loads beside the whole tile's
+                # atom of the k tile, 64 / ROW_BOX box loads beside the whole tile's, and the bytes
+                # of the boxes past M completed without a load
+                assert "mbarrier.complete_tx" in ptx, case
                 loads = len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx))
                 assert loads >= 2 * 64 // ROW_BOX, (case, loads)
             run = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(path), "-o", str(path.with_suffix(".cubin"))],

@@ -62,7 +62,7 @@ import cutlass
 import cutlass.utils.hopper_helpers as sm90
 from cutlass import Float32, Int32, Int64, const_expr, cute, pipeline, utils
 from cutlass._mlir import ir
-from cutlass._mlir.dialects import llvm
+from cutlass._mlir.dialects import llvm, nvvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 from cutlass.tensor_utils import LayoutEnum
@@ -1121,22 +1121,26 @@ class HopperGemmKernel:
     @cute.jit
     def load_a_rows(self, tma, parts, tma_rows, box_parts, row, k, plane, rows, stage, barrier):
         """TMA-load k tile ``k`` of A's row tile ``row`` into ``stage``, for a 64-row tile
-        (``row_boxes``): a tile that crosses M (``rows``) with at least ``ROW_BOX`` rows inside it
-        comes in ROW_BOX-row boxes, those past M loading the tile's first box again (L2 hits,
-        and the stage's byte count stays whole) -- one box crossing M, not the whole tile: a 16-row
-        decode step's tile took 14 us where a 64-row one took 11 (H200, 16 x 4096 x 4096)."""
+        (``row_boxes``). A tile that crosses M (``rows``) comes in ROW_BOX-row boxes, only those
+        that start inside M; the bytes of the rest complete the stage's barrier without a load
+        (``mbarrier.complete_tx``), and their rows' outputs are never stored. So at most one
+        ROW_BOX-row box crosses M, not a 64-row one: the whole tile's box took a 16-row decode
+        step 14 us where 64 rows took 11 (H200, 16 x 4096 x 4096)."""
         batch = 0 if const_expr(self.planes.a == "shared") else plane
+        per_tile = self.config.tile_m // ROW_BOX
         inside = rows - row * self.config.tile_m
-        if inside >= self.config.tile_m or inside < ROW_BOX:
+        if inside >= self.config.tile_m:
             self.load_tile(tma, parts, self.planes.a, row, k, plane, stage, barrier, 0)
         else:
             s, g = box_parts
-            per_tile = self.config.tile_m // ROW_BOX
             for j in cutlass.range_constexpr(per_tile):
-                box = row * per_tile + j
-                if j * ROW_BOX >= inside:
-                    box = row * per_tile
-                cute.copy(tma_rows, g[(None, box, k, batch)], s[(None, j, 0, stage)], tma_bar_ptr=barrier)
+                if j * ROW_BOX < inside:
+                    cute.copy(tma_rows, g[(None, row * per_tile + j, k, batch)], s[(None, j, 0, stage)],
+                              tma_bar_ptr=barrier)
+            skipped = per_tile - (inside + ROW_BOX - 1) // ROW_BOX
+            box_bytes = ROW_BOX * self.config.tile_k * self.a_dtype.width // 8
+            with cute.arch.elect_one():  # once for the warp, as the TMA copies are issued
+                nvvm.mbarrier_complete_tx(barrier.llvm_ptr, Int32(skipped * box_bytes).ir_value())
 
     @cute.jit
     def work_unit(self, tile_idx, k_tiles):
