@@ -24,7 +24,9 @@ Structure (one CTA per SM, looping over output tiles; ``1 + consumer_warpgroups`
 * consumer warpgroups (registers raised with ``setmaxnreg``): each owns ``tile_m /
   consumer_warpgroups`` rows of the tile, issues ``wgmma`` on the stage in front of it with one
   batch in flight, and hands each stage back (to every CTA that multicast into it) once read.
-  TMA zero-fills reads past M / K, so tails need no predication in the mainloop.
+  TMA zero-fills reads past M / K, so tails need no predication in the mainloop -- except that a
+  64-row tile crossing M loads A in ``ROW_BOX``-row boxes, only those inside M (a box far past M
+  is slow to load; :meth:`HopperGemmKernel.load_a_rows`).
 * epilogue (consumers, per tile): bias and activation on the fp32 accumulators in registers (the
   MMA partition of an identity tensor gives every accumulator its (row, column)); results go to a
   dedicated ring of ``EPI_STAGES`` shared-memory buffers through ``stmatrix`` and out with
