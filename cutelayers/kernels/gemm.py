@@ -611,9 +611,10 @@ class HopperGemmKernel:
         else:
             grid = utils.StaticPersistentTileScheduler.get_grid_shape(schedule, clusters_per_wave)
         self.kernel(
-            tiled_mma, tma_a, tma_tensor_a, tma_a_rows, tma_tensor_a_rows, tma_b, tma_tensor_b, tma_c, tma_tensor_c,
-            tma_z, tma_tensor_z, tma_s, tma_tensor_s, bias, sums, summed, flags, workspace, row_sums, a_smem, b_smem, epi_smem,
-            source_smem, epi_tile, schedule, (c.shape[0], c_n, batches),
+            tiled_mma, tma_a, tma_tensor_a, tma_a_rows, tma_tensor_a_rows, tma_b, tma_tensor_b,
+            tma_c, tma_tensor_c, tma_z, tma_tensor_z, tma_s, tma_tensor_s, bias, sums, summed, flags,
+            workspace, row_sums, a_smem, b_smem, epi_smem, source_smem, epi_tile, schedule,
+            (c.shape[0], c_n, batches),
         ).launch(
             grid=grid,
             block=[config.threads, 1, 1],
