@@ -24,7 +24,7 @@ def test_help_lists_every_family():
 @pytest.mark.skipif(HAS_GPU, reason="checks the message given without a GPU")
 @pytest.mark.parametrize("argv", [
     ["reduce", "--rows", "64", "--n", "128", "--dtype", "float32"],
-    ["norms", "--n", "128", "--dtype", "float16"],
+    ["norms", "--n", "128", "--dtype", "float16", "--ops", "layer_norm", "add_rms_norm", "--passes", "fwd"],
     ["softmax", "--n", "128"],
     ["gemm", "--shapes", "64x128x256", "--epilogue", "bias", "--dtype", "float16", "--parts"],
     ["gemm", "--shapes", "64x128x256", "--param-dtype", "float32"],
@@ -36,6 +36,15 @@ def test_help_lists_every_family():
 def test_gpu_families_need_a_gpu(argv, capsys):
     assert main(argv) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_norms_rejects_unknown_ops_and_passes():
+    from cutelayers.bench.norms import bench_norms
+
+    with pytest.raises(ValueError, match=r"ops \('layernorm',\): choose one or more of"):
+        bench_norms([128], ops=("layernorm",))
+    with pytest.raises(ValueError, match=r"passes \(\): choose one or more of \('fwd', 'fwd\+bwd'\)"):
+        bench_norms([128], passes=())
 
 
 def test_time_fn_rotates_small_operands_over_copies(monkeypatch):

@@ -799,11 +799,16 @@ def test_grads_with_more_rows_than_the_persistent_grid_gpu(op, n, rows, dtype, r
     # More rows than the persistent backward grid has CTAs (N = 1000, register-resident rows) or
     # clusters (streamed rows, cut over clusters past 12288 bf16 columns): each takes several and
     # sums their dscale / dbias into its partials -- for streamed rows in shared memory, with
-    # per-row cluster exchanges that alternate slot buffers and barrier phases.
-    fn, _ = OPS[op]
+    # per-row cluster exchanges that alternate slot buffers and barrier phases. The forward's
+    # values are checked first, with float32 parameters and with parameters of x's dtype.
+    fn, center = OPS[op]
     x = random(rng, (rows, n), dtype, loc=1.0)
     scale, bias = _params(rng, n, jnp.float32, True, True)
     w = random(rng, x.shape, jnp.float32)
+    for s, b in ((scale, bias), (scale.astype(dtype), bias.astype(dtype))):
+        with cl.use_backend("cute"):
+            out = jax.jit(functools.partial(fn, dtype=jnp.float32))(x, s, b)
+        assert_close(out, ref64(x, s, b, center=center), dtype, scale=2.0)
 
     def loss(x, s, b):
         return jnp.sum(fn(x, s, b).astype(jnp.float32) * w)
@@ -832,6 +837,22 @@ def test_kernel_vmap_and_large_mean_gpu(op, rng):
         g_ref = jax.jit(jax.grad(lambda x, s: jnp.sum(jnp.sin(fn(x, s))), argnums=(0, 1)))(x, scale)
     for a, b in zip(g, g_ref):
         assert_close(a, np.asarray(b), jnp.float32, scale=100.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,rows", [(20001, 5), (50257, 3), (262144, 2)])
+def test_streamed_layer_norm_large_mean_gpu(n, rows, rng):
+    # Streamed rows (cut over a cluster at 50257 and 262144, a ragged last step at the odd widths)
+    # merge per-step moments (norm.py's module docstring); with a mean of 1000 and a spread of 1,
+    # E[x^2] - E[x]^2 would lose every digit in float32. The fused residual add's row is its sum.
+    x = random(rng, (rows, n), jnp.float32, loc=1000.0)
+    scale, bias = _params(rng, n, jnp.float32, True, True)
+    residual = random(rng, (rows, n), jnp.float32)
+    with cl.use_backend("cute"):
+        out = jax.jit(layer_norm)(x, scale, bias)
+        normed, summed = jax.jit(add_layer_norm)(x, residual, scale, bias)
+    assert_close(out, ref64(x, scale, bias), jnp.float32, scale=20.0)
+    assert_close(normed, ref64(summed, scale, bias), jnp.float32, scale=20.0)
 
 
 @pytest.mark.gpu

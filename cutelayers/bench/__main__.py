@@ -24,6 +24,8 @@ from cutelayers.bench.compile import bench_compile
 from cutelayers.bench.embed import bench_embed
 from cutelayers.bench.lm_head import bench_lm_head
 from cutelayers.bench.norms import DEFAULT_NS as NORM_NS
+from cutelayers.bench.norms import OPS as NORM_OPS
+from cutelayers.bench.norms import PASSES as NORM_PASSES
 from cutelayers.bench.norms import bench_norms
 from cutelayers.bench.reduce import bench_reduce
 from cutelayers.bench.softmax import bench_softmax
@@ -60,6 +62,9 @@ def main(argv=None) -> int:
     norms.add_argument("--n", type=int, nargs="+", default=NORM_NS)
     norms.add_argument("--rows", type=int, default=None, help="rows M of x (default: x is 256 MiB)")
     norms.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    norms.add_argument("--ops", nargs="+", choices=NORM_OPS, default=NORM_OPS, help="ops to time (default: all)")
+    norms.add_argument("--passes", nargs="+", choices=NORM_PASSES, default=NORM_PASSES,
+                       help="passes to time (default: both)")
     soft = sub.add_parser("softmax", parents=[rows],
                           help="softmax fwd/bwd and cross-entropy fwd+bwd vs XLA/optax")
     soft.add_argument("--n", type=int, nargs="+", default=[4096, 32768, 131072])
@@ -122,7 +127,7 @@ def main(argv=None) -> int:
         if args.suite == "reduce":
             results = bench_reduce(args.rows, args.n, jnp.dtype(args.dtype))
         elif args.suite == "norms":
-            results = bench_norms(args.n, jnp.dtype(args.dtype), args.rows)
+            results = bench_norms(args.n, jnp.dtype(args.dtype), args.rows, tuple(args.ops), tuple(args.passes))
         else:
             results = bench_softmax(args.n, jnp.dtype(args.dtype))
         if baseline is not None:

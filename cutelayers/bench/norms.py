@@ -62,9 +62,17 @@ def _fwd_bwd(f):
     return run
 
 
-def bench_norms(ns: list[int] | None = None, dtype=jnp.bfloat16, rows: int | None = None) -> list[dict]:
-    """Time layer_norm, rms_norm, add_layer_norm and add_rms_norm (fwd, fwd+bwd) for each N in
-    ``ns`` on ``rows`` rows (default: x is 256 MiB); one dict per row."""
+OPS = ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm")
+PASSES = ("fwd", "fwd+bwd")
+
+
+def bench_norms(ns: list[int] | None = None, dtype=jnp.bfloat16, rows: int | None = None,
+                ops: tuple[str, ...] = OPS, passes: tuple[str, ...] = PASSES) -> list[dict]:
+    """Time ``ops`` (of :data:`OPS`) in ``passes`` (of :data:`PASSES`) for each N in ``ns`` on
+    ``rows`` rows (default: x is 256 MiB); one dict per row."""
+    for name, given, allowed in (("ops", ops, OPS), ("passes", passes, PASSES)):
+        if not given or set(given) - set(allowed):
+            raise ValueError(f"{name} {tuple(given)!r}: choose one or more of {allowed}")
     ns = ns or DEFAULT_NS
     dtype = jnp.dtype(dtype)
     bw = measured_bandwidth()
@@ -85,9 +93,13 @@ def bench_norms(ns: list[int] | None = None, dtype=jnp.bfloat16, rows: int | Non
             ("add_layer_norm", add_layer_norm, _plain_add(True), (residual, scale, bias), True),
             ("add_rms_norm", add_rms_norm, _plain_add(False), (residual, scale), True),
         ):
+            if name not in ops:
+                continue
             fwd_bytes, fwd_bwd_bytes = (4, 8) if adds else (2, 5)
             for pass_, nbytes, make in (("fwd", fwd_bytes * x_bytes, lambda f: f),
                                         ("fwd+bwd", fwd_bwd_bytes * x_bytes, _fwd_bwd)):
+                if pass_ not in passes:
+                    continue
                 args = (x, *params) if pass_ == "fwd" else (dy, x, *params)
                 with cl.use_backend("cute"):
                     t = time_fn(jax.jit(make(ours)), *args)
