@@ -7,7 +7,12 @@ the plain jnp formula; `gpu` tests run the CuTe kernels; the lowering test compi
 
 import dataclasses
 import functools
+import os
 import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -720,6 +725,49 @@ def test_few_rows_run_their_own_forward_kernel():
     few, many = norm_config.FEW_ROWS, norm_config.FEW_ROWS + 1
     assert target(1, 1024) == target(few, 1024) != target(many, 1024) == target(4096, 1024)
     assert target(few, 65536) == target(many, 65536)
+
+
+# Lowers the forwards of rms_norm (ROWS, 16384) bf16 x and scale + bias of the dtype in argv[1] for
+# sm_90a, the PTX kept in CUTE_DSL_DUMP_DIR (a fresh process: the DSL reads CUTE_DSL_KEEP at import).
+RESIDENT_PTX_PROGRAM = """
+import sys
+import jax, jax.numpy as jnp
+import cutelayers as cl
+x = jax.ShapeDtypeStruct((int(sys.argv[2]), 16384), jnp.bfloat16)
+p = jax.ShapeDtypeStruct((16384,), jnp.dtype(sys.argv[1]))
+with cl.use_backend("cute"):
+    jax.jit(lambda x, s, b: cl.ops.rms_norm(x, s, b, dtype=jnp.bfloat16)).trace(x, p, p).lower(
+        lowering_platforms=("cuda",))
+"""
+
+
+@pytest.mark.cute
+def test_resident_forward_with_float32_parameters_holds_two_ctas_an_sm(tmp_path):
+    # A bf16 row of 16384 with float32 scale and bias runs 512-thread CTAs of 32 values a thread;
+    # unheld, ptxas gave it 66 registers (one CTA an SM, 63.5 % of copy bandwidth on an H200). Held
+    # to two CTAs an SM (NormForwardKernel.two_ctas_an_sm) it takes 64 and spills nothing; the same
+    # row with bf16 parameters (63 registers already) is not held, nor the kernel of a few rows
+    # (norm_config.FEW_ROWS), whose parameters loaded first spilled 608 bytes a thread held.
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])),
+           "JAX_PLATFORMS": "cpu", "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "ptx",
+           "CUTELAYERS_CACHE_DIR": "", "CUTELAYERS_TUNING_FILE": ""}
+    ptxas = shutil.which("ptxas")
+    many, few = str(norm_config.FEW_ROWS + 1), str(norm_config.FEW_ROWS)
+    for dtype, rows, held in (("float32", many, True), ("bfloat16", many, False), ("float32", few, False)):
+        out = tmp_path / f"{dtype}_{rows}"
+        out.mkdir()
+        proc = subprocess.run([sys.executable, "-c", RESIDENT_PTX_PROGRAM, dtype, rows],
+                              env={**env, "CUTE_DSL_DUMP_DIR": str(out)},
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (path,) = out.glob("*.ptx")
+        assert (".minnctapersm 2" in path.read_text()) == held, (dtype, rows)
+        if held and ptxas is not None:
+            notes = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(path), "-o", str(path.with_suffix(".cubin"))],
+                                   capture_output=True, text=True, timeout=300, check=True).stderr
+            (registers,) = re.findall(r"Used (\d+) registers", notes)
+            assert int(registers) <= 64 and " 0 bytes spill stores" in notes, notes
 
 
 @pytest.mark.cute

@@ -55,7 +55,13 @@ import operator
 import cutlass
 from cutlass import Float32, const_expr, cute
 
-from cutelayers.kernels.norm_config import partial_rows, scale_fits, staged_shares, sums_fit
+from cutelayers.kernels.norm_config import (
+    FORWARD_VALUES_PER_THREAD,
+    partial_rows,
+    scale_fits,
+    staged_shares,
+    sums_fit,
+)
 from cutelayers.kernels.reduction import (
     STAGED_ROW_ALIGNMENT,
     can_prefetch,
@@ -142,8 +148,26 @@ class NormForwardKernel:
             + staged_smem(config, (summed if const_expr(self.has_residual) else x,),
                           widest_bytes(x, scale, bias, y)),
             stream=stream,
+            **self.two_ctas_an_sm(x),
             **cluster_launch(config),
         )
+
+    def two_ctas_an_sm(self, x) -> dict:
+        """Launch keywords that hold a register-resident forward to two 512-thread CTAs an SM (64
+        registers a thread) where a 16-bit row meets a 32-bit operand (a vector of 4) in steps of
+        32 values a thread: ptxas gave such a kernel 66 registers, one CTA an SM, and RMSNorm's bf16
+        forward with float32 scale and bias at 16384 ran at 63.5 % of copy bandwidth, 89.9 % held
+        to two (16000: 62.6 -> 88.2 %; LayerNorm's 87.7 -> 91.2 %). With bf16 parameters (63
+        registers already) or 24 values a thread the hold lost 3-6 % (H200; docs/benchmarks.md,
+        thirty-sixth session). The carveout is left to the driver (-1); naming it keeps the DSL
+        from asking the device for its shared memory at compile time."""
+        config = self.config
+        if self.params_first:  # a few rows' grid: occupancy is not what holds it back, and its
+            return {}           # parameters, loaded first, spilled 608 bytes a thread when held
+        if not (config.resident and config.row.num_threads == 512 and x.element_type.width == 16
+                and config.vec == 4 and config.vec * config.row.unroll == FORWARD_VALUES_PER_THREAD):
+            return {}
+        return {"min_blocks_per_mp": 2, "preferred_smem_carveout": -1}
 
     @property
     def cluster_values(self) -> int:
