@@ -162,8 +162,10 @@ class NormForwardKernel:
         thirty-sixth session). The carveout is left to the driver (-1); naming it keeps the DSL
         from asking the device for its shared memory at compile time."""
         config = self.config
-        if self.params_first:  # a few rows' grid: occupancy is not what holds it back, and its
-            return {}           # parameters, loaded first, spilled 608 bytes a thread when held
+        # Not the few-rows kernel: occupancy does not hold its small grid back, and its parameters,
+        # loaded first, spilled 608 bytes a thread when held.
+        if self.params_first:
+            return {}
         if not (config.resident and config.row.num_threads == 512 and x.element_type.width == 16
                 and config.vec == 4 and config.vec * config.row.unroll == FORWARD_VALUES_PER_THREAD):
             return {}
