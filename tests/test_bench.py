@@ -24,7 +24,8 @@ def test_help_lists_every_family():
 @pytest.mark.skipif(HAS_GPU, reason="checks the message given without a GPU")
 @pytest.mark.parametrize("argv", [
     ["reduce", "--rows", "64", "--n", "128", "--dtype", "float32"],
-    ["norms", "--n", "128", "--dtype", "float16", "--ops", "layer_norm", "add_rms_norm", "--passes", "fwd"],
+    ["norms", "--n", "128", "--dtype", "float16", "--ops", "layer_norm", "add_rms_norm", "--passes", "fwd",
+     "--param-dtype", "float32"],
     ["softmax", "--n", "128"],
     ["gemm", "--shapes", "64x128x256", "--epilogue", "bias", "--dtype", "float16", "--parts"],
     ["gemm", "--shapes", "64x128x256", "--param-dtype", "float32"],
@@ -93,20 +94,25 @@ def _row(op, pass_, n, us):
 
 
 def test_a_saved_table_is_the_baseline_of_the_next(tmp_path, capsys):
-    """Rows saved with --json come back keyed by op, pass, shape and dtype; the table then shows
-    each row's baseline time over ours, "-" where the baseline lacks the row."""
+    """Rows saved with --json come back keyed by op, pass, shape, dtype and the parameters' dtype
+    (x's for a row that does not name it: tables saved before norms had --param-dtype); the table
+    then shows each row's baseline time over ours, "-" where the baseline lacks the row."""
     from cutelayers.bench.timing import load_baseline, print_table, save_rows
 
     path = tmp_path / "old.json"
     save_rows(path, [_row("rms_norm", "fwd", 4096, 30.0), _row("rms_norm", "fwd+bwd", 4096, 90.0)])
     described, times = load_baseline(path)
-    assert str(path) in described and times == {("rms_norm", "fwd", 64, 4096, "bfloat16"): 30.0,
-                                                 ("rms_norm", "fwd+bwd", 64, 4096, "bfloat16"): 90.0}
-    print_table([_row("rms_norm", "fwd", 4096, 20.0), _row("rms_norm", "fwd+bwd", 8192, 60.0)], times)
+    assert str(path) in described and times == {("rms_norm", "fwd", 64, 4096, "bfloat16", "bfloat16"): 30.0,
+                                                 ("rms_norm", "fwd+bwd", 64, 4096, "bfloat16", "bfloat16"): 90.0}
+    print_table([_row("rms_norm", "fwd", 4096, 20.0), _row("rms_norm", "fwd+bwd", 8192, 60.0),
+                 {**_row("rms_norm", "fwd", 4096, 20.0), "params": "bfloat16"},
+                 {**_row("rms_norm", "fwd", 4096, 20.0), "params": "float32"}], times)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].endswith("| XLA/ours | baseline/ours |") and lines[1].count("---|") == 11
     assert lines[2].endswith("| 2.00 | 1.50 |")  # 30 us before, 20 now
     assert lines[3].endswith("| 2.00 | - |")  # N = 8192: not in the baseline
+    assert lines[4].endswith("| 2.00 | 1.50 |")  # bf16 parameters named: the same row
+    assert lines[5].endswith("| 2.00 | - |")  # float32 parameters: another row
     print_table([_row("rms_norm", "fwd", 4096, 20.0)])
     assert capsys.readouterr().out.splitlines()[0].endswith("| XLA/ours |")
 

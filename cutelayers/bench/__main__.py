@@ -65,6 +65,8 @@ def main(argv=None) -> int:
     norms.add_argument("--ops", nargs="+", choices=NORM_OPS, default=NORM_OPS, help="ops to time (default: all)")
     norms.add_argument("--passes", nargs="+", choices=NORM_PASSES, default=NORM_PASSES,
                        help="passes to time (default: both)")
+    norms.add_argument("--param-dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                       help="scale and bias dtype (default: x's; float32 is what Flax's modules train with)")
     soft = sub.add_parser("softmax", parents=[rows],
                           help="softmax fwd/bwd and cross-entropy fwd+bwd vs XLA/optax")
     soft.add_argument("--n", type=int, nargs="+", default=[4096, 32768, 131072])
@@ -127,7 +129,10 @@ def main(argv=None) -> int:
         if args.suite == "reduce":
             results = bench_reduce(args.rows, args.n, jnp.dtype(args.dtype))
         elif args.suite == "norms":
-            results = bench_norms(args.n, jnp.dtype(args.dtype), args.rows, tuple(args.ops), tuple(args.passes))
+            if args.param_dtype:
+                print(f"# parameters: {args.param_dtype}")
+            results = bench_norms(args.n, jnp.dtype(args.dtype), args.rows, tuple(args.ops), tuple(args.passes),
+                                  args.param_dtype)
         else:
             results = bench_softmax(args.n, jnp.dtype(args.dtype))
         if baseline is not None:

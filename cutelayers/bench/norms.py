@@ -10,11 +10,15 @@ add_rms_norm) against XLA's compiled jnp formula.
   both passes, y and dx written, dy read; parameters and row statistics are negligible); with the
   residual add 8 |x| (the backward also reads the sum's gradient; the sum replaces x).
 
-Parameters have x's dtype, so every row operand moves in 128-bit vectors. Results carry the same
-keys as :func:`cutelayers.bench.reduce.bench_reduce`'s, plus ``pass``.
+Parameters have x's dtype by default, so every row operand moves in 128-bit vectors; with
+``param_dtype`` float32 (what Flax's modules train with) they are float32, and both sides still
+return x's dtype (as a Flax module with ``dtype`` set does). Results carry the same keys as
+:func:`cutelayers.bench.reduce.bench_reduce`'s, plus ``pass`` and ``params`` (the parameters' dtype).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -67,14 +71,16 @@ PASSES = ("fwd", "fwd+bwd")
 
 
 def bench_norms(ns: list[int] | None = None, dtype=jnp.bfloat16, rows: int | None = None,
-                ops: tuple[str, ...] = OPS, passes: tuple[str, ...] = PASSES) -> list[dict]:
+                ops: tuple[str, ...] = OPS, passes: tuple[str, ...] = PASSES, param_dtype=None) -> list[dict]:
     """Time ``ops`` (of :data:`OPS`) in ``passes`` (of :data:`PASSES`) for each N in ``ns`` on
-    ``rows`` rows (default: x is 256 MiB); one dict per row."""
+    ``rows`` rows (default: x is 256 MiB), scale and bias in ``param_dtype`` (default: x's dtype);
+    one dict per row."""
     for name, given, allowed in (("ops", ops, OPS), ("passes", passes, PASSES)):
         if not given or set(given) - set(allowed):
             raise ValueError(f"{name} {tuple(given)!r}: choose one or more of {allowed}")
     ns = ns or DEFAULT_NS
     dtype = jnp.dtype(dtype)
+    param_dtype = jnp.dtype(param_dtype or dtype)
     bw = measured_bandwidth()
     key = jax.random.key(0)
     results = []
@@ -84,8 +90,8 @@ def bench_norms(ns: list[int] | None = None, dtype=jnp.bfloat16, rows: int | Non
         x = jax.random.normal(kx, (m, n), jnp.float32).astype(dtype)
         dy = jax.random.normal(kd, (m, n), jnp.float32).astype(dtype)
         residual = jax.random.normal(jax.random.fold_in(kx, 1), (m, n), jnp.float32).astype(dtype)
-        scale = (1.0 + 0.1 * jax.random.normal(ks, (n,), jnp.float32)).astype(dtype)
-        bias = (0.1 * jax.random.normal(jax.random.fold_in(ks, 1), (n,), jnp.float32)).astype(dtype)
+        scale = (1.0 + 0.1 * jax.random.normal(ks, (n,), jnp.float32)).astype(param_dtype)
+        bias = (0.1 * jax.random.normal(jax.random.fold_in(ks, 1), (n,), jnp.float32)).astype(param_dtype)
         x_bytes = x.size * dtype.itemsize
         for name, ours, xla, params, adds in (
             ("layer_norm", layer_norm, _plain(True), (scale, bias), False),
@@ -102,7 +108,8 @@ def bench_norms(ns: list[int] | None = None, dtype=jnp.bfloat16, rows: int | Non
                     continue
                 args = (x, *params) if pass_ == "fwd" else (dy, x, *params)
                 with cl.use_backend("cute"):
-                    t = time_fn(jax.jit(make(ours)), *args)
+                    t = time_fn(jax.jit(make(functools.partial(ours, dtype=dtype))), *args)
                 t_xla = time_fn(jax.jit(make(xla)), *args)
-                results.append(result_row(name, x.shape, dtype, nbytes, t, t_xla, bw, **{"pass": pass_}))
+                results.append(result_row(name, x.shape, dtype, nbytes, t, t_xla, bw,
+                                          **{"pass": pass_, "params": param_dtype.name}))
     return results

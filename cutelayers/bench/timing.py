@@ -168,8 +168,9 @@ def measured_bandwidth() -> float:
 
 
 def row_key(row: dict) -> tuple:
-    """What identifies a :func:`result_row` row across runs: op, pass, shape and dtype."""
-    return row["op"], row.get("pass", "fwd"), row["rows"], row["n"], row["dtype"]
+    """What identifies a :func:`result_row` row across runs: op, pass, shape, dtype and the
+    parameters' dtype (x's where a row does not name it)."""
+    return row["op"], row.get("pass", "fwd"), row["rows"], row["n"], row["dtype"], row.get("params", row["dtype"])
 
 
 def save_rows(path, results: list[dict]) -> None:
