@@ -157,9 +157,9 @@ class NormForwardKernel:
         registers a thread) where a 16-bit row meets a 32-bit operand (a vector of 4) in steps of
         32 values a thread: ptxas gave such a kernel 66 registers, one CTA an SM, and RMSNorm's bf16
         forward with float32 scale and bias at 16384 ran at 63.5 % of copy bandwidth, 89.9 % held
-        to two (16000: 62.6 -> 88.2 %; LayerNorm's 87.7 -> 91.2 %). With bf16 parameters (63
-        registers already) or 24 values a thread the hold lost 3-6 % (H200; docs/benchmarks.md,
-        thirty-sixth session). The carveout is left to the driver (-1); naming it keeps the DSL
+        to two (16000: 62.6 -> 88.2 %; LayerNorm's 87.7 -> 91.2 %). Elsewhere the hold lost 3-6 %:
+        bf16 parameters at 16000 / 16384 (63 registers already), float32 ones at 12288 (24 values
+        a thread) (H200; docs/benchmarks.md, thirty-sixth session). The carveout is left to the driver (-1); naming it keeps the DSL
         from asking the device for its shared memory at compile time."""
         config = self.config
         # Not the few-rows kernel: occupancy does not hold its small grid back, and its parameters,
