@@ -8,6 +8,7 @@ import json
 import os
 import secrets
 import shutil
+import subprocess
 import tempfile
 import time
 
@@ -147,6 +148,28 @@ def built(stats) -> int:
     """Kernels a ``cl.cache_info()`` entry made ready in this process: compiled here, or loaded
     from the run's disk cache where another test or worker compiled them first."""
     return stats.compiles + stats.disk_hits
+
+
+def kept_ptx_env(dump_dir) -> dict:
+    """The environment of a fresh process that compiles CuTe kernels for sm_90a on the CPU and
+    keeps their PTX in ``dump_dir`` (the DSL reads CUTE_DSL_KEEP at import), importing this
+    checkout's cutelayers, with no kernel cache or tuning file in the way."""
+    repo = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
+            "JAX_PLATFORMS": "cpu", "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "ptx",
+            "CUTE_DSL_DUMP_DIR": str(dump_dir), "CUTELAYERS_CACHE_DIR": "", "CUTELAYERS_TUNING_FILE": ""}
+
+
+def ptxas_report(ptxas: str, path) -> str:
+    """``ptxas -arch=sm_90a -v`` of the PTX file ``path``: its report (registers, spills,
+    advisories). Skips the test where this ptxas is older than the PTX the CuTe DSL emits."""
+    run = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(path), "-o", str(path.with_suffix(".cubin"))],
+                         capture_output=True, text=True, timeout=300, check=False)
+    notes = run.stdout + run.stderr
+    if run.returncode != 0 and "Unsupported .version" in notes:
+        pytest.skip(f"{ptxas} is older than the PTX the CuTe DSL emits: {notes.strip()[:200]}")
+    assert run.returncode == 0, notes[-3000:]
+    return notes
 
 
 @pytest.fixture

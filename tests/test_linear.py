@@ -8,18 +8,16 @@ CuTe kernels for sm_90a without a GPU; `gpu` tests run the kernels.
 import dataclasses
 import functools
 import json
-import os
 import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import built
+from conftest import built, kept_ptx_env, ptxas_report
 from numerics import assert_close, random
 
 import cutelayers as cl
@@ -1389,11 +1387,8 @@ def test_ptxas_neither_serializes_the_wgmmas_nor_spills(tmp_path):
     ptxas = shutil.which("ptxas")
     if ptxas is None:
         pytest.skip("ptxas (the CUDA toolkit's PTX assembler) is not on PATH")
-    repo = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])),
-           "JAX_PLATFORMS": "cpu", "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "ptx",
-           "CUTE_DSL_DUMP_DIR": str(tmp_path), "CUTELAYERS_CACHE_DIR": "", "CUTELAYERS_TUNING_FILE": ""}
-    proc = subprocess.run([sys.executable, "-c", PTXAS_CASES_PROGRAM, str(tmp_path)], env=env, cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-c", PTXAS_CASES_PROGRAM, str(tmp_path)], env=kept_ptx_env(tmp_path),
+                          cwd=tmp_path,
                           capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.splitlines()[-1])
@@ -1411,12 +1406,7 @@ def test_ptxas_neither_serializes_the_wgmmas_nor_spills(tmp_path):
                 # per 64-column swizzle atom of the k tile, 64 / ROW_BOX box loads beside the whole tile's
                 loads = len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx))
                 assert loads >= 2 * 64 // ROW_BOX, (case, loads)
-            run = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(path), "-o", str(path.with_suffix(".cubin"))],
-                                 capture_output=True, text=True, timeout=300, check=False)
-            notes = run.stdout + run.stderr
-            if run.returncode != 0 and "Unsupported .version" in notes:
-                pytest.skip(f"{ptxas} is older than the PTX the CuTe DSL emits: {notes.strip()[:200]}")
-            assert run.returncode == 0, notes[-3000:]
+            notes = ptxas_report(ptxas, path)
             advisories = sorted(set(re.findall(r"\((C75\d\d)\)", notes)))
             spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", notes)]
             assert spills, notes  # ptxas -v reports each kernel's spills

@@ -7,17 +7,16 @@ the plain jnp formula; `gpu` tests run the CuTe kernels; the lowering test compi
 
 import dataclasses
 import functools
-import os
 import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import kept_ptx_env, ptxas_report
 from numerics import assert_close, dtype_cover, random
 
 import cutelayers as cl
@@ -748,24 +747,18 @@ def test_resident_forward_with_float32_parameters_holds_two_ctas_an_sm(tmp_path)
     # to two CTAs an SM (NormForwardKernel.two_ctas_an_sm) it takes 64 and spills nothing; the same
     # row with bf16 parameters (63 registers already) is not held, nor the kernel of a few rows
     # (norm_config.FEW_ROWS), whose parameters loaded first spilled 608 bytes a thread held.
-    repo = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])),
-           "JAX_PLATFORMS": "cpu", "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "ptx",
-           "CUTELAYERS_CACHE_DIR": "", "CUTELAYERS_TUNING_FILE": ""}
     ptxas = shutil.which("ptxas")
     many, few = str(norm_config.FEW_ROWS + 1), str(norm_config.FEW_ROWS)
     for dtype, rows, held in (("float32", many, True), ("bfloat16", many, False), ("float32", few, False)):
         out = tmp_path / f"{dtype}_{rows}"
         out.mkdir()
-        proc = subprocess.run([sys.executable, "-c", RESIDENT_PTX_PROGRAM, dtype, rows],
-                              env={**env, "CUTE_DSL_DUMP_DIR": str(out)},
+        proc = subprocess.run([sys.executable, "-c", RESIDENT_PTX_PROGRAM, dtype, rows], env=kept_ptx_env(out),
                               cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
         assert proc.returncode == 0, proc.stderr[-3000:]
         (path,) = out.glob("*.ptx")
         assert (".minnctapersm 2" in path.read_text()) == held, (dtype, rows)
         if held and ptxas is not None:
-            notes = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(path), "-o", str(path.with_suffix(".cubin"))],
-                                   capture_output=True, text=True, timeout=300, check=True).stderr
+            notes = ptxas_report(ptxas, path)
             (registers,) = re.findall(r"Used (\d+) registers", notes)
             assert int(registers) <= 64 and " 0 bytes spill stores" in notes, notes
 

@@ -159,8 +159,9 @@ class NormForwardKernel:
         forward with float32 scale and bias at 16384 ran at 63.5 % of copy bandwidth, 89.9 % held
         to two (16000: 62.6 -> 88.2 %; LayerNorm's 87.7 -> 91.2 %). Elsewhere the hold lost 3-6 %:
         bf16 parameters at 16000 / 16384 (63 registers already), float32 ones at 12288 (24 values
-        a thread) (H200; docs/benchmarks.md, thirty-sixth session). The carveout is left to the driver (-1); naming it keeps the DSL
-        from asking the device for its shared memory at compile time."""
+        a thread) (H200; docs/benchmarks.md, thirty-sixth session). The carveout is left to the
+        driver (-1); naming it keeps the DSL from asking the device for its shared memory at
+        compile time."""
         config = self.config
         # Not the few-rows kernel: occupancy does not hold its small grid back, and its parameters,
         # loaded first, spilled 608 bytes a thread when held.
