@@ -613,30 +613,38 @@ def test_staging_fewer_operands_fits_two_ctas_an_sm():
     """A backward config that stages dy alone (norm_config.StagingConfig) keeps RMSNorm's bf16 row of
     262144 -- cut over 16 CTAs as with x and dy -- in 96 KiB a CTA with its dscale sums, not 128:
     two CTAs an SM, twice the resident clusters; staging neither, 64 KiB, which leaves room for
-    scale's share too. A plain RowConfig stages both, as before."""
+    scale's share too. A plain RowConfig stages both, as before. In two buffers (``stages`` 2),
+    x and dy take 192 KiB (one CTA an SM, no room for scale), dy alone 128."""
     from cutelayers.kernels.reduction_config import RowGeometry
 
     row = RowConfig(threads_per_row=512, num_threads=512, unroll=3)
     plain = RowGeometry(row, 262144, 8, cluster=16)  # 16384 columns a CTA
-    dy_only, neither = (dataclasses.replace(plain, row=fewer) for fewer in norm_config.staging_variants(row))
-    assert [norm_config.staged_shares(g, 2, 1) for g in (plain, dy_only, neither)] == [
-        (True, True), (False, True), (False, False)]
-    assert [norm_config.streamed_cta_bytes(g, 2, 1) // 1024 for g in (plain, dy_only, neither)] == [128, 96, 64]
+    variants = [dataclasses.replace(plain, row=other) for other in norm_config.staging_variants(row)]
+    assert [(g.row.staged_operands, g.row.stages) for g in variants] == [(1, 1), (0, 1), (2, 2), (1, 2)]
+    geometries = [plain, *variants]
+    assert [norm_config.staged_shares(g, 2, 1) for g in geometries] == [
+        (True, True), (False, True), (False, False), (True, True), (False, True)]
+    assert [norm_config.streamed_cta_bytes(g, 2, 1) // 1024 for g in geometries] == [128, 96, 64, 192, 128]
     clusters = norm_config.RESIDENT_CLUSTERS[16]
-    assert [norm_config.backward_grid(g, None, 2, 1) for g in (plain, dy_only, neither)] == [
-        clusters, 2 * clusters, 2 * clusters]
+    assert [norm_config.backward_grid(g, None, 2, 1) for g in geometries] == [
+        clusters, 2 * clusters, 2 * clusters, clusters, clusters]
     # a bf16 scale's 32 KiB share: next to x and dy (one CTA an SM either way) and next to the sums
-    # alone, not next to dy's share (it would cost the second CTA)
-    assert [norm_config.scale_fits(g, 2, 1, 2) for g in (plain, dy_only, neither)] == [True, False, True]
-    with pytest.raises(ValueError, match=r"staged_operands 2: a StagingConfig stages one of \(1, 0\)"):
+    # alone, not next to dy's share (it would cost the second CTA), nor next to two buffers of both
+    assert [norm_config.scale_fits(g, 2, 1, 2) for g in geometries] == [True, False, True, False, True]
+    # LayerNorm's two sums: two buffers of x and dy would take 256 KiB, so they stage nothing
+    assert norm_config.staged_shares(variants[2], 2, 2) == (False, False)
+    with pytest.raises(ValueError, match=r"staged_operands 2 in 1 stages: a StagingConfig stages one of"):
         norm_config.StagingConfig(**dataclasses.asdict(row), staged_operands=2)
+    with pytest.raises(ValueError, match=r"staged_operands 0 in 2 stages"):
+        norm_config.StagingConfig(**dataclasses.asdict(row), staged_operands=0, stages=2)
 
 
 def test_staging_configs_round_trip_the_tuning_table(tmp_path, monkeypatch):
-    """The backward's configs that stage fewer operands are candidates of its space at a streamed
-    width (not at a register-resident one), written to the tuned table with their staged_operands
-    and read back as themselves; an entry without the field (all written before it) reads as the
-    plain RowConfig, and one naming another count is refused for the heuristic."""
+    """The backward's configs that stage otherwise (fewer operands, or two buffers) are candidates of
+    its space at a streamed width (not at a register-resident one), written to the tuned table with
+    their staged_operands and stages and read back as themselves; an entry without the fields (all
+    written before them) reads as the plain RowConfig, one without stages as a single buffer, and
+    one naming another count is refused for the heuristic."""
     from cutelayers import tuning
     from cutelayers.ops.norm import NormBackward
 
@@ -648,7 +656,7 @@ def test_staging_configs_round_trip_the_tuning_table(tmp_path, monkeypatch):
     family, avals = NormBackward(False, True, True, False), (x, x, stat, p)
     space = family.config_space(avals)
     fewer = [c for c in space if isinstance(c, norm_config.StagingConfig)]
-    assert {c.staged_operands for c in fewer} == set(norm_config.FEWER_STAGED_OPERANDS)
+    assert {(c.staged_operands, c.stages) for c in fewer} == set(norm_config.STAGING_CHOICES)
     small = (S((8, 768), jnp.bfloat16),) * 2 + (stat, S((768,), jnp.bfloat16))
     assert not [c for c in family.config_space(small) if isinstance(c, norm_config.StagingConfig)]
     dtype, dims = family.tuning_key(avals)
@@ -663,9 +671,13 @@ def test_staging_configs_round_trip_the_tuning_table(tmp_path, monkeypatch):
 
     for i, config in enumerate(fewer):
         assert tuning.config_fields(config)["staged_operands"] == config.staged_operands
+        assert tuning.config_fields(config)["stages"] == config.stages
         assert resolved(i, tuning.config_fields(config)) == config
     assert resolved(len(fewer), plain_256) == RowConfig(**plain_256)
     assert type(resolved(len(fewer) + 1, {**plain_256, "staged_operands": 2})) is RowConfig
+    # an entry written before ``stages`` (a single buffer)
+    assert resolved(len(fewer) + 3, {**plain_256, "staged_operands": 0}) == norm_config.StagingConfig(
+        **plain_256, staged_operands=0)
     with pytest.warns(tuning.TuningTableWarning, match="names an invalid config"):
         assert resolved(len(fewer) + 2, {**plain_256, "staged_operands": 3}) == family.default_config(avals)
 
@@ -673,9 +685,10 @@ def test_staging_configs_round_trip_the_tuning_table(tmp_path, monkeypatch):
 @pytest.mark.cute
 @pytest.mark.parametrize("center,residual,n", [(False, False, 262144), (False, True, 262144), (True, True, 50257)])
 def test_backward_staging_fewer_operands_lowers_for_cuda(center, residual, n):
-    """The heuristic backward config staging dy alone, or neither of x and dy, compiles for sm_90a,
-    each its own kernel: RMSNorm's with and without the residual at N = 262144, and
-    add_layer_norm's at an odd N (dy staged from registers: 2-byte accesses, no cp.async)."""
+    """The heuristic backward config staging dy alone, or neither of x and dy, or them in two
+    buffers, compiles for sm_90a, each its own kernel: RMSNorm's with and without the residual at N
+    = 262144, and add_layer_norm's at an odd N (dy staged from registers: 2-byte accesses, no
+    cp.async -- so no second buffer is a candidate there)."""
     from cutelayers.ops.norm import NormBackward
     from cutelayers.runtime.sharding import kernel_call
 
@@ -684,8 +697,9 @@ def test_backward_staging_fewer_operands_lowers_for_cuda(center, residual, n):
     family = NormBackward(center, True, True, center, residual)
     avals = (x,) * (2 + residual) + (stat,) * (1 + center) + (p,)
     default = family.default_config(avals)
-    fewer = norm_config.staging_variants(default)
-    assert set(fewer) <= set(family.config_space(avals))
+    space = family.config_space(avals)
+    fewer = [c for c in norm_config.staging_variants(default) if c in space]
+    assert [c.stages for c in fewer] == ([1, 1] if n % 2 else [1, 1, 2, 2])
     names = []
     for config in fewer:
         with cl.use_backend("cute"):
@@ -967,22 +981,24 @@ def test_add_kernel_vmap_gpu(op, rng):
 # several, copying the next row's staged share in during the dx pass
 STAGING_CASES = [("rms_norm_bwd", (40, 262144), "bfloat16"), ("add_rms_norm_bwd", (40, 262144), "bfloat16"),
                  ("rms_norm_bwd", (24, 262144), "float32"),  # dy alone: 128 KiB, one CTA an SM
-                 ("add_layer_norm_bwd", (100, 50257), "bfloat16")]  # odd N: dy staged from registers
+                 ("add_layer_norm_bwd", (100, 50257), "bfloat16"),  # odd N: dy staged from registers
+                 ("add_layer_norm_bwd", (40, 131072), "bfloat16")]  # two buffers: 128 KiB over 16 CTAs
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel,shape,dtype", STAGING_CASES)
 def test_backward_staging_fewer_operands_gpu(kernel, shape, dtype):
-    """The heuristic backward config staging dy alone, or neither of x and dy
-    (norm_config.StagingConfig), gives the heuristic's dx exactly -- the same arithmetic on the same
-    values, read from global memory instead of shared memory -- and dscale / dbias within float32's
-    tolerance of the reference (their rows summed in another order: twice the clusters)."""
+    """The heuristic backward config staging dy alone, or neither of x and dy, or them in two
+    buffers (norm_config.StagingConfig), gives the heuristic's dx exactly -- the same arithmetic on
+    the same values, read from global memory or another buffer instead of the one shared one -- and
+    dscale / dbias within float32's tolerance of the reference (their rows summed in another order:
+    twice the clusters). Two buffers are candidates where both fit with cp.async (bf16, even N)."""
     from cutelayers.bench import autotune
     from cutelayers.runtime.sharding import kernel_call
 
     ((case, configs, default),) = autotune.list_candidates(kernel, [shape], [dtype])
-    fewer = norm_config.staging_variants(default)
-    assert set(fewer) <= set(configs)
+    fewer = [c for c in norm_config.staging_variants(default) if c in configs]
+    assert 2 in {c.stages for c in fewer} or dtype == "float32" or shape[1] % 2
     operands = case.make_operands()
 
     def run(config):

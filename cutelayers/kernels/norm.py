@@ -8,7 +8,7 @@ times per step of ``threads_per_row * vec * unroll`` columns. The heuristic conf
 step, i.e. stays in registers between the statistics and the normalize pass -- one HBM read of
 x. Larger rows stream in steps, one row per 256-thread CTA, and are staged in shared memory for
 the second pass (the forward's x, the backward's x and dy -- or, as its config says, dy alone or
-neither: :class:`.norm_config.StagingConfig`): a row whose share does not fit one CTA
+neither, or in two buffers: :class:`.norm_config.StagingConfig`): a row whose share does not fit one CTA
 is cut evenly over a thread-block cluster, each CTA staging its share, and the CTAs' partial statistics
 (the forward's mean and M2 of its share, or sum of squares; the backward's sums of g * xhat and g)
 are combined through distributed shared memory (:func:`.reduction_config.split_rows`,
@@ -60,6 +60,7 @@ from cutelayers.kernels.norm_config import (
     partial_rows,
     scale_fits,
     staged_shares,
+    staging_stages,
     sums_fit,
 )
 from cutelayers.kernels.reduction import (
@@ -452,9 +453,11 @@ class NormBackwardKernel:
         return staged_shares(self.config, widest_bytes(x, dy, dsummed, scale), self.streamed_sums)
 
     def staged_share_bytes(self, x, dy, dsummed, scale) -> int:
-        """Shared memory of a streamed row's staged shares (:meth:`staged_shares`)."""
+        """Shared memory of a streamed row's staged shares (:meth:`staged_shares`), in each of the
+        config's stages (:func:`.norm_config.staging_stages`)."""
         kept = zip((x, dy), self.staged_shares(x, dy, dsummed, scale))
-        return sum(shared_row_bytes(self.config, t.element_type.width // 8) for t, stage in kept if stage)
+        share = sum(shared_row_bytes(self.config, t.element_type.width // 8) for t, stage in kept if stage)
+        return share * staging_stages(self.config.row)
 
     def sum_bytes(self) -> int:
         """Shared memory of a streamed row's dscale / dbias sums (one fp32 share each)."""
@@ -550,7 +553,9 @@ class NormBackwardKernel:
         :meth:`staged_shares`), the row's sums of g * xhat and g combined over
         the cluster once per row (double-buffered slots), dscale / dbias summed over the rows in
         shared memory, one fp32 per share column and row slot, and stored at the end as the
-        cluster's partial rows (each CTA its share's columns)."""
+        cluster's partial rows (each CTA its share's columns). The staged shares are in one buffer,
+        or in two where the config says (:class:`.norm_config.StagingConfig`'s ``stages``: each
+        row's shares copied in whole while the row before it is computed)."""
         config = self.config
         n = config.n
         gdim, _, _ = cute.arch.grid_dim()
@@ -559,8 +564,11 @@ class NormBackwardKernel:
         clusters = gdim // config.cluster
         slots = cluster_slots(config, self.cluster_values, 2)
         stage_x, stage_g = self.staged_shares(x, dy, dsummed, scale)
-        shared_x = shared_row_tensor(config, x.element_type) if const_expr(stage_x) else None
-        shared_g = shared_row_tensor(config, dy.element_type) if const_expr(stage_g) else None
+        ring = staging_stages(config.row) == 2
+        # one buffer of each staged share, or two (a ring: row i in buffer i % 2)
+        shared = [(shared_row_tensor(config, x.element_type) if const_expr(stage_x) else None,
+                   shared_row_tensor(config, dy.element_type) if const_expr(stage_g) else None)
+                  for _ in range(2 if ring else 1)]
         ops = None
         if const_expr(self.has_scale):
             pshare = row_share(cute.make_identity_tensor((config.row.rows_per_cta, n)), config, 0, rank)
@@ -576,8 +584,8 @@ class NormBackwardKernel:
                 for step in cutlass.range(steps, unroll=1):
                     save_step(sums[i], step)
         groups = cute.ceil_div(x.shape[0], config.row.rows_per_cta)
-        operands = (x, dy, copy_x, copy_dy, (shared_x, shared_g))
-        first_row, (_, _, _, first_x), (_, _, _, first_g) = self.streamed_staging(share, *operands)
+        first_row, (_, _, _, first_x), (_, _, _, first_g) = self.streamed_staging(share, x, dy, copy_x, copy_dy,
+                                                                                  shared[0])
         # x and dy copied in whole, asynchronously, where cp.async can (each on its own: a bf16 x
         # with odd N is copied from registers, a float32 dy of it still prefetched)
         prefetched = first_x is not None or first_g is not None
@@ -588,22 +596,19 @@ class NormBackwardKernel:
             scale_share = row_share(_broadcast_rows(scale, config), config, 0, rank)
             _, _, ops, scale_copy = row_staging(config, scale_share, ops, (0, None), tidx, True)
             prefetch_shares((scale_copy,), True, steps, config, wait=not prefetched)
-        for tile in cutlass.range(cid, groups, clusters, unroll=1):
-            group_share = share.for_tile(tile)
-            row, (source_x, copy_x_to, again_x, _), (source_g, copy_g_to, again_g, _) = \
-                self.streamed_staging(group_share, *operands)
-            stats = self.row_statistics(mean, rstd, row, row < x.shape[0])  # loaded while the share arrives
-            refill = None
-            if const_expr(prefetched):
-                next_row, (_, _, _, next_x), (_, _, _, next_g) = \
-                    self.streamed_staging(share.for_tile(tile + clusters), *operands)
-                refill = (next_x, next_g, next_row < x.shape[0])
-                cute.arch.cp_async_wait_group(0)  # this row's share, copied in during the last row
-            self.backward_rows(x, dy, dsummed, mean, rstd, dx, ops, sums[0], sums[1], copy_x, copy_dy,
-                               copy_dsummed, copy_dx, group_share.coords, buffers, 0, tidx,
-                               cut=(group_share, slots, (source_x, source_g), (copy_x_to, copy_g_to),
-                                    (again_x, again_g), (tile - cid) // clusters), refill=refill,
-                               stats=stats)
+        rows = (x, dy, dsummed, mean, rstd, dx, ops, sums, copy_x, copy_dy, copy_dsummed, copy_dx, buffers, slots,
+                tidx)
+        if const_expr(ring):
+            # row i in buffer i % 2: the loop unrolled by two, so each step's buffers are known
+            for tile in cutlass.range(cid, groups, 2 * clusters, unroll=1):
+                for stage in cutlass.range_constexpr(2):
+                    current = tile + stage * clusters
+                    if current < groups:
+                        self.streamed_row(share, current, cid, clusters, rows, shared[stage], shared[1 - stage],
+                                          prefetched)
+        else:
+            for tile in cutlass.range(cid, groups, clusters, unroll=1):
+                self.streamed_row(share, tile, cid, clusters, rows, shared[0], None, prefetched)
         for acc, partial in zip(sums, (dscale, dbias)):
             if const_expr(partial is not None):
                 pcoords = row_share(cute.make_identity_tensor(partial.shape), config, cid, rank)
@@ -611,6 +616,34 @@ class NormBackwardKernel:
                                   tidx)
                 for step in cutlass.range(steps, unroll=1):
                     store_step(out, step, load_step(acc, step))
+
+    @cute.jit
+    def streamed_row(self, share, tile, cid, clusters, rows, shared, ring_next, prefetched: cutlass.Constexpr):
+        """Row tile ``tile`` of :meth:`streamed_rows`' loop, its shares staged in ``shared`` (x's,
+        dy's tensors). The next row's shares (where ``prefetched``: copied asynchronously) go into
+        ``ring_next``, the ring's other buffer, in whole before this row's work -- or, without a
+        ring (None), into ``shared`` step by step as the dx pass frees it (``refill``)."""
+        x, dy, dsummed, mean, rstd, dx, ops, sums, copy_x, copy_dy, copy_dsummed, copy_dx, buffers, slots, tidx = rows
+        group_share = share.for_tile(tile)
+        row, (source_x, copy_x_to, again_x, _), (source_g, copy_g_to, again_g, _) = \
+            self.streamed_staging(group_share, x, dy, copy_x, copy_dy, shared)
+        stats = self.row_statistics(mean, rstd, row, row < x.shape[0])  # loaded while the share arrives
+        refill = None
+        if const_expr(prefetched):
+            next_row, (_, _, _, next_x), (_, _, _, next_g) = self.streamed_staging(
+                share.for_tile(tile + clusters), x, dy, copy_x, copy_dy, shared if ring_next is None else ring_next)
+            if const_expr(ring_next is None):
+                refill = (next_x, next_g, next_row < x.shape[0])
+                cute.arch.cp_async_wait_group(0)  # this row's share, copied in during the last row
+            else:
+                prefetch_shares((next_x, next_g), next_row < x.shape[0], share.steps, self.config, wait=False)
+                # all but the next row's cp.async groups (one an operand): this row's shares
+                cute.arch.cp_async_wait_group((next_x is not None) + (next_g is not None))
+        self.backward_rows(x, dy, dsummed, mean, rstd, dx, ops, sums[0], sums[1], copy_x, copy_dy,
+                           copy_dsummed, copy_dx, group_share.coords, buffers, 0, tidx,
+                           cut=(group_share, slots, (source_x, source_g), (copy_x_to, copy_g_to),
+                                (again_x, again_g), (tile - cid) // clusters), refill=refill,
+                           stats=stats)
 
     def streamed_staging(self, share, x, dy, copy_x, copy_dy, shared):
         """This thread's row in ``share`` (a :class:`.reduction.CtaShare` of one row group; past the

@@ -61,39 +61,54 @@ THREADS_PER_SM = 512
 
 # Row operands the backward stages (x and dy): with its fp32 dscale / dbias sums, a streamed row's
 # shared memory (:func:`streamed_cta_bytes`). Its rows are cut for both
-# (:func:`.reduction_config.split_rows`), also where a :class:`StagingConfig` stages fewer.
+# (:func:`.reduction_config.split_rows`), also where a :class:`StagingConfig` stages otherwise.
 STAGED_OPERANDS = 2
-# Row operands a StagingConfig stages instead: 1, dy alone, or 0, neither.
-FEWER_STAGED_OPERANDS = (1, 0)
+# (staged operands, stages) a StagingConfig names: dy alone or neither, once; or x and dy, or dy
+# alone, in two buffers -- the next row's shares copied in whole while this row is computed.
+STAGING_CHOICES = ((1, 1), (0, 1), (2, 2), (1, 2))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StagingConfig(RowConfig):
-    """A config of the backward whose streamed row stages fewer of its operands than a plain
-    :class:`RowConfig` (x and dy): ``staged_operands`` 1, dy alone -- the dx pass reads x from
-    global memory again, mostly from L2, pass 1 having just read it --, or 0, neither. The smaller
-    shares may fit two CTAs an SM where x and dy fit one (:func:`streamed_ctas_per_sm`): RMSNorm's
-    bf16 row of 262144, cut over 16 CTAs, takes 96 KiB a CTA with dy and the dscale sums, 128 with
-    x too."""
+    """A config of the backward whose streamed row stages otherwise than a plain :class:`RowConfig`
+    (x and dy, in one buffer that the next row's shares are copied into as the dx pass frees it).
+
+    ``staged_operands``: 1, dy alone -- the dx pass reads x from global memory again, mostly from
+    L2, pass 1 having just read it --, or 0, neither. Their smaller shares may fit two CTAs an SM
+    where x and dy fit one (:func:`streamed_ctas_per_sm`): RMSNorm's bf16 row of 262144, cut over
+    16 CTAs, takes 96 KiB a CTA with dy and the dscale sums, 128 with x too.
+
+    ``stages`` 2: the staged operands in two buffers. Each row's shares are copied in whole as the
+    row before it starts, so the copies stay in flight through that row's sums, its cluster
+    exchange and its dx pass; with one buffer, the next row's copies start only as the dx pass
+    frees each step, and nothing is in flight from the end of a dx pass until the next one starts.
+    Twice the shared memory: RMSNorm's bf16 row of 262144 takes 192 KiB a CTA over 16."""
 
     staged_operands: int
+    stages: int = 1
 
     def __post_init__(self):
-        if self.staged_operands not in FEWER_STAGED_OPERANDS:
-            raise ValueError(f"staged_operands {self.staged_operands!r}: a StagingConfig stages one of "
-                             f"{FEWER_STAGED_OPERANDS} row operands (a RowConfig stages {STAGED_OPERANDS})")
+        if (self.staged_operands, self.stages) not in STAGING_CHOICES:
+            raise ValueError(f"staged_operands {self.staged_operands!r} in {self.stages!r} stages: a StagingConfig "
+                             f"stages one of (operands, stages) {STAGING_CHOICES} (a RowConfig stages "
+                             f"{STAGED_OPERANDS} in 1)")
 
 
 def staging_variants(config: RowConfig) -> tuple[StagingConfig, ...]:
-    """``config`` staging fewer of a streamed row's operands: dy alone, then neither
-    (:data:`FEWER_STAGED_OPERANDS`)."""
-    return tuple(StagingConfig(**dataclasses.asdict(config), staged_operands=operands)
-                 for operands in FEWER_STAGED_OPERANDS)
+    """``config`` staging otherwise (:data:`STAGING_CHOICES`): dy alone, neither, then x and dy in
+    two buffers, dy alone in two."""
+    return tuple(StagingConfig(**dataclasses.asdict(config), staged_operands=operands, stages=stages)
+                 for operands, stages in STAGING_CHOICES)
 
 
 def staged_operands(config: RowConfig) -> int:
     """Row operands the backward with ``config`` stages of a streamed row (:class:`StagingConfig`)."""
     return config.staged_operands if isinstance(config, StagingConfig) else STAGED_OPERANDS
+
+
+def staging_stages(config: RowConfig) -> int:
+    """Buffers of each staged operand the backward with ``config`` keeps (:class:`StagingConfig`)."""
+    return config.stages if isinstance(config, StagingConfig) else 1
 
 
 def staged_shares(geometry: RowGeometry, elem_bytes: int, sums: int) -> tuple[bool, bool]:
@@ -102,7 +117,7 @@ def staged_shares(geometry: RowGeometry, elem_bytes: int, sums: int) -> tuple[bo
     first (:func:`staged_operands`), where they fit next to ``sums`` fp32 sums a column
     (:func:`.reduction_config.staged`)."""
     operands = staged_operands(geometry.row)
-    stage = staged(geometry, elem_bytes, operands, sums)
+    stage = staged(geometry, elem_bytes, operands * staging_stages(geometry.row), sums)
     return stage and operands > 1, stage and operands > 0
 
 
@@ -114,8 +129,10 @@ def sums_fit(geometry: RowGeometry, sums: int) -> bool:
 
 def streamed_cta_bytes(geometry: RowGeometry, elem_bytes: int, sums: int) -> int:
     """Shared memory of the backward's share of a streamed row: x and dy where they stage
-    (:func:`staged_shares`), and ``sums`` fp32 sums a column."""
-    return share_bytes(geometry, elem_bytes, sum(staged_shares(geometry, elem_bytes, sums)), sums)
+    (:func:`staged_shares`), in as many buffers as its config has stages, and ``sums`` fp32 sums a
+    column."""
+    kept = sum(staged_shares(geometry, elem_bytes, sums)) * staging_stages(geometry.row)
+    return share_bytes(geometry, elem_bytes, kept, sums)
 
 
 def streamed_ctas_per_sm(cta_bytes: int) -> int:

@@ -23,7 +23,14 @@ import operator
 import cutlass
 from cutlass import Float32, const_expr, cute
 
-from cutelayers.kernels.reduction_config import WARP, RowConfig, RowGeometry, staged, vector_width
+from cutelayers.kernels.reduction_config import (
+    WARP,
+    RowConfig,
+    RowGeometry,
+    can_prefetch,
+    staged,
+    vector_width,
+)
 
 
 @cute.jit
@@ -325,11 +332,6 @@ def shared_row_operand(tensor, like: RowOperand, thread) -> RowOperand:
     thr = like.copy.get_slice(thread)
     src = thr.partition_S(cute.local_tile(tensor, (geometry.row.rows_per_cta, geometry.tile_n), (0, None)))
     return dataclasses.replace(like, src=src)
-
-
-def can_prefetch(geometry: RowGeometry, elem_bits: int) -> bool:
-    """cp.async copies 4, 8 or 16 bytes: rows whose vector width gives at least 4."""
-    return geometry.vec * elem_bits >= 32
 
 
 @dataclasses.dataclass(frozen=True)

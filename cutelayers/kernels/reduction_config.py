@@ -267,6 +267,12 @@ def staged(geometry: RowGeometry, elem_bytes: int, operands: int = 1, accumulato
     return not geometry.resident and share_bytes(geometry, elem_bytes, operands, accumulators) <= limit
 
 
+def can_prefetch(geometry: RowGeometry, elem_bits: int) -> bool:
+    """Whether cp.async can copy a staged row's accesses (4, 8 or 16 bytes): rows whose vector
+    width gives at least 4 bytes of ``elem_bits``-bit elements."""
+    return geometry.vec * elem_bits >= 32
+
+
 def split_rows(geometry: RowGeometry, elem_bytes: int, operands: int, accumulators: int = 0,
                budget: int = STAGED_ROW_BYTES) -> RowGeometry:
     """``geometry`` with a streamed row of one-row CTAs cut over the fewest CTAs (a power of two,

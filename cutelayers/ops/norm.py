@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from cutelayers.kernels import norm_config
-from cutelayers.kernels.reduction_config import RowConfig
+from cutelayers.kernels.reduction_config import RowConfig, can_prefetch
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import RowKernelFamily, call_kernel, check_float_array
 from cutelayers.runtime.family import ShardingRule
@@ -178,28 +178,40 @@ class NormBackward(RowKernelFamily):
         return space + self.staging_configs(space, avals)
 
     def staging_configs(self, space, avals) -> tuple:
-        """The configs of ``space`` staging fewer of a streamed row's operands, dy alone or neither
+        """The configs of ``space`` staging otherwise: dy alone or neither, or in two buffers
         (:class:`~cutelayers.kernels.norm_config.StagingConfig`), each where its CTA then keeps other
         shares in shared memory than with the config's own
-        (:func:`~cutelayers.kernels.norm_config.staged_shares`)."""
+        (:func:`~cutelayers.kernels.norm_config.staged_shares`) -- two buffers only of shares it
+        copies asynchronously (:func:`~cutelayers.kernels.reduction.can_prefetch`: copied from
+        registers, a second buffer would only cost shared memory)."""
         elem_bytes = self.elem_bits(avals) // 8
+        narrowest = min(jnp.dtype(d).itemsize * 8 for d in self.row_dtypes(avals))
+
+        def kept(config):  # the shares it stages, and in how many buffers
+            g = self.cut(config, avals)
+            shares = norm_config.staged_shares(g, elem_bytes, self.wanted)
+            stages = norm_config.staging_stages(config) if any(shares) else 1
+            return shares, stages, stages == 1 or can_prefetch(g, narrowest)
+
         found = []
         for config in space:
-            kept = {norm_config.staged_shares(self.cut(config, avals), elem_bytes, self.wanted)}
-            for fewer in norm_config.staging_variants(config):
-                shares = norm_config.staged_shares(self.cut(fewer, avals), elem_bytes, self.wanted)
-                if shares not in kept:
-                    found.append(fewer)
-                    kept.add(shares)
+            seen = {kept(config)}
+            for other in norm_config.staging_variants(config):
+                how = kept(other)
+                if how[2] and how not in seen:
+                    found.append(other)
+                    seen.add(how)
         return tuple(found)
 
     def config_from_fields(self, fields: dict):
-        # a StagingConfig names its staged operands; a plain RowConfig (every entry before them) not
+        # a StagingConfig names its staged operands (and stages); a plain RowConfig (every entry
+        # before them) not
         fields = dict(fields)
         operands = fields.pop("staged_operands", self.staged_operands)
-        if operands == self.staged_operands:
+        stages = fields.pop("stages", 1)
+        if (operands, stages) == (self.staged_operands, 1):
             return super().config_from_fields(fields)
-        return norm_config.StagingConfig(**fields, staged_operands=operands)
+        return norm_config.StagingConfig(**fields, staged_operands=operands, stages=stages)
 
     def holds_sums(self, avals) -> bool:
         """Whether the kernel sums dscale / dbias for these operands (a streamed row's in the CTA's
