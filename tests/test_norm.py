@@ -552,6 +552,9 @@ def test_backward_grid_is_sized_for_the_rows():
     assert norm_config.backward_grid(geometry, 9) == 8  # five groups: the next power of two
     assert norm_config.backward_grid(geometry, 1) == 1
     assert norm_config.backward_grid(geometry, 16384) == full  # more groups than CTAs: persistent
+    # 24 values a thread (bf16 x 768, one warp a row): three 128-thread CTAs an SM
+    wide = RowGeometry(RowConfig(threads_per_row=32, num_threads=128, unroll=3), 768, 8)
+    assert norm_config.backward_grid(wide) == norm_config.HOPPER_SMS * (norm_config.WIDE_THREADS_PER_SM // 128)
 
 
 def test_rms_norm_forward_cuts_streamed_rows_into_smaller_shares():
@@ -777,6 +780,47 @@ def test_resident_forward_with_float32_parameters_holds_two_ctas_an_sm(tmp_path)
             assert int(registers) <= 64 and " 0 bytes spill stores" in notes, notes
 
 
+# Lowers the heuristic backward of the row kernel argv[1] at (16384, argv[2]) bf16 for sm_90a, its PTX
+# kept in CUTE_DSL_DUMP_DIR (a fresh process, as above).
+BACKWARD_PTX_PROGRAM = """
+import dataclasses, functools, sys
+import jax
+import cutelayers as cl
+from cutelayers.bench import autotune
+from cutelayers.runtime.sharding import kernel_call
+((case, _, default),) = autotune.list_candidates(sys.argv[1], [(16384, int(sys.argv[2]))], ["bfloat16"])
+with cl.use_backend("cute"):
+    jax.jit(functools.partial(kernel_call, dataclasses.replace(case.family, config=default))).trace(
+        *case.avals).lower(lowering_platforms=("cuda",))
+"""
+
+
+@pytest.mark.cute
+@pytest.mark.parametrize("kernel,n,ctas", [("add_layer_norm_bwd", 768, 3), ("rms_norm_bwd", 3072, 3),
+                                           ("layer_norm_bwd", 1024, 4), ("add_layer_norm_bwd", 8192, 1)])
+def test_resident_backward_holds_the_ctas_its_grid_counts_on(tmp_path, kernel, n, ctas):
+    # The register-resident backward's persistent grid counts on norm_config.backward_ctas_per_sm
+    # CTAs an SM, and its launch holds it there: bf16 rows of 768 or 3072 (24 values a thread) three
+    # 128-thread CTAs (unheld, add_layer_norm's took 218 registers: two were resident, and a grid of
+    # four an SM ran a second wave), 1024 four, 8192 one of 512 threads. ptxas fits the registers
+    # without spilling.
+    from cutelayers.bench import autotune
+
+    ((case, _, default),) = autotune.list_candidates(kernel, [(16384, n)], ["bfloat16"])
+    geometry = dataclasses.replace(case.family, config=default).geometry(case.avals)
+    assert norm_config.backward_ctas_per_sm(geometry) == ctas
+    assert norm_config.backward_grid(geometry) == norm_config.HOPPER_SMS * ctas
+    proc = subprocess.run([sys.executable, "-c", BACKWARD_PTX_PROGRAM, kernel, str(n)], env=kept_ptx_env(tmp_path),
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = tmp_path.glob("*.ptx")
+    assert f".minnctapersm {ctas}" in path.read_text()
+    if (ptxas := shutil.which("ptxas")) is not None:
+        notes = ptxas_report(ptxas, path)
+        (registers,) = re.findall(r"Used (\d+) registers", notes)
+        assert int(registers) * default.num_threads * ctas <= 65536 and " 0 bytes spill stores" in notes, notes
+
+
 @pytest.mark.cute
 def test_few_rows_take_register_resident_rows():
     from cutelayers.kernels.norm import NormForwardKernel
@@ -846,12 +890,14 @@ def test_kernel_values_and_grads_gpu(op, dtype, n, rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("n,rows,dtype", [(1000, 9000, jnp.bfloat16), (12000, 300, jnp.float32),
+@pytest.mark.parametrize("n,rows,dtype", [(1000, 9000, jnp.bfloat16), (768, 9000, jnp.bfloat16),
+                                          (3072, 3000, jnp.float16), (12000, 300, jnp.float32),
                                           (16384, 500, jnp.bfloat16), (50257, 100, jnp.bfloat16),
                                           (65536, 200, jnp.bfloat16), (262144, 40, jnp.float16),
                                           (262144, 24, jnp.float32)])
 def test_grads_with_more_rows_than_the_persistent_grid_gpu(op, n, rows, dtype, rng):
-    # More rows than the persistent backward grid has CTAs (N = 1000, register-resident rows) or
+    # More rows than the persistent backward grid has CTAs (N = 1000, register-resident rows; 768
+    # and 3072, 24 values a thread, three CTAs an SM: norm_config.backward_ctas_per_sm) or
     # clusters (streamed rows, cut over clusters past 12288 bf16 columns): each takes several and
     # sums their dscale / dbias into its partials -- for streamed rows in shared memory, with
     # per-row cluster exchanges that alternate slot buffers and barrier phases. The forward's

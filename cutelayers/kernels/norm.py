@@ -57,6 +57,7 @@ from cutlass import Float32, const_expr, cute
 
 from cutelayers.kernels.norm_config import (
     FORWARD_VALUES_PER_THREAD,
+    backward_ctas_per_sm,
     partial_rows,
     scale_fits,
     staged_shares,
@@ -424,8 +425,18 @@ class NormBackwardKernel:
                   + (shared_row_bytes(config, scale.element_type.width // 8)
                      if const_expr(self.stages_scale(x, dy, dsummed, scale)) else 0)),
             stream=stream,
+            **self.held_residency(),
             **cluster_launch(config),
         )
+
+    def held_residency(self) -> dict:
+        """Launch keywords that hold a register-resident persistent backward to the CTAs an SM its
+        grid counts on (:func:`.norm_config.backward_ctas_per_sm`: registers a thread at most 65536
+        / its threads an SM), so the grid runs in one wave. The carveout is left to the driver (-1);
+        naming it keeps the DSL from asking the device for its shared memory at compile time."""
+        if not (self.persistent and self.config.resident):
+            return {}
+        return {"min_blocks_per_mp": backward_ctas_per_sm(self.config), "preferred_smem_carveout": -1}
 
     @property
     def cluster_values(self) -> int:

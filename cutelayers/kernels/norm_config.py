@@ -51,12 +51,18 @@ FORWARD_SHARE_BYTES = {True: STAGED_ROW_BYTES, False: 40 * 1024}
 # registers more a thread, which cost LayerNorm's occupancy on many rows (its 63 -> 80 registers:
 # 181 -> 244 us at 16384 x 8192, 180 -> 198 at 131072 x 1024): docs/benchmarks.md, 21st session.
 FEW_ROWS = 64
-# Resident threads per SM the backward grid aims for: a 128-thread CTA of the register-resident
-# backward used ~124 registers a thread (bf16 x 768 with residual, 64 threads a row), so 512 fit an
-# SM's 64K; a 1024-thread target launched a second wave of CTAs and twice the dscale / dbias
-# partials. One warp a row (N = 768 bf16 since the 24-value budget) takes ~210 registers: two CTAs
-# an SM, the grid in two waves -- still the fastest of the configs measured there.
+# Resident threads an SM that the register-resident backward's grid counts on (backward_grid), and
+# that its launch holds it to (backward_ctas_per_sm: at most 65536 / that registers a thread), by
+# the values a thread holds in a step. Up to 16 values: 512 (128 registers; a 1024-thread target
+# launched a second wave of CTAs and twice the dscale / dbias partials). 24 values (bf16 rows of
+# 768, 1536, 3072, ...): 384 (170 registers). Left free, such a thread took 130-218 registers, so
+# three or two of the grid's four 128-thread CTAs an SM were resident, and the rest ran as a second
+# wave (H200, 16384 x 768 bf16, backward us with grids of 2 / 3 / 4 CTAs an SM, unbounded: layer_norm
+# 23.7 / 21.2 / 25.6, rms_norm 21.2 / 20.2 / 22.0, add_rms_norm 26.0 / 25.5 / 28.3, add_layer_norm
+# (218 registers) 26.9 / 30.4 / 28.4; at 1024 and 2048, 128 registers or fewer, four won:
+# docs/benchmarks.md, thirty-seventh session).
 THREADS_PER_SM = 512
+WIDE_THREADS_PER_SM = 384
 
 
 # Row operands the backward stages (x and dy): with its fp32 dscale / dbias sums, a streamed row's
@@ -150,6 +156,15 @@ def scale_fits(geometry: RowGeometry, elem_bytes: int, sums: int, scale_bytes: i
             and streamed_ctas_per_sm(with_scale) == streamed_ctas_per_sm(used))
 
 
+def backward_ctas_per_sm(geometry: RowGeometry) -> int:
+    """CTAs of the register-resident backward an SM holds: :data:`THREADS_PER_SM`'s worth where a
+    thread holds at most 16 values a step, :data:`WIDE_THREADS_PER_SM`'s where it holds more (at
+    least one CTA)."""
+    values = geometry.vec * geometry.row.unroll
+    threads = THREADS_PER_SM if values <= 16 else WIDE_THREADS_PER_SM
+    return max(threads // geometry.row.num_threads, 1)
+
+
 def partial_rows(geometry: RowGeometry, grid: int) -> int:
     """Rows of the backward's dscale / dbias partials on a persistent ``grid``: one per CTA, or per
     row slot of a streamed row's cluster."""
@@ -165,7 +180,7 @@ def backward_grid(geometry: RowGeometry, rows: int | None = None, elem_bytes: in
     ``sums`` the fp32 sums they keep)."""
     config = geometry.row
     if geometry.resident:
-        full = HOPPER_SMS * max(THREADS_PER_SM // config.num_threads, 1)
+        full = HOPPER_SMS * backward_ctas_per_sm(geometry)
         groups = None if rows is None else max(1, -(-rows // config.rows_per_cta))
     else:
         cta_bytes = streamed_cta_bytes(geometry, elem_bytes, sums)
