@@ -607,19 +607,19 @@ class NormBackwardKernel:
             scale_share = row_share(_broadcast_rows(scale, config), config, 0, rank)
             _, _, ops, scale_copy = row_staging(config, scale_share, ops, (0, None), tidx, True)
             prefetch_shares((scale_copy,), True, steps, config, wait=not prefetched)
-        rows = (x, dy, dsummed, mean, rstd, dx, ops, sums, copy_x, copy_dy, copy_dsummed, copy_dx, buffers, slots,
-                tidx)
+        row_args = (x, dy, dsummed, mean, rstd, dx, ops, sums, copy_x, copy_dy, copy_dsummed, copy_dx, buffers,
+                    slots, tidx)
         if const_expr(ring):
             # row i in buffer i % 2: the loop unrolled by two, so each step's buffers are known
             for tile in cutlass.range(cid, groups, 2 * clusters, unroll=1):
                 for stage in cutlass.range_constexpr(2):
                     current = tile + stage * clusters
                     if current < groups:
-                        self.streamed_row(share, current, cid, clusters, rows, shared[stage], shared[1 - stage],
-                                          prefetched)
+                        self.streamed_row(share, current, cid, clusters, row_args, shared[stage],
+                                          shared[1 - stage], prefetched)
         else:
             for tile in cutlass.range(cid, groups, clusters, unroll=1):
-                self.streamed_row(share, tile, cid, clusters, rows, shared[0], None, prefetched)
+                self.streamed_row(share, tile, cid, clusters, row_args, shared[0], None, prefetched)
         for acc, partial in zip(sums, (dscale, dbias)):
             if const_expr(partial is not None):
                 pcoords = row_share(cute.make_identity_tensor(partial.shape), config, cid, rank)
@@ -629,12 +629,15 @@ class NormBackwardKernel:
                     store_step(out, step, load_step(acc, step))
 
     @cute.jit
-    def streamed_row(self, share, tile, cid, clusters, rows, shared, ring_next, prefetched: cutlass.Constexpr):
+    def streamed_row(self, share, tile, cid, clusters, row_args, shared, ring_next, prefetched: cutlass.Constexpr):
         """Row tile ``tile`` of :meth:`streamed_rows`' loop, its shares staged in ``shared`` (x's,
         dy's tensors). The next row's shares (where ``prefetched``: copied asynchronously) go into
         ``ring_next``, the ring's other buffer, in whole before this row's work -- or, without a
-        ring (None), into ``shared`` step by step as the dx pass frees it (``refill``)."""
-        x, dy, dsummed, mean, rstd, dx, ops, sums, copy_x, copy_dy, copy_dsummed, copy_dx, buffers, slots, tidx = rows
+        ring (None), into ``shared`` step by step as the dx pass frees it (``refill``).
+        ``row_args``: what :meth:`backward_rows` takes of the kernel's (tensors, tiled copies,
+        reduction buffers, cluster slots, thread index)."""
+        x, dy, dsummed, mean, rstd, dx, ops, sums, copy_x, copy_dy, copy_dsummed, copy_dx, buffers, slots, tidx = \
+            row_args
         group_share = share.for_tile(tile)
         row, (source_x, copy_x_to, again_x, _), (source_g, copy_g_to, again_g, _) = \
             self.streamed_staging(group_share, x, dy, copy_x, copy_dy, shared)
