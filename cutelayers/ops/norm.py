@@ -138,7 +138,8 @@ class NormBackward(RowKernelFamily):
     the op sizes it for its rows with :func:`cutelayers.kernels.norm_config.backward_grid`), so it
     is fixed per compile key; any row count runs correctly on any grid. A streamed row keeps its
     CTA's dscale / dbias sums in shared memory (``staged_sums``), where they fit
-    (:meth:`holds_sums`), and its shares of x and dy, or fewer of them (:meth:`staging_configs`).
+    (:meth:`holds_sums`), and its shares of x and dy, or fewer of them, in one buffer or two
+    (:meth:`staging_configs`).
     ``has_residual``: the backward of the fused residual add -- x is the forward's summed, and
     dsummed (the gradient of summed) is added to dx, which is then the gradient of both x and
     the residual.
