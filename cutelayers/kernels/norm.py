@@ -74,6 +74,7 @@ from cutelayers.kernels.reduction import (
     cluster_sum,
     column_mask,
     cta_share,
+    held_to,
     load_step,
     prefetch_shares,
     prefetch_step,
@@ -161,9 +162,7 @@ class NormForwardKernel:
         forward with float32 scale and bias at 16384 ran at 63.5 % of copy bandwidth, 89.9 % held
         to two (16000: 62.6 -> 88.2 %; LayerNorm's 87.7 -> 91.2 %). Elsewhere the hold lost 3-6 %:
         bf16 parameters at 16000 / 16384 (63 registers already), float32 ones at 12288 (24 values
-        a thread) (H200; docs/benchmarks.md, thirty-sixth session). The carveout is left to the
-        driver (-1); naming it keeps the DSL from asking the device for its shared memory at
-        compile time."""
+        a thread) (H200; docs/benchmarks.md, thirty-sixth session)."""
         config = self.config
         # Not the few-rows kernel: occupancy does not hold its small grid back, and its parameters,
         # loaded first, spilled 608 bytes a thread when held.
@@ -172,7 +171,7 @@ class NormForwardKernel:
         if not (config.resident and config.row.num_threads == 512 and x.element_type.width == 16
                 and config.vec == 4 and config.vec * config.row.unroll == FORWARD_VALUES_PER_THREAD):
             return {}
-        return {"min_blocks_per_mp": 2, "preferred_smem_carveout": -1}
+        return held_to(2)
 
     @property
     def cluster_values(self) -> int:
@@ -432,11 +431,10 @@ class NormBackwardKernel:
     def held_residency(self) -> dict:
         """Launch keywords that hold a register-resident persistent backward to the CTAs an SM its
         grid counts on (:func:`.norm_config.backward_ctas_per_sm`: registers a thread at most 65536
-        / its threads an SM), so the grid runs in one wave. The carveout is left to the driver (-1);
-        naming it keeps the DSL from asking the device for its shared memory at compile time."""
+        / its threads an SM), so the grid runs in one wave."""
         if not (self.persistent and self.config.resident):
             return {}
-        return {"min_blocks_per_mp": backward_ctas_per_sm(self.config), "preferred_smem_carveout": -1}
+        return held_to(backward_ctas_per_sm(self.config))
 
     @property
     def cluster_values(self) -> int:

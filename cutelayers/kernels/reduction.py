@@ -601,6 +601,14 @@ def widest_bytes(*tensors) -> int:
     return max(t.element_type.width for t in tensors if t is not None) // 8
 
 
+def held_to(ctas_per_sm: int) -> dict:
+    """Launch keywords that hold a kernel to ``ctas_per_sm`` CTAs an SM (``min_blocks_per_mp``:
+    ptxas fits its registers to that many). The shared-memory carveout is left to the driver (-1);
+    naming it keeps the DSL from asking the device for its shared memory at compile time (without
+    it, a CPU compile for sm_90a fails)."""
+    return {"min_blocks_per_mp": ctas_per_sm, "preferred_smem_carveout": -1}
+
+
 def cluster_launch(geometry: RowGeometry) -> dict:
     """The launch's cluster keyword where rows are cut over a cluster of CTAs (none otherwise)."""
     return {"cluster": [geometry.cluster, 1, 1]} if geometry.cluster > 1 else {}
