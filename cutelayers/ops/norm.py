@@ -189,17 +189,15 @@ class NormBackward(RowKernelFamily):
         narrowest = min(jnp.dtype(d).itemsize * 8 for d in self.row_dtypes(avals))
 
         def kept(config):  # the shares it stages, and in how many buffers
-            g = self.cut(config, avals)
-            shares = norm_config.staged_shares(g, elem_bytes, self.wanted)
-            stages = norm_config.staging_stages(config) if any(shares) else 1
-            return shares, stages, stages == 1 or can_prefetch(g, narrowest)
+            shares = norm_config.staged_shares(self.cut(config, avals), elem_bytes, self.wanted)
+            return shares, norm_config.staging_stages(config) if any(shares) else 1
 
         found = []
         for config in space:
             seen = {kept(config)}
             for other in norm_config.staging_variants(config):
                 how = kept(other)
-                if how[2] and how not in seen:
+                if how not in seen and (how[1] == 1 or can_prefetch(self.cut(other, avals), narrowest)):
                     found.append(other)
                     seen.add(how)
         return tuple(found)
