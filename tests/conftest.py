@@ -6,9 +6,11 @@ import collections
 import importlib.metadata
 import json
 import os
+import pathlib
 import secrets
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -158,6 +160,16 @@ def kept_ptx_env(dump_dir) -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
             "JAX_PLATFORMS": "cpu", "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "ptx",
             "CUTE_DSL_DUMP_DIR": str(dump_dir), "CUTELAYERS_CACHE_DIR": "", "CUTELAYERS_TUNING_FILE": ""}
+
+
+def kept_ptx(dump_dir, program: str, *argv: str):
+    """Run ``program`` (Python source that lowers one CuTe kernel) with ``argv`` in a fresh process
+    that keeps its PTX in ``dump_dir`` (:func:`kept_ptx_env`); the path of that one PTX file."""
+    proc = subprocess.run([sys.executable, "-c", program, *argv], env=kept_ptx_env(dump_dir), cwd=dump_dir,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = pathlib.Path(dump_dir).glob("*.ptx")
+    return path
 
 
 def ptxas_report(ptxas: str, path) -> str:

@@ -9,14 +9,12 @@ import dataclasses
 import functools
 import re
 import shutil
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import kept_ptx_env, ptxas_report
+from conftest import kept_ptx, ptxas_report
 from numerics import assert_close, dtype_cover, random
 
 import cutelayers as cl
@@ -769,10 +767,7 @@ def test_resident_forward_with_float32_parameters_holds_two_ctas_an_sm(tmp_path)
     for dtype, rows, held in (("float32", many, True), ("bfloat16", many, False), ("float32", few, False)):
         out = tmp_path / f"{dtype}_{rows}"
         out.mkdir()
-        proc = subprocess.run([sys.executable, "-c", RESIDENT_PTX_PROGRAM, dtype, rows], env=kept_ptx_env(out),
-                              cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        (path,) = out.glob("*.ptx")
+        path = kept_ptx(out, RESIDENT_PTX_PROGRAM, dtype, rows)
         assert (".minnctapersm 2" in path.read_text()) == held, (dtype, rows)
         if held and ptxas is not None:
             notes = ptxas_report(ptxas, path)
@@ -810,10 +805,7 @@ def test_resident_backward_holds_the_ctas_its_grid_counts_on(tmp_path, kernel, n
     geometry = dataclasses.replace(case.family, config=default).geometry(case.avals)
     assert norm_config.backward_ctas_per_sm(geometry) == ctas
     assert norm_config.backward_grid(geometry) == norm_config.HOPPER_SMS * ctas
-    proc = subprocess.run([sys.executable, "-c", BACKWARD_PTX_PROGRAM, kernel, str(n)], env=kept_ptx_env(tmp_path),
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (path,) = tmp_path.glob("*.ptx")
+    path = kept_ptx(tmp_path, BACKWARD_PTX_PROGRAM, kernel, str(n))
     assert f".minnctapersm {ctas}" in path.read_text()
     if (ptxas := shutil.which("ptxas")) is not None:
         notes = ptxas_report(ptxas, path)
