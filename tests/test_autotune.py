@@ -365,16 +365,17 @@ def test_share_budgets_cut_streamed_rows_differently_and_compile():
 def test_the_largest_share_budget_cuts_rows_over_fewer_ctas_and_compiles():
     """The largest budget (one CTA an SM) cuts a bf16 row of 131072 over 2 CTAs where the
     LayerNorm forward's own cuts it over 4; a row a single CTA would hold past two CTAs an SM's
-    share is cut as by default (it would not stage), so not offered again."""
+    share is cut as by default (it would not stage), so not offered again (one row a CTA; CTAs of
+    several rows stage their rows' shares together)."""
     budget = reduction_config.SHARE_BUDGETS[-1]
     ((case, configs, default),) = autotune.list_candidates("layer_norm_fwd", [(8, 131072)], ["bfloat16"])
-    large = [c for c in configs if c.share_budget == budget]
+    large = [c for c in configs if c.share_budget == budget and c.rows_per_cta == 1]
     assert large
     cluster = lambda c: dataclasses.replace(case.family, config=c).geometry(case.avals).cluster
     assert (cluster(default), cluster(large[0])) == (4, 2)
     assert len(set(compile_candidates(case, [large[0]]))) == 1
     ((_, configs, _),) = autotune.list_candidates("layer_norm_fwd", [(8, 65536)], ["bfloat16"])
-    assert not [c for c in configs if c.share_budget == budget]
+    assert not [c for c in configs if c.share_budget == budget and c.rows_per_cta == 1]
 
 
 def test_every_weight_gradient_candidate_compiles_in_test_linear():
@@ -538,9 +539,13 @@ def _shapes_for(entry) -> list[tuple]:
 
 
 def _cases_for(entry) -> list:
-    """The autotuner's cases of the entry's kernel at ``_shapes_for`` it -- and, for an
-    accumulating kernel gradient, an LM head chunk's of that (hidden, vocabulary)."""
+    """The autotuner's cases of the entry's kernel at ``_shapes_for`` it (a norm's of x's dtype
+    with parameters of the second dtype, where the entry has two) -- and, for an accumulating
+    kernel gradient, an LM head chunk's of that (hidden, vocabulary)."""
     dims, dtypes = entry["dims"], entry["dtype"].split("+")
+    spec = autotune.OPS[autotune.FAMILY_OPS[entry["kernel"]]]
+    if spec.takes_param_dtype and len(dtypes) == 2:
+        return autotune.cases(entry["kernel"], _shapes_for(entry), dtypes[:1], dtypes[1])
     found = autotune.cases(entry["kernel"], _shapes_for(entry), dtypes)
     if entry["kernel"] == "linear_dkernel" and dims.get("accumulate"):
         head = autotune.cases("lm_head", [(4096, dims["m"], dims["n"])], dtypes)
@@ -700,6 +705,23 @@ def test_autotune_argument_errors_name_what_is_allowed():
         autotune.cases("linear", [(8, 8, 8)], ["float32"])
     with pytest.raises(ValueError, match="no output table"):
         autotune.autotune("softmax", [(8, 8)], ["bfloat16"], runner=FakeRunner())
+    with pytest.raises(ValueError, match=r"param_dtype applies to the norm ops \(layer_norm, rms_norm, add_layer_norm, "
+                                         r"add_rms_norm\), not softmax"):
+        autotune.cases("softmax", [(8, 8)], ["bfloat16"], "float32")
+    with pytest.raises(ValueError, match=r"param_dtype int8 is not one of bfloat16, float16, float32"):
+        autotune.cases("rms_norm", [(8, 8)], ["bfloat16"], "int8")
+
+
+def test_norm_parameters_of_their_own_dtype_are_a_case_and_an_entry_of_their_own():
+    """--param-dtype float32 tunes a norm as Flax's modules run it (bf16 x, float32 scale and
+    bias): both kernels' operands take the parameters' dtype, and the table key names it."""
+    plain = autotune.cases("add_layer_norm", [(8, 4096)], ["bfloat16"])
+    mixed = autotune.cases("add_layer_norm", [(8, 4096)], ["bfloat16"], "float32")
+    for a, b in zip(plain, mixed, strict=True):
+        params = [v for v in b.avals if v.shape == (4096,)]
+        assert params and {v.dtype for v in params} == {jnp.dtype(jnp.float32)}
+        assert {v.dtype for v in b.make_operands() if v.shape == (4096,)} == {jnp.dtype(jnp.float32)}
+        assert a.key != b.key and "float32" in b.key[0] and "float32" not in a.key[0]
 
 
 
@@ -721,6 +743,13 @@ def test_cli_dry_run_lists_candidates(capsys):
     heuristic = tuning.describe_config(family.default_config(avals))
     assert f"  {heuristic} (heuristic)" in out
     assert out.count("(heuristic)") == 4  # one per (kernel, dtype)
+
+
+def test_cli_dry_run_takes_the_norm_parameters_dtype(capsys):
+    assert autotune.main(["--op", "rms_norm_fwd", "--shape", "64x1024", "--param-dtype", "float32", "--dry-run"]) == 0
+    assert "rms_norm_fwd bfloat16+float32 n=1024:" in capsys.readouterr().out
+    assert autotune.main(["--op", "softmax", "--shape", "64x1024", "--param-dtype", "float32", "--dry-run"]) == 2
+    assert "param_dtype applies to the norm ops" in capsys.readouterr().err
 
 
 def test_cli_usage_errors(capsys):

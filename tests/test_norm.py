@@ -711,6 +711,41 @@ def test_backward_staging_fewer_operands_lowers_for_cuda(center, residual, n):
 
 
 @pytest.mark.cute
+def test_forward_cuts_several_rows_a_cta_over_a_cluster():
+    """The norm forward's space (cuts_row_slots) holds configs of several rows a CTA cut over a
+    cluster -- never over more CTAs than a row has threads, as cluster_gather's row thread t
+    stores to CTA t -- with cluster slots for each row slot; the backward's configs of several
+    rows stay uncut (its streamed loop gathers one row a CTA). Two such forwards lower for sm_90a,
+    each a kernel of its own."""
+    from cutelayers.kernels.reduction import cluster_slot_bytes
+    from cutelayers.ops.norm import NormBackward, NormForward
+    from cutelayers.runtime.sharding import kernel_call
+
+    S = jax.ShapeDtypeStruct
+    n = 262144
+    x, p, stat = S((64, n), jnp.bfloat16), S((n,), jnp.float32), S((64, 1), jnp.float32)
+    forward, fwd_avals = NormForward(True, True, True, 1e-6, "bfloat16"), (x, p, p)
+    slotted = {}
+    for config in forward.config_space(fwd_avals):
+        g = forward.cut(config, fwd_avals)
+        if config.rows_per_cta > 1 and g.cluster > 1:
+            assert g.cluster <= config.threads_per_row
+            assert cluster_slot_bytes(g, 2) == 8 + 4 * 2 * g.cluster * config.rows_per_cta + 8
+            slotted[config.threads_per_row, config.num_threads, config.share_budget] = config
+    assert (256, 512, 0) in slotted and (128, 512, 0) not in slotted  # 4 x 16384 bf16 shares: staged alone
+    backward = NormBackward(True, True, True, True)
+    bwd_avals = (x, x, stat, stat, p)
+    assert all(backward.cut(c, bwd_avals).cluster == 1 for c in backward.config_space(bwd_avals) if c.rows_per_cta > 1)
+    names = []
+    for key in ((256, 512, 0), (64, 128, 0)):
+        with cl.use_backend("cute"):
+            lowered = jax.jit(functools.partial(kernel_call, dataclasses.replace(forward, config=slotted[key]))).trace(
+                *fwd_avals).lower(lowering_platforms=("cuda",))
+        names += re.findall(r"custom_call @(cutelayers_\w+_fwd_[0-9a-f]{16})\(", lowered.as_text())
+    assert len(names) == len(set(names)) == 2
+
+
+@pytest.mark.cute
 def test_decode_sized_backward_writes_few_partials():
     # 8 rows: the dscale / dbias partials are a few rows of N, not a GPU's worth (~1000 rows)
     n = 768
@@ -1051,3 +1086,48 @@ def test_backward_staging_fewer_operands_gpu(kernel, shape, dtype):
         np.testing.assert_array_equal(got_dx, dx)
         for a, b in zip(got, expected, strict=True):
             assert_close(a, b, jnp.float32)
+
+
+# Streamed forwards of several rows a CTA, cut over a cluster: (kernel, (rows, N), x dtype, param
+# dtype). Odd row counts leave the last CTA's later row slots past the last row; 50257 is ragged
+# and stages from registers; 65536 float32 cuts four rows a CTA of 128 threads each.
+ROW_SLOT_CASES = [("layer_norm_fwd", (41, 262144), "bfloat16", "float32"),
+                  ("rms_norm_fwd", (23, 262144), "bfloat16", "bfloat16"),
+                  ("add_layer_norm_fwd", (37, 50257), "bfloat16", "float32"),
+                  ("add_rms_norm_fwd", (9, 131072), "float16", "float32"),
+                  ("layer_norm_fwd", (30, 65536), "float32", "float32")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel,shape,dtype,param_dtype", ROW_SLOT_CASES)
+def test_forward_of_several_rows_a_cta_over_a_cluster_gpu(kernel, shape, dtype, param_dtype):
+    """Every config of the space that cuts CTAs of several rows over a cluster gives the heuristic
+    (one row a CTA)'s results within rounding -- each row slot's statistics gathered over the
+    cluster on their own (reduction.cluster_gather) -- and exactly where its rows' shares and
+    threads are the heuristic's (the same arithmetic in the same order)."""
+    from cutelayers.bench import autotune
+    from cutelayers.runtime.sharding import kernel_call
+
+    ((case, configs, default),) = autotune.list_candidates(kernel, [shape], [dtype], param_dtype)
+    family = case.family
+    slotted = [c for c in configs if c.rows_per_cta > 1 and c.threads_per_row >= 128
+               and family.cut(c, case.avals).cluster > 1]
+    assert slotted, configs
+    operands = case.make_operands()
+
+    def run(config):
+        with cl.use_backend("cute"):
+            return jax.jit(functools.partial(kernel_call, dataclasses.replace(family, config=config)))(*operands)
+
+    expected = run(default)
+    base = family.cut(default, case.avals)
+    for config in slotted:
+        got = run(config)
+        g = family.cut(config, case.avals)
+        same = (g.cluster, g.share_width, g.row.threads_per_row, g.row.unroll) == (
+            base.cluster, base.share_width, base.row.threads_per_row, base.row.unroll)
+        for a, b in zip(got, expected, strict=True):
+            if same:
+                np.testing.assert_array_equal(a, b, err_msg=str(config))
+            else:
+                assert_close(a, np.asarray(jnp.asarray(b, jnp.float32)), b.dtype, scale=2.0)

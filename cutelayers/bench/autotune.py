@@ -4,11 +4,13 @@
     python -m cutelayers.bench.autotune --op linear --shape 8192x4096x4096 4096x1024x4096 --output table.json
     python -m cutelayers.bench.autotune --op cross_entropy --shape 8192x32768 --dry-run   # no GPU needed
     python -m cutelayers.bench.autotune --op lm_head --shape 4096x4096x131072   # one chunk of a head
+    python -m cutelayers.bench.autotune --op layer_norm --shape 512x262144 --param-dtype float32
 
 An op names the kernel families it runs (``layer_norm``: ``layer_norm_fwd`` and ``layer_norm_bwd``;
 ``linear``: ``linear_fwd``, ``linear_dx``, ``linear_dkernel``; ``gated_mlp``: a SwiGLU / GeGLU block's
 gated fc1 forward and hidden gradient, their own entries); a family's own name tunes only that
-family (in the first op that runs it). Shapes are ``ROWSxN`` for the row ops, ``MxKxN`` for
+family (in the first op that runs it). The norm ops take ``--param-dtype``: scale and bias in
+another dtype than x (float32, as Flax's modules train with), a table entry of its own. Shapes are ``ROWSxN`` for the row ops, ``MxKxN`` for
 ``linear``, ``MxKxH`` (rows, model width, hidden width) for ``gated_mlp`` and ``MxKxV`` (chunk
 rows, hidden width, vocabulary) for ``lm_head``, whose kernels -- the logits GEMM with its exp
 epilogue, the hidden and kernel gradients of a chunk -- have entries of their own. For every (family,
@@ -125,17 +127,19 @@ def _keys(count: int):
     return jax.random.split(jax.random.key(0), count)
 
 
-def _norm_cases(op: str, center: bool, shape, dtype, residual: bool = False) -> list[Case]:
+def _norm_cases(op: str, center: bool, shape, dtype, residual: bool = False, param_dtype=None) -> list[Case]:
     """The norm's forward and backward families; with ``residual``, the fused residual add's
-    (``add_layer_norm`` / ``add_rms_norm``: x + residual in, dsummed added to dx)."""
+    (``add_layer_norm`` / ``add_rms_norm``: x + residual in, dsummed added to dx). Scale and bias
+    in ``param_dtype`` (default: x's)."""
     m, n = shape
     S = jax.ShapeDtypeStruct
-    x, vec, stat = S((m, n), dtype), S((n,), dtype), S((m, 1), F32)
+    pdt = jnp.dtype(param_dtype or dtype)
+    x, vec, stat = S((m, n), dtype), S((n,), pdt), S((m, 1), F32)
     k = _keys(6)
     rows = 1 + residual  # x [, residual] in; dy [, dsummed] back
 
     def forward_operands():
-        params = (_normal(k[1], (n,), dtype, 0.1, 1.0),) + ((_normal(k[2], (n,), dtype, 0.1),) if center else ())
+        params = (_normal(k[1], (n,), pdt, 0.1, 1.0),) + ((_normal(k[2], (n,), pdt, 0.1),) if center else ())
         return (*(_normal(key, (m, n), dtype) for key in (k[0], k[4])[:rows]), *params)
 
     def backward_operands():
@@ -313,18 +317,21 @@ def _gated_mlp_cases(op: str, shape, dtype) -> list[Case]:
 
 @dataclasses.dataclass(frozen=True)
 class OpSpec:
-    build: Callable[..., list[Case]]  # (op, shape, dtype) -> cases
+    build: Callable[..., list[Case]]  # (op, shape, dtype[, param_dtype]) -> cases
     shape_form: str  # "ROWSxN", "MxKxN", "MxKxH" or "MxKxV"
     families: tuple[str, ...]  # names of the families the cases tune
+    takes_param_dtype: bool = False  # the norms: scale and bias in a dtype of their own
 
 
 OPS = {
-    "layer_norm": OpSpec(functools.partial(_norm_cases, center=True), "ROWSxN", ("layer_norm_fwd", "layer_norm_bwd")),
-    "rms_norm": OpSpec(functools.partial(_norm_cases, center=False), "ROWSxN", ("rms_norm_fwd", "rms_norm_bwd")),
+    "layer_norm": OpSpec(functools.partial(_norm_cases, center=True), "ROWSxN", ("layer_norm_fwd", "layer_norm_bwd"),
+                        True),
+    "rms_norm": OpSpec(functools.partial(_norm_cases, center=False), "ROWSxN", ("rms_norm_fwd", "rms_norm_bwd"),
+                      True),
     "add_layer_norm": OpSpec(functools.partial(_norm_cases, center=True, residual=True), "ROWSxN",
-                             ("add_layer_norm_fwd", "add_layer_norm_bwd")),
+                             ("add_layer_norm_fwd", "add_layer_norm_bwd"), True),
     "add_rms_norm": OpSpec(functools.partial(_norm_cases, center=False, residual=True), "ROWSxN",
-                           ("add_rms_norm_fwd", "add_rms_norm_bwd")),
+                           ("add_rms_norm_fwd", "add_rms_norm_bwd"), True),
     "softmax": OpSpec(functools.partial(_softmax_cases, log=False), "ROWSxN", ("softmax_fwd", "softmax_bwd")),
     "log_softmax": OpSpec(functools.partial(_softmax_cases, log=True), "ROWSxN",
                           ("log_softmax_fwd", "log_softmax_bwd")),
@@ -342,8 +349,9 @@ OPS = {
 FAMILY_OPS = {family: op for op, spec in reversed(OPS.items()) for family in spec.families}
 
 
-def cases(name: str, shapes: Sequence[Sequence[int]], dtypes: Sequence) -> list[Case]:
-    """The cases of op or kernel family ``name`` for every shape and dtype."""
+def cases(name: str, shapes: Sequence[Sequence[int]], dtypes: Sequence, param_dtype=None) -> list[Case]:
+    """The cases of op or kernel family ``name`` for every shape and dtype (a norm's scale and bias
+    in ``param_dtype``, default x's)."""
     if name in OPS:
         op, only = name, None
     elif name in FAMILY_OPS:
@@ -352,6 +360,15 @@ def cases(name: str, shapes: Sequence[Sequence[int]], dtypes: Sequence) -> list[
         raise ValueError(f"autotune: unknown op or kernel {name!r}; allowed ops: {', '.join(OPS)}; "
                          f"kernels: {', '.join(FAMILY_OPS)}")
     spec = OPS[op]
+    extra = {}
+    if param_dtype is not None:
+        if not spec.takes_param_dtype:
+            raise ValueError(f"autotune {name}: param_dtype applies to the norm ops "
+                             f"({', '.join(o for o, s in OPS.items() if s.takes_param_dtype)}), not {op}")
+        if jnp.dtype(param_dtype) not in FLOAT_DTYPES:
+            raise ValueError(f"autotune {name}: param_dtype {jnp.dtype(param_dtype).name} is not one of "
+                             f"{', '.join(d.name for d in FLOAT_DTYPES)}")
+        extra = {"param_dtype": jnp.dtype(param_dtype)}
     rank = spec.shape_form.count("x") + 1
     found = []
     for shape in shapes:
@@ -363,13 +380,14 @@ def cases(name: str, shapes: Sequence[Sequence[int]], dtypes: Sequence) -> list[
             if dtype not in FLOAT_DTYPES:
                 raise ValueError(f"autotune {name}: dtype {dtype.name} is not one of "
                                  f"{', '.join(d.name for d in FLOAT_DTYPES)}")
-            found += [c for c in spec.build(op, shape=shape, dtype=dtype) if only in (None, c.family.name)]
+            found += [c for c in spec.build(op, shape=shape, dtype=dtype, **extra) if only in (None, c.family.name)]
     return found
 
 
-def list_candidates(name: str, shapes, dtypes) -> list[tuple[Case, tuple, Any]]:
+def list_candidates(name: str, shapes, dtypes, param_dtype=None) -> list[tuple[Case, tuple, Any]]:
     """(case, candidate configs, heuristic config) for every case: what a sweep would try."""
-    return [(c, c.family.config_space(c.avals), c.family.default_config(c.avals)) for c in cases(name, shapes, dtypes)]
+    return [(c, c.family.config_space(c.avals), c.family.default_config(c.avals))
+            for c in cases(name, shapes, dtypes, param_dtype)]
 
 
 # --- running candidates --------------------------------------------------------------------------
@@ -531,15 +549,16 @@ def format_table(results: Sequence[SweepResult]) -> str:
 
 def autotune(name: str, shapes: Sequence[Sequence[int]], dtypes: Sequence = ("bfloat16",), *,
              output: str | Path | None = None, runner: Runner | None = None, min_gain: float = MIN_GAIN,
-             log: Callable[[str], None] = print) -> list[SweepResult]:
-    """Sweep the configs of op or kernel family ``name`` for every shape and dtype on the GPU and
+             log: Callable[[str], None] = print, param_dtype=None) -> list[SweepResult]:
+    """Sweep the configs of op or kernel family ``name`` for every shape and dtype (a norm's scale
+    and bias in ``param_dtype``, default x's) on the GPU and
     add the winners to the tuned-config table ``output`` (default: the user's table,
     :func:`cutelayers.tuning.user_table_path`). Returns one :class:`SweepResult` per case.
 
     ``runner`` defaults to :class:`DeviceRunner`, which raises :class:`NoGpuError` without a
     Hopper GPU. See the module docstring for the rules.
     """
-    todo = cases(name, shapes, dtypes)  # argument errors before anything runs
+    todo = cases(name, shapes, dtypes, param_dtype)  # argument errors before anything runs
     path = Path(output) if output is not None else tuning.user_table_path()
     if path is None:
         raise ValueError("autotune: no output table: pass output= (--output), or unset the empty "
@@ -574,6 +593,8 @@ def main(argv=None) -> int:
                         help="ROWSxN for the row ops, MxKxN for linear, MxKxH (model and hidden widths) for gated_mlp, "
                              "MxKxV (chunk rows, hidden width, vocabulary) for lm_head")
     parser.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=[d.name for d in FLOAT_DTYPES])
+    parser.add_argument("--param-dtype", choices=[d.name for d in FLOAT_DTYPES],
+                        help="the norm ops' scale and bias dtype (default: x's; float32 is what Flax's modules train with)")
     parser.add_argument("--output", type=Path, help="tuned-config table to add the winners to "
                         "(default: $CUTELAYERS_TUNING_FILE or ~/.cache/cutelayers/tuned_configs.json)")
     parser.add_argument("--min-gain", type=float, default=MIN_GAIN,
@@ -582,12 +603,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.dry_run:
-            for case, candidates, default in list_candidates(args.op, args.shape, args.dtype):
+            for case, candidates, default in list_candidates(args.op, args.shape, args.dtype, args.param_dtype):
                 print(f"{case.describe()}: {len(candidates)} candidates")
                 for config in candidates:
                     print(f"  {tuning.describe_config(config)}{' (heuristic)' if config == default else ''}")
             return 0
-        autotune(args.op, args.shape, args.dtype, output=args.output, min_gain=args.min_gain)
+        autotune(args.op, args.shape, args.dtype, output=args.output, min_gain=args.min_gain,
+                 param_dtype=args.param_dtype)
     except (ValueError, NoGpuError) as e:
         print(f"cutelayers.bench.autotune: {e}", file=sys.stderr)
         return 2

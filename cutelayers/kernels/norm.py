@@ -12,7 +12,10 @@ neither, or in two buffers: :class:`.norm_config.StagingConfig`): a row whose sh
 is cut evenly over a thread-block cluster, each CTA staging its share, and the CTAs' partial statistics
 (the forward's mean and M2 of its share, or sum of squares; the backward's sums of g * xhat and g)
 are combined through distributed shared memory (:func:`.reduction_config.split_rows`,
-:func:`.reduction.cluster_gather`). Only rows too long even for that are read twice. The
+:func:`.reduction.cluster_gather`). The forward may also cut CTAs of several rows, each row slot's
+statistics exchanged on its own, so a CTA reads a parameter's step once for all its rows (tuned
+where it wins: LayerNorm's with float32 scale and bias at 131072 and 262144 columns). Only rows
+too long even for that are read twice. The
 backward of a streamed row is a persistent loop of clusters (:meth:`NormBackwardKernel.streamed_rows`)
 that also sums dscale / dbias over its rows in shared memory, and reads its share of scale from
 shared memory too, staged once where it fits. Where N (or a cut row's share) is not a multiple

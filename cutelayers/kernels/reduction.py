@@ -394,29 +394,36 @@ def shared_row_bytes(geometry: RowGeometry, elem_bytes: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ClusterSlots:
-    """Shared memory for :func:`cluster_gather`: (buffers, count, cluster) fp32 slots -- value i
-    of CTA r at [b, i, r] -- and per buffer the mbarrier that counts the bytes the cluster's CTAs
-    store into it."""
+    """Shared memory for :func:`cluster_gather`: fp32 slots for every row slot of the CTA (a CTA
+    of several rows gathers each row's values on its own), ``values`` this thread's row slot's
+    (buffers, count, cluster) view -- value i of CTA r at [b, i, r] -- and per buffer the mbarrier
+    that counts the bytes the cluster's CTAs store into it."""
 
     values: object
     barrier: object
+    base: object  # slot (b, row slot s, i, r) at base + ((b * rows + s) * count + i) * cluster + r
 
 
 def cluster_slots(geometry: RowGeometry, count: int = 1, buffers: int = 1):
-    """:class:`ClusterSlots` for ``count`` values per CTA of a cluster (None without one), in
-    ``buffers`` buffers (2 for a kernel that gathers once per row of a persistent loop). Thread 0
-    initializes the barriers, then the CTA arrives on the cluster barrier, which
+    """:class:`ClusterSlots` for ``count`` values per CTA of a cluster and row slot (None without
+    a cluster), in ``buffers`` buffers (2 for a kernel that gathers once per row of a persistent
+    loop). Thread 0 initializes the barriers, then the CTA arrives on the cluster barrier, which
     :func:`cluster_gather` waits on before any CTA stores into another (the wait is left for
     later: the rows' loads come first)."""
     if geometry.cluster == 1:
         return None
+    rows, cluster = geometry.row.rows_per_cta, geometry.cluster
     smem = cutlass.memory.SmemAllocator()
     barrier = smem.allocate_array(cutlass.Int64, buffers)
-    layout = cute.make_layout((buffers, count, geometry.cluster),
-                              stride=(count * geometry.cluster, geometry.cluster, 1))
-    values = smem.allocate_tensor(Float32, layout, byte_alignment=4)
+    base = smem.allocate_array(Float32, buffers * rows * count * cluster)
+    mine = base
+    if rows > 1:
+        tidx, _, _ = cute.arch.thread_idx()
+        mine = base + (tidx // geometry.row.threads_per_row) * count * cluster
+    values = cute.make_tensor(mine, cute.make_layout((buffers, count, cluster),
+                                                     stride=(rows * count * cluster, cluster, 1)))
     _join_cluster(barrier, buffers)
-    return ClusterSlots(values, barrier)
+    return ClusterSlots(values, barrier, base)
 
 
 @cute.jit
@@ -431,15 +438,18 @@ def _join_cluster(barrier, buffers: cutlass.Constexpr):
 
 def cluster_slot_bytes(geometry: RowGeometry, count: int = 1, buffers: int = 1) -> int:
     """Shared memory of :func:`cluster_slots` (barriers, slots, alignment)."""
-    return buffers * (8 + 4 * count * geometry.cluster) + 8 if geometry.cluster > 1 else 0
+    if geometry.cluster == 1:
+        return 0
+    return buffers * (8 + 4 * count * geometry.cluster * geometry.row.rows_per_cta) + 8
 
 
 @cute.jit
 def cluster_gather(values, slots: ClusterSlots, geometry: cutlass.Constexpr, index=None):
-    """Every CTA's ``values`` (a tuple of fp32 values, each the same on all of a CTA's threads),
-    gathered into the ``slots.values`` of every CTA of the cluster: thread t of each CTA stores
-    them into CTA t's slots at the storing CTA's rank (``st.async``, counted by CTA t's barrier),
-    then every thread waits for the cluster's values to land; returns the buffer they are in.
+    """Every CTA's ``values`` (a tuple of fp32 values, each the same on all threads of a row
+    slot), gathered into the ``slots.values`` of every CTA of the cluster: thread t of each row
+    slot stores them into CTA t's slots of that row slot at the storing CTA's rank (``st.async``,
+    counted by CTA t's barrier), then every thread waits for the cluster's values to land; returns
+    the buffer they are in.
 
     ``index``: the gather's number in a kernel that gathers repeatedly (None: once). Gathers
     alternate between two buffers, each barrier's phase flipping every second gather. A CTA
@@ -455,18 +465,22 @@ def cluster_gather(values, slots: ClusterSlots, geometry: cutlass.Constexpr, ind
             cute.arch.cluster_wait()
         buffer, phase = index % 2, (index // 2) % 2
     barrier = slots.barrier + buffer
+    rows, tpr = geometry.row.rows_per_cta, geometry.row.threads_per_row
     tidx, _, _ = cute.arch.thread_idx()
     if tidx == 0:
-        cute.arch.mbarrier_arrive_and_expect_tx(barrier, 4 * count * geometry.cluster)
-    if tidx < geometry.cluster:
+        cute.arch.mbarrier_arrive_and_expect_tx(barrier, 4 * count * geometry.cluster * rows)
+    peer, slot = tidx, 0
+    if const_expr(rows > 1):
+        peer, slot = tidx % tpr, tidx // tpr
+    if peer < geometry.cluster:
         bits = cute.make_rmem_tensor(cute.make_layout(count), Float32)
         for i in cutlass.range_constexpr(count):
             bits[i] = values[i]
         as_int = cute.recast_tensor(bits, cutlass.Int32)
         rank = cute.arch.block_idx_in_cluster()
         for i in cutlass.range_constexpr(count):
-            offset = (buffer * count + i) * geometry.cluster + rank
-            cute.arch.store_async_dsmem(slots.values.iterator + offset, as_int[i], barrier, tidx)
+            offset = ((buffer * rows + slot) * count + i) * geometry.cluster + rank
+            cute.arch.store_async_dsmem(slots.base + offset, as_int[i], barrier, peer)
     cute.arch.mbarrier_wait(barrier, phase)
     return buffer
 

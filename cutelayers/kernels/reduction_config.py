@@ -118,8 +118,6 @@ class RowGeometry:
         if self.last_share_width < 1:
             raise ValueError(f"cluster {self.cluster} leaves a CTA none of the row's {self.n} columns "
                              f"(shares of {self.share_width})")
-        if self.cluster > 1 and self.row.rows_per_cta != 1:
-            raise ValueError("a row cut over a cluster needs one row per CTA")
 
     @property
     def tile_n(self) -> int:
@@ -274,16 +272,18 @@ def can_prefetch(geometry: RowGeometry, elem_bits: int) -> bool:
 
 
 def split_rows(geometry: RowGeometry, elem_bytes: int, operands: int, accumulators: int = 0,
-               budget: int = STAGED_ROW_BYTES) -> RowGeometry:
-    """``geometry`` with a streamed row of one-row CTAs cut over the fewest CTAs (a power of two,
-    at most ``MAX_CLUSTER``, each with a column) whose shares of ``operands`` row operands (and
-    ``accumulators`` fp32 sums a column) stage in ``budget`` (``STAGED_ROW_BYTES`` by default, two
+               budget: int = STAGED_ROW_BYTES, row_slots: bool = False) -> RowGeometry:
+    """``geometry`` with a streamed row of one-row CTAs -- or, for a kernel that exchanges each
+    row slot's statistics on its own (``row_slots``), of CTAs of several rows, each CTA the same
+    columns of each -- cut over the fewest CTAs (a power of two, at most ``MAX_CLUSTER``, each
+    with a column) whose shares of ``operands`` row operands (and ``accumulators`` fp32 sums a
+    column) stage in ``budget`` (``STAGED_ROW_BYTES`` by default, two
     CTAs an SM; a kernel may want smaller shares, more CTAs a row, or larger ones, fewer CTAs a row
     and one of them an SM) -- or failing that, the cut with the smallest shares, where they stage
     in ``STAGED_ROW_BYTES_ALONE`` or the kernel keeps sums there; the row is read from global
     memory once instead of twice. The cut runs at the unroll :func:`_fitted_steps` picks for its
     shares. Other geometries are returned as they are."""
-    if geometry.resident or geometry.row.rows_per_cta != 1:
+    if geometry.resident or (geometry.row.rows_per_cta != 1 and not row_slots):
         return geometry
     if share_bytes(geometry, elem_bytes, operands, accumulators) <= min(budget, STAGED_ROW_BYTES):
         return geometry  # a row a CTA stages only where two CTAs fit an SM (``staged``)
@@ -312,7 +312,9 @@ def _fitted_steps(cut: RowGeometry) -> RowGeometry:
 
 
 def _cuts(geometry: RowGeometry) -> list[RowGeometry]:
-    """``geometry`` cut over 2, 4, ... ``MAX_CLUSTER`` CTAs, each of which gets a column."""
+    """``geometry`` cut over 2, 4, ... ``MAX_CLUSTER`` CTAs, each of which gets a column -- and no
+    more CTAs than a row has threads (:func:`.reduction.cluster_gather`: a row's thread t stores
+    to CTA t)."""
     n, quantum = geometry.n, geometry.share_quantum
     return [dataclasses.replace(geometry, cluster=c) for c in (2, 4, 8, 16)
-            if c <= MAX_CLUSTER and (c - 1) * cut_share_width(n, c, quantum) < n]
+            if c <= min(MAX_CLUSTER, geometry.row.threads_per_row) and (c - 1) * cut_share_width(n, c, quantum) < n]

@@ -63,6 +63,11 @@ class RowKernelFamily(TunableFamily):
     """Shared memory a CTA's share of a streamed row may take before the row is cut over more CTAs
     (:func:`cutelayers.kernels.reduction_config.split_rows`)."""
 
+    cuts_row_slots: bool = False
+    """Whether the kernel's streamed rows may be cut over a cluster with several rows a CTA (each
+    row slot's statistics exchanged on its own: :func:`cutelayers.kernels.reduction.cluster_gather`),
+    so its CTAs read a parameter's step once for all their rows; else only one-row CTAs are cut."""
+
     streamed_threads: int | None = None
     """Threads per row (one row a CTA) of a streamed row's heuristic config; None: the table's."""
 
@@ -92,7 +97,8 @@ class RowKernelFamily(TunableFamily):
 
     def config_space(self, avals) -> tuple:
         """:func:`.row_geometry_space`'s configs; where the kernel stages streamed rows, also each
-        one-row config with the other ``SHARE_BUDGETS`` that cut its rows differently."""
+        one-row config (each config, where it ``cuts_row_slots``) with the other ``SHARE_BUDGETS``
+        that cut its rows differently."""
         space = row_geometry_space(self.row_length(avals), self.elem_bits(avals), self.register_values(avals))
         configs = [g.row for g in space]
         if not self.staged_operands or space[0].resident:
@@ -102,7 +108,7 @@ class RowKernelFamily(TunableFamily):
             g = self.cut(c, avals)
             return g.cluster, g.row.unroll, g.share_width
 
-        for config in [c for c in configs if c.rows_per_cta == 1]:
+        for config in [c for c in configs if c.rows_per_cta == 1 or self.cuts_row_slots]:
             cuts = {how(config)}
             for budget in SHARE_BUDGETS:
                 other = dataclasses.replace(config, share_budget=budget)
@@ -129,7 +135,7 @@ class RowKernelFamily(TunableFamily):
         g = geometry_for(config, self.row_length(avals), self.elem_bits(avals))
         if self.staged_operands:
             g = split_rows(g, self.elem_bits(avals) // 8, self.staged_operands, self.staged_sums,
-                           budget=config.share_budget or self.share_budget)
+                           budget=config.share_budget or self.share_budget, row_slots=self.cuts_row_slots)
         return g
 
 

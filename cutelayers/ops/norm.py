@@ -79,6 +79,7 @@ class NormForward(RowKernelFamily):
     per_row_rank = 2
     values_per_thread = norm_config.FORWARD_VALUES_PER_THREAD
     staged_operands = 1  # a streamed row (x, or summed) kept for the normalize pass
+    cuts_row_slots = True
     streamed_threads = norm_config.STREAMED_THREADS
 
     @property
