@@ -65,6 +65,8 @@ from cutelayers.kernels.norm_config import (
     scale_fits,
     staged_shares,
     staging_stages,
+    streamed_cta_bytes,
+    streamed_ctas_per_sm,
     sums_fit,
 )
 from cutelayers.kernels.reduction import (
@@ -427,17 +429,27 @@ class NormBackwardKernel:
                   + (shared_row_bytes(config, scale.element_type.width // 8)
                      if const_expr(self.stages_scale(x, dy, dsummed, scale)) else 0)),
             stream=stream,
-            **self.held_residency(),
+            **self.held_residency(x, dy, dsummed, scale),
             **cluster_launch(config),
         )
 
-    def held_residency(self) -> dict:
-        """Launch keywords that hold a register-resident persistent backward to the CTAs an SM its
-        grid counts on (:func:`.norm_config.backward_ctas_per_sm`: registers a thread at most 65536
-        / its threads an SM), so the grid runs in one wave."""
-        if not (self.persistent and self.config.resident):
+    def held_residency(self, x, dy, dsummed, scale) -> dict:
+        """Launch keywords that hold a persistent backward to the CTAs an SM its grid counts on:
+        a register-resident row's (:func:`.norm_config.backward_ctas_per_sm`: registers a thread
+        at most 65536 / its threads an SM, so the grid runs in one wave), and a streamed row's in
+        two staging buffers (:func:`.norm_config.streamed_ctas_per_sm`). Unbounded, ptxas gave the
+        two-buffer loop (unrolled by two) 57 registers; held to two 256-thread CTAs an SM it takes
+        80, and RMSNorm's backward ran 7.5 % faster at 65536 and 131072 (1.9 % at 50304). The
+        one-buffer streamed kernels lost 1.4-2.4 % held (LayerNorm's at 50304-131072, 68-74 -> 94-126
+        registers), so they are left free (H200: docs/benchmarks.md, thirty-eighth session)."""
+        if not self.persistent:
             return {}
-        return held_to(backward_ctas_per_sm(self.config))
+        if self.config.resident:
+            return held_to(backward_ctas_per_sm(self.config))
+        if staging_stages(self.config.row) != 2:
+            return {}
+        cta_bytes = streamed_cta_bytes(self.config, widest_bytes(x, dy, dsummed, scale), self.streamed_sums)
+        return held_to(streamed_ctas_per_sm(cta_bytes))
 
     @property
     def cluster_values(self) -> int:
