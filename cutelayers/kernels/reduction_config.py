@@ -277,12 +277,12 @@ def split_rows(geometry: RowGeometry, elem_bytes: int, operands: int, accumulato
     row slot's statistics on its own (``row_slots``), of CTAs of several rows, each CTA the same
     columns of each -- cut over the fewest CTAs (a power of two, at most ``MAX_CLUSTER``, each
     with a column) whose shares of ``operands`` row operands (and ``accumulators`` fp32 sums a
-    column) stage in ``budget`` (``STAGED_ROW_BYTES`` by default, two
-    CTAs an SM; a kernel may want smaller shares, more CTAs a row, or larger ones, fewer CTAs a row
-    and one of them an SM) -- or failing that, the cut with the smallest shares, where they stage
-    in ``STAGED_ROW_BYTES_ALONE`` or the kernel keeps sums there; the row is read from global
-    memory once instead of twice. The cut runs at the unroll :func:`_fitted_steps` picks for its
-    shares. Other geometries are returned as they are."""
+    column) stage in ``budget`` (``STAGED_ROW_BYTES`` by default, two CTAs an SM; a kernel may
+    want smaller shares, more CTAs a row, or larger ones, fewer CTAs a row and one of them an SM)
+    -- or failing that, the cut with the smallest shares, where they stage in
+    ``STAGED_ROW_BYTES_ALONE`` or the kernel keeps sums there; the row is read from global memory
+    once instead of twice. The cut runs at the unroll :func:`_fitted_steps` picks for its shares.
+    Other geometries are returned as they are."""
     if geometry.resident or (geometry.row.rows_per_cta != 1 and not row_slots):
         return geometry
     if share_bytes(geometry, elem_bytes, operands, accumulators) <= min(budget, STAGED_ROW_BYTES):
