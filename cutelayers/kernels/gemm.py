@@ -434,9 +434,10 @@ class HopperGemmKernel:
     workspace by stream-K without ``accumulate``), each of a, b and c being ``planes.count``
     tensors where :class:`Planes` splits it:
 
-    * a: (M, K, L), b: (N, K, L): bfloat16 or float16 (same dtype), any one of the two modes
-      M/N or K contiguous; M, K and L may be symbolic, N static, every contiguous extent a
-      multiple of 8;
+    * a: (M, K, L), b: (N, K, L): bfloat16 or float16 (same dtype) -- or a float32 a, staged as
+      it is and converted to b's dtype in registers for the register-sourced wgmma (issue 16's
+      float32 weight as A; no op runs it yet) --, any one of the two modes M/N or K contiguous;
+      M, K and L may be symbolic, N static, every contiguous extent a multiple of 8;
     * bias: (N,) in c's dtype, (N, P) with a plane count (each plane its own); residual,
       preact_in (the source of ``grad_of``), c, preact: (M, N, L), N contiguous, c's dtype.
 
@@ -528,13 +529,19 @@ class HopperGemmKernel:
             c_n = c.shape[1] * config.tile_n // self.c_columns
 
         self.a_dtype, self.b_dtype, self.c_dtype = a.element_type, b.element_type, c.element_type
-        self.stages = config.stages_for(a.element_type.width // 8, c.element_type.width // 8, epilogue.has_source)
+        # A float32 A with a 16-bit B (a float32 weight as A: the products transposed) is staged
+        # as it is and converted to B's dtype in registers, for the register-sourced wgmma.
+        self.a_in_registers = a.element_type == Float32 and b.element_type != Float32
+        self.stages = config.stages_for(b.element_type.width // 8, c.element_type.width // 8, epilogue.has_source,
+                                        a.element_type.width // 8)
         a_layout = LayoutEnum.from_tensor(a)
         b_layout = LayoutEnum.from_tensor(b)
         c_layout = LayoutEnum.from_tensor(c)
         tiled_mma = sm90.make_trivial_tiled_mma(
-            a.element_type, b.element_type, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
+            b.element_type if const_expr(self.a_in_registers) else a.element_type, b.element_type,
+            a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
             Float32, (config.mma_warpgroups, 1, 1), tiler_mn=(64, config.tile_n),
+            a_source=warpgroup.OperandSource.RMEM if const_expr(self.a_in_registers) else warpgroup.OperandSource.SMEM,
         )
         a_smem = sm90.make_smem_layout_a(a_layout, self.tile_mnk, a.element_type, self.stages)
         b_smem = sm90.make_smem_layout_b(b_layout, self.tile_mnk, b.element_type, self.stages)
@@ -810,14 +817,21 @@ class HopperGemmKernel:
                 mma_warpgroup = cute.arch.make_warp_uniform(gtidx // WARPGROUP)
             thr_mma = tiled_mma.get_slice(
                 cute.make_layout(config.mma_warpgroups, stride=WARPGROUP)(mma_warpgroup))
-            frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))
+            if const_expr(self.a_in_registers):
+                # this thread's float32 A of every stage, the registers it is read into, and the
+                # converted fragment the wgmma reads (one stage's: see mma_k_tile)
+                sa_thread = thr_mma.partition_A(sa)
+                frag_a = (sa_thread, cute.make_rmem_tensor(sa_thread[(None, None, None, 0)].layout, Float32),
+                          tiled_mma.make_fragment_A(sa_thread[(None, None, None, 0)]))
+            else:
+                frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))
             frag_b = tiled_mma.make_fragment_B(thr_mma.partition_B(sb))
             # wgmma operands are per warpgroup, but each thread holds its own accumulators: their
             # coordinates (for the bias) come from the thread's own slice.
             tile_coords_c = tiled_mma.get_slice(gtidx).partition_C(
                 cute.make_identity_tensor((config.tile_m, config.tile_n)))
             acc = cute.make_rmem_tensor(tile_coords_c.shape, Float32)
-            k_blocks = cute.size(frag_a, mode=[2])
+            k_blocks = cute.size(frag_b, mode=[2])
             consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             released = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
 
@@ -936,10 +950,21 @@ class HopperGemmKernel:
         and moved over with R2UR. The fence before every batch, as CUTLASS issues it, keeps ptxas
         from injecting one of its own (C7519), which serialized the wgmmas (C7520)."""
         loads.consumer_wait(consumer)
-        warpgroup.fence()
-        stage = cute.arch.make_warp_uniform(consumer.index)
+        if const_expr(self.a_in_registers):
+            # The batch before may still read the converted fragment: let it finish first (its
+            # stage is then released below as before), then read and convert this stage's A.
+            stage = cute.arch.make_warp_uniform(consumer.index)
+            sa_thread, staged_a, converted = frag_a
+            warpgroup.wait_group(0)
+            cute.autovec_copy(sa_thread[(None, None, None, stage)], staged_a)
+            converted.store(staged_a.load().to(converted.element_type))
+            warpgroup.fence()
+        else:
+            warpgroup.fence()
+            stage = cute.arch.make_warp_uniform(consumer.index)
         for kb in cutlass.range_constexpr(k_blocks):
-            cute.gemm(tiled_mma, acc, frag_a[(None, None, kb, stage)], frag_b[(None, None, kb, stage)], acc)
+            a_block = frag_a[2][(None, None, kb)] if const_expr(self.a_in_registers) else frag_a[(None, None, kb, stage)]
+            cute.gemm(tiled_mma, acc, a_block, frag_b[(None, None, kb, stage)], acc)
             if const_expr(first):
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()

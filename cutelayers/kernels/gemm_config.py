@@ -86,8 +86,11 @@ class GemmConfig:
         buffers = EPI_STAGES + (SOURCE_STAGES if source else 0)
         return self.epilogue_groups * buffers * rows * cols * c_bytes
 
-    def stage_bytes(self, ab_bytes: int) -> int:
-        return (self.tile_m + self.tile_n) * self.tile_k * ab_bytes
+    def stage_bytes(self, ab_bytes: int, a_bytes: int | None = None) -> int:
+        """Shared memory of a mainloop stage: A's and B's tiles, ``ab_bytes`` an element (A's
+        ``a_bytes`` where it differs: a float32 A converted in registers)."""
+        a_bytes = ab_bytes if a_bytes is None else a_bytes
+        return (self.tile_m * a_bytes + self.tile_n * ab_bytes) * self.tile_k
 
     @property
     def partial_bytes(self) -> int:
@@ -102,11 +105,11 @@ class GemmConfig:
         size = self.cluster_m * self.cluster_n
         return PERSISTENT_SMS // size * size, self.tile_m * self.tile_n
 
-    def stages_for(self, ab_bytes: int, c_bytes: int, source: bool) -> int:
+    def stages_for(self, ab_bytes: int, c_bytes: int, source: bool, a_bytes: int | None = None) -> int:
         """Mainloop stages: ``stages``, or fewer where the epilogue's rings (and split-K's partial
-        tiles) leave less room."""
+        tiles) leave less room (``a_bytes``: as :meth:`stage_bytes`)."""
         room = SMEM_CAPACITY - SMEM_RESERVED - self.ring_bytes(c_bytes, source) - self.partial_bytes
-        return min(self.stages, room // self.stage_bytes(ab_bytes))
+        return min(self.stages, room // self.stage_bytes(ab_bytes, a_bytes))
 
     def smem_bytes(self, ab_bytes: int, c_bytes: int | None = None, source: bool = False) -> int:
         c_bytes = ab_bytes if c_bytes is None else c_bytes
