@@ -1440,34 +1440,39 @@ def test_gelu_epilogue_constants_give_tanh_gelu():
 
 
 # Compiles HopperGemmKernel (plain epilogue) with a float32 A of (1024, 1024) and bf16 B and C, in
-# the heuristic config argv[1], for sm_90a (the PTX kept in CUTE_DSL_DUMP_DIR).
+# the heuristic config argv[1], C N-major -- or M-major with argv[2] "m_major" -- for sm_90a (the PTX
+# kept in CUTE_DSL_DUMP_DIR).
 FLOAT32_A_PROGRAM = """
 import sys
 from cutlass import BFloat16, Float32, cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from cutelayers.kernels.gemm import Epilogue, HopperGemmKernel
 from cutelayers.kernels.gemm_config import CONFIGS
-fake = lambda dtype: make_fake_compact_tensor(dtype, (1024, 1024, 1), stride_order=(1, 0, 2), assumed_align=16)
-cute.compile(HopperGemmKernel(CONFIGS[sys.argv[1]], Epilogue()), make_fake_stream(), fake(Float32), fake(BFloat16),
-             fake(BFloat16))
+fake = lambda dtype, order: make_fake_compact_tensor(dtype, (1024, 1024, 1), stride_order=order, assumed_align=16)
+c_order = (0, 1, 2) if sys.argv[2:] == ["m_major"] else (1, 0, 2)
+cute.compile(HopperGemmKernel(CONFIGS[sys.argv[1]], Epilogue()), make_fake_stream(), fake(Float32, (1, 0, 2)),
+             fake(BFloat16, (1, 0, 2)), fake(BFloat16, c_order))
 """
 
 
 @pytest.mark.cute
 @pytest.mark.parametrize("config", sorted(CONFIGS))
-def test_a_float32_a_is_converted_in_registers_for_the_wgmma(tmp_path, config):
-    # Issue 16's first step to a GEMM reading float32 weights (the weight as A): the float32 A
-    # stages are read into registers, converted to bf16 (cvt.rn.bf16x2.f32) and fed to the
-    # register-sourced wgmma (four 32-bit A registers, B by descriptor); ptxas neither serializes
-    # the wgmmas nor spills.
+@pytest.mark.parametrize("c_major", ["n", "m"])
+def test_a_float32_a_is_converted_in_registers_for_the_wgmma(tmp_path, config, c_major):
+    # Issue 16's first step to a GEMM reading float32 weights (the weight as A, so the products
+    # transposed: C M-major): the float32 A stages are read into registers, converted to bf16
+    # (cvt.rn.bf16x2.f32) and fed to the register-sourced wgmma (four 32-bit A registers, B by
+    # descriptor); an M-major C goes through transposing stmatrix. ptxas neither serializes the
+    # wgmmas nor spills.
     from conftest import kept_ptx
 
-    path = kept_ptx(tmp_path, FLOAT32_A_PROGRAM, config)
+    path = kept_ptx(tmp_path, FLOAT32_A_PROGRAM, config, *(["m_major"] if c_major == "m" else []))
     ptx = path.read_text()
     assert "cvt.rn.bf16x2.f32" in ptx
     register_a = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16 \{[^}]*\}, "
                             r"\{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+", ptx)
     assert register_a and len(register_a) == ptx.count("wgmma.mma_async")
+    assert (".trans" in "".join(re.findall(r"stmatrix\S*", ptx))) == (c_major == "m")
     if (ptxas := shutil.which("ptxas")) is not None:
         notes = ptxas_report(ptxas, path)
         assert " 0 bytes spill stores" in notes and not re.search(r"C75\d\d", notes), notes
@@ -1475,11 +1480,14 @@ def test_a_float32_a_is_converted_in_registers_for_the_wgmma(tmp_path, config):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", sorted(CONFIGS))
-def test_a_float32_a_converted_in_registers_gpu(config):
+@pytest.mark.parametrize("c_major", ["n", "m"])
+def test_a_float32_a_converted_in_registers_gpu(config, c_major):
     # The float32-A kernel (test_a_float32_a_is_converted_in_registers_for_the_wgmma) on random
-    # normal data: C against the float32 product of A rounded to bf16 -- what the wgmma multiplies
-    # -- and B. Called directly (no op runs it yet): the buffers through DLPack, the default stream.
+    # normal data, C N-major or M-major (written through a transposed view of a row-major buffer):
+    # C against the float32 product of A rounded to bf16 -- what the wgmma multiplies -- and B.
+    # Called directly (no op runs it yet): the buffers through DLPack, the default stream.
     import cuda.bindings.driver as cuda
+    import cutlass
     from cutlass import cute
     from cutlass.cute.runtime import from_dlpack
 
@@ -1489,13 +1497,22 @@ def test_a_float32_a_converted_in_registers_gpu(config):
     ka, kb = jax.random.split(jax.random.key(0))
     a = jax.random.normal(ka, (m, k, 1), jnp.float32)
     b = jax.random.normal(kb, (n, k, 1), jnp.float32).astype(jnp.bfloat16)
-    c = jnp.zeros((m, n, 1), jnp.bfloat16)
+    c = jnp.zeros((m, n, 1) if c_major == "n" else (1, n, m), jnp.bfloat16)
     jax.block_until_ready((a, b, c))
+    kernel = HopperGemmKernel(CONFIGS[config], Epilogue())
+
+    @cute.jit
+    def call(stream, a, b, c):
+        if cutlass.const_expr(c_major == "m"):  # (1, N, M) row-major as the (M, N, 1) C, M-major
+            c = cute.make_tensor(c.iterator, cute.make_layout((m, n, 1), stride=(1, m, m * n)))
+        kernel(stream, a, b, c)
+
     tensors = [from_dlpack(t, assumed_align=16) for t in (a, b, c)]
     stream = cuda.CUstream(0)
-    compiled = cute.compile(HopperGemmKernel(CONFIGS[config], Epilogue()), stream, *tensors)
-    compiled(stream, *tensors)
+    cute.compile(call, stream, *tensors)(stream, *tensors)
     cuda.cuCtxSynchronize()
     want = (np.asarray(a.astype(jnp.bfloat16).astype(jnp.float32))[..., 0]
             @ np.asarray(b.astype(jnp.float32))[..., 0].T)
-    assert_close(np.asarray(c.astype(jnp.float32))[..., 0], want, jnp.bfloat16)
+    got = np.asarray(c.astype(jnp.float32))
+    got = got[..., 0] if c_major == "n" else got[0].T
+    assert_close(got, want, jnp.bfloat16)

@@ -537,6 +537,7 @@ class HopperGemmKernel:
         a_layout = LayoutEnum.from_tensor(a)
         b_layout = LayoutEnum.from_tensor(b)
         c_layout = LayoutEnum.from_tensor(c)
+        self.c_m_major = c_layout.is_m_major_c()
         tiled_mma = sm90.make_trivial_tiled_mma(
             b.element_type if const_expr(self.a_in_registers) else a.element_type, b.element_type,
             a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
@@ -1231,8 +1232,9 @@ class HopperGemmKernel:
         # The stmatrix atom gives the accumulator-to-subtile layout (any 16-bit type describes it);
         # a 32-bit c is then stored with plain shared-memory stores in that layout.
         c_atom = cute.make_tiled_copy_C_atom(
-            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), cutlass.Float16), tiled_mma)
-        copy_r2s = cute.make_tiled_copy_S(sm90.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.c_dtype, Float32), c_atom)
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_m_major, 4), cutlass.Float16), tiled_mma)
+        layout = LayoutEnum.COL_MAJOR if const_expr(self.c_m_major) else LayoutEnum.ROW_MAJOR
+        copy_r2s = cute.make_tiled_copy_S(sm90.get_smem_store_op(layout, self.c_dtype, Float32), c_atom)
         thr_r2s = copy_r2s.get_slice(gtidx)
         r2s_dst = thr_r2s.partition_D(sc)
         part_shape = thr_r2s.partition_S(sc).shape[:3]
@@ -1240,7 +1242,7 @@ class HopperGemmKernel:
         if const_expr(self.epilogue.has_source):
             ss = storage.ss.get_tensor(source_smem.outer, swizzle=source_smem.inner)
             copy_s2r = cute.make_tiled_copy_S(
-                cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), self.c_dtype), c_atom)
+                cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(self.c_m_major, 4), self.c_dtype), c_atom)
             s2r_src = copy_s2r.get_slice(gtidx).partition_S(ss)
         return copy_r2s, r2s_dst, part_shape, sc, copy_s2r, s2r_src, ss
 
