@@ -439,7 +439,9 @@ class HopperGemmKernel:
       float32 weight as A; no op runs it yet) --, any one of the two modes M/N or K contiguous;
       M, K and L may be symbolic, N static, every contiguous extent a multiple of 8;
     * bias: (N,) in c's dtype, (N, P) with a plane count (each plane its own); residual,
-      preact_in (the source of ``grad_of``), c, preact: (M, N, L), N contiguous, c's dtype.
+      preact_in (the source of ``grad_of``), c, preact: (M, N, L), N contiguous -- or all M
+      contiguous (a transposed product's output; stored through transposing stmatrix) --, c's
+      dtype.
 
     ``accumulate``: C += A @ Bᵀ, each tile added into c by the TMA store (reduce-add): how a caller
     adds into a running float32 sum without a pass of its own, and how ``stream_k``
