@@ -821,10 +821,10 @@ class HopperGemmKernel:
             thr_mma = tiled_mma.get_slice(
                 cute.make_layout(config.mma_warpgroups, stride=WARPGROUP)(mma_warpgroup))
             if const_expr(self.a_in_registers):
-                # this thread's float32 A of every stage, the registers it is read into, and the
-                # converted fragment the wgmma reads (one stage's: see mma_k_tile)
+                # this thread's float32 A of every stage, the registers one k block of it is read
+                # into, and the converted fragment the wgmmas read (see converted_k_tile)
                 sa_thread = thr_mma.partition_A(sa)
-                frag_a = (sa_thread, cute.make_rmem_tensor(sa_thread[(None, None, None, 0)].layout, Float32),
+                frag_a = (sa_thread, cute.make_rmem_tensor(sa_thread[(None, None, 0, 0)].layout, Float32),
                           tiled_mma.make_fragment_A(sa_thread[(None, None, None, 0)]))
             else:
                 frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))
@@ -954,20 +954,11 @@ class HopperGemmKernel:
         from injecting one of its own (C7519), which serialized the wgmmas (C7520)."""
         loads.consumer_wait(consumer)
         if const_expr(self.a_in_registers):
-            # The batch before may still read the converted fragment: let it finish first (its
-            # stage is then released below as before), then read and convert this stage's A.
-            stage = cute.arch.make_warp_uniform(consumer.index)
-            sa_thread, staged_a, converted = frag_a
-            warpgroup.wait_group(0)
-            cute.autovec_copy(sa_thread[(None, None, None, stage)], staged_a)
-            converted.store(staged_a.load().to(converted.element_type))
-            warpgroup.fence()
-        else:
-            warpgroup.fence()
-            stage = cute.arch.make_warp_uniform(consumer.index)
+            return self.converted_k_tile(tiled_mma, acc, frag_a, frag_b, k_blocks, loads, consumer, released, first)
+        warpgroup.fence()
+        stage = cute.arch.make_warp_uniform(consumer.index)
         for kb in cutlass.range_constexpr(k_blocks):
-            a_block = frag_a[2][(None, None, kb)] if const_expr(self.a_in_registers) else frag_a[(None, None, kb, stage)]
-            cute.gemm(tiled_mma, acc, a_block, frag_b[(None, None, kb, stage)], acc)
+            cute.gemm(tiled_mma, acc, frag_a[(None, None, kb, stage)], frag_b[(None, None, kb, stage)], acc)
             if const_expr(first):
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
@@ -975,6 +966,33 @@ class HopperGemmKernel:
         if const_expr(not first):
             # The batch before this one has finished reading its stage: release it.
             warpgroup.wait_group(1)
+            loads.consumer_release(released)
+            released.advance()
+        return consumer, released
+
+    @cute.jit
+    def converted_k_tile(self, tiled_mma, acc, frag_a, frag_b, k_blocks: cutlass.Constexpr, loads, consumer,
+                         released, first: cutlass.Constexpr):
+        """:meth:`mma_k_tile` of a float32 A (``frag_a``: this thread's float32 A of every stage,
+        the float32 registers one k block of it is read into, the converted fragment the wgmmas
+        read): each k block read from the stage, converted and issued as its own wgmma group,
+        once the group that last read that k block's registers (the k tile before's) has finished
+        -- so the conversion of one k block overlaps the wgmmas in flight."""
+        stage = cute.arch.make_warp_uniform(consumer.index)
+        sa_thread, staged_a, converted = frag_a
+        for kb in cutlass.range_constexpr(k_blocks):
+            warpgroup.wait_group(k_blocks - 1)  # the k tile before's block kb has read its registers
+            cute.autovec_copy(sa_thread[(None, None, kb, stage)], staged_a)
+            converted[(None, None, kb)].store(staged_a.load().to(converted.element_type))
+            warpgroup.fence()
+            cute.gemm(tiled_mma, acc, converted[(None, None, kb)], frag_b[(None, None, kb, stage)], acc)
+            if const_expr(first):
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
+        consumer.advance()
+        if const_expr(not first):
+            # The k tile before's groups have finished reading its stage: release it.
+            warpgroup.wait_group(k_blocks)
             loads.consumer_release(released)
             released.advance()
         return consumer, released
