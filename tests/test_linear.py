@@ -1449,30 +1449,36 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from cutelayers.kernels.gemm import Epilogue, HopperGemmKernel
 from cutelayers.kernels.gemm_config import CONFIGS
 fake = lambda dtype, order: make_fake_compact_tensor(dtype, (1024, 1024, 1), stride_order=order, assumed_align=16)
-c_order = (0, 1, 2) if sys.argv[2:] == ["m_major"] else (1, 0, 2)
-cute.compile(HopperGemmKernel(CONFIGS[sys.argv[1]], Epilogue()), make_fake_stream(), fake(Float32, (1, 0, 2)),
-             fake(BFloat16, (1, 0, 2)), fake(BFloat16, c_order))
+if sys.argv[2:] == ["layer"]:  # gelu(x @ w + b) as its transpose: w (K, N) as A, M-major; a row bias
+    cute.compile(HopperGemmKernel(CONFIGS[sys.argv[1]], Epilogue(activation="gelu", has_bias=True, row_bias=True)),
+                 make_fake_stream(), fake(Float32, (0, 1, 2)), fake(BFloat16, (1, 0, 2)),
+                 make_fake_compact_tensor(BFloat16, (1024,), assumed_align=16), fake(BFloat16, (0, 1, 2)))
+else:
+    c_order = (0, 1, 2) if sys.argv[2:] == ["m_major"] else (1, 0, 2)
+    cute.compile(HopperGemmKernel(CONFIGS[sys.argv[1]], Epilogue()), make_fake_stream(), fake(Float32, (1, 0, 2)),
+                 fake(BFloat16, (1, 0, 2)), fake(BFloat16, c_order))
 """
 
 
 @pytest.mark.cute
 @pytest.mark.parametrize("config", sorted(CONFIGS))
-@pytest.mark.parametrize("c_major", ["n", "m"])
+@pytest.mark.parametrize("c_major", ["n", "m", "layer"])
 def test_a_float32_a_is_converted_in_registers_for_the_wgmma(tmp_path, config, c_major):
     # Issue 16's first step to a GEMM reading float32 weights (the weight as A, so the products
     # transposed: C M-major): the float32 A stages are read into registers, converted to bf16
     # (cvt.rn.bf16x2.f32) and fed to the register-sourced wgmma (four 32-bit A registers, B by
-    # descriptor); an M-major C goes through transposing stmatrix. ptxas neither serializes the
+    # descriptor); an M-major C goes through transposing stmatrix. "layer": a layer's gelu(x @ w +
+    # b) as its transpose, w an M-major float32 A, the bias per row. ptxas neither serializes the
     # wgmmas nor spills.
     from conftest import kept_ptx
 
-    path = kept_ptx(tmp_path, FLOAT32_A_PROGRAM, config, *(["m_major"] if c_major == "m" else []))
+    path = kept_ptx(tmp_path, FLOAT32_A_PROGRAM, config, *({"m": ["m_major"], "layer": ["layer"]}.get(c_major, [])))
     ptx = path.read_text()
     assert "cvt.rn.bf16x2.f32" in ptx
     register_a = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16 \{[^}]*\}, "
                             r"\{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+", ptx)
     assert register_a and len(register_a) == ptx.count("wgmma.mma_async")
-    assert (".trans" in "".join(re.findall(r"stmatrix\S*", ptx))) == (c_major == "m")
+    assert (".trans" in "".join(re.findall(r"stmatrix\S*", ptx))) == (c_major != "n")
     if (ptxas := shutil.which("ptxas")) is not None:
         notes = ptxas_report(ptxas, path)
         assert " 0 bytes spill stores" in notes and not re.search(r"C75\d\d", notes), notes
@@ -1516,3 +1522,43 @@ def test_a_float32_a_converted_in_registers_gpu(config, c_major):
     got = np.asarray(c.astype(jnp.float32))
     got = got[..., 0] if c_major == "n" else got[0].T
     assert_close(got, want, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_a_layer_with_a_float32_weight_as_the_transposed_product_gpu(config):
+    # gelu(x @ w + b) with w (K, N) float32 read as the transposed product's A -- (N, K), M-major
+    # -- the bias per row of the product, and y (tokens, N) written through an M-major view: the
+    # values of the layer with w rounded to bf16 (what the wgmma multiplies), within bf16's
+    # tolerance. Called directly (no op runs it yet).
+    import cuda.bindings.driver as cuda
+    from cutlass import cute
+    from cutlass.cute.runtime import from_dlpack
+
+    from cutelayers.kernels.gemm import Epilogue, HopperGemmKernel
+
+    tokens, k, n = 512, 768, 1024  # whole tiles of every config
+    kx, kw, kb = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(kx, (tokens, k), jnp.float32).astype(jnp.bfloat16)
+    w = jax.random.normal(kw, (k, n), jnp.float32) * k**-0.5
+    b = jax.random.normal(kb, (n,), jnp.float32).astype(jnp.bfloat16)
+    y = jnp.zeros((tokens, n), jnp.bfloat16)
+    jax.block_until_ready((x, w, b, y))
+    kernel = HopperGemmKernel(CONFIGS[config], Epilogue(activation="gelu", has_bias=True, row_bias=True))
+
+    @cute.jit
+    def call(stream, x, w, b, y):
+        # the product yᵀ (N, tokens) = wᵀ (N, K) @ xᵀ: A = w viewed (N, K, 1), B = x (tokens, K, 1)
+        a = cute.make_tensor(w.iterator, cute.make_layout((n, k, 1), stride=(1, n, n * k)))
+        bt = cute.make_tensor(x.iterator, cute.make_layout((tokens, k, 1), stride=(k, 1, tokens * k)))
+        c = cute.make_tensor(y.iterator, cute.make_layout((n, tokens, 1), stride=(1, n, n * tokens)))
+        kernel(stream, a, bt, b, c)
+
+    tensors = [from_dlpack(t, assumed_align=16) for t in (x, w, b, y)]
+    stream = cuda.CUstream(0)
+    cute.compile(call, stream, *tensors)(stream, *tensors)
+    cuda.cuCtxSynchronize()
+    z = (np.asarray(x.astype(jnp.float32)) @ np.asarray(w.astype(jnp.bfloat16).astype(jnp.float32))
+         + np.asarray(b.astype(jnp.float32)))
+    want = np.asarray(jax.nn.gelu(jnp.asarray(z), approximate=True))
+    assert_close(np.asarray(y.astype(jnp.float32)), want, jnp.bfloat16, scale=2.0)

@@ -109,6 +109,9 @@ class Epilogue:
 
     activation: str = "none"
     has_bias: bool = False
+    # The bias is per row of the product, (M,): a transposed product's (a float32 weight as A, so
+    # the layer's output features are the product's rows).
+    row_bias: bool = False
     has_residual: bool = False
     store_preact: bool = False
     # c = product * act'(preact): the backward of ``grad_of`` through an activation whose input
@@ -141,6 +144,8 @@ class Epilogue:
         if self.exp_row_sums and (self.activation != "none" or self.grad_of != "none" or self.has_residual
                                   or self.store_preact or self.gated):
             raise ValueError("an exp_row_sums epilogue takes no activation, residual, stored preact or gating")
+        if self.row_bias and (not self.has_bias or self.gated or self.exp_row_sums):
+            raise ValueError("row_bias takes a bias, and no gating or exp_row_sums (their bias is per column)")
 
     @property
     def has_source(self) -> bool:
@@ -438,7 +443,8 @@ class HopperGemmKernel:
       it is and converted to b's dtype in registers for the register-sourced wgmma (issue 16's
       float32 weight as A; no op runs it yet) --, any one of the two modes M/N or K contiguous;
       M, K and L may be symbolic, N static, every contiguous extent a multiple of 8;
-    * bias: (N,) in c's dtype, (N, P) with a plane count (each plane its own); residual,
+    * bias: (N,) in c's dtype, (N, P) with a plane count (each plane its own) -- (M,) with
+      ``row_bias``; residual,
       preact_in (the source of ``grad_of``), c, preact: (M, N, L), N contiguous -- or all M
       contiguous (a transposed product's output; stored through transposing stmatrix) --, c's
       dtype.
@@ -1317,14 +1323,16 @@ class HopperGemmKernel:
         Returns the source ring's states (loaded, read), advanced past this tile.
         """
         config, epilogue = self.config, self.epilogue
-        n0 = tile_idx[1] * config.tile_n
         if const_expr(epilogue.has_bias):
-            # Columns past the bias are past c too, where the TMA stores clip them: clamping the
-            # index instead of branching leaves straight-line loads, and the compiler loads each
-            # of the thread's distinct columns once (a branch per accumulator kept all 128).
+            # Columns (rows: row_bias) past the bias are past c too, where the TMA stores clip
+            # them: clamping the index instead of branching leaves straight-line loads, and the
+            # compiler loads each of the thread's distinct columns once (a branch per accumulator
+            # kept all 128).
+            mode = 0 if const_expr(epilogue.row_bias) else 1
+            start = tile_idx[mode] * (config.tile_m if const_expr(epilogue.row_bias) else config.tile_n)
             last = cute.size(bias, mode=[0]) - 1
             for i in cutlass.range(cute.size(acc), unroll_full=True):
-                col = cutlass.min(n0 + tile_coords_c[i][1], last)
+                col = cutlass.min(start + tile_coords_c[i][mode], last)
                 if const_expr(self.planes.count is None):
                     acc[i] = acc[i] + bias[col].to(Float32)
                 else:
