@@ -109,9 +109,6 @@ class Epilogue:
 
     activation: str = "none"
     has_bias: bool = False
-    # The bias is per row of the product, (M,): a transposed product's (a float32 weight as A, so
-    # the layer's output features are the product's rows).
-    row_bias: bool = False
     has_residual: bool = False
     store_preact: bool = False
     # c = product * act'(preact): the backward of ``grad_of`` through an activation whose input
@@ -130,6 +127,9 @@ class Epilogue:
     # unnormalized softmax of a chunk of logits and its denominator's parts. Excludes activation,
     # residual, stored preact, grad_of and gated.
     exp_row_sums: bool = False
+    # The bias is per row of the product, (M,): a transposed product's (a float32 weight as A, so
+    # the layer's output features are the product's rows).
+    row_bias: bool = False
 
     def __post_init__(self):
         for name in (self.activation, self.grad_of):
