@@ -1484,6 +1484,21 @@ def test_a_float32_a_is_converted_in_registers_for_the_wgmma(tmp_path, config, c
         assert " 0 bytes spill stores" in notes and not re.search(r"C75\d\d", notes), notes
 
 
+def _run_directly(call, *arrays):
+    """Compile the CuTe DSL function ``call(stream, *tensors)`` for ``arrays`` (JAX arrays, through
+    DLPack: a kernel no op runs yet, written into the arrays' buffers) and run it once on the
+    default stream, synchronized."""
+    import cuda.bindings.driver as cuda
+    from cutlass import cute
+    from cutlass.cute.runtime import from_dlpack
+
+    jax.block_until_ready(arrays)
+    tensors = [from_dlpack(t, assumed_align=16) for t in arrays]
+    stream = cuda.CUstream(0)
+    cute.compile(call, stream, *tensors)(stream, *tensors)
+    cuda.cuCtxSynchronize()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 @pytest.mark.parametrize("c_major", ["n", "m"])
@@ -1491,11 +1506,9 @@ def test_a_float32_a_converted_in_registers_gpu(config, c_major):
     # The float32-A kernel (test_a_float32_a_is_converted_in_registers_for_the_wgmma) on random
     # normal data, C N-major or M-major (written through a transposed view of a row-major buffer):
     # C against the float32 product of A rounded to bf16 -- what the wgmma multiplies -- and B.
-    # Called directly (no op runs it yet): the buffers through DLPack, the default stream.
-    import cuda.bindings.driver as cuda
+    # Called directly (_run_directly: no op runs it yet).
     import cutlass
     from cutlass import cute
-    from cutlass.cute.runtime import from_dlpack
 
     from cutelayers.kernels.gemm import Epilogue, HopperGemmKernel
 
@@ -1504,7 +1517,6 @@ def test_a_float32_a_converted_in_registers_gpu(config, c_major):
     a = jax.random.normal(ka, (m, k, 1), jnp.float32)
     b = jax.random.normal(kb, (n, k, 1), jnp.float32).astype(jnp.bfloat16)
     c = jnp.zeros((m, n, 1) if c_major == "n" else (1, n, m), jnp.bfloat16)
-    jax.block_until_ready((a, b, c))
     kernel = HopperGemmKernel(CONFIGS[config], Epilogue())
 
     @cute.jit
@@ -1513,10 +1525,7 @@ def test_a_float32_a_converted_in_registers_gpu(config, c_major):
             c = cute.make_tensor(c.iterator, cute.make_layout((m, n, 1), stride=(1, m, m * n)))
         kernel(stream, a, b, c)
 
-    tensors = [from_dlpack(t, assumed_align=16) for t in (a, b, c)]
-    stream = cuda.CUstream(0)
-    cute.compile(call, stream, *tensors)(stream, *tensors)
-    cuda.cuCtxSynchronize()
+    _run_directly(call, a, b, c)
     want = (np.asarray(a.astype(jnp.bfloat16).astype(jnp.float32))[..., 0]
             @ np.asarray(b.astype(jnp.float32))[..., 0].T)
     got = np.asarray(c.astype(jnp.float32))
@@ -1530,10 +1539,8 @@ def test_a_layer_with_a_float32_weight_as_the_transposed_product_gpu(config):
     # gelu(x @ w + b) with w (K, N) float32 read as the transposed product's A -- (N, K), M-major
     # -- the bias per row of the product, and y (tokens, N) written through an M-major view: the
     # values of the layer with w rounded to bf16 (what the wgmma multiplies), within bf16's
-    # tolerance. Called directly (no op runs it yet).
-    import cuda.bindings.driver as cuda
+    # tolerance. Called directly (_run_directly: no op runs it yet).
     from cutlass import cute
-    from cutlass.cute.runtime import from_dlpack
 
     from cutelayers.kernels.gemm import Epilogue, HopperGemmKernel
 
@@ -1543,7 +1550,6 @@ def test_a_layer_with_a_float32_weight_as_the_transposed_product_gpu(config):
     w = jax.random.normal(kw, (k, n), jnp.float32) * k**-0.5
     b = jax.random.normal(kb, (n,), jnp.float32).astype(jnp.bfloat16)
     y = jnp.zeros((tokens, n), jnp.bfloat16)
-    jax.block_until_ready((x, w, b, y))
     kernel = HopperGemmKernel(CONFIGS[config], Epilogue(activation="gelu", has_bias=True, row_bias=True))
 
     @cute.jit
@@ -1554,10 +1560,7 @@ def test_a_layer_with_a_float32_weight_as_the_transposed_product_gpu(config):
         c = cute.make_tensor(y.iterator, cute.make_layout((n, tokens, 1), stride=(1, n, n * tokens)))
         kernel(stream, a, bt, b, c)
 
-    tensors = [from_dlpack(t, assumed_align=16) for t in (x, w, b, y)]
-    stream = cuda.CUstream(0)
-    cute.compile(call, stream, *tensors)(stream, *tensors)
-    cuda.cuCtxSynchronize()
+    _run_directly(call, x, w, b, y)
     z = (np.asarray(x.astype(jnp.float32)) @ np.asarray(w.astype(jnp.bfloat16).astype(jnp.float32))
          + np.asarray(b.astype(jnp.float32)))
     want = np.asarray(jax.nn.gelu(jnp.asarray(z), approximate=True))

@@ -545,7 +545,7 @@ class HopperGemmKernel:
         a_layout = LayoutEnum.from_tensor(a)
         b_layout = LayoutEnum.from_tensor(b)
         c_layout = LayoutEnum.from_tensor(c)
-        self.c_m_major = c_layout.is_m_major_c()
+        self.c_layout = c_layout
         tiled_mma = sm90.make_trivial_tiled_mma(
             b.element_type if const_expr(self.a_in_registers) else a.element_type, b.element_type,
             a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
@@ -1258,9 +1258,9 @@ class HopperGemmKernel:
         # The stmatrix atom gives the accumulator-to-subtile layout (any 16-bit type describes it);
         # a 32-bit c is then stored with plain shared-memory stores in that layout.
         c_atom = cute.make_tiled_copy_C_atom(
-            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_m_major, 4), cutlass.Float16), tiled_mma)
-        layout = LayoutEnum.COL_MAJOR if const_expr(self.c_m_major) else LayoutEnum.ROW_MAJOR
-        copy_r2s = cute.make_tiled_copy_S(sm90.get_smem_store_op(layout, self.c_dtype, Float32), c_atom)
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), cutlass.Float16),
+            tiled_mma)
+        copy_r2s = cute.make_tiled_copy_S(sm90.get_smem_store_op(self.c_layout, self.c_dtype, Float32), c_atom)
         thr_r2s = copy_r2s.get_slice(gtidx)
         r2s_dst = thr_r2s.partition_D(sc)
         part_shape = thr_r2s.partition_S(sc).shape[:3]
@@ -1268,7 +1268,7 @@ class HopperGemmKernel:
         if const_expr(self.epilogue.has_source):
             ss = storage.ss.get_tensor(source_smem.outer, swizzle=source_smem.inner)
             copy_s2r = cute.make_tiled_copy_S(
-                cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(self.c_m_major, 4), self.c_dtype), c_atom)
+                cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype), c_atom)
             s2r_src = copy_s2r.get_slice(gtidx).partition_S(ss)
         return copy_r2s, r2s_dst, part_shape, sc, copy_s2r, s2r_src, ss
 
@@ -1322,14 +1322,14 @@ class HopperGemmKernel:
         lies in the output at all (a cluster's padding tile runs every step but the TMA stores).
         Returns the source ring's states (loaded, read), advanced past this tile.
         """
-        config, epilogue = self.config, self.epilogue
+        epilogue = self.epilogue
         if const_expr(epilogue.has_bias):
             # Columns (rows: row_bias) past the bias are past c too, where the TMA stores clip
             # them: clamping the index instead of branching leaves straight-line loads, and the
             # compiler loads each of the thread's distinct columns once (a branch per accumulator
             # kept all 128).
             mode = 0 if const_expr(epilogue.row_bias) else 1
-            start = tile_idx[mode] * (config.tile_m if const_expr(epilogue.row_bias) else config.tile_n)
+            start = tile_idx[mode] * self.tile_mnk[mode]
             last = cute.size(bias, mode=[0]) - 1
             for i in cutlass.range(cute.size(acc), unroll_full=True):
                 col = cutlass.min(start + tile_coords_c[i][mode], last)
