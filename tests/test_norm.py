@@ -60,6 +60,28 @@ def _params(rng, n, dtype, with_scale, with_bias):
     return scale, bias
 
 
+def _kernel_names(family, configs, avals) -> list[str]:
+    """The custom-call names of ``family``'s kernel with each of ``configs``, lowered for CUDA on
+    ``avals`` (one each: a config is part of the compile key)."""
+    from cutelayers.runtime.sharding import kernel_call
+
+    names = []
+    for config in configs:
+        with cl.use_backend("cute"):
+            lowered = jax.jit(functools.partial(kernel_call, dataclasses.replace(family, config=config))).trace(
+                *avals).lower(lowering_platforms=("cuda",))
+        names += re.findall(rf"custom_call @(cutelayers_{re.escape(family.name)}_[0-9a-f]{{16}})\(", lowered.as_text())
+    return names
+
+
+def _run_config(family, config, operands):
+    """``family``'s kernel with ``config`` run on ``operands`` (on the GPU): its raw results."""
+    from cutelayers.runtime.sharding import kernel_call
+
+    with cl.use_backend("cute"):
+        return jax.jit(functools.partial(kernel_call, dataclasses.replace(family, config=config)))(*operands)
+
+
 def _check_values(op, x, scale, bias, epsilon=1e-6, tol_scale=1.0, **kw):
     fn, center = OPS[op]
     if not center and bias is None:
@@ -691,7 +713,6 @@ def test_backward_staging_fewer_operands_lowers_for_cuda(center, residual, n):
     = 262144, and add_layer_norm's at an odd N (dy staged from registers: 2-byte accesses, no
     cp.async -- so no second buffer is a candidate there)."""
     from cutelayers.ops.norm import NormBackward
-    from cutelayers.runtime.sharding import kernel_call
 
     S = jax.ShapeDtypeStruct
     x, stat, p = S((64, n), jnp.bfloat16), S((64, 1), jnp.float32), S((n,), jnp.bfloat16)
@@ -701,12 +722,7 @@ def test_backward_staging_fewer_operands_lowers_for_cuda(center, residual, n):
     space = family.config_space(avals)
     fewer = [c for c in norm_config.staging_variants(default) if c in space]
     assert [c.stages for c in fewer] == ([1, 1] if n % 2 else [1, 1, 2, 2])
-    names = []
-    for config in fewer:
-        with cl.use_backend("cute"):
-            lowered = jax.jit(functools.partial(kernel_call, dataclasses.replace(family, config=config))).trace(
-                *avals).lower(lowering_platforms=("cuda",))
-        names += re.findall(r"custom_call @(cutelayers_\w+_bwd_[0-9a-f]{16})\(", lowered.as_text())
+    names = _kernel_names(family, fewer, avals)
     assert len(names) == len(set(names)) == len(fewer)
 
 
@@ -719,7 +735,6 @@ def test_forward_cuts_several_rows_a_cta_over_a_cluster():
     each a kernel of its own."""
     from cutelayers.kernels.reduction import cluster_slot_bytes
     from cutelayers.ops.norm import NormBackward, NormForward
-    from cutelayers.runtime.sharding import kernel_call
 
     S = jax.ShapeDtypeStruct
     n = 262144
@@ -736,12 +751,7 @@ def test_forward_cuts_several_rows_a_cta_over_a_cluster():
     backward = NormBackward(True, True, True, True)
     bwd_avals = (x, x, stat, stat, p)
     assert all(backward.cut(c, bwd_avals).cluster == 1 for c in backward.config_space(bwd_avals) if c.rows_per_cta > 1)
-    names = []
-    for key in ((256, 512, 0), (64, 128, 0)):
-        with cl.use_backend("cute"):
-            lowered = jax.jit(functools.partial(kernel_call, dataclasses.replace(forward, config=slotted[key]))).trace(
-                *fwd_avals).lower(lowering_platforms=("cuda",))
-        names += re.findall(r"custom_call @(cutelayers_\w+_fwd_[0-9a-f]{16})\(", lowered.as_text())
+    names = _kernel_names(forward, [slotted[key] for key in ((256, 512, 0), (64, 128, 0))], fwd_avals)
     assert len(names) == len(set(names)) == 2
 
 
@@ -1101,7 +1111,6 @@ def test_backward_staging_fewer_operands_gpu(kernel, shape, dtype):
     dscale / dbias within float32's tolerance of the reference (their rows summed in another order:
     twice the clusters). Two buffers are candidates where both fit with cp.async (bf16, even N)."""
     from cutelayers.bench import autotune
-    from cutelayers.runtime.sharding import kernel_call
 
     ((case, configs, default),) = autotune.list_candidates(kernel, [shape], [dtype])
     fewer = [c for c in norm_config.staging_variants(default) if c in configs]
@@ -1109,9 +1118,7 @@ def test_backward_staging_fewer_operands_gpu(kernel, shape, dtype):
     operands = case.make_operands()
 
     def run(config):
-        with cl.use_backend("cute"):
-            kernel = jax.jit(functools.partial(kernel_call, dataclasses.replace(case.family, config=config)))
-            return case.observe(kernel(*operands))
+        return case.observe(_run_config(case.family, config, operands))
 
     dx, *_ = run(default)
     _, *expected = case.observe(dataclasses.replace(case.family, config=default).reference(*operands))
@@ -1140,7 +1147,6 @@ def test_forward_of_several_rows_a_cta_over_a_cluster_gpu(kernel, shape, dtype, 
     cluster on their own (reduction.cluster_gather) -- and exactly where its rows' shares and
     threads are the heuristic's (the same arithmetic in the same order)."""
     from cutelayers.bench import autotune
-    from cutelayers.runtime.sharding import kernel_call
 
     ((case, configs, default),) = autotune.list_candidates(kernel, [shape], [dtype], param_dtype)
     family = case.family
@@ -1149,14 +1155,10 @@ def test_forward_of_several_rows_a_cta_over_a_cluster_gpu(kernel, shape, dtype, 
     assert slotted, configs
     operands = case.make_operands()
 
-    def run(config):
-        with cl.use_backend("cute"):
-            return jax.jit(functools.partial(kernel_call, dataclasses.replace(family, config=config)))(*operands)
-
-    expected = run(default)
+    expected = _run_config(family, default, operands)
     base = family.cut(default, case.avals)
     for config in slotted:
-        got = run(config)
+        got = _run_config(family, config, operands)
         g = family.cut(config, case.avals)
         same = (g.cluster, g.share_width, g.row.threads_per_row, g.row.unroll) == (
             base.cluster, base.share_width, base.row.threads_per_row, base.row.unroll)

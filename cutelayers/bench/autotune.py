@@ -10,11 +10,12 @@ An op names the kernel families it runs (``layer_norm``: ``layer_norm_fwd`` and 
 ``linear``: ``linear_fwd``, ``linear_dx``, ``linear_dkernel``; ``gated_mlp``: a SwiGLU / GeGLU block's
 gated fc1 forward and hidden gradient, their own entries); a family's own name tunes only that
 family (in the first op that runs it). The norm ops take ``--param-dtype``: scale and bias in
-another dtype than x (float32, as Flax's modules train with), a table entry of its own. Shapes are ``ROWSxN`` for the row ops, ``MxKxN`` for
-``linear``, ``MxKxH`` (rows, model width, hidden width) for ``gated_mlp`` and ``MxKxV`` (chunk
-rows, hidden width, vocabulary) for ``lm_head``, whose kernels -- the logits GEMM with its exp
-epilogue, the hidden and kernel gradients of a chunk -- have entries of their own. For every (family,
-shape, dtype), each candidate config of the family's space
+another dtype than x (float32, as Flax's modules train with), a table entry of its own. Shapes
+are ``ROWSxN`` for the row ops, ``MxKxN`` for ``linear``, ``MxKxH`` (rows, model width, hidden
+width) for ``gated_mlp`` and ``MxKxV`` (chunk rows, hidden width, vocabulary) for ``lm_head``,
+whose kernels -- the logits GEMM with its exp epilogue, the hidden and kernel gradients of a chunk
+-- have entries of their own. For every (family, shape, dtype), each candidate config of the
+family's space
 (:meth:`cutelayers.runtime.family.TunableFamily.config_space`) is compiled (all of a run's
 candidates at once, in worker processes: :func:`cutelayers.parallel_compiles`) and run on random
 operands, its results checked against the family's jnp reference (relative error within the
@@ -325,13 +326,13 @@ class OpSpec:
 
 OPS = {
     "layer_norm": OpSpec(functools.partial(_norm_cases, center=True), "ROWSxN", ("layer_norm_fwd", "layer_norm_bwd"),
-                        True),
+                         takes_param_dtype=True),
     "rms_norm": OpSpec(functools.partial(_norm_cases, center=False), "ROWSxN", ("rms_norm_fwd", "rms_norm_bwd"),
-                      True),
+                       takes_param_dtype=True),
     "add_layer_norm": OpSpec(functools.partial(_norm_cases, center=True, residual=True), "ROWSxN",
-                             ("add_layer_norm_fwd", "add_layer_norm_bwd"), True),
+                             ("add_layer_norm_fwd", "add_layer_norm_bwd"), takes_param_dtype=True),
     "add_rms_norm": OpSpec(functools.partial(_norm_cases, center=False, residual=True), "ROWSxN",
-                           ("add_rms_norm_fwd", "add_rms_norm_bwd"), True),
+                           ("add_rms_norm_fwd", "add_rms_norm_bwd"), takes_param_dtype=True),
     "softmax": OpSpec(functools.partial(_softmax_cases, log=False), "ROWSxN", ("softmax_fwd", "softmax_bwd")),
     "log_softmax": OpSpec(functools.partial(_softmax_cases, log=True), "ROWSxN",
                           ("log_softmax_fwd", "log_softmax_bwd")),
@@ -365,10 +366,7 @@ def cases(name: str, shapes: Sequence[Sequence[int]], dtypes: Sequence, param_dt
         if not spec.takes_param_dtype:
             raise ValueError(f"autotune {name}: param_dtype applies to the norm ops "
                              f"({', '.join(o for o, s in OPS.items() if s.takes_param_dtype)}), not {op}")
-        if jnp.dtype(param_dtype) not in FLOAT_DTYPES:
-            raise ValueError(f"autotune {name}: param_dtype {jnp.dtype(param_dtype).name} is not one of "
-                             f"{', '.join(d.name for d in FLOAT_DTYPES)}")
-        extra = {"param_dtype": jnp.dtype(param_dtype)}
+        extra = {"param_dtype": _float_dtype(name, "param_dtype", param_dtype)}
     rank = spec.shape_form.count("x") + 1
     found = []
     for shape in shapes:
@@ -376,12 +374,17 @@ def cases(name: str, shapes: Sequence[Sequence[int]], dtypes: Sequence, param_dt
         if len(shape) != rank or not all(isinstance(d, int) and d >= 1 for d in shape):
             raise ValueError(f"autotune {name}: shape {shape} is not {spec.shape_form} with positive sizes")
         for dtype in dtypes:
-            dtype = jnp.dtype(dtype)
-            if dtype not in FLOAT_DTYPES:
-                raise ValueError(f"autotune {name}: dtype {dtype.name} is not one of "
-                                 f"{', '.join(d.name for d in FLOAT_DTYPES)}")
+            dtype = _float_dtype(name, "dtype", dtype)
             found += [c for c in spec.build(op, shape=shape, dtype=dtype, **extra) if only in (None, c.family.name)]
     return found
+
+
+def _float_dtype(name: str, what: str, dtype):
+    """``dtype`` as a jnp dtype, if it is one the kernels take (else a ValueError naming ``what``)."""
+    dtype = jnp.dtype(dtype)
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"autotune {name}: {what} {dtype.name} is not one of {', '.join(d.name for d in FLOAT_DTYPES)}")
+    return dtype
 
 
 def list_candidates(name: str, shapes, dtypes, param_dtype=None) -> list[tuple[Case, tuple, Any]]:

@@ -401,7 +401,6 @@ class ClusterSlots:
 
     values: object
     barrier: object
-    base: object  # slot (b, row slot s, i, r) at base + ((b * rows + s) * count + i) * cluster + r
 
 
 def cluster_slots(geometry: RowGeometry, count: int = 1, buffers: int = 1):
@@ -423,7 +422,7 @@ def cluster_slots(geometry: RowGeometry, count: int = 1, buffers: int = 1):
     values = cute.make_tensor(mine, cute.make_layout((buffers, count, cluster),
                                                      stride=(rows * count * cluster, cluster, 1)))
     _join_cluster(barrier, buffers)
-    return ClusterSlots(values, barrier, base)
+    return ClusterSlots(values, barrier)
 
 
 @cute.jit
@@ -469,9 +468,7 @@ def cluster_gather(values, slots: ClusterSlots, geometry: cutlass.Constexpr, ind
     tidx, _, _ = cute.arch.thread_idx()
     if tidx == 0:
         cute.arch.mbarrier_arrive_and_expect_tx(barrier, 4 * count * geometry.cluster * rows)
-    peer, slot = tidx, 0
-    if const_expr(rows > 1):
-        peer, slot = tidx % tpr, tidx // tpr
+    peer = tidx % tpr if const_expr(rows > 1) else tidx  # a row slot's thread t stores to CTA t
     if peer < geometry.cluster:
         bits = cute.make_rmem_tensor(cute.make_layout(count), Float32)
         for i in cutlass.range_constexpr(count):
@@ -479,8 +476,9 @@ def cluster_gather(values, slots: ClusterSlots, geometry: cutlass.Constexpr, ind
         as_int = cute.recast_tensor(bits, cutlass.Int32)
         rank = cute.arch.block_idx_in_cluster()
         for i in cutlass.range_constexpr(count):
-            offset = ((buffer * rows + slot) * count + i) * geometry.cluster + rank
-            cute.arch.store_async_dsmem(slots.base + offset, as_int[i], barrier, peer)
+            # slot [buffer, i, rank] of this row slot's view, at the same address in every CTA
+            offset = (buffer * rows * count + i) * geometry.cluster + rank
+            cute.arch.store_async_dsmem(slots.values.iterator + offset, as_int[i], barrier, peer)
     cute.arch.mbarrier_wait(barrier, phase)
     return buffer
 
