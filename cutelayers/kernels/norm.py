@@ -439,14 +439,15 @@ class NormBackwardKernel:
         at most 65536 / its threads an SM, so the grid runs in one wave), and a streamed row's in
         two staging buffers (:func:`.norm_config.streamed_ctas_per_sm`). Unbounded, ptxas gave the
         two-buffer loop (unrolled by two) 57 registers; held to two 256-thread CTAs an SM it takes
-        80, and RMSNorm's backward ran 7.5 % faster at 65536 and 131072 (1.9 % at 50304). The
-        one-buffer streamed kernels lost 1.4-2.4 % held (LayerNorm's at 50304-131072, 68-74 -> 94-126
-        registers), so they are left free (H200: docs/benchmarks.md, thirty-eighth session)."""
+        80, and RMSNorm's backward ran 7.5 % faster at 65536 and 131072 (1.9 % at 50304). Of the
+        one-buffer streamed kernels, RMSNorm's gain held too (5 % at 262144, 22 % for the 512-thread
+        config at 50304) while LayerNorm's lose 1-3 % (68-74 -> 94-126 registers), so those are left
+        free (H200: docs/benchmarks.md, thirty-eighth and thirty-ninth sessions)."""
         if not self.persistent:
             return {}
         if self.config.resident:
             return held_to(backward_ctas_per_sm(self.config))
-        if staging_stages(self.config.row) != 2:
+        if staging_stages(self.config.row) != 2 and self.center:
             return {}
         cta_bytes = streamed_cta_bytes(self.config, widest_bytes(x, dy, dsummed, scale), self.streamed_sums)
         return held_to(streamed_ctas_per_sm(cta_bytes))
