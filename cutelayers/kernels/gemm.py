@@ -828,8 +828,10 @@ class HopperGemmKernel:
                 cute.make_layout(config.mma_warpgroups, stride=WARPGROUP)(mma_warpgroup))
             if const_expr(self.a_in_registers):
                 # this thread's float32 A of every stage, the registers one k block of it is read
-                # into, and the converted fragment the wgmmas read (see converted_k_tile)
-                sa_thread = thr_mma.partition_A(sa)
+                # into, and the converted fragment the wgmmas read (see converted_k_tile). A
+                # register-sourced A is each thread's own: partitioned by its own index, not (as the
+                # shared-memory descriptors are) by its warpgroup's.
+                sa_thread = tiled_mma.get_slice(gtidx).partition_A(sa)
                 frag_a = (sa_thread, cute.make_rmem_tensor(sa_thread[(None, None, 0, 0)].layout, Float32),
                           tiled_mma.make_fragment_A(sa_thread[(None, None, None, 0)]))
             else:
