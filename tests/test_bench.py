@@ -39,6 +39,30 @@ def test_gpu_families_need_a_gpu(argv, capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+def test_bench_norms_returns_the_residual_adds_shared_gradient_once():
+    # x and the residual of add_rms_norm get one gradient; the fwd+bwd program returns it once
+    # (twice, the kernels' side paid a copy of it in the timed program), the rest unchanged.
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from cutelayers.bench.norms import _fwd_bwd, _plain_add
+
+    kx, kr, kd = jax.random.split(jax.random.key(3), 3)
+    x, residual, dy = (jax.random.normal(k, (5, 24), jnp.float32) for k in (kx, kr, kd))
+    scale = jnp.linspace(0.5, 1.5, 24)
+    (y, summed), grads = _fwd_bwd(_plain_add(False), shared_grad=True)(dy, x, residual, scale)
+    want, vjp = jax.vjp(_plain_add(False), x, residual, scale)
+    np.testing.assert_array_equal(y, want[0])
+    np.testing.assert_array_equal(summed, want[1])
+    dx, dresidual, dscale = vjp((dy, dy))
+    np.testing.assert_array_equal(dx, dresidual)
+    assert len(grads) == 2
+    np.testing.assert_allclose(grads[0], dx, rtol=1e-6)
+    np.testing.assert_allclose(grads[1], dscale, rtol=1e-6)
+    assert len(_fwd_bwd(_plain_add(False))(dy, x, residual, scale)[1]) == 3
+
+
 def test_bench_norms_rejects_unknown_ops_and_passes():
     from cutelayers.bench.norms import bench_norms
 

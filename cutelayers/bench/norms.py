@@ -8,7 +8,8 @@ add_rms_norm) against XLA's compiled jnp formula.
   4 |x| (x and the residual read, y and the sum written);
 * ``fwd+bwd``: y, then dx, dscale (and dbias) from x and dy; minimum bytes = 5 |x| (x read by
   both passes, y and dx written, dy read; parameters and row statistics are negligible); with the
-  residual add 8 |x| (the backward also reads the sum's gradient; the sum replaces x).
+  residual add 8 |x| (the backward also reads the sum's gradient; the sum replaces x), the
+  gradient x and the residual share returned once (see ``_fwd_bwd``).
 
 Parameters have x's dtype by default, so every row operand moves in 128-bit vectors; with
 ``param_dtype`` float32 (what Flax's modules train with) they are float32, and both sides still
@@ -57,11 +58,15 @@ def _plain_add(center: bool):
     return add_norm
 
 
-def _fwd_bwd(f):
-    """Forward and backward of f, every result's cotangent dy."""
+def _fwd_bwd(f, shared_grad: bool = False):
+    """Forward and backward of f, every result's cotangent dy. ``shared_grad`` (the residual
+    adds): x's and the residual's gradients are one value, d(x + residual), returned once -- a
+    model reads that one buffer in both places, while a jit returning it twice writes it twice
+    (for the kernels' backward, a copy: 2 |x| more than the floor counts)."""
     def run(dy, *args):
         y, vjp = jax.vjp(f, *args)
-        return y, vjp(jax.tree.map(lambda _: dy, y))
+        grads = vjp(jax.tree.map(lambda _: dy, y))
+        return y, (grads[:1] + grads[2:] if shared_grad else grads)
 
     return run
 
@@ -103,7 +108,8 @@ def bench_norms(ns: list[int] | None = None, dtype=jnp.bfloat16, rows: int | Non
                 continue
             fwd_bytes, fwd_bwd_bytes = (4, 8) if adds else (2, 5)
             for pass_, nbytes, make in (("fwd", fwd_bytes * x_bytes, lambda f: f),
-                                        ("fwd+bwd", fwd_bwd_bytes * x_bytes, _fwd_bwd)):
+                                        ("fwd+bwd", fwd_bwd_bytes * x_bytes,
+                                         functools.partial(_fwd_bwd, shared_grad=adds))):
                 if pass_ not in passes:
                     continue
                 args = (x, *params) if pass_ == "fwd" else (dy, x, *params)
