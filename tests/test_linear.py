@@ -1484,6 +1484,29 @@ def test_a_float32_a_is_converted_in_registers_for_the_wgmma(tmp_path, config, c
         assert " 0 bytes spill stores" in notes and not re.search(r"C75\d\d", notes), notes
 
 
+@pytest.mark.cute
+def test_the_epilogue_ring_takes_its_stages_from_the_mainloop():
+    # GemmConfig.epi_stages: a ring for all four output subtiles of a 128 x 256 tile costs the
+    # mainloop a stage (4 -> 3 with bf16 operands and output; 2 with a source ring as well); the
+    # kernel refuses a ring that leaves fewer than two, and a ring of none.
+    from cutlass import BFloat16, cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    from cutelayers.kernels.gemm import Epilogue, HopperGemmKernel
+
+    wide = CONFIGS["wide"]
+    full = dataclasses.replace(wide, epi_stages=4)
+    assert full in EXTRA_CONFIGS
+    assert wide.stages_for(2, 2, False) == 4 and full.stages_for(2, 2, False) == 3
+    assert full.stages_for(2, 2, True) == 2 and full.ring_bytes(2, True) == 3 * wide.ring_bytes(2, False)
+    with pytest.raises(ValueError, match="epi_stages must be at least 1; got 0"):
+        HopperGemmKernel(dataclasses.replace(wide, epi_stages=0), Epilogue())
+    fake = lambda: make_fake_compact_tensor(BFloat16, (256, 256, 1), stride_order=(1, 0, 2), assumed_align=16)
+    with pytest.raises(ValueError, match=r"leaves 0 mainloop stage\(s\).*fewer epi_stages"):
+        cute.compile(HopperGemmKernel(dataclasses.replace(wide, epi_stages=12), Epilogue()), make_fake_stream(),
+                     fake(), fake(), fake())
+
+
 def _run_directly(call, *arrays):
     """Compile the CuTe DSL function ``call(stream, *tensors)`` for ``arrays`` (JAX arrays, through
     DLPack: a kernel no op runs yet, written into the arrays' buffers) and run it once on the

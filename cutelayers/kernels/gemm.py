@@ -29,7 +29,7 @@ Structure (one CTA per SM, looping over output tiles; ``1 + consumer_warpgroups`
   is slow to load; :meth:`HopperGemmKernel.load_a_rows`).
 * epilogue (consumers, per tile): bias and activation on the fp32 accumulators in registers (the
   MMA partition of an identity tensor gives every accumulator its (row, column)); results go to a
-  dedicated ring of ``EPI_STAGES`` shared-memory buffers through ``stmatrix`` and out with
+  dedicated ring of ``GemmConfig.epi_stages`` shared-memory buffers through ``stmatrix`` and out with
   asynchronous TMA stores, which clip rows / columns past the tensor. The stores drain while the
   next tile's mainloop runs. The pre-activation, when asked for, goes out first through the same
   ring. A *source* tile read by the epilogue -- the residual, or the pre-activation whose
@@ -70,7 +70,6 @@ from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 from cutlass.tensor_utils import LayoutEnum
 
 from cutelayers.kernels.gemm_config import (
-    EPI_STAGES,
     EXP_CLAMP,
     OPERAND_SUMS,
     PERSISTENT_SMS,
@@ -498,6 +497,8 @@ class HopperGemmKernel:
                                or accumulate or stream_k or sums is not None):
             raise ValueError("a gated epilogue takes (forward) tile_n 128 or 256 (whole 64-column subtiles of each "
                              "half), and no planes, accumulation, stream-K or operand sums")
+        if config.epi_stages < 1:
+            raise ValueError(f"epi_stages must be at least 1; got {config.epi_stages}")
         if config.split_k not in SPLIT_K:
             raise ValueError(f"split_k must be one of {SPLIT_K}; got {config.split_k}")
         if config.split_k > 1 and (stream_k or accumulate or sums is not None or planes != Planes()
@@ -542,6 +543,9 @@ class HopperGemmKernel:
         self.a_in_registers = a.element_type == Float32 and b.element_type != Float32
         self.stages = config.stages_for(b.element_type.width // 8, c.element_type.width // 8, epilogue.has_source,
                                         a.element_type.width // 8)
+        if const_expr(self.stages < 2):
+            raise ValueError(f"{config} leaves {self.stages} mainloop stage(s) beside its epilogue's rings "
+                             "(at least 2 needed): fewer epi_stages or a smaller tile")
         a_layout = LayoutEnum.from_tensor(a)
         b_layout = LayoutEnum.from_tensor(b)
         c_layout = LayoutEnum.from_tensor(c)
@@ -556,7 +560,7 @@ class HopperGemmKernel:
         b_smem = sm90.make_smem_layout_b(b_layout, self.tile_mnk, b.element_type, self.stages)
         epi_tile = config.epi_tile(c.element_type.width // 8)
         groups = config.epilogue_groups
-        epi_smem = sm90.make_smem_layout_epi(c.element_type, c_layout, epi_tile, EPI_STAGES * groups)
+        epi_smem = sm90.make_smem_layout_epi(c.element_type, c_layout, epi_tile, config.epi_stages * groups)
         source_smem = sm90.make_smem_layout_epi(c.element_type, c_layout, epi_tile, SOURCE_STAGES * groups)
 
         if const_expr(self.paired):
@@ -848,7 +852,7 @@ class HopperGemmKernel:
 
             ring = self.epilogue_ring(tiled_mma, sc, storage, source_smem, sources, group, gtidx)
             stores = pipeline.PipelineTmaStore.create(
-                num_stages=EPI_STAGES,
+                num_stages=config.epi_stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mma_threads),
             )
             source_loaded = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SOURCE_STAGES)
@@ -1320,7 +1324,7 @@ class HopperGemmKernel:
         """Bias, [pre-activation store], activation, source and the store of one finished tile.
 
         ``first_store``: stores this group made before, so the ring buffer of each subtile is
-        (first_store + e) mod EPI_STAGES within the group's ring. ``inside``: whether the tile
+        (first_store + e) mod ``epi_stages`` within the group's ring. ``inside``: whether the tile
         lies in the output at all (a cluster's padding tile runs every step but the TMA stores).
         Returns the source ring's states (loaded, read), advanced past this tile.
         """
@@ -1421,7 +1425,7 @@ class HopperGemmKernel:
         """Write the fp32 accumulators ``acc`` (combined with the source tile if ``with_source``:
         + residual, or x act'(preact)) to ``tma_tensor_out``'s tile in its dtype: registers ->
         smem (stmatrix) -> global (TMA store), one epilogue subtile at a time through the group's
-        ring of ``EPI_STAGES`` buffers. TMA clips what lies past the tensor. ``c_tile``: the output
+        ring of ``epi_stages`` buffers. TMA clips what lies past the tensor. ``c_tile``: the output
         is c (``c_columns`` a tile; a gated layer's forward stores it from the gate subtiles,
         :meth:`gate`), else the stored preact z (tile_n). A gated layer's backward (:attr:`paired`)
         reads the gate and the value subtile of z for each accumulator subtile and stores dz's
@@ -1496,11 +1500,12 @@ class HopperGemmKernel:
     def send_subtile(self, part, part_out, index: cutlass.Constexpr, store, ring, views, tma_out,
                      tile_idx, group, stores, store_warp, inside):
         """One subtile ``part`` (fp32) to the output's subtile ``index`` (in ``views``' order), in
-        its dtype, through buffer ``store`` mod ``EPI_STAGES`` of the group's ring."""
+        its dtype, through buffer ``store`` mod ``epi_stages`` of the group's ring."""
         copy_r2s, r2s_dst = ring[0], ring[1]
         mma_threads = WARPGROUP * self.config.mma_warpgroups
         part_out.store(part.load().to(self.c_dtype))
-        buffer = group * EPI_STAGES + store % EPI_STAGES
+        epi_stages = self.config.epi_stages
+        buffer = group * epi_stages + store % epi_stages
         cute.copy(copy_r2s, part_out, r2s_dst[(None, None, None, buffer)])
         # Make the smem writes visible to the TMA (async proxy), then let one warp send them.
         cute.arch.fence_proxy("async.shared", space="cta")
