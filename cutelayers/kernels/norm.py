@@ -436,8 +436,9 @@ class NormBackwardKernel:
     def held_residency(self, x, dy, dsummed, scale) -> dict:
         """Launch keywords that hold a persistent backward to the CTAs an SM its grid counts on:
         a register-resident row's (:func:`.norm_config.backward_ctas_per_sm`: registers a thread
-        at most 65536 / its threads an SM, so the grid runs in one wave), and a streamed row's in
-        two staging buffers (:func:`.norm_config.streamed_ctas_per_sm`). Unbounded, ptxas gave the
+        at most 65536 / its threads an SM, so the grid runs in one wave), and a streamed row's
+        (:func:`.norm_config.streamed_ctas_per_sm`) -- in two staging buffers, or RMSNorm's in one
+        (LayerNorm's one-buffer kernels are left free). Unbounded, ptxas gave the
         two-buffer loop (unrolled by two) 57 registers; held to two 256-thread CTAs an SM it takes
         80, and RMSNorm's backward ran 7.5 % faster at 65536 and 131072 (1.9 % at 50304). Of the
         one-buffer streamed kernels, RMSNorm's gain held too (5 % at 262144, 22 % for the 512-thread
