@@ -1439,152 +1439,68 @@ def test_gelu_epilogue_constants_give_tanh_gelu():
     np.testing.assert_allclose(ours, expected, rtol=1e-9, atol=1e-12)
 
 
-# Compiles HopperGemmKernel (plain epilogue) with a float32 A of (1024, 1024) and bf16 B and C, in
-# the heuristic config argv[1], C N-major -- or M-major with argv[2] "m_major" -- for sm_90a (the PTX
-# kept in CUTE_DSL_DUMP_DIR).
-FLOAT32_A_PROGRAM = """
+# Compiles HopperGemmKernel with bf16 A (1024, 1024) K-major and B, in the heuristic config argv[1],
+# with a plain epilogue or (argv[2] "residual") a residual read through the source ring, C (and the
+# residual) M-major, for sm_90a (the PTX kept in CUTE_DSL_DUMP_DIR).
+M_MAJOR_C_PROGRAM = """
 import sys
-from cutlass import BFloat16, Float32, cute
+from cutlass import BFloat16, cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from cutelayers.kernels.gemm import Epilogue, HopperGemmKernel
 from cutelayers.kernels.gemm_config import CONFIGS
-fake = lambda dtype, order: make_fake_compact_tensor(dtype, (1024, 1024, 1), stride_order=order, assumed_align=16)
-if sys.argv[2:] == ["layer"]:  # gelu(x @ w + b) as its transpose: w (K, N) as A, M-major; a row bias
-    cute.compile(HopperGemmKernel(CONFIGS[sys.argv[1]], Epilogue(activation="gelu", has_bias=True, row_bias=True)),
-                 make_fake_stream(), fake(Float32, (0, 1, 2)), fake(BFloat16, (1, 0, 2)),
-                 make_fake_compact_tensor(BFloat16, (1024,), assumed_align=16), fake(BFloat16, (0, 1, 2)))
-else:
-    c_order = (0, 1, 2) if sys.argv[2:] == ["m_major"] else (1, 0, 2)
-    cute.compile(HopperGemmKernel(CONFIGS[sys.argv[1]], Epilogue()), make_fake_stream(), fake(Float32, (1, 0, 2)),
-                 fake(BFloat16, (1, 0, 2)), fake(BFloat16, c_order))
+fake = lambda order: make_fake_compact_tensor(BFloat16, (1024, 1024, 1), stride_order=order, assumed_align=16)
+residual = sys.argv[2] == "residual"
+operands = [fake((1, 0, 2)), fake((1, 0, 2))] + [fake((0, 1, 2))] * (2 if residual else 1)
+cute.compile(HopperGemmKernel(CONFIGS[sys.argv[1]], Epilogue(has_residual=residual)), make_fake_stream(), *operands)
 """
 
 
 @pytest.mark.cute
 @pytest.mark.parametrize("config", sorted(CONFIGS))
-@pytest.mark.parametrize("c_major", ["n", "m", "layer"])
-def test_a_float32_a_is_converted_in_registers_for_the_wgmma(tmp_path, config, c_major):
-    # Issue 16's first step to a GEMM reading float32 weights (the weight as A, so the products
-    # transposed: C M-major): the float32 A stages are read into registers, converted to bf16
-    # (cvt.rn.bf16x2.f32) and fed to the register-sourced wgmma (four 32-bit A registers, B by
-    # descriptor); an M-major C goes through transposing stmatrix. "layer": a layer's gelu(x @ w +
-    # b) as its transpose, w an M-major float32 A, the bias per row. ptxas neither serializes the
-    # wgmmas nor spills.
+@pytest.mark.parametrize("epilogue", ["plain", "residual"])
+def test_an_m_major_c_goes_through_transposing_stmatrix(tmp_path, config, epilogue):
+    # An M-major C (a transposed product's output) is written through transposing stmatrix, and an
+    # M-major residual read through transposing ldmatrix; ptxas neither serializes the wgmmas nor
+    # spills.
     from conftest import kept_ptx
 
-    path = kept_ptx(tmp_path, FLOAT32_A_PROGRAM, config, *({"m": ["m_major"], "layer": ["layer"]}.get(c_major, [])))
+    path = kept_ptx(tmp_path, M_MAJOR_C_PROGRAM, config, epilogue)
     ptx = path.read_text()
-    assert "cvt.rn.bf16x2.f32" in ptx
-    register_a = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16 \{[^}]*\}, "
-                            r"\{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+", ptx)
-    assert register_a and len(register_a) == ptx.count("wgmma.mma_async")
-    assert (".trans" in "".join(re.findall(r"stmatrix\S*", ptx))) == (c_major != "n")
+    stores = re.findall(r"stmatrix\S*", ptx)
+    assert stores and all(".trans" in op for op in stores), sorted(set(stores))
+    loads = re.findall(r"ldmatrix\S*", ptx)
+    assert bool(loads) == (epilogue == "residual") and all(".trans" in op for op in loads), sorted(set(loads))
     if (ptxas := shutil.which("ptxas")) is not None:
         notes = ptxas_report(ptxas, path)
         assert " 0 bytes spill stores" in notes and not re.search(r"C75\d\d", notes), notes
 
 
 @pytest.mark.cute
-def test_the_epilogue_ring_takes_its_stages_from_the_mainloop():
-    # GemmConfig.epi_stages: a ring for all four output subtiles of a 128 x 256 tile costs the
-    # mainloop a stage (4 -> 3 with bf16 operands and output; 2 with a source ring as well); the
-    # kernel refuses a ring that leaves fewer than two, and a ring of none.
+def test_a_float32_a_with_a_bfloat16_b_is_refused():
+    # The kernel multiplies bfloat16 or float16 A and B of one dtype: a float32 A (a float32 weight
+    # as the transposed product's A) with a bf16 B is refused when the kernel is traced.
+    from cutlass import BFloat16, Float32, cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    from cutelayers.kernels.gemm import Epilogue, HopperGemmKernel
+
+    fake = lambda dtype: make_fake_compact_tensor(dtype, (256, 256, 1), stride_order=(1, 0, 2), assumed_align=16)
+    with pytest.raises(ValueError, match="a and b take one dtype, bfloat16 or float16; got a Float32, b BFloat16"):
+        cute.compile(HopperGemmKernel(CONFIGS["default"], Epilogue()), make_fake_stream(), fake(Float32),
+                     fake(BFloat16), fake(BFloat16))
+
+
+@pytest.mark.cute
+def test_a_config_leaving_under_two_mainloop_stages_is_refused():
+    # The consumer releases a k tile's stage only after waiting for the next k tile's: a single
+    # mainloop stage (the rest of shared memory taken by the tile or the epilogue's ring) would hang.
     from cutlass import BFloat16, cute
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
     from cutelayers.kernels.gemm import Epilogue, HopperGemmKernel
 
-    wide = CONFIGS["wide"]
-    full = dataclasses.replace(wide, epi_stages=4)
-    assert full in EXTRA_CONFIGS
-    assert wide.stages_for(2, 2, False) == 4 and full.stages_for(2, 2, False) == 3
-    assert full.stages_for(2, 2, True) == 2 and full.ring_bytes(2, True) == 3 * wide.ring_bytes(2, False)
-    with pytest.raises(ValueError, match="epi_stages must be at least 1; got 0"):
-        HopperGemmKernel(dataclasses.replace(wide, epi_stages=0), Epilogue())
     fake = lambda: make_fake_compact_tensor(BFloat16, (256, 256, 1), stride_order=(1, 0, 2), assumed_align=16)
-    with pytest.raises(ValueError, match=r"leaves 0 mainloop stage\(s\).*fewer epi_stages"):
-        cute.compile(HopperGemmKernel(dataclasses.replace(wide, epi_stages=12), Epilogue()), make_fake_stream(),
-                     fake(), fake(), fake())
-
-
-def _run_directly(call, *arrays):
-    """Compile the CuTe DSL function ``call(stream, *tensors)`` for ``arrays`` (JAX arrays, through
-    DLPack: a kernel no op runs yet, written into the arrays' buffers) and run it once on the
-    default stream, synchronized."""
-    import cuda.bindings.driver as cuda
-    from cutlass import cute
-    from cutlass.cute.runtime import from_dlpack
-
-    jax.block_until_ready(arrays)
-    tensors = [from_dlpack(t, assumed_align=16) for t in arrays]
-    stream = cuda.CUstream(0)
-    cute.compile(call, stream, *tensors)(stream, *tensors)
-    cuda.cuCtxSynchronize()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("config", sorted(CONFIGS))
-@pytest.mark.parametrize("c_major", ["n", "m"])
-def test_a_float32_a_converted_in_registers_gpu(config, c_major):
-    # The float32-A kernel (test_a_float32_a_is_converted_in_registers_for_the_wgmma) on random
-    # normal data, C N-major or M-major (written through a transposed view of a row-major buffer):
-    # C against the float32 product of A rounded to bf16 -- what the wgmma multiplies -- and B.
-    # Called directly (_run_directly: no op runs it yet).
-    import cutlass
-    from cutlass import cute
-
-    from cutelayers.kernels.gemm import Epilogue, HopperGemmKernel
-
-    m, n, k = 1000, 512, 1000  # the last row tile and k tile partly past A and B (TMA fills zeros)
-    ka, kb = jax.random.split(jax.random.key(0))
-    a = jax.random.normal(ka, (m, k, 1), jnp.float32)
-    b = jax.random.normal(kb, (n, k, 1), jnp.float32).astype(jnp.bfloat16)
-    c = jnp.zeros((m, n, 1) if c_major == "n" else (1, n, m), jnp.bfloat16)
-    kernel = HopperGemmKernel(CONFIGS[config], Epilogue())
-
-    @cute.jit
-    def call(stream, a, b, c):
-        if cutlass.const_expr(c_major == "m"):  # (1, N, M) row-major as the (M, N, 1) C, M-major
-            c = cute.make_tensor(c.iterator, cute.make_layout((m, n, 1), stride=(1, m, m * n)))
-        kernel(stream, a, b, c)
-
-    _run_directly(call, a, b, c)
-    want = (np.asarray(a.astype(jnp.bfloat16).astype(jnp.float32))[..., 0]
-            @ np.asarray(b.astype(jnp.float32))[..., 0].T)
-    got = np.asarray(c.astype(jnp.float32))
-    got = got[..., 0] if c_major == "n" else got[0].T
-    assert_close(got, want, jnp.bfloat16)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("config", sorted(CONFIGS))
-def test_a_layer_with_a_float32_weight_as_the_transposed_product_gpu(config):
-    # gelu(x @ w + b) with w (K, N) float32 read as the transposed product's A -- (N, K), M-major
-    # -- the bias per row of the product, and y (tokens, N) written through an M-major view: the
-    # values of the layer with w rounded to bf16 (what the wgmma multiplies), within bf16's
-    # tolerance. Called directly (_run_directly: no op runs it yet).
-    from cutlass import cute
-
-    from cutelayers.kernels.gemm import Epilogue, HopperGemmKernel
-
-    tokens, k, n = 512, 768, 1024  # whole tiles of every config
-    kx, kw, kb = jax.random.split(jax.random.key(1), 3)
-    x = jax.random.normal(kx, (tokens, k), jnp.float32).astype(jnp.bfloat16)
-    w = jax.random.normal(kw, (k, n), jnp.float32) * k**-0.5
-    b = jax.random.normal(kb, (n,), jnp.float32).astype(jnp.bfloat16)
-    y = jnp.zeros((tokens, n), jnp.bfloat16)
-    kernel = HopperGemmKernel(CONFIGS[config], Epilogue(activation="gelu", has_bias=True, row_bias=True))
-
-    @cute.jit
-    def call(stream, x, w, b, y):
-        # the product yᵀ (N, tokens) = wᵀ (N, K) @ xᵀ: A = w viewed (N, K, 1), B = x (tokens, K, 1)
-        a = cute.make_tensor(w.iterator, cute.make_layout((n, k, 1), stride=(1, n, n * k)))
-        bt = cute.make_tensor(x.iterator, cute.make_layout((tokens, k, 1), stride=(k, 1, tokens * k)))
-        c = cute.make_tensor(y.iterator, cute.make_layout((n, tokens, 1), stride=(1, n, n * tokens)))
-        kernel(stream, a, bt, b, c)
-
-    _run_directly(call, x, w, b, y)
-    z = (np.asarray(x.astype(jnp.float32)) @ np.asarray(w.astype(jnp.bfloat16).astype(jnp.float32))
-         + np.asarray(b.astype(jnp.float32)))
-    want = np.asarray(jax.nn.gelu(jnp.asarray(z), approximate=True))
-    assert_close(np.asarray(y.astype(jnp.float32)), want, jnp.bfloat16, scale=2.0)
+    for config in (GemmConfig(tile_m=256, tile_n=256, consumer_warpgroups=2, stages=4, tile_k=128),
+                   dataclasses.replace(CONFIGS["wide"], stages=1)):
+        with pytest.raises(ValueError, match=r"leaves 1 mainloop stage\(s\)"):
+            cute.compile(HopperGemmKernel(config, Epilogue()), make_fake_stream(), fake(), fake(), fake())

@@ -29,7 +29,7 @@ Structure (one CTA per SM, looping over output tiles; ``1 + consumer_warpgroups`
   is slow to load; :meth:`HopperGemmKernel.load_a_rows`).
 * epilogue (consumers, per tile): bias and activation on the fp32 accumulators in registers (the
   MMA partition of an identity tensor gives every accumulator its (row, column)); results go to a
-  dedicated ring of ``GemmConfig.epi_stages`` shared-memory buffers through ``stmatrix`` and out with
+  dedicated ring of ``EPI_STAGES`` shared-memory buffers through ``stmatrix`` and out with
   asynchronous TMA stores, which clip rows / columns past the tensor. The stores drain while the
   next tile's mainloop runs. The pre-activation, when asked for, goes out first through the same
   ring. A *source* tile read by the epilogue -- the residual, or the pre-activation whose
@@ -62,7 +62,7 @@ import math
 
 import cutlass
 import cutlass.utils.hopper_helpers as sm90
-from cutlass import Float32, Int32, Int64, const_expr, cute, pipeline, utils
+from cutlass import BFloat16, Float16, Float32, Int32, Int64, const_expr, cute, pipeline, utils
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm, nvvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -70,6 +70,7 @@ from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 from cutlass.tensor_utils import LayoutEnum
 
 from cutelayers.kernels.gemm_config import (
+    EPI_STAGES,
     EXP_CLAMP,
     OPERAND_SUMS,
     PERSISTENT_SMS,
@@ -126,9 +127,6 @@ class Epilogue:
     # unnormalized softmax of a chunk of logits and its denominator's parts. Excludes activation,
     # residual, stored preact, grad_of and gated.
     exp_row_sums: bool = False
-    # The bias is per row of the product, (M,): a transposed product's (a float32 weight as A, so
-    # the layer's output features are the product's rows).
-    row_bias: bool = False
 
     def __post_init__(self):
         for name in (self.activation, self.grad_of):
@@ -143,8 +141,6 @@ class Epilogue:
         if self.exp_row_sums and (self.activation != "none" or self.grad_of != "none" or self.has_residual
                                   or self.store_preact or self.gated):
             raise ValueError("an exp_row_sums epilogue takes no activation, residual, stored preact or gating")
-        if self.row_bias and (not self.has_bias or self.gated or self.exp_row_sums):
-            raise ValueError("row_bias takes a bias, and no gating or exp_row_sums (their bias is per column)")
 
     @property
     def has_source(self) -> bool:
@@ -438,12 +434,10 @@ class HopperGemmKernel:
     workspace by stream-K without ``accumulate``), each of a, b and c being ``planes.count``
     tensors where :class:`Planes` splits it:
 
-    * a: (M, K, L), b: (N, K, L): bfloat16 or float16 (same dtype) -- or a float32 a, staged as
-      it is and converted to b's dtype in registers for the register-sourced wgmma (issue 16's
-      float32 weight as A; no op runs it yet) --, any one of the two modes M/N or K contiguous;
-      M, K and L may be symbolic, N static, every contiguous extent a multiple of 8;
-    * bias: (N,) in c's dtype, (N, P) with a plane count (each plane its own) -- (M,) with
-      ``row_bias``; residual,
+    * a: (M, K, L), b: (N, K, L): bfloat16 or float16 (same dtype), any one of the two modes
+      M/N or K contiguous; M, K and L may be symbolic, N static, every contiguous extent a
+      multiple of 8;
+    * bias: (N,) in c's dtype, (N, P) with a plane count (each plane its own); residual,
       preact_in (the source of ``grad_of``), c, preact: (M, N, L), N contiguous -- or all M
       contiguous (a transposed product's output; stored through transposing stmatrix) --, c's
       dtype.
@@ -497,8 +491,6 @@ class HopperGemmKernel:
                                or accumulate or stream_k or sums is not None):
             raise ValueError("a gated epilogue takes (forward) tile_n 128 or 256 (whole 64-column subtiles of each "
                              "half), and no planes, accumulation, stream-K or operand sums")
-        if config.epi_stages < 1:
-            raise ValueError(f"epi_stages must be at least 1; got {config.epi_stages}")
         if config.split_k not in SPLIT_K:
             raise ValueError(f"split_k must be one of {SPLIT_K}; got {config.split_k}")
         if config.split_k > 1 and (stream_k or accumulate or sums is not None or planes != Planes()
@@ -537,30 +529,27 @@ class HopperGemmKernel:
         if const_expr(self.c_columns != config.tile_n):
             c_n = c.shape[1] * config.tile_n // self.c_columns
 
+        if const_expr(a.element_type != b.element_type or a.element_type not in (BFloat16, Float16)):
+            raise ValueError(f"a and b take one dtype, bfloat16 or float16; got a {a.element_type}, "
+                             f"b {b.element_type}")
         self.a_dtype, self.b_dtype, self.c_dtype = a.element_type, b.element_type, c.element_type
-        # A float32 A with a 16-bit B (a float32 weight as A: the products transposed) is staged
-        # as it is and converted to B's dtype in registers, for the register-sourced wgmma.
-        self.a_in_registers = a.element_type == Float32 and b.element_type != Float32
-        self.stages = config.stages_for(b.element_type.width // 8, c.element_type.width // 8, epilogue.has_source,
-                                        a.element_type.width // 8)
-        if const_expr(self.stages < 2):
+        self.stages = config.stages_for(a.element_type.width // 8, c.element_type.width // 8, epilogue.has_source)
+        if const_expr(self.stages < 2):  # a k tile's stage is released once the next one's is waited for
             raise ValueError(f"{config} leaves {self.stages} mainloop stage(s) beside its epilogue's rings "
-                             "(at least 2 needed): fewer epi_stages or a smaller tile")
+                             "(at least 2 needed): stages of at least 2, or a smaller tile")
         a_layout = LayoutEnum.from_tensor(a)
         b_layout = LayoutEnum.from_tensor(b)
         c_layout = LayoutEnum.from_tensor(c)
         self.c_layout = c_layout
         tiled_mma = sm90.make_trivial_tiled_mma(
-            b.element_type if const_expr(self.a_in_registers) else a.element_type, b.element_type,
-            a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
+            a.element_type, b.element_type, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
             Float32, (config.mma_warpgroups, 1, 1), tiler_mn=(64, config.tile_n),
-            a_source=warpgroup.OperandSource.RMEM if const_expr(self.a_in_registers) else warpgroup.OperandSource.SMEM,
         )
         a_smem = sm90.make_smem_layout_a(a_layout, self.tile_mnk, a.element_type, self.stages)
         b_smem = sm90.make_smem_layout_b(b_layout, self.tile_mnk, b.element_type, self.stages)
         epi_tile = config.epi_tile(c.element_type.width // 8)
         groups = config.epilogue_groups
-        epi_smem = sm90.make_smem_layout_epi(c.element_type, c_layout, epi_tile, config.epi_stages * groups)
+        epi_smem = sm90.make_smem_layout_epi(c.element_type, c_layout, epi_tile, EPI_STAGES * groups)
         source_smem = sm90.make_smem_layout_epi(c.element_type, c_layout, epi_tile, SOURCE_STAGES * groups)
 
         if const_expr(self.paired):
@@ -830,29 +819,20 @@ class HopperGemmKernel:
                 mma_warpgroup = cute.arch.make_warp_uniform(gtidx // WARPGROUP)
             thr_mma = tiled_mma.get_slice(
                 cute.make_layout(config.mma_warpgroups, stride=WARPGROUP)(mma_warpgroup))
-            if const_expr(self.a_in_registers):
-                # this thread's float32 A of every stage, the registers one k block of it is read
-                # into, and the converted fragment the wgmmas read (see converted_k_tile). A
-                # register-sourced A is each thread's own: partitioned by its own index, not (as the
-                # shared-memory descriptors are) by its warpgroup's.
-                sa_thread = tiled_mma.get_slice(gtidx).partition_A(sa)
-                frag_a = (sa_thread, cute.make_rmem_tensor(sa_thread[(None, None, 0, 0)].layout, Float32),
-                          tiled_mma.make_fragment_A(sa_thread[(None, None, None, 0)]))
-            else:
-                frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))
+            frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))
             frag_b = tiled_mma.make_fragment_B(thr_mma.partition_B(sb))
             # wgmma operands are per warpgroup, but each thread holds its own accumulators: their
             # coordinates (for the bias) come from the thread's own slice.
             tile_coords_c = tiled_mma.get_slice(gtidx).partition_C(
                 cute.make_identity_tensor((config.tile_m, config.tile_n)))
             acc = cute.make_rmem_tensor(tile_coords_c.shape, Float32)
-            k_blocks = cute.size(frag_b, mode=[2])
+            k_blocks = cute.size(frag_a, mode=[2])
             consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             released = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
 
             ring = self.epilogue_ring(tiled_mma, sc, storage, source_smem, sources, group, gtidx)
             stores = pipeline.PipelineTmaStore.create(
-                num_stages=config.epi_stages,
+                num_stages=EPI_STAGES,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mma_threads),
             )
             source_loaded = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SOURCE_STAGES)
@@ -965,8 +945,6 @@ class HopperGemmKernel:
         and moved over with R2UR. The fence before every batch, as CUTLASS issues it, keeps ptxas
         from injecting one of its own (C7519), which serialized the wgmmas (C7520)."""
         loads.consumer_wait(consumer)
-        if const_expr(self.a_in_registers):
-            return self.converted_k_tile(tiled_mma, acc, frag_a, frag_b, k_blocks, loads, consumer, released, first)
         warpgroup.fence()
         stage = cute.arch.make_warp_uniform(consumer.index)
         for kb in cutlass.range_constexpr(k_blocks):
@@ -978,33 +956,6 @@ class HopperGemmKernel:
         if const_expr(not first):
             # The batch before this one has finished reading its stage: release it.
             warpgroup.wait_group(1)
-            loads.consumer_release(released)
-            released.advance()
-        return consumer, released
-
-    @cute.jit
-    def converted_k_tile(self, tiled_mma, acc, frag_a, frag_b, k_blocks: cutlass.Constexpr, loads, consumer,
-                         released, first: cutlass.Constexpr):
-        """:meth:`mma_k_tile` of a float32 A (``frag_a``: this thread's float32 A of every stage,
-        the float32 registers one k block of it is read into, the converted fragment the wgmmas
-        read): each k block read from the stage, converted and issued as its own wgmma group,
-        once the group that last read that k block's registers (the k tile before's) has finished
-        -- so the conversion of one k block overlaps the wgmmas in flight."""
-        stage = cute.arch.make_warp_uniform(consumer.index)
-        sa_thread, staged_a, converted = frag_a
-        for kb in cutlass.range_constexpr(k_blocks):
-            warpgroup.wait_group(k_blocks - 1)  # the k tile before's block kb has read its registers
-            cute.autovec_copy(sa_thread[(None, None, kb, stage)], staged_a)
-            converted[(None, None, kb)].store(staged_a.load().to(converted.element_type))
-            warpgroup.fence()
-            cute.gemm(tiled_mma, acc, converted[(None, None, kb)], frag_b[(None, None, kb, stage)], acc)
-            if const_expr(first):
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.commit_group()
-        consumer.advance()
-        if const_expr(not first):
-            # The k tile before's groups have finished reading its stage: release it.
-            warpgroup.wait_group(k_blocks)
             loads.consumer_release(released)
             released.advance()
         return consumer, released
@@ -1324,21 +1275,19 @@ class HopperGemmKernel:
         """Bias, [pre-activation store], activation, source and the store of one finished tile.
 
         ``first_store``: stores this group made before, so the ring buffer of each subtile is
-        (first_store + e) mod ``epi_stages`` within the group's ring. ``inside``: whether the tile
+        (first_store + e) mod EPI_STAGES within the group's ring. ``inside``: whether the tile
         lies in the output at all (a cluster's padding tile runs every step but the TMA stores).
         Returns the source ring's states (loaded, read), advanced past this tile.
         """
         epilogue = self.epilogue
         if const_expr(epilogue.has_bias):
-            # Columns (rows: row_bias) past the bias are past c too, where the TMA stores clip
-            # them: clamping the index instead of branching leaves straight-line loads, and the
-            # compiler loads each of the thread's distinct columns once (a branch per accumulator
-            # kept all 128).
-            mode = 0 if const_expr(epilogue.row_bias) else 1
-            start = tile_idx[mode] * self.tile_mnk[mode]
+            # Columns past the bias are past c too, where the TMA stores clip them: clamping the
+            # index instead of branching leaves straight-line loads, and the compiler loads each
+            # of the thread's distinct columns once (a branch per accumulator kept all 128).
+            start = tile_idx[1] * self.tile_mnk[1]
             last = cute.size(bias, mode=[0]) - 1
             for i in cutlass.range(cute.size(acc), unroll_full=True):
-                col = cutlass.min(start + tile_coords_c[i][mode], last)
+                col = cutlass.min(start + tile_coords_c[i][1], last)
                 if const_expr(self.planes.count is None):
                     acc[i] = acc[i] + bias[col].to(Float32)
                 else:
@@ -1425,7 +1374,7 @@ class HopperGemmKernel:
         """Write the fp32 accumulators ``acc`` (combined with the source tile if ``with_source``:
         + residual, or x act'(preact)) to ``tma_tensor_out``'s tile in its dtype: registers ->
         smem (stmatrix) -> global (TMA store), one epilogue subtile at a time through the group's
-        ring of ``epi_stages`` buffers. TMA clips what lies past the tensor. ``c_tile``: the output
+        ring of ``EPI_STAGES`` buffers. TMA clips what lies past the tensor. ``c_tile``: the output
         is c (``c_columns`` a tile; a gated layer's forward stores it from the gate subtiles,
         :meth:`gate`), else the stored preact z (tile_n). A gated layer's backward (:attr:`paired`)
         reads the gate and the value subtile of z for each accumulator subtile and stores dz's
@@ -1500,12 +1449,11 @@ class HopperGemmKernel:
     def send_subtile(self, part, part_out, index: cutlass.Constexpr, store, ring, views, tma_out,
                      tile_idx, group, stores, store_warp, inside):
         """One subtile ``part`` (fp32) to the output's subtile ``index`` (in ``views``' order), in
-        its dtype, through buffer ``store`` mod ``epi_stages`` of the group's ring."""
+        its dtype, through buffer ``store`` mod ``EPI_STAGES`` of the group's ring."""
         copy_r2s, r2s_dst = ring[0], ring[1]
         mma_threads = WARPGROUP * self.config.mma_warpgroups
         part_out.store(part.load().to(self.c_dtype))
-        epi_stages = self.config.epi_stages
-        buffer = group * epi_stages + store % epi_stages
+        buffer = group * EPI_STAGES + store % EPI_STAGES
         cute.copy(copy_r2s, part_out, r2s_dst[(None, None, None, buffer)])
         # Make the smem writes visible to the TMA (async proxy), then let one warp send them.
         cute.arch.fence_proxy("async.shared", space="cta")

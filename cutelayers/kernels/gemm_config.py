@@ -15,10 +15,9 @@ from cutelayers.kernels.hopper import HOPPER_SMS, RESIDENT_CLUSTERS
 WARPGROUP = 128
 SMEM_CAPACITY = 227 * 1024  # sm_90 dynamic shared memory per CTA
 SMEM_RESERVED = 2048  # mbarriers and the 1 KiB alignment of each buffer
-# Epilogue smem buffers in flight to TMA stores, each a subtile of 64 columns (GemmConfig.epi_tile),
-# by default (GemmConfig.epi_stages): on the GPT-2 step's GEMMs two 64-column buffers beat four of
-# 32 columns (half the barriers per tile, the same shared memory): fc1 with z 130.8 -> 126.4 us, dh
-# 134.7 -> 128.8 (H200).
+# Epilogue smem buffers in flight to TMA stores, each a subtile of 64 columns (GemmConfig.epi_tile):
+# on the GPT-2 step's GEMMs two 64-column buffers beat four of 32 columns (half the barriers per
+# tile, the same shared memory): fc1 with z 130.8 -> 126.4 us, dh 134.7 -> 128.8 (H200).
 ROW_SUM_BLOCK = 64  # columns each row sum of an exp_row_sums epilogue covers (every tile_n a multiple)
 EXP_CLAMP = 80.0  # an exp_row_sums epilogue's exponents stop here: e^80 is finite in bf16 (max ~e^88.7)
 EPI_STAGES = 2
@@ -48,9 +47,7 @@ class GemmConfig:
     CTAs (one tile a cluster, not persistent): each sends its float32 partial tile to the first
     one's shared memory, which adds them and runs the epilogue -- for outputs of few tiles, such as
     a decode step's. ``stages`` is an upper bound: an epilogue that needs a source ring gets as
-    many as fit next to it. ``epi_stages``: the epilogue's ring of output subtiles in flight to
-    TMA stores; as many as a tile has subtiles (four on 128 x 256), its epilogue never waits for
-    a store to drain -- for a mainloop stage fewer (``stages_for``).
+    many as fit next to it.
     """
 
     tile_m: int
@@ -62,7 +59,6 @@ class GemmConfig:
     pingpong: bool = False
     tile_k: int = 64
     split_k: int = 1
-    epi_stages: int = EPI_STAGES
 
     @property
     def threads(self) -> int:
@@ -87,14 +83,11 @@ class GemmConfig:
     def ring_bytes(self, c_bytes: int, source: bool) -> int:
         """Shared memory of the epilogue rings: stores, plus sources if the epilogue reads one."""
         rows, cols = self.epi_tile(c_bytes)
-        buffers = self.epi_stages + (SOURCE_STAGES if source else 0)
+        buffers = EPI_STAGES + (SOURCE_STAGES if source else 0)
         return self.epilogue_groups * buffers * rows * cols * c_bytes
 
-    def stage_bytes(self, ab_bytes: int, a_bytes: int | None = None) -> int:
-        """Shared memory of a mainloop stage: A's and B's tiles, ``ab_bytes`` an element (A's
-        ``a_bytes`` where it differs: a float32 A converted in registers)."""
-        a_bytes = ab_bytes if a_bytes is None else a_bytes
-        return (self.tile_m * a_bytes + self.tile_n * ab_bytes) * self.tile_k
+    def stage_bytes(self, ab_bytes: int) -> int:
+        return (self.tile_m + self.tile_n) * self.tile_k * ab_bytes
 
     @property
     def partial_bytes(self) -> int:
@@ -109,11 +102,11 @@ class GemmConfig:
         size = self.cluster_m * self.cluster_n
         return PERSISTENT_SMS // size * size, self.tile_m * self.tile_n
 
-    def stages_for(self, ab_bytes: int, c_bytes: int, source: bool, a_bytes: int | None = None) -> int:
+    def stages_for(self, ab_bytes: int, c_bytes: int, source: bool) -> int:
         """Mainloop stages: ``stages``, or fewer where the epilogue's rings (and split-K's partial
-        tiles) leave less room (``a_bytes``: as :meth:`stage_bytes`)."""
+        tiles) leave less room."""
         room = SMEM_CAPACITY - SMEM_RESERVED - self.ring_bytes(c_bytes, source) - self.partial_bytes
-        return min(self.stages, room // self.stage_bytes(ab_bytes, a_bytes))
+        return min(self.stages, room // self.stage_bytes(ab_bytes))
 
     def smem_bytes(self, ab_bytes: int, c_bytes: int | None = None, source: bool = False) -> int:
         c_bytes = ab_bytes if c_bytes is None else c_bytes
@@ -153,11 +146,6 @@ EXTRA_CONFIGS = (
     # stages as fit, 17.8 / 16.8). Its 64-column tiles lose where N fills the GPU (16 x 4096 x
     # 16384: 52.8 us against small_m's 47.9).
     GemmConfig(tile_m=64, tile_n=64, consumer_warpgroups=1, stages=6, cluster_n=2, tile_k=128),
-    # The wide tiles with a ring for all four of a tile's output subtiles: the two consumer
-    # warpgroups' epilogue (which stops both mainloops) never waits for a TMA store to drain, for
-    # one mainloop stage fewer (not yet timed: thirty-ninth session).
-    GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, stages=4, cluster_m=2, epi_stages=4),
-    GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, stages=4, cluster_n=2, epi_stages=4),
 )
 
 
