@@ -19,8 +19,9 @@ import jax.numpy as jnp
 from cutelayers import backend
 from cutelayers.ops.linear import (
     ACTIVATION_FUNCTIONS,
-    GATED_ACTIVATIONS,
     MIXED_PRECISION_DTYPES,
+    allowed_activations,
+    check_activation_name,
     gated_hidden,
     is_gated,
     resolve_activation,
@@ -215,12 +216,10 @@ def check_mlp(module: str, activation, **features) -> None:
             raise ValueError(f"{module}: argument {name!r} must be a positive integer; got {value!r}")
     if activation is None or callable(activation):
         return
-    names = ", ".join(repr(a) for a in (*ACTIVATION_FUNCTIONS, *GATED_ACTIVATIONS) if a != "none")
-    allowed = f"None, one of {names}, or a callable"
     if not isinstance(activation, str):
-        raise TypeError(f"{module}: argument 'activation' must be {allowed}; got {activation!r}")
-    if activation not in ACTIVATION_FUNCTIONS and activation not in GATED_ACTIVATIONS:
-        raise ValueError(f"{module}: argument 'activation' must be {allowed}; got {activation!r}")
+        raise TypeError(f"{module}: argument 'activation' must be {allowed_activations(gated=True)}; "
+                        f"got {activation!r}")
+    check_activation_name(module, activation, gated=True)
 
 
 def check_tied_embedding(module: str, tie_embedding: bool, embedding, vocab_size: int, hidden: int) -> None:

@@ -613,12 +613,12 @@ def test_float32_params_at_decode_rows_lower_to_xla(fresh_cache, caplog, monkeyp
 
 
 def test_exp_logits_reference(rng):
-    # exp(x @ kernel + bias) in x's dtype and its float32 sums over 64-column blocks (the last one
+    # exp(x @ kernel) in x's dtype and its float32 sums over 64-column blocks (the last one
     # partial), as the reference computes them where the kernel cannot run
     x = random(rng, (37, 64), jnp.bfloat16)
-    w, b = (jnp.asarray(0.2 * random(rng, shape, jnp.float32), jnp.bfloat16) for shape in ((64, 200), (200,)))
-    e, sums = jax.jit(exp_logits)(x, w, b)
-    z = np.asarray(x, np.float64) @ np.asarray(w, np.float64) + np.asarray(b, np.float64)
+    w = jnp.asarray(0.2 * random(rng, (64, 200), jnp.float32), jnp.bfloat16)
+    e, sums = jax.jit(exp_logits)(x, w)
+    z = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     assert e.dtype == jnp.bfloat16 and e.shape == (37, 200) and sums.dtype == jnp.float32
     assert_close(e, np.exp(z), jnp.bfloat16)
     want = np.pad(np.exp(z), ((0, 0), (0, 56))).reshape(37, 4, 64).sum(-1)
@@ -629,22 +629,32 @@ def test_exp_logits_reference(rng):
 def test_lowering_exp_logits(fresh_cache):
     # one GEMM with two results: exp(logits) in bf16 and the (M, ceil(N / 64)) float32 row sums
     S = jax.ShapeDtypeStruct
-    hlo = lower_cuda(lambda x, w: exp_logits(x, w, None), S((300, 128), jnp.bfloat16), S((128, 1000), jnp.bfloat16))
+    hlo = lower_cuda(exp_logits, S((300, 128), jnp.bfloat16), S((128, 1000), jnp.bfloat16))
     (call,) = [line for line in hlo.splitlines() if "stablehlo.custom_call @cutelayers_linear_fwd" in line]
     assert "-> (tensor<1x300x1000xbf16>, tensor<1x300x16xf32>)" in call, call
+
+
+@pytest.mark.cute
+def test_an_exp_row_sums_epilogue_with_a_bias_is_refused():
+    # The exp epilogue is the LM head's logits, which have no bias: the kernel takes exp(A @ Bᵀ) only.
+    from cutelayers.kernels.gemm import Epilogue
+
+    with pytest.raises(ValueError, match=r"exp_row_sums=True takes no bias.*; got it with has_bias=True$"):
+        Epilogue(has_bias=True, exp_row_sums=True)
+    with pytest.raises(ValueError, match="exp_row_sums=True takes no bias"):
+        LinearForward("none", True, False, False, exp_row_sums=True).epilogue()
 
 
 @pytest.mark.gpu
 def test_exp_logits_gpu(rng):
     # the exp_row_sums epilogue against float64: rows past a tile, a last tile reaching past N by
-    # whole 64-column blocks (4104 = 32 x 128 + 8), a bias, and a GPT-2 vocabulary
+    # whole 64-column blocks (4104 = 32 x 128 + 8), and a GPT-2 vocabulary
     with cl.use_backend("cute"):
-        for m, k, n, with_bias in ((1000, 256, 1000, True), (333, 768, 50304, False), (4096, 128, 4104, True)):
+        for m, k, n in ((1000, 256, 1000), (333, 768, 50304), (4096, 128, 4104)):
             x = random(rng, (m, k), jnp.bfloat16)
-            w, b = (jnp.asarray(random(rng, shape, jnp.float32) * 3.0 / k**0.5, jnp.bfloat16) for shape in ((k, n), (n,)))
-            b = b if with_bias else None
-            e, sums = jax.jit(exp_logits)(x, w, b)
-            z = np.asarray(x, np.float64) @ np.asarray(w, np.float64) + (0 if b is None else np.asarray(b, np.float64))
+            w = jnp.asarray(random(rng, (k, n), jnp.float32) * 3.0 / k**0.5, jnp.bfloat16)
+            e, sums = jax.jit(exp_logits)(x, w)
+            z = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
             blocks = -(-n // 64)
             assert_close(e, np.exp(z), jnp.bfloat16)
             assert_close(sums, np.pad(np.exp(z), ((0, 0), (0, blocks * 64 - n))).reshape(m, blocks, 64).sum(-1),
@@ -1109,7 +1119,7 @@ def test_split_k_takes_a_plain_cooperative_kernel():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [*SPLIT_K_CONFIGS, GemmConfig(64, 64, 1, 8, split_k=8)], ids=str)
+@pytest.mark.parametrize("config", SPLIT_K_CONFIGS, ids=str)
 @pytest.mark.parametrize("m,k,n", [(16, 4096, 4096), (37, 264, 712), (5, 64, 200)],
                          ids=["decode", "odd-tiles", "fewer-k-tiles-than-ctas"])
 def test_split_k_forward_and_input_grad_gpu(config, m, k, n, rng):
@@ -1351,7 +1361,7 @@ cases["fc1_gelu_forward"] = (gelu, fc1)
 cases["fc1_gelu_train_step"] = (gelu_train, fc1)
 cases["swiglu_forward"] = (functools.partial(kernel_call, gated), gated_avals)
 cases["decode_split_k_16x4096x4096"] = (gelu, (S((16, 4096), bf), S((4096, 4096), bf), S((4096,), bf)))
-cases["lm_head_exp_4096x4096x131072"] = (lambda x, w: exp_logits(x, w, None), (S((4096, 4096), bf), S((4096, 131072), bf)))
+cases["lm_head_exp_4096x4096x131072"] = (exp_logits, (S((4096, 4096), bf), S((4096, 131072), bf)))
 found = {}
 with cl.use_backend("cute"):
     for case, (f, avals) in cases.items():
@@ -1439,40 +1449,28 @@ def test_gelu_epilogue_constants_give_tanh_gelu():
     np.testing.assert_allclose(ours, expected, rtol=1e-9, atol=1e-12)
 
 
-# Compiles HopperGemmKernel with bf16 A (1024, 1024) K-major and B, in the heuristic config argv[1],
-# with a plain epilogue or (argv[2] "residual") a residual read through the source ring, C (and the
-# residual) M-major, for sm_90a (the PTX kept in CUTE_DSL_DUMP_DIR).
-M_MAJOR_C_PROGRAM = """
-import sys
-from cutlass import BFloat16, cute
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
-from cutelayers.kernels.gemm import Epilogue, HopperGemmKernel
-from cutelayers.kernels.gemm_config import CONFIGS
-fake = lambda order: make_fake_compact_tensor(BFloat16, (1024, 1024, 1), stride_order=order, assumed_align=16)
-residual = sys.argv[2] == "residual"
-operands = [fake((1, 0, 2)), fake((1, 0, 2))] + [fake((0, 1, 2))] * (2 if residual else 1)
-cute.compile(HopperGemmKernel(CONFIGS[sys.argv[1]], Epilogue(has_residual=residual)), make_fake_stream(), *operands)
-"""
-
-
 @pytest.mark.cute
-@pytest.mark.parametrize("config", sorted(CONFIGS))
-@pytest.mark.parametrize("epilogue", ["plain", "residual"])
-def test_an_m_major_c_goes_through_transposing_stmatrix(tmp_path, config, epilogue):
-    # An M-major C (a transposed product's output) is written through transposing stmatrix, and an
-    # M-major residual read through transposing ldmatrix; ptxas neither serializes the wgmmas nor
-    # spills.
-    from conftest import kept_ptx
+@pytest.mark.parametrize("epilogue", ["plain", "residual", "preact"])
+def test_an_m_major_c_is_refused(epilogue):
+    # The epilogue's stmatrix / ldmatrix and its shared-memory subtiles hold rows of N (no op gives
+    # the kernel an M-major output since the float32 A went): an M-major c, residual or stored
+    # pre-activation is refused when the kernel is traced.
+    from cutlass import BFloat16, cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
-    path = kept_ptx(tmp_path, M_MAJOR_C_PROGRAM, config, epilogue)
-    ptx = path.read_text()
-    stores = re.findall(r"stmatrix\S*", ptx)
-    assert stores and all(".trans" in op for op in stores), sorted(set(stores))
-    loads = re.findall(r"ldmatrix\S*", ptx)
-    assert bool(loads) == (epilogue == "residual") and all(".trans" in op for op in loads), sorted(set(loads))
-    if (ptxas := shutil.which("ptxas")) is not None:
-        notes = ptxas_report(ptxas, path)
-        assert " 0 bytes spill stores" in notes and not re.search(r"C75\d\d", notes), notes
+    from cutelayers.kernels.gemm import Epilogue, HopperGemmKernel
+
+    fake = lambda order: make_fake_compact_tensor(BFloat16, (256, 256, 1), stride_order=order, assumed_align=16)
+    n_major, m_major = (1, 0, 2), (0, 1, 2)
+    if epilogue == "plain":
+        name, kernel, outputs = "c", Epilogue(), [fake(m_major)]
+    elif epilogue == "residual":
+        name, kernel, outputs = "residual", Epilogue(has_residual=True), [fake(m_major), fake(n_major)]
+    else:
+        name, kernel, outputs = "preact", Epilogue(store_preact=True), [fake(n_major), fake(m_major)]
+    with pytest.raises(ValueError, match=f"^{name} takes N contiguous .*; got an M-major {name}, layout "):
+        cute.compile(HopperGemmKernel(CONFIGS["default"], kernel), make_fake_stream(), fake(n_major), fake(n_major),
+                     *outputs)
 
 
 @pytest.mark.cute

@@ -90,7 +90,7 @@ CONSUMER_REGISTERS = 232  # accumulators: 40 * 128 + 232 * 256 fits the SM's 64K
 # Named barriers: 1 + group for a group's epilogue, MMA_TURN_BARRIER + warpgroup for pingpong's
 # mainloop turns.
 MMA_TURN_BARRIER = 3
-SPLIT_K = (1, 2, 3, 4, 8)  # CTAs a split-K cluster cuts a tile's contraction over
+SPLIT_K = (1, 2, 3, 4)  # CTAs a split-K cluster cuts a tile's contraction over
 # Rows of A per TMA box in a 64-row tile that crosses M (see ``HopperGemmKernel.row_boxes``): one
 # 128-byte swizzle atom's rows, so every box starts on a whole atom.
 ROW_BOX = 8
@@ -121,10 +121,10 @@ class Epilogue:
     # (M, 2H): dz = (dh * value * act'(gate), dh * act(gate)); each tile reads and writes tile_n
     # columns of each half. Both through ``HopperGemmKernel.gated_view``.
     gated: bool = False
-    # c = exp(min(product + bias, EXP_CLAMP)) -- finite in bf16, whatever the logits -- and each
-    # row's sum of it over every ROW_SUM_BLOCK columns inside N,
-    # in float32 before c's rounding, into an (M, ceil(N / ROW_SUM_BLOCK), L) result: the
-    # unnormalized softmax of a chunk of logits and its denominator's parts. Excludes activation,
+    # c = exp(min(product, EXP_CLAMP)) -- finite in bf16, whatever the logits -- and each row's
+    # sum of it over every ROW_SUM_BLOCK columns inside N, in float32 before c's rounding, into an
+    # (M, ceil(N / ROW_SUM_BLOCK), L) result: the unnormalized softmax of a chunk of logits and
+    # its denominator's parts. Excludes bias (the LM head's logits have none), activation,
     # residual, stored preact, grad_of and gated.
     exp_row_sums: bool = False
 
@@ -138,9 +138,14 @@ class Epilogue:
         if self.gated and ((self.activation == "none") == (self.grad_of == "none") or self.has_residual):
             raise ValueError("a gated epilogue takes the gate's activation (forward) or its gradient (backward), "
                              "and no residual")
-        if self.exp_row_sums and (self.activation != "none" or self.grad_of != "none" or self.has_residual
-                                  or self.store_preact or self.gated):
-            raise ValueError("an exp_row_sums epilogue takes no activation, residual, stored preact or gating")
+        if self.exp_row_sums:
+            extra = {"has_bias": self.has_bias, "activation": self.activation != "none",
+                     "grad_of": self.grad_of != "none", "has_residual": self.has_residual,
+                     "store_preact": self.store_preact, "gated": self.gated}
+            if any(extra.values()):
+                got = ", ".join(f"{name}={getattr(self, name)!r}" for name, given in extra.items() if given)
+                raise ValueError("exp_row_sums=True takes no bias, activation, residual, stored preact or gating "
+                                 f"(c = exp(A @ Bᵀ) only); got it with {got}")
 
     @property
     def has_source(self) -> bool:
@@ -184,6 +189,15 @@ class Planes:
     def summed(self) -> bool:
         """Whether the planes add up into one output (C shared)."""
         return self.c == "shared"
+
+
+def require_n_major(name: str, tensor):
+    """Refuse an M-major (M, N, L) output or source ``tensor`` (None passes; a tuple: each plane's
+    buffer): the epilogue's stmatrix / ldmatrix and shared-memory subtiles hold rows of N."""
+    for t in tensor if isinstance(tensor, tuple) else (tensor,):
+        if t is not None and LayoutEnum.from_tensor(t).is_m_major_c():
+            raise ValueError(f"{name} takes N contiguous (an N-major (M, N, L) tensor); got an M-major {name}, "
+                             f"layout {t.layout}")
 
 
 def per_plane(make, tensor):
@@ -438,9 +452,7 @@ class HopperGemmKernel:
       M/N or K contiguous; M, K and L may be symbolic, N static, every contiguous extent a
       multiple of 8;
     * bias: (N,) in c's dtype, (N, P) with a plane count (each plane its own); residual,
-      preact_in (the source of ``grad_of``), c, preact: (M, N, L), N contiguous -- or all M
-      contiguous (a transposed product's output; stored through transposing stmatrix) --, c's
-      dtype.
+      preact_in (the source of ``grad_of``), c, preact: (M, N, L), N contiguous, c's dtype.
 
     ``accumulate``: C += A @ Bᵀ, each tile added into c by the TMA store (reduce-add): how a caller
     adds into a running float32 sum without a pass of its own, and how ``stream_k``
@@ -532,6 +544,9 @@ class HopperGemmKernel:
         if const_expr(a.element_type != b.element_type or a.element_type not in (BFloat16, Float16)):
             raise ValueError(f"a and b take one dtype, bfloat16 or float16; got a {a.element_type}, "
                              f"b {b.element_type}")
+        require_n_major("c", c_in)
+        require_n_major("residual" if const_expr(epilogue.has_residual) else "preact_in", source)
+        require_n_major("preact", preact)
         self.a_dtype, self.b_dtype, self.c_dtype = a.element_type, b.element_type, c.element_type
         self.stages = config.stages_for(a.element_type.width // 8, c.element_type.width // 8, epilogue.has_source)
         if const_expr(self.stages < 2):  # a k tile's stage is released once the next one's is waited for
@@ -540,7 +555,6 @@ class HopperGemmKernel:
         a_layout = LayoutEnum.from_tensor(a)
         b_layout = LayoutEnum.from_tensor(b)
         c_layout = LayoutEnum.from_tensor(c)
-        self.c_layout = c_layout
         tiled_mma = sm90.make_trivial_tiled_mma(
             a.element_type, b.element_type, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
             Float32, (config.mma_warpgroups, 1, 1), tiler_mn=(64, config.tile_n),
@@ -830,7 +844,7 @@ class HopperGemmKernel:
             consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             released = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
 
-            ring = self.epilogue_ring(tiled_mma, sc, storage, source_smem, sources, group, gtidx)
+            ring = self.epilogue_ring(tiled_mma, sc, storage, source_smem, gtidx) + (sc,)  # + the store ring
             stores = pipeline.PipelineTmaStore.create(
                 num_stages=EPI_STAGES,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mma_threads),
@@ -861,7 +875,7 @@ class HopperGemmKernel:
                 if const_expr(epilogue.has_source):
                     # The tile's first source subtiles load while its mainloop runs.
                     for e in cutlass.range_constexpr(min(SOURCE_STAGES, self.out_tiles(epi_tile))):
-                        source_loaded = self.load_source(sources, group, source_loaded, ring[6], tma_s,
+                        source_loaded = self.load_source(sources, group, source_loaded, ring[5], tma_s,
                                                          tma_tensor_s, tile_idx, epi_tile, e, store_warp)
                 if const_expr(config.pingpong):
                     # Mainloops take turns: a warpgroup waits for stages only after the other has
@@ -1207,17 +1221,15 @@ class HopperGemmKernel:
         return e // (across // 2) * across + e % (across // 2)
 
     @cute.jit
-    def epilogue_ring(self, tiled_mma, sc, storage, source_smem, sources, group, gtidx):
+    def epilogue_ring(self, tiled_mma, sc, storage, source_smem, gtidx):
         """This thread's views of the epilogue rings: (stmatrix copy, its smem destinations in the
-        store ring, the shape of one subtile of its accumulators, the store ring, ldmatrix copy,
-        its smem sources in the source ring, the source ring) -- copies laid out like the
-        accumulators."""
+        store ring ``sc``, the shape of one subtile of its accumulators, ldmatrix copy, its smem
+        sources in the source ring, the source ring) -- copies laid out like the accumulators."""
         # The stmatrix atom gives the accumulator-to-subtile layout (any 16-bit type describes it);
         # a 32-bit c is then stored with plain shared-memory stores in that layout.
         c_atom = cute.make_tiled_copy_C_atom(
-            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), cutlass.Float16),
-            tiled_mma)
-        copy_r2s = cute.make_tiled_copy_S(sm90.get_smem_store_op(self.c_layout, self.c_dtype, Float32), c_atom)
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), cutlass.Float16), tiled_mma)
+        copy_r2s = cute.make_tiled_copy_S(sm90.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.c_dtype, Float32), c_atom)
         thr_r2s = copy_r2s.get_slice(gtidx)
         r2s_dst = thr_r2s.partition_D(sc)
         part_shape = thr_r2s.partition_S(sc).shape[:3]
@@ -1225,9 +1237,9 @@ class HopperGemmKernel:
         if const_expr(self.epilogue.has_source):
             ss = storage.ss.get_tensor(source_smem.outer, swizzle=source_smem.inner)
             copy_s2r = cute.make_tiled_copy_S(
-                cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype), c_atom)
+                cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), self.c_dtype), c_atom)
             s2r_src = copy_s2r.get_slice(gtidx).partition_S(ss)
-        return copy_r2s, r2s_dst, part_shape, sc, copy_s2r, s2r_src, ss
+        return copy_r2s, r2s_dst, part_shape, copy_s2r, s2r_src, ss
 
     @cute.jit
     def subtile_views(self, tma_atom, tma_tensor, ring, tile_idx, epi_tile: cutlass.Constexpr,
@@ -1380,7 +1392,7 @@ class HopperGemmKernel:
         reads the gate and the value subtile of z for each accumulator subtile and stores dz's
         two."""
         config, epilogue = self.config, self.epilogue
-        copy_r2s, _, part_shape, sc, copy_s2r, s2r_src, ss = ring
+        copy_r2s, _, part_shape, copy_s2r, s2r_src, ss, sc = ring
         acc_view = copy_r2s.retile(acc)
         part_layout = cute.make_layout(part_shape)
         part = cute.make_rmem_tensor(part_layout, Float32)

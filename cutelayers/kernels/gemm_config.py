@@ -15,11 +15,12 @@ from cutelayers.kernels.hopper import HOPPER_SMS, RESIDENT_CLUSTERS
 WARPGROUP = 128
 SMEM_CAPACITY = 227 * 1024  # sm_90 dynamic shared memory per CTA
 SMEM_RESERVED = 2048  # mbarriers and the 1 KiB alignment of each buffer
-# Epilogue smem buffers in flight to TMA stores, each a subtile of 64 columns (GemmConfig.epi_tile):
-# on the GPT-2 step's GEMMs two 64-column buffers beat four of 32 columns (half the barriers per
-# tile, the same shared memory): fc1 with z 130.8 -> 126.4 us, dh 134.7 -> 128.8 (H200).
 ROW_SUM_BLOCK = 64  # columns each row sum of an exp_row_sums epilogue covers (every tile_n a multiple)
 EXP_CLAMP = 80.0  # an exp_row_sums epilogue's exponents stop here: e^80 is finite in bf16 (max ~e^88.7)
+# Epilogue smem buffers in flight to TMA stores, each a subtile EPI_ROW_BYTES of an output row wide
+# (GemmConfig.epi_tile: 64 columns of a 16-bit output, 32 of a float32 one): on the GPT-2 step's
+# bf16 GEMMs two 64-column buffers beat four of 32 columns (half the barriers per tile, the same
+# shared memory): fc1 with z 130.8 -> 126.4 us, dh 134.7 -> 128.8 (H200).
 EPI_STAGES = 2
 # Bytes of an output row per epilogue subtile: one 128-byte swizzle atom, so a float32 output (a
 # weight gradient: stream-K's partial tiles, the LM head's running sum) keeps the shared memory of

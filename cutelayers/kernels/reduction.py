@@ -626,12 +626,11 @@ def cluster_launch(geometry: RowGeometry) -> dict:
     return {"cluster": [geometry.cluster, 1, 1]} if geometry.cluster > 1 else {}
 
 
-def staged_smem(geometry: RowGeometry, operands, elem_bytes: int | None = None, sums: int = 0) -> int:
+def staged_smem(geometry: RowGeometry, operands, elem_bytes: int | None = None) -> int:
     """Shared memory of the staged rows of ``operands`` (their tensors) if the kernel stages them
-    (decided at ``elem_bytes`` an element -- default, the widest operand's -- next to ``sums`` fp32
-    sums a column, which this does not count)."""
+    (decided at ``elem_bytes`` an element -- default, the widest operand's)."""
     widest = widest_bytes(*operands) if elem_bytes is None else elem_bytes
-    if not staged(geometry, widest, len(operands), sums):
+    if not staged(geometry, widest, len(operands)):
         return 0
     return sum(shared_row_bytes(geometry, t.element_type.width // 8) for t in operands)
 

@@ -104,7 +104,8 @@ GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu"}
 # The gated kernel's tiles hold a block of this many columns of each half (tile_n / 2 of its
 # 128-column tiles): the hidden width must be a multiple for the kernel to run.
 GATED_BLOCK = 64
-# Operand dtypes whose layers may keep float32 parameters (cast for the GEMMs, float32 gradients).
+# The GEMM kernels' operand dtypes; layers in these may keep float32 parameters (cast for the
+# GEMMs, float32 gradients).
 MIXED_PRECISION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -152,8 +153,22 @@ _KNOWN_FUNCTIONS = (
     (jax.nn.hard_silu, "hardswish"),
 )
 
-KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 ALIGN_ELEMENTS = 8  # K and N multiples of 8: 16-byte row strides for TMA
+
+
+def allowed_activations(gated: bool) -> str:
+    """What an op's ``activation`` argument may be, for its error messages: None, a fused name
+    (with ``gated``, the gated ones too) or a callable."""
+    names = (*ACTIVATION_FUNCTIONS, *GATED_ACTIVATIONS) if gated else tuple(ACTIVATION_FUNCTIONS)
+    return f"None, one of {', '.join(repr(a) for a in names if a != 'none')}, or a callable"
+
+
+def check_activation_name(op: str, activation, gated: bool = False) -> None:
+    """Refuse an ``activation`` string that names no fused activation (nor, where the op takes
+    them -- ``gated`` --, a gated one); other values pass."""
+    if isinstance(activation, str) and activation not in ACTIVATION_FUNCTIONS and not (gated and is_gated(activation)):
+        raise ValueError(f"{op}: argument 'activation' must be {allowed_activations(gated)}; "
+                         f"got the unknown activation {activation!r}")
 
 
 def resolve_activation(activation) -> tuple[str, object]:
@@ -165,11 +180,7 @@ def resolve_activation(activation) -> tuple[str, object]:
     if activation is None:
         return "none", None
     if isinstance(activation, str):
-        if activation not in ACTIVATION_FUNCTIONS:
-            raise ValueError(
-                f"fused_linear: unknown activation {activation!r}; allowed: None, "
-                f"{', '.join(repr(a) for a in ACTIVATION_FUNCTIONS if a != 'none')} or a callable"
-            )
+        check_activation_name("fused_linear", activation)
         return activation, None
     if (isinstance(activation, functools.partial) and activation.func is jax.nn.gelu and not activation.args
             and set(activation.keywords) <= {"approximate"}):
@@ -426,9 +437,9 @@ class LinearForward(GemmFamily):
     config: GemmConfig | None = None
     kernel_nk: bool = False
     gated: bool = False
-    # y = exp(x @ kernel + bias) and its row sums over every ROW_SUM_BLOCK columns, a float32
-    # (1, M, ceil(N / ROW_SUM_BLOCK)) second result (no activation, residual or stored preact):
-    # the LM head's unnormalized softmax (:func:`exp_logits`)
+    # y = exp(x @ kernel) and its row sums over every ROW_SUM_BLOCK columns, a float32
+    # (1, M, ceil(N / ROW_SUM_BLOCK)) second result (no bias, activation, residual or stored
+    # preact): the LM head's unnormalized softmax (:func:`exp_logits`)
     exp_row_sums: bool = False
 
     name = "linear_fwd"
@@ -496,8 +507,7 @@ class LinearForward(GemmFamily):
         block and the psum over the column devices (the sums carry no "n" factor) adds them up:
         then only the blocks' total is defined, which is what the LM head reads."""
         if ctx.sharded("k"):
-            e, sums = exp_row_sums_reference(self.row_parallel_product(ctx, x, w), rest[0] if self.has_bias else None,
-                                             x.dtype)
+            e, sums = exp_row_sums_reference(self.row_parallel_product(ctx, x, w), x.dtype)
         else:
             e, sums = self.run_local(x, w, *rest)
         if ctx.sharded("n"):
@@ -532,10 +542,10 @@ class LinearForward(GemmFamily):
         return (y,) + (jax.ShapeDtypeStruct((1, x.shape[1], n), x.dtype),) * self.store_preact + (sums,) * self.exp_row_sums
 
     def reference(self, x, w, *rest):
+        if self.exp_row_sums:
+            return exp_row_sums_reference(_matmul(x[0], as_kn(w[0], self.kernel_nk)), x.dtype)
         rest = list(rest)
         bias = rest.pop(0) if self.has_bias else None
-        if self.exp_row_sums:
-            return exp_row_sums_reference(_matmul(x[0], as_kn(w[0], self.kernel_nk)), bias, x.dtype)
         residual = rest.pop(0)[0] if self.has_residual else None
         y, z = forward_reference(x[0], as_kn(w[0], self.kernel_nk), bias, residual,
                                  layer_activation(self.activation, self.gated))
@@ -776,27 +786,26 @@ def apply_epilogue(product, bias, residual, activation: str, dtype):
     return y.astype(dtype), z.astype(dtype)
 
 
-def exp_row_sums_reference(product, bias, dtype):
+def exp_row_sums_reference(product, dtype):
     """(exp(min(z, EXP_CLAMP))[None] in ``dtype``, its float32 sums over every ROW_SUM_BLOCK
-    columns [None]) for the float32 product (M, N) = x @ kernel, z = product + bias: what an
-    ``exp_row_sums`` GEMM returns."""
-    e = jnp.exp(jnp.minimum(apply_epilogue(product, bias, None, "none", jnp.float32)[0], EXP_CLAMP))
+    columns [None]) for the product z (M, N) = x @ kernel: what an ``exp_row_sums`` GEMM returns."""
+    e = jnp.exp(jnp.minimum(product.astype(jnp.float32), EXP_CLAMP))
     m, n = e.shape
     blocks = -(-n // ROW_SUM_BLOCK)
     sums = jnp.pad(e, ((0, 0), (0, blocks * ROW_SUM_BLOCK - n))).reshape(m, blocks, ROW_SUM_BLOCK).sum(-1)
     return e.astype(dtype)[None], sums[None]
 
 
-def exp_logits(x, kernel, bias, kernel_nk: bool = False):
-    """(exp(min(x @ kernel + bias, EXP_CLAMP)), its float32 row sums over every ROW_SUM_BLOCK
-    columns) for x (M, K), kernel (K, N) -- (N, K) if ``kernel_nk``: a vocabulary-major table,
-    read as stored --, bias (N,) | None, all x's dtype: one GEMM whose epilogue
-    takes the exponential and sums it (``Epilogue.exp_row_sums``). The values are finite; a row
+def exp_logits(x, kernel, kernel_nk: bool = False):
+    """(exp(min(x @ kernel, EXP_CLAMP)), its float32 row sums over every ROW_SUM_BLOCK columns)
+    for x (M, K), kernel (K, N) -- (N, K) if ``kernel_nk``: a vocabulary-major table, read as
+    stored --, both x's dtype: one GEMM whose epilogue takes the exponential and sums it
+    (``Epilogue.exp_row_sums``; the LM head's logits take no bias). The values are finite; a row
     with logits past EXP_CLAMP, or all far below 0 (sums underflowing), is wrong or imprecise: the
     caller checks the sums (:mod:`cutelayers.ops.lm_head`). Under a sharded N (a vocabulary split)
     only the sums' total over the blocks is defined (``LinearForward.exp_row_sums_per_shard``)."""
-    operands = [x[None], kernel[None]] + ([] if bias is None else [bias])
-    family = LinearForward("none", bias is not None, False, False, kernel_nk=kernel_nk, exp_row_sums=True)
+    operands = [x[None], kernel[None]]
+    family = LinearForward("none", False, False, False, kernel_nk=kernel_nk, exp_row_sums=True)
     e, sums = kernel_call(resolve(family, operands), *operands)
     return e[0], sums[0]
 
@@ -1119,7 +1128,7 @@ def hashable_precision(precision):
 
 def kernels_apply(x_dtype, k: int, n: int) -> tuple[bool, str]:
     """Whether the CuTe kernels handle these dtypes / sizes, and if not, why."""
-    if jnp.dtype(x_dtype) not in KERNEL_DTYPES:
+    if jnp.dtype(x_dtype) not in MIXED_PRECISION_DTYPES:
         return False, f"dtype {jnp.dtype(x_dtype).name} runs as XLA GEMMs; kernels take bfloat16/float16"
     if k % ALIGN_ELEMENTS or n % ALIGN_ELEMENTS:
         return False, f"K={k}, N={n}: kernels need K and N multiples of {ALIGN_ELEMENTS}"

@@ -316,7 +316,7 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
     def exp_chunk(h_c, y_c, kernel) -> ExpChunk:
         """One chunk's exp GEMM (P and its row sums S) and what the exp path reads of it."""
         valid = jnp.ones(y_c.shape, bool) if ignore_index is None else y_c != ignore_index
-        p, sums = exp_logits(h_c, kernel, None, kernel_nk=vocab_major)
+        p, sums = exp_logits(h_c, kernel, kernel_nk=vocab_major)
         s = jnp.sum(sums, axis=-1)
         lse = jnp.log(s)
         rows = jnp.arange(y_c.shape[0])

@@ -36,8 +36,7 @@ import jax
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import check_float_array
 from cutelayers.ops.linear import (
-    ACTIVATION_FUNCTIONS,
-    GATED_ACTIVATIONS,
+    check_activation_name,
     check_kernel_layout,
     check_linear_operands,
     check_param_dtypes,
@@ -140,10 +139,7 @@ def mlp(x, w1, b1=None, w2=None, b2=None, *, activation="gelu", residual=None, p
             raise ValueError(f"{op}: argument 'b2' must have shape ({n},); got {tuple(b2.shape)}")
     f32_params = check_param_dtypes(op, "x", x, w1=w1, b1=b1, w2=w2, b2=b2)
     residual = check_residual(op, residual, x, n)
-    if isinstance(activation, str) and activation not in ACTIVATION_FUNCTIONS and not gated:
-        raise ValueError(f"{op}: unknown activation {activation!r}; allowed: None, "
-                         f"{', '.join(repr(a) for a in (*ACTIVATION_FUNCTIONS, *GATED_ACTIVATIONS) if a != 'none')} "
-                         "or a callable")
+    check_activation_name(op, activation, gated=True)
     fused, unfused = (activation, None) if gated else resolve_activation(activation)
     if unfused is not None:
         h = unfused(fused_linear(x, w1, b1, precision=precision, kernel_layout=kernel_layout))
