@@ -94,6 +94,25 @@ def test_time_fn_rotates_small_operands_over_copies(monkeypatch):
         assert len(buffers) == sets and scales == {3}
 
 
+def test_wall_time_counts_where_a_call_waits_on_the_host():
+    """A call that stops for the host (here a callback that sleeps 20 ms; on a GPU, the LM head's
+    data-dependent loop) takes at least that long in wall time, which the device time of its
+    kernels would leave out."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    from cutelayers.bench.timing import wall_time
+
+    def nap(x):
+        time.sleep(0.02)
+        return x
+
+    fn = jax.jit(lambda x: jax.pure_callback(nap, jax.ShapeDtypeStruct(x.shape, x.dtype), x) + 1.0)
+    assert 0.02 <= wall_time(fn, jnp.ones(8), iters=2, repeats=3) < 1.0
+
+
 def test_call_kernels_gives_each_kernel_its_median(monkeypatch, capsys):
     """One call's kernels in launch order, each the median over the traced calls; nothing where
     the calls launched different kernel counts; the GEMM table of them sums each side."""

@@ -88,6 +88,7 @@ def test_lm_head_benchmark_rows():
     *fused, xla = (float(row["loss"]) for row in rows)
     assert all(abs(loss - xla) <= 1e-2 * abs(xla) for loss in fused)
     assert all(float(row["temp_vs_xla"]) < 1.0 for row in rows[:2]) and rows[2]["time_vs_xla"] == "1.00"
+    assert rows[2]["wall_vs_xla"] == "1.00" and all(float(row["wall_ms"]) > 0 for row in rows)
     fused, xla = bench_lm_head(512, 256, 4096, jnp.bfloat16, kernel_layout="vh")
     assert fused["layout"] == xla["layout"] == "vh"
     assert abs(float(fused["loss"]) - float(xla["loss"])) <= 1e-2 * abs(float(xla["loss"]))

@@ -14,7 +14,9 @@ The kernel is in h's dtype, or in ``param_dtype`` (float32: mixed precision, as 
 "vh" a (V, H) table (Equinox's ``Linear`` weight, a tied embedding), which both heads read as
 stored (XLA's ``h @ table.T``).
 
-Per head: median time of the jitted value_and_grad, and XLA's compile-time memory analysis
+Per head: median time of the jitted value_and_grad -- device time (the kernels' durations) and
+wall time per call (calls back to back: it also counts where the device sits idle inside a call,
+such as the fused head's host sync on its out-of-range loop) --, and XLA's compile-time memory analysis
 (``temp_size_in_bytes``: scratch buffers; arguments and outputs separately), with ratios to the
 XLA head. The memory part needs no GPU: :func:`head_memory` lowers for the default device (on CPU
 the ops' jnp reference, which chunks the same way). With ``device_peak`` also what the device's
@@ -35,7 +37,7 @@ import numpy as np
 import optax
 
 import cutelayers as cl
-from cutelayers.bench.timing import time_fn
+from cutelayers.bench.timing import time_fn, wall_time
 
 F32 = jnp.float32
 GB = 1e9
@@ -145,8 +147,8 @@ def _measure_peak(job: dict) -> dict:
 def bench_lm_head(t: int, h: int, v: int, dtype, chunk_sizes=(None,), param_dtype=None,
                   kernel_layout: str = "hv", device_peak: bool = False) -> list[dict]:
     """One row per head -- the fused head at each of ``chunk_sizes`` (None: the op's default),
-    then XLA's: loss, ms per forward+backward, temp GB and arguments+outputs GB, and the ratios of
-    time and temp memory to the XLA head's, the kernel in ``param_dtype`` (default: ``dtype``),
+    then XLA's: loss, ms per forward+backward (device time, and wall time per call), temp GB and arguments+outputs GB, and the ratios of
+    both times and of temp memory to the XLA head's, the kernel in ``param_dtype`` (default: ``dtype``),
     (H, V) or, for ``kernel_layout`` "vh", (V, H). Runs the kernels (backend "cute"). With
     ``device_peak``: also each head's temporary memory by the device's counter -- its rise of the
     peak over its operands (:func:`device_peak_bytes`) less its outputs -- and its ratio to the
@@ -158,15 +160,17 @@ def bench_lm_head(t: int, h: int, v: int, dtype, chunk_sizes=(None,), param_dtyp
     memory = [memory_stats(fn) for fn in compiled]
     losses = [float(fn(*operands)[0]) for fn in compiled]
     times = [time_fn(fn, *operands) for fn in compiled]
-    xla_time, xla_temp = times[-1], max(memory[-1]["temp"], 1)
+    walls = [wall_time(fn, *operands) for fn in compiled]
+    xla_time, xla_wall, xla_temp = times[-1], walls[-1], max(memory[-1]["temp"], 1)
     rows = []
-    for (head, chunk), mem, loss, seconds in zip(heads, memory, losses, times):
+    for (head, chunk), mem, loss, seconds, wall in zip(heads, memory, losses, times, walls):
         rows.append({"head": head, "chunk": "default" if chunk is None and head == "fused" else chunk or "-",
                          "t": t, "h": h, "v": v, "layout": kernel_layout, "dtype": jnp.dtype(dtype).name,
                          "params": jnp.dtype(param_dtype or dtype).name, "loss": f"{loss:.4f}",
                          "ms": f"{seconds * 1e3:.2f}", "temp_gb": f"{mem['temp'] / GB:.3f}",
                          "args_out_gb": f"{(mem['arguments'] + mem['outputs']) / GB:.3f}",
-                         "time_vs_xla": f"{seconds / xla_time:.2f}", "temp_vs_xla": f"{mem['temp'] / xla_temp:.3f}"})
+                         "time_vs_xla": f"{seconds / xla_time:.2f}", "wall_ms": f"{wall * 1e3:.2f}",
+                         "wall_vs_xla": f"{wall / xla_wall:.2f}", "temp_vs_xla": f"{mem['temp'] / xla_temp:.3f}"})
     if device_peak:
         peaks = [device_peak_bytes(head, t, h, v, dtype, chunk, param_dtype, kernel_layout) for head, chunk in heads]
         temps = [None if peak is None else (peak[0] - mem["outputs"], peak[1]) for peak, mem in zip(peaks, memory)]

@@ -132,6 +132,19 @@ def time_fn(fn, *args, iters: int = 20, repeats: int = 7) -> float:
         return statistics.median(sum(s for _, s in call) for call in per_call)
     if kernels:  # calls that launch differently (never seen): the mean
         return sum(s for _, s in kernels) / iters
+    return _batch_seconds(calls, iters, repeats)
+
+
+def wall_time(fn, *args, iters: int = 10, repeats: int = 5) -> float:
+    """Median wall seconds per call of a jitted ``fn``: batches of ``iters`` asynchronous calls
+    (rotating over :func:`operand_sets`), synchronized per batch. Unlike :func:`time_fn`'s device
+    time it counts the device's idle time inside a call -- where the host waits on the device
+    mid-call (a data-dependent loop's predicate) and launches the rest only then."""
+    return _batch_seconds(_rotating_calls(fn, args, iters), iters, repeats)
+
+
+def _batch_seconds(calls, iters: int, repeats: int) -> float:
+    """Median over ``repeats`` runs of ``calls()`` of its wall seconds per call."""
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
