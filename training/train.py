@@ -389,7 +389,7 @@ def compile_train_step(loss_fn, tx, params, opt_state, inputs, targets) -> Compi
     with cl.parallel_compiles():
         lowered = jax.jit(flat_step, donate_argnums=0, out_shardings=out_shardings).lower(
             tuple(leaves), inputs, targets)
-    compiled = lowered.compile()
+    compiled = lowered.compile(compiler_options=cl.COMPILER_OPTIONS)
     text = compiled.as_text()
     return CompiledStep(run=compiled, treedef=treedef, kernel_calls=count_kernel_calls(text),
                         seconds=time.perf_counter() - t0, hlo_text=text)
@@ -804,7 +804,7 @@ def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
         del params, opt_state  # donated to the first step: only `leaves` may be used from here
         eval_loss = jax.jit(lambda leaves, x, y: model.loss(step_fn.unflatten(leaves)[0], x, y))
         if eval_set:  # compiled now, so that the library's notes on it join the train step's in one line
-            eval_loss = eval_loss.lower(leaves, *eval_set[0]).compile()
+            eval_loss = eval_loss.lower(leaves, *eval_set[0]).compile(compiler_options=cl.COMPILER_OPTIONS)
         for line in filter(None, [notes.take()]):
             say(line)
 
