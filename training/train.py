@@ -368,10 +368,12 @@ class CompiledStep:
         return jax.tree.unflatten(self.treedef, leaves)
 
 
-def compile_train_step(loss_fn, tx, params, opt_state, inputs, targets) -> CompiledStep:
+def compile_train_step(loss_fn, tx, params, opt_state, inputs, targets,
+                       compiler_options: dict | None = None) -> CompiledStep:
     """Lower and compile the step for these arguments' shapes and shardings (ahead of time: the
     compiled program says which path runs). The state comes back in the shardings it came in;
-    the loss and gradient norm replicated.
+    the loss and gradient norm replicated. ``compiler_options``: XLA's, default
+    ``cl.COMPILER_OPTIONS`` (``{}``: XLA's defaults).
 
     The CuTe kernels the step needs compile in worker processes while it lowers
     (``cutelayers.parallel_compiles``); all are registered when the block ends, before XLA
@@ -389,7 +391,7 @@ def compile_train_step(loss_fn, tx, params, opt_state, inputs, targets) -> Compi
     with cl.parallel_compiles():
         lowered = jax.jit(flat_step, donate_argnums=0, out_shardings=out_shardings).lower(
             tuple(leaves), inputs, targets)
-    compiled = lowered.compile(compiler_options=cl.COMPILER_OPTIONS)
+    compiled = lowered.compile(compiler_options=cl.COMPILER_OPTIONS if compiler_options is None else compiler_options)
     text = compiled.as_text()
     return CompiledStep(run=compiled, treedef=treedef, kernel_calls=count_kernel_calls(text),
                         seconds=time.perf_counter() - t0, hlo_text=text)

@@ -75,8 +75,10 @@ def head_specs(t: int, h: int, v: int, dtype, param_dtype=None,
 
 def compile_head(head: str, args, chunk_size: int | None = None, kernel_layout: str = "hv"):
     """One head's value_and_grad compiled for ``args`` (arrays or ShapeDtypeStructs), lowered
-    under the current cutelayers backend for the default device, with ``cl.COMPILER_OPTIONS``."""
-    return loss_and_grads(head, chunk_size, kernel_layout).lower(*args).compile(compiler_options=cl.COMPILER_OPTIONS)
+    under the current cutelayers backend for the default device, with XLA's default options: the
+    device time is traced kernels, and kernels inside a command buffer's loop (what
+    ``cl.COMPILER_OPTIONS`` makes of the fused head's loops) are not all traced."""
+    return loss_and_grads(head, chunk_size, kernel_layout).lower(*args).compile()
 
 
 def memory_stats(compiled) -> dict[str, int]:
