@@ -162,7 +162,7 @@ def test_mean_gradient_is_not_scaled_in_a_pass_of_its_own(ignore_index):
     # backward's scale is the loss's own cotangent, the constant 1 of value_and_grad, which XLA
     # drops -- no multiply over the (H, V) gradient in the compiled program (here XLA's CPU one:
     # the same custom_vjp around the reference path)
-    t, hidden, vocab = 512, 96, 1024  # hidden != FIX_ROWS: the fix loop has (64, V) arrays
+    t, hidden, vocab = 512, 96, 1024
     S = jax.ShapeDtypeStruct
     grad = jax.jit(jax.value_and_grad(lambda h, w, labels: linear_cross_entropy(
         h, w, labels, ignore_index=ignore_index, chunk_size=128), (0, 1)))
@@ -176,9 +176,9 @@ def test_mean_gradient_is_not_scaled_in_a_pass_of_its_own(ignore_index):
 def test_exp_path_with_rows_out_of_its_range(reduction, z_loss, layout, rng):
     # bf16 heads (either kernel layout) without bias, smoothing or soft cap take the exp path (P =
     # exp(logits), module docstring). Rows it cannot hold -- logits past its clamp (scaled h), a
-    # label whose exp underflows, an ignored such row -- get weight 0 there and their exact
-    # gradients from the fix loop; with the reference lowering here, the same decomposition as on
-    # the GPU
+    # label whose exp underflows, an ignored such row -- take the exp GEMM's second passes (their
+    # max logit as the shift); with the reference lowering here, the same decomposition as on the
+    # GPU
     lead, hidden, vocab, ignore_index = (3, 50), 32, 200, -100
     h, kernel, _, labels = head_operands(rng, lead, hidden, vocab, jnp.bfloat16, ignore_index)
     # rows scaled to set logits: the largest |logit| of (0, 5) and (0, 20) to 400, the smallest
@@ -197,7 +197,7 @@ def test_exp_path_with_rows_out_of_its_range(reduction, z_loss, layout, rng):
         ours, ref = weighted_sum(ours, weights), weighted_sum(ref, weights)
     value, grads = check_value_and_grads(ours, ref, (h, kernel), None)
     assert jnp.isfinite(value) and all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
-    # and the ordinary rows alone: no row takes the fix loop
+    # and the ordinary rows alone: no row is flagged
     keep = jnp.ones(lead, bool).at[0, 5].set(False).at[0, 20].set(False).at[2, 9].set(False)
     check_value_and_grads(ours, ref, (jnp.where(keep[..., None], h, 0.1), kernel), None)
 
@@ -216,9 +216,9 @@ def test_compiler_options_keep_xla_defaults_and_add_loops():
         loop.lower(jnp.ones(3)).compile(compiler_options={"xla_gpu_enable_command_buffer": "LOOPS"})
 
 
-def test_exp_path_fix_loop_over_several_blocks(rng):
-    # 90 of 150 tokens out of the exp path's range: the fix loop takes them FIX_ROWS at a time,
-    # the last block padded (its extra rows change nothing)
+def test_exp_path_with_most_rows_out_of_its_range(rng):
+    # 90 of 150 tokens out of the exp path's range, in every chunk: the second passes shift them
+    # all, the other rows' P as the first pass gave it
     lead, hidden, vocab = (150,), 32, 200
     h, kernel, _, labels = head_operands(rng, lead, hidden, vocab, jnp.bfloat16)
     h = h.at[::5].multiply(300.0).at[1::5].multiply(300.0).at[2::5].multiply(300.0)
@@ -227,11 +227,11 @@ def test_exp_path_fix_loop_over_several_blocks(rng):
 
 def test_exp_path_label_outside_the_vocabulary_is_nan(rng):
     # as on the cross-entropy path (test_argument_errors): under jit a label outside [0, V) cannot
-    # be checked, and the loss comes out NaN -- the exp path (differentiated) sends that row to
-    # the exact loop, whose reference makes it so
+    # be checked, and the loss comes out NaN -- and the gradients, on the exp path too
     h, kernel, _, labels = head_operands(rng, (40,), 32, 200, jnp.bfloat16)
     total = jax.jit(jax.value_and_grad(lambda h, y: linear_cross_entropy(h, kernel, y, reduction="sum")))
     assert np.isfinite(total(h, labels)[0]) and np.isnan(total(h, labels.at[7].set(200))[0])
+    assert np.all(np.isnan(total(h, labels.at[7].set(200))[1][7]))
 
 
 @pytest.mark.gpu
@@ -438,9 +438,10 @@ def test_strided_chunks_never_copy_h_whole():
 def test_lowers_to_the_kernels_for_cuda(reduction):
     """Every chunk's GEMMs are our kernels, and a bfloat16 head without bias runs the exp path:
     one GEMM per chunk gives exp(logits) and their row sums (two results), and no cross-entropy
-    pass runs. A mean or sum computes the gradients in the forward; per-token losses recompute
-    the exp GEMM in the backward; the exact path's loop over out-of-range rows adds one more
-    dkernel GEMM. With a bias, the cross-entropy kernels instead."""
+    pass runs; two more launches of it per chunk run the tiles of the rows out of its range, in
+    place, and the program has no loop whose trip count depends on the data (the host would wait
+    for the device). A mean or sum computes the gradients in the forward; per-token losses
+    recompute the exp GEMM in the backward. With a bias, the cross-entropy kernels instead."""
     tokens, hidden, vocab, chunk = 4096, 128, 1024, 512
     S = jax.ShapeDtypeStruct
     avals = (S((tokens, hidden), jnp.bfloat16), S((hidden, vocab), jnp.bfloat16), S((tokens,), jnp.int32))
@@ -455,10 +456,17 @@ def test_lowers_to_the_kernels_for_cuda(reduction):
     # The loops that sum gradients run their first chunk before the loop over the others (the
     # sums start from it): their calls are in the program twice.
     exp_gemms = 2 + (reduction == "none")  # per-token losses: the forward's loop, then the backward's
-    assert calls == {"linear_fwd": exp_gemms, "linear_dkernel": 2 + 1, "linear_dx": 2}, calls
+    assert calls == {"linear_fwd": exp_gemms, "linear_exp_fix": 2 * exp_gemms, "linear_dkernel": 2,
+                     "linear_dx": 2}, calls
     forwards = [line for line in hlo.splitlines() if "@cutelayers_linear_fwd" in line]
     assert all(f"-> (tensor<1x{chunk}x{vocab}xbf16>, tensor<1x{chunk}x{vocab // 64}xf32>)" in line
                for line in forwards), forwards
+    # the second passes write exp(logits) in place of the first's
+    fixes = [line for line in hlo.splitlines() if "@cutelayers_linear_exp_fix" in line]
+    assert all("output_operand_aliases" in line and f"-> (tensor<1x{chunk}x{vocab}xbf16>" in line
+               for line in fixes), fixes
+    # the loops: the chunks' scans, one for a total, forward and backward for per-token losses
+    assert hlo.count("stablehlo.while") == 1 + (reduction == "none")
     # with a bias: the logits GEMM and the cross-entropy kernels (the loss and its gradient in one
     # pass for a total; forward, then the backward recomputing the logits, for per-token losses)
     biased = collections.Counter(kernel_targets(lower_cuda(jax.value_and_grad(loss, (0, 1, 3)), *avals,
@@ -472,20 +480,18 @@ def test_lowers_to_the_kernels_for_cuda(reduction):
     # result, to which each later chunk's GEMM adds its own in the float32 carry it aliases; no
     # (H, V) zeros are made and no (H, V) add runs per chunk, and one cast gives the gradient its
     # dtype at the end
-    first, running, *fixing = [line for line in hlo.splitlines() if "@cutelayers_linear_dkernel" in line]
+    first, running = [line for line in hlo.splitlines() if "@cutelayers_linear_dkernel" in line]
     out = f"tensor<1x{hidden}x{vocab}xf32>"
     assert first.endswith(f"xbf16>) -> {out}") and "output_operand_aliases" not in first
     assert running.endswith(f"{out}) -> {out}") and "output_operand_aliases" in running
-    # the exp path's fix loop adds its rows' gradient into the same sum, in place
-    assert len(fixing) == 1 and "output_operand_aliases" in fixing[0]
     # the only scalar spread over (H, V) is a total's gradient scale (there are no zeros)
     scalar_fills = re.findall(rf"broadcast_in_dim %\w+, dims = \[\] : \(tensor<f32>\) -> tensor<(1x)?{hidden}x{vocab}xf32>",
                               hlo)
     assert len(scalar_fills) == (reduction != "none")
     assert not re.findall(rf"stablehlo\.add .*tensor<(1x)?{hidden}x{vocab}x", hlo)
     assert len(re.findall(rf"stablehlo\.convert .*tensor<{hidden}x{vocab}xf32>\) ->", hlo)) == 1
-    # without differentiation: the exp GEMM only
-    assert collections.Counter(kernel_targets(lower_cuda(loss, *avals))) == {"linear_fwd": 1}
+    # without differentiation: the exp GEMM and its passes only
+    assert collections.Counter(kernel_targets(lower_cuda(loss, *avals))) == {"linear_fwd": 1, "linear_exp_fix": 2}
     assert f"{tokens}x{vocab}x" not in hlo
     # a float32 kernel: cast to bfloat16 for the GEMMs (again in the backward that recomputes the
     # logits), and its gradient is the float32 sum as it is: no convert of an (H, V) gradient
@@ -509,9 +515,9 @@ def test_vocab_major_exp_path_lowers_to_the_kernels_for_cuda():
 
     hlo = lower_cuda(jax.value_and_grad(loss, (0, 1)), *avals)
     calls = collections.Counter(kernel_targets(hlo))
-    # per chunk (the first one before the loop): the exp GEMM and dh, both linear_fwd; the
-    # dkernel GEMMs, and the fix loop's
-    assert calls == {"linear_fwd": 2 + 2, "linear_dkernel": 2 + 1}, calls
+    # per chunk (the first one before the loop): the exp GEMM and dh, both linear_fwd, the exp
+    # GEMM's two passes over rows out of its range, and the dkernel GEMMs
+    assert calls == {"linear_fwd": 2 + 2, "linear_exp_fix": 2 * 2, "linear_dkernel": 2}, calls
     forwards = [line for line in hlo.splitlines() if "@cutelayers_linear_fwd" in line]
     exp_gemms = [line for line in forwards if f"tensor<1x{chunk}x{vocab // 64}xf32>" in line]
     assert len(exp_gemms) == 2 and all(f"tensor<1x{vocab}x{hidden}xbf16>" in line for line in exp_gemms), forwards

@@ -41,10 +41,12 @@ def test_float32_params_head_keeps_no_float32_gradient_scratch():
     # mixed precision: the fused head's float32 dkernel sum is the gradient (an output), so its
     # scratch holds the kernel's bfloat16 copy (2 bytes a weight) where the same head with
     # bfloat16 parameters holds the float32 sum (4 bytes a weight); XLA's buffer assignment moves
-    # the rest by a few percent, hence the margin of one byte a weight
-    t, h, v = 1024, 256, 16384
-    mixed = head_memory(t, h, v, jnp.bfloat16, chunk_size=256, param_dtype=F32)
-    plain = head_memory(t, h, v, jnp.bfloat16, chunk_size=256)
+    # the rest by a few percent, hence the margin of one byte a weight. Small chunks: the peak is
+    # then where the (H, V) buffers compared are live, not in a chunk's float32 logits (here the
+    # reference lowering's, of the exp GEMM and its passes over rows out of range)
+    t, h, v = 1024, 512, 16384
+    mixed = head_memory(t, h, v, jnp.bfloat16, chunk_size=64, param_dtype=F32)
+    plain = head_memory(t, h, v, jnp.bfloat16, chunk_size=64)
     assert mixed["fused"]["outputs"] == mixed["xla"]["outputs"] >= h * v * 4
     assert mixed["fused"]["temp"] <= plain["fused"]["temp"] - h * v
 

@@ -42,6 +42,7 @@ from cutelayers.ops.linear import (
     LinearInputGrad,
     LinearWeightGrad,
     exp_logits,
+    exp_logits_fix,
     fused_linear,
     input_grad_fn,
     kernels_apply,
@@ -632,6 +633,92 @@ def test_lowering_exp_logits(fresh_cache):
     hlo = lower_cuda(exp_logits, S((300, 128), jnp.bfloat16), S((128, 1000), jnp.bfloat16))
     (call,) = [line for line in hlo.splitlines() if "stablehlo.custom_call @cutelayers_linear_fwd" in line]
     assert "-> (tensor<1x300x1000xbf16>, tensor<1x300x16xf32>)" in call, call
+
+
+def exp_fix_expected(x, w, e, flags, labels, shift):
+    """What :func:`exp_logits_fix` gives on its flagged rows, in float64: (e, sums, block max,
+    label entries), e being the given e on the other rows."""
+    z = np.asarray(x, np.float64) @ np.asarray(w, np.float64) - np.asarray(shift, np.float64)[:, None]
+    m, n = z.shape
+    blocks = -(-n // 64)
+    new = np.exp(np.minimum(z, 80.0))
+    padded = np.pad(z, ((0, 0), (0, blocks * 64 - n)), constant_values=-np.inf).reshape(m, blocks, 64)
+    at_label = np.where(np.arange(n)[None] == np.asarray(labels)[:, None], z, -np.inf)
+    return (np.where(np.asarray(flags)[:, None] != 0, new, np.asarray(e, np.float64)),
+            np.pad(new, ((0, 0), (0, blocks * 64 - n))).reshape(m, blocks, 64).sum(-1), padded.max(-1),
+            np.pad(at_label, ((0, 0), (0, blocks * 64 - n)), constant_values=-np.inf).reshape(m, blocks, 64).max(-1))
+
+
+def exp_fix_operands(rng, m, k, n, flagged):
+    """x, w (logits of about +-3, the flagged rows' times 60: past the clamp), a first pass's e
+    (7.0 everywhere: a row no pass wrote keeps it), flags at the rows ``flagged``, labels (-1 in
+    every fifth row: no column), the flagged rows' max logit as their shift (0 for the others)."""
+    x = random(rng, (m, k), jnp.float32)
+    x = x.at[jnp.asarray(flagged)].multiply(60.0).astype(jnp.bfloat16)
+    w = jnp.asarray(random(rng, (k, n), jnp.float32) * 3.0 / k**0.5, jnp.bfloat16)
+    flags = jnp.zeros(m, jnp.int32).at[jnp.asarray(flagged)].set(1)
+    labels = jnp.asarray(rng.integers(0, n, m), jnp.int32).at[::5].set(-1)
+    z = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    shift = jnp.asarray(np.where(np.asarray(flags) != 0, z.max(axis=1), 0.0), jnp.float32)
+    return x, w, jnp.full((m, n), 7.0, jnp.bfloat16), flags, labels, shift
+
+
+def check_exp_fix(results, x, w, e, flags, labels, shift, whole_tiles: bool):
+    """The flagged rows' results against float64; the others' e is the given e, or (``whole_tiles``:
+    the kernel runs whole tiles) that or their own pass's."""
+    want = exp_fix_expected(x, w, e, flags, labels, shift)
+    got = [np.asarray(r, np.float64) for r in results]
+    rows = np.flatnonzero(np.asarray(flags))
+    assert_close(got[0][rows], want[0][rows], jnp.bfloat16)
+    assert_close(got[1][rows], want[1][rows], jnp.float32, scale=100.0)
+    for i in (2, 3):  # the blocks' max and label entries: the float32 accumulators, shifted
+        finite = np.isfinite(want[i][rows])
+        np.testing.assert_array_equal(np.isfinite(got[i][rows]), finite)
+        np.testing.assert_allclose(got[i][rows][finite], want[i][rows][finite], rtol=1e-4, atol=1e-2)
+    others = np.flatnonzero(np.asarray(flags) == 0)
+    kept = np.all(got[0][others] == 7.0, axis=1)
+    if whole_tiles:
+        passed = np.exp(np.minimum(np.asarray(x, np.float64)[others] @ np.asarray(w, np.float64), 80.0))
+        redone = np.all(np.abs(got[0][others] - passed) <= 2**-7 * np.abs(passed) + 1e-30, axis=1)
+        assert np.all(kept | redone), others[~(kept | redone)]
+    else:
+        assert np.all(kept), others[~kept]
+
+
+def test_exp_logits_fix_reference(rng):
+    # the second pass over flagged rows, as the reference computes it where the kernel cannot run
+    operands = exp_fix_operands(rng, 37, 64, 200, [0, 17, 36])
+    results = jax.jit(exp_logits_fix)(*operands)
+    assert [r.dtype for r in results] == [jnp.bfloat16] + [jnp.float32] * 3
+    assert [r.shape for r in results] == [(37, 200)] + [(37, 4)] * 3
+    check_exp_fix(results, *operands, whole_tiles=False)
+
+
+@pytest.mark.cute
+def test_lowering_exp_logits_fix(fresh_cache):
+    # one GEMM writing e in place of its operand, and three (M, ceil(N / 64)) float32 results
+    S = jax.ShapeDtypeStruct
+    hlo = lower_cuda(exp_logits_fix, S((300, 128), jnp.bfloat16), S((128, 1000), jnp.bfloat16),
+                     S((300, 1000), jnp.bfloat16), S((300,), jnp.int32), S((300,), jnp.int32), S((300,), jnp.float32))
+    (call,) = [line for line in hlo.splitlines() if "stablehlo.custom_call @cutelayers_linear_exp_fix" in line]
+    assert "output_operand_aliases" in call
+    assert "-> (tensor<1x300x1000xbf16>, tensor<1x300x16xf32>, tensor<1x300x16xf32>, tensor<1x300x16xf32>)" in call
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,kernel_nk", [(1000, 256, 1000, False), (1000, 256, 1000, True),
+                                             (333, 768, 50304, False), (4096, 128, 4104, True)])
+def test_exp_logits_fix_gpu(m, k, n, kernel_nk, rng):
+    # the kernel against float64 on its flagged rows -- in the first tile, mid-tile, the last row,
+    # at a GPT-2 vocabulary and past a last tile reaching over N by whole blocks -- with either
+    # kernel layout; a row in no flagged tile keeps the given e; none flagged: e as given
+    x, w, e, flags, labels, shift = exp_fix_operands(rng, m, k, n, [0, m // 2 + 3, m - 1])
+    fix = jax.jit(functools.partial(exp_logits_fix, kernel_nk=kernel_nk))
+    table = w.T if kernel_nk else w
+    with cl.use_backend("cute"):
+        check_exp_fix(fix(x, table, e, flags, labels, shift), x, w, e, flags, labels, shift, whole_tiles=True)
+        unflagged = fix(x, table, e, jnp.zeros_like(flags), labels, shift)
+    np.testing.assert_array_equal(np.asarray(unflagged[0], np.float32), 7.0)
 
 
 @pytest.mark.cute

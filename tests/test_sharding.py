@@ -231,7 +231,7 @@ def test_lm_head_total_sharded_matches_one_device(mode, with_bias, rng):
     """A mean / sum LM head computes its gradients in the forward, carrying the total over the
     chunks: per shard in shard_map (a sum, summed over the shards with psum) and under sharded jit
     (a mean), its value and gradients are one device's -- with a bias (the cross-entropy pass) and
-    without (the exp path, its fix loop included: one token's logits out of its range)."""
+    without (the exp path, its second passes included: one token's logits out of its range)."""
     reduction = "sum" if mode == "shard_map" else "mean"
     mesh = make_mesh((4,), ("data",), "Auto" if mode == "shard_map" else mode)
     dtype = jnp.float16 if with_bias else jnp.bfloat16  # the exp path takes bfloat16
@@ -351,6 +351,13 @@ CLASS_SHARDED = {
         lambda h, w, labels: cl.ops.linear_cross_entropy(h, w, labels, ignore_index=-1, chunk_size=8),
         lambda r, d: (_x(r, d, 32), random(r, (32, 64), d) / 6, _labels(r, 64)),
         (ROWS, P(None, "model"), ROWS), (0, 1), jnp.bfloat16),
+    # and with rows out of its range (logits past its clamp, and a row's all far below 0): their
+    # second passes find each row's max logit and its label's over the devices' columns
+    "linear_cross_entropy_exp_path_out_of_range": (
+        lambda h, w, labels: cl.ops.linear_cross_entropy(h, w, labels, ignore_index=-1, chunk_size=8),
+        lambda r, d: (_x(r, d, 32).at[1, 2].multiply(300.0).at[5, 0].multiply(300.0).at[6, 3].set(
+            -jnp.sum(random(r, (32, 64), d) / 6, axis=1) * 40.0), random(r, (32, 64), d) / 6, _labels(r, 64)),
+        (ROWS, P(None, "model"), ROWS), (0, 1), jnp.bfloat16),
 }
 
 
@@ -369,10 +376,10 @@ def test_class_sharded_cross_entropy_matches_one_device(name, rng):
     compiled = step.lower(fn, sharded, wrt, cotangent).compile()
     assert_step_matches(compiled(sharded, cotangent), ref, dtype)
     found = collectives(compiled.as_text())
-    # the exp path's fix loop orders the out-of-range tokens over all of them: it gathers one
-    # flag or index per token, nothing larger
+    # the exp path's read of each label's P and its scatter-add into them gather their (row,
+    # label) index pairs over the rows' devices: two integers per token of a chunk, nothing larger
     gathered = [c for c in found if c[0] in FORBIDDEN]
-    if name.endswith("exp_path"):
+    if "exp_path" in name:
         gathered = [c for c in gathered if c[0] != "all-gather" or max(c[1]) > BATCH * SEQ]
     assert not gathered, found
     tokens_per_device = BATCH * SEQ // 2

@@ -7,7 +7,9 @@ The kernel computes, for every batch index ``l``::
     preact       = z                                                       stored only if asked
 
 or, with ``Epilogue.exp_row_sums`` (the LM head's logits), ``c = exp(z)`` and per row the sum of
-``exp(z)`` over each ``ROW_SUM_BLOCK`` columns, float32 (see :meth:`HopperGemmKernel.exp_row_sums`).
+``exp(z)`` over each ``ROW_SUM_BLOCK`` columns, float32 (see :meth:`HopperGemmKernel.exp_row_sums`);
+with ``Epilogue.exp_fix_rows`` too, the same over the tiles of flagged rows only, shifted per row
+(:meth:`HopperGemmKernel.skip_unflagged`).
 
 ``a`` is (M, K, L) and ``b`` (N, K, L); each may be K-major or M/N-major (a transposed view of a
 row-major buffer: the op passes ``modes`` to the primitive instead of transposing), which is how
@@ -127,6 +129,12 @@ class Epilogue:
     # its denominator's parts. Excludes bias (the LM head's logits have none), activation,
     # residual, stored preact, grad_of and gated.
     exp_row_sums: bool = False
+    # With exp_row_sums, the LM head's second pass over its rows out of the exponential's range
+    # (:meth:`HopperGemmKernel.next_flagged`): only the tiles holding a flagged row run, and
+    # c = exp(min(z - shift[m], EXP_CLAMP)) is written over the first pass's c (given as an
+    # operand, in place); per row and ROW_SUM_BLOCK columns also the block's max of z - shift[m]
+    # and its entry at the row's label column (-inf elsewhere), float32 (M, blocks, L) each.
+    exp_fix_rows: bool = False
 
     def __post_init__(self):
         for name in (self.activation, self.grad_of):
@@ -146,6 +154,8 @@ class Epilogue:
                 got = ", ".join(f"{name}={getattr(self, name)!r}" for name, given in extra.items() if given)
                 raise ValueError("exp_row_sums=True takes no bias, activation, residual, stored preact or gating "
                                  f"(c = exp(A @ Bᵀ) only); got it with {got}")
+        if self.exp_fix_rows and not self.exp_row_sums:
+            raise ValueError("exp_fix_rows=True is a pass of the exp epilogue: it takes exp_row_sums=True")
 
     @property
     def has_source(self) -> bool:
@@ -444,9 +454,12 @@ class HopperGemmKernel:
     """C = epilogue(A @ Bᵀ) on Hopper: persistent, warp-specialized TMA + wgmma, fp32 accumulation.
 
     Launcher ``(stream, a, b, [bias], [residual | preact_in], [sums], [flags], c, [preact],
-    [workspace], [row_sums])``, which optional tensors are present being fixed by ``epilogue`` (and flags and
-    workspace by stream-K without ``accumulate``), each of a, b and c being ``planes.count``
-    tensors where :class:`Planes` splits it:
+    [workspace], [row_sums])``, which optional tensors are present being fixed by ``epilogue`` (and
+    flags and workspace by stream-K without ``accumulate``), each of a, b and c being
+    ``planes.count`` tensors where :class:`Planes` splits it; with ``Epilogue.exp_fix_rows``
+    ``(stream, a, b, c, row flags, labels, shifts, row_sums, block max, label entries)``: c
+    written in place, the row vectors (M, 1, 1) int32 / int32 / float32, the block results
+    shaped as row_sums.
 
     * a: (M, K, L), b: (N, K, L): bfloat16 or float16 (same dtype), any one of the two modes
       M/N or K contiguous; M, K and L may be symbolic, N static, every contiguous extent a
@@ -529,10 +542,17 @@ class HopperGemmKernel:
         source = rest.pop(0) if const_expr(epilogue.has_source) else None
         sums = rest.pop(0) if const_expr(self.sums is not None) else None
         flags = rest.pop(0) if const_expr(self.fixup) else None
-        c_in = take(planes.c)
+        fix_rows = None
+        if const_expr(epilogue.exp_fix_rows):
+            c_in = rest.pop(0)  # the first pass's c, written in place
+            fix_rows = tuple(rest.pop(0) for _ in range(3))  # the rows' flags, labels and shifts
+        else:
+            c_in = take(planes.c)
         preact = rest.pop(0) if const_expr(epilogue.store_preact) else None
         workspace = rest.pop(0) if const_expr(self.fixup) else None
         row_sums = rest.pop(0) if const_expr(epilogue.exp_row_sums) else None
+        if const_expr(epilogue.exp_fix_rows):
+            fix_rows = fix_rows + (rest.pop(0), rest.pop(0))  # + the blocks' max and label entries
         a, b, c = (x[0] if const_expr(isinstance(x, tuple)) else x for x in (a_in, b_in, c_in))
         summed = {None: None, "a": a_in, "b": b_in}[self.sums]  # the operand the summing warps read
         # The tiles' N: c's columns, or for a gated layer (whose tile covers another width of c)
@@ -636,7 +656,7 @@ class HopperGemmKernel:
         self.kernel(
             tiled_mma, tma_a, tma_tensor_a, tma_a_rows, tma_tensor_a_rows, tma_b, tma_tensor_b,
             tma_c, tma_tensor_c, tma_z, tma_tensor_z, tma_s, tma_tensor_s, bias, sums, summed, flags,
-            workspace, row_sums, a_smem, b_smem, epi_smem, source_smem, epi_tile, schedule,
+            workspace, row_sums, fix_rows, a_smem, b_smem, epi_smem, source_smem, epi_tile, schedule,
             (c.shape[0], c_n, batches),
         ).launch(
             grid=grid,
@@ -698,6 +718,7 @@ class HopperGemmKernel:
         flags,  # stream-K's workspace: its ready flags and partial tiles (``fix_up``), or None
         workspace,
         row_sums,  # exp_row_sums' (M, N / ROW_SUM_BLOCK, L) float32 result, or None
+        fix_rows,  # exp_fix_rows' (flags, labels, shifts, block max, label entries), or None
         a_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
         epi_smem: cute.ComposedLayout,
@@ -789,6 +810,8 @@ class HopperGemmKernel:
                 b_mask = cute.make_layout_image_mask(cluster_layout, cluster_coord, mode=0)
                 producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 work = scheduler.initial_work_tile_info()
+                if const_expr(fix_rows is not None):
+                    scheduler, work = self.skip_unflagged(scheduler, work, fix_rows[0], c_shape[0])
                 while work.is_valid_tile:
                     m, n, batch, k0, k_count = self.work_unit(work.tile_idx, tile_steps)
                     for kk in cutlass.range(k_count, unroll=1):
@@ -811,8 +834,7 @@ class HopperGemmKernel:
                                        b_mask if const_expr(config.cluster_m > 1) else 0)
                         loads.producer_commit(producer)
                         producer.advance()
-                    scheduler.advance_to_next_work()
-                    work = scheduler.get_current_work()
+                    scheduler, work = self.next_work(scheduler, fix_rows, c_shape[0], 1)
                 # Keep this CTA alive until every partner has released the stages it fed.
                 loads.producer_tail(producer)
             if const_expr(self.sums is not None):
@@ -854,11 +876,16 @@ class HopperGemmKernel:
             stores_per_tile = self.out_tiles(epi_tile) + (self.epi_tiles(epi_tile) if const_expr(epilogue.store_preact) else 0)
             tiles_done = Int32(0)
             work = scheduler.initial_work_tile_info()
+            if const_expr(fix_rows is not None):
+                scheduler, work = self.skip_unflagged(scheduler, work, fix_rows[0], c_shape[0])
             if const_expr(config.pingpong):
                 # Warpgroup 1 takes the odd tiles: it starts one tile (and its stages) later, and
                 # lets warpgroup 0 take the first mainloop turn.
-                scheduler.advance_to_next_work(advance_count=group)
-                work = scheduler.get_current_work()
+                if const_expr(fix_rows is None):
+                    scheduler.advance_to_next_work(advance_count=group)
+                    work = scheduler.get_current_work()
+                elif group == 1:
+                    scheduler, work = self.next_work(scheduler, fix_rows, c_shape[0], 1)
                 consumer.advance(tile_steps * group)
                 released.advance(tile_steps * group)
                 if group == 1:
@@ -928,19 +955,65 @@ class HopperGemmKernel:
                 if owns:
                     source_loaded, source_read = self.epilogue_tile(
                         acc, tile_coords_c, tile_idx, ring, sources, group, source_loaded, source_read, tma_c,
-                        tma_tensor_c, tma_z, tma_tensor_z, tma_s, tma_tensor_s, bias, row_sums, c_shape,
+                        tma_tensor_c, tma_z, tma_tensor_z, tma_s, tma_tensor_s, bias, row_sums, fix_rows, c_shape,
                         epi_tile, stores, store_warp, inside, tiles_done * stores_per_tile, gtidx)
                     tiles_done += 1
                 if const_expr(config.pingpong):
                     # Past the other warpgroup's next tile and its stages.
-                    scheduler.advance_to_next_work(advance_count=2)
                     consumer.advance(tile_steps)
                     released.advance(tile_steps)
+                    scheduler, work = self.next_work(scheduler, fix_rows, c_shape[0], 2)
                 else:
-                    scheduler.advance_to_next_work()
-                work = scheduler.get_current_work()
+                    scheduler, work = self.next_work(scheduler, fix_rows, c_shape[0], 1)
             if store_warp:
                 stores.producer_tail()
+
+    @cute.jit
+    def next_work(self, scheduler, fix_rows, rows, count: cutlass.Constexpr):
+        """(scheduler, its work) ``count`` works on in this CTA's sequence; with ``fix_rows``
+        (exp_fix_rows) counting only the tiles :meth:`skip_unflagged` keeps, which the producer
+        and every consumer warpgroup then walk alike."""
+        if const_expr(fix_rows is None):
+            if const_expr(count == 1):  # stream-K's and split-K's schedulers step one at a time
+                scheduler.advance_to_next_work()
+            else:
+                scheduler.advance_to_next_work(advance_count=count)
+            work = scheduler.get_current_work()
+        else:
+            for _ in cutlass.range_constexpr(count):
+                scheduler.advance_to_next_work()
+                work = scheduler.get_current_work()
+                scheduler, work = self.skip_unflagged(scheduler, work, fix_rows[0], rows)
+        return scheduler, work
+
+    @cute.jit
+    def skip_unflagged(self, scheduler, work, flags, rows):
+        """(scheduler, its work) moved on from ``work`` to the first tile, ``work``'s own
+        included, that holds a row whose int32 ``flags`` (M, 1, 1) entry is not 0 (or past the
+        last tile): exp_fix_rows' pass runs only those. When no row is flagged every CTA walks its
+        tiles' flags and exits, a few microseconds."""
+        searching = work.is_valid_tile & self.no_flagged_row(work, flags, rows)
+        while searching:
+            scheduler.advance_to_next_work()
+            work = scheduler.get_current_work()
+            searching = work.is_valid_tile & self.no_flagged_row(work, flags, rows)
+        return scheduler, work
+
+    @cute.jit
+    def no_flagged_row(self, work, flags, rows):
+        """Whether no row of ``work``'s tile is flagged -- of the tiles of its cluster along M,
+        which share B's multicast loads and so must run or skip together. A warp's vote: every
+        lane of the warp calls it. ``rows`` (M) >= 1."""
+        config = self.config
+        m = work.tile_idx[0]
+        if const_expr(config.cluster_m > 1):
+            m = m - m % config.cluster_m
+        lane = cute.arch.lane_idx()
+        found = Int32(0)
+        for j in cutlass.range_constexpr(config.tile_m * config.cluster_m // 32):
+            row = m * config.tile_m + lane + 32 * j
+            found = found | cutlass.select_(row < rows, flags[(cutlass.min(row, rows - 1), 0, 0)], Int32(0))
+        return cute.arch.vote_all_sync(found == Int32(0))
 
     @cute.jit
     def mma_k_tile(self, tiled_mma, acc, frag_a, frag_b, k_blocks: cutlass.Constexpr, loads, consumer, released,
@@ -1282,7 +1355,7 @@ class HopperGemmKernel:
 
     @cute.jit
     def epilogue_tile(self, acc, tile_coords_c, tile_idx, ring, sources, group, source_loaded, source_read,
-                      tma_c, tma_tensor_c, tma_z, tma_tensor_z, tma_s, tma_tensor_s, bias, row_sums, c_shape,
+                      tma_c, tma_tensor_c, tma_z, tma_tensor_z, tma_s, tma_tensor_s, bias, row_sums, fix_rows, c_shape,
                       epi_tile: cutlass.Constexpr, stores, store_warp, inside, first_store, gtidx):
         """Bias, [pre-activation store], activation, source and the store of one finished tile.
 
@@ -1305,7 +1378,7 @@ class HopperGemmKernel:
                 else:
                     acc[i] = acc[i] + bias[(col, tile_idx[2])].to(Float32)
         if const_expr(epilogue.exp_row_sums):
-            self.exp_row_sums(acc, tile_coords_c, tile_idx, row_sums, c_shape, inside, gtidx)
+            self.exp_row_sums(acc, tile_coords_c, tile_idx, row_sums, fix_rows, c_shape, inside, gtidx)
         if const_expr(epilogue.store_preact):
             self.store_tile(acc, False, ring, sources, group, source_loaded, source_read, tma_z, tma_tensor_z,
                             tma_s, tma_tensor_s, tile_idx, epi_tile, stores, store_warp, inside, first_store, False)
@@ -1321,49 +1394,74 @@ class HopperGemmKernel:
         return source_loaded, source_read
 
     @cute.jit
-    def exp_row_sums(self, acc, tile_coords_c, tile_idx, row_sums, c_shape, inside, gtidx):
+    def exp_row_sums(self, acc, tile_coords_c, tile_idx, row_sums, fix_rows, c_shape, inside, gtidx):
         """``acc = exp(min(acc, EXP_CLAMP))``, and each row's sums of it over the tile's ``ROW_SUM_BLOCK``-column
         blocks into ``row_sums`` (columns past N left out). In the wgmma accumulator layout a
         thread holds, per 64-row slice of the tile (mode 1), two rows -- value mode (2 columns,
         2 rows 8 apart, tile_n / 8 groups of 8 columns) -- and the 4 lanes of a quad hold the
         same rows' other columns: each thread sums its 16 values of a row's block, two butterfly
-        shuffles add the quad's, and the quad's first lane stores."""
+        shuffles add the quad's, and the quad's first lane stores. ``fix_rows`` (exp_fix_rows):
+        each row's shift comes off first, and each block's max and label entry are reduced and
+        stored alike."""
         values = acc.shape[0]
         if const_expr(cute.rank(values) != 3 or values[0] != 2 or values[1] != 2 or cute.size(acc, mode=[2]) != 1):
             raise ValueError(f"exp_row_sums expects the wgmma accumulator layout ((2, 2, N / 8), M, 1); got {acc.shape}")
         # only a tile reaching past N tests each column (a select per value the other tiles skip)
         if tile_idx[1] * self.config.tile_n + self.config.tile_n <= c_shape[1]:
-            self.exp_block_sums(acc, tile_coords_c, tile_idx, row_sums, c_shape, inside, gtidx, False)
+            self.exp_block_sums(acc, tile_coords_c, tile_idx, row_sums, fix_rows, c_shape, inside, gtidx, False)
         else:
-            self.exp_block_sums(acc, tile_coords_c, tile_idx, row_sums, c_shape, inside, gtidx, True)
+            self.exp_block_sums(acc, tile_coords_c, tile_idx, row_sums, fix_rows, c_shape, inside, gtidx, True)
 
     @cute.jit
-    def exp_block_sums(self, acc, tile_coords_c, tile_idx, row_sums, c_shape, inside, gtidx,
+    def exp_block_sums(self, acc, tile_coords_c, tile_idx, row_sums, fix_rows, c_shape, inside, gtidx,
                        masked: cutlass.Constexpr):
         """:meth:`exp_row_sums` on one tile, testing each column against N if ``masked``."""
         config = self.config
         groups_per_block = ROW_SUM_BLOCK // 8
         m0, n0 = tile_idx[0] * config.tile_m, tile_idx[1] * config.tile_n
         block0 = tile_idx[1] * (config.tile_n // ROW_SUM_BLOCK)
+        low = Float32(-math.inf)
         for mm in cutlass.range_constexpr(cute.size(acc, mode=[1])):
             for r in cutlass.range_constexpr(2):
                 row = m0 + tile_coords_c[((0, r, 0), mm, 0)][0]
+                shift, label = Float32(0.0), Int32(0)
+                if const_expr(fix_rows is not None):
+                    at_row = (cutlass.min(row, c_shape[0] - 1), 0, 0)  # a row past M reads the last one's
+                    shift = fix_rows[2][at_row]
+                    label = fix_rows[1][at_row] - n0  # the label's column in this tile
                 for blk in cutlass.range_constexpr(config.tile_n // ROW_SUM_BLOCK):
-                    total = Float32(0.0)
+                    total, top, at_label = Float32(0.0), low, low
                     for g in cutlass.range_constexpr(groups_per_block):
                         for c2 in cutlass.range_constexpr(2):
                             at = ((c2, r, blk * groups_per_block + g), mm, 0)
-                            e = cute.math.exp2(cute.arch.fmin(acc[at], Float32(EXP_CLAMP)) * LOG2E, fastmath=True)
+                            z = acc[at]
+                            if const_expr(fix_rows is not None):
+                                z = z - shift
+                                column = tile_coords_c[at][1]
+                                at_label = cutlass.select_(column == label, z, at_label)
+                                if const_expr(masked):
+                                    top = cute.arch.fmax(top, cutlass.select_(n0 + column < c_shape[1], z, low))
+                                else:
+                                    top = cute.arch.fmax(top, z)
+                            e = cute.math.exp2(cute.arch.fmin(z, Float32(EXP_CLAMP)) * LOG2E, fastmath=True)
                             acc[at] = e
                             if const_expr(masked):
                                 e = cutlass.select_(n0 + tile_coords_c[at][1] < c_shape[1], e, Float32(0.0))
                             total = total + e
                     total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
                     total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+                    if const_expr(fix_rows is not None):
+                        for offset in cutlass.range_constexpr(1, 3):
+                            top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=offset))
+                            at_label = cute.arch.fmax(at_label, cute.arch.shuffle_sync_bfly(at_label, offset=offset))
                     # a last tile may reach past N by whole blocks, which row_sums does not have
                     block_inside = (block0 + blk) * ROW_SUM_BLOCK < c_shape[1]
                     if inside and block_inside and gtidx % 4 == 0 and row < c_shape[0]:
-                        row_sums[(row, block0 + blk, tile_idx[2])] = total
+                        at_block = (row, block0 + blk, tile_idx[2])
+                        row_sums[at_block] = total
+                        if const_expr(fix_rows is not None):
+                            fix_rows[3][at_block] = top
+                            fix_rows[4][at_block] = at_label
 
     @cute.jit
     def gate(self, acc, ring, epi_tile: cutlass.Constexpr):

@@ -502,19 +502,13 @@ class LinearForward(GemmFamily):
 
     def exp_row_sums_per_shard(self, rule, ctx, x, w, *rest):
         """One device's exp GEMM. Over a split contraction the exponential waits for the psum
-        (the reference epilogue after a plain GEMM). Over split columns a device's blocks need
-        not be whole ROW_SUM_BLOCKs of the full N, so its row sums' total goes into the first
-        block and the psum over the column devices (the sums carry no "n" factor) adds them up:
-        then only the blocks' total is defined, which is what the LM head reads."""
+        (the reference epilogue after a plain GEMM). Over split columns the row sums' blocks
+        combine over the column devices (:func:`combine_column_blocks`)."""
         if ctx.sharded("k"):
             e, sums = exp_row_sums_reference(self.row_parallel_product(ctx, x, w), x.dtype)
         else:
             e, sums = self.run_local(x, w, *rest)
-        if ctx.sharded("n"):
-            devices = math.prod(jax.lax.axis_size(axis) for axis in ctx.axes["n"])
-            blocks = -(-self.kernel_kn(w)[1] * devices // ROW_SUM_BLOCK)
-            sums = jnp.pad(jnp.sum(sums, axis=-1, keepdims=True), ((0, 0), (0, 0), (0, blocks - 1)))
-        return sum_partials(rule, ctx, (e, sums))
+        return e, combine_column_blocks(ctx, sums, self.kernel_kn(w)[1], "sum")
 
     @property
     def reads_source(self):
@@ -550,6 +544,122 @@ class LinearForward(GemmFamily):
         y, z = forward_reference(x[0], as_kn(w[0], self.kernel_nk), bias, residual,
                                  layer_activation(self.activation, self.gated))
         return (y[None],) + ((z[None],) if self.store_preact else ())
+
+
+def combine_column_blocks(ctx, blocks, n_local: int, how: str):
+    """A (1, M, blocks) float32 result of an exp GEMM over this device's ``n_local`` columns of a
+    vocabulary split over the "n" devices, combined over them (as is without a split): a device's
+    blocks need not be whole ROW_SUM_BLOCKs of the full N, so its total over them (``how``: "sum"
+    or "max") goes into the first block, the other blocks hold the identity (0, -inf), and the
+    psum / pmax over the column devices combines the first blocks. Only the blocks' total is
+    then defined, which is what the LM head reads."""
+    if not ctx.sharded("n"):
+        return blocks
+    axes = ctx.axes["n"]
+    width = -(-n_local * math.prod(jax.lax.axis_size(axis) for axis in axes) // ROW_SUM_BLOCK)
+    reduce, identity = {"sum": (jnp.sum, 0.0), "max": (jnp.max, -jnp.inf)}[how]
+    first = jnp.pad(reduce(blocks, axis=-1, keepdims=True), ((0, 0), (0, 0), (0, width - 1)),
+                    constant_values=identity)
+    return ctx.psum(first, {"n"}) if how == "sum" else jax.lax.pmax(first, axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpLogitsFix(GemmFamily):
+    """Kernel family: the LM head's exp GEMM again over the rows out of the exponential's range
+    (:func:`exp_logits_fix`). Operands x (1, M, K), kernel (1, K, N) -- (1, N, K) if
+    ``kernel_nk`` --, e (1, M, N) a first pass's exp, rewritten in place; flags and labels
+    (1, M, 1) int32, shift (1, M, 1) float32. Only the tiles holding a flagged row run
+    (``Epilogue.exp_fix_rows``): their rows of e become exp(min(z - shift, EXP_CLAMP)), z = x @
+    kernel, and the three (1, M, ceil(N / ROW_SUM_BLOCK)) float32 results -- the row sums of
+    that, the blocks' max of z - shift, and their entries at the label's column (-inf in the
+    other blocks) -- are defined on those rows only."""
+
+    config: GemmConfig | None = None
+    kernel_nk: bool = False
+
+    name = "linear_exp_fix"
+    arg_names = ("x", "kernel", "e", "flags", "labels", "shift")
+
+    def kinds(self):
+        return ("rows", "weight") + ("rows",) * 8
+
+    def gemm_modes(self, position):
+        if self.kinds()[position] == "weight":
+            return _ROWS if self.kernel_nk else _WEIGHT_AS_N_K
+        return _ROWS
+
+    def factors(self):
+        rows_n, row = (None, "rows", "n"), (None, "rows", None)
+        return ((None, "rows", "k"), self.kernel_factor(), rows_n, row, row, row), (rows_n, row, row, row)
+
+    def layer_dims(self, avals):
+        return self.kernel_kn(avals[1])
+
+    def gemm_shape(self, avals):
+        return avals[0].shape[1], self.kernel_kn(avals[1])[1], avals[0].shape[2]
+
+    @property
+    def takes_split_k(self) -> bool:
+        return False  # row sums of whole tiles
+
+    def tuning_key(self, avals):
+        dtype, dims = super().tuning_key(avals)
+        return dtype, dims + (("exp_fix_rows", True),)
+
+    def epilogue(self):
+        from cutelayers.kernels.gemm import Epilogue
+
+        return Epilogue(exp_row_sums=True, exp_fix_rows=True)
+
+    def operand_output_aliases(self):
+        return {2: 0}
+
+    def kept_outputs(self, n_outputs):
+        return (1, 2, 3)
+
+    def out_avals(self, avals):
+        x, w, e = avals[:3]
+        blocks = jax.ShapeDtypeStruct((1, x.shape[1], -(-self.kernel_kn(w)[1] // ROW_SUM_BLOCK)), jnp.float32)
+        return (jax.ShapeDtypeStruct(e.shape, e.dtype), blocks, blocks, blocks)
+
+    def reference(self, x, w, e, flags, labels, shift):
+        return self.reference_epilogue(_matmul(x[0], as_kn(w[0], self.kernel_nk)), e, flags, labels, shift)
+
+    def per_shard(self, rule, ctx, x, w, e, flags, labels, shift):
+        """One device's pass. Over a split contraction the reference epilogue after the psum'd
+        product; over split columns each device's labels count from its first column, and the
+        blocks combine over the column devices (:func:`combine_column_blocks`)."""
+        n_local = self.kernel_kn(w)[1]
+        if ctx.sharded("n"):
+            labels = labels - jax.lax.axis_index(ctx.axes["n"]) * n_local
+        if ctx.sharded("k"):
+            product = LinearForward("none", False, False, False, self.config, self.kernel_nk).row_parallel_product(
+                ctx, x, w)
+            e, *blocks = self.reference_epilogue(product, e, flags, labels, shift)
+        else:
+            e, *blocks = self.run_local(x, w, e, flags, labels, shift)
+        sums, top, at_label = (combine_column_blocks(ctx, b, n_local, how)
+                               for b, how in zip(blocks, ("sum", "max", "max")))
+        return e, sums, top, at_label
+
+    @staticmethod
+    def reference_epilogue(product, e, flags, labels, shift):
+        """The results from the float32 product (M, N) and the operands after x and kernel, every
+        flagged row's -- and only those: the kernel's tiles hold others too, whose e they
+        recompute with their own shift."""
+        z = product - shift[0]
+        new = jnp.exp(jnp.minimum(z, EXP_CLAMP))
+        m, n = z.shape
+        blocks = -(-n // ROW_SUM_BLOCK)
+
+        def per_block(a, pad_value):
+            return jnp.pad(a, ((0, 0), (0, blocks * ROW_SUM_BLOCK - n)), constant_values=pad_value).reshape(
+                m, blocks, ROW_SUM_BLOCK)
+
+        at_label = jnp.where(jnp.arange(n)[None] == labels[0], z, -jnp.inf)
+        e = jnp.where(flags[0] != 0, new.astype(e.dtype), e[0])
+        return (e[None], per_block(new, 0.0).sum(-1)[None], per_block(z, -jnp.inf).max(-1)[None],
+                per_block(at_label, -jnp.inf).max(-1)[None])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -808,6 +918,32 @@ def exp_logits(x, kernel, kernel_nk: bool = False):
     family = LinearForward("none", False, False, False, kernel_nk=kernel_nk, exp_row_sums=True)
     e, sums = kernel_call(resolve(family, operands), *operands)
     return e[0], sums[0]
+
+
+def exp_logits_fix(x, kernel, e, flags, labels, shift, kernel_nk: bool = False):
+    """:func:`exp_logits` again on the rows ``flags`` marks -- those whose exponentials left
+    bf16's range, at the LM head -- with a per-row ``shift``, writing their rows of ``e`` (the
+    first pass's, consumed: rewritten in place) as exp(min(x @ kernel - shift, EXP_CLAMP)).
+    One GEMM launch whose persistent CTAs run only the tiles that hold a flagged row: when none
+    is, it costs a launch and a read of the flags, and the program has no data-dependent control
+    flow (which would make the host wait for the device).
+
+    x (M, K), kernel (K, N) -- (N, K) if ``kernel_nk`` --, e (M, N) x's dtype; flags, labels
+    (M,) integers (a label outside [0, N) matches no column); shift (M,) float32. Returns (e,
+    sums, block max, label entries): the last three (M, ceil(N / ROW_SUM_BLOCK)) float32, per
+    flagged row and ROW_SUM_BLOCK columns the sum of the new e (before its rounding), the max of
+    x @ kernel - shift, and its entry at the label's column (-inf in the other blocks); on other
+    rows undefined. Under a sharded N only the blocks' total (sum, max) is defined
+    (:func:`combine_column_blocks`)."""
+    m = x.shape[0]
+
+    def per_row(a, dtype):
+        return a.astype(dtype).reshape(1, m, 1)
+
+    operands = [x[None], kernel[None], e[None], per_row(flags, jnp.int32), per_row(labels, jnp.int32),
+                per_row(shift, jnp.float32)]
+    results = kernel_call(resolve(ExpLogitsFix(kernel_nk=kernel_nk), operands), *operands)
+    return tuple(r[0] for r in results)
 
 
 def preact_grad(z, dy, activation: str):

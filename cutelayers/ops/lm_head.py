@@ -44,12 +44,15 @@ is transposed.
   dh = s * (P @ kernelᵀ), dkernel += (s * h)ᵀ @ P -- the same two GEMMs, each logit exp'd once
   (a (V, H) table: the logits GEMM reads it as stored, as the dh GEMM does).
   A row whose S leaves [e^-60, e^60] or whose label's P underflows (logits past the epilogue's
-  clamp at 80, or a label beyond ~69 nats) gets weight 0 there, and a loop after the chunks
-  computes its exact loss, lse and gradients, ``FIX_ROWS`` tokens at a time with float32 logits;
-  it runs no step when every row is in range (docs/lm_head_notes.md). Per-token losses
-  (``"none"``) and a forward without differentiation take lse and the loss from the exp GEMM's
-  sums and the label's P (the loop fixing their rows without gradients); the backward of
-  ``"none"`` is the weighted total's exp-path gradients with the cotangents as the weights.
+  clamp at 80, or a label beyond ~69 nats) is flagged, and two more launches of the exp GEMM,
+  each running only the tiles that hold a flagged row (:func:`cutelayers.ops.linear.exp_logits_fix`),
+  give it exactly: the first its max logit and its label's logit from the float32 accumulators,
+  the second ``P = exp(z - max)`` and S in place, so lse = max + log S with S in [1, V]. When no
+  row is flagged they cost two near-empty launches a chunk; nothing depends on the data's values
+  on the host (a loop over the flagged rows made the host wait for the device every call:
+  docs/lm_head_notes.md). Per-token losses (``"none"``) and a forward without differentiation
+  take lse and the loss from the same chunks; the backward of ``"none"`` is the weighted total's
+  exp-path gradients with the cotangents as the weights.
 
 Memory: O(chunk × V) for the logits plus the float32 (H, V) gradient accumulator (for float32
 parameters the gradient itself, returned as it is). The chunk is at
@@ -83,6 +86,7 @@ from cutelayers.ops.linear import (
     check_linear_operands,
     compute_params,
     exp_logits,
+    exp_logits_fix,
     forward_fn,
     fused_linear,
     input_grad_fn,
@@ -90,7 +94,6 @@ from cutelayers.ops.linear import (
     weight_grad_fn,
 )
 from cutelayers.ops.softmax import (
-    CrossEntropyWithGrad,
     check_labels,
     check_loss_options,
     cross_entropy_kernels,
@@ -106,21 +109,20 @@ F32 = jnp.float32
 CHUNK_ROWS = 4096
 LOGITS_CHUNK_BYTES = 2 * 2**30
 REDUCTIONS = ("mean", "sum", "none")
-# The exp path (module docstring) keeps a row whose sum of exp(logits) lies in
+# The exp path (module docstring) holds a row whose sum of exp(logits) lies in
 # [e^-EXP_RANGE, e^EXP_RANGE] and whose label's exp(logit) is at least LABEL_EXP_MIN (a bf16
-# normal: its log is the label's logit to 2^-9); any other row takes the exact path,
-# FIX_ROWS at a time.
+# normal: its log is the label's logit to 2^-9) in its first pass; any other row takes the
+# second, shifted by its max logit.
 EXP_RANGE = 60.0
 LABEL_EXP_MIN = 1e-30
-FIX_ROWS = 64
 KERNEL_LAYOUTS = ("hv", "vh")
 
 
 class ExpChunk(NamedTuple):
-    """One chunk on the exp path (:func:`_chunked_fns`): P = exp(logits) (rows, V) in bf16, the
-    row indices, each row's label (0 where it is not one of the vocabulary), S, lse = log S and
-    the loss (float32, rows), which rows the exp path holds (``good``) and which of those count
-    (``counted``: good and not ignored)."""
+    """One chunk on the exp path (:func:`_chunked_fns`): P = exp(logits - shift) (rows, V) in
+    bf16, the row indices, each row's label (0 where it is not one of the vocabulary), S, lse =
+    shift + log S and the loss (float32, rows), which rows count (``counted``: not ignored, their
+    label in the vocabulary) and which have a label outside it (``unknown``)."""
 
     p: jax.Array
     rows: jax.Array
@@ -128,8 +130,8 @@ class ExpChunk(NamedTuple):
     s: jax.Array
     lse: jax.Array
     loss: jax.Array
-    good: jax.Array
     counted: jax.Array
+    unknown: jax.Array
 
 
 def chunk_layout(lead: tuple[int, ...], vocab: int, chunk_size: int | None) -> tuple[int, int]:
@@ -186,8 +188,6 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
     smoothing, z_loss, soft_cap = options
     # the exp path: no label smoothing or soft cap (and no bias: at the call)
     exp_path = use_kernels and smoothing == 0.0 and soft_cap == 0.0
-    # its out-of-range rows' exact (lse, loss, dz), from float32 logits (:func:`fix_rows`)
-    exact_loss = CrossEntropyWithGrad(ignore_index=ignore_index, smoothing=smoothing, z_loss=z_loss, soft_cap=soft_cap)
     plain_gemm, input_grad = forward_fn("none", False, use_kernels), input_grad_fn(use_kernels)
     weight_grad = weight_grad_fn(use_kernels, f32_out=True)
     # A (V, H) kernel (a tied embedding table) swaps the roles of the forward and dx GEMMs and
@@ -314,103 +314,69 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
         return (total, lse), grads
 
     def exp_chunk(h_c, y_c, kernel) -> ExpChunk:
-        """One chunk's exp GEMM (P and its row sums S) and what the exp path reads of it."""
+        """One chunk's exp GEMM (P and its row sums S), its second pass over the rows out of the
+        exponential's range, and what the exp path reads of them (module docstring)."""
         valid = jnp.ones(y_c.shape, bool) if ignore_index is None else y_c != ignore_index
         p, sums = exp_logits(h_c, kernel, kernel_nk=vocab_major)
         s = jnp.sum(sums, axis=-1)
-        lse = jnp.log(s)
         rows = jnp.arange(y_c.shape[0])
-        # a label outside the vocabulary takes the exact path, whose loss it makes NaN
+        # a label outside the vocabulary makes its token's loss and gradients NaN
         known = valid & (y_c >= 0) & (y_c < p.shape[-1])
         y_safe = jnp.where(known, y_c, 0)
         # The label's P read before anything else: past the barrier no fusion reads P as the exp
-        # GEMM wrote it, so the scatter-add into the label entries (exp_total_fwd) updates P in
-        # place. Without it XLA may fuse this gather into a consumer after the update and keep a
-        # copy of P: a second chunk of scratch (tests/test_heads_bench.py).
+        # GEMM wrote it, so the second pass and the scatter-add into the label entries
+        # (exp_total_fwd) update P in place. Without it XLA may fuse this gather into a consumer
+        # after an update and keep a copy of P: a second chunk of scratch (tests/test_heads_bench.py).
         p_y = p[rows, y_safe].astype(F32)
         p, p_y = jax.lax.optimization_barrier((p, p_y))
-        good = (s >= math.exp(-EXP_RANGE)) & (s <= math.exp(EXP_RANGE)) & (~valid | (known & (p_y >= LABEL_EXP_MIN)))
-        counted = good & valid
-        loss = jnp.where(counted, lse - jnp.log(jnp.where(counted, p_y, 1.0)) + z_loss * lse**2, 0.0)
-        return ExpChunk(p, rows, y_safe, s, lse, loss, good, counted)
+        out = ~((s >= math.exp(-EXP_RANGE)) & (s <= math.exp(EXP_RANGE)) & (~known | (p_y >= LABEL_EXP_MIN)))
+        # The rows out of range, again: a pass that finds each one's max logit and its label's
+        # logit (exact, from the float32 accumulators), then one with the max as the shift, so
+        # that the max maps to 1 and S to [1, V]; the other rows' P stays as it was.
+        y_fix = jnp.where(known, y_c, -1)
+        p, _, top, at_label = exp_logits_fix(h_c, kernel, p, out, y_fix, jnp.zeros_like(s), kernel_nk=vocab_major)
+        shift = jnp.where(out, jnp.max(top, axis=-1), 0.0)
+        p, sums, _, _ = exp_logits_fix(h_c, kernel, p, out, y_fix, shift, kernel_nk=vocab_major)
+        s = jnp.where(out, jnp.sum(sums, axis=-1), s)
+        lse = shift + jnp.log(s)
+        z_y = jnp.where(out, jnp.max(at_label, axis=-1), jnp.log(jnp.where(out, 1.0, p_y)))
+        counted = valid & known
+        loss = jnp.where(counted, lse - z_y + z_loss * lse**2, 0.0)
+        loss = jnp.where(valid & ~known, jnp.nan, loss)
+        return ExpChunk(p, rows, y_safe, s, lse, loss, counted, valid & ~known)
 
     def exp_forward(h, labels, kernel):
-        """forward's exp path: per chunk the exp GEMM's row sums give lse and the loss; the rows
-        out of its range get theirs after the chunks (:func:`fix_rows`)."""
+        """forward's exp path: per chunk the exp GEMM's row sums give lse and the loss."""
         def step(_, c):
             chunk = exp_chunk(_chunk(h, c), _chunk(labels, c), kernel)
-            return None, (chunk.lse, chunk.loss, chunk.good)
+            return None, (chunk.lse, chunk.loss)
 
-        _, (lse, loss, good) = jax.lax.scan(step, None, jnp.arange(h.shape[1]))
-        lse, loss, _, _ = fix_rows(h, labels, kernel, ~good.T, lse, loss=loss.T)
-        return lse, loss
+        _, (lse, loss) = jax.lax.scan(step, None, jnp.arange(h.shape[1]))
+        return lse, loss.T
 
     def exp_total_fwd(h, labels, kernel, weights):
-        """total_fwd's exp path (module docstring): per chunk one GEMM gives P = exp(z) and its
-        row sums S; dz = s (P - c onehot) with s = w (1 + 2 z_loss lse) / S, c = S / (1 + 2
-        z_loss lse), so the label's entry of P takes -c in place and the dh / dkernel GEMMs read P
-        (dh scaled after, h scaled before). Rows out of the exp's range get weight 0 there and
-        their exact gradients after the chunks (:func:`fix_rows`)."""
+        """total_fwd's exp path (module docstring): per chunk one GEMM gives P = exp(z - shift)
+        and its row sums S; dz = s (P - c onehot) with s = w (1 + 2 z_loss lse) / S, c = S / (1 +
+        2 z_loss lse), so the label's entry of P takes -c in place and the dh / dkernel GEMMs read
+        P (dh scaled after, h scaled before)."""
         def step(carry, c):
             grads, total = carry or (None, None)
             h_c, y_c = _chunk(h, c), _chunk(labels, c)
             if grads is not None:  # this chunk's P only once the last one's GEMMs have read theirs
                 h_c, grads = jax.lax.optimization_barrier((h_c, grads))
             chunk = exp_chunk(h_c, y_c, kernel)
-            p, rows, good = chunk.p, chunk.rows, chunk.good
+            p, rows = chunk.p, chunk.rows
             factor = 1.0 + 2.0 * z_loss * chunk.lse
             w_c = jnp.where(chunk.counted, _chunk(weights, c), 0.0)
-            scale = jnp.where(good, w_c * factor / jnp.where(good, chunk.s, 1.0), 0.0)
+            # a label outside the vocabulary: NaN gradients, as its loss
+            scale = jnp.where(chunk.unknown, jnp.nan, w_c * factor / chunk.s)
             p = p.at[rows, chunk.y_safe].add(jnp.where(chunk.counted, -chunk.s / factor, 0.0).astype(p.dtype))
             grads = add_chunk_grads(grads, h, kernel, None, c, p, h_c=h_c, row_scale=scale)
-            chunk_total = jnp.sum(chunk.loss * w_c)
-            return (grads, chunk_total if total is None else total + chunk_total), (chunk.lse, good)
+            chunk_total = jnp.sum(chunk.loss * _chunk(weights, c))
+            return (grads, chunk_total if total is None else total + chunk_total), chunk.lse
 
-        ((dh, dkernel, _), total), (lse, good) = scan_chunks(step, jnp.arange(h.shape[1]))
-        lse, _, total, (dh, dkernel) = fix_rows(h, labels, kernel, ~good.T, lse, weights=weights, total=total,
-                                                grads=(dh, dkernel))
+        ((dh, dkernel, _), total), lse = scan_chunks(step, jnp.arange(h.shape[1]))
         return (total, lse), (dh, dkernel, None)
-
-    def fix_rows(h, labels, kernel, bad, lse, *, loss=None, weights=None, total=None, grads=None):
-        """The exact lse of the (R, C) ``bad`` tokens into ``lse`` (C, R), FIX_ROWS at a time with
-        (FIX_ROWS, V) float32 logits -- a loop that runs no step when no row is bad --, and as
-        asked: their losses into ``loss`` (R, C); their losses times ``weights`` (R, C) added to
-        ``total``; their weighted loss's gradients added into ``grads`` (dh (R, C, H), the
-        float32 dkernel sum). Returns (lse, loss, total, grads)."""
-        n_chunks = h.shape[1]
-        table = "vh" if vocab_major else "hv"
-        flat = bad.reshape(-1)
-        block = min(FIX_ROWS, flat.shape[0])  # fewer tokens than FIX_ROWS: all of them at once
-        order = jnp.argsort(~flat, stable=True)  # the bad tokens first, then padding to whole blocks
-        order = jnp.pad(order, (0, -order.shape[0] % block))
-        n_bad = jnp.sum(flat)
-
-        def body(state):
-            i, lse, loss, total, grads = state
-            picked = jax.lax.dynamic_slice_in_dim(order, i * block, block)
-            live = i * block + jnp.arange(block) < n_bad
-            r, c = picked // n_chunks, picked % n_chunks
-            h_b = h[r, c]
-            # a block's rows past the bad ones: label 0 and weight 0, so they add nothing
-            y_b = jnp.where(live, labels[r, c], 0)
-            w_b = jnp.where(live, 1.0 if weights is None else weights[r, c], 0.0)
-            z = jnp.einsum(f"bh,{table}->bv", h_b, kernel, preferred_element_type=F32)
-            dz, lse_b, loss_b = exact_loss.reference(z, y_b, w_b)  # the kernels' jnp decomposition
-            lse = lse.at[c, r].set(jnp.where(live, lse_b, lse[c, r]))
-            if loss is not None:
-                loss = loss.at[r, c].set(jnp.where(live, loss_b, loss[r, c]))
-            if total is not None:
-                total = total + jnp.sum(loss_b * w_b)
-            if grads is not None:
-                dh, dkernel = grads
-                dh_b = jnp.einsum(f"bv,{table}->bh", dz.astype(h.dtype), kernel, preferred_element_type=F32)
-                dh = dh.at[r, c].set(jnp.where(live[:, None], dh_b.astype(dh.dtype), dh[r, c]))
-                grads = dh, add_kernel_grad(dkernel, h_b, dz.astype(h.dtype))
-            return i + 1, lse, loss, total, grads
-
-        _, *state = jax.lax.while_loop(lambda state: state[0] * block < n_bad, body,
-                                       (jnp.int32(0), lse, loss, total, grads))
-        return tuple(state)
 
     def total_bwd(grads, cotangents_out):
         return *cotangents(grads, scale=cotangents_out[0]), None
