@@ -387,6 +387,37 @@ def test_class_sharded_cross_entropy_matches_one_device(name, rng):
     assert all(n <= largest for _, sizes in found for n in sizes), found
 
 
+@pytest.mark.parametrize("x_spec,w_spec", [(P("data", "model"), P("model", None)),
+                                            (P("data", None), P(None, "model"))], ids=["contraction", "columns"])
+def test_exp_gemm_passes_sharded_match_one_device(x_spec, w_spec, rng):
+    """The LM head's exp GEMM and its two passes over flagged rows with the contraction split
+    (the exponential after the psum, taken once: the eleventh-to-forty-first sessions' tree
+    psum'd its results again, doubling them) or the columns split (the blocks' totals combined
+    over the devices): one device's results -- the row sums' and blocks' totals, and P."""
+    from cutelayers.ops.linear import exp_logits, exp_logits_fix
+
+    mesh = make_mesh((2, 2), ("data", "model"))
+    x = random(rng, (64, 128), jnp.bfloat16).at[5].multiply(60.0)
+    w = jnp.asarray(random(rng, (128, 256), jnp.float32) / 12, jnp.bfloat16)
+    flags = jnp.zeros(64, jnp.int32).at[5].set(1)
+    labels = jnp.asarray(rng.integers(0, 256, 64), jnp.int32)
+
+    def passes(x, w):
+        e, sums = exp_logits(x, w)
+        e, _, top, at_label = exp_logits_fix(x, w, e, flags, labels, jnp.zeros(64, jnp.float32))
+        shift = jnp.where(flags != 0, jnp.max(top, axis=-1), 0.0)
+        e, fixed, _, _ = exp_logits_fix(x, w, e, flags, labels, shift)
+        return e, jnp.sum(sums, -1), jnp.sum(fixed, -1)[5], jnp.max(at_label, -1)[5], shift[5]
+
+    want = jax.jit(passes)(x, w)
+    got = jax.jit(passes)(jax.device_put(x, NamedSharding(mesh, x_spec)), jax.device_put(w, NamedSharding(mesh, w_spec)))
+    assert_close(got[0], want[0], jnp.bfloat16)
+    assert_close(got[1][np.arange(64) != 5], want[1][np.arange(64) != 5], jnp.bfloat16)
+    # the flagged row's S, label logit and max logit (about 150): float32 sums in another order
+    for g, r in zip(got[2:], want[2:]):
+        np.testing.assert_allclose(float(g), float(r), rtol=1e-2)
+
+
 def test_linear_shard_too_narrow_for_the_kernel_runs_as_xla_gemm(rng, tmp_path):
     """N = 40 suits the kernel (a multiple of 8), but column-parallel over two devices leaves 20
     per device, which does not: each device runs the same product as an XLA GEMM."""
