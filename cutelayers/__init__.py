@@ -4,7 +4,6 @@ Public surface:
 
 * :mod:`cutelayers.ops` -- differentiable ops (``reduce_sum``, ``reduce_mean``, ``reduce_max``, ...);
 * :func:`use_backend`, :func:`current_backend` -- choose kernels or the jnp reference;
-  ``COMPILER_OPTIONS`` -- XLA options that keep the LM head's data-dependent loop on the device;
 * :func:`cache_info`, :func:`clear_cache` -- the compile-once cache and its statistics;
 * :func:`parallel_compiles` -- compile the kernels a lowering needs in worker processes, meanwhile;
 * :func:`cute_call`, :func:`custom_op`, :func:`rowwise_vmap` -- bring your own CuTe kernel;
@@ -12,7 +11,7 @@ Public surface:
 """
 
 from cutelayers import aot, ops
-from cutelayers.backend import BACKENDS, COMPILER_OPTIONS, current_backend, use_backend
+from cutelayers.backend import BACKENDS, current_backend, use_backend
 from cutelayers.cute_call import custom_op, cute_call, rowwise_vmap
 from cutelayers.runtime.cache import KernelStats, cache_info, clear_cache
 from cutelayers.runtime.parallel_compile import parallel_compiles
@@ -21,7 +20,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS",
-    "COMPILER_OPTIONS",
     "KernelStats",
     "aot",
     "cache_info",

@@ -31,18 +31,6 @@ from cutelayers.runtime._jax_compat import enum_state
 
 BACKENDS = ("auto", "cute", "reference")
 
-# Compile options for a program that holds cutelayers' LM head (``jax.jit(f).lower(...).compile(
-# compiler_options=COMPILER_OPTIONS)``): XLA's GPU command buffers (CUDA graphs), its default
-# kinds plus while loops and conditionals. The head's loop over rows out of its exponential's
-# range (:func:`cutelayers.ops.linear_cross_entropy`) runs no step in practice, but XLA tests its
-# predicate on the host unless the loop is a command buffer: the host then waits for the device
-# and relaunches the rest of the program (the next CUDA graph), leaving the device idle about
-# 1.2 ms a GPT-2 train step on an H200; with this option the step runs 1.5 % faster, the wide
-# preset's the same (docs/benchmarks.md, forty-first session). Naming the kinds
-# replaces XLA's default list, which this one repeats. Any other compiler ignores the option.
-COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer":
-                    "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"}
-
 logger = logging.getLogger("cutelayers")
 
 _env = os.environ.get("CUTELAYERS_BACKEND", "auto") or "auto"

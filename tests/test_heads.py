@@ -202,20 +202,6 @@ def test_exp_path_with_rows_out_of_its_range(reduction, z_loss, layout, rng):
     check_value_and_grads(ours, ref, (jnp.where(keep[..., None], h, 0.1), kernel), None)
 
 
-def test_compiler_options_keep_xla_defaults_and_add_loops():
-    # naming the command buffer kinds replaces XLA's list: ours repeats the defaults (XLA's
-    # DefaultDebugOptionsIgnoringFlags) and adds while loops and conditionals; XLA parses it
-    from cutelayers import COMPILER_OPTIONS
-
-    kinds = COMPILER_OPTIONS["xla_gpu_enable_command_buffer"].split(",")
-    assert {"FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN", "WHILE", "CONDITIONAL"} <= set(kinds)
-    loop = jax.jit(lambda x: jax.lax.while_loop(lambda s: s[0] < jnp.sum(x), lambda s: (s[0] + 1, s[1] * 2), (0.0, x)))
-    compiled = loop.lower(jnp.ones(3)).compile(compiler_options=COMPILER_OPTIONS)
-    np.testing.assert_array_equal(compiled(jnp.ones(3))[1], 8.0)
-    with pytest.raises(Exception, match="not a valid enum value"):
-        loop.lower(jnp.ones(3)).compile(compiler_options={"xla_gpu_enable_command_buffer": "LOOPS"})
-
-
 def test_exp_path_with_most_rows_out_of_its_range(rng):
     # 90 of 150 tokens out of the exp path's range, in every chunk: the second passes shift them
     # all, the other rows' P as the first pass gave it

@@ -150,10 +150,6 @@ def measure(case: Case) -> dict:
         state_bytes = sharding.bytes_per_device((params, opt_state), devices[0])
         batches = step_batches(config, case.batch_size, sharding.batch_sharding(mesh), tokens=case.tokens)
         step = compile_train_step(model.loss, tx, params, opt_state, *batches[0])
-        # The kernel trace of a step whose loops are command buffers misses the kernels inside
-        # them (graph conditional nodes): the profile runs the step compiled with XLA's defaults.
-        traced = (compile_train_step(model.loss, tx, params, opt_state, *batches[0], compiler_options={})
-                  if case.top_kernels else None)
         analysis = step.run.memory_analysis()
         leaves = tuple(jax.tree.leaves((params, opt_state)))
         del params, opt_state  # donated
@@ -174,7 +170,7 @@ def measure(case: Case) -> dict:
             jax.block_until_ready(leaves)
             single.append(time.perf_counter() - start)
         final_loss = float(losses[-1])
-        kernels = kernel_profile(traced, leaves, batches, case.steps, case.top_kernels) if case.top_kernels else None
+        kernels = kernel_profile(step, leaves, batches, case.steps, case.top_kernels) if case.top_kernels else None
     compiled_bytes = None if analysis is None else (
         analysis.argument_size_in_bytes + analysis.output_size_in_bytes + analysis.temp_size_in_bytes)
     return dict(**dataclasses.asdict(case), dtype=config.dtype, seq_len=config.seq_len,

@@ -368,12 +368,10 @@ class CompiledStep:
         return jax.tree.unflatten(self.treedef, leaves)
 
 
-def compile_train_step(loss_fn, tx, params, opt_state, inputs, targets,
-                       compiler_options: dict | None = None) -> CompiledStep:
+def compile_train_step(loss_fn, tx, params, opt_state, inputs, targets) -> CompiledStep:
     """Lower and compile the step for these arguments' shapes and shardings (ahead of time: the
     compiled program says which path runs). The state comes back in the shardings it came in;
-    the loss and gradient norm replicated. ``compiler_options``: XLA's, default
-    ``cl.COMPILER_OPTIONS`` (``{}``: XLA's defaults).
+    the loss and gradient norm replicated.
 
     The CuTe kernels the step needs compile in worker processes while it lowers
     (``cutelayers.parallel_compiles``); all are registered when the block ends, before XLA
@@ -391,7 +389,7 @@ def compile_train_step(loss_fn, tx, params, opt_state, inputs, targets,
     with cl.parallel_compiles():
         lowered = jax.jit(flat_step, donate_argnums=0, out_shardings=out_shardings).lower(
             tuple(leaves), inputs, targets)
-    compiled = lowered.compile(compiler_options=cl.COMPILER_OPTIONS if compiler_options is None else compiler_options)
+    compiled = lowered.compile()
     text = compiled.as_text()
     return CompiledStep(run=compiled, treedef=treedef, kernel_calls=count_kernel_calls(text),
                         seconds=time.perf_counter() - t0, hlo_text=text)
@@ -806,7 +804,7 @@ def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
         del params, opt_state  # donated to the first step: only `leaves` may be used from here
         eval_loss = jax.jit(lambda leaves, x, y: model.loss(step_fn.unflatten(leaves)[0], x, y))
         if eval_set:  # compiled now, so that the library's notes on it join the train step's in one line
-            eval_loss = eval_loss.lower(leaves, *eval_set[0]).compile(compiler_options=cl.COMPILER_OPTIONS)
+            eval_loss = eval_loss.lower(leaves, *eval_set[0]).compile()
         for line in filter(None, [notes.take()]):
             say(line)
 

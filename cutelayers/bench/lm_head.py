@@ -16,7 +16,7 @@ stored (XLA's ``h @ table.T``).
 
 Per head: median time of the jitted value_and_grad -- device time (the kernels' durations) and
 wall time per call (calls back to back: it also counts where the device sits idle inside a call,
-such as the fused head's host sync on its out-of-range loop) --, and XLA's compile-time memory analysis
+such as a host sync on a data-dependent loop, or launch gaps) --, and XLA's compile-time memory analysis
 (``temp_size_in_bytes``: scratch buffers; arguments and outputs separately), with ratios to the
 XLA head. The memory part needs no GPU: :func:`head_memory` lowers for the default device (on CPU
 the ops' jnp reference, which chunks the same way). With ``device_peak`` also what the device's
@@ -75,9 +75,7 @@ def head_specs(t: int, h: int, v: int, dtype, param_dtype=None,
 
 def compile_head(head: str, args, chunk_size: int | None = None, kernel_layout: str = "hv"):
     """One head's value_and_grad compiled for ``args`` (arrays or ShapeDtypeStructs), lowered
-    under the current cutelayers backend for the default device, with XLA's default options: the
-    device time is traced kernels, and kernels inside a command buffer's loop (what
-    ``cl.COMPILER_OPTIONS`` makes of the fused head's loops) are not all traced."""
+    under the current cutelayers backend for the default device."""
     return loss_and_grads(head, chunk_size, kernel_layout).lower(*args).compile()
 
 

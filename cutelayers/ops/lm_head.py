@@ -423,10 +423,6 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
         and divides the tokens of one batch row keeps every device's tokens on it (see the
         module docstring).
 
-    On a GPU, compile the program that holds it with ``cutelayers.COMPILER_OPTIONS``: its loop
-    over rows out of the exponential's range then tests its predicate on the device, not on the
-    host (which would wait for the device once a call).
-
     Returns:
       float32: a scalar for "mean" / "sum", else (...) per-token losses; with ``return_lse`` a
       pair (loss, lse). The logits are computed in h's dtype with float32 accumulation, the loss
