@@ -1421,7 +1421,7 @@ import dataclasses, functools, json, os, sys
 import jax, jax.numpy as jnp
 import cutelayers as cl
 from cutelayers.kernels.gemm_config import CONFIGS
-from cutelayers.ops.linear import LinearForward, exp_logits, fused_linear
+from cutelayers.ops.linear import LinearForward, exp_logits, exp_logits_fix, fused_linear
 from cutelayers.runtime.sharding import kernel_call
 
 dump = sys.argv[1]
@@ -1449,6 +1449,10 @@ cases["fc1_gelu_train_step"] = (gelu_train, fc1)
 cases["swiglu_forward"] = (functools.partial(kernel_call, gated), gated_avals)
 cases["decode_split_k_16x4096x4096"] = (gelu, (S((16, 4096), bf), S((4096, 4096), bf), S((4096,), bf)))
 cases["lm_head_exp_4096x4096x131072"] = (exp_logits, (S((4096, 4096), bf), S((4096, 131072), bf)))
+# the GPT-2 head's pass over rows out of the exponential's range (pingpong, a per-row shift)
+cases["lm_head_exp_fix_4096x768x50304"] = (exp_logits_fix, (S((4096, 768), bf), S((768, 50304), bf), S((4096, 50304), bf),
+                                                            S((4096,), jnp.int32), S((4096,), jnp.int32),
+                                                            S((4096,), jnp.float32)))
 found = {}
 with cl.use_backend("cute"):
     for case, (f, avals) in cases.items():
@@ -1462,7 +1466,8 @@ print(json.dumps(found))
 # The GEMM kernels each case lowers
 PTXAS_CASE_KERNELS = {"forward_8192x4096x4096_small_m": 1, "forward_8192x4096x4096_default": 1,
                       "forward_8192x4096x4096_wide": 1, "fc1_gelu_forward": 1, "fc1_gelu_train_step": 3,
-                      "swiglu_forward": 1, "decode_split_k_16x4096x4096": 1, "lm_head_exp_4096x4096x131072": 1}
+                      "swiglu_forward": 1, "decode_split_k_16x4096x4096": 1, "lm_head_exp_4096x4096x131072": 1,
+                      "lm_head_exp_fix_4096x768x50304": 1}
 # The cases whose kernel has 64-row tiles (one consumer warpgroup)
 ROW_BOX_CASES = {"forward_8192x4096x4096_small_m", "decode_split_k_16x4096x4096"}
 
@@ -1477,7 +1482,7 @@ def test_ptxas_neither_serializes_the_wgmmas_nor_spills(tmp_path):
     # the pingpong "default" config) with bias and gelu -- its inference forward, and its training
     # forward storing z, input gradient through gelu' and stream-K weight gradient with the bias
     # sums -- a swiglu forward, a decode step's split-K forward (16 x 4096 x 4096) and an LM head
-    # chunk's logits GEMM with the exp epilogue.
+    # chunk's logits GEMM with the exp epilogue, and at GPT-2 size its pass over flagged rows.
     # None spills (ptxas -v: 0 bytes spill stores for each, before the change as after).
     from cutelayers.kernels.gemm import ROW_BOX
 
