@@ -130,7 +130,7 @@ class Epilogue:
     # residual, stored preact, grad_of and gated.
     exp_row_sums: bool = False
     # With exp_row_sums, the LM head's second pass over its rows out of the exponential's range
-    # (:meth:`HopperGemmKernel.next_flagged`): only the tiles holding a flagged row run, and
+    # (:meth:`HopperGemmKernel.skip_unflagged`): only the tiles holding a flagged row run, and
     # c = exp(min(z - shift[m], EXP_CLAMP)) is written over the first pass's c (given as an
     # operand, in place); per row and ROW_SUM_BLOCK columns also the block's max of z - shift[m]
     # and its entry at the row's label column (-inf elsewhere), float32 (M, blocks, L) each.

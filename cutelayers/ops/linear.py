@@ -483,7 +483,7 @@ class LinearForward(GemmFamily):
 
     def per_shard(self, rule, ctx, x, w, *rest):
         if self.exp_row_sums:
-            return self.exp_row_sums_per_shard(rule, ctx, x, w, *rest)
+            return self.exp_row_sums_per_shard(ctx, x, w, *rest)
         fused = self.activation != "none" or self.has_bias or self.has_residual
         if not (fused and ctx.sharded("k")):
             return super().per_shard(rule, ctx, x, w, *rest)
@@ -500,7 +500,7 @@ class LinearForward(GemmFamily):
         (partial,) = LinearForward("none", False, False, False, self.config, self.kernel_nk).run_local(x, w)
         return ctx.psum(partial, {"k"})[0]
 
-    def exp_row_sums_per_shard(self, rule, ctx, x, w, *rest):
+    def exp_row_sums_per_shard(self, ctx, x, w, *rest):
         """One device's exp GEMM. Over a split contraction the exponential waits for the psum
         (the reference epilogue after a plain GEMM). Over split columns the row sums' blocks
         combine over the column devices (:func:`combine_column_blocks`)."""
@@ -655,18 +655,10 @@ class ExpLogitsFix(GemmFamily):
         flagged row's -- and only those: the kernel's tiles hold others too, whose e they
         recompute with their own shift."""
         z = product - shift[0]
-        new = jnp.exp(jnp.minimum(z, EXP_CLAMP))
-        m, n = z.shape
-        blocks = -(-n // ROW_SUM_BLOCK)
-
-        def per_block(a, pad_value):
-            return jnp.pad(a, ((0, 0), (0, blocks * ROW_SUM_BLOCK - n)), constant_values=pad_value).reshape(
-                m, blocks, ROW_SUM_BLOCK)
-
-        at_label = jnp.where(jnp.arange(n)[None] == labels[0], z, -jnp.inf)
-        e = jnp.where(flags[0] != 0, new.astype(e.dtype), e[0])
-        return (e[None], per_block(new, 0.0).sum(-1)[None], per_block(z, -jnp.inf).max(-1)[None],
-                per_block(at_label, -jnp.inf).max(-1)[None])
+        new, sums = exp_row_sums_reference(z, e.dtype)
+        at_label = jnp.where(jnp.arange(z.shape[1])[None] == labels[0], z, -jnp.inf)
+        e = jnp.where(flags[0] != 0, new[0], e[0])
+        return e[None], sums, row_blocks(z, -jnp.inf).max(-1)[None], row_blocks(at_label, -jnp.inf).max(-1)[None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -907,10 +899,15 @@ def exp_row_sums_reference(product, dtype):
     """(exp(min(z, EXP_CLAMP))[None] in ``dtype``, its float32 sums over every ROW_SUM_BLOCK
     columns [None]) for the product z (M, N) = x @ kernel: what an ``exp_row_sums`` GEMM returns."""
     e = jnp.exp(jnp.minimum(product.astype(jnp.float32), EXP_CLAMP))
-    m, n = e.shape
+    return e.astype(dtype)[None], row_blocks(e, 0.0).sum(-1)[None]
+
+
+def row_blocks(a, fill: float):
+    """(M, N) as (M, ceil(N / ROW_SUM_BLOCK), ROW_SUM_BLOCK), the last block filled out with
+    ``fill``: the blocks an exp GEMM reduces per row."""
+    m, n = a.shape
     blocks = -(-n // ROW_SUM_BLOCK)
-    sums = jnp.pad(e, ((0, 0), (0, blocks * ROW_SUM_BLOCK - n))).reshape(m, blocks, ROW_SUM_BLOCK).sum(-1)
-    return e.astype(dtype)[None], sums[None]
+    return jnp.pad(a, ((0, 0), (0, blocks * ROW_SUM_BLOCK - n)), constant_values=fill).reshape(m, blocks, ROW_SUM_BLOCK)
 
 
 def exp_logits(x, kernel, kernel_nk: bool = False):

@@ -314,7 +314,7 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
         return (total, lse), grads
 
     def exp_chunk(h_c, y_c, kernel) -> ExpChunk:
-        """One chunk's exp GEMM (P and its row sums S), its second pass over the rows out of the
+        """One chunk's exp GEMM (P and its row sums S), its two passes over the rows out of the
         exponential's range, and what the exp path reads of them (module docstring)."""
         valid = jnp.ones(y_c.shape, bool) if ignore_index is None else y_c != ignore_index
         p, sums = exp_logits(h_c, kernel, kernel_nk=vocab_major)
@@ -340,10 +340,9 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
         s = jnp.where(out, jnp.sum(sums, axis=-1), s)
         lse = shift + jnp.log(s)
         z_y = jnp.where(out, jnp.max(at_label, axis=-1), jnp.log(jnp.where(out, 1.0, p_y)))
-        counted = valid & known
-        loss = jnp.where(counted, lse - z_y + z_loss * lse**2, 0.0)
-        loss = jnp.where(valid & ~known, jnp.nan, loss)
-        return ExpChunk(p, rows, y_safe, s, lse, loss, counted, valid & ~known)
+        counted, unknown = valid & known, valid & ~known
+        loss = jnp.where(unknown, jnp.nan, jnp.where(counted, lse - z_y + z_loss * lse**2, 0.0))
+        return ExpChunk(p, rows, y_safe, s, lse, loss, counted, unknown)
 
     def exp_forward(h, labels, kernel):
         """forward's exp path: per chunk the exp GEMM's row sums give lse and the loss."""
