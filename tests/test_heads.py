@@ -374,6 +374,60 @@ def test_vmap_jit_grad_compositions(rng):
             np.testing.assert_allclose(g, g_ref, **tol)
 
 
+@pytest.mark.parametrize("on_kernels", [pytest.param(False), pytest.param(True, marks=pytest.mark.gpu)],
+                         ids=["reference", "gpu"])
+def test_exp_path_under_vmap(on_kernels, rng):
+    """The exp path (bfloat16, no bias) under jax.vmap: nested vmaps, a per-example kernel,
+    grad(vmap) and vmap(grad) against the reference, with a row past the clamp in one example
+    only (its passes over flagged rows run on the folded rows of all examples)."""
+    h, kernel, _, labels = head_operands(rng, (3, 2, 70), 32, 200, jnp.bfloat16, ignore_index=-100)
+    h = h.at[1, 0, 9].multiply(100.0)
+
+    def ours(h, labels, kernel):
+        return linear_cross_entropy(h, kernel, labels, ignore_index=-100, chunk_size=64)
+
+    def ref(h, labels, kernel):
+        return reference_loss(f32_logits(h, kernel, None), labels, -100)
+
+    shared = (0, 0, None)
+    f32 = lambda *a: tuple(x.astype(F32) if x.dtype == jnp.bfloat16 else x for x in a)
+    args = (h, labels, kernel)
+    with cl.use_backend("cute") if on_kernels else contextlib.nullcontext():
+        nested = jax.jit(jax.vmap(jax.vmap(ours, shared), shared))(*args)
+        kernels = jnp.stack([kernel, -kernel, 2 * kernel])
+        per_kernel = jax.jit(jax.vmap(ours, (0, 0, 0)))(h, labels, kernels)
+        total = lambda f: lambda *a: jnp.sum(jax.vmap(f, shared)(*a))
+        grads = jax.jit(jax.grad(total(ours), (0, 2)))(*args)
+        per_example = jax.jit(jax.vmap(jax.grad(ours, 2), shared))(*args)
+    assert_close(nested, jax.vmap(jax.vmap(ref, shared), shared)(*f32(*args)), jnp.bfloat16)
+    assert_close(per_kernel, jax.vmap(ref, (0, 0, 0))(*f32(h, labels, kernels)), jnp.bfloat16)
+    for g, g_ref in zip(grads, jax.grad(total(ref), (0, 2))(*f32(*args)), strict=True):
+        assert_close(g, g_ref, jnp.bfloat16, scale=2.0)
+    assert per_example.shape == (3, *kernel.shape)
+    assert_close(per_example, jax.vmap(jax.grad(ref, 2), shared)(*f32(*args)), jnp.bfloat16, scale=2.0)
+
+
+@pytest.mark.cute
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_exp_path_under_vmap_lowers_to_one_launch_per_kernel(reduction):
+    """A vmapped head's batch folds into the exp GEMM's rows and those of its passes: the launches
+    of the unbatched call, on every example's tokens at once."""
+    batch, tokens, hidden, vocab = 4, 512, 128, 1024
+    S = jax.ShapeDtypeStruct
+
+    def loss(h, kernel, labels):
+        return jnp.sum(linear_cross_entropy(h, kernel, labels, reduction=reduction))
+
+    batched = jax.vmap(loss, (0, None, 0))
+    hlo = lower_cuda(jax.value_and_grad(lambda *a: jnp.sum(batched(*a)), (0, 1)), S((batch, tokens, hidden), jnp.bfloat16),
+                     S((hidden, vocab), jnp.bfloat16), S((batch, tokens), jnp.int32))
+    exp_gemms = 1 + (reduction == "none")  # one chunk; per-token losses recompute it in the backward
+    calls = collections.Counter(kernel_targets(hlo))
+    assert calls["linear_fwd"] == exp_gemms and calls["linear_exp_fix"] == 2 * exp_gemms, calls
+    fixes = [line for line in hlo.splitlines() if "@cutelayers_linear_exp_fix" in line]
+    assert all(f"tensor<1x{batch * tokens}x{hidden}xbf16>" in line for line in fixes), fixes
+
+
 def test_no_tokens_by_vocab_array(rng):
     tokens, hidden, vocab, chunk = 2048, 64, 512, 256
     S = jax.ShapeDtypeStruct

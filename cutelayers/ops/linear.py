@@ -912,16 +912,24 @@ def row_blocks(a, fill: float):
 
 def exp_logits(x, kernel, kernel_nk: bool = False):
     """(exp(min(x @ kernel, EXP_CLAMP)), its float32 row sums over every ROW_SUM_BLOCK columns)
-    for x (M, K), kernel (K, N) -- (N, K) if ``kernel_nk``: a vocabulary-major table, read as
-    stored --, both x's dtype: one GEMM whose epilogue takes the exponential and sums it
-    (``Epilogue.exp_row_sums``; the LM head's logits take no bias). The values are finite; a row
-    with logits past EXP_CLAMP, or all far below 0 (sums underflowing), is wrong or imprecise: the
-    caller checks the sums (:mod:`cutelayers.ops.lm_head`). Under a sharded N (a vocabulary split)
-    only the sums' total over the blocks is defined (``LinearForward.exp_row_sums_per_shard``)."""
-    operands = [x[None], kernel[None]]
-    family = LinearForward("none", False, False, False, kernel_nk=kernel_nk, exp_row_sums=True)
-    e, sums = kernel_call(resolve(family, operands), *operands)
-    return e[0], sums[0]
+    for x (..., K), kernel (K, N) -- (N, K) if ``kernel_nk``: a vocabulary-major table, read as
+    stored --, both x's dtype: one GEMM on x's rows whose epilogue takes the exponential and sums
+    it (``Epilogue.exp_row_sums``; the LM head's logits take no bias). The values are finite; a
+    row with logits past EXP_CLAMP, or all far below 0 (sums underflowing), is wrong or imprecise:
+    the caller checks the sums (:mod:`cutelayers.ops.lm_head`). Under a sharded N (a vocabulary
+    split) only the sums' total over the blocks is defined (``LinearForward.exp_row_sums_per_shard``).
+    vmappable: batch dims fold into the rows."""
+    return _exp_logits_fn(kernel_nk)(x, kernel)
+
+
+@functools.cache
+def _exp_logits_fn(kernel_nk: bool):
+    def exp_rows(x, kernel):
+        operands = [_as_rows(x), kernel[None]]
+        family = LinearForward("none", False, False, False, kernel_nk=kernel_nk, exp_row_sums=True)
+        return tuple(_from_rows(r, x.shape[:-1]) for r in kernel_call(resolve(family, operands), *operands))
+
+    return fold_batch(exp_rows, shared=(1,))
 
 
 def exp_logits_fix(x, kernel, e, flags, labels, shift, kernel_nk: bool = False):
@@ -932,22 +940,40 @@ def exp_logits_fix(x, kernel, e, flags, labels, shift, kernel_nk: bool = False):
     is, it costs a launch and a read of the flags, and the program has no data-dependent control
     flow (which would make the host wait for the device).
 
-    x (M, K), kernel (K, N) -- (N, K) if ``kernel_nk`` --, e (M, N) x's dtype; flags, labels
-    (M,) integers (a label outside [0, N) matches no column); shift (M,) float32. Returns (e,
-    sums, block max, label entries): the last three (M, ceil(N / ROW_SUM_BLOCK)) float32, per
+    x (..., K), kernel (K, N) -- (N, K) if ``kernel_nk`` --, e (..., N) x's dtype; flags, labels
+    (...) integers (a label outside [0, N) matches no column); shift (...) float32. Returns (e,
+    sums, block max, label entries): the last three (..., ceil(N / ROW_SUM_BLOCK)) float32, per
     flagged row and ROW_SUM_BLOCK columns the sum of the new e (before its rounding), the max of
     x @ kernel - shift, and its entry at the label's column (-inf in the other blocks); on other
     rows undefined. Under a sharded N only the blocks' total (sum, max) is defined
-    (:func:`combine_column_blocks`)."""
-    m = x.shape[0]
+    (:func:`combine_column_blocks`). vmappable: batch dims fold into the rows."""
+    return _exp_logits_fix_fn(kernel_nk)(x, kernel, e, flags, labels, shift)
 
-    def per_row(a, dtype):
-        return a.astype(dtype).reshape(1, m, 1)
 
-    operands = [x[None], kernel[None], e[None], per_row(flags, jnp.int32), per_row(labels, jnp.int32),
-                per_row(shift, jnp.float32)]
-    results = kernel_call(resolve(ExpLogitsFix(kernel_nk=kernel_nk), operands), *operands)
-    return tuple(r[0] for r in results)
+@functools.cache
+def _exp_logits_fix_fn(kernel_nk: bool):
+    def fix_rows(x, kernel, e, flags, labels, shift):
+        lead = x.shape[:-1]
+
+        def per_row(a, dtype):
+            return a.astype(dtype).reshape(1, -1, 1)
+
+        operands = [_as_rows(x), kernel[None], _as_rows(e), per_row(flags, jnp.int32), per_row(labels, jnp.int32),
+                    per_row(shift, jnp.float32)]
+        results = kernel_call(resolve(ExpLogitsFix(kernel_nk=kernel_nk), operands), *operands)
+        return tuple(_from_rows(r, lead) for r in results)
+
+    return fold_batch(fix_rows, shared=(1,))
+
+
+def _as_rows(a):
+    """(..., F) as the kernels' (1, rows, F)."""
+    return a.reshape(1, -1, a.shape[-1])
+
+
+def _from_rows(a, lead):
+    """A kernel's (1, rows, F) result as (*lead, F)."""
+    return a.reshape(*lead, a.shape[-1])
 
 
 def preact_grad(z, dy, activation: str):
