@@ -88,6 +88,7 @@ GROUP_N = 16  # most cluster columns per rasterization group (H200, GPT-2 qkv fo
 PRODUCER_REGISTERS = 40  # the TMA warpgroup only computes addresses (and, with ``sums``, adds)
 SUM_WARPS = 3  # the producer warpgroup's idle warps: they sum an operand (``sums``)
 SUM_VECTOR = 8  # elements a summing lane loads at once (16 bytes of bfloat16 / float16)
+FLAG_SCAN_LOADS = 8  # loads a thread has in flight in exp_fix_rows' scan of the row flags
 CONSUMER_REGISTERS = 232  # accumulators: 40 * 128 + 232 * 256 fits the SM's 64K registers
 # Named barriers: 1 + group for a group's epilogue, MMA_TURN_BARRIER + warpgroup for pingpong's
 # mainloop turns.
@@ -629,6 +630,8 @@ class HopperGemmKernel:
                   "source_barriers": cute.struct.MemRange[cutlass.Int64, SOURCE_STAGES * groups * 2]}
         if const_expr(split):
             fields["partials_barrier"] = cute.struct.MemRange[cutlass.Int64, 1]
+        if const_expr(epilogue.exp_fix_rows):
+            fields["flagged_warps"] = cute.struct.MemRange[Int32, config.threads // 32]  # any_flagged_row
         fields["sa"] = cute.struct.Align[cute.struct.MemRange[a.element_type, cute.cosize(a_smem)], 1024]
         fields["sb"] = cute.struct.Align[cute.struct.MemRange[b.element_type, cute.cosize(b_smem)], 1024]
         fields["sc"] = cute.struct.Align[cute.struct.MemRange[c.element_type, cute.cosize(epi_smem)], 1024]
@@ -718,7 +721,8 @@ class HopperGemmKernel:
         flags,  # stream-K's workspace: its ready flags and partial tiles (``fix_up``), or None
         workspace,
         row_sums,  # exp_row_sums' (M, N / ROW_SUM_BLOCK, L) float32 result, or None
-        fix_rows,  # exp_fix_rows' (flags, labels, shifts, block max, label entries), or None
+        fix_rows,  # exp_fix_rows' (flags, labels, shifts, block max, label entries), or None; the
+        # prologue adds whether any row is flagged
         a_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
         epi_smem: cute.ComposedLayout,
@@ -780,6 +784,8 @@ class HopperGemmKernel:
         # split-K: every CTA's barriers initialized before any peer sends it a partial tile
         sync_mn = (split, 1) if const_expr(split > 1) else cluster_mn
         pipeline.pipeline_init_arrive(cluster_shape_mn=sync_mn, is_relaxed=True)
+        if const_expr(fix_rows is not None):
+            fix_rows = fix_rows + (self.any_flagged_row(fix_rows[0], c_shape[0], storage, tidx, warp),)
 
         # (tile, tile_k, tiles, k tiles, L) views of A and B (per plane if split), split for
         # (multicast) TMA.
@@ -811,7 +817,7 @@ class HopperGemmKernel:
                 producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 work = scheduler.initial_work_tile_info()
                 if const_expr(fix_rows is not None):
-                    scheduler, work = self.skip_unflagged(scheduler, work, fix_rows[0], c_shape[0])
+                    scheduler, work = self.skip_unflagged(scheduler, work, fix_rows, c_shape[0])
                 while work.is_valid_tile:
                     m, n, batch, k0, k_count = self.work_unit(work.tile_idx, tile_steps)
                     for kk in cutlass.range(k_count, unroll=1):
@@ -877,7 +883,7 @@ class HopperGemmKernel:
             tiles_done = Int32(0)
             work = scheduler.initial_work_tile_info()
             if const_expr(fix_rows is not None):
-                scheduler, work = self.skip_unflagged(scheduler, work, fix_rows[0], c_shape[0])
+                scheduler, work = self.skip_unflagged(scheduler, work, fix_rows, c_shape[0])
             if const_expr(config.pingpong):
                 # Warpgroup 1 takes the odd tiles: it starts one tile (and its stages) later, and
                 # lets warpgroup 0 take the first mainloop turn.
@@ -983,21 +989,46 @@ class HopperGemmKernel:
             for _ in cutlass.range_constexpr(count):
                 scheduler.advance_to_next_work()
                 work = scheduler.get_current_work()
-                scheduler, work = self.skip_unflagged(scheduler, work, fix_rows[0], rows)
+                scheduler, work = self.skip_unflagged(scheduler, work, fix_rows, rows)
         return scheduler, work
 
     @cute.jit
-    def skip_unflagged(self, scheduler, work, flags, rows):
+    def skip_unflagged(self, scheduler, work, fix_rows, rows):
         """(scheduler, its work) moved on from ``work`` to the first tile, ``work``'s own
-        included, that holds a row whose int32 ``flags`` (M, 1, 1) entry is not 0 (or past the
-        last tile): exp_fix_rows' pass runs only those. When no row is flagged every CTA walks its
-        tiles' flags and exits, a few microseconds."""
+        included, that holds a row whose int32 flags (M, 1, 1) entry ``fix_rows[0]`` is not 0 (or
+        past the last tile): exp_fix_rows' pass runs only those. When no row is flagged
+        (``fix_rows[-1]``, :meth:`any_flagged_row`) there is no such tile."""
+        flags = fix_rows[0]
+        work = utils.WorkTileInfo(work.tile_idx, work.is_valid_tile & fix_rows[-1])
         searching = work.is_valid_tile & self.no_flagged_row(work, flags, rows)
         while searching:
             scheduler.advance_to_next_work()
             work = scheduler.get_current_work()
             searching = work.is_valid_tile & self.no_flagged_row(work, flags, rows)
         return scheduler, work
+
+    @cute.jit
+    def any_flagged_row(self, flags, rows, storage, tidx, warp):
+        """Whether any of the ``rows`` int32 ``flags`` (M, 1, 1) is not 0: every thread of the CTA
+        reads its share (FLAG_SCAN_LOADS loads in flight at a time), each warp's vote goes to
+        shared memory, and after a barrier of the whole CTA each thread ORs the warps'. It spares
+        the common launch -- no row flagged -- a walk over the flags of each of its tiles (one
+        load's latency a tile: tens of microseconds a launch)."""
+        threads = self.config.threads
+        found = Int32(0)
+        for base in cutlass.range(0, rows, threads * FLAG_SCAN_LOADS, unroll=1):
+            for j in cutlass.range_constexpr(FLAG_SCAN_LOADS):
+                row = base + j * threads + tidx
+                found = found | cutlass.select_(row < rows, flags[(cutlass.min(row, rows - 1), 0, 0)], Int32(0))
+        voted = storage.flagged_warps.get_tensor(cute.make_layout(threads // 32))
+        in_warp = cutlass.select_(cute.arch.vote_any_sync(found != Int32(0)), Int32(1), Int32(0))  # every lane votes
+        if cute.arch.lane_idx() == 0:
+            voted[warp] = in_warp
+        cute.arch.barrier()
+        flagged = Int32(0)
+        for w in cutlass.range_constexpr(threads // 32):
+            flagged = flagged | voted[w]
+        return flagged != Int32(0)
 
     @cute.jit
     def no_flagged_row(self, work, flags, rows):
