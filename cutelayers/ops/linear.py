@@ -420,8 +420,24 @@ class GemmFamily(TunableFamily):
         return Planes()
 
 
+class ForwardGemm(GemmFamily):
+    """A family whose GEMM is the forward's: x (1, M, K) @ kernel (1, K, N) -- (1, N, K) if
+    ``kernel_nk`` --, its first two operands; other operands and results are rows (1, M, F) or
+    vectors."""
+
+    def gemm_modes(self, position):
+        weight = _ROWS if self.kernel_nk else _WEIGHT_AS_N_K
+        return {"rows": _ROWS, "weight": weight, "vector": None}[self.kinds()[position]]
+
+    def layer_dims(self, avals):
+        return self.kernel_kn(avals[1])
+
+    def gemm_shape(self, avals):
+        return avals[0].shape[1], self.kernel_kn(avals[1])[1], avals[0].shape[2]  # x (1, M, K)
+
+
 @dataclasses.dataclass(frozen=True)
-class LinearForward(GemmFamily):
+class LinearForward(ForwardGemm):
     """Kernel family: y (1, M, N) [, z (1, M, N)] from x (1, M, K), kernel (1, K, N)
     [, bias (N,)] [, residual (1, M, N)]; all one dtype (bfloat16 / float16).
 
@@ -452,10 +468,6 @@ class LinearForward(GemmFamily):
         return (("rows", "weight") + ("vector",) * self.has_bias + ("rows",) * self.has_residual
                 + ("rows",) * (1 + self.store_preact + self.exp_row_sums))
 
-    def gemm_modes(self, position):
-        weight = _ROWS if self.kernel_nk else _WEIGHT_AS_N_K
-        return {"rows": _ROWS, "weight": weight, "vector": None}[self.kinds()[position]]
-
     def factors(self):
         # K sharded: row-parallel (partial sums); N sharded: column-parallel. A gated layer's rows
         # only: its activation pairs columns 2H apart and needs the whole contraction.
@@ -468,12 +480,6 @@ class LinearForward(GemmFamily):
         # the row sums carry no "n": over split columns each device's are partial, psum'd
         # (:meth:`exp_row_sums_per_shard`)
         return operands, (rows_n,) * (1 + self.store_preact) + ((None, "rows", None),) * self.exp_row_sums
-
-    def layer_dims(self, avals):
-        return self.kernel_kn(avals[1])
-
-    def gemm_shape(self, avals):
-        return avals[0].shape[1], self.kernel_kn(avals[1])[1], avals[0].shape[2]  # x (1, M, K)
 
     def gated_block(self, config) -> int:
         return config.tile_n // 2  # the tile's columns are both halves' blocks
@@ -572,7 +578,7 @@ def combine_column_blocks(ctx, blocks, n_local: int, how: str):
 
 
 @dataclasses.dataclass(frozen=True)
-class ExpLogitsFix(GemmFamily):
+class ExpLogitsFix(ForwardGemm):
     """Kernel family: the LM head's exp GEMM again over the rows out of the exponential's range
     (:func:`exp_logits_fix`). Operands x (1, M, K), kernel (1, K, N) -- (1, N, K) if
     ``kernel_nk`` --, e (1, M, N) a first pass's exp, rewritten in place; flags and labels
@@ -591,20 +597,9 @@ class ExpLogitsFix(GemmFamily):
     def kinds(self):
         return ("rows", "weight") + ("rows",) * 8
 
-    def gemm_modes(self, position):
-        if self.kinds()[position] == "weight":
-            return _ROWS if self.kernel_nk else _WEIGHT_AS_N_K
-        return _ROWS
-
     def factors(self):
         rows_n, row = (None, "rows", "n"), (None, "rows", None)
         return ((None, "rows", "k"), self.kernel_factor(), rows_n, row, row, row), (rows_n, row, row, row)
-
-    def layer_dims(self, avals):
-        return self.kernel_kn(avals[1])
-
-    def gemm_shape(self, avals):
-        return avals[0].shape[1], self.kernel_kn(avals[1])[1], avals[0].shape[2]
 
     @property
     def takes_split_k(self) -> bool:
