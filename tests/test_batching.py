@@ -127,6 +127,9 @@ CASES = [
     Case("mlp", lambda x, w1, b1, w2, b2: ops.mlp(x, w1, b1, w2, b2), _mlp, (1, 2, 3, 4), (0, 1, 2, 3, 4), BF16),
     Case("linear_cross_entropy", lambda h, labels, k, b: ops.linear_cross_entropy(h, k, labels, bias=b), _lm_head,
          (2, 3), (0, 2, 3), BF16, rows_fold=False),
+    # no bias: the exp path (the exp GEMM and its passes over flagged rows)
+    Case("linear_cross_entropy_exp", lambda h, labels, k: ops.linear_cross_entropy(h, k, labels),
+         lambda rng, lead, dtype: _lm_head(rng, lead, dtype)[:3], (2,), (0, 2), BF16, rows_fold=False),
     Case("masked_mean_pool", ops.masked_mean_pool, _pool),
     Case("embed", lambda ids, table: ops.embed(table, ids), _embed, (1,), (1,)),
     Case("cute_call custom_op", _row_scale_op, _row_scale, (), (0, 1), cute=True),
