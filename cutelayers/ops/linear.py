@@ -992,7 +992,7 @@ def _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kerne
     if not use_kernels:
         y, z = forward_reference(x, as_kn(kernel, kernel_nk), bias, residual, activation, precision)
         return (y, z) if store_preact else (y,)
-    rows = x.reshape(1, -1, x.shape[-1])
+    rows = _as_rows(x)
     m = rows.shape[1]
     widths = (n // 2 if gated else n, n)[:1 + store_preact]
     if m == 0:
@@ -1030,7 +1030,7 @@ def _input_grad_rows(dz, kernel, preact, grad_of, use_kernels, precision, kernel
         if preact is not None:
             product = preact_grad(preact, product, grad_of)
         return product.astype(dz.dtype)
-    rows = dz.reshape(1, -1, dz.shape[-1])
+    rows = _as_rows(dz)
     (_, m, n) = rows.shape
     if m == 0:
         return jnp.zeros((*lead, width), dz.dtype)
