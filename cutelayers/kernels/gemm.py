@@ -1019,7 +1019,7 @@ class HopperGemmKernel:
         for base in cutlass.range(0, rows, threads * FLAG_SCAN_LOADS, unroll=1):
             for j in cutlass.range_constexpr(FLAG_SCAN_LOADS):
                 row = base + j * threads + tidx
-                found = found | cutlass.select_(row < rows, flags[(cutlass.min(row, rows - 1), 0, 0)], Int32(0))
+                found = found | self.row_flag(flags, row, rows)
         voted = storage.flagged_warps.get_tensor(cute.make_layout(threads // 32))
         in_warp = cutlass.select_(cute.arch.vote_any_sync(found != Int32(0)), Int32(1), Int32(0))  # every lane votes
         if cute.arch.lane_idx() == 0:
@@ -1043,8 +1043,14 @@ class HopperGemmKernel:
         found = Int32(0)
         for j in cutlass.range_constexpr(config.tile_m * config.cluster_m // 32):
             row = m * config.tile_m + lane + 32 * j
-            found = found | cutlass.select_(row < rows, flags[(cutlass.min(row, rows - 1), 0, 0)], Int32(0))
+            found = found | self.row_flag(flags, row, rows)
         return cute.arch.vote_all_sync(found == Int32(0))
+
+    @cute.jit
+    def row_flag(self, flags, row, rows):
+        """The int32 ``flags`` (M, 1, 1) entry of ``row``, 0 past the ``rows`` (M >= 1): read
+        clamped to the last row, so no load leaves the tensor."""
+        return cutlass.select_(row < rows, flags[(cutlass.min(row, rows - 1), 0, 0)], Int32(0))
 
     @cute.jit
     def mma_k_tile(self, tiled_mma, acc, frag_a, frag_b, k_blocks: cutlass.Constexpr, loads, consumer, released,
