@@ -641,12 +641,14 @@ def exp_fix_expected(x, w, e, flags, labels, shift):
     z = np.asarray(x, np.float64) @ np.asarray(w, np.float64) - np.asarray(shift, np.float64)[:, None]
     m, n = z.shape
     blocks = -(-n // 64)
+
+    def per_block(a, fill):  # (m, blocks, 64): the last block filled out with ``fill``
+        return np.pad(a, ((0, 0), (0, blocks * 64 - n)), constant_values=fill).reshape(m, blocks, 64)
+
     new = np.exp(np.minimum(z, 80.0))
-    padded = np.pad(z, ((0, 0), (0, blocks * 64 - n)), constant_values=-np.inf).reshape(m, blocks, 64)
     at_label = np.where(np.arange(n)[None] == np.asarray(labels)[:, None], z, -np.inf)
     return (np.where(np.asarray(flags)[:, None] != 0, new, np.asarray(e, np.float64)),
-            np.pad(new, ((0, 0), (0, blocks * 64 - n))).reshape(m, blocks, 64).sum(-1), padded.max(-1),
-            np.pad(at_label, ((0, 0), (0, blocks * 64 - n)), constant_values=-np.inf).reshape(m, blocks, 64).max(-1))
+            per_block(new, 0.0).sum(-1), per_block(z, -np.inf).max(-1), per_block(at_label, -np.inf).max(-1))
 
 
 def exp_fix_operands(rng, m, k, n, flagged):
