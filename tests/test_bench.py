@@ -63,12 +63,34 @@ def test_bench_norms_returns_the_residual_adds_shared_gradient_once():
     assert len(_fwd_bwd(_plain_add(False))(dy, x, residual, scale)[1]) == 3
 
 
+def test_bench_norms_step_pass_orders_the_backward_after_the_forward():
+    # The "step" pass: dy goes through an optimization_barrier with y (XLA cannot fuse the
+    # backward's reads of x into the forward's pass, as it can when dy is given up front); its
+    # values are the plain fwd+bwd's, for the plain norm and for the residual add's two results.
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from cutelayers.bench.norms import _fwd_bwd, _plain, _plain_add
+
+    kx, kr, kd = jax.random.split(jax.random.key(5), 3)
+    x, residual, dy = (jax.random.normal(k, (7, 40), jnp.float32) for k in (kx, kr, kd))
+    scale, bias = jnp.linspace(0.5, 1.5, 40), jnp.linspace(-0.2, 0.2, 40)
+    for f, args, shared in ((_plain(True), (x, scale, bias), False), (_plain_add(False), (x, residual, scale), True)):
+        step = jax.jit(_fwd_bwd(f, shared_grad=shared, step=True))
+        assert "optimization_barrier" in step.lower(dy, *args).as_text()
+        assert "optimization_barrier" not in jax.jit(_fwd_bwd(f, shared_grad=shared)).lower(dy, *args).as_text()
+        got, want = step(dy, *args), _fwd_bwd(f, shared_grad=shared)(dy, *args)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+
+
 def test_bench_norms_rejects_unknown_ops_and_passes():
     from cutelayers.bench.norms import bench_norms
 
     with pytest.raises(ValueError, match=r"ops \('layernorm',\): choose one or more of"):
         bench_norms([128], ops=("layernorm",))
-    with pytest.raises(ValueError, match=r"passes \(\): choose one or more of \('fwd', 'fwd\+bwd'\)"):
+    with pytest.raises(ValueError, match=r"passes \(\): choose one or more of \('fwd', 'fwd\+bwd', 'step'\)"):
         bench_norms([128], passes=())
 
 

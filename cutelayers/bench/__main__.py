@@ -57,14 +57,15 @@ def main(argv=None) -> int:
     red.add_argument("--n", type=int, nargs="+", default=[4096], help="feature sizes N (default 4096)")
     red.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     norms = sub.add_parser("norms", parents=[rows],
-                           help="layer_norm / rms_norm and their fused residual adds, fwd and fwd+bwd vs XLA "
-                                "(x = 256 MiB unless --rows)")
+                           help="layer_norm / rms_norm and their fused residual adds, fwd, fwd+bwd and fwd+bwd "
+                                "as a training step runs them ('step') vs XLA (x = 256 MiB unless --rows)")
     norms.add_argument("--n", type=int, nargs="+", default=NORM_NS)
     norms.add_argument("--rows", type=int, default=None, help="rows M of x (default: x is 256 MiB)")
     norms.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     norms.add_argument("--ops", nargs="+", choices=NORM_OPS, default=NORM_OPS, help="ops to time (default: all)")
     norms.add_argument("--passes", nargs="+", choices=NORM_PASSES, default=NORM_PASSES,
-                       help="passes to time (default: both)")
+                       help="passes to time (default: all; 'step': fwd+bwd with the cotangent given only after "
+                            "the forward's output, as in training)")
     norms.add_argument("--param-dtype", choices=["bfloat16", "float16", "float32"], default=None,
                        help="scale and bias dtype (default: x's; float32 is what Flax's modules train with)")
     soft = sub.add_parser("softmax", parents=[rows],

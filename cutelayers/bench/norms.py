@@ -9,7 +9,13 @@ add_rms_norm) against XLA's compiled jnp formula.
 * ``fwd+bwd``: y, then dx, dscale (and dbias) from x and dy; minimum bytes = 5 |x| (x read by
   both passes, y and dx written, dy read; parameters and row statistics are negligible); with the
   residual add 8 |x| (the backward also reads the sum's gradient; the sum replaces x), the
-  gradient x and the residual share returned once (see ``_fwd_bwd``).
+  gradient x and the residual share returned once (see ``_fwd_bwd``). One program holds both
+  passes with dy given up front, so XLA may fuse them and read x once for y and dx together
+  (below the floor counted here);
+* ``step``: the same work as a training step runs it, where the backward's cotangent exists only
+  after the forward's output (the rest of the network runs between them): dy passes through an
+  ``optimization_barrier`` with y, so neither side can start the backward's reads before y is
+  written. Same minimum bytes as ``fwd+bwd``.
 
 Parameters have x's dtype by default, so every row operand moves in 128-bit vectors; with
 ``param_dtype`` float32 (what Flax's modules train with) they are float32, and both sides still
@@ -58,13 +64,17 @@ def _plain_add(center: bool):
     return add_norm
 
 
-def _fwd_bwd(f, shared_grad: bool = False):
+def _fwd_bwd(f, shared_grad: bool = False, step: bool = False):
     """Forward and backward of f, every result's cotangent dy. ``shared_grad`` (the residual
     adds): x's and the residual's gradients are one value, d(x + residual), returned once -- a
     model reads that one buffer in both places, while a jit returning it twice writes it twice
-    (for the kernels' backward, a copy: 2 |x| more than the floor counts)."""
+    (for the kernels' backward, a copy: 2 |x| more than the floor counts). ``step``: dy reaches
+    the backward only with y written (an ``optimization_barrier`` over both), as in a training
+    step, where dy comes from the layers that read y."""
     def run(dy, *args):
         y, vjp = jax.vjp(f, *args)
+        if step:
+            y, dy = jax.lax.optimization_barrier((y, dy))
         grads = vjp(jax.tree.map(lambda _: dy, y))
         return y, (grads[:1] + grads[2:] if shared_grad else grads)
 
@@ -72,7 +82,7 @@ def _fwd_bwd(f, shared_grad: bool = False):
 
 
 OPS = ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm")
-PASSES = ("fwd", "fwd+bwd")
+PASSES = ("fwd", "fwd+bwd", "step")
 
 
 def bench_norms(ns: list[int] | None = None, dtype=jnp.bfloat16, rows: int | None = None,
@@ -109,7 +119,9 @@ def bench_norms(ns: list[int] | None = None, dtype=jnp.bfloat16, rows: int | Non
             fwd_bytes, fwd_bwd_bytes = (4, 8) if adds else (2, 5)
             for pass_, nbytes, make in (("fwd", fwd_bytes * x_bytes, lambda f: f),
                                         ("fwd+bwd", fwd_bwd_bytes * x_bytes,
-                                         functools.partial(_fwd_bwd, shared_grad=adds))):
+                                         functools.partial(_fwd_bwd, shared_grad=adds)),
+                                        ("step", fwd_bwd_bytes * x_bytes,
+                                         functools.partial(_fwd_bwd, shared_grad=adds, step=True))):
                 if pass_ not in passes:
                     continue
                 args = (x, *params) if pass_ == "fwd" else (dy, x, *params)
