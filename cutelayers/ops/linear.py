@@ -920,9 +920,9 @@ def exp_logits(x, kernel, kernel_nk: bool = False):
 @functools.cache
 def _exp_logits_fn(kernel_nk: bool):
     def exp_rows(x, kernel):
-        operands = [_as_rows(x), kernel[None]]
+        operands = [as_rows(x), kernel[None]]
         family = LinearForward("none", False, False, False, kernel_nk=kernel_nk, exp_row_sums=True)
-        return tuple(_from_rows(r, x.shape[:-1]) for r in kernel_call(resolve(family, operands), *operands))
+        return tuple(from_rows(r, x.shape[:-1]) for r in kernel_call(resolve(family, operands), *operands))
 
     return fold_batch(exp_rows, shared=(1,))
 
@@ -953,20 +953,20 @@ def _exp_logits_fix_fn(kernel_nk: bool):
         def per_row(a, dtype):
             return a.astype(dtype).reshape(1, -1, 1)
 
-        operands = [_as_rows(x), kernel[None], _as_rows(e), per_row(flags, jnp.int32), per_row(labels, jnp.int32),
+        operands = [as_rows(x), kernel[None], as_rows(e), per_row(flags, jnp.int32), per_row(labels, jnp.int32),
                     per_row(shift, jnp.float32)]
         results = kernel_call(resolve(ExpLogitsFix(kernel_nk=kernel_nk), operands), *operands)
-        return tuple(_from_rows(r, lead) for r in results)
+        return tuple(from_rows(r, lead) for r in results)
 
     return fold_batch(fix_rows, shared=(1,))
 
 
-def _as_rows(a):
+def as_rows(a):
     """(..., F) as the kernels' (1, rows, F)."""
     return a.reshape(1, -1, a.shape[-1])
 
 
-def _from_rows(a, lead):
+def from_rows(a, lead):
     """A kernel's (1, rows, F) result as (*lead, F)."""
     return a.reshape(*lead, a.shape[-1])
 
@@ -992,7 +992,7 @@ def _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kerne
     if not use_kernels:
         y, z = forward_reference(x, as_kn(kernel, kernel_nk), bias, residual, activation, precision)
         return (y, z) if store_preact else (y,)
-    rows = _as_rows(x)
+    rows = as_rows(x)
     m = rows.shape[1]
     widths = (n // 2 if gated else n, n)[:1 + store_preact]
     if m == 0:
@@ -1011,7 +1011,7 @@ def _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kerne
     if bias is not None:
         operands.append(bias)
     if residual is not None:
-        operands.append(residual.reshape(1, m, -1))
+        operands.append(as_rows(residual))
     family = LinearForward(act, bias is not None, residual is not None, store_preact, kernel_nk=kernel_nk,
                            gated=gated)
     outs = kernel_call(resolve(family, operands), *operands)
@@ -1030,13 +1030,13 @@ def _input_grad_rows(dz, kernel, preact, grad_of, use_kernels, precision, kernel
         if preact is not None:
             product = preact_grad(preact, product, grad_of)
         return product.astype(dz.dtype)
-    rows = _as_rows(dz)
+    rows = as_rows(dz)
     (_, m, n) = rows.shape
     if m == 0:
         return jnp.zeros((*lead, width), dz.dtype)
     # Too few output tiles to fill the GPU over a long contraction: stream-K, into zeros.
     stream_k = preact is None and stream_k_pays(m, k, n)
-    operands = ((rows, kernel[None]) + (() if preact is None else (preact.reshape(1, -1, width),))
+    operands = ((rows, kernel[None]) + (() if preact is None else (as_rows(preact),))
                 + ((_row_zeros(rows, k),) if stream_k else ()))
     family = LinearInputGrad(act, kernel_nk=kernel_nk, stream_k=stream_k, gated=gated)
     (dx,) = kernel_call(resolve(family, operands), *operands)

@@ -38,6 +38,7 @@ from cutelayers.ops.linear import (
     _matmul,
     _weight_grad_einsum,
     as_kn,
+    as_rows,
     check_kernel_layout,
     check_linear_operands,
     choose_kernels,
@@ -312,7 +313,7 @@ def _weight_grad_kn(x, dys, precision, dtype):
     """xᵀ @ [dy_0 ... dy_{P-1}] (K, N) over all rows, accumulated in float32, in ``dtype``
     (:mod:`cutelayers.ops.linear`'s weight gradient on the parts side by side)."""
     dy = jnp.concatenate(dys, axis=-1)
-    return _weight_grad_einsum(x.reshape(1, -1, x.shape[-1]), dy.reshape(1, -1, dy.shape[-1]), precision, dtype)[0]
+    return _weight_grad_einsum(as_rows(x), as_rows(dy), precision, dtype)[0]
 
 
 # --- kernel calls on (rows, features) arrays -------------------------------------------------------
@@ -322,7 +323,7 @@ def _forward_rows(x, kernel, bias, parts, use_kernels, precision, kernel_nk):
     if not use_kernels:
         y = forward_reference(x, as_kn(kernel, kernel_nk), bias, None, "none", precision)[0]
         return tuple(jnp.split(y, parts, axis=-1))
-    rows = x.reshape(1, -1, x.shape[-1])
+    rows = as_rows(x)
     if rows.shape[1] == 0:
         return (jnp.zeros((*lead, n // parts), x.dtype),) * parts
     operands = [rows, as_planes(kernel, parts, kernel_nk)]
@@ -337,7 +338,7 @@ def _input_grad_rows(dys, kernel, parts, use_kernels, precision, kernel_nk):
     if not use_kernels:
         dy = jnp.concatenate(dys, axis=-1)
         return _matmul(dy, as_kn(kernel, kernel_nk).T, precision).astype(dy.dtype)
-    rows = [dy.reshape(1, -1, dy.shape[-1]) for dy in dys]
+    rows = [as_rows(dy) for dy in dys]
     if rows[0].shape[1] == 0:
         return jnp.zeros((*lead, k), dys[0].dtype)
     operands = (*rows, as_planes(kernel, parts, kernel_nk))
@@ -355,8 +356,8 @@ def _weight_grad_rows(x, dys, kernel_shape, bias_dtype, parts, use_kernels, prec
         dkernel = _weight_grad_kn(x, dys, precision, out_dtype)
         dbias = None if bias_dtype is None else jnp.concatenate([column_sum(dy, bias_dtype) for dy in dys])
         return dkernel.T if kernel_nk else dkernel, dbias
-    rows = x.reshape(1, -1, x.shape[-1])
-    dy_rows = tuple(dy.reshape(1, -1, dy.shape[-1]) for dy in dys)
+    rows = as_rows(x)
+    dy_rows = tuple(as_rows(dy) for dy in dys)
     (m, k), d = rows.shape[1:], dy_rows[0].shape[2]
     out_mn = (d, k) if kernel_nk else (k, d)
     stream_k, into_zeros, tail = weight_grad_schedule(dy_rows[0], *out_mn, m, parts,
