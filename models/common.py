@@ -10,7 +10,9 @@ framework's modules and exposes ``init(config, key, *, stock=False) -> Functiona
 * ``logits(params, inputs)`` -- float32 next-token logits (batch, seq, vocab), for sampling;
 * ``model`` -- the framework object itself.
 
-The forward pass of all three (the ``mlp`` line is one cutelayers ``MLP``: fc2(gelu(fc1(.)))):
+The forward pass of all three (the ``mlp`` line is one cutelayers ``MLP``: fc2(gelu(fc1(.))), or
+with SwiGLU fc2(silu(gate) * value); ``norm`` a LayerNorm or an RMSNorm; ``wpe`` only without
+rotary positions, which ``attention`` then applies to q and k -- :class:`GPTConfig`'s options):
 
     x, pending = wte(tokens) + wpe(positions), None
     per block:  h, x = ln1(pending, residual=x)        # x += pending; h = norm(x): one kernel
@@ -21,7 +23,7 @@ The forward pass of all three (the ``mlp`` line is one cutelayers ``MLP``: fc2(g
 
 (:func:`add_norm`: the first ln1 has nothing pending.)
 
-``stock=True`` builds the twin from the framework's own layers (Dense / Linear / LayerNorm; two
+``stock=True`` builds the twin from the framework's own layers (Dense / Linear / LayerNorm / RMSNorm; two
 Dense / Linear layers where ours has cutelayers' ``MLP``; a Dense / Linear head with ``optax``
 cross-entropy where ours has cutelayers' ``LMHead``) with the same parameter tree: the same key
 paths, shapes and dtypes, so a checkpoint of one loads into the other (:func:`transfer_params`).
@@ -123,11 +125,12 @@ def qkv_split(split: bool) -> dict:
     return {"parts": 3} if split else {}
 
 
-def causal_attention(qkv, n_heads: int) -> jax.Array:
+def causal_attention(qkv, n_heads: int, rotary_theta: float | None = None) -> jax.Array:
     """Causal multi-head self-attention core.
 
     ``qkv``: (..., T, 3 * d) -- queries, keys and values side by side, as one fused projection
-    writes them -- or the tuple (q, k, v) of (..., T, d) arrays (:func:`qkv_split`). Returns
+    writes them -- or the tuple (q, k, v) of (..., T, d) arrays (:func:`qkv_split`). With
+    ``rotary_theta``, q and k first take rotary positions 0..T-1 (:func:`rotary`). Returns
     (..., T, d) in their dtype, computed by cuDNN's fused attention or XLA's
     (:func:`attention_implementation`).
     """
@@ -139,11 +142,35 @@ def causal_attention(qkv, n_heads: int) -> jax.Array:
         d = three_d // 3
         q, k, v = jnp.split(qkv.reshape(*lead, t, 3, n_heads, d // n_heads), 3, axis=-3)
         q, k, v = (a.squeeze(-3) for a in (q, k, v))  # (..., T, H, Dh)
+    if rotary_theta is not None:
+        q, k = rotary(q, rotary_theta), rotary(k, rotary_theta)
     if len(lead) > 1:  # dot_product_attention takes (B, T, H, Dh) or (T, H, Dh)
         q, k, v = (a.reshape(-1, *a.shape[-3:]) for a in (q, k, v))
     implementation = attention_implementation(q.dtype, d // n_heads)
     out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
     return out.reshape(*lead, t, d)
+
+
+def rotary(x: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding of queries or keys ``x`` (..., T, H, Dh) at positions t = 0..T-1:
+    each head's halves (x1, x2) turned by the angles t * theta^(-2i / Dh), i < Dh / 2 -- (x1 cos -
+    x2 sin, x2 cos + x1 sin), Llama's form -- in float32, returned in x's dtype."""
+    t, dh = x.shape[-3], x.shape[-1]
+    inverse_frequencies = theta ** (-jnp.arange(0, dh, 2, dtype=jnp.float32) / dh)
+    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inverse_frequencies[None, :]
+    angles = angles.reshape((1,) * (x.ndim - 3) + (t, 1, dh // 2))  # over (..., T, H, Dh / 2)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def stock_mlp_hidden(z: jax.Array, activation: str) -> jax.Array:
+    """The stock twins' MLP activation of fc1's output ``z``: ``"gelu"`` (jax.nn.gelu's tanh form),
+    or ``"swiglu"``, silu(gate) * value of z's halves -- what cutelayers' ``MLP`` fuses."""
+    if activation == "swiglu":
+        gate, value = jnp.split(z, 2, axis=-1)
+        return jax.nn.silu(gate) * value
+    return jax.nn.gelu(z)
 
 
 def add_norm(norm: Callable, x: jax.Array, pending: jax.Array | None) -> tuple[jax.Array, jax.Array]:
@@ -159,10 +186,11 @@ def add_norm(norm: Callable, x: jax.Array, pending: jax.Array | None) -> tuple[j
 
 def positions(inputs: jax.Array, config: GPTConfig) -> jax.Array:
     """Position ids 0..seq_len-1 of ``inputs`` (..., seq_len), shaped (1, ..., seq_len) to add to
-    its embeddings without rank promotion, after checking they fit the position table."""
+    its embeddings without rank promotion, after checking the sequence fits ``config.seq_len``
+    (the position table's rows; with rotary positions, the longest sequence trained on)."""
     seq_len = inputs.shape[-1]
     if seq_len > config.seq_len:
-        raise ValueError(f"sequence length {seq_len} exceeds the model's position table "
+        raise ValueError(f"sequence length {seq_len} exceeds the model's maximum "
                          f"(config.seq_len={config.seq_len})")
     return jnp.arange(seq_len).reshape((1,) * (inputs.ndim - 1) + (seq_len,))
 

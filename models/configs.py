@@ -14,6 +14,10 @@ presets:
   128, sequence 2048, vocabulary 128256; 1.33B parameters with the untied head), bfloat16: the
   Llama-width shapes of the kernel benchmarks (the MLP 2048 -> 8192 -> 2048, the LM head's
   128256 columns) in a model. GPT's LayerNorm, GELU and biases, not Llama's RMSNorm and SwiGLU.
+* ``llama``  -- the wide preset's shapes with Llama's block design: RMSNorm, a SwiGLU MLP (hidden
+  8192: fc1 writes the gate and value halves, 2 x 8192), no biases, rotary positions in place of
+  the position table (1.60B parameters with the untied head). Still 16 heads of 128 for keys and
+  values too (Llama 3.2 1B shares 8 among 32 query heads of 64), so attention is the wide preset's.
 """
 
 from __future__ import annotations
@@ -22,12 +26,16 @@ import dataclasses
 
 import jax.numpy as jnp
 
+NORMS = ("layer", "rms")
+ACTIVATIONS = ("gelu", "swiglu")
+
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
     """A decoder-only transformer: token + learned position embeddings, ``n_layers`` pre-norm
     blocks (LayerNorm -> causal self-attention -> residual; LayerNorm -> MLP with GELU ->
-    residual), a final LayerNorm and an untied LM head trained with cross-entropy.
+    residual), a final LayerNorm and an untied LM head trained with cross-entropy -- GPT-2's
+    design; ``norm``, ``activation``, ``bias`` and ``rope`` select Llama's parts instead.
 
     ``dtype`` is the compute dtype (activations and the matmul operands); parameters are always
     float32. The CuTe GEMM kernels take bfloat16 / float16 operands, so GPU configs use bfloat16;
@@ -47,6 +55,15 @@ class GPTConfig:
     # result, no concatenation of dq, dk, dv. False keeps the one (..., 3 d) array the stock twin
     # has: what tensor parallelism takes, whose column shards of [q | k | v] are not whole heads.
     split_qkv: bool = True
+    # the block's parts: "layer" (LayerNorm) or "rms" (RMSNorm, a scale and no bias); the MLP's
+    # "gelu" (jax.nn.gelu's tanh form) or "swiglu" (silu(gate) * value, fc1 writing both halves);
+    # biases in the linear layers and LayerNorms; rotary positions on q and k (theta
+    # ``rope_theta``, the halves of each head rotated as in Llama) instead of a position table
+    norm: str = "layer"
+    activation: str = "gelu"
+    bias: bool = True
+    rope: bool = False
+    rope_theta: float = 500000.0
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "n_layers", "d_model", "n_heads", "mlp_ratio"):
@@ -59,6 +76,13 @@ class GPTConfig:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"GPTConfig.dtype must be 'float32', 'bfloat16' or 'float16'; "
                              f"got {self.dtype!r}")
+        for name, allowed in (("norm", NORMS), ("activation", ACTIVATIONS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"GPTConfig.{name} must be one of {', '.join(map(repr, allowed))}; "
+                                 f"got {getattr(self, name)!r}")
+        if self.rope and self.head_dim % 2:
+            raise ValueError(f"GPTConfig: rope=True rotates pairs of a head's features: head_dim="
+                             f"{self.head_dim} (d_model / n_heads) must be even")
 
     @property
     def head_dim(self) -> int:
@@ -77,10 +101,28 @@ class GPTConfig:
         """GPT-2's scaled init for the two projections that write into the residual stream."""
         return self.init_std / (2 * self.n_layers) ** 0.5
 
+    @property
+    def norm_bias(self) -> bool:
+        """Whether the norms have a bias: LayerNorms with ``bias`` (RMSNorm has none)."""
+        return self.bias and self.norm == "layer"
+
+    @property
+    def rotary_theta(self) -> float | None:
+        """``rope_theta`` where ``rope`` is on, else None (:func:`models.common.causal_attention`)."""
+        return self.rope_theta if self.rope else None
+
+    @property
+    def fc1_features(self) -> int:
+        """The MLP's first-layer width: the gate and value halves side by side for SwiGLU."""
+        return 2 * self.d_mlp if self.activation == "swiglu" else self.d_mlp
+
     def num_params(self) -> int:
-        d, v, t, f = self.d_model, self.vocab_size, self.seq_len, self.d_mlp
-        block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
-        return v * d + t * d + self.n_layers * block + 2 * d + d * v
+        d, v, f, f1 = self.d_model, self.vocab_size, self.d_mlp, self.fc1_features
+        b = int(self.bias)
+        norm = d + d * int(self.norm_bias)
+        block = 2 * norm + (d * 3 * d + 3 * d * b) + (d * d + d * b) + (d * f1 + f1 * b) + (f * d + d * b)
+        positions = 0 if self.rope else self.seq_len * d
+        return v * d + positions + self.n_layers * block + norm + d * v
 
 
 CONFIGS: dict[str, GPTConfig] = {
@@ -89,11 +131,14 @@ CONFIGS: dict[str, GPTConfig] = {
     "deep24": GPTConfig(seq_len=128, n_layers=24, d_model=128, n_heads=4, dtype="bfloat16"),
     "gpt2": GPTConfig(vocab_size=50304, seq_len=1024, n_layers=12, d_model=768, n_heads=12, dtype="bfloat16"),
     "wide": GPTConfig(vocab_size=128256, seq_len=2048, n_layers=16, d_model=2048, n_heads=16, dtype="bfloat16"),
+    "llama": GPTConfig(vocab_size=128256, seq_len=2048, n_layers=16, d_model=2048, n_heads=16, dtype="bfloat16",
+                       norm="rms", activation="swiglu", bias=False, rope=True),
 }
 
 
 def get_config(name: str, **overrides) -> GPTConfig:
-    """The preset ``name`` (``tiny``, ``small``, ``deep24``, ``gpt2``, ``wide``) with optional field overrides."""
+    """The preset ``name`` (``tiny``, ``small``, ``deep24``, ``gpt2``, ``wide``, ``llama``) with
+    optional field overrides."""
     if name not in CONFIGS:
         raise ValueError(f"unknown model config {name!r}; choose from {', '.join(CONFIGS)}")
     return dataclasses.replace(CONFIGS[name], **overrides)

@@ -6,7 +6,8 @@ The forward pass is the one :mod:`models.common` describes (the residual add fus
 Leaves (float32): ``wte.weight``, ``wpe.weight``, ``blocks[i].{ln1,ln2}.{weight,bias}``,
 ``blocks[i].{qkv,attn_out}.{weight,bias}``, ``blocks[i].mlp.{fc1,fc2}.{weight,bias}`` (weights
 (out, in) as in ``eqx.nn.Linear``), ``ln_f.{weight,bias}``, ``head.weight`` (vocab, d_model) -- in
-both twins (the stock twin's MLP has two ``eqx.nn.Linear`` fields ``fc1``, ``fc2``).
+both twins (the stock twin's MLP has two ``eqx.nn.Linear`` fields ``fc1``, ``fc2``); ``wpe`` None
+with rotary positions, biases None without ``config.bias`` or in an RMSNorm.
 
 Two choices:
 
@@ -37,34 +38,50 @@ from models.common import (
     head_logits,
     positions,
     qkv_split,
+    stock_mlp_hidden,
 )
 from models.configs import GPTConfig
+
+
+def _residual_call(norm, x, residual):
+    """A stock Equinox norm's call with cutelayers' ``residual=``, unfused."""
+    if residual is None:
+        return norm(x)
+    summed = residual + x
+    return norm(summed), summed
 
 
 class _StockLayerNorm(eqx.nn.LayerNorm):
     """Equinox's LayerNorm with the call of cutelayers' (``residual=``), unfused."""
 
     def __call__(self, x, *, residual=None, key=None):
-        if residual is None:
-            return super().__call__(x)
-        summed = residual + x
-        return super().__call__(summed), summed
+        return _residual_call(super().__call__, x, residual)
+
+
+class _StockRMSNorm(eqx.nn.RMSNorm):
+    """Equinox's RMSNorm with the call of cutelayers' (``residual=``), unfused."""
+
+    def __call__(self, x, *, residual=None, key=None):
+        return _residual_call(super().__call__, x, residual)
 
 
 class _StockMLP(eqx.Module):
     """Two Equinox Linears, ``fc1`` and ``fc2``, with the constructor and call of cutelayers' MLP
-    (as the GPT uses it): ``fc2(gelu(fc1(x)))``, unfused."""
+    (as the GPT uses it): ``fc2(act(fc1(x)))``, unfused (:func:`models.common.stock_mlp_hidden`)."""
 
     fc1: eqx.nn.Linear
     fc2: eqx.nn.Linear
+    activation: str = eqx.field(static=True)
 
-    def __init__(self, in_features, hidden_features, out_features, *, key):
+    def __init__(self, in_features, hidden_features, out_features, use_bias=True, *, activation, key):
         k1, k2 = jax.random.split(key)
-        self.fc1 = eqx.nn.Linear(in_features, hidden_features, key=k1)
-        self.fc2 = eqx.nn.Linear(hidden_features, out_features, key=k2)
+        fc1_features = 2 * hidden_features if activation == "swiglu" else hidden_features
+        self.fc1 = eqx.nn.Linear(in_features, fc1_features, use_bias, key=k1)
+        self.fc2 = eqx.nn.Linear(hidden_features, out_features, use_bias, key=k2)
+        self.activation = activation
 
     def __call__(self, x, *, key=None):
-        return self.fc2(jax.nn.gelu(self.fc1(x)))
+        return self.fc2(stock_mlp_hidden(self.fc1(x), self.activation))
 
 
 class _StockHead(eqx.nn.Linear):
@@ -76,11 +93,20 @@ class _StockHead(eqx.nn.Linear):
 
 
 def _layers(stock: bool):
-    """(LayerNorm, Linear, MLP, LM head, token Embedding) classes of the stock twin or of the
-    cutelayers model."""
+    """(Linear, MLP, LM head, token Embedding) classes of the stock twin or of the cutelayers
+    model."""
     if stock:
-        return _StockLayerNorm, eqx.nn.Linear, _StockMLP, _StockHead, eqx.nn.Embedding
-    return cl_eqx.LayerNorm, cl_eqx.Linear, cl_eqx.MLP, cl_eqx.LMHead, cl_eqx.Embedding
+        return eqx.nn.Linear, _StockMLP, _StockHead, eqx.nn.Embedding
+    return cl_eqx.Linear, cl_eqx.MLP, cl_eqx.LMHead, cl_eqx.Embedding
+
+
+def _norm(config: GPTConfig, stock: bool):
+    """A norm of the config's kind (LayerNorm, RMSNorm) over d_model, stock or cutelayers'."""
+    if config.norm == "rms":
+        Norm = _StockRMSNorm if stock else cl_eqx.RMSNorm
+    else:
+        Norm = _StockLayerNorm if stock else cl_eqx.LayerNorm
+    return Norm(config.d_model, eps=config.norm_eps, use_bias=config.norm_bias)
 
 
 def _gpt2_init(layer, std, key):
@@ -98,11 +124,12 @@ def _linear(Linear, n_in, n_out, std, key, **kwargs):
     return _gpt2_init(Linear(n_in, n_out, key=init_key, **kwargs), std, key)
 
 
-def _mlp(MLP, d, hidden, std, proj_std, key):
-    """An MLP d -> hidden -> d with GPT-2's init: std for fc1, the scaled proj_std for fc2 (it
-    writes into the residual stream)."""
+def _mlp(MLP, config: GPTConfig, key):
+    """The config's MLP d -> d_mlp -> d with GPT-2's init: init_std for fc1, the scaled
+    proj_init_std for fc2 (it writes into the residual stream)."""
     init_key, k1, k2 = jax.random.split(key, 3)
-    mlp = MLP(d, hidden, d, key=init_key)
+    d, std, proj_std = config.d_model, config.init_std, config.proj_init_std
+    mlp = MLP(d, config.d_mlp, d, config.bias, activation=config.activation, key=init_key)
     return eqx.tree_at(lambda m: (m.fc1, m.fc2), mlp,
                        (_gpt2_init(mlp.fc1, std, k1), _gpt2_init(mlp.fc2, proj_std, k2)))
 
@@ -119,7 +146,7 @@ def _on_rows(layer, x, residual=None):
 
 
 class Block(eqx.Module):
-    """Pre-norm transformer block: causal self-attention and a GELU MLP, each with a residual.
+    """Pre-norm transformer block: causal self-attention and an MLP, each with a residual.
     ``block(x, pending) -> (x, pending)``: the residual stream and the output not yet added to it
     (module docstring)."""
 
@@ -129,24 +156,25 @@ class Block(eqx.Module):
     ln2: eqx.Module
     mlp: eqx.Module
     n_heads: int = eqx.field(static=True)
+    rotary_theta: float | None = eqx.field(static=True)
     split_qkv: bool = eqx.field(static=True)
 
     def __init__(self, config: GPTConfig, *, stock: bool, key: jax.Array):
-        LayerNorm, Linear, MLP, _, _ = _layers(stock)
+        Linear, MLP, _, _ = _layers(stock)
         d, std, proj_std = config.d_model, config.init_std, config.proj_init_std
         k = jax.random.split(key, 3)
-        self.n_heads = config.n_heads
+        self.n_heads, self.rotary_theta = config.n_heads, config.rotary_theta
         self.split_qkv = config.split_qkv and not stock
-        self.ln1 = LayerNorm(d, eps=config.norm_eps)
-        self.qkv = _linear(Linear, d, 3 * d, std, k[0])
-        self.attn_out = _linear(Linear, d, d, proj_std, k[1])
-        self.ln2 = LayerNorm(d, eps=config.norm_eps)
-        self.mlp = _mlp(MLP, d, config.d_mlp, std, proj_std, k[2])
+        self.ln1 = _norm(config, stock)
+        self.qkv = _linear(Linear, d, 3 * d, std, k[0], use_bias=config.bias)
+        self.attn_out = _linear(Linear, d, d, proj_std, k[1], use_bias=config.bias)
+        self.ln2 = _norm(config, stock)
+        self.mlp = _mlp(MLP, config, k[2])
 
     def __call__(self, x, pending=None):
         h, x = add_norm(functools.partial(_on_rows, self.ln1), x, pending)
         qkv = _on_rows(functools.partial(self.qkv, **qkv_split(self.split_qkv)), h)
-        pending = _on_rows(self.attn_out, causal_attention(qkv, self.n_heads))
+        pending = _on_rows(self.attn_out, causal_attention(qkv, self.n_heads, self.rotary_theta))
         h, x = _on_rows(self.ln2, pending, residual=x)
         return x, _on_rows(self.mlp, h)
 
@@ -158,7 +186,7 @@ class GPT(eqx.Module):
     """
 
     wte: eqx.nn.Embedding
-    wpe: eqx.nn.Embedding
+    wpe: eqx.nn.Embedding | None
     blocks: list
     ln_f: eqx.Module
     head: eqx.Module
@@ -166,20 +194,22 @@ class GPT(eqx.Module):
     stock: bool = eqx.field(static=True)
 
     def __init__(self, config: GPTConfig, *, stock: bool = False, key: jax.Array):
-        LayerNorm, _, _, Head, Embedding = _layers(stock)
+        _, _, Head, Embedding = _layers(stock)
         d, std = config.d_model, config.init_std
         k_wte, k_wpe, k_head, *k_blocks = jax.random.split(key, 3 + config.n_layers)
         self.config, self.stock = config, stock
         self.wte = Embedding(weight=std * jax.random.normal(k_wte, (config.vocab_size, d)))
-        self.wpe = eqx.nn.Embedding(weight=std * jax.random.normal(k_wpe, (config.seq_len, d)))
+        self.wpe = None if config.rope else eqx.nn.Embedding(
+            weight=std * jax.random.normal(k_wpe, (config.seq_len, d)))
         self.blocks = [Block(config, stock=stock, key=k) for k in k_blocks]
-        self.ln_f = LayerNorm(d, eps=config.norm_eps)
+        self.ln_f = _norm(config, stock)
         self.head = _linear(Head, d, config.vocab_size, std, k_head, use_bias=False)
 
     def hidden(self, inputs):
         """The final hidden states (..., seq, d_model): the head's input."""
         tokens = jax.vmap(self.wte)(inputs.reshape(-1)).reshape(*inputs.shape, -1)  # one lookup of all ids
-        x, pending = tokens + self.wpe.weight[positions(inputs, self.config)], None
+        at = positions(inputs, self.config)
+        x, pending = (tokens if self.wpe is None else tokens + self.wpe.weight[at]), None
         for block in self.blocks:
             x, pending = block(x, pending)
         return add_norm(functools.partial(_on_rows, self.ln_f), x, pending)[0]

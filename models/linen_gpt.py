@@ -6,8 +6,9 @@ The forward pass is the one :mod:`models.common` describes (the residual add fus
 Parameters (float32), ``params`` collection: ``wte.embedding``, ``wpe.embedding``,
 ``blocks_{i}.{ln1,ln2}.{scale,bias}``, ``blocks_{i}.{qkv,attn_out}.{kernel,bias}``,
 ``blocks_{i}.mlp.{Dense_0,Dense_1}.{kernel,bias}``, ``ln_f.{scale,bias}``, ``head.kernel`` -- the
-names linen's ``Embed`` / ``LayerNorm`` / ``Dense`` use, in both twins (the stock twin's MLP is a
-compact module calling ``nn.Dense`` twice).
+names linen's ``Embed`` / ``LayerNorm`` / ``RMSNorm`` / ``Dense`` use, in both twins (the stock
+twin's MLP is a compact module calling ``nn.Dense`` twice); no ``wpe`` with rotary positions, no
+biases without ``config.bias`` or in an RMSNorm.
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ from models.common import (
     head_logits,
     positions,
     qkv_split,
+    stock_mlp_hidden,
 )
 from models.configs import GPTConfig
 
 
-class _StockLayerNorm(nn.LayerNorm):
-    """linen's LayerNorm with the call of cutelayers' (``residual=``), unfused."""
+class _StockResidualNorm:
+    """A stock linen norm with the call of cutelayers' (``residual=``), unfused."""
 
     @nn.compact
     def __call__(self, x, residual=None):
@@ -42,20 +44,33 @@ class _StockLayerNorm(nn.LayerNorm):
         return super().__call__(summed), summed
 
 
+class _StockLayerNorm(_StockResidualNorm, nn.LayerNorm):
+    pass
+
+
+class _StockRMSNorm(_StockResidualNorm, nn.RMSNorm):
+    pass
+
+
 class _StockMLP(nn.Module):
     """Two linen Dense layers (``Dense_0``, ``Dense_1``: a compact module's names) with the
-    attributes and call of cutelayers' MLP (as the GPT uses it): ``fc2(gelu(fc1(x)))``, unfused."""
+    attributes and call of cutelayers' MLP (as the GPT uses it): ``fc2(act(fc1(x)))``, unfused
+    (:func:`models.common.stock_mlp_hidden`)."""
 
     hidden_features: int
     features: int
+    activation: str
+    use_bias: bool
     dtype: Any
     kernel_init: Any
     out_kernel_init: Any
 
     @nn.compact
     def __call__(self, x):
-        h = jax.nn.gelu(nn.Dense(self.hidden_features, dtype=self.dtype, kernel_init=self.kernel_init)(x))
-        return nn.Dense(self.features, dtype=self.dtype, kernel_init=self.out_kernel_init)(h)
+        fc1_features = 2 * self.hidden_features if self.activation == "swiglu" else self.hidden_features
+        z = nn.Dense(fc1_features, use_bias=self.use_bias, dtype=self.dtype, kernel_init=self.kernel_init)(x)
+        h = stock_mlp_hidden(z, self.activation)
+        return nn.Dense(self.features, use_bias=self.use_bias, dtype=self.dtype, kernel_init=self.out_kernel_init)(h)
 
 
 class _StockHead(nn.Dense):
@@ -68,15 +83,22 @@ class _StockHead(nn.Dense):
 
 
 def _layers(stock: bool):
-    """(LayerNorm, Dense, MLP, LM head, token Embed) classes of the stock twin or of the cutelayers
-    model."""
+    """(Dense, MLP, LM head, token Embed) classes of the stock twin or of the cutelayers model."""
     if stock:
-        return _StockLayerNorm, nn.Dense, _StockMLP, _StockHead, nn.Embed
-    return cl_linen.LayerNorm, cl_linen.Dense, cl_linen.MLP, cl_linen.LMHead, cl_linen.Embed
+        return nn.Dense, _StockMLP, _StockHead, nn.Embed
+    return cl_linen.Dense, cl_linen.MLP, cl_linen.LMHead, cl_linen.Embed
+
+
+def _norm(config: GPTConfig, stock: bool, name: str):
+    """A norm of the config's kind (LayerNorm, RMSNorm), stock or cutelayers'."""
+    options = {"epsilon": config.norm_eps, "dtype": config.compute_dtype, "name": name}
+    if config.norm == "rms":
+        return (_StockRMSNorm if stock else cl_linen.RMSNorm)(**options)
+    return (_StockLayerNorm if stock else cl_linen.LayerNorm)(use_bias=config.bias, **options)
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention and a GELU MLP, each with a residual.
+    """Pre-norm transformer block: causal self-attention and an MLP, each with a residual.
     ``block(x, pending) -> (x, pending)``: the residual stream and the output not yet added to it
     (module docstring)."""
 
@@ -86,15 +108,17 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x, pending=None):
         cfg = self.config
-        LayerNorm, Dense, MLP, _, _ = _layers(self.stock)
+        Dense, MLP, _, _ = _layers(self.stock)
         d, dt = cfg.d_model, cfg.compute_dtype
         init, proj_init = nn.initializers.normal(cfg.init_std), nn.initializers.normal(cfg.proj_init_std)
-        h, x = add_norm(LayerNorm(epsilon=cfg.norm_eps, dtype=dt, name="ln1"), x, pending)
-        qkv = Dense(3 * d, dtype=dt, kernel_init=init, name="qkv")(h, **qkv_split(cfg.split_qkv and not self.stock))
-        a = causal_attention(qkv, cfg.n_heads)
-        pending = Dense(d, dtype=dt, kernel_init=proj_init, name="attn_out")(a)
-        h, x = LayerNorm(epsilon=cfg.norm_eps, dtype=dt, name="ln2")(pending, residual=x)
-        mlp = MLP(cfg.d_mlp, d, dtype=dt, kernel_init=init, out_kernel_init=proj_init, name="mlp")
+        h, x = add_norm(_norm(cfg, self.stock, "ln1"), x, pending)
+        qkv = Dense(3 * d, use_bias=cfg.bias, dtype=dt, kernel_init=init, name="qkv")(
+            h, **qkv_split(cfg.split_qkv and not self.stock))
+        a = causal_attention(qkv, cfg.n_heads, cfg.rotary_theta)
+        pending = Dense(d, use_bias=cfg.bias, dtype=dt, kernel_init=proj_init, name="attn_out")(a)
+        h, x = _norm(cfg, self.stock, "ln2")(pending, residual=x)
+        mlp = MLP(cfg.d_mlp, d, activation=cfg.activation, use_bias=cfg.bias, dtype=dt, kernel_init=init,
+                  out_kernel_init=proj_init, name="mlp")
         return x, mlp(h)
 
 
@@ -111,15 +135,16 @@ class GPT(nn.Module):
     @nn.compact
     def __call__(self, inputs, targets=None):
         cfg = self.config
-        LayerNorm, _, _, Head, Embed = _layers(self.stock)
+        _, _, Head, Embed = _layers(self.stock)
         dt, init = cfg.compute_dtype, nn.initializers.normal(cfg.init_std)
         x = Embed(cfg.vocab_size, cfg.d_model, dtype=dt, embedding_init=init, name="wte")(inputs)
-        x = x + nn.Embed(cfg.seq_len, cfg.d_model, dtype=dt, embedding_init=init, name="wpe")(
-            positions(inputs, cfg))
+        at = positions(inputs, cfg)
+        if not cfg.rope:
+            x = x + nn.Embed(cfg.seq_len, cfg.d_model, dtype=dt, embedding_init=init, name="wpe")(at)
         pending = None
         for i in range(cfg.n_layers):
             x, pending = Block(cfg, self.stock, name=f"blocks_{i}")(x, pending)
-        h, _ = add_norm(LayerNorm(epsilon=cfg.norm_eps, dtype=dt, name="ln_f"), x, pending)
+        h, _ = add_norm(_norm(cfg, self.stock, "ln_f"), x, pending)
         if targets is None:
             return head_logits(h, self.variables["params"]["head"]["kernel"])
         return Head(cfg.vocab_size, use_bias=False, dtype=dt, kernel_init=init, name="head")(h, targets)

@@ -5,8 +5,9 @@ The forward pass is the one :mod:`models.common` describes (the residual add fus
 
 Parameters (float32): ``wte.embedding``, ``wpe.embedding``, ``blocks[i].{ln1,ln2}.{scale,bias}``,
 ``blocks[i].{qkv,attn_out}.{kernel,bias}``, ``blocks[i].mlp.{fc1,fc2}.{kernel,bias}``,
-``ln_f.{scale,bias}``, ``head.kernel`` -- the names NNX's ``Embed`` / ``LayerNorm`` / ``Linear``
-use, in both twins (the stock twin's MLP is two ``nnx.Linear`` attributes ``fc1``, ``fc2``).
+``ln_f.{scale,bias}``, ``head.kernel`` -- the names NNX's ``Embed`` / ``LayerNorm`` / ``RMSNorm``
+/ ``Linear`` use, in both twins (the stock twin's MLP is two ``nnx.Linear`` attributes ``fc1``,
+``fc2``); no ``wpe`` with rotary positions, no biases without ``config.bias`` or in an RMSNorm.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from models.common import (
     head_logits,
     positions,
     qkv_split,
+    stock_mlp_hidden,
 )
 from models.configs import GPTConfig
 
 
-class _StockLayerNorm(nnx.LayerNorm):
-    """NNX's LayerNorm with the call of cutelayers' (``residual=``), unfused."""
+class _StockResidualNorm:
+    """A stock NNX norm with the call of cutelayers' (``residual=``), unfused."""
 
     def __call__(self, x, residual=None):
         if residual is None:
@@ -37,18 +39,28 @@ class _StockLayerNorm(nnx.LayerNorm):
         return super().__call__(summed), summed
 
 
+class _StockLayerNorm(_StockResidualNorm, nnx.LayerNorm):
+    pass
+
+
+class _StockRMSNorm(_StockResidualNorm, nnx.RMSNorm):
+    pass
+
+
 class _StockMLP(nnx.Module):
     """Two NNX Linears, ``fc1`` and ``fc2``, with the constructor and call of cutelayers' MLP (as
-    the GPT uses it): ``fc2(gelu(fc1(x)))``, unfused."""
+    the GPT uses it): ``fc2(act(fc1(x)))``, unfused (:func:`models.common.stock_mlp_hidden`)."""
 
-    def __init__(self, in_features, hidden_features, out_features, *, dtype, kernel_init, out_kernel_init,
-                 rngs):
-        self.fc1 = nnx.Linear(in_features, hidden_features, dtype=dtype, kernel_init=kernel_init, rngs=rngs)
-        self.fc2 = nnx.Linear(hidden_features, out_features, dtype=dtype, kernel_init=out_kernel_init,
-                              rngs=rngs)
+    def __init__(self, in_features, hidden_features, out_features, *, activation, use_bias, dtype, kernel_init,
+                 out_kernel_init, rngs):
+        shared = {"use_bias": use_bias, "dtype": dtype, "rngs": rngs}
+        fc1_features = 2 * hidden_features if activation == "swiglu" else hidden_features
+        self.fc1 = nnx.Linear(in_features, fc1_features, kernel_init=kernel_init, **shared)
+        self.fc2 = nnx.Linear(hidden_features, out_features, kernel_init=out_kernel_init, **shared)
+        self.activation = activation
 
     def __call__(self, x):
-        return self.fc2(jax.nn.gelu(self.fc1(x)))
+        return self.fc2(stock_mlp_hidden(self.fc1(x), self.activation))
 
 
 class _StockHead(nnx.Linear):
@@ -60,36 +72,44 @@ class _StockHead(nnx.Linear):
 
 
 def _layers(stock: bool):
-    """(LayerNorm, Linear, MLP, LM head, token Embed) classes of the stock twin or of the cutelayers
-    model."""
+    """(Linear, MLP, LM head, token Embed) classes of the stock twin or of the cutelayers model."""
     if stock:
-        return _StockLayerNorm, nnx.Linear, _StockMLP, _StockHead, nnx.Embed
-    return cl_nnx.LayerNorm, cl_nnx.Linear, cl_nnx.MLP, cl_nnx.LMHead, cl_nnx.Embed
+        return nnx.Linear, _StockMLP, _StockHead, nnx.Embed
+    return cl_nnx.Linear, cl_nnx.MLP, cl_nnx.LMHead, cl_nnx.Embed
+
+
+def _norm(config: GPTConfig, stock: bool, rngs: nnx.Rngs):
+    """A norm of the config's kind (LayerNorm, RMSNorm) over d_model, stock or cutelayers'."""
+    options = {"epsilon": config.norm_eps, "dtype": config.compute_dtype, "rngs": rngs}
+    if config.norm == "rms":
+        return (_StockRMSNorm if stock else cl_nnx.RMSNorm)(config.d_model, **options)
+    return (_StockLayerNorm if stock else cl_nnx.LayerNorm)(config.d_model, use_bias=config.bias, **options)
 
 
 class Block(nnx.Module):
-    """Pre-norm transformer block: causal self-attention and a GELU MLP, each with a residual.
+    """Pre-norm transformer block: causal self-attention and an MLP, each with a residual.
     ``block(x, pending) -> (x, pending)``: the residual stream and the output not yet added to it
     (module docstring)."""
 
     def __init__(self, config: GPTConfig, *, stock: bool, rngs: nnx.Rngs):
-        LayerNorm, Linear, MLP, _, _ = _layers(stock)
+        Linear, MLP, _, _ = _layers(stock)
         d, dt = config.d_model, config.compute_dtype
         init = nnx.initializers.normal(config.init_std)
         proj_init = nnx.initializers.normal(config.proj_init_std)
-        norm = {"epsilon": config.norm_eps, "dtype": dt, "rngs": rngs}
-        self.n_heads = config.n_heads
+        linear = {"use_bias": config.bias, "dtype": dt, "rngs": rngs}
+        self.n_heads, self.rotary_theta = config.n_heads, config.rotary_theta
         self.split_qkv = config.split_qkv and not stock
-        self.ln1 = LayerNorm(d, **norm)
-        self.qkv = Linear(d, 3 * d, dtype=dt, kernel_init=init, rngs=rngs)
-        self.attn_out = Linear(d, d, dtype=dt, kernel_init=proj_init, rngs=rngs)
-        self.ln2 = LayerNorm(d, **norm)
-        self.mlp = MLP(d, config.d_mlp, d, dtype=dt, kernel_init=init, out_kernel_init=proj_init, rngs=rngs)
+        self.ln1 = _norm(config, stock, rngs)
+        self.qkv = Linear(d, 3 * d, kernel_init=init, **linear)
+        self.attn_out = Linear(d, d, kernel_init=proj_init, **linear)
+        self.ln2 = _norm(config, stock, rngs)
+        self.mlp = MLP(d, config.d_mlp, d, activation=config.activation, kernel_init=init, out_kernel_init=proj_init,
+                       **linear)
 
     def __call__(self, x, pending=None):
         h, x = add_norm(self.ln1, x, pending)
         qkv = self.qkv(h, **qkv_split(self.split_qkv))
-        h, x = self.ln2(self.attn_out(causal_attention(qkv, self.n_heads)), residual=x)
+        h, x = self.ln2(self.attn_out(causal_attention(qkv, self.n_heads, self.rotary_theta)), residual=x)
         return x, self.mlp(h)
 
 
@@ -100,19 +120,23 @@ class GPT(nnx.Module):
     """
 
     def __init__(self, config: GPTConfig, *, stock: bool = False, rngs: nnx.Rngs):
-        LayerNorm, _, _, Head, Embed = _layers(stock)
+        _, _, Head, Embed = _layers(stock)
         dt, init = config.compute_dtype, nnx.initializers.normal(config.init_std)
         self.config = config
         self.wte = Embed(config.vocab_size, config.d_model, dtype=dt, embedding_init=init, rngs=rngs)
-        self.wpe = nnx.Embed(config.seq_len, config.d_model, dtype=dt, embedding_init=init, rngs=rngs)
+        if not config.rope:
+            self.wpe = nnx.Embed(config.seq_len, config.d_model, dtype=dt, embedding_init=init, rngs=rngs)
         self.blocks = nnx.List([Block(config, stock=stock, rngs=rngs) for _ in range(config.n_layers)])
-        self.ln_f = LayerNorm(config.d_model, epsilon=config.norm_eps, dtype=dt, rngs=rngs)
+        self.ln_f = _norm(config, stock, rngs)
         self.head = Head(config.d_model, config.vocab_size, use_bias=False, dtype=dt, kernel_init=init,
                          rngs=rngs)
 
     def hidden(self, inputs):
         """The final hidden states (batch, seq, d_model): the head's input."""
-        x, pending = self.wte(inputs) + self.wpe(positions(inputs, self.config)), None
+        x, pending = self.wte(inputs), None
+        at = positions(inputs, self.config)
+        if not self.config.rope:
+            x = x + self.wpe(at)
         for block in self.blocks:
             x, pending = block(x, pending)
         return add_norm(self.ln_f, x, pending)[0]

@@ -33,10 +33,14 @@ def tiny():
     return get_config("tiny")
 
 
+# The block designs the models build: GPT-2's, and Llama's parts (the llama preset's) at tiny's size.
+DESIGNS = {"gpt": {}, "llama": {"norm": "rms", "activation": "swiglu", "bias": False, "rope": True}}
+
+
 # --- configs -----------------------------------------------------------------------------------
 
 def test_configs():
-    assert set(CONFIGS) == {"tiny", "small", "deep24", "gpt2", "wide"}
+    assert set(CONFIGS) == {"tiny", "small", "deep24", "gpt2", "wide", "llama"}
     assert CONFIGS["deep24"].n_layers == 24
     gpt2 = CONFIGS["gpt2"]
     assert (gpt2.n_layers, gpt2.d_model, gpt2.n_heads, gpt2.vocab_size, gpt2.seq_len, gpt2.dtype) == (
@@ -45,12 +49,23 @@ def test_configs():
     assert (wide.n_layers, wide.d_model, wide.head_dim, wide.d_mlp, wide.vocab_size, wide.seq_len) == (
         16, 2048, 128, 8192, 128256, 2048)
     assert 1.3e9 <= wide.num_params() <= 1.4e9
+    llama = CONFIGS["llama"]  # the same shapes with Llama's parts
+    assert dataclasses.replace(llama, norm="layer", activation="gelu", bias=True, rope=False) == wide
+    assert (llama.norm, llama.activation, llama.bias, llama.rope, llama.fc1_features) == ("rms", "swiglu", False, True, 16384)
+    d, f, v, n = llama.d_model, llama.d_mlp, llama.vocab_size, llama.n_layers
+    assert llama.num_params() == 2 * v * d + n * (2 * d + 4 * d * d + 3 * d * f) + d
     assert 20e6 <= CONFIGS["small"].num_params() <= 50e6
     assert CONFIGS["tiny"].num_params() < 1e6
     with pytest.raises(ValueError, match="multiple of n_heads"):
         GPTConfig(d_model=65, n_heads=4)
     with pytest.raises(ValueError, match="dtype"):
         GPTConfig(dtype="int8")
+    with pytest.raises(ValueError, match=r"GPTConfig.norm must be one of 'layer', 'rms'; got 'batch'"):
+        GPTConfig(norm="batch")
+    with pytest.raises(ValueError, match=r"GPTConfig.activation must be one of 'gelu', 'swiglu'; got 'relu'"):
+        GPTConfig(activation="relu")
+    with pytest.raises(ValueError, match="head_dim=3 .* must be even"):
+        GPTConfig(d_model=12, n_heads=4, rope=True)
     with pytest.raises(ValueError, match="unknown model config 'huge'"):
         get_config("huge")
     with pytest.raises(ValueError, match="unknown framework 'torch'"):
@@ -66,10 +81,12 @@ def perturbed(params, seed=5, scale=0.05):
     return jax.tree.map(lambda p: p + jnp.asarray(scale * rng.standard_normal(p.shape), p.dtype), params)
 
 
+@pytest.mark.parametrize("design", DESIGNS)
 @pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_forward_backward_and_stock_twin(framework, tiny):
+def test_forward_backward_and_stock_twin(framework, design, tiny):
     """Our model and its stock twin: the same parameter tree; with the same (perturbed) parameters,
     the same loss and gradients, and each one's logits give its loss."""
+    tiny = dataclasses.replace(tiny, **DESIGNS[design])
     stock = common.init(framework, tiny, jax.random.key(0), stock=True)
     ours = common.init(framework, tiny, jax.random.key(1), abstract=True)  # only its tree is needed
     assert sum(int(np.prod(p.shape)) for p in jax.tree.leaves(stock.params)) == tiny.num_params()
@@ -94,13 +111,14 @@ def test_forward_backward_and_stock_twin(framework, tiny):
         logits = jax.jit(model.logits)(params, x)
         assert logits.shape == (*x.shape, tiny.vocab_size) and logits.dtype == jnp.float32
         assert_close(common.cross_entropy(logits, y), loss, jnp.float32, scale=4)
-    with pytest.raises(ValueError, match="exceeds the model's position table"):
+    with pytest.raises(ValueError, match=r"sequence length 65 exceeds the model's maximum \(config.seq_len=64\)"):
         jax.eval_shape(ours.loss, ours.params, *tokens(2, (1, tiny.seq_len + 1)))
 
 
+@pytest.mark.parametrize("design", DESIGNS)
 @pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_stock_twin_bfloat16(framework, tiny):
-    cfg = dataclasses.replace(tiny, dtype="bfloat16")
+def test_stock_twin_bfloat16(framework, design, tiny):
+    cfg = dataclasses.replace(tiny, dtype="bfloat16", **DESIGNS[design])
     stock = common.init(framework, cfg, jax.random.key(0), stock=True)
     ours = common.init(framework, cfg, jax.random.key(1), abstract=True)
     params = perturbed(stock.params)
@@ -109,6 +127,37 @@ def test_stock_twin_bfloat16(framework, tiny):
     out = jax.jit(ours.loss)(common.transfer_params(params, ours.params), x, y)
     assert out.dtype == jnp.float32
     assert_close(out, ref, jnp.bfloat16)
+
+
+def test_llama_parts_in_the_parameter_trees(tiny):
+    """The llama design's trees: RMSNorm scales and no bias anywhere, fc1 the gate and value
+    halves, and no position table (rotary positions)."""
+    cfg = dataclasses.replace(tiny, **DESIGNS["llama"])
+    for framework in FRAMEWORKS:
+        paths = {path: shape for path, shape, _ in common.tree_signature(
+            common.init(framework, cfg, jax.random.key(0), abstract=True).params)}
+        assert not [p for p in paths if "bias" in p or "wpe" in p], framework
+        assert (cfg.d_model,) in {paths[p] for p in paths if "ln1" in p}, framework
+        fc1 = [shape for p, shape in paths.items() if re.search(r"fc1|Dense_0", p)]
+        assert fc1 and all(sorted(shape) == sorted((cfg.d_model, 2 * cfg.d_mlp)) for shape in fc1), framework
+
+
+def test_rotary_positions():
+    """Rotary positions turn each pair (x1_i, x2_i) of a head -- its two halves -- by t * theta^(-2i/Dh):
+    the complex product (x1 + i x2) e^(i angle); so a query-key product depends on t - s only."""
+    t, h, dh, theta = 7, 3, 8, 500.0
+    x = jax.random.normal(jax.random.key(0), (2, t, h, dh), jnp.float32)
+    angles = np.arange(t)[:, None] * theta ** (-np.arange(0, dh, 2) / dh)
+    expected = (np.asarray(x[..., :dh // 2]) + 1j * np.asarray(x[..., dh // 2:])) * np.exp(1j * angles)[None, :, None]
+    got = np.asarray(common.rotary(x, theta))
+    np.testing.assert_allclose(got, np.concatenate([expected.real, expected.imag], -1), rtol=1e-5, atol=1e-5)
+    assert common.rotary(x.astype(jnp.bfloat16), theta).dtype == jnp.bfloat16
+    # the same q and k at every position: <q_t, k_s> is a function of t - s
+    q, k = (jnp.broadcast_to(jax.random.normal(jax.random.key(i), (1, 1, dh)), (t, 1, dh)) for i in (1, 2))
+    scores = np.asarray(jnp.einsum("thd,shd->ts", common.rotary(q, theta), common.rotary(k, theta)))
+    for lag in range(-t + 1, t):
+        np.testing.assert_allclose(np.diagonal(scores, lag), np.diagonal(scores, lag)[0], rtol=1e-4, atol=1e-5)
+    assert np.ptp(np.diagonal(scores, 0)) < 1e-4 < np.ptp(scores)
 
 
 def test_equinox_takes_one_sequence_or_a_batch(tiny):
@@ -275,6 +324,23 @@ def test_deep24_blocks_compile_each_kernel_once(deep_train_steps):
     expected = Counter(kernel_name(t) for t in targets)
     assert {name: built(stats) for name, stats in info.items()} == dict(expected)
     assert sum(stats.memory_hits for stats in info.values()) > 0  # linen / equinox reused nnx's kernels
+
+
+@pytest.mark.cute
+def test_llama_design_runs_its_kernels():
+    """The llama design's train step, lowered for CUDA with backend 'cute' (no fallback anywhere):
+    RMSNorm kernels, the residual add fused into all but the first, each SwiGLU MLP one op (its
+    hidden gradient through silu' in a GEMM epilogue: a linear_dx with three operands; no sigmoid
+    left to XLA)."""
+    cfg = dataclasses.replace(DEEP, **DESIGNS["llama"])
+    with cl.use_backend("cute"):
+        hlo = train_step_hlo(common.init("nnx", cfg, jax.random.key(0), abstract=True), DEEP_BATCH)
+    per_name = Counter(map(kernel_name, kernel_calls(hlo)))
+    assert per_name["rms_norm_fwd"] == per_name["rms_norm_bwd"] == 1, per_name
+    assert per_name["add_rms_norm_fwd"] == per_name["add_rms_norm_bwd"] == 2 * cfg.n_layers, per_name
+    assert not [name for name in per_name if "layer_norm" in name], per_name
+    assert kernel_operand_counts(hlo, "linear_dx").count(3) == cfg.n_layers
+    assert "logistic" not in hlo and "cosine" in hlo  # silu in the kernels; the rotary angles XLA's
 
 
 @pytest.mark.cute

@@ -286,7 +286,7 @@ def part_seconds(config: GPTConfig, batch_size: int, *, stock: bool) -> dict[str
     from models import linen_gpt
 
     dt, d, n_layers = config.compute_dtype, config.d_model, config.n_layers
-    LayerNorm, Dense, MLP, Head, _ = linen_gpt._layers(stock)
+    Dense, MLP, Head, _ = linen_gpt._layers(stock)
     rng = np.random.default_rng(0)
     rows = (batch_size, config.seq_len)
 
@@ -302,14 +302,17 @@ def part_seconds(config: GPTConfig, batch_size: int, *, stock: bool) -> dict[str
     x = act(*rows, d)
     parts = {}
     for name, n_out in (("qkv", 3 * d), ("attn_out", d)):
-        parts[f"GEMM {name} ({d}x{n_out})"] = n_layers * fwd_bwd(Dense(n_out, dtype=dt), x)
-    mlp = MLP(config.d_mlp, d, dtype=dt, kernel_init=jax.nn.initializers.normal(config.init_std),
+        parts[f"GEMM {name} ({d}x{n_out})"] = n_layers * fwd_bwd(Dense(n_out, use_bias=config.bias, dtype=dt), x)
+    mlp = MLP(config.d_mlp, d, activation=config.activation, use_bias=config.bias, dtype=dt,
+              kernel_init=jax.nn.initializers.normal(config.init_std),
               out_kernel_init=jax.nn.initializers.normal(config.proj_init_std))
     parts[f"MLP ({d}x{config.d_mlp}x{d})"] = n_layers * fwd_bwd(mlp, x)
     # the first norm alone, the other 2 n_layers with the residual add (models.common.add_norm)
-    norm = LayerNorm(epsilon=config.norm_eps, dtype=dt)
-    parts["LayerNorm"] = fwd_bwd(norm, x) + 2 * n_layers * fwd_bwd(norm, x, residual=act(*rows, d))
-    attention, operands = vjp_program(lambda a: common.causal_attention(a, config.n_heads), act(*rows, 3 * d))
+    norm = linen_gpt._norm(config, stock, name=None)
+    parts["RMSNorm" if config.norm == "rms" else "LayerNorm"] = (
+        fwd_bwd(norm, x) + 2 * n_layers * fwd_bwd(norm, x, residual=act(*rows, d)))
+    attention, operands = vjp_program(lambda a: common.causal_attention(a, config.n_heads, config.rotary_theta),
+                                      act(*rows, 3 * d))
     parts["attention"] = n_layers * time_fn(attention, *operands)
     targets = jnp.asarray(rng.integers(0, config.vocab_size, rows), jnp.int32)
     head = Head(config.vocab_size, use_bias=False, dtype=dt)

@@ -80,6 +80,7 @@ DEFAULTS = {
     "deep24": {"steps": 1000, "batch_size": 16, "lr": 1e-3, "warmup": 100, "eval_every": 250},
     "gpt2": {"steps": 2000, "batch_size": 16, "lr": 6e-4, "warmup": 100, "eval_every": 250},
     "wide": {"steps": 1000, "batch_size": 4, "lr": 3e-4, "warmup": 100, "eval_every": 250},
+    "llama": {"steps": 1000, "batch_size": 4, "lr": 3e-4, "warmup": 100, "eval_every": 250},
 }
 
 
@@ -148,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which framework's implementation to train (models/<model>_gpt.py)")
     p.add_argument("--config", choices=tuple(CONFIGS), default="tiny",
                    help="model size (models/configs.py): tiny for CPU, small for one GPU, deep24 = "
-                        "24 narrow blocks, gpt2 = GPT-2 small's shape, wide = Llama 3.2 1B's width and vocabulary")
+                        "24 narrow blocks, gpt2 = GPT-2 small's shape, wide = Llama 3.2 1B's width and vocabulary, "
+                        "llama = those shapes with RMSNorm, SwiGLU, no biases and rotary positions")
     p.add_argument("--steps", type=_int_at_least(1), default=None,
                    help="total optimizer steps (with --resume: up to this step); default per config")
     p.add_argument("--backend", choices=cl.BACKENDS, default="auto",
