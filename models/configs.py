@@ -80,6 +80,8 @@ class GPTConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"GPTConfig.{name} must be one of {', '.join(map(repr, allowed))}; "
                                  f"got {getattr(self, name)!r}")
+        if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):
+            raise ValueError(f"GPTConfig.rope_theta must be a positive number; got {self.rope_theta!r}")
         if self.rope and self.head_dim % 2:
             raise ValueError(f"GPTConfig: rope=True rotates pairs of a head's features: head_dim="
                              f"{self.head_dim} (d_model / n_heads) must be even")

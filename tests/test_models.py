@@ -64,6 +64,8 @@ def test_configs():
         GPTConfig(norm="batch")
     with pytest.raises(ValueError, match=r"GPTConfig.activation must be one of 'gelu', 'swiglu'; got 'relu'"):
         GPTConfig(activation="relu")
+    with pytest.raises(ValueError, match="GPTConfig.rope_theta must be a positive number; got 0"):
+        GPTConfig(rope=True, rope_theta=0)
     with pytest.raises(ValueError, match="head_dim=3 .* must be even"):
         GPTConfig(d_model=12, n_heads=4, rope=True)
     with pytest.raises(ValueError, match="unknown model config 'huge'"):
