@@ -35,7 +35,8 @@ class GPTConfig:
     """A decoder-only transformer: token + learned position embeddings, ``n_layers`` pre-norm
     blocks (LayerNorm -> causal self-attention -> residual; LayerNorm -> MLP with GELU ->
     residual), a final LayerNorm and an untied LM head trained with cross-entropy -- GPT-2's
-    design; ``norm``, ``activation``, ``bias`` and ``rope`` select Llama's parts instead.
+    design; ``norm``, ``activation``, ``bias`` and ``rope`` select Llama's parts instead, and
+    ``tie_embeddings`` a head that reads the token embedding table.
 
     ``dtype`` is the compute dtype (activations and the matmul operands); parameters are always
     float32. The CuTe GEMM kernels take bfloat16 / float16 operands, so GPU configs use bfloat16;
@@ -64,6 +65,9 @@ class GPTConfig:
     bias: bool = True
     rope: bool = False
     rope_theta: float = 500000.0
+    # the LM head reads the token embedding table (vocab, d_model) as its weight, no head
+    # parameter of its own (GPT-2's and Llama 3.2 1B's choice; the presets keep an untied head)
+    tie_embeddings: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "n_layers", "d_model", "n_heads", "mlp_ratio"):
@@ -124,7 +128,8 @@ class GPTConfig:
         norm = d + d * int(self.norm_bias)
         block = 2 * norm + (d * 3 * d + 3 * d * b) + (d * d + d * b) + (d * f1 + f1 * b) + (f * d + d * b)
         positions = 0 if self.rope else self.seq_len * d
-        return v * d + positions + self.n_layers * block + norm + d * v
+        head = 0 if self.tie_embeddings else d * v
+        return v * d + positions + self.n_layers * block + norm + head
 
 
 CONFIGS: dict[str, GPTConfig] = {

@@ -5,7 +5,7 @@ The forward pass is the one :mod:`models.common` describes (the residual add fus
 
 Leaves (float32): ``wte.weight``, ``wpe.weight``, ``blocks[i].{ln1,ln2}.{weight,bias}``,
 ``blocks[i].{qkv,attn_out}.{weight,bias}``, ``blocks[i].mlp.{fc1,fc2}.{weight,bias}`` (weights
-(out, in) as in ``eqx.nn.Linear``), ``ln_f.{weight,bias}``, ``head.weight`` (vocab, d_model) -- in
+(out, in) as in ``eqx.nn.Linear``), ``ln_f.{weight,bias}``, ``head.weight`` (vocab, d_model; none when tied) -- in
 both twins (the stock twin's MLP has two ``eqx.nn.Linear`` fields ``fc1``, ``fc2``); ``wpe`` None
 with rotary positions, biases None without ``config.bias`` or in an RMSNorm.
 
@@ -189,7 +189,7 @@ class GPT(eqx.Module):
     wpe: eqx.nn.Embedding | None
     blocks: list
     ln_f: eqx.Module
-    head: eqx.Module
+    head: eqx.Module | None
     config: GPTConfig = eqx.field(static=True)
     stock: bool = eqx.field(static=True)
 
@@ -203,7 +203,10 @@ class GPT(eqx.Module):
             weight=std * jax.random.normal(k_wpe, (config.seq_len, d)))
         self.blocks = [Block(config, stock=stock, key=k) for k in k_blocks]
         self.ln_f = _norm(config, stock)
-        self.head = _linear(Head, d, config.vocab_size, std, k_head, use_bias=False)
+        if not config.tie_embeddings:
+            self.head = _linear(Head, d, config.vocab_size, std, k_head, use_bias=False)
+        else:  # ours: an LMHead without a weight, given wte's table; the stock twin: h @ table.T
+            self.head = None if stock else Head(d, config.vocab_size, use_bias=False, tie_embedding=True, key=k_head)
 
     def hidden(self, inputs):
         """The final hidden states (..., seq, d_model): the head's input."""
@@ -215,10 +218,16 @@ class GPT(eqx.Module):
         return add_norm(functools.partial(_on_rows, self.ln_f), x, pending)[0]
 
     def __call__(self, inputs, targets):
-        return self.head(self.hidden(inputs), targets)
+        h = self.hidden(inputs)
+        if not self.config.tie_embeddings:
+            return self.head(h, targets)
+        if self.head is None:
+            return cross_entropy(h @ self.wte.weight.T, targets)
+        return self.head(h, targets, embedding=self.wte.weight)
 
     def logits(self, inputs):
-        return head_logits(self.hidden(inputs), self.head.weight.T)
+        table = self.wte.weight if self.config.tie_embeddings else self.head.weight
+        return head_logits(self.hidden(inputs), table.T)
 
 
 def _is_float_leaf(x) -> bool:

@@ -5,7 +5,8 @@ The forward pass is the one :mod:`models.common` describes (the residual add fus
 
 Parameters (float32), ``params`` collection: ``wte.embedding``, ``wpe.embedding``,
 ``blocks_{i}.{ln1,ln2}.{scale,bias}``, ``blocks_{i}.{qkv,attn_out}.{kernel,bias}``,
-``blocks_{i}.mlp.{Dense_0,Dense_1}.{kernel,bias}``, ``ln_f.{scale,bias}``, ``head.kernel`` -- the
+``blocks_{i}.mlp.{Dense_0,Dense_1}.{kernel,bias}``, ``ln_f.{scale,bias}``, ``head.kernel`` (none
+when tied) -- the
 names linen's ``Embed`` / ``LayerNorm`` / ``RMSNorm`` / ``Dense`` use, in both twins (the stock
 twin's MLP is a compact module calling ``nn.Dense`` twice); no ``wpe`` with rotary positions, no
 biases without ``config.bias`` or in an RMSNorm.
@@ -137,7 +138,8 @@ class GPT(nn.Module):
         cfg = self.config
         _, _, Head, Embed = _layers(self.stock)
         dt, init = cfg.compute_dtype, nn.initializers.normal(cfg.init_std)
-        x = Embed(cfg.vocab_size, cfg.d_model, dtype=dt, embedding_init=init, name="wte")(inputs)
+        wte = Embed(cfg.vocab_size, cfg.d_model, dtype=dt, embedding_init=init, name="wte")
+        x = wte(inputs)
         at = positions(inputs, cfg)
         if not cfg.rope:
             x = x + nn.Embed(cfg.seq_len, cfg.d_model, dtype=dt, embedding_init=init, name="wpe")(at)
@@ -146,8 +148,13 @@ class GPT(nn.Module):
             x, pending = Block(cfg, self.stock, name=f"blocks_{i}")(x, pending)
         h, _ = add_norm(_norm(cfg, self.stock, "ln_f"), x, pending)
         if targets is None:
-            return head_logits(h, self.variables["params"]["head"]["kernel"])
-        return Head(cfg.vocab_size, use_bias=False, dtype=dt, kernel_init=init, name="head")(h, targets)
+            return head_logits(h, wte.embedding.T if cfg.tie_embeddings else self.variables["params"]["head"]["kernel"])
+        if not cfg.tie_embeddings:
+            return Head(cfg.vocab_size, use_bias=False, dtype=dt, kernel_init=init, name="head")(h, targets)
+        if self.stock:
+            return cross_entropy(wte.attend(h), targets)
+        return Head(cfg.vocab_size, use_bias=False, dtype=dt, tie_embedding=True, name="head")(
+            h, targets, embedding=wte.embedding)
 
 
 def init(config: GPTConfig, key: jax.Array, *, stock: bool = False, abstract: bool = False) -> Functional:

@@ -5,7 +5,7 @@ The forward pass is the one :mod:`models.common` describes (the residual add fus
 
 Parameters (float32): ``wte.embedding``, ``wpe.embedding``, ``blocks[i].{ln1,ln2}.{scale,bias}``,
 ``blocks[i].{qkv,attn_out}.{kernel,bias}``, ``blocks[i].mlp.{fc1,fc2}.{kernel,bias}``,
-``ln_f.{scale,bias}``, ``head.kernel`` -- the names NNX's ``Embed`` / ``LayerNorm`` / ``RMSNorm``
+``ln_f.{scale,bias}``, ``head.kernel`` (none when tied) -- the names NNX's ``Embed`` / ``LayerNorm`` / ``RMSNorm``
 / ``Linear`` use, in both twins (the stock twin's MLP is two ``nnx.Linear`` attributes ``fc1``,
 ``fc2``); no ``wpe`` with rotary positions, no biases without ``config.bias`` or in an RMSNorm.
 """
@@ -128,8 +128,12 @@ class GPT(nnx.Module):
             self.wpe = nnx.Embed(config.seq_len, config.d_model, dtype=dt, embedding_init=init, rngs=rngs)
         self.blocks = nnx.List([Block(config, stock=stock, rngs=rngs) for _ in range(config.n_layers)])
         self.ln_f = _norm(config, stock, rngs)
-        self.head = Head(config.d_model, config.vocab_size, use_bias=False, dtype=dt, kernel_init=init,
-                         rngs=rngs)
+        if not config.tie_embeddings:
+            self.head = Head(config.d_model, config.vocab_size, use_bias=False, dtype=dt, kernel_init=init,
+                             rngs=rngs)
+        else:  # ours: an LMHead without a kernel, given wte's table; the stock twin: Embed.attend
+            self.head = None if stock else Head(config.d_model, config.vocab_size, use_bias=False, dtype=dt,
+                                                tie_embedding=True, rngs=rngs)
 
     def hidden(self, inputs):
         """The final hidden states (batch, seq, d_model): the head's input."""
@@ -142,10 +146,16 @@ class GPT(nnx.Module):
         return add_norm(self.ln_f, x, pending)[0]
 
     def __call__(self, inputs, targets):
-        return self.head(self.hidden(inputs), targets)
+        h = self.hidden(inputs)
+        if not self.config.tie_embeddings:
+            return self.head(h, targets)
+        if self.head is None:
+            return cross_entropy(self.wte.attend(h), targets)
+        return self.head(h, targets, embedding=self.wte.embedding[...])
 
     def logits(self, inputs):
-        return head_logits(self.hidden(inputs), self.head.kernel[...])
+        kernel = self.wte.embedding[...].T if self.config.tie_embeddings else self.head.kernel[...]
+        return head_logits(self.hidden(inputs), kernel)
 
 
 def init(config: GPTConfig, key: jax.Array, *, stock: bool = False, abstract: bool = False) -> Functional:

@@ -34,7 +34,8 @@ def tiny():
 
 
 # The block designs the models build: GPT-2's, and Llama's parts (the llama preset's) at tiny's size.
-DESIGNS = {"gpt": {}, "llama": {"norm": "rms", "activation": "swiglu", "bias": False, "rope": True}}
+DESIGNS = {"gpt": {}, "llama": {"norm": "rms", "activation": "swiglu", "bias": False, "rope": True},
+           "tied": {"tie_embeddings": True}}
 
 
 # --- configs -----------------------------------------------------------------------------------
@@ -54,6 +55,7 @@ def test_configs():
     assert (llama.norm, llama.activation, llama.bias, llama.rope, llama.fc1_features) == ("rms", "swiglu", False, True, 16384)
     d, f, v, n = llama.d_model, llama.d_mlp, llama.vocab_size, llama.n_layers
     assert llama.num_params() == 2 * v * d + n * (2 * d + 4 * d * d + 3 * d * f) + d
+    assert dataclasses.replace(llama, tie_embeddings=True).num_params() == llama.num_params() - v * d
     assert 20e6 <= CONFIGS["small"].num_params() <= 50e6
     assert CONFIGS["tiny"].num_params() < 1e6
     with pytest.raises(ValueError, match="multiple of n_heads"):
@@ -343,6 +345,20 @@ def test_llama_design_runs_its_kernels():
     assert not [name for name in per_name if "layer_norm" in name], per_name
     assert kernel_operand_counts(hlo, "linear_dx").count(3) == cfg.n_layers
     assert "logistic" not in hlo and "cosine" in hlo  # silu in the kernels; the rotary angles XLA's
+
+
+@pytest.mark.cute
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_tied_head_reads_the_table_as_stored(framework):
+    """With tied embeddings the head's GEMMs read the (vocab, d) token table as stored -- no
+    transposed copy -- on the exp path (lowered with backend 'cute': no fallback)."""
+    cfg = dataclasses.replace(DEEP, n_layers=1, tie_embeddings=True)
+    with cl.use_backend("cute"):
+        hlo = train_step_hlo(common.init(framework, cfg, jax.random.key(0), abstract=True), DEEP_BATCH)
+    d, vocab = cfg.d_model, cfg.vocab_size
+    assert re.search(r"@cutelayers_linear_fwd_\w+\(.*-> \(tensor<[^>]*bf16>, tensor<[^>]*xf32>\)", hlo)
+    assert not [name for name in map(kernel_name, kernel_calls(hlo)) if name.startswith("cross_entropy")]
+    assert not re.search(rf"stablehlo\.transpose .*-> tensor<(?:1x)?{d}x{vocab}x", hlo)
 
 
 @pytest.mark.cute

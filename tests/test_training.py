@@ -253,6 +253,14 @@ def test_stock_checkpoint_continues_in_the_cutelayers_model(tmp_path):
 
 # --- command line ----------------------------------------------------------------------------------
 
+def test_tied_embeddings_train(tmp_path):
+    """--tie-embeddings: the head reads wte's table (no head parameter), and the loss falls."""
+    result, text = run(["--steps", "10", "--eval-every", "0", "--tie-embeddings", *FAST])
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree.leaves_with_path(result.params)]
+    assert not [p for p in paths if "head" in p] and [p for p in paths if "wte" in p], paths
+    assert result.end_loss < result.start_loss - 0.5, text
+
+
 def test_help_documents_every_flag(capsys):
     # in this process: `python -m training.train` itself runs in the process tests below
     with pytest.raises(SystemExit) as e:

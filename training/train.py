@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="AdamW weight decay, applied to weight matrices and embeddings only")
     p.add_argument("--grad-clip", type=_positive_float, default=1.0,
                    help="clip gradients to this global norm")
+    p.add_argument("--tie-embeddings", action="store_true",
+                   help="the LM head reads the token embedding table, with no weight of its own "
+                        "(GPTConfig.tie_embeddings; every preset has an untied head)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="compute dtype (parameters stay float32); default: bfloat16 on a GPU (the CuTe "
                         "GEMMs take bfloat16/float16), elsewhere the config's (tiny: float32, "
@@ -580,7 +583,8 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
     # tensor parallel shards the qkv kernel's columns, which the q / k / v planes would cut
     # across devices (see GPTConfig.split_qkv)
     split = {"split_qkv": False} if args.mesh["tensor"] > 1 else {}
-    config = get_config(args.config, **({"dtype": dtype} if dtype else {}), **split)
+    tied = {"tie_embeddings": True} if args.tie_embeddings else {}
+    config = get_config(args.config, **({"dtype": dtype} if dtype else {}), **split, **tied)
     if config.vocab_size < VOCAB_SIZE:
         raise UsageError(f"--config {args.config}: vocab_size={config.vocab_size} is smaller than the data's "
                          f"byte vocabulary ({VOCAB_SIZE})")
