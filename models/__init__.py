@@ -6,7 +6,7 @@
 * :mod:`models.configs`: ``GPTConfig`` and the presets ``tiny`` (CPU), ``small`` (one GPU),
   ``deep24`` (24 blocks: the compile-once demonstration), ``gpt2`` (GPT-2 small's shape), ``wide``
   (Llama 3.2 1B's width, depth and vocabulary), ``llama`` (those shapes with Llama's RMSNorm,
-  SwiGLU, no biases and rotary positions).
+  grouped-query attention, SwiGLU, no biases and rotary positions).
 * :mod:`models.common`: the attention core, the functional view ``init(framework, config, key)
   -> Functional(params, loss, ...)`` that :mod:`training.train` uses, and parameter transfer.
 """

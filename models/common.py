@@ -120,37 +120,39 @@ def _attention_choice(dtype: str, head_dim: int, capability: tuple[int, int] | N
 
 
 def qkv_split(split: bool) -> dict:
-    """The qkv projection's call keywords: one (..., T, 3 * d) array (the stock layers, or
-    ``GPTConfig.split_qkv`` off), or, with ``split``, q, k and v as three arrays (``parts=3``:
+    """The qkv projection's call keywords: one (..., T, qkv_features) array (the stock layers, or
+    ``GPTConfig.splits_qkv`` off), or, with ``split``, q, k and v as three arrays (``parts=3``:
     :func:`cutelayers.ops.split_linear`, which never slices a fused result or concatenates dq,
     dk, dv)."""
     return {"parts": 3} if split else {}
 
 
-def causal_attention(qkv, n_heads: int, rotary_theta: float | None = None) -> jax.Array:
-    """Causal multi-head self-attention core.
+def causal_attention(qkv, config: GPTConfig) -> jax.Array:
+    """Causal self-attention core of ``config``'s heads (``n_heads`` of queries, ``kv_heads`` of
+    keys and values: grouped-query attention where fewer).
 
-    ``qkv``: (..., T, 3 * d) -- queries, keys and values side by side, as one fused projection
-    writes them -- or the tuple (q, k, v) of (..., T, d) arrays (:func:`qkv_split`). With
-    ``rotary_theta``, q and k first take rotary positions 0..T-1 (:func:`rotary`). Returns
-    (..., T, d) in their dtype, computed by cuDNN's fused attention or XLA's
-    (:func:`attention_implementation`).
+    ``qkv``: (..., T, qkv_features) -- queries, keys and values side by side, as one fused
+    projection writes them -- or the tuple (q, k, v) of (..., T, d) arrays (:func:`qkv_split`).
+    With rotary positions (``config.rope``), q and k first take positions 0..T-1
+    (:func:`rotary`). Returns (..., T, d) in their dtype, computed by cuDNN's fused attention or
+    XLA's (:func:`attention_implementation`).
     """
+    n_heads, kv_heads, dh = config.n_heads, config.kv_heads, config.head_dim
+    *lead, t, _ = (qkv[0] if isinstance(qkv, tuple) else qkv).shape
+    heads = lambda a: a.reshape(*lead, t, a.shape[-1] // dh, dh)  # (..., T, heads, Dh)
     if isinstance(qkv, tuple):
-        *lead, t, d = qkv[0].shape
-        q, k, v = (a.reshape(*lead, t, n_heads, d // n_heads) for a in qkv)
+        q, k, v = map(heads, qkv)
+    elif kv_heads == n_heads:  # as (..., T, 3, H, Dh): the layout a tensor-parallel step gathers whole
+        q, k, v = (a.squeeze(-3) for a in jnp.split(qkv.reshape(*lead, t, 3, n_heads, dh), 3, axis=-3))
     else:
-        *lead, t, three_d = qkv.shape
-        d = three_d // 3
-        q, k, v = jnp.split(qkv.reshape(*lead, t, 3, n_heads, d // n_heads), 3, axis=-3)
-        q, k, v = (a.squeeze(-3) for a in (q, k, v))  # (..., T, H, Dh)
-    if rotary_theta is not None:
-        q, k = rotary(q, rotary_theta), rotary(k, rotary_theta)
+        q, k, v = map(heads, jnp.split(qkv, [n_heads * dh, (n_heads + kv_heads) * dh], axis=-1))
+    if config.rope:
+        q, k = rotary(q, config.rope_theta), rotary(k, config.rope_theta)
     if len(lead) > 1:  # dot_product_attention takes (B, T, H, Dh) or (T, H, Dh)
         q, k, v = (a.reshape(-1, *a.shape[-3:]) for a in (q, k, v))
-    implementation = attention_implementation(q.dtype, d // n_heads)
+    implementation = attention_implementation(q.dtype, dh)
     out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
-    return out.reshape(*lead, t, d)
+    return out.reshape(*lead, t, n_heads * dh)
 
 
 def rotary(x: jax.Array, theta: float) -> jax.Array:

@@ -14,10 +14,10 @@ presets:
   128, sequence 2048, vocabulary 128256; 1.33B parameters with the untied head), bfloat16: the
   Llama-width shapes of the kernel benchmarks (the MLP 2048 -> 8192 -> 2048, the LM head's
   128256 columns) in a model. GPT's LayerNorm, GELU and biases, not Llama's RMSNorm and SwiGLU.
-* ``llama``  -- the wide preset's shapes with Llama's block design: RMSNorm, a SwiGLU MLP (hidden
+* ``llama``  -- Llama 3.2 1B's block at the wide preset's width, depth and vocabulary: RMSNorm,
+  grouped-query attention (32 query heads of 64, 8 of keys and values), a SwiGLU MLP (hidden
   8192: fc1 writes the gate and value halves, 2 x 8192), no biases, rotary positions in place of
-  the position table (1.60B parameters with the untied head). Still 16 heads of 128 for keys and
-  values too (Llama 3.2 1B shares 8 among 32 query heads of 64), so attention is the wide preset's.
+  the position table; an untied head (1.50B parameters; Llama 3.2 1B ties it: ``tie_embeddings``).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ class GPTConfig:
     """A decoder-only transformer: token + learned position embeddings, ``n_layers`` pre-norm
     blocks (LayerNorm -> causal self-attention -> residual; LayerNorm -> MLP with GELU ->
     residual), a final LayerNorm and an untied LM head trained with cross-entropy -- GPT-2's
-    design; ``norm``, ``activation``, ``bias`` and ``rope`` select Llama's parts instead, and
-    ``tie_embeddings`` a head that reads the token embedding table.
+    design; ``norm``, ``n_kv_heads``, ``activation``, ``bias`` and ``rope`` select Llama's parts
+    instead, and ``tie_embeddings`` a head that reads the token embedding table.
 
     ``dtype`` is the compute dtype (activations and the matmul operands); parameters are always
     float32. The CuTe GEMM kernels take bfloat16 / float16 operands, so GPU configs use bfloat16;
@@ -48,6 +48,9 @@ class GPTConfig:
     n_layers: int = 2
     d_model: int = 64
     n_heads: int = 4
+    # heads of keys and values, each shared by n_heads / n_kv_heads query heads (grouped-query
+    # attention, as Llama's); None: n_heads (multi-head attention)
+    n_kv_heads: int | None = None
     mlp_ratio: int = 4
     dtype: str = "float32"
     norm_eps: float = 1e-5
@@ -55,6 +58,7 @@ class GPTConfig:
     # cutelayers' qkv layer returns q, k and v as three arrays (``parts=3``): no slice of a fused
     # result, no concatenation of dq, dk, dv. False keeps the one (..., 3 d) array the stock twin
     # has: what tensor parallelism takes, whose column shards of [q | k | v] are not whole heads.
+    # Three equal parts only: with fewer key / value heads the array stays whole (splits_qkv).
     split_qkv: bool = True
     # the block's parts: "layer" (LayerNorm) or "rms" (RMSNorm, a scale and no bias); the MLP's
     # "gelu" (jax.nn.gelu's tanh form) or "swiglu" (silu(gate) * value, fc1 writing both halves);
@@ -77,6 +81,10 @@ class GPTConfig:
         if self.d_model % self.n_heads:
             raise ValueError(f"GPTConfig: d_model={self.d_model} must be a multiple of "
                              f"n_heads={self.n_heads}")
+        if self.n_kv_heads is not None and not (
+                isinstance(self.n_kv_heads, int) and self.n_kv_heads >= 1 and self.n_heads % self.n_kv_heads == 0):
+            raise ValueError(f"GPTConfig.n_kv_heads must be None or a positive integer dividing n_heads="
+                             f"{self.n_heads}; got {self.n_kv_heads!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"GPTConfig.dtype must be 'float32', 'bfloat16' or 'float16'; "
                              f"got {self.dtype!r}")
@@ -108,14 +116,25 @@ class GPTConfig:
         return self.init_std / (2 * self.n_layers) ** 0.5
 
     @property
+    def kv_heads(self) -> int:
+        """Heads of keys and values: ``n_kv_heads``, or ``n_heads`` if None."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def qkv_features(self) -> int:
+        """The qkv projection's width: queries (d_model), then keys and values (kv_heads heads each)."""
+        return self.d_model + 2 * self.kv_heads * self.head_dim
+
+    @property
+    def splits_qkv(self) -> bool:
+        """Whether cutelayers' qkv layer returns q, k and v apart (``split_qkv``): three equal parts,
+        so only without grouped keys and values."""
+        return self.split_qkv and self.kv_heads == self.n_heads
+
+    @property
     def norm_bias(self) -> bool:
         """Whether the norms have a bias: LayerNorms with ``bias`` (RMSNorm has none)."""
         return self.bias and self.norm == "layer"
-
-    @property
-    def rotary_theta(self) -> float | None:
-        """``rope_theta`` where ``rope`` is on, else None (:func:`models.common.causal_attention`)."""
-        return self.rope_theta if self.rope else None
 
     @property
     def fc1_features(self) -> int:
@@ -126,7 +145,8 @@ class GPTConfig:
         d, v, f, f1 = self.d_model, self.vocab_size, self.d_mlp, self.fc1_features
         b = int(self.bias)
         norm = d + d * int(self.norm_bias)
-        block = 2 * norm + (d * 3 * d + 3 * d * b) + (d * d + d * b) + (d * f1 + f1 * b) + (f * d + d * b)
+        qkv = self.qkv_features
+        block = 2 * norm + (d * qkv + qkv * b) + (d * d + d * b) + (d * f1 + f1 * b) + (f * d + d * b)
         positions = 0 if self.rope else self.seq_len * d
         head = 0 if self.tie_embeddings else d * v
         return v * d + positions + self.n_layers * block + norm + head
@@ -138,8 +158,8 @@ CONFIGS: dict[str, GPTConfig] = {
     "deep24": GPTConfig(seq_len=128, n_layers=24, d_model=128, n_heads=4, dtype="bfloat16"),
     "gpt2": GPTConfig(vocab_size=50304, seq_len=1024, n_layers=12, d_model=768, n_heads=12, dtype="bfloat16"),
     "wide": GPTConfig(vocab_size=128256, seq_len=2048, n_layers=16, d_model=2048, n_heads=16, dtype="bfloat16"),
-    "llama": GPTConfig(vocab_size=128256, seq_len=2048, n_layers=16, d_model=2048, n_heads=16, dtype="bfloat16",
-                       norm="rms", activation="swiglu", bias=False, rope=True),
+    "llama": GPTConfig(vocab_size=128256, seq_len=2048, n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8,
+                       dtype="bfloat16", norm="rms", activation="swiglu", bias=False, rope=True),
 }
 
 

@@ -155,18 +155,17 @@ class Block(eqx.Module):
     attn_out: eqx.Module
     ln2: eqx.Module
     mlp: eqx.Module
-    n_heads: int = eqx.field(static=True)
-    rotary_theta: float | None = eqx.field(static=True)
+    config: GPTConfig = eqx.field(static=True)
     split_qkv: bool = eqx.field(static=True)
 
     def __init__(self, config: GPTConfig, *, stock: bool, key: jax.Array):
         Linear, MLP, _, _ = _layers(stock)
         d, std, proj_std = config.d_model, config.init_std, config.proj_init_std
         k = jax.random.split(key, 3)
-        self.n_heads, self.rotary_theta = config.n_heads, config.rotary_theta
-        self.split_qkv = config.split_qkv and not stock
+        self.config = config
+        self.split_qkv = config.splits_qkv and not stock
         self.ln1 = _norm(config, stock)
-        self.qkv = _linear(Linear, d, 3 * d, std, k[0], use_bias=config.bias)
+        self.qkv = _linear(Linear, d, config.qkv_features, std, k[0], use_bias=config.bias)
         self.attn_out = _linear(Linear, d, d, proj_std, k[1], use_bias=config.bias)
         self.ln2 = _norm(config, stock)
         self.mlp = _mlp(MLP, config, k[2])
@@ -174,7 +173,7 @@ class Block(eqx.Module):
     def __call__(self, x, pending=None):
         h, x = add_norm(functools.partial(_on_rows, self.ln1), x, pending)
         qkv = _on_rows(functools.partial(self.qkv, **qkv_split(self.split_qkv)), h)
-        pending = _on_rows(self.attn_out, causal_attention(qkv, self.n_heads, self.rotary_theta))
+        pending = _on_rows(self.attn_out, causal_attention(qkv, self.config))
         h, x = _on_rows(self.ln2, pending, residual=x)
         return x, _on_rows(self.mlp, h)
 

@@ -113,9 +113,9 @@ class Block(nn.Module):
         d, dt = cfg.d_model, cfg.compute_dtype
         init, proj_init = nn.initializers.normal(cfg.init_std), nn.initializers.normal(cfg.proj_init_std)
         h, x = add_norm(_norm(cfg, self.stock, "ln1"), x, pending)
-        qkv = Dense(3 * d, use_bias=cfg.bias, dtype=dt, kernel_init=init, name="qkv")(
-            h, **qkv_split(cfg.split_qkv and not self.stock))
-        a = causal_attention(qkv, cfg.n_heads, cfg.rotary_theta)
+        qkv = Dense(cfg.qkv_features, use_bias=cfg.bias, dtype=dt, kernel_init=init, name="qkv")(
+            h, **qkv_split(cfg.splits_qkv and not self.stock))
+        a = causal_attention(qkv, cfg)
         pending = Dense(d, use_bias=cfg.bias, dtype=dt, kernel_init=proj_init, name="attn_out")(a)
         h, x = _norm(cfg, self.stock, "ln2")(pending, residual=x)
         mlp = MLP(cfg.d_mlp, d, activation=cfg.activation, use_bias=cfg.bias, dtype=dt, kernel_init=init,

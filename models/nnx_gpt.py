@@ -97,10 +97,10 @@ class Block(nnx.Module):
         init = nnx.initializers.normal(config.init_std)
         proj_init = nnx.initializers.normal(config.proj_init_std)
         linear = {"use_bias": config.bias, "dtype": dt, "rngs": rngs}
-        self.n_heads, self.rotary_theta = config.n_heads, config.rotary_theta
-        self.split_qkv = config.split_qkv and not stock
+        self.config = config
+        self.split_qkv = config.splits_qkv and not stock
         self.ln1 = _norm(config, stock, rngs)
-        self.qkv = Linear(d, 3 * d, kernel_init=init, **linear)
+        self.qkv = Linear(d, config.qkv_features, kernel_init=init, **linear)
         self.attn_out = Linear(d, d, kernel_init=proj_init, **linear)
         self.ln2 = _norm(config, stock, rngs)
         self.mlp = MLP(d, config.d_mlp, d, activation=config.activation, kernel_init=init, out_kernel_init=proj_init,
@@ -109,7 +109,7 @@ class Block(nnx.Module):
     def __call__(self, x, pending=None):
         h, x = add_norm(self.ln1, x, pending)
         qkv = self.qkv(h, **qkv_split(self.split_qkv))
-        h, x = self.ln2(self.attn_out(causal_attention(qkv, self.n_heads, self.rotary_theta)), residual=x)
+        h, x = self.ln2(self.attn_out(causal_attention(qkv, self.config)), residual=x)
         return x, self.mlp(h)
 
 

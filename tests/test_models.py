@@ -34,7 +34,7 @@ def tiny():
 
 
 # The block designs the models build: GPT-2's, and Llama's parts (the llama preset's) at tiny's size.
-DESIGNS = {"gpt": {}, "llama": {"norm": "rms", "activation": "swiglu", "bias": False, "rope": True},
+DESIGNS = {"gpt": {}, "llama": {"norm": "rms", "activation": "swiglu", "bias": False, "rope": True, "n_kv_heads": 2},
            "tied": {"tie_embeddings": True}}
 
 
@@ -50,11 +50,15 @@ def test_configs():
     assert (wide.n_layers, wide.d_model, wide.head_dim, wide.d_mlp, wide.vocab_size, wide.seq_len) == (
         16, 2048, 128, 8192, 128256, 2048)
     assert 1.3e9 <= wide.num_params() <= 1.4e9
-    llama = CONFIGS["llama"]  # the same shapes with Llama's parts
-    assert dataclasses.replace(llama, norm="layer", activation="gelu", bias=True, rope=False) == wide
+    llama = CONFIGS["llama"]  # Llama 3.2 1B's block at the same shapes
+    assert dataclasses.replace(llama, norm="layer", activation="gelu", bias=True, rope=False, n_heads=16,
+                               n_kv_heads=None) == wide
     assert (llama.norm, llama.activation, llama.bias, llama.rope, llama.fc1_features) == ("rms", "swiglu", False, True, 16384)
+    assert (llama.n_heads, llama.kv_heads, llama.head_dim, llama.qkv_features, llama.splits_qkv) == (32, 8, 64, 3072, False)
     d, f, v, n = llama.d_model, llama.d_mlp, llama.vocab_size, llama.n_layers
-    assert llama.num_params() == 2 * v * d + n * (2 * d + 4 * d * d + 3 * d * f) + d
+    assert llama.num_params() == 2 * v * d + n * (2 * d + d * (2 * d + 2 * 512) + 3 * d * f) + d
+    # tied, it is Llama 3.2 1B's count (1.24B)
+    assert 1.23e9 < dataclasses.replace(llama, tie_embeddings=True).num_params() < 1.24e9
     assert dataclasses.replace(llama, tie_embeddings=True).num_params() == llama.num_params() - v * d
     assert 20e6 <= CONFIGS["small"].num_params() <= 50e6
     assert CONFIGS["tiny"].num_params() < 1e6
@@ -66,6 +70,9 @@ def test_configs():
         GPTConfig(norm="batch")
     with pytest.raises(ValueError, match=r"GPTConfig.activation must be one of 'gelu', 'swiglu'; got 'relu'"):
         GPTConfig(activation="relu")
+    for kv in (3, 0, 2.0):
+        with pytest.raises(ValueError, match=rf"n_kv_heads must be None or a positive integer dividing n_heads=4; got {kv}"):
+            GPTConfig(n_kv_heads=kv)
     with pytest.raises(ValueError, match="GPTConfig.rope_theta must be a positive number; got 0"):
         GPTConfig(rope=True, rope_theta=0)
     with pytest.raises(ValueError, match="head_dim=3 .* must be even"):
@@ -162,6 +169,24 @@ def test_rotary_positions():
     for lag in range(-t + 1, t):
         np.testing.assert_allclose(np.diagonal(scores, lag), np.diagonal(scores, lag)[0], rtol=1e-4, atol=1e-5)
     assert np.ptp(np.diagonal(scores, 0)) < 1e-4 < np.ptp(scores)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_grouped_query_attention(fused):
+    """kv_heads < n_heads: each key / value head serves n_heads / kv_heads consecutive query heads
+    -- softmax attention with k and v repeated per group -- from one fused qkv array or three."""
+    cfg = GPTConfig(d_model=32, n_heads=4, n_kv_heads=2, seq_len=8)
+    dh, t = cfg.head_dim, 6
+    qkv = jax.random.normal(jax.random.key(0), (2, t, cfg.qkv_features), jnp.float32)
+    q, k, v = jnp.split(qkv, [32, 32 + 2 * dh], axis=-1)
+    got = common.causal_attention(qkv if fused else (q, k, v), cfg)
+    heads = lambda a: a.reshape(2, t, -1, dh)
+    k, v = (jnp.repeat(heads(a), 2, axis=2) for a in (k, v))
+    scores = jnp.einsum("bthd,bshd->bhts", heads(q), k) / np.sqrt(dh)
+    scores = jnp.where(jnp.tril(jnp.ones((t, t), bool))[None, None], scores, -jnp.inf)
+    expected = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, axis=-1), v).reshape(2, t, 32)
+    assert got.shape == (2, t, 32)
+    assert_close(got, expected, jnp.float32, scale=4)
 
 
 def test_equinox_takes_one_sequence_or_a_batch(tiny):

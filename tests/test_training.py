@@ -20,7 +20,7 @@ from test_sharding import collectives
 
 import cutelayers as cl
 from models import common
-from models.configs import get_config
+from models.configs import GPTConfig, get_config
 from training import data as data_mod
 from training import sample
 from training.checkpoint import Checkpointer
@@ -259,6 +259,15 @@ def test_tied_embeddings_train(tmp_path):
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree.leaves_with_path(result.params)]
     assert not [p for p in paths if "head" in p] and [p for p in paths if "wte" in p], paths
     assert result.end_loss < result.start_loss - 0.5, text
+
+
+def test_tensor_parallel_splits_whole_key_value_heads():
+    """A tensor axis must divide the key / value heads of grouped-query attention too."""
+    from training.sharding import model_errors
+    shape = {"data": 1, "fsdp": 1, "tensor": 4}
+    assert model_errors(shape, GPTConfig(n_heads=4, n_kv_heads=2)) == ["n_kv_heads=2"]
+    assert model_errors(shape, GPTConfig(n_heads=4, n_kv_heads=4)) == []
+    assert model_errors(shape, GPTConfig(n_heads=4)) == []
 
 
 def test_help_documents_every_flag(capsys):

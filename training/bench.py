@@ -301,7 +301,7 @@ def part_seconds(config: GPTConfig, batch_size: int, *, stock: bool) -> dict[str
 
     x = act(*rows, d)
     parts = {}
-    for name, n_out in (("qkv", 3 * d), ("attn_out", d)):
+    for name, n_out in (("qkv", config.qkv_features), ("attn_out", d)):
         parts[f"GEMM {name} ({d}x{n_out})"] = n_layers * fwd_bwd(Dense(n_out, use_bias=config.bias, dtype=dt), x)
     mlp = MLP(config.d_mlp, d, activation=config.activation, use_bias=config.bias, dtype=dt,
               kernel_init=jax.nn.initializers.normal(config.init_std),
@@ -311,8 +311,7 @@ def part_seconds(config: GPTConfig, batch_size: int, *, stock: bool) -> dict[str
     norm = linen_gpt._norm(config, stock, name=None)
     parts["RMSNorm" if config.norm == "rms" else "LayerNorm"] = (
         fwd_bwd(norm, x) + 2 * n_layers * fwd_bwd(norm, x, residual=act(*rows, d)))
-    attention, operands = vjp_program(lambda a: common.causal_attention(a, config.n_heads, config.rotary_theta),
-                                      act(*rows, 3 * d))
+    attention, operands = vjp_program(lambda a: common.causal_attention(a, config), act(*rows, config.qkv_features))
     parts["attention"] = n_layers * time_fn(attention, *operands)
     targets = jnp.asarray(rng.integers(0, config.vocab_size, rows), jnp.int32)
     head = Head(config.vocab_size, use_bias=False, dtype=dt)

@@ -75,10 +75,11 @@ def describe(shape: dict[str, int]) -> str:
 
 
 def model_errors(shape: dict[str, int], config: GPTConfig) -> list[str]:
-    """Why ``config`` cannot be split over ``shape``'s tensor axis (empty if it can): the heads,
-    the MLP width and the vocabulary must divide evenly."""
+    """Why ``config`` cannot be split over ``shape``'s tensor axis (empty if it can): the heads (of
+    keys and values too), the MLP width and the vocabulary must divide evenly."""
     t = shape["tensor"]
-    dims = {"n_heads": config.n_heads, "d_mlp": config.d_mlp, "vocab_size": config.vocab_size}
+    dims = {"n_heads": config.n_heads, **({"n_kv_heads": config.n_kv_heads} if config.n_kv_heads else {}),
+            "d_mlp": config.d_mlp, "vocab_size": config.vocab_size}
     return [f"{name}={n}" for name, n in dims.items() if n % t]
 
 

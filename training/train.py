@@ -150,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", choices=tuple(CONFIGS), default="tiny",
                    help="model size (models/configs.py): tiny for CPU, small for one GPU, deep24 = "
                         "24 narrow blocks, gpt2 = GPT-2 small's shape, wide = Llama 3.2 1B's width and vocabulary, "
-                        "llama = those shapes with RMSNorm, SwiGLU, no biases and rotary positions")
+                        "llama = Llama 3.2 1B's block at those shapes (RMSNorm, grouped-query attention, SwiGLU, "
+                        "no biases, rotary positions)")
     p.add_argument("--steps", type=_int_at_least(1), default=None,
                    help="total optimizer steps (with --resume: up to this step); default per config")
     p.add_argument("--backend", choices=cl.BACKENDS, default="auto",
