@@ -24,6 +24,7 @@ from models.configs import GPTConfig, get_config
 from training import data as data_mod
 from training import sample
 from training.checkpoint import Checkpointer
+from training.sharding import model_errors
 from training.train import DevicePrefetcher, build_parser, main, parse_args, train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -263,7 +264,6 @@ def test_tied_embeddings_train(tmp_path):
 
 def test_tensor_parallel_splits_whole_key_value_heads():
     """A tensor axis must divide the key / value heads of grouped-query attention too."""
-    from training.sharding import model_errors
     shape = {"data": 1, "fsdp": 1, "tensor": 4}
     assert model_errors(shape, GPTConfig(n_heads=4, n_kv_heads=2)) == ["n_kv_heads=2"]
     assert model_errors(shape, GPTConfig(n_heads=4, n_kv_heads=4)) == []
