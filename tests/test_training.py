@@ -237,6 +237,19 @@ def test_checkpoint_round_trip_and_exact_resume(tmp_path):
     # nothing left to do
     again, text = run([*base, "--resume"])
     assert again.steps_run == 0 and "nothing to do" in text
+    # a checkpoint whose recorded config predates fields added since (their defaults: its model)
+    # resumes; one of another model does not
+    (meta_file,) = [f for f in (ckpt / "12").rglob("*") if f.is_file() and '"model_config"' in f.read_text(errors="ignore")]
+    meta = json.loads(meta_file.read_text())
+    for field in ("norm", "activation", "bias", "rope", "rope_theta", "tie_embeddings", "n_kv_heads"):
+        del meta["model_config"][field]
+    meta_file.write_text(json.dumps(meta))
+    again, text = run([*base, "--resume"])
+    assert again.steps_run == 0 and "nothing to do" in text
+    meta["model_config"]["norm"] = "rms"
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="'norm': 'rms'"):
+        run([*base, "--resume"])
 
 
 def test_stock_checkpoint_continues_in_the_cutelayers_model(tmp_path):

@@ -620,8 +620,10 @@ def open_checkpoint(args: argparse.Namespace, meta: dict, say):
         raise UsageError(f"--resume: the checkpoint in {ckpt.directory} is for --model {saved.get('model')}; "
                          f"this run is --model {args.model}")
     # parameters are float32 whatever the compute dtype, and the same whether q, k, v come out
-    # apart or not (split_qkv, off under tensor parallel): a checkpoint serves any --dtype / --mesh
-    shape_of = lambda c: {k: v for k, v in (c or {}).items() if k not in ("dtype", "split_qkv")}
+    # apart or not (split_qkv, off under tensor parallel): a checkpoint serves any --dtype / --mesh.
+    # A field the checkpoint's config predates has its default (the model it was written by).
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    shape_of = lambda c: {k: v for k, v in {**defaults, **(c or {})}.items() if k not in ("dtype", "split_qkv")}
     if shape_of(saved.get("model_config")) != shape_of(meta["model_config"]):
         raise UsageError(
             f"--resume: the checkpoint in {ckpt.directory} is for --config {saved.get('config')} "
