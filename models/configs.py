@@ -30,6 +30,11 @@ NORMS = ("layer", "rms")
 ACTIVATIONS = ("gelu", "swiglu")
 
 
+def fc1_features(activation: str, hidden: int) -> int:
+    """An MLP's first-layer width: SwiGLU's gate and value halves side by side, else ``hidden``."""
+    return 2 * hidden if activation == "swiglu" else hidden
+
+
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
     """A decoder-only transformer: token + learned position embeddings, ``n_layers`` pre-norm
@@ -138,8 +143,8 @@ class GPTConfig:
 
     @property
     def fc1_features(self) -> int:
-        """The MLP's first-layer width: the gate and value halves side by side for SwiGLU."""
-        return 2 * self.d_mlp if self.activation == "swiglu" else self.d_mlp
+        """The MLP's first-layer width (:func:`fc1_features`)."""
+        return fc1_features(self.activation, self.d_mlp)
 
     def num_params(self) -> int:
         d, v, f, f1 = self.d_model, self.vocab_size, self.d_mlp, self.fc1_features

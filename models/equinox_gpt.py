@@ -40,7 +40,7 @@ from models.common import (
     qkv_split,
     stock_mlp_hidden,
 )
-from models.configs import GPTConfig
+from models.configs import GPTConfig, fc1_features
 
 
 def _residual_call(norm, x, residual):
@@ -75,8 +75,7 @@ class _StockMLP(eqx.Module):
 
     def __init__(self, in_features, hidden_features, out_features, use_bias=True, *, activation, key):
         k1, k2 = jax.random.split(key)
-        fc1_features = 2 * hidden_features if activation == "swiglu" else hidden_features
-        self.fc1 = eqx.nn.Linear(in_features, fc1_features, use_bias, key=k1)
+        self.fc1 = eqx.nn.Linear(in_features, fc1_features(activation, hidden_features), use_bias, key=k1)
         self.fc2 = eqx.nn.Linear(hidden_features, out_features, use_bias, key=k2)
         self.activation = activation
 

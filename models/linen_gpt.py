@@ -31,7 +31,7 @@ from models.common import (
     qkv_split,
     stock_mlp_hidden,
 )
-from models.configs import GPTConfig
+from models.configs import GPTConfig, fc1_features
 
 
 class _StockResidualNorm:
@@ -68,8 +68,7 @@ class _StockMLP(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        fc1_features = 2 * self.hidden_features if self.activation == "swiglu" else self.hidden_features
-        z = nn.Dense(fc1_features, use_bias=self.use_bias, dtype=self.dtype, kernel_init=self.kernel_init)(x)
+        z = nn.Dense(fc1_features(self.activation, self.hidden_features), use_bias=self.use_bias, dtype=self.dtype, kernel_init=self.kernel_init)(x)
         h = stock_mlp_hidden(z, self.activation)
         return nn.Dense(self.features, use_bias=self.use_bias, dtype=self.dtype, kernel_init=self.out_kernel_init)(h)
 

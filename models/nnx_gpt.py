@@ -5,9 +5,10 @@ The forward pass is the one :mod:`models.common` describes (the residual add fus
 
 Parameters (float32): ``wte.embedding``, ``wpe.embedding``, ``blocks[i].{ln1,ln2}.{scale,bias}``,
 ``blocks[i].{qkv,attn_out}.{kernel,bias}``, ``blocks[i].mlp.{fc1,fc2}.{kernel,bias}``,
-``ln_f.{scale,bias}``, ``head.kernel`` (none when tied) -- the names NNX's ``Embed`` / ``LayerNorm`` / ``RMSNorm``
-/ ``Linear`` use, in both twins (the stock twin's MLP is two ``nnx.Linear`` attributes ``fc1``,
-``fc2``); no ``wpe`` with rotary positions, no biases without ``config.bias`` or in an RMSNorm.
+``ln_f.{scale,bias}``, ``head.kernel`` (none when tied) -- the names NNX's ``Embed`` /
+``LayerNorm`` / ``RMSNorm`` / ``Linear`` use, in both twins (the stock twin's MLP is two
+``nnx.Linear`` attributes ``fc1``, ``fc2``); no ``wpe`` with rotary positions, no biases without
+``config.bias`` or in an RMSNorm.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from models.common import (
     qkv_split,
     stock_mlp_hidden,
 )
-from models.configs import GPTConfig
+from models.configs import GPTConfig, fc1_features
 
 
 class _StockResidualNorm:
@@ -54,8 +55,8 @@ class _StockMLP(nnx.Module):
     def __init__(self, in_features, hidden_features, out_features, *, activation, use_bias, dtype, kernel_init,
                  out_kernel_init, rngs):
         shared = {"use_bias": use_bias, "dtype": dtype, "rngs": rngs}
-        fc1_features = 2 * hidden_features if activation == "swiglu" else hidden_features
-        self.fc1 = nnx.Linear(in_features, fc1_features, kernel_init=kernel_init, **shared)
+        self.fc1 = nnx.Linear(in_features, fc1_features(activation, hidden_features), kernel_init=kernel_init,
+                              **shared)
         self.fc2 = nnx.Linear(hidden_features, out_features, kernel_init=out_kernel_init, **shared)
         self.activation = activation
 
