@@ -28,6 +28,13 @@ def tokens(seed, shape, vocab=256):
     return x, jnp.roll(x, -1, axis=-1)
 
 
+@pytest.fixture(autouse=True)
+def _rank_promotion_raises():
+    """The models (both twins, every design) use no implicit rank promotion."""
+    with jax.numpy_rank_promotion("raise"):
+        yield
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return get_config("tiny")
