@@ -24,11 +24,11 @@ rotary positions, which ``attention`` then applies to q and k -- :class:`GPTConf
 
 (:func:`add_norm`: the first ln1 has nothing pending.)
 
-``stock=True`` builds the twin from the framework's own layers (Dense / Linear / LayerNorm / RMSNorm; two
-Dense / Linear layers where ours has cutelayers' ``MLP``; a Dense / Linear head -- tied, the
-embedding's table -- with ``optax`` cross-entropy where ours has cutelayers' ``LMHead``) with the
-same parameter tree: the same key
-paths, shapes and dtypes, so a checkpoint of one loads into the other (:func:`transfer_params`).
+``stock=True`` builds the twin from the framework's own layers (Dense / Linear / LayerNorm /
+RMSNorm; two Dense / Linear layers where ours has cutelayers' ``MLP``; a Dense / Linear head --
+tied, the embedding's table -- with ``optax`` cross-entropy where ours has cutelayers' ``LMHead``)
+with the same parameter tree: the same key paths, shapes and dtypes, so a checkpoint of one loads
+into the other (:func:`transfer_params`).
 """
 
 from __future__ import annotations

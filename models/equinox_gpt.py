@@ -5,9 +5,9 @@ The forward pass is the one :mod:`models.common` describes (the residual add fus
 
 Leaves (float32): ``wte.weight``, ``wpe.weight``, ``blocks[i].{ln1,ln2}.{weight,bias}``,
 ``blocks[i].{qkv,attn_out}.{weight,bias}``, ``blocks[i].mlp.{fc1,fc2}.{weight,bias}`` (weights
-(out, in) as in ``eqx.nn.Linear``), ``ln_f.{weight,bias}``, ``head.weight`` (vocab, d_model; none when tied) -- in
-both twins (the stock twin's MLP has two ``eqx.nn.Linear`` fields ``fc1``, ``fc2``); ``wpe`` None
-with rotary positions, biases None without ``config.bias`` or in an RMSNorm.
+(out, in) as in ``eqx.nn.Linear``), ``ln_f.{weight,bias}``, ``head.weight`` (vocab, d_model; none
+when tied) -- in both twins (the stock twin's MLP has two ``eqx.nn.Linear`` fields ``fc1``,
+``fc2``); ``wpe`` None with rotary positions, biases None without ``config.bias`` or in an RMSNorm.
 
 Two choices:
 

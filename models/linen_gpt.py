@@ -6,10 +6,9 @@ The forward pass is the one :mod:`models.common` describes (the residual add fus
 Parameters (float32), ``params`` collection: ``wte.embedding``, ``wpe.embedding``,
 ``blocks_{i}.{ln1,ln2}.{scale,bias}``, ``blocks_{i}.{qkv,attn_out}.{kernel,bias}``,
 ``blocks_{i}.mlp.{Dense_0,Dense_1}.{kernel,bias}``, ``ln_f.{scale,bias}``, ``head.kernel`` (none
-when tied) -- the
-names linen's ``Embed`` / ``LayerNorm`` / ``RMSNorm`` / ``Dense`` use, in both twins (the stock
-twin's MLP is a compact module calling ``nn.Dense`` twice); no ``wpe`` with rotary positions, no
-biases without ``config.bias`` or in an RMSNorm.
+when tied) -- the names linen's ``Embed`` / ``LayerNorm`` / ``RMSNorm`` / ``Dense`` use, in both
+twins (the stock twin's MLP is a compact module calling ``nn.Dense`` twice); no ``wpe`` with
+rotary positions, no biases without ``config.bias`` or in an RMSNorm.
 """
 
 from __future__ import annotations
@@ -68,9 +67,9 @@ class _StockMLP(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        z = nn.Dense(fc1_features(self.activation, self.hidden_features), use_bias=self.use_bias, dtype=self.dtype, kernel_init=self.kernel_init)(x)
-        h = stock_mlp_hidden(z, self.activation)
-        return nn.Dense(self.features, use_bias=self.use_bias, dtype=self.dtype, kernel_init=self.out_kernel_init)(h)
+        dense = lambda features, init: nn.Dense(features, use_bias=self.use_bias, dtype=self.dtype, kernel_init=init)
+        z = dense(fc1_features(self.activation, self.hidden_features), self.kernel_init)(x)
+        return dense(self.features, self.out_kernel_init)(stock_mlp_hidden(z, self.activation))
 
 
 class _StockHead(nn.Dense):
