@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import cutelayers
 from models.configs import GPTConfig
 
 FRAMEWORKS = ("nnx", "linen", "equinox")
@@ -186,6 +187,21 @@ def add_norm(norm: Callable, x: jax.Array, pending: jax.Array | None) -> tuple[j
     if pending is None:
         return norm(x), x
     return norm(pending, residual=x)
+
+
+def block_remat_policy(config: GPTConfig, stock: bool) -> Callable | None:
+    """The ``jax.checkpoint`` policy each block runs under (``config.remat``), or None: blocks not
+    rematerialized. ``"full"`` keeps nothing inside a block (``nothing_saveable``: the backward
+    recomputes the whole block from its inputs); ``"dots"`` keeps the matmuls' results
+    (``dots_with_no_batch_dims_saveable``), given to the cutelayers model through
+    :func:`cutelayers.remat_policy` so that its GEMM kernels are kept as the stock twin's dots
+    are (as given, the policy would keep none of them)."""
+    if config.remat == "none":
+        return None
+    if config.remat == "full":
+        return jax.checkpoint_policies.nothing_saveable
+    dots = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    return dots if stock else cutelayers.remat_policy(dots)
 
 
 def positions(inputs: jax.Array, config: GPTConfig) -> jax.Array:

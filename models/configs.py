@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 NORMS = ("layer", "rms")
 ACTIVATIONS = ("gelu", "swiglu")
+REMATS = ("none", "full", "dots")
 
 
 def fc1_features(activation: str, hidden: int) -> int:
@@ -42,6 +43,9 @@ class GPTConfig:
     residual), a final LayerNorm and an untied LM head trained with cross-entropy -- GPT-2's
     design; ``norm``, ``n_kv_heads``, ``activation``, ``bias`` and ``rope`` select Llama's parts
     instead, and ``tie_embeddings`` a head that reads the token embedding table.
+
+    ``remat`` recomputes each block in the backward instead of keeping its activations (both
+    twins under the same ``jax.checkpoint`` policy: :func:`models.common.block_remat_policy`).
 
     ``dtype`` is the compute dtype (activations and the matmul operands); parameters are always
     float32. The CuTe GEMM kernels take bfloat16 / float16 operands, so GPU configs use bfloat16;
@@ -77,6 +81,11 @@ class GPTConfig:
     # the LM head reads the token embedding table (vocab, d_model) as its weight, no head
     # parameter of its own (GPT-2's and Llama 3.2 1B's choice; the presets keep an untied head)
     tie_embeddings: bool = False
+    # each block recomputed in the backward (jax.checkpoint) instead of keeping its activations:
+    # "none"; "full" keeps the block's inputs only (nothing_saveable); "dots" also its matmuls'
+    # results (dots_with_no_batch_dims_saveable; cutelayers' GEMM kernels count as dots:
+    # models.common.block_remat_policy)
+    remat: str = "none"
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "n_layers", "d_model", "n_heads", "mlp_ratio"):
@@ -93,7 +102,7 @@ class GPTConfig:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"GPTConfig.dtype must be 'float32', 'bfloat16' or 'float16'; "
                              f"got {self.dtype!r}")
-        for name, allowed in (("norm", NORMS), ("activation", ACTIVATIONS)):
+        for name, allowed in (("norm", NORMS), ("activation", ACTIVATIONS), ("remat", REMATS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"GPTConfig.{name} must be one of {', '.join(map(repr, allowed))}; "
                                  f"got {getattr(self, name)!r}")

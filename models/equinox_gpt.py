@@ -33,6 +33,7 @@ from cutelayers import equinox as cl_eqx
 from models.common import (
     Functional,
     add_norm,
+    block_remat_policy,
     causal_attention,
     cross_entropy,
     head_logits,
@@ -211,8 +212,11 @@ class GPT(eqx.Module):
         tokens = jax.vmap(self.wte)(inputs.reshape(-1)).reshape(*inputs.shape, -1)  # one lookup of all ids
         at = positions(inputs, self.config)
         x, pending = (tokens if self.wpe is None else tokens + self.wpe.weight[at]), None
+        run = lambda block, x, pending: block(x, pending)
+        if self.config.remat != "none":
+            run = eqx.filter_checkpoint(run, policy=block_remat_policy(self.config, self.stock))
         for block in self.blocks:
-            x, pending = block(x, pending)
+            x, pending = run(block, x, pending)
         return add_norm(functools.partial(_on_rows, self.ln_f), x, pending)[0]
 
     def __call__(self, inputs, targets):

@@ -23,6 +23,7 @@ from cutelayers.flax import linen as cl_linen
 from models.common import (
     Functional,
     add_norm,
+    block_remat_policy,
     causal_attention,
     cross_entropy,
     head_logits,
@@ -142,8 +143,9 @@ class GPT(nn.Module):
         if not cfg.rope:
             x = x + nn.Embed(cfg.seq_len, cfg.d_model, dtype=dt, embedding_init=init, name="wpe")(at)
         pending = None
+        block = Block if cfg.remat == "none" else nn.remat(Block, policy=block_remat_policy(cfg, self.stock))
         for i in range(cfg.n_layers):
-            x, pending = Block(cfg, self.stock, name=f"blocks_{i}")(x, pending)
+            x, pending = block(cfg, self.stock, name=f"blocks_{i}")(x, pending)
         h, _ = add_norm(_norm(cfg, self.stock, "ln_f"), x, pending)
         if targets is None:
             return head_logits(h, wte.embedding.T if cfg.tie_embeddings else self.variables["params"]["head"]["kernel"])

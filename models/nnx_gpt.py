@@ -20,6 +20,7 @@ from cutelayers.flax import nnx as cl_nnx
 from models.common import (
     Functional,
     add_norm,
+    block_remat_policy,
     causal_attention,
     cross_entropy,
     head_logits,
@@ -124,6 +125,7 @@ class GPT(nnx.Module):
         _, _, Head, Embed = _layers(stock)
         dt, init = config.compute_dtype, nnx.initializers.normal(config.init_std)
         self.config = config
+        self.remat_policy = block_remat_policy(config, stock)
         self.wte = Embed(config.vocab_size, config.d_model, dtype=dt, embedding_init=init, rngs=rngs)
         if not config.rope:
             self.wpe = nnx.Embed(config.seq_len, config.d_model, dtype=dt, embedding_init=init, rngs=rngs)
@@ -142,8 +144,11 @@ class GPT(nnx.Module):
         at = positions(inputs, self.config)
         if not self.config.rope:
             x = x + self.wpe(at)
+        run = lambda block, x, pending: block(x, pending)
+        if self.config.remat != "none":
+            run = nnx.remat(run, policy=self.remat_policy)
         for block in self.blocks:
-            x, pending = block(x, pending)
+            x, pending = run(block, x, pending)
         return add_norm(self.ln_f, x, pending)[0]
 
     def __call__(self, inputs, targets):

@@ -3,7 +3,9 @@ parameter tree, parameters move across, same loss), and, lowered for CUDA on thi
 (CUTE_DSL_ARCH=sm_90a, set by conftest), each block's MLP as one ``ops.mlp``, the compile-once
 property of deep24's blocks and the AoT export of a train step."""
 
+import contextlib
 import dataclasses
+import io
 import math
 import re
 from collections import Counter
@@ -13,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import built
+from jax.ad_checkpoint import print_saved_residuals
 from numerics import assert_close
 from test_linear import kernel_operand_counts
 
@@ -80,6 +83,8 @@ def test_configs():
     for kv in (3, 0, 2.0):
         with pytest.raises(ValueError, match=rf"n_kv_heads must be None or a positive integer dividing n_heads=4; got {kv}"):
             GPTConfig(n_kv_heads=kv)
+    with pytest.raises(ValueError, match=r"GPTConfig.remat must be one of 'none', 'full', 'dots'; got 'some'"):
+        GPTConfig(remat="some")
     with pytest.raises(ValueError, match="GPTConfig.rope_theta must be a positive number; got 0"):
         GPTConfig(rope=True, rope_theta=0)
     with pytest.raises(ValueError, match="head_dim=3 .* must be even"):
@@ -145,6 +150,29 @@ def test_stock_twin_bfloat16(framework, design, tiny):
     out = jax.jit(ours.loss)(common.transfer_params(params, ours.params), x, y)
     assert out.dtype == jnp.float32
     assert_close(out, ref, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_remat_keeps_the_loss_and_gradients(framework, tiny):
+    """``GPTConfig.remat``: each block recomputed in the backward, both twins -- the same parameter
+    tree, loss and gradients as without it, and fewer activations kept ("full" the fewest)."""
+    x, y = tokens(3, (2, 48))
+    for stock in (False, True):
+        kept, results = {}, {}
+        for remat in ("none", "dots", "full"):
+            model = common.init(framework, dataclasses.replace(tiny, remat=remat), jax.random.key(0), stock=stock)
+            results[remat] = jax.jit(jax.value_and_grad(model.loss))(model.params, x, y)
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                print_saved_residuals(model.loss, model.params, x, y)
+            kept[remat] = sum("from the argument" not in line for line in printed.getvalue().splitlines())
+            assert common.tree_signature(model.params) == common.tree_signature(
+                common.init(framework, tiny, jax.random.key(0), stock=stock, abstract=True).params)
+        for remat in ("dots", "full"):
+            assert_close(results[remat][0], results["none"][0], jnp.float32, scale=2.0)
+            for g, want in zip(jax.tree.leaves(results[remat][1]), jax.tree.leaves(results["none"][1])):
+                assert_close(g, want, jnp.float32, scale=4.0)
+        assert kept["none"] > kept["dots"] > kept["full"], (stock, kept)
 
 
 def test_llama_parts_in_the_parameter_trees(tiny):
@@ -360,6 +388,28 @@ def test_deep24_blocks_compile_each_kernel_once(deep_train_steps):
     expected = Counter(kernel_name(t) for t in targets)
     assert {name: built(stats) for name, stats in info.items()} == dict(expected)
     assert sum(stats.memory_hits for stats in info.values()) > 0  # linen / equinox reused nnx's kernels
+
+
+@pytest.mark.cute
+def test_remat_dots_launches_no_gemm_again(deep_train_steps):
+    """Lowered for CUDA with backend 'cute', the blocks under ``remat="dots"`` launch the forward
+    GEMMs as often as without remat (their results kept: ``cutelayers.remat_policy``) and only
+    the norms again; under ``remat="full"`` every block's qkv, attention-out and fc1 forward again."""
+    hlos, _ = deep_train_steps
+    counts = {"none": Counter(map(kernel_name, kernel_calls(hlos["nnx"])))}
+    for remat in ("dots", "full"):
+        model = common.init("nnx", dataclasses.replace(DEEP, remat=remat), jax.random.key(0), abstract=True)
+        with cl.use_backend("cute"):
+            counts[remat] = Counter(map(kernel_name, kernel_calls(train_step_hlo(model, DEEP_BATCH))))
+    n = DEEP.n_layers
+    gemms = ("linear_fwd", "split_linear_fwd")
+    assert [counts["dots"][g] for g in gemms] == [counts["none"][g] for g in gemms], counts
+    assert counts["full"]["split_linear_fwd"] == 2 * n and counts["full"]["linear_fwd"] == counts["none"]["linear_fwd"] + 2 * n
+    for remat in ("dots", "full"):  # each block's two norms again (the final one is outside the blocks)
+        assert counts[remat]["add_layer_norm_fwd"] + counts[remat]["layer_norm_fwd"] == (
+            counts["none"]["add_layer_norm_fwd"] + counts["none"]["layer_norm_fwd"] + 2 * n), counts
+        for name in ("linear_dx", "linear_dkernel", "add_layer_norm_bwd"):
+            assert counts[remat][name] == counts["none"][name], (remat, name)
 
 
 @pytest.mark.cute

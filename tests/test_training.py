@@ -275,6 +275,22 @@ def test_tied_embeddings_train(tmp_path):
     assert result.end_loss < result.start_loss - 0.5, text
 
 
+def test_remat_trains_as_without(tmp_path):
+    """--remat: the blocks recomputed in the backward, the same run (the same losses and
+    parameters, within float32 rounding); a checkpoint resumes under another --remat."""
+    base = ["--steps", "6", "--eval-every", "0", "--log-every", "3", *FAST]
+    plain, _ = run(base)
+    ckpt = tmp_path / "ckpt"
+    for remat in ("full", "dots"):
+        result, _ = run([*base, "--remat", remat, "--checkpoint-dir", str(ckpt / remat)])
+        assert_close(result.end_loss, plain.end_loss, "float32", scale=10)
+        for a, b in zip(jax.tree.leaves(result.params), jax.tree.leaves(plain.params)):
+            assert_close(a, b, "float32", scale=50)
+        assert Checkpointer(ckpt / remat).read_meta()["model_config"]["remat"] == remat
+    resumed, text = run([*base[2:], "--steps", "8", "--checkpoint-dir", str(ckpt / "dots"), "--resume"])
+    assert resumed.steps_run == 2 and "at step 6" in text
+
+
 def test_tensor_parallel_splits_whole_key_value_heads():
     """A tensor axis must divide the key / value heads of grouped-query attention too."""
     shape = {"data": 1, "fsdp": 1, "tensor": 4}

@@ -4,6 +4,7 @@ appended to the output file; with ``--mesh``, every case over each mesh of the f
 (see conftest: four), the table's mesh columns, and the errors for meshes that cannot run."""
 
 import contextlib
+import dataclasses
 import functools
 import io
 import json
@@ -89,6 +90,17 @@ def test_bench_tiny_cases_table_and_breakdown(tmp_path, capsys, monkeypatch):
     # --kernels: a section per case; the CPU records no device kernels, and says so
     assert text.count("Kernels per step, tiny nnx ") == 2 and "no device kernels recorded" in text
     assert flags == ["--one-case", "--one-case", "--one-breakdown"]
+
+
+def test_a_remat_case(tmp_path):
+    """--remat: the case's blocks recomputed (GPTConfig.remat), named in the table's config cell,
+    with less compiled memory than the same case without it."""
+    job = lambda remat: dataclasses.asdict(bench.Case("tiny", "nnx", "cutelayers", 16, 0, 1, remat=remat))
+    rows = [in_this_process("--one-case", job(remat), None) for remat in ("none", "dots")]
+    assert [r["remat"] for r in rows] == ["none", "dots"]
+    assert rows[1]["compiled_bytes"] < rows[0]["compiled_bytes"]
+    cells = [line.split("|")[1].strip() for line in bench.results_table(rows).splitlines()[2:]]
+    assert cells == ["tiny", "tiny (remat dots)"]
 
 
 @pytest.mark.parametrize("name, family", [

@@ -67,7 +67,7 @@ import numpy as np
 import cutelayers as cl
 from cutelayers.bench.timing import idle_gaps, kernel_totals, time_fn, traced_kernel_spans
 from models import common
-from models.configs import CONFIGS, GPTConfig, get_config
+from models.configs import CONFIGS, REMATS, GPTConfig, get_config
 from training import sharding
 from training.data import TextData
 from training.train import DEFAULTS, Schedule, _int_at_least, compile_train_step, make_optimizer
@@ -88,15 +88,17 @@ class Case:
     tokens: str = "uniform"
     mesh: str = ONE_DEVICE  # training.sharding.describe() of the case's mesh
     top_kernels: int = 0  # rows of the per-kernel table (0: no profile)
+    remat: str = "none"  # GPTConfig.remat: the blocks recomputed in the backward
 
     @property
     def backend(self) -> str:
         return "reference" if self.variant == "reference" else "auto"
 
 
-def bench_config(name: str) -> GPTConfig:
-    """The preset, in bfloat16 on a GPU (as training.train runs it)."""
-    return get_config(name, **({"dtype": "bfloat16"} if jax.default_backend() == "gpu" else {}))
+def bench_config(name: str, remat: str = "none") -> GPTConfig:
+    """The preset, in bfloat16 on a GPU (as training.train runs it), its blocks recomputed as
+    ``remat`` asks (``GPTConfig.remat``)."""
+    return get_config(name, **({"dtype": "bfloat16"} if jax.default_backend() == "gpu" else {}), remat=remat)
 
 
 TOKENS = ("uniform", "corpus")
@@ -138,7 +140,7 @@ def device_errors(meshes: list[str]) -> list[str]:
 
 def measure(case: Case) -> dict:
     """One case, in this process: compile, warm up, time; the row of the results table."""
-    config = bench_config(case.config)
+    config = bench_config(case.config, case.remat)
     if errors := device_errors([case.mesh]):
         raise ValueError(errors[0])
     mesh = sharding.device_mesh(sharding.parse_mesh(case.mesh))
@@ -367,7 +369,8 @@ def results_table(rows: list[dict], *, meshes: bool = False) -> str:
     one = lambda r: _peer(rows, r, mesh=ONE_DEVICE)
     stock = lambda r: _peer(rows, r, variant="stock")
     columns = [
-        ("config", lambda r: r["config"]), ("model", lambda r: r["model"]), ("variant", lambda r: r["variant"]),
+        ("config", lambda r: r["config"] + ("" if r.get("remat", "none") == "none" else f" (remat {r['remat']})")),
+        ("model", lambda r: r["model"]), ("variant", lambda r: r["variant"]),
         *([("mesh", lambda r: r["mesh"])] if meshes else []),
         ("attention", lambda r: r["attention"]),
         ("batch x seq", lambda r: f"{r['batch_size']} x {r['seq_len']}"),
@@ -425,6 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "device, and the table without the mesh columns")
     p.add_argument("--warmup-steps", type=_int_at_least(0), default=3, help="untimed steps after compiling")
     p.add_argument("--steps", type=_int_at_least(1), default=20, help="timed steps (loop and one-at-a-time each)")
+    p.add_argument("--remat", choices=REMATS, default="none",
+                   help="every case's blocks recomputed in the backward (training.train's --remat; the stock "
+                        "twin under the same jax.checkpoint policy)")
     p.add_argument("--tokens", choices=TOKENS, default="uniform",
                    help="batches: random tokens over the vocabulary, or the shipped corpus as training.train reads it")
     p.add_argument("--breakdown", action="store_true",
@@ -486,7 +492,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for variant in args.variant:
                 for mesh in meshes:
                     case = Case(config, model, variant, batch_size, args.warmup_steps, args.steps, args.tokens, mesh,
-                                args.kernels)
+                                args.kernels, args.remat)
                     rows.append(in_subprocess("--one-case", dataclasses.asdict(case), args.case_timeout))
                     where = f" --mesh {mesh}" if args.mesh else ""
                     print(f"# {config} {model} {variant}{where}: {rows[-1]['tokens_per_s']:,.0f} tokens/s", flush=True)

@@ -69,7 +69,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import cutelayers as cl
 from models import common
-from models.configs import CONFIGS, GPTConfig, get_config
+from models.configs import CONFIGS, REMATS, GPTConfig, get_config
 from training import sharding
 from training.data import VOCAB_SIZE, TextData
 
@@ -173,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tie-embeddings", action="store_true",
                    help="the LM head reads the token embedding table, with no weight of its own "
                         "(GPTConfig.tie_embeddings; every preset has an untied head)")
+    p.add_argument("--remat", choices=REMATS, default="none",
+                   help="recompute each block in the backward instead of keeping its activations: "
+                        "'full' keeps only the blocks' inputs, 'dots' also their matmuls' results "
+                        "(GPTConfig.remat; the same parameters and gradients, less memory, more time)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="compute dtype (parameters stay float32); default: bfloat16 on a GPU (the CuTe "
                         "GEMMs take bfloat16/float16), elsewhere the config's (tiny: float32, "
@@ -585,7 +589,7 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
     # across devices (see GPTConfig.split_qkv)
     split = {"split_qkv": False} if args.mesh["tensor"] > 1 else {}
     tied = {"tie_embeddings": True} if args.tie_embeddings else {}
-    config = get_config(args.config, **({"dtype": dtype} if dtype else {}), **split, **tied)
+    config = get_config(args.config, **({"dtype": dtype} if dtype else {}), **split, **tied, remat=args.remat)
     if config.vocab_size < VOCAB_SIZE:
         raise UsageError(f"--config {args.config}: vocab_size={config.vocab_size} is smaller than the data's "
                          f"byte vocabulary ({VOCAB_SIZE})")
@@ -620,10 +624,12 @@ def open_checkpoint(args: argparse.Namespace, meta: dict, say):
         raise UsageError(f"--resume: the checkpoint in {ckpt.directory} is for --model {saved.get('model')}; "
                          f"this run is --model {args.model}")
     # parameters are float32 whatever the compute dtype, and the same whether q, k, v come out
-    # apart or not (split_qkv, off under tensor parallel): a checkpoint serves any --dtype / --mesh.
-    # A field the checkpoint's config predates has its default (the model it was written by).
+    # apart or not (split_qkv, off under tensor parallel) and whatever the blocks recompute: a
+    # checkpoint serves any --dtype / --mesh / --remat. A field the checkpoint's config predates
+    # has its default (the model it was written by).
     defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
-    shape_of = lambda c: {k: v for k, v in {**defaults, **(c or {})}.items() if k not in ("dtype", "split_qkv")}
+    runtime_only = ("dtype", "split_qkv", "remat")
+    shape_of = lambda c: {k: v for k, v in {**defaults, **(c or {})}.items() if k not in runtime_only}
     if shape_of(saved.get("model_config")) != shape_of(meta["model_config"]):
         raise UsageError(
             f"--resume: the checkpoint in {ckpt.directory} is for --config {saved.get('config')} "
