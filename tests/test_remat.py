@@ -1,7 +1,8 @@
 """Rematerialization: every op under ``jax.checkpoint`` with JAX's policies has the gradients it
 has without it (alone, under vmap, under jit), and :func:`cutelayers.remat_policy` keeps the GEMM
 kernels' results where the policy keeps dots -- in the saved residuals, and, lowered for CUDA, no
-forward GEMM launched again in the backward -- where the policy as given recomputes them."""
+forward GEMM launched again in the backward -- where the policy as given recomputes them. And the
+way deep models apply their blocks with it: ``lax.scan`` over stacked layers."""
 
 import contextlib
 import io
@@ -12,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
-from numerics import random
+from numerics import random, same_tree
 from test_batching import BF16, CASES, _assert_trees_close, _batched, _in_axes, _loss, params
 from test_linear import kernel_targets, lower_cuda
 
@@ -26,6 +27,8 @@ POLICIES = {
     "dots_saveable": policies.dots_saveable,  # as given: our GEMMs recomputed, gradients the same
     "remat_policy(dots_with_no_batch_dims_saveable)": DOTS,
     "everything_saveable": policies.everything_saveable,
+    "remat_policy(offload_dot_with_no_batch_dims)": cl.remat_policy(
+        policies.offload_dot_with_no_batch_dims("device", "pinned_host")),
 }
 
 
@@ -104,6 +107,18 @@ def test_the_policy_is_asked_about_each_gemm_as_a_dot(rng):
     assert asked == []
 
 
+def test_the_offload_policy_moves_the_gemm_results_to_the_host(rng):
+    """JAX's offloading dot policy, wrapped, moves fc1's two results to pinned host memory and back
+    (two transfers, as it moves a stock layer's matmul); as given, it moves none."""
+    offload = policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+
+    def transfers(policy):
+        grad = jax.grad(_loss(jax.checkpoint(_block, policy=policy)), (1, 2))
+        return str(jax.make_jaxpr(grad)(*_block_args(rng))).count("device_put")
+
+    assert (transfers(cl.remat_policy(offload)), transfers(offload)) == (2, 0)
+
+
 @pytest.mark.cute
 def test_gemms_are_not_launched_again_under_the_dots_policy(rng):
     """Lowered for CUDA with backend 'cute': the block's gradient launches each forward GEMM once
@@ -121,3 +136,126 @@ def test_gemms_are_not_launched_again_under_the_dots_policy(rng):
     assert forward_gemms(DOTS) == 2
     assert forward_gemms(policies.nothing_saveable) == 3
     assert forward_gemms(policies.dots_with_no_batch_dims_saveable) == 3
+
+
+# --- scan over stacked layers -------------------------------------------------------------------------
+
+def _norm_mlp(x, layer):
+    """A pre-norm MLP block with one layer's parameters (a scan body: carry, params -> carry)."""
+    w1, w2, scale, bias = layer
+    h = ops.layer_norm(x, scale, bias).astype(x.dtype)
+    return ops.mlp(h, w1, None, w2, None, activation="gelu", residual=x), None
+
+
+def _stacked_layers(rng, layers=3, d=128, hidden=512):
+    return (0.05 * random(rng, (layers, d, hidden), jnp.float32), 0.05 * random(rng, (layers, hidden, d), jnp.float32),
+            random(rng, (layers, d), jnp.float32, loc=1.0), random(rng, (layers, d), jnp.float32))
+
+
+def _scanned(policy):
+    body = _norm_mlp if policy is None else jax.checkpoint(_norm_mlp, policy=policy)
+    return lambda layers, x: jax.lax.scan(body, x, layers)[0]
+
+
+@pytest.mark.parametrize("policy", [None, DOTS])
+def test_scan_over_layers(policy, rng):
+    """Blocks applied by ``lax.scan`` over stacked parameters (checkpointed or not) give the
+    gradients of the same blocks in a Python loop."""
+    layers, x = _stacked_layers(rng), random(rng, (2048, 128), BF16)
+
+    def looped(layers, x):
+        for i in range(layers[0].shape[0]):
+            x = _norm_mlp(x, [p[i] for p in layers])[0]
+        return x
+
+    got = jax.jit(jax.grad(_loss(_scanned(policy)), (0, 1)))(layers, x)
+    want = jax.jit(jax.grad(_loss(looped), (0, 1)))(layers, x)
+    _assert_trees_close(got, want, BF16)
+
+
+@pytest.mark.cute
+@pytest.mark.parametrize("policy", [None, DOTS])
+def test_scan_over_layers_runs_each_kernel_in_its_body(policy, rng):
+    """Lowered for CUDA, the scanned blocks run each kernel in the loop body: one launch site per
+    kernel however many layers (the forward GEMMs' too under the dot policy; the norm's forward
+    again, recomputed)."""
+    avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (_stacked_layers(rng), random(rng, (2048, 128), BF16)))
+    with cl.use_backend("cute"):
+        targets = Counter(kernel_targets(lower_cuda(jax.grad(_loss(_scanned(policy))), *avals)))
+    again = 0 if policy is None else 1
+    assert targets == Counter({"linear_fwd": 2, "linear_dx": 2, "linear_dkernel": 2, "layer_norm_fwd": 1 + again,
+                               "layer_norm_bwd": 1}), targets
+
+
+# --- the frameworks' own layer stacking, with their remat ----------------------------------------------
+
+def _nnx_stack(ours: bool, policy, x):
+    from flax import nnx
+
+    from cutelayers.flax import nnx as cl_nnx
+
+    Linear, LayerNorm = (cl_nnx.Linear, cl_nnx.LayerNorm) if ours else (nnx.Linear, nnx.LayerNorm)
+
+    class Layer(nnx.Module):
+        def __init__(self, rngs):
+            self.norm = LayerNorm(x.shape[-1], dtype=BF16, rngs=rngs)
+            self.linear = Linear(x.shape[-1], x.shape[-1], dtype=BF16, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.linear(self.norm(x))
+
+    stack = nnx.vmap(lambda key: Layer(nnx.Rngs(key)))(jax.random.split(jax.random.key(0), 3))
+    apply = nnx.scan(nnx.remat(lambda x, layer: layer(x), policy=policy), in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    loss, grads = nnx.value_and_grad(lambda stack: _loss(apply)(x, stack))(stack)
+    return loss, nnx.state(grads, nnx.Param)
+
+
+def _linen_stack(ours: bool, policy, x):
+    import flax.linen as nn
+
+    from cutelayers.flax import linen as cl_linen
+
+    Dense, LayerNorm = (cl_linen.Dense, cl_linen.LayerNorm) if ours else (nn.Dense, nn.LayerNorm)
+
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return x + Dense(x.shape[-1], dtype=BF16)(LayerNorm(dtype=BF16)(x)), None
+
+    stack = nn.scan(nn.remat(Layer, policy=policy), variable_axes={"params": 0}, split_rngs={"params": True}, length=3)()
+    params = stack.init(jax.random.key(0), x, None)
+    return jax.value_and_grad(lambda p: _loss(lambda x: stack.apply(p, x, None)[0])(x))(params)
+
+
+def _equinox_stack(ours: bool, policy, x):
+    import equinox as eqx
+
+    from cutelayers import equinox as cl_eqx
+
+    Linear, LayerNorm = (cl_eqx.Linear, cl_eqx.LayerNorm) if ours else (eqx.nn.Linear, eqx.nn.LayerNorm)
+    d = x.shape[-1]
+    stack = eqx.filter_vmap(lambda key: (LayerNorm(d, dtype=BF16), Linear(d, d, dtype=BF16, key=key)))(
+        jax.random.split(jax.random.key(0), 3))
+    params, static = eqx.partition(stack, eqx.is_array)
+
+    def layer(x, params):
+        norm, linear = eqx.combine(params, static)
+        rows = x.reshape(-1, d)
+        return x + jax.vmap(lambda r: linear(norm(r)))(rows).reshape(x.shape), None
+
+    scanned = lambda params: _loss(lambda x: jax.lax.scan(eqx.filter_checkpoint(layer, policy=policy), x, params)[0])(x)
+    return jax.value_and_grad(scanned)(params)
+
+
+@pytest.mark.parametrize("stack", [_nnx_stack, _linen_stack, _equinox_stack], ids=["nnx", "linen", "equinox"])
+def test_stacked_layers_in_each_framework_match_stock(stack, rng):
+    """Layers stacked and applied the framework's way (nnx.vmap + nnx.scan, linen nn.scan, Equinox
+    filter_vmap + lax.scan), each rematerialized by the framework's own transform: ours under
+    ``remat_policy`` of JAX's dot policy, stock under that policy as given -- the same parameters,
+    loss and gradients."""
+    x = random(rng, (4, 16, 64), BF16)
+    loss, grads = stack(True, DOTS, x)
+    stock_loss, stock_grads = stack(False, policies.dots_with_no_batch_dims_saveable, x)
+    same_tree(grads, stock_grads)  # (Equinox: our module classes, the stock ones' leaves)
+    _assert_trees_close(loss, stock_loss, BF16)
+    _assert_trees_close(jax.tree.leaves(grads), jax.tree.leaves(stock_grads), BF16)
