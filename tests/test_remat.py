@@ -138,6 +138,17 @@ def test_gemms_are_not_launched_again_under_the_dots_policy(rng):
     assert forward_gemms(policies.dots_with_no_batch_dims_saveable) == 3
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["nothing_saveable", "remat_policy(dots_with_no_batch_dims_saveable)"])
+def test_checkpointed_block_on_the_gpu(policy, rng):
+    """On the GPU (the kernels run): the checkpointed block's gradients are the block's without
+    checkpoint (to the rounding of the stream-K weight gradients' adds, whose order varies)."""
+    args = _block_args(rng, rows=4104)
+    want = jax.jit(jax.grad(_loss(_block), (0, 1, 2)))(*args)
+    got = jax.jit(jax.grad(_loss(jax.checkpoint(_block, policy=POLICIES[policy])), (0, 1, 2)))(*args)
+    _assert_trees_close(got, want, BF16)
+
+
 # --- scan over stacked layers -------------------------------------------------------------------------
 
 def _norm_mlp(x, layer):
