@@ -53,17 +53,17 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive, jaxpr_as_fun
 from jax.interpreters import ad, batching, mlir
 
-_fold_batch_p = Primitive("cutelayers_fold_batch")
-_fold_batch_p.multiple_results = True
+fold_batch_p = Primitive("cutelayers_fold_batch")
+fold_batch_p.multiple_results = True
 
 
 def _evaluate(*flat_args, call, **_):
     return jaxpr_as_fun(call)(*flat_args)
 
 
-_fold_batch_p.def_impl(_evaluate)
-_fold_batch_p.def_abstract_eval(lambda *avals, call, **_: call.out_avals)
-mlir.register_lowering(_fold_batch_p, mlir.lower_fun(_evaluate, multiple_results=True))
+fold_batch_p.def_impl(_evaluate)
+fold_batch_p.def_abstract_eval(lambda *avals, call, **_: call.out_avals)
+mlir.register_lowering(fold_batch_p, mlir.lower_fun(_evaluate, multiple_results=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +83,7 @@ def _bind(folding: _Folding, in_tree, flat_args):
         return folding.fn(*jax.tree.unflatten(in_tree, leaves))
 
     call, out_shapes = jax.make_jaxpr(flat_fn, return_shape=True)(*flat_args)
-    out = _fold_batch_p.bind(*flat_args, folding=folding, in_tree=in_tree, call=call)
+    out = fold_batch_p.bind(*flat_args, folding=folding, in_tree=in_tree, call=call)
     return jax.tree.unflatten(jax.tree.structure(out_shapes), out)
 
 
@@ -121,8 +121,8 @@ def _jvp_rule(primals, tangents, *, folding: _Folding, in_tree, call):
     return jax.tree.leaves(out), jax.tree.leaves(out_tangents)
 
 
-batching.primitive_batchers[_fold_batch_p] = _batching_rule
-ad.primitive_jvps[_fold_batch_p] = _jvp_rule
+batching.primitive_batchers[fold_batch_p] = _batching_rule
+ad.primitive_jvps[fold_batch_p] = _jvp_rule
 
 
 def fold_batch(fn: Callable, *, shared: tuple[int, ...] = (), per_example: Callable | None = None,

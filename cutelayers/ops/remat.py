@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import jaxprs_in_params
 
-from cutelayers.ops._batching import _fold_batch_p
+from cutelayers.ops._batching import fold_batch_p
 from cutelayers.ops.linear import GemmFamily
 from cutelayers.runtime.primitive import kernel_call_p
 
@@ -39,7 +39,7 @@ def _dot_queries(prim, avals, params) -> list[tuple]:
     ``dot_general``: a GEMM kernel call's, or those of the GEMM kernels and XLA dots inside a
     folded call (what the ops bind: :func:`cutelayers.ops._batching.fold_batch`; on the
     reference path its dots are XLA's)."""
-    if prim is _fold_batch_p:
+    if prim is fold_batch_p:
         return [query for eqn in _equations(params["call"].jaxpr)
                 if (query := _as_dot(eqn.primitive, [v.aval for v in eqn.invars], eqn.params))]
     query = _as_dot(prim, avals, params)
