@@ -138,6 +138,27 @@ def test_gemms_are_not_launched_again_under_the_dots_policy(rng):
     assert forward_gemms(policies.dots_with_no_batch_dims_saveable) == 3
 
 
+@pytest.mark.cute
+def test_a_checkpointed_lm_head_runs_once_under_the_dots_policy():
+    """The LM head computes its gradients in its forward (the exp path: P from the logits GEMM's
+    epilogue, then dh and dkernel): checkpointed under the wrapped dot policy, its loss and
+    gradients launch each kernel as without checkpoint; under a policy that keeps nothing, twice
+    (README: checkpoint the blocks, not the head)."""
+    avals = (jax.ShapeDtypeStruct((8192, 256), BF16), jax.ShapeDtypeStruct((256, 4096), jnp.float32),
+             jax.ShapeDtypeStruct((8192,), jnp.int32))
+
+    def launches(policy):
+        head = lambda h, kernel, labels: ops.linear_cross_entropy(h, kernel, labels)
+        fn = head if policy is None else jax.checkpoint(head, policy=policy)
+        with cl.use_backend("cute"):
+            return Counter(kernel_targets(lower_cuda(jax.value_and_grad(fn, (0, 1)), *avals)))
+
+    once = launches(None)
+    assert once["linear_fwd"] > 0 and once["linear_dkernel"] > 0, once
+    assert launches(DOTS) == once
+    assert launches(policies.nothing_saveable) == once + once
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["nothing_saveable", "remat_policy(dots_with_no_batch_dims_saveable)"])
 def test_checkpointed_block_on_the_gpu(policy, rng):
