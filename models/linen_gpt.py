@@ -143,7 +143,8 @@ class GPT(nn.Module):
         if not cfg.rope:
             x = x + nn.Embed(cfg.seq_len, cfg.d_model, dtype=dt, embedding_init=init, name="wpe")(at)
         pending = None
-        block = Block if cfg.remat == "none" else nn.remat(Block, policy=block_remat_policy(cfg, self.stock))
+        policy = block_remat_policy(cfg, self.stock)
+        block = Block if policy is None else nn.remat(Block, policy=policy)
         for i in range(cfg.n_layers):
             x, pending = block(cfg, self.stock, name=f"blocks_{i}")(x, pending)
         h, _ = add_norm(_norm(cfg, self.stock, "ln_f"), x, pending)

@@ -145,7 +145,7 @@ class GPT(nnx.Module):
         if not self.config.rope:
             x = x + self.wpe(at)
         run = lambda block, x, pending: block(x, pending)
-        if self.config.remat != "none":
+        if self.remat_policy is not None:
             run = nnx.remat(run, policy=self.remat_policy)
         for block in self.blocks:
             x, pending = run(block, x, pending)
