@@ -221,6 +221,18 @@ def test_scan_over_layers_runs_each_kernel_in_its_body(policy, rng):
 
 # --- the frameworks' own layer stacking, with their remat ----------------------------------------------
 
+def _output_and_grads(value_and_grad, fn, params):
+    """``fn(params)`` and the gradient of :func:`_loss` of it w.r.t. ``params``, by the framework's
+    ``value_and_grad`` (the output is what the test compares: the scalar loss, a sum of sines,
+    cancels)."""
+    def loss_and_output(params):
+        y = fn(params)
+        return _loss(lambda: y)(), y
+
+    (_, y), grads = value_and_grad(loss_and_output, has_aux=True)(params)
+    return y, grads
+
+
 def _nnx_stack(ours: bool, policy, x):
     from flax import nnx
 
@@ -238,8 +250,8 @@ def _nnx_stack(ours: bool, policy, x):
 
     stack = nnx.vmap(lambda key: Layer(nnx.Rngs(key)))(jax.random.split(jax.random.key(0), 3))
     apply = nnx.scan(nnx.remat(lambda x, layer: layer(x), policy=policy), in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-    loss, grads = nnx.value_and_grad(lambda stack: _loss(apply)(x, stack))(stack)
-    return loss, nnx.state(grads, nnx.Param)
+    y, grads = _output_and_grads(nnx.value_and_grad, lambda stack: apply(x, stack), stack)
+    return y, nnx.state(grads, nnx.Param)
 
 
 def _linen_stack(ours: bool, policy, x):
@@ -256,7 +268,7 @@ def _linen_stack(ours: bool, policy, x):
 
     stack = nn.scan(nn.remat(Layer, policy=policy), variable_axes={"params": 0}, split_rngs={"params": True}, length=3)()
     params = stack.init(jax.random.key(0), x, None)
-    return jax.value_and_grad(lambda p: _loss(lambda x: stack.apply(p, x, None)[0])(x))(params)
+    return _output_and_grads(jax.value_and_grad, lambda p: stack.apply(p, x, None)[0], params)
 
 
 def _equinox_stack(ours: bool, policy, x):
@@ -275,8 +287,8 @@ def _equinox_stack(ours: bool, policy, x):
         rows = x.reshape(-1, d)
         return x + jax.vmap(lambda r: linear(norm(r)))(rows).reshape(x.shape), None
 
-    scanned = lambda params: _loss(lambda x: jax.lax.scan(eqx.filter_checkpoint(layer, policy=policy), x, params)[0])(x)
-    return jax.value_and_grad(scanned)(params)
+    scanned = lambda params: jax.lax.scan(eqx.filter_checkpoint(layer, policy=policy), x, params)[0]
+    return _output_and_grads(jax.value_and_grad, scanned, params)
 
 
 @pytest.mark.parametrize("stack", [_nnx_stack, _linen_stack, _equinox_stack], ids=["nnx", "linen", "equinox"])
@@ -284,10 +296,10 @@ def test_stacked_layers_in_each_framework_match_stock(stack, rng):
     """Layers stacked and applied the framework's way (nnx.vmap + nnx.scan, linen nn.scan, Equinox
     filter_vmap + lax.scan), each rematerialized by the framework's own transform: ours under
     ``remat_policy`` of JAX's dot policy, stock under that policy as given -- the same parameters,
-    loss and gradients."""
+    outputs and gradients."""
     x = random(rng, (4, 16, 64), BF16)
-    loss, grads = stack(True, DOTS, x)
-    stock_loss, stock_grads = stack(False, policies.dots_with_no_batch_dims_saveable, x)
+    y, grads = stack(True, DOTS, x)
+    stock_y, stock_grads = stack(False, policies.dots_with_no_batch_dims_saveable, x)
     same_tree(grads, stock_grads)  # (Equinox: our module classes, the stock ones' leaves)
-    _assert_trees_close(loss, stock_loss, BF16)
+    _assert_trees_close(y, stock_y, BF16)
     _assert_trees_close(jax.tree.leaves(grads), jax.tree.leaves(stock_grads), BF16)
