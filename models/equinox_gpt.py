@@ -212,7 +212,8 @@ class GPT(eqx.Module):
         tokens = jax.vmap(self.wte)(inputs.reshape(-1)).reshape(*inputs.shape, -1)  # one lookup of all ids
         at = positions(inputs, self.config)
         x, pending = (tokens if self.wpe is None else tokens + self.wpe.weight[at]), None
-        run, policy = (lambda block, x, pending: block(x, pending)), block_remat_policy(self.config, self.stock)
+        policy = block_remat_policy(self.config, self.stock)
+        run = lambda block, x, pending: block(x, pending)
         if policy is not None:
             run = eqx.filter_checkpoint(run, policy=policy)
         for block in self.blocks:
