@@ -29,6 +29,19 @@ def in_this_process(flag, job, timeout):
     return json.loads(printed.getvalue().splitlines()[-1])
 
 
+def test_a_case_process_imports_this_process_packages(tmp_path, monkeypatch):
+    """A case's process imports the cutelayers, models and training this process did, though its
+    working directory and the front of PYTHONPATH hold other trees: ``.ci/gpu-ab`` runs the
+    baseline's ``python -m training.bench`` from the baseline tree, and a child importing its
+    working directory's packages timed one tree on both sides of the A/B."""
+    for package in ("cutelayers", "models", "training"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text(f"raise ImportError('the decoy {package}')\n")
+    monkeypatch.setattr(bench, "REPO", tmp_path)  # the child's working directory
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    assert bench.in_subprocess("--one-check", [bench.ONE_DEVICE], 300) == []
+
+
 def test_a_part_times_the_forward_outputs_and_a_cotangent_read_from_memory():
     """The breakdown's programs (``vjp_program``) return the forward's outputs and the gradients for
     a random cotangent passed in as an operand: with a constant one XLA folds dy into its fusions

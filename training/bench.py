@@ -50,6 +50,7 @@ import dataclasses
 import datetime
 import json
 import math
+import os
 import platform
 import shlex
 import statistics
@@ -248,12 +249,24 @@ def kernel_table(row: dict) -> str:
     return "\n".join(lines)
 
 
+def package_roots_env() -> dict[str, str]:
+    """This process's environment with the folders it imported cutelayers, models and training from
+    first on ``PYTHONPATH``: a child started with ``python -P`` (no working directory put before
+    them) imports those same packages. An A/B of two trees (``.ci/gpu-ab``) runs its baseline from
+    another tree; a child importing the working directory's cutelayers would time that tree twice."""
+    roots = dict.fromkeys(str(Path(module.__file__).resolve().parents[1]) for module in (cl, common, sharding))
+    inherited = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([*roots, *inherited])}
+
+
 def in_subprocess(flag: str, job: dict, timeout: float):
     """The JSON that ``python -m training.bench FLAG JOB`` prints: every measurement runs in a fresh
-    process, so the device's peak memory is that job's own and this process never holds the GPU
-    (JAX would reserve most of its memory)."""
-    proc = subprocess.run([sys.executable, "-m", "training.bench", flag, json.dumps(job)],
-                          cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False)
+    process (of the same packages as this one: :func:`package_roots_env`), so the device's peak
+    memory is that job's own and this process never holds the GPU (JAX would reserve most of its
+    memory)."""
+    proc = subprocess.run([sys.executable, "-P", "-m", "training.bench", flag, json.dumps(job)],
+                          env=package_roots_env(), cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(("{", "["))]
     if proc.returncode or not lines:
         raise RuntimeError(f"benchmark {flag} {job} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
