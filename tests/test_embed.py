@@ -157,6 +157,19 @@ def test_errors(rng):
         embed(jnp.zeros((2, 3), jnp.int32), jnp.zeros(3, jnp.int32))
     with pytest.raises(ValueError, match="'mode' is 'wrap'; allowed: 'fill', 'clip'"):
         embed(table, jnp.zeros(3, jnp.int32), mode="wrap")
+    with pytest.raises(TypeError, match="'dtype' is 'foo'; allowed"):
+        embed(table, jnp.zeros(3, jnp.int32), dtype="foo")
+    with pytest.raises(ValueError, match=r"'table' has no rows \(shape \(0, 4\)\) to look 2 id\(s\) up in"):
+        embed(jnp.zeros((0, 4)), jnp.zeros(2, jnp.int32))
+
+
+@pytest.mark.parametrize("shape", [(0,), (2, 0), (0, 2)])
+def test_no_tokens_give_a_zero_table_gradient(rng, shape):
+    table = random(rng, (10, 4), jnp.float32)
+    ids = jnp.zeros(shape, jnp.int32)
+    assert embed(table, ids).shape == (*shape, 4)
+    grad = jax.grad(lambda t: embed(t, ids).sum())(table)
+    np.testing.assert_array_equal(grad, np.zeros((10, 4), np.float32))
 
 
 # --- the modules -------------------------------------------------------------------------------------

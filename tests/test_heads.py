@@ -609,7 +609,7 @@ def test_linear_cross_entropy_errors():
         linear_cross_entropy(h, kernel, labels, bias=jnp.ones((8,)))
     with pytest.raises(ValueError, match="chunk_size must be >= 1"):
         linear_cross_entropy(h, kernel, labels, chunk_size=0)
-    with pytest.raises(TypeError, match="chunk_size must be an int"):
+    with pytest.raises(TypeError, match="'chunk_size' must be an int"):
         linear_cross_entropy(h, kernel, labels, chunk_size=2.5)
     with pytest.raises(ValueError, match="kernel_layout must be one of 'hv', 'vh'; got 'kn'"):
         linear_cross_entropy(h, kernel, labels, kernel_layout="kn")
@@ -621,8 +621,18 @@ def test_linear_cross_entropy_errors():
         linear_cross_entropy(h, kernel, labels, z_loss=-1)
     with pytest.raises(ValueError, match="logit_soft_cap must be None or a finite number > 0; got 0"):
         linear_cross_entropy(h, kernel, labels, logit_soft_cap=0)
-    with pytest.raises(TypeError, match="logit_soft_cap must be a number; got 'big'"):
+    with pytest.raises(TypeError, match="'logit_soft_cap' must be a number; got 'big'"):
         linear_cross_entropy(h, kernel, labels, logit_soft_cap="big")
+    with pytest.raises(TypeError, match="'label_smoothing' must be a number; got '0.1'"):
+        linear_cross_entropy(h, kernel, labels, label_smoothing="0.1")
+    with pytest.raises(TypeError, match="'logit_soft_cap' must be a number; got True"):
+        linear_cross_entropy(h, kernel, labels, logit_soft_cap=True)
+    with pytest.raises(ValueError, match="'z_loss' must be finite; got inf"):
+        linear_cross_entropy(h, kernel, labels, z_loss=float("inf"))
+    with pytest.raises(TypeError, match="'chunk_size' must be an int .*; got True"):
+        linear_cross_entropy(h, kernel, labels, chunk_size=True)
+    with pytest.raises(TypeError, match="'ignore_index' must be an int .*; got 1.5"):
+        linear_cross_entropy(h, kernel, labels, ignore_index=1.5)  # int() would make it 1
     # under jit out-of-range labels cannot be checked: NaN for that token
     out = jax.jit(lambda l: linear_cross_entropy(h, kernel, l, reduction="none"))(jnp.array([0, 11, 1, 2]))
     assert np.isnan(out[1]) and np.all(np.isfinite(np.asarray(out)[[0, 2, 3]]))
@@ -675,6 +685,14 @@ def test_masked_mean_pool_vmap_and_errors(rng):
         masked_mean_pool(x[0, 0], mask[0, :3])
     with pytest.raises(TypeError, match="'mask' must be an array"):
         masked_mean_pool(x, [[True] * 6] * 4)
+    with pytest.raises(TypeError, match="'mask' must be bool or numeric; got dtype <U1"):
+        masked_mean_pool(x, np.full((4, 6), "a"))
+    # a NaN or inf where the mask drops the position stays out of the mean and of the gradient
+    poisoned = x.at[0, 0, 0].set(jnp.nan).at[0, 1, 1].set(jnp.inf)
+    drop_first = jnp.ones((4, 6), bool).at[0, :2].set(False)
+    np.testing.assert_allclose(masked_mean_pool(poisoned, drop_first), masked_mean_pool(x, drop_first), rtol=1e-6)
+    grad = jax.grad(lambda x: jnp.sum(masked_mean_pool(x, drop_first)))(poisoned)
+    assert np.all(np.isfinite(grad)) and np.all(grad[0, :2] == 0)
 
 
 # --- LMHead modules --------------------------------------------------------------------------------

@@ -131,6 +131,13 @@ def test_bad_inputs_name_the_argument(rng):
         mlp(x, w1, b1, w2.astype(jnp.bfloat16), b2)
     with pytest.raises(TypeError, match="'w2' is required"):
         mlp(x, w1, b1)
+    # the first layer's errors name mlp's own arguments, not fused_linear's 'kernel' / 'bias'
+    with pytest.raises(ValueError, match=r"'b1' must have shape \(32,\)"):
+        mlp(x, w1, b2, w2, b2)
+    with pytest.raises(ValueError, match="'x' has 16 features .* but 'w1' expects K=8"):
+        mlp(x, w1[:8], b1, w2, b2)
+    with pytest.raises(TypeError, match="'w1' has dtype int32"):
+        mlp(x, w1.astype(jnp.int32), b1, w2, b2)
     with pytest.raises(ValueError, match="unknown activation 'swish2'"):
         mlp(x, w1, b1, w2, b2, activation="swish2")
 

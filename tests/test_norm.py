@@ -286,8 +286,17 @@ def test_bad_inputs_name_the_argument():
         layer_norm(x, dtype=jnp.int8)
     with pytest.raises(ValueError, match="'epsilon' must be >= 0"):
         rms_norm(x, epsilon=-1.0)
-    with pytest.raises(TypeError, match="'epsilon' must be a Python float"):
+    with pytest.raises(TypeError, match="'epsilon' must be a number \\(concrete, not traced"):
         jax.jit(lambda e: rms_norm(x, epsilon=e))(1e-6)
+    with pytest.raises(TypeError, match="'epsilon' must be a number; got '1e-5'"):
+        layer_norm(x, epsilon="1e-5")  # float() would parse it
+    with pytest.raises(TypeError, match="'epsilon' must be a number; got True"):
+        rms_norm(x, epsilon=True)
+    with pytest.raises(ValueError, match="'epsilon' must be finite; got inf"):
+        layer_norm(x, epsilon=float("inf"))
+    with pytest.raises(TypeError, match="'dtype' is 'foo'; allowed: bfloat16, float16, float32"):
+        layer_norm(x, dtype="foo")
+    np.testing.assert_allclose(rms_norm(x, epsilon=np.float32(1e-5)), rms_norm(x, epsilon=1e-5))
 
 
 # --- the fused residual add: add_layer_norm / add_rms_norm ---------------------------------------
@@ -446,6 +455,11 @@ def test_add_bad_inputs_name_the_argument():
         add_layer_norm(x, x, jnp.ones(5))
     with pytest.raises(ValueError, match="add_rms_norm: argument 'epsilon' must be >= 0"):
         add_rms_norm(x, x, epsilon=-1.0)
+    # without a residual the plain norm's one (3, 4) result would unpack as (normed, summed)
+    with pytest.raises(TypeError, match="add_layer_norm: argument 'residual' is None; .*layer_norm normalizes"):
+        add_layer_norm(x, None)
+    with pytest.raises(TypeError, match="add_rms_norm: argument 'residual' is None"):
+        add_rms_norm(x[:2], None, jnp.ones(4))
 
 
 # (N, dtype) -> CTAs a streamed row is cut over: forward (stages x), dx-only backward (stages x and

@@ -99,7 +99,7 @@ def test_bad_inputs_name_the_argument():
         cl.ops.reduce_sum(jnp.ones((3, 4), jnp.int32))
     with pytest.raises(ValueError, match="'x' has rank 0"):
         cl.ops.reduce_sum(jnp.float32(1.0))
-    with pytest.raises(ValueError, match="empty last axis"):
+    with pytest.raises(ValueError, match="empty axis 1 to reduce"):
         cl.ops.reduce_mean(jnp.ones((3, 0)))
     with pytest.raises(ValueError, match="axis 2 is out of range"):
         cl.ops.reduce_max(jnp.ones((3, 4)), axis=2)
@@ -107,12 +107,26 @@ def test_bad_inputs_name_the_argument():
         cl.ops.reduce_max(jnp.ones((3, 4)), axis=(0, 1))
     with pytest.raises(TypeError, match="must be an array"):
         cl.ops.reduce_sum([1.0, 2.0])
+    # the reduced axis is checked, not only the last one
+    with pytest.raises(ValueError, match=r"reduce_sum: argument 'x' has an empty axis 0 to reduce \(shape \(0, 5\)\)"):
+        cl.ops.reduce_sum(jnp.zeros((0, 5)), axis=0)
+    with pytest.raises(ValueError, match="empty axis 1"):
+        cl.ops.reduce_max(jnp.zeros((3, 0, 5)), axis=1)
+    assert cl.ops.reduce_mean(jnp.ones((0, 5)), axis=1).shape == (0,)  # zero rows reduce to nothing
+
+
+def test_max_gradient_of_a_nan_row_is_nan_as_jnp_max():
+    x = jnp.array([[1.0, jnp.nan, 0.0], [3.0, 1.0, 3.0]])
+    got = jax.grad(lambda x: cl.ops.reduce_max(x).sum())(x)
+    want = jax.grad(lambda x: jnp.max(x, axis=-1).sum())(x)
+    assert np.all(np.isnan(got[0])) and np.all(np.isnan(want[0]))
+    np.testing.assert_array_equal(got[1], want[1])  # ties split: 0.5, 0, 0.5
 
 
 def test_raw_primitive_refuses_grad_and_vmap():
     fam = RowReduce("sum")
     x = jnp.ones((4, 8))
-    with pytest.raises(NotImplementedError, match="Use the cutelayers op"):
+    with pytest.raises(NotImplementedError, match="custom_vjp and vmap rules"):
         jax.grad(lambda x: kernel_call(fam, x)[0].sum())(x)
     with pytest.raises(NotImplementedError, match="Batching"):
         jax.vmap(lambda x: kernel_call(fam, x)[0])(jnp.ones((2, 4, 8)))

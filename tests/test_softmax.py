@@ -2,6 +2,9 @@
 ignore_index / label smoothing / z-loss, vmap/jit/grad compositions, errors; `gpu` runs kernels."""
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -159,6 +162,39 @@ def test_cross_entropy_errors():
     assert out[1] == 0.0
     out = jax.jit(cl.ops.softmax_cross_entropy)(x, jnp.array([0, 11, 1, 2]))
     assert np.isnan(out[1]) and np.isfinite(out[0])
+    labels = jnp.array([0, 1, 2, 3])
+    with pytest.raises(TypeError, match="'ignore_index' must be an int .*; got 1.5"):
+        cl.ops.softmax_cross_entropy(x, labels, ignore_index=1.5)  # int() would ignore label 1
+    with pytest.raises(TypeError, match="'ignore_index' must be an int .*; got 'pad'"):
+        cl.ops.softmax_cross_entropy(x, labels, ignore_index="pad")
+    with pytest.raises(ValueError, match="'ignore_index' must fit int32 .*; got 4294967296"):
+        cl.ops.softmax_cross_entropy(x, labels, ignore_index=2**32)
+    with pytest.raises(TypeError, match="'ignore_index' must be an int \\(concrete, not traced\\)"):
+        jax.jit(lambda i: cl.ops.softmax_cross_entropy(x, labels, ignore_index=i))(-100)
+    with pytest.raises(TypeError, match="'label_smoothing' must be a number; got '0.1'"):
+        cl.ops.softmax_cross_entropy(x, labels, label_smoothing="0.1")
+    out = cl.ops.softmax_cross_entropy(x, labels, ignore_index=np.int64(1))  # a NumPy integer is an int
+    assert out[1] == 0.0 and out[0] > 0.0
+
+
+def test_64_bit_labels_past_int32_give_nan_rows_under_jit(tmp_path):
+    # with jax_enable_x64, an int64 label of 2^32 + 1 cast to the kernels' int32 would wrap onto
+    # class 1 and give a finite loss; the op bounds it first, so the row is NaN as documented
+    program = """
+import jax, jax.numpy as jnp, numpy as np
+import cutelayers as cl
+x = jnp.zeros((3, 5), jnp.float32)
+labels = jnp.array([0, 2**32 + 1, 2], jnp.int64)
+assert labels.dtype == jnp.int64
+for loss in (jax.jit(cl.ops.softmax_cross_entropy)(x, labels),
+             jax.jit(lambda h, l: cl.ops.linear_cross_entropy(h, jnp.eye(5, dtype=jnp.float32), l, reduction="none"))(x, labels)):
+    assert np.isnan(loss[1]) and np.isfinite(loss[0]) and np.isfinite(loss[2]), loss
+print("ok")
+"""
+    env = {**os.environ, "JAX_ENABLE_X64": "1", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
 
 
 @pytest.mark.cute

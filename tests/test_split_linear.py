@@ -148,8 +148,11 @@ def test_bad_inputs_name_the_argument():
     kernel = jnp.ones((16, 24), jnp.bfloat16)
     with pytest.raises(ValueError, match="'parts' must be a positive int; got 0"):
         split_linear(x, kernel, parts=0)
-    with pytest.raises(ValueError, match="'parts' must be a positive int; got True"):
+    with pytest.raises(TypeError, match="'parts' must be an int .*; got True"):
         split_linear(x, kernel, parts=True)
+    with pytest.raises(TypeError, match="'parts' must be an int .*; got 3.0"):
+        split_linear(x, kernel, parts=3.0)
+    assert len(split_linear(x, kernel, parts=np.int64(3))) == 3  # a NumPy integer is an int
     with pytest.raises(ValueError, match="N=24 output features, which 5 parts cannot share"):
         split_linear(x, kernel, parts=5)
     with pytest.raises(ValueError, match="'bias' must have shape \\(24,\\)"):

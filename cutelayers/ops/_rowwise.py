@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from cutelayers.kernels.reduction_config import (
     SHARE_BUDGETS,
@@ -158,11 +160,47 @@ def check_float_array(op: str, name: str, x, min_rank: int = 1) -> jax.Array:
     return jnp.asarray(x)
 
 
-def normalize_axis(op: str, axis, ndim: int) -> int:
+def check_number(op: str, name: str, value) -> float:
+    """A real-number option (a Python or NumPy scalar, or a concrete 0-d array) as a finite
+    float: no bools, strings (``float('0.1')`` would parse them), traced values or infinities."""
+    if isinstance(value, (bool, np.bool_, str, bytes)) or not hasattr(value, "__float__"):
+        raise TypeError(f"{op}: argument {name!r} must be a number; got {value!r}")
     try:
-        axis = operator.index(axis)
+        number = float(value)
+    except (TypeError, ValueError):  # traced (a ConcretizationTypeError is a TypeError), or not 0-d
+        raise TypeError(f"{op}: argument {name!r} must be a number (concrete, not traced, one "
+                        f"element); got {value!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{op}: argument {name!r} must be finite; got {number}")
+    return number
+
+
+def check_int(op: str, name: str, value) -> int:
+    """An integer option (a Python or NumPy integer, or a concrete 0-d integer array) as an int:
+    no bools, floats (``int(1.5)`` would truncate) or traced values."""
+    try:
+        if isinstance(value, (bool, np.bool_)):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:  # a float, a string, a traced value (TracerIntegerConversionError)
+        raise TypeError(f"{op}: argument {name!r} must be an int (concrete, not traced); got {value!r}") from None
+
+
+def check_dtype(op: str, name: str, dtype) -> jnp.dtype:
+    """A floating dtype argument (anything ``jnp.dtype`` reads) as a dtype of FLOAT_DTYPES."""
+    try:
+        given = jnp.dtype(dtype)
     except TypeError:
-        raise TypeError(f"{op}: argument 'axis' must be an int; got {axis!r}") from None
+        given = None
+    if given not in FLOAT_DTYPES:
+        allowed = ", ".join(d.name for d in FLOAT_DTYPES)
+        raise TypeError(f"{op}: argument {name!r} is {given.name if given is not None else repr(dtype)}; "
+                        f"allowed: {allowed}")
+    return given
+
+
+def normalize_axis(op: str, axis, ndim: int) -> int:
+    axis = check_int(op, "axis", axis)
     if not -ndim <= axis < ndim:
         raise ValueError(f"{op}: axis {axis} is out of range for an array of rank {ndim}")
     return axis % ndim

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from cutelayers.ops._batching import fold_batch
-from cutelayers.ops._rowwise import check_float_array
+from cutelayers.ops._rowwise import check_dtype, check_float_array
 from cutelayers.ops._zeros import zeros_after
 from cutelayers.runtime.sharding import vary_like
 
@@ -69,6 +69,8 @@ def table_grad(dy: jax.Array, ids: jax.Array, num_embeddings: int, block_tokens:
     per block of ``block_tokens`` tokens of ids' last axis before the scatter; ``ids`` in
     [0, num_embeddings], where ``num_embeddings`` marks a token that gets no gradient."""
     h = dy.shape[-1]
+    if ids.size == 0:  # no token: no blocks to cut (a block of min(block_tokens, 0) tokens)
+        return jnp.zeros((num_embeddings, h), F32)
     # Blocks lie within a row of ids' last axis, so a batch sharded over devices stays so.
     t = ids.shape[-1] if ids.ndim else 1
     ids, dy = ids.reshape(-1, t), dy.reshape(-1, t, h)
@@ -173,8 +175,11 @@ def embed(table, ids, dtype=None, mode: str = "fill") -> jax.Array:
         raise TypeError(f"{op}: argument 'ids' must be an integer array; got {given}")
     if mode not in MODES:
         raise ValueError(f"{op}: argument 'mode' is {mode!r}; allowed: {', '.join(map(repr, MODES))}")
-    dtype = jnp.dtype(table.dtype if dtype is None else dtype)
+    dtype = jnp.dtype(table.dtype) if dtype is None else check_dtype(op, "dtype", dtype)
     ids = jnp.asarray(ids)
+    if table.shape[0] == 0 and ids.size:
+        raise ValueError(f"{op}: argument 'table' has no rows (shape {tuple(table.shape)}) to look {ids.size} "
+                         "id(s) up in")
     # inside shard_map: the table varies like the ids, so its gradient is summed over the shards
     (table,) = vary_like(ids, table)
     return _embed_fn(table.shape[0], jnp.dtype(table.dtype), dtype, mode)(table, ids)

@@ -1249,25 +1249,28 @@ def compute_params(x, *params):
     return tuple(None if p is None else p.astype(x.dtype) for p in params)
 
 
-def check_linear_operands(op: str, x_name: str, x, kernel, bias, *, kernel_transposed: bool = False):
+def check_linear_operands(op: str, x_name: str, x, kernel, bias, *, kernel_transposed: bool = False,
+                          names: tuple[str, str] = ("kernel", "bias")):
     """Validate x (..., K), kernel (K, N) -- (N, K) if ``kernel_transposed`` --, bias (N,) | None,
     the parameters in x's dtype or float32; returns them as arrays and whether the parameters are
-    float32 ones of a 16-bit x (:func:`check_param_dtypes`). Shared by the linear ops and
-    :func:`cutelayers.ops.linear_cross_entropy`."""
+    float32 ones of a 16-bit x (:func:`check_param_dtypes`). ``names``: the op's names for the
+    kernel and the bias, in its errors. Shared by the linear ops, :func:`cutelayers.ops.mlp`'s
+    first layer and :func:`cutelayers.ops.linear_cross_entropy`."""
+    kernel_name, bias_name = names
     x = check_float_array(op, x_name, x)
-    kernel = check_float_array(op, "kernel", kernel)
+    kernel = check_float_array(op, kernel_name, kernel)
     layout = "(N, K)" if kernel_transposed else "(K, N)"
     if kernel.ndim != 2:
-        raise ValueError(f"{op}: argument 'kernel' must have rank 2 {layout}; got shape {tuple(kernel.shape)}")
+        raise ValueError(f"{op}: argument {kernel_name!r} must have rank 2 {layout}; got shape {tuple(kernel.shape)}")
     n, k = kernel.shape if kernel_transposed else kernel.shape[::-1]
     if x.shape[-1] != k:
         raise ValueError(f"{op}: argument {x_name!r} has {x.shape[-1]} features (shape {tuple(x.shape)}) "
-                         f"but 'kernel' expects K={k} (shape {tuple(kernel.shape)})")
+                         f"but {kernel_name!r} expects K={k} (shape {tuple(kernel.shape)})")
     if bias is not None:
-        bias = check_float_array(op, "bias", bias)
+        bias = check_float_array(op, bias_name, bias)
         if tuple(bias.shape) != (n,):
-            raise ValueError(f"{op}: argument 'bias' must have shape ({n},); got {tuple(bias.shape)}")
-    return x, kernel, bias, check_param_dtypes(op, x_name, x, kernel=kernel, bias=bias)
+            raise ValueError(f"{op}: argument {bias_name!r} must have shape ({n},); got {tuple(bias.shape)}")
+    return x, kernel, bias, check_param_dtypes(op, x_name, x, **{kernel_name: kernel, bias_name: bias})
 
 
 def check_residual(op: str, residual, x, n: int):

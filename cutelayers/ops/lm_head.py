@@ -75,13 +75,13 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import operator
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from cutelayers import backend as _backend
+from cutelayers.ops._rowwise import check_int
 from cutelayers.ops.linear import (
     check_linear_operands,
     compute_params,
@@ -440,10 +440,7 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
         raise ValueError(f"{op}: reduction must be one of {', '.join(map(repr, REDUCTIONS))}; got {reduction!r}")
     options = check_loss_options(op, label_smoothing, z_loss, logit_soft_cap)
     if chunk_size is not None:
-        try:
-            chunk_size = operator.index(chunk_size)
-        except TypeError:
-            raise TypeError(f"{op}: chunk_size must be an int or None; got {chunk_size!r}") from None
+        chunk_size = check_int(op, "chunk_size", chunk_size)
         if chunk_size < 1:
             raise ValueError(f"{op}: chunk_size must be >= 1; got {chunk_size}")
 

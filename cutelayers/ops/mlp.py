@@ -119,7 +119,7 @@ def mlp(x, w1, b1=None, w2=None, b2=None, *, activation="gelu", residual=None, p
     kernel_nk = check_kernel_layout(op, kernel_layout)
     if w2 is None:
         raise TypeError(f"{op}: argument 'w2' is required (the second layer's kernel)")
-    x, w1, b1, _ = check_linear_operands(op, "x", x, w1, b1, kernel_transposed=kernel_nk)
+    x, w1, b1, _ = check_linear_operands(op, "x", x, w1, b1, kernel_transposed=kernel_nk, names=("w1", "b1"))
     gated = is_gated(activation)
     h_width = w1.shape[0 if kernel_nk else 1]
     if gated:

@@ -38,10 +38,9 @@ import jax.numpy as jnp
 from cutelayers.kernels import norm_config
 from cutelayers.kernels.reduction_config import RowConfig, can_prefetch
 from cutelayers.ops._batching import fold_batch
-from cutelayers.ops._rowwise import RowKernelFamily, call_kernel, check_float_array
+from cutelayers.ops._rowwise import RowKernelFamily, call_kernel, check_dtype, check_float_array, check_number
 from cutelayers.runtime.family import ShardingRule
 from cutelayers.runtime.sharding import run_kernel, vary_like
-from cutelayers.runtime.tensors import FLOAT_DTYPES
 from cutelayers.tuning import resolve
 
 
@@ -519,21 +518,24 @@ def _check(op: str, x, residual, scale, bias, epsilon, dtype):
             raise ValueError(f"{op}: argument {name!r} has shape {tuple(p.shape)}; expected ({n},), "
                              "the size of x's last axis")
         params[name] = p
-    try:
-        epsilon = float(epsilon)
-    except (TypeError, jax.errors.ConcretizationTypeError):
-        raise TypeError(f"{op}: argument 'epsilon' must be a Python float; got {epsilon!r}") from None
+    epsilon = check_number(op, "epsilon", epsilon)
     if not epsilon >= 0.0:
         raise ValueError(f"{op}: argument 'epsilon' must be >= 0; got {epsilon}")
     # Flax's rule (flax.linen.dtypes.canonicalize_dtype): by default, the promoted dtype of the
     # normalized input (x, or the sum, in the residual's dtype) and the parameters
     normalized = x if residual is None else residual
     promoted = functools.reduce(jnp.promote_types, [p.dtype for p in params.values()], normalized.dtype)
-    out_dtype = promoted if dtype is None else jnp.dtype(dtype)
-    if out_dtype not in FLOAT_DTYPES:
-        allowed = ", ".join(d.name for d in FLOAT_DTYPES)
-        raise TypeError(f"{op}: argument 'dtype' is {out_dtype.name}; allowed: {allowed}")
+    out_dtype = promoted if dtype is None else check_dtype(op, "dtype", dtype)
     return x, residual, params, epsilon, out_dtype
+
+
+def _given(op: str, residual):
+    """An add op's residual; None would make it the plain norm, whose one result a caller's
+    ``normed, summed = ...`` unpacks along its first axis."""
+    if residual is None:
+        raise TypeError(f"{op}: argument 'residual' is None; expected an array of x's shape "
+                        f"({op.removeprefix('add_')} normalizes x alone)")
+    return residual
 
 
 def _norm(op: str, center: bool, x, residual, scale, bias, epsilon, dtype):
@@ -605,7 +607,7 @@ def add_layer_norm(x: jax.Array, residual: jax.Array, scale: jax.Array | None = 
       (statistics in float32), exactly as if the add ran first. Gradients flow through both
       results to x and the residual (each in its dtype), scale and bias.
     """
-    return _norm("add_layer_norm", True, x, residual, scale, bias, epsilon, dtype)
+    return _norm("add_layer_norm", True, x, _given("add_layer_norm", residual), scale, bias, epsilon, dtype)
 
 
 def add_rms_norm(x: jax.Array, residual: jax.Array, scale: jax.Array | None = None,
@@ -614,4 +616,4 @@ def add_rms_norm(x: jax.Array, residual: jax.Array, scale: jax.Array | None = No
     """The residual add and RMSNorm in one kernel: ``summed = x + residual`` and ``normed =
     rms_norm(summed, scale, bias)``; returns ``(normed, summed)``. Arguments and results as for
     :func:`add_layer_norm` and :func:`rms_norm`."""
-    return _norm("add_rms_norm", False, x, residual, scale, bias, epsilon, dtype)
+    return _norm("add_rms_norm", False, x, _given("add_rms_norm", residual), scale, bias, epsilon, dtype)

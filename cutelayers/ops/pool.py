@@ -2,6 +2,8 @@
 
     y[..., d] = sum_s w[..., s] x[..., s, d],    w = keep / max(count(keep), 1)
 
+(the positions the mask drops are left out of the sum, not weighted by 0: a NaN there stays out).
+
 A jnp implementation: XLA fuses the weighting and the reduction into one pass over x (a
 dedicated kernel may come later); plain jnp, so jax.vmap needs no rule of its own. The custom_vjp
 saves only the (..., S) weights -- never x -- and its backward is one broadcast,
@@ -26,7 +28,10 @@ def _weights(mask):
 
 def _pool_fwd(x, mask):
     w = _weights(mask)
-    return jnp.sum(x.astype(F32) * w[..., None], axis=-2).astype(x.dtype), w
+    # a select, not only the product: a NaN or inf at a position the mask drops must not reach
+    # the mean (0 * inf is NaN)
+    weighted = jnp.where(w[..., None] != 0, x.astype(F32) * w[..., None], 0.0)
+    return jnp.sum(weighted, axis=-2).astype(x.dtype), w
 
 
 @jax.custom_vjp
@@ -57,6 +62,8 @@ def masked_mean_pool(x, mask) -> jax.Array:
     x = check_float_array(op, "x", x, min_rank=2)
     if not hasattr(mask, "shape") or not hasattr(mask, "dtype"):
         raise TypeError(f"{op}: argument 'mask' must be an array; got {type(mask).__name__}")
+    if not (mask.dtype == bool or jnp.issubdtype(mask.dtype, jnp.number)):
+        raise TypeError(f"{op}: argument 'mask' must be bool or numeric; got dtype {mask.dtype}")
     if tuple(mask.shape) != tuple(x.shape[:-1]):
         raise ValueError(f"{op}: argument 'mask' has shape {tuple(mask.shape)}; expected "
                          f"{tuple(x.shape[:-1])} (x's shape without the feature axis)")

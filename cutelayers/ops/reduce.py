@@ -87,7 +87,9 @@ def _reduce_fn(kind: str):
         g = g.astype(jnp.float32)[..., None]
         if kind == "max":
             hit = x_or_shape == y[..., None]
-            dx = jnp.where(hit, g / jnp.sum(hit, axis=-1, keepdims=True), 0.0)
+            count = jnp.sum(hit, axis=-1, keepdims=True)
+            # no position equals a NaN max: that row's gradient is NaN, as jax.grad(jnp.max) gives it
+            dx = jnp.where(count == 0, jnp.nan, jnp.where(hit, g / count, 0.0))
         else:
             dx = jnp.broadcast_to(g / n if kind == "mean" else g, (*y.shape, n))
         return (dx.astype(dtype),)
@@ -98,8 +100,12 @@ def _reduce_fn(kind: str):
 
 def _reduce(kind: str, x, axis):
     op = f"reduce_{kind}"
-    x = check_float_array(op, "x", x)
+    x = check_float_array(op, "x", x, min_rank=0)  # the reduced axis is checked below, not the last
+    if x.ndim == 0:
+        raise ValueError(f"{op}: argument 'x' has rank 0 (shape ()); it needs an axis to reduce")
     axis = normalize_axis(op, axis, x.ndim)
+    if x.shape[axis] == 0:
+        raise ValueError(f"{op}: argument 'x' has an empty axis {axis} to reduce (shape {tuple(x.shape)})")
     if axis != x.ndim - 1:
         x = jnp.moveaxis(x, axis, -1)  # the kernel reduces the last axis; this costs a transpose
     return _reduce_fn(kind)(x)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -37,9 +36,11 @@ import numpy as np
 from cutelayers.kernels import softmax_config
 from cutelayers.kernels.reduction_config import RowConfig
 from cutelayers.ops._batching import fold_batch
-from cutelayers.ops._rowwise import RowKernelFamily, call_on_rows, check_float_array
+from cutelayers.ops._rowwise import RowKernelFamily, call_on_rows, check_float_array, check_int, check_number
 from cutelayers.runtime.sharding import ShardContext, ShardingRule, run_kernel
 from cutelayers.tuning import resolve
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1  # the kernels' labels are int32
 
 F32 = jnp.float32
 
@@ -506,19 +507,13 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array, *, ignore_index:
 def check_loss_options(op: str, label_smoothing, z_loss, logit_soft_cap) -> tuple[float, float, float]:
     """Validate the cross-entropy options; returns (smoothing, z_loss, soft_cap) as floats, the
     cap 0.0 when off (the kernels' static key)."""
-    def number(name, value):
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise TypeError(f"{op}: {name} must be a number; got {value!r}") from None
-
-    smoothing, z = number("label_smoothing", label_smoothing), number("z_loss", z_loss)
+    smoothing, z = check_number(op, "label_smoothing", label_smoothing), check_number(op, "z_loss", z_loss)
     if not 0.0 <= smoothing < 1.0:
         raise ValueError(f"{op}: label_smoothing must be in [0, 1); got {label_smoothing}")
     if not z >= 0.0:
         raise ValueError(f"{op}: z_loss must be >= 0; got {z_loss}")
-    cap = 0.0 if logit_soft_cap is None else number("logit_soft_cap", logit_soft_cap)
-    if logit_soft_cap is not None and not (cap > 0.0 and math.isfinite(cap)):
+    cap = 0.0 if logit_soft_cap is None else check_number(op, "logit_soft_cap", logit_soft_cap)
+    if logit_soft_cap is not None and not cap > 0.0:
         raise ValueError(f"{op}: logit_soft_cap must be None or a finite number > 0; got {logit_soft_cap}")
     return smoothing, z, cap
 
@@ -538,7 +533,10 @@ def check_labels(op: str, labels, ignore_index, shape: tuple, v: int, shape_sour
         raise ValueError(f"{op}: argument 'labels' has shape {tuple(labels.shape)}; expected "
                          f"{tuple(shape)} ({shape_source})")
     if ignore_index is not None:
-        ignore_index = int(ignore_index)
+        ignore_index = check_int(op, "ignore_index", ignore_index)
+        if not INT32_MIN <= ignore_index <= INT32_MAX:
+            raise ValueError(f"{op}: argument 'ignore_index' must fit int32 (the kernels' labels); "
+                             f"got {ignore_index}")
     if not isinstance(labels, jax.core.Tracer):
         lab = np.asarray(labels)
         bad = (lab < 0) | (lab >= v)
@@ -547,4 +545,10 @@ def check_labels(op: str, labels, ignore_index, shape: tuple, v: int, shape_sour
         if bad.any():
             raise ValueError(f"{op}: argument 'labels' holds {int(bad.sum())} value(s) outside [0, {v}) "
                              f"(e.g. {int(lab[bad].ravel()[0])}) that are not ignore_index={ignore_index}")
-    return jnp.asarray(labels).astype(jnp.int32), ignore_index
+    labels = jnp.asarray(labels)
+    if labels.dtype.itemsize >= 4 and labels.dtype != jnp.int32:
+        # bounded before the int32 cast, which would wrap a traced out-of-range label (2^32 + 1 -> 1)
+        # onto a class; a bounded one stays out of range (a NaN row, as documented)
+        unsigned = jnp.issubdtype(labels.dtype, jnp.unsignedinteger)
+        labels = jnp.minimum(labels, INT32_MAX) if unsigned else jnp.clip(labels, INT32_MIN, INT32_MAX)
+    return labels.astype(jnp.int32), ignore_index

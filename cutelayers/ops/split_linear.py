@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from cutelayers.ops._batching import fold_batch
+from cutelayers.ops._rowwise import check_int
 from cutelayers.ops._zeros import zeros_after
 from cutelayers.ops.linear import (
     _ROWS,
@@ -451,8 +452,9 @@ def split_linear(x, kernel, bias=None, *, parts: int, precision=None, kernel_lay
     kernel_nk = check_kernel_layout(op, kernel_layout)
     x, kernel, bias, f32_params = check_linear_operands(op, "x", x, kernel, bias, kernel_transposed=kernel_nk)
     k, n = kernel.shape[::-1] if kernel_nk else kernel.shape
-    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
-        raise ValueError(f"{op}: argument 'parts' must be a positive int; got {parts!r}")
+    parts = check_int(op, "parts", parts)
+    if parts < 1:
+        raise ValueError(f"{op}: argument 'parts' must be a positive int; got {parts}")
     if n % parts:
         raise ValueError(f"{op}: 'kernel' has N={n} output features, which {parts} parts cannot share "
                          f"equally (N must be a multiple of 'parts')")

@@ -384,8 +384,11 @@ mlir.register_lowering(kernel_call_p, _cuda_lowering, platform="cuda")
 def _no_transform(kind: str):
     def rule(*args, family: KernelFamily, **kwargs):
         raise NotImplementedError(
-            f"{kind} of the raw kernel call for {family.name!r} is not defined. Use the cutelayers "
-            "op that wraps it (it carries jax.custom_vjp and vmap rules)."
+            f"{kind} of the kernel call {family.name!r} is not defined. The cutelayers ops that wrap "
+            "kernel calls carry jax.custom_vjp and vmap rules: they take first-order reverse-mode "
+            "gradients (jax.grad, jax.vjp) and vmap, not a gradient's own gradient (jax.hessian, "
+            "grad of grad) nor forward mode. A raw cutelayers.cute_call callable takes neither: "
+            "cutelayers.custom_op gives it a custom_vjp and the vmap rule."
         )
 
     return rule
