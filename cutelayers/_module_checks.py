@@ -17,6 +17,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from cutelayers import backend
+from cutelayers.ops._rowwise import check_number
 from cutelayers.ops.linear import (
     ACTIVATION_FUNCTIONS,
     MIXED_PRECISION_DTYPES,
@@ -52,6 +53,26 @@ def options_blocker(**options: Any) -> str | None:
     return None
 
 
+def epsilon_blocker(epsilon) -> str | None:
+    """Why the norm ops cannot take a module's ``epsilon``: they take a concrete finite number
+    >= 0 (a static kernel constant); the stock modules also compute with a traced or negative one."""
+    try:
+        if check_number("norm", "epsilon", epsilon) >= 0.0:
+            return None
+    except (TypeError, ValueError):
+        pass
+    return f"epsilon is {epsilon!r}; the kernels take a concrete finite number >= 0"
+
+
+def empty_blocker(**sizes: int) -> str | None:
+    """Why the kernels cannot produce a result with one of the named feature counts 0 (an empty
+    last axis; the stock layers return the empty array)."""
+    for name, size in sizes.items():
+        if size == 0:
+            return f"{name} is 0: an empty result, which the stock computation returns"
+    return None
+
+
 def dtype_blocker(**dtypes: Any) -> str | None:
     """Why the kernels cannot take these named dtypes (None: not given): they take bfloat16,
     float16 and float32 only."""
@@ -73,15 +94,15 @@ def shape_blocker(x) -> str | None:
     return None
 
 
-def embed_blocker(ids, num_embeddings: int, **dtypes: Any) -> str | None:
+def embed_blocker(ids, num_embeddings: int, features: int, **dtypes: Any) -> str | None:
     """Why :func:`cutelayers.ops.embed` cannot serve an embedding call: ``ids`` not an integer
-    array (the stock module raises), a one-row table (the stock module broadcasts it), or a table /
-    result dtype other than bfloat16, float16 and float32."""
+    array (the stock module raises), a one-row table (the stock module broadcasts it), rows of no
+    features, or a table / result dtype other than bfloat16, float16 and float32."""
     if not hasattr(ids, "dtype") or not jnp.issubdtype(ids.dtype, jnp.integer):
         return f"the ids are {getattr(ids, 'dtype', type(ids).__name__)}, not integers"
     if num_embeddings == 1:
         return "num_embeddings is 1 (the stock layer broadcasts its one row)"
-    return dtype_blocker(**dtypes)
+    return empty_blocker(features=features) or dtype_blocker(**dtypes)
 
 
 def array_blocker(x, **dtypes: Any) -> str | None:

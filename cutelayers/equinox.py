@@ -47,6 +47,8 @@ from cutelayers._module_checks import (
     check_parts,
     check_tied_embedding,
     embed_blocker,
+    empty_blocker,
+    epsilon_blocker,
     fc1_features,
     finish_linear,
     finish_mlp,
@@ -85,7 +87,8 @@ class _Norm(eqx.Module):
         pre-norm transformer's residual add fused into the norm's kernels
         (:func:`cutelayers.ops.add_layer_norm`); normed then has the residual's dtype."""
         if getattr(x, "shape", None) != self.shape or not kernels_serve(
-                type(self).__name__, array_blocker(x.reshape(-1), weight=_dtype(self.weight), bias=_dtype(self.bias))
+                type(self).__name__, epsilon_blocker(self.eps)
+                or array_blocker(x.reshape(-1), weight=_dtype(self.weight), bias=_dtype(self.bias))
                 or residual_blocker(x, residual)):
             out = stock_norm(functools.partial(super().__call__, key=key), x, residual)
         else:
@@ -154,7 +157,7 @@ class Linear(eqx.nn.Linear):
         super().__init__(in_features, out_features, use_bias, dtype, key=key)
         self.activation = activation
 
-    def __call__(self, x: Array, residual: Array | None = None, *, key: PRNGKeyArray | None = None,
+    def __call__(self, x: Array, *, residual: Array | None = None, key: PRNGKeyArray | None = None,
                  parts: int | None = None) -> Array:
         """``x`` (in_features,) -- () if "scalar" -- -> (out_features,) -- () if "scalar" --, in
         the promoted dtype of x and the parameters (as ``weight @ x + bias``). ``residual``, shaped
@@ -163,7 +166,8 @@ class Linear(eqx.nn.Linear):
         q, k, v; :func:`cutelayers.ops.split_linear`), for a plain projection. ``key`` is ignored."""
         check_parts("Linear", parts, self.out_features, self.activation, residual)
         if jnp.shape(x) != _shape(self.in_features) or not kernels_serve(
-                "Linear", array_blocker(jnp.reshape(x, -1), weight=self.weight.dtype, bias=_dtype(self.bias))):
+                "Linear", empty_blocker(out_features=self.out_features)
+                or array_blocker(jnp.reshape(x, -1), weight=self.weight.dtype, bias=_dtype(self.bias))):
             return split_result(finish_linear(super().__call__(x, key=key), self.activation, residual), parts)
         x, weight, bias = _promote(jnp.reshape(x, -1), self.weight, self.bias)
         if parts is not None:
@@ -184,7 +188,7 @@ class Embedding(eqx.nn.Embedding):
         ``weight[x]`` does). ``key`` is ignored."""
         ids = jnp.asarray(x) if eqx.is_array_like(x) else x
         if jnp.shape(ids) != () or not kernels_serve(
-                "Embedding", embed_blocker(ids, self.num_embeddings, weight=self.weight.dtype)):
+                "Embedding", embed_blocker(ids, self.num_embeddings, self.embedding_size, weight=self.weight.dtype)):
             return super().__call__(x, key=key)
         return embed(self.weight, ids, mode="clip")
 

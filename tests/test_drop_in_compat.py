@@ -80,7 +80,7 @@ def _mask(x):
 
 
 FLAX_NORM_INIT = {  # argument -> cases (values, path), shared by linen and nnx
-    "epsilon": [({"epsilon": 1e-3}, KERNEL)],
+    "epsilon": [({"epsilon": 1e-3}, KERNEL), ({"epsilon": -1e-7}, STOCK)],  # the ops take >= 0
     "dtype": [({"dtype": jnp.bfloat16}, KERNEL), ({"dtype": jnp.float16}, KERNEL)],
     "param_dtype": [({"param_dtype": jnp.bfloat16}, KERNEL), ({"param_dtype": jnp.complex64}, STOCK)],
     "use_scale": [({"use_scale": False}, KERNEL)],
@@ -124,15 +124,15 @@ INIT = {
                    "preferred_element_type": [({"preferred_element_type": jnp.float32}, KERNEL),
                                               ({"preferred_element_type": jnp.bfloat16}, STOCK)],
                    **{k: v for k, v in METADATA.items() if k != "scale_metadata"}},
-    "equinox.LayerNorm": {"eps": [({"eps": 1e-3}, KERNEL)], "use_weight": [({"use_weight": False}, KERNEL)],
+    "equinox.LayerNorm": {"eps": [({"eps": 1e-3}, KERNEL), ({"eps": -1e-7}, STOCK)], "use_weight": [({"use_weight": False}, KERNEL)],
                           "use_bias": [({"use_bias": False}, KERNEL)], "dtype": [({"dtype": jnp.bfloat16}, KERNEL)],
                           "elementwise_affine": [({"elementwise_affine": False}, KERNEL)]},
-    "equinox.RMSNorm": {"eps": [({"eps": 1e-3}, KERNEL)], "use_weight": [({"use_weight": False}, KERNEL)],
+    "equinox.RMSNorm": {"eps": [({"eps": 1e-3}, KERNEL), ({"eps": -1e-7}, STOCK)], "use_weight": [({"use_weight": False}, KERNEL)],
                         "use_bias": [({"use_bias": False}, KERNEL)], "dtype": [({"dtype": jnp.bfloat16}, KERNEL)]},
     "equinox.Linear": {"use_bias": [({"use_bias": False}, KERNEL)], "dtype": [({"dtype": jnp.bfloat16}, KERNEL),
                                                                               ({"dtype": jnp.complex64}, STOCK)],
                        "in_features": [({"in_features": 0}, STOCK), ({"in_features": "scalar"}, KERNEL)],
-                       "out_features": [({"out_features": "scalar"}, KERNEL)]},
+                       "out_features": [({"out_features": "scalar"}, KERNEL), ({"out_features": 0}, STOCK)]},
 }
 CALL = {  # call argument -> cases
     **{f"{fw}.{n}": {"mask": [({"mask": _mask}, STOCK)]} for fw in ("linen", "nnx") for n in ("LayerNorm", "RMSNorm")},
@@ -334,3 +334,97 @@ def test_cute_backend_refuses_a_fallback():
 def test_kernel_path_cases_gpu(case, rng, fallbacks):
     for dtype in (jnp.bfloat16, jnp.float32):  # backend auto: float32 GEMMs are the op's XLA path
         test_same_as_stock(case, dtype, rng, fallbacks)
+
+
+# --- calls the table above cannot build ------------------------------------------------------------
+
+def _same(got, want, dtype=jnp.float32):
+    got, want = jnp.asarray(got), jnp.asarray(want)
+    assert (got.shape, got.dtype) == (want.shape, want.dtype)
+    assert_close(got, np.asarray(want), dtype)
+
+
+def test_narrow_integer_ids_look_up_the_rows_stock_does(rng):
+    # uint8 ids of a 256-row table (byte-level tokens): negative-id handling must not add 256 in uint8
+    ids = jnp.asarray(rng.integers(0, 256, (5, 7)), jnp.uint8)
+    linen_v = nn.Embed(256, 4).init(jax.random.key(0), ids)
+    for ours, stock in ((cl_linen.Embed(256, 4), nn.Embed(256, 4)),):
+        loss = lambda m: lambda v: jnp.sum(jnp.sin(m.apply(v, ids)))
+        _same(ours.apply(linen_v, ids), stock.apply(linen_v, ids))
+        _same(jax.grad(loss(ours))(linen_v)["params"]["embedding"], jax.grad(loss(stock))(linen_v)["params"]["embedding"])
+    ours, stock = cl_nnx.Embed(256, 4, rngs=nnx.Rngs(0)), nnx.Embed(256, 4, rngs=nnx.Rngs(0))
+    _same(ours(ids), stock(ids))
+    ours = cl_eqx.Embedding(300, 4, key=jax.random.key(0))
+    stock = eqx.nn.Embedding(300, 4, weight=ours.weight)
+    _same(jax.vmap(jax.vmap(ours))(ids), jax.vmap(jax.vmap(stock))(ids))
+    _same(ours(jnp.int8(5)), stock(jnp.int8(5)))
+
+
+def test_empty_results_are_the_stock_layers(fallbacks):
+    x = jnp.ones((3, 8))
+    dense_v = nn.Dense(0, kernel_init=normal).init(jax.random.key(0), x)  # (lecun_normal divides by 0)
+    _same(cl_linen.Dense(0, kernel_init=normal).apply(dense_v, x), nn.Dense(0, kernel_init=normal).apply(dense_v, x))
+    _same(cl_nnx.Linear(8, 0, kernel_init=normal, rngs=nnx.Rngs(0))(x),
+          nnx.Linear(8, 0, kernel_init=normal, rngs=nnx.Rngs(0))(x))
+    linear = cl_eqx.Linear(8, 0, key=jax.random.key(0))
+    _same(jax.vmap(linear)(x), jax.vmap(eqx.nn.Linear(8, 0, key=jax.random.key(0)))(x))
+    ids = jnp.arange(3)
+    embed_v = nn.Embed(10, 0, embedding_init=normal).init(jax.random.key(0), ids)
+    _same(cl_linen.Embed(10, 0, embedding_init=normal).apply(embed_v, ids),
+          nn.Embed(10, 0, embedding_init=normal).apply(embed_v, ids))
+    _same(cl_nnx.Embed(10, 0, embedding_init=normal, rngs=nnx.Rngs(0))(ids),
+          nnx.Embed(10, 0, embedding_init=normal, rngs=nnx.Rngs(0))(ids))
+    table = cl_eqx.Embedding(10, 0, key=jax.random.key(0))
+    _same(table(jnp.int32(2)), eqx.nn.Embedding(10, 0, key=jax.random.key(0))(jnp.int32(2)))
+    assert {"Dense", "Linear", "Embed", "Embedding"} <= set(fallbacks)
+
+
+def test_a_traced_epsilon_runs_the_stock_norm(rng, fallbacks):
+    # an array epsilon is NNX state: traced under nnx.jit, so only the stock computation takes it
+    x = jnp.asarray(rng.standard_normal((4, 8)), jnp.float32)
+    for ours, stock in ((cl_nnx.LayerNorm(8, epsilon=jnp.float32(1e-3), rngs=nnx.Rngs(0)),
+                         nnx.LayerNorm(8, epsilon=jnp.float32(1e-3), rngs=nnx.Rngs(0))),
+                        (cl_nnx.RMSNorm(8, epsilon=jnp.float32(1e-3), rngs=nnx.Rngs(0)),
+                         nnx.RMSNorm(8, epsilon=jnp.float32(1e-3), rngs=nnx.Rngs(0)))):
+        _same(nnx.jit(lambda m, x: m(x))(ours, x), nnx.jit(lambda m, x: m(x))(stock, x))
+    assert {"LayerNorm", "RMSNorm"} <= set(fallbacks)
+
+
+def test_linen_decides_from_the_parameters_it_is_given(rng, fallbacks):
+    # parameters as apply gets them, not as param_dtype would make them: NumPy float64 ones (JAX
+    # reads them as float32) run the kernels' path; complex ones the stock computation
+    x = jnp.asarray(rng.standard_normal((3, 8)), jnp.float32)
+    numpy_params = {"params": {"scale": rng.uniform(0.5, 1.5, 8), "bias": rng.standard_normal(8)}}
+    _same(cl_linen.LayerNorm().apply(numpy_params, x), nn.LayerNorm().apply(numpy_params, x))
+    _same(cl_linen.RMSNorm().apply({"params": {"scale": numpy_params["params"]["scale"]}}, x),
+          nn.RMSNorm().apply({"params": {"scale": numpy_params["params"]["scale"]}}, x))
+    assert not {"LayerNorm", "RMSNorm"} & set(fallbacks)  # (on the CPU the ops log their reference path)
+    complex_params = {"params": {"kernel": jnp.ones((8, 4), jnp.complex64), "bias": jnp.zeros(4, jnp.complex64)}}
+    _same(cl_linen.Dense(4).apply(complex_params, x), nn.Dense(4).apply(complex_params, x))
+    assert "Dense" in fallbacks
+
+
+def test_a_custom_promote_dtype_is_called_once_as_stock_calls_it():
+    calls = []
+
+    def doubling(args, **kwargs):
+        calls.append(1)
+        return tuple(None if a is None else 2 * a for a in nnx.nn.dtypes.promote_dtype(args, **kwargs))
+
+    x = jnp.ones((1, 2))
+    ours = cl_nnx.Linear(2, 1, promote_dtype=doubling, kernel_init=nnx.initializers.ones, rngs=nnx.Rngs(0))
+    stock = nnx.Linear(2, 1, promote_dtype=doubling, kernel_init=nnx.initializers.ones, rngs=nnx.Rngs(0))
+    _same(ours(x), stock(x))
+    assert len(calls) == 2  # once each
+
+
+def test_residual_is_a_keyword_as_stock_has_no_second_positional():
+    x = jnp.ones(8)
+    linear = cl_eqx.Linear(8, 2, key=jax.random.key(0))
+    for layer in (linear, eqx.nn.Linear(8, 2, key=jax.random.key(0))):
+        with pytest.raises(TypeError):
+            layer(x, jax.random.PRNGKey(1))  # a legacy key passed positionally: not a residual
+    v = nn.Dense(2).init(jax.random.key(0), x)
+    for dense in (cl_linen.Dense(2), nn.Dense(2)):
+        with pytest.raises(TypeError):
+            dense.apply(v, x, x)

@@ -105,6 +105,25 @@ def check_against_direct(results, args):
         assert_close(got, want, jnp.bfloat16)
 
 
+def test_a_symbolic_row_count_exports(rng):
+    # under shape polymorphism the row count is not known to be few: the norm forward takes the
+    # many-rows kernel instead of comparing a symbolic dimension with FEW_ROWS
+    rows = jax.export.symbolic_shape("rows")[0]
+    x, w, scale, labels = specs(operands(rng))
+    symbolic = (jax.ShapeDtypeStruct((rows, H), x.dtype), w, scale, jax.ShapeDtypeStruct((rows,), labels.dtype))
+    exported = cl.aot.export(loss_and_grads, *symbolic, platforms=("cuda", "cpu"))
+    assert str(exported.in_avals[0].shape[0]) == "rows"
+    text = exported.mlir_module()
+    assert "layer_norm_fwd" in text and "linear_fwd" in text and "tensor<?x64xbf16>" in text
+    assert cl.aot.serialize(exported)  # every kernel compiled for a dynamic row count
+    for rows in (5, 300):  # the CPU branch, the reference: any row count
+        args = operands(rng, rows=rows)
+        (loss, grads), (want, want_grads) = exported.call(*args), loss_and_grads(*args)
+        assert_close(loss, want, jnp.float32)
+        assert grads[0].shape == (rows, H)
+        assert_close(grads[0], want_grads[0], jnp.bfloat16)
+
+
 def test_round_trip_in_a_fresh_process(tmp_path, rng):
     args = operands(rng)
     exported, bundle = bundle_for(args, ("cuda", "cpu"))

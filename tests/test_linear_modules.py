@@ -167,9 +167,10 @@ def test_stock_options_keep_activation_and_residual(dtype, rng):
     linear = cl_nnx.Linear(8, 4, dot_general=_dot_general, activation="tanh", rngs=nnx.Rngs(0))
     eqx_linear = cl_eqx.Linear(8, 4, dtype=jnp.complex64, activation="tanh", key=jax.random.key(0))
     cases = {
-        "linen": (lambda x, r: dense.apply(variables, x, r), nn.Dense(4).apply(variables, x)),
+        "linen": (lambda x, r: dense.apply(variables, x, residual=r), nn.Dense(4).apply(variables, x)),
         "nnx": (lambda x, r: linear(x, residual=r), nnx.Linear(8, 4, rngs=nnx.Rngs(0))(x)),
-        "equinox": (jax.vmap(eqx_linear), jax.vmap(eqx.nn.Linear(8, 4, dtype=jnp.complex64, key=jax.random.key(0)))(x)),
+        "equinox": (jax.vmap(lambda x, r: eqx_linear(x, residual=r)),
+                    jax.vmap(eqx.nn.Linear(8, 4, dtype=jnp.complex64, key=jax.random.key(0)))(x)),
     }
     for name, (call, stock) in cases.items():
         out = call(x, r)
@@ -248,7 +249,7 @@ def test_residual_is_added_after_the_activation(dtype, rng):
     calls = {
         "linen": (lambda x, r: dense.apply(variables, x, residual=r), lambda x: dense.apply(variables, x)),
         "nnx": (lambda x, r: linear(x, residual=r), linear),
-        "equinox": (jax.vmap(jax.vmap(eqx_linear)), jax.vmap(jax.vmap(eqx_linear))),
+        "equinox": (jax.vmap(jax.vmap(lambda x, r: eqx_linear(x, residual=r))), jax.vmap(jax.vmap(eqx_linear))),
     }
     for name, (with_residual, plain) in calls.items():
         out = with_residual(x, r)

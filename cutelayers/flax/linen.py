@@ -44,6 +44,8 @@ from cutelayers._module_checks import (
     check_parts,
     check_tied_embedding,
     embed_blocker,
+    empty_blocker,
+    epsilon_blocker,
     fc1_features,
     finish_linear,
     finish_mlp,
@@ -69,6 +71,15 @@ Initializer = Any
 PrecisionLike = Any
 
 
+def _param_dtype(module: Module, name: str):
+    """The dtype parameter ``name`` has in this call, before it is declared: a bound one's (as
+    ``apply`` was given it: a loaded checkpoint may differ from ``param_dtype``; NumPy float64
+    reads as JAX makes it), else ``param_dtype`` (``init``)."""
+    if module.has_variable("params", name):
+        return jnp.asarray(module.get_variable("params", name)).dtype
+    return module.param_dtype
+
+
 class _Norm(Module):
     """The call shared by :class:`LayerNorm` and :class:`RMSNorm`: the cutelayers op over the last
     axis (parameters (features,), result in ``dtype`` or the promoted dtype), else stock."""
@@ -83,13 +94,14 @@ class _Norm(Module):
         center = isinstance(self, nn.LayerNorm)
         names = ("scale",) * self.use_scale + ("bias",) * (center and self.use_bias)
         why = (options_blocker(axis_name=self.axis_name, axis_index_groups=self.axis_index_groups, mask=mask)
+               or epsilon_blocker(self.epsilon)
                or norm_blocker(x, self.reduction_axes, self.feature_axes, dtype=self.dtype,
-                               parameters=self.param_dtype if names else None)
+                               **{n: _param_dtype(self, n) for n in names})
                or residual_blocker(x, residual))
         if not kernels_serve(type(self).__name__, why):
             return stock_norm(functools.partial(super().__call__, mask=mask), x, residual)
         init = {"scale": self.scale_init, "bias": getattr(self, "bias_init", None)}
-        params = {n: self.param(n, init[n], (x.shape[-1],), self.param_dtype) for n in names}
+        params = {n: jnp.asarray(self.param(n, init[n], (x.shape[-1],), self.param_dtype)) for n in names}
         return norm_op(center, residual)(x, params.get("scale"), params.get("bias"), epsilon=self.epsilon,
                                          dtype=self.dtype)
 
@@ -119,7 +131,7 @@ class Dense(nn.Dense):
     activation: Any = None
 
     @compact
-    def __call__(self, inputs, residual=None, *, parts: int | None = None):
+    def __call__(self, inputs, *, residual=None, parts: int | None = None):
         """``inputs`` (..., in_features) -> (..., features). ``residual`` (..., features), optional:
         added after the activation (cast to the result dtype). ``parts``, optional: the result as a
         tuple of that many equal blocks of features, each its own array (attention's q, k, v;
@@ -128,7 +140,9 @@ class Dense(nn.Dense):
         custom_promote = None if self.promote_dtype is dtypes.promote_dtype else self.promote_dtype
         why = (options_blocker(dot_general=self.dot_general, dot_general_cls=self.dot_general_cls,
                                promote_dtype=custom_promote)
-               or array_blocker(inputs, parameters=self.param_dtype, dtype=self.dtype))
+               or empty_blocker(features=self.features)
+               or array_blocker(inputs, kernel=_param_dtype(self, "kernel"), dtype=self.dtype,
+                                bias=_param_dtype(self, "bias") if self.use_bias else None))
         if not kernels_serve("Dense", why):
             return split_result(finish_linear(super().__call__(inputs), self.activation, residual), parts)
         kernel, bias = _dense_params(self, jnp.shape(inputs)[-1])
@@ -147,7 +161,7 @@ class Embed(nn.Embed):
         """``inputs`` (...) integer ids -> (..., features) in ``dtype`` (default: the table's)."""
         custom_promote = None if self.promote_dtype is dtypes.promote_dtype else self.promote_dtype
         why = (options_blocker(promote_dtype=custom_promote)
-               or embed_blocker(inputs, self.num_embeddings, table=self.embedding.dtype, dtype=self.dtype))
+               or embed_blocker(inputs, self.num_embeddings, self.features, table=self.embedding.dtype, dtype=self.dtype))
         if not kernels_serve("Embed", why):
             return super().__call__(inputs)
         return embed(self.embedding, inputs, self.dtype)

@@ -48,6 +48,8 @@ from cutelayers._module_checks import (
     check_parts,
     check_tied_embedding,
     embed_blocker,
+    empty_blocker,
+    epsilon_blocker,
     fc1_features,
     finish_linear,
     finish_mlp,
@@ -92,6 +94,7 @@ class _Norm(nnx.Module):
         params = [p[...] if p is not None else None for p in (self.scale, getattr(self, "bias", None))]
         why = (options_blocker(axis_name=self.axis_name, axis_index_groups=self.axis_index_groups, mask=mask,
                                promote_dtype=_custom(self.promote_dtype))
+               or epsilon_blocker(self.epsilon)
                or norm_blocker(x, self.reduction_axes, self.feature_axes, dtype=self.dtype,
                                **{n: p.dtype for n, p in zip(("scale", "bias"), params) if p is not None})
                or residual_blocker(x, residual))
@@ -135,20 +138,22 @@ class Linear(nnx.Linear):
         bias = self.bias[...] if self.bias is not None else None
         why = (options_blocker(dot_general=None if self.dot_general is jax.lax.dot_general else self.dot_general,
                                out_sharding=out_sharding, promote_dtype=_custom(self.promote_dtype))
+               or empty_blocker(out_features=self.out_features)
                or array_blocker(inputs, kernel=kernel.dtype, bias=getattr(bias, "dtype", None),
                                 dtype=self.dtype))
-        inputs, kernel, bias = op_operands(self.promote_dtype((inputs, kernel, bias), dtype=self.dtype), (kernel, bias))
-        preferred = self.preferred_element_type
-        # the GEMM's result is in the compute dtype: asking for that one is honoured
-        why = why or options_blocker(preferred_element_type=None if preferred is None
-                                     or jnp.dtype(preferred) == inputs.dtype else preferred)
-        if not kernels_serve("Linear", why):
+        if why is None:  # (NNX's own promote_dtype here: a custom one is the stock computation's)
+            x, kernel, bias = op_operands(self.promote_dtype((inputs, kernel, bias), dtype=self.dtype), (kernel, bias))
+            preferred = self.preferred_element_type
+            # the GEMM's result is in the compute dtype: asking for that one is honoured
+            why = options_blocker(preferred_element_type=None if preferred is None
+                                  or jnp.dtype(preferred) == x.dtype else preferred)
+        if not kernels_serve("Linear", why):  # stock promotes the inputs itself
             return split_result(finish_linear(super().__call__(inputs, out_sharding), self.activation, residual),
                                 parts)
         if parts is not None:
-            return split_linear(inputs, kernel, bias, parts=parts, precision=self.precision)
-        return fused_linear(inputs, kernel, bias, activation=self.activation, precision=self.precision,
-                            residual=residual_like(residual, inputs))
+            return split_linear(x, kernel, bias, parts=parts, precision=self.precision)
+        return fused_linear(x, kernel, bias, activation=self.activation, precision=self.precision,
+                            residual=residual_like(residual, x))
 
 
 class Embed(nnx.Embed):
@@ -159,7 +164,7 @@ class Embed(nnx.Embed):
         """``inputs`` (...) integer ids -> (..., features) in ``dtype``."""
         table = self.embedding[...]
         why = (options_blocker(out_sharding=out_sharding, promote_dtype=_custom(self.promote_dtype))
-               or embed_blocker(inputs, self.num_embeddings, table=table.dtype, dtype=self.dtype))
+               or embed_blocker(inputs, self.num_embeddings, self.features, table=table.dtype, dtype=self.dtype))
         if not kernels_serve("Embed", why):
             return super().__call__(inputs, out_sharding)
         return embed(table, inputs, self.dtype)

@@ -9,6 +9,8 @@ installed, so this module imports no CuTe; the kernel (:mod:`.gemm`) imports it.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 
 from cutelayers.kernels.hopper import HOPPER_SMS, RESIDENT_CLUSTERS
 
@@ -180,6 +182,26 @@ STREAM_K_BELOW = 0.8  # stream-K when whole tiles would keep less than this of t
 STREAM_K_WORKSPACE_MAX_CUTS = 3
 
 
+SYMBOLIC_DIM = 1 << 20  # what a symbolic dimension (jax.export's shape polymorphism) decides as
+
+
+def _concrete_dims(choice):
+    """``choice`` of GEMM dims, a symbolic one deciding as ``SYMBOLIC_DIM`` -- many rows, or a long
+    contraction over them --: a decision needs a number, and the kernels keep M dynamic anyway."""
+    @functools.wraps(choice)
+    def decide(*dims, **kwargs):
+        return choice(*map(_number_or_symbolic, dims), **kwargs)
+    return decide
+
+
+def _number_or_symbolic(dim) -> int:
+    try:
+        return operator.index(dim)  # Python and NumPy integers
+    except TypeError:  # a symbolic dimension has no number
+        return SYMBOLIC_DIM
+
+
+@_concrete_dims
 def stream_k_workspace_pays(m: int, n: int, batch: int = 1) -> bool:
     """Whether the stream-K partial tiles of an (m, n) output per batch meet in a workspace rather
     than in float32 zeros: where ``STREAM_K_CONFIG``'s clusters cut each of its cluster tiles
@@ -189,6 +211,7 @@ def stream_k_workspace_pays(m: int, n: int, batch: int = 1) -> bool:
     return PERSISTENT_SMS // (c.cluster_m * c.cluster_n) <= STREAM_K_WORKSPACE_MAX_CUTS * cluster_tiles
 
 
+@_concrete_dims
 def stream_k_pays(m: int, n: int, k: int, batch: int = 1) -> bool:
     """Whether an (m, n) output per batch contracting k runs stream-K: a contraction of at least
     ``STREAM_K_MIN_ROWS`` whose output tiles (``STREAM_K_CONFIG``'s), one per SM at a time, fill
@@ -204,6 +227,7 @@ def stream_k_pays(m: int, n: int, k: int, batch: int = 1) -> bool:
     return tiles / (waves * PERSISTENT_SMS) < STREAM_K_BELOW
 
 
+@_concrete_dims
 def weight_grad_stream_k(m: int, n: int, k: int, batch: int = 1) -> str | None:
     """How a weight gradient of an (m, n) output per batch contracting k (adding into no running
     sum) meets its stream-K partial tiles: None (whole tiles, :func:`stream_k_pays` says no),
@@ -223,6 +247,7 @@ SMALL_M_MAX = 64  # rows up to this are "small_m"
 # (split 4), K = 16384: 15.3 (split 3 16.5, XLA 16.9); N = 6144 (64 x 128 tiles): 21.1 (24.0, 20.9).
 
 
+@_concrete_dims
 def decode_split_config(m: int, n: int, k: int) -> GemmConfig | None:
     """The split-K config of a decode-sized GEMM (at most ``SMALL_M_MAX`` rows) into ``n`` columns
     contracting ``k``: the first of ``SPLIT_K_CONFIGS`` whose clusters, one per output tile, are
@@ -245,6 +270,7 @@ DECODE_STREAM_K_SMS = HOPPER_SMS // 4  # stream-K where the split grid has at mo
 WIDE_MIN = 2048  # "wide" from this contraction and this many rows or columns
 
 
+@_concrete_dims
 def decode_stream_k_pays(m: int, n: int, k: int) -> bool:
     """Whether a forward of ``m`` rows (decode: at most ``SMALL_M_MAX``) into ``n`` columns
     contracting ``k`` runs stream-K: a contraction of at least ``DECODE_STREAM_K_MIN_K`` whose
@@ -256,12 +282,14 @@ def decode_stream_k_pays(m: int, n: int, k: int) -> bool:
     return split.split_k * -(-n // split.tile_n) <= DECODE_STREAM_K_SMS
 
 
+@_concrete_dims
 def stream_k_config(m: int) -> GemmConfig:
     """The stream-K config of an output of ``m`` rows: ``STREAM_K_CONFIG``, or small_m's 64-row
     tiles for decode rows (16 x 16384 x 4096 on an H100: 48.3 us against 60.0)."""
     return CONFIGS["small_m"] if m <= SMALL_M_MAX else STREAM_K_CONFIG
 
 
+@_concrete_dims
 def config_class(m: int, n: int, k: int) -> str:
     """The config table key for an (m, n) output contracting k: see ``CONFIGS``.
 
@@ -275,6 +303,7 @@ def config_class(m: int, n: int, k: int) -> str:
     return "default"
 
 
+@_concrete_dims
 def row_bucket(m: int) -> str:
     """The range of row counts ``m`` belongs to, out of those between which :func:`config_class`
     changes for a fixed (n, k): a tuned config for a symbolic M applies to its whole bucket."""

@@ -186,6 +186,21 @@ def check_int(op: str, name: str, value) -> int:
         raise TypeError(f"{op}: argument {name!r} must be an int (concrete, not traced); got {value!r}") from None
 
 
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+
+def as_int32(ids: jax.Array) -> jax.Array:
+    """Integer ids (labels, embedding rows) as int32, the kernels' index type. Narrower ones widen
+    first, so that ``ids + n`` or ``ids < n`` does not wrap in their own dtype (uint8 200 + 256);
+    wider ones are bounded to int32's range before the cast, so one out of range stays out of
+    range rather than wrapping onto a valid index (int64 2^32 + 1 -> 1)."""
+    ids = jnp.asarray(ids)
+    if ids.dtype.itemsize >= 4 and ids.dtype != jnp.int32:
+        unsigned = jnp.issubdtype(ids.dtype, jnp.unsignedinteger)
+        ids = jnp.minimum(ids, INT32_MAX) if unsigned else jnp.clip(ids, INT32_MIN, INT32_MAX)
+    return ids.astype(jnp.int32)
+
+
 def check_dtype(op: str, name: str, dtype) -> jnp.dtype:
     """A floating dtype argument (anything ``jnp.dtype`` reads) as a dtype of FLOAT_DTYPES."""
     try:

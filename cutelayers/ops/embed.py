@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from cutelayers.ops._batching import fold_batch
-from cutelayers.ops._rowwise import check_dtype, check_float_array
+from cutelayers.ops._rowwise import as_int32, check_dtype, check_float_array
 from cutelayers.ops._zeros import zeros_after
 from cutelayers.runtime.sharding import vary_like
 
@@ -176,7 +176,7 @@ def embed(table, ids, dtype=None, mode: str = "fill") -> jax.Array:
     if mode not in MODES:
         raise ValueError(f"{op}: argument 'mode' is {mode!r}; allowed: {', '.join(map(repr, MODES))}")
     dtype = jnp.dtype(table.dtype) if dtype is None else check_dtype(op, "dtype", dtype)
-    ids = jnp.asarray(ids)
+    ids = as_int32(ids)  # uint8 ids of a 256-row table: ids + 256 must not wrap in uint8
     if table.shape[0] == 0 and ids.size:
         raise ValueError(f"{op}: argument 'table' has no rows (shape {tuple(table.shape)}) to look {ids.size} "
                          "id(s) up in")

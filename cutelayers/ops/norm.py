@@ -220,10 +220,11 @@ class NormBackward(RowKernelFamily):
 
     def ctas(self, avals, rows: int | None = None) -> int:
         """CTAs -- clusters where rows stream -- of the persistent grid (``grid``, else sized for
-        ``rows`` rows, or a GPU's worth)."""
+        ``rows`` rows, or a GPU's worth: also for a symbolic row count)."""
         if self.grid:
             return self.grid
         g = self.geometry(avals)
+        rows = rows if isinstance(rows, int) else None
         return norm_config.backward_grid(g, rows, self.elem_bits(avals) // 8, self.wanted)
 
     @property
@@ -406,7 +407,9 @@ def _forward_core(center: bool, has_residual: bool, has_scale: bool, has_bias: b
         chosen = resolve(family, operands)
         # register-resident rows of a small batch: the kernel that loads its parameters first (a
         # streamed row's kernel is the same for any row count: one compile)
-        few = operands[0].shape[0] <= norm_config.FEW_ROWS and chosen.geometry(operands).resident
+        # (a symbolic row count, under shape polymorphism, is not known to be few)
+        m = operands[0].shape[0]
+        few = isinstance(m, int) and m <= norm_config.FEW_ROWS and chosen.geometry(operands).resident
         outs = call_kernel(dataclasses.replace(chosen, few_rows=few), *operands)
         return (tuple(o.reshape(x.shape) for o in outs[:rows])
                 + tuple(o.reshape(x.shape[:-1]) for o in outs[rows:]))

@@ -36,11 +36,18 @@ import numpy as np
 from cutelayers.kernels import softmax_config
 from cutelayers.kernels.reduction_config import RowConfig
 from cutelayers.ops._batching import fold_batch
-from cutelayers.ops._rowwise import RowKernelFamily, call_on_rows, check_float_array, check_int, check_number
+from cutelayers.ops._rowwise import (
+    INT32_MAX,
+    INT32_MIN,
+    RowKernelFamily,
+    as_int32,
+    call_on_rows,
+    check_float_array,
+    check_int,
+    check_number,
+)
 from cutelayers.runtime.sharding import ShardContext, ShardingRule, run_kernel
 from cutelayers.tuning import resolve
-
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1  # the kernels' labels are int32
 
 F32 = jnp.float32
 
@@ -545,10 +552,4 @@ def check_labels(op: str, labels, ignore_index, shape: tuple, v: int, shape_sour
         if bad.any():
             raise ValueError(f"{op}: argument 'labels' holds {int(bad.sum())} value(s) outside [0, {v}) "
                              f"(e.g. {int(lab[bad].ravel()[0])}) that are not ignore_index={ignore_index}")
-    labels = jnp.asarray(labels)
-    if labels.dtype.itemsize >= 4 and labels.dtype != jnp.int32:
-        # bounded before the int32 cast, which would wrap a traced out-of-range label (2^32 + 1 -> 1)
-        # onto a class; a bounded one stays out of range (a NaN row, as documented)
-        unsigned = jnp.issubdtype(labels.dtype, jnp.unsignedinteger)
-        labels = jnp.minimum(labels, INT32_MAX) if unsigned else jnp.clip(labels, INT32_MIN, INT32_MAX)
-    return labels.astype(jnp.int32), ignore_index
+    return as_int32(labels), ignore_index  # a traced out-of-range label stays out of range: a NaN row

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax.numpy as jnp
+import numpy as np
 
 BUFFER_ALIGN_BYTES = 16
 
@@ -36,6 +37,12 @@ def cutlass_dtype(dtype):
     return table[name]
 
 
+def _size_key(size):
+    """A dynamic dim's key among equal dims: its size, or itself where it is symbolic (under
+    jax.export's shape polymorphism, which has no number for it)."""
+    return int(size) if isinstance(size, (int, np.integer)) else size
+
+
 def fake_tensor(dtype, shape: Sequence[int], dynamic: Sequence[bool], symbols: dict):
     """A fake tensor for ``cute.compile`` describing a row-major buffer of ``shape``.
 
@@ -47,7 +54,7 @@ def fake_tensor(dtype, shape: Sequence[int], dynamic: Sequence[bool], symbols: d
     from cutlass.cute.runtime import make_fake_compact_tensor
 
     dims = tuple(
-        symbols.setdefault(int(size), cute.sym_int()) if dyn else int(size) for size, dyn in zip(shape, dynamic)
+        symbols.setdefault(_size_key(size), cute.sym_int()) if dyn else int(size) for size, dyn in zip(shape, dynamic)
     )
     order = tuple(reversed(range(len(dims))))  # last dim fastest: row-major
     return make_fake_compact_tensor(cutlass_dtype(dtype), dims, stride_order=order, assumed_align=BUFFER_ALIGN_BYTES)
