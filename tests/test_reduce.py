@@ -107,6 +107,10 @@ def test_bad_inputs_name_the_argument():
         cl.ops.reduce_max(jnp.ones((3, 4)), axis=(0, 1))
     with pytest.raises(TypeError, match="must be an array"):
         cl.ops.reduce_sum([1.0, 2.0])
+    # a NumPy float64 array is what JAX makes of it: float32 where x64 is off
+    x = np.random.default_rng(0).standard_normal((3, 4))
+    assert cl.ops.reduce_sum(x).dtype == jnp.float32
+    np.testing.assert_allclose(cl.ops.reduce_sum(x), x.sum(-1), rtol=1e-5)
     # the reduced axis is checked, not only the last one
     with pytest.raises(ValueError, match=r"reduce_sum: argument 'x' has an empty axis 0 to reduce \(shape \(0, 5\)\)"):
         cl.ops.reduce_sum(jnp.zeros((0, 5)), axis=0)

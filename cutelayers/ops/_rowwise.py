@@ -142,10 +142,11 @@ class RowKernelFamily(TunableFamily):
 
 
 def check_float_array(op: str, name: str, x, min_rank: int = 1) -> jax.Array:
-    """Validate a floating-point operand; returns it as a JAX array (or tracer)."""
+    """Validate a floating-point operand; returns it as a JAX array (or tracer). Its dtype is read
+    as JAX reads it: a NumPy float64 array is float32 where x64 is off, as ``jnp.asarray`` makes it."""
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{op}: argument {name!r} must be an array; got {type(x).__name__}")
-    dtype = jnp.dtype(x.dtype)
+    dtype = jax.dtypes.canonicalize_dtype(x.dtype)
     if dtype not in FLOAT_DTYPES:
         allowed = ", ".join(d.name for d in FLOAT_DTYPES)
         raise TypeError(f"{op}: argument {name!r} has dtype {dtype.name}; allowed: {allowed}")
