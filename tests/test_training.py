@@ -248,8 +248,41 @@ def test_checkpoint_round_trip_and_exact_resume(tmp_path):
     assert again.steps_run == 0 and "nothing to do" in text
     meta["model_config"]["norm"] = "rms"
     meta_file.write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match="'norm': 'rms'"):
+    with pytest.raises(ValueError, match=r"for --config tiny with norm 'rms' \(this run: 'layer'\)"):
         run([*base, "--resume"])
+
+
+def test_checkpoint_directories_that_cannot_serve_are_usage_errors(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    base = ["--steps", "4", "--eval-every", "0", "--log-every", "4", *FAST, "--warmup", "1"]
+    run([*base, "--checkpoint-dir", str(ckpt)])
+    # a new run into a used directory: Orbax would skip every save at or below its latest step
+    with pytest.raises(ValueError, match=r"holds a run's checkpoints \(the latest at step 4\); pass --resume"):
+        run([*base, "--steps", "3", "--checkpoint-dir", str(ckpt)])
+    # a file where the directory should be (saving into it hung the process at the end of the run)
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    assert main([*base, "--checkpoint-dir", str(afile)]) == 2
+    assert f"error: --checkpoint-dir: {afile} is a file, not a directory" in capsys.readouterr().err
+    # a checkpoint whose state item is gone (a save cut short): one line naming it, not a traceback
+    shutil.rmtree(ckpt / "4" / "state")
+    for command in (lambda: main([*base, "--steps", "6", "--checkpoint-dir", str(ckpt), "--resume"]),
+                    lambda: sample.main(["--checkpoint-dir", str(ckpt), "--tokens", "4"])):
+        assert command() == 2
+        err = capsys.readouterr().err
+        assert f"error: --checkpoint-dir: checkpoint 4 in {ckpt} cannot be read (" in err
+        assert f"remove {ckpt / '4'} to use the one before it" in err and "Traceback" not in err
+
+
+def test_a_metrics_file_that_cannot_be_written_is_refused_before_the_run(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for path, message in ((tmp_path, f"{tmp_path} is a directory; give a file's path"),
+                          (afile / "m.jsonl", f"{afile} is a file, not a directory")):
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--metrics-file", str(path)])
+        assert e.value.code == 2 and f"argument --metrics-file: {message}" in capsys.readouterr().err
+    assert parse_args(["--metrics-file", str(tmp_path / "new" / "m.jsonl")]).metrics_file.name == "m.jsonl"
 
 
 def test_stock_checkpoint_continues_in_the_cutelayers_model(tmp_path):

@@ -195,7 +195,7 @@ def test_bench_over_meshes(tmp_path, monkeypatch):
             "fsdp=2", "--steps", "2", "--warmup-steps", "1", "--output", str(output)]
     assert bench.main(argv) == 0
     text = output.read_text()
-    assert "## Training step over device meshes (issue 18)" in text and "4 x cpu (cpu)" in text
+    assert "## Training step over device meshes" in text and "4 x cpu (cpu)" in text
     header, cells = table(text)
     assert header == ["config", "model", "variant", "mesh", "attention", "batch x seq", "compile s", "loop ms",
                       "step ms", "loop/step", "tokens/s", "vs stock", "vs 1 device", "peak MiB/device",

@@ -521,9 +521,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               "case's own process; compiled MiB: arguments + outputs + temporaries of the "
               "compiled step (memory_analysis); memory `vs stock` uses peak where the device "
               "reports it, else compiled.")
-    title = "Training step (issue 14)"
+    title = "Training step"
     if args.mesh:
-        title = "Training step over device meshes (issue 18)"
+        title = "Training step over device meshes"
         legend += (" mesh: training.train's --mesh; tokens/s: the whole batch's; `vs 1 device`: against the "
                    "same config, model and variant on data=1 in this run; peak MiB/device: the largest over "
                    "the mesh's devices; compiled MiB/device: one device's program; state MiB/device: "

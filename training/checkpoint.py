@@ -8,11 +8,17 @@ stock twin restores into the cutelayers model (and back): their parameter paths 
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot serve: a file in its place, or a checkpoint whose files do
+    not read as one (a save cut short, a damaged file)."""
 
 
 class Checkpointer:
@@ -24,6 +30,8 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, *, max_to_keep: int = 2):
         self.directory = Path(directory).resolve()
+        if self.directory.exists() and not self.directory.is_dir():
+            raise CheckpointError(f"{self.directory} is a file, not a directory")
         self._manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
 
@@ -40,8 +48,9 @@ class Checkpointer:
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        with self._reading(step):
+            restored = self._manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
         return restored.state, dict(restored.meta)
 
     def read_meta(self, step: int | None = None) -> dict:
@@ -49,7 +58,21 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        return dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
+        with self._reading(step):
+            return dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
+
+    @contextlib.contextmanager
+    def _reading(self, step: int):
+        """Orbax's and TensorStore's errors for files that are not a whole checkpoint (missing
+        items, truncated arrays, metadata that is not JSON) as one :class:`CheckpointError`."""
+        try:
+            yield
+        except (ValueError, KeyError, OSError, RuntimeError) as error:
+            first = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+            raise CheckpointError(
+                f"checkpoint {step} in {self.directory} cannot be read ({type(error).__name__}: {first}); "
+                f"a save cut short or a damaged file: remove {self.directory / str(step)} to use the one "
+                "before it") from error
 
     def wait(self) -> None:
         self._manager.wait_until_finished()

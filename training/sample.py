@@ -22,7 +22,7 @@ import numpy as np
 import cutelayers as cl
 from models import common
 from models.configs import GPTConfig
-from training.checkpoint import Checkpointer
+from training.checkpoint import Checkpointer, CheckpointError
 from training.data import VOCAB_SIZE, decode, encode
 from training.train import (
     LibraryNotes,
@@ -98,6 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(line, file=sys.stderr)
     except UsageError as e:
         print(f"{build_parser().prog}: error: {e}", file=sys.stderr)
+        return 2
+    except CheckpointError as e:
+        print(f"{build_parser().prog}: error: --checkpoint-dir: {e}", file=sys.stderr)
         return 2
     print(text)
     return 0

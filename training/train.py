@@ -71,6 +71,7 @@ import cutelayers as cl
 from models import common
 from models.configs import CONFIGS, REMATS, GPTConfig, get_config
 from training import sharding
+from training.checkpoint import Checkpointer, CheckpointError
 from training.data import VOCAB_SIZE, TextData
 
 # Per-config training defaults; any flag given on the command line wins.
@@ -253,6 +254,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("argument --resume: needs --checkpoint-dir")
     if args.reschedule and not args.resume:
         parser.error("argument --reschedule: needs --resume (a new run always uses its own schedule)")
+    if args.metrics_file is not None:  # checked now, not after the step has compiled
+        if args.metrics_file.is_dir():
+            parser.error(f"argument --metrics-file: {args.metrics_file} is a directory; give a file's path")
+        above = next(p for p in args.metrics_file.resolve().parents if p.exists())
+        if not above.is_dir():
+            parser.error(f"argument --metrics-file: {above} is a file, not a directory")
     if args.devices is not None:
         if args.mesh is not None:
             parser.error(f"argument --devices: --devices {args.devices} is --mesh data={args.devices}; give "
@@ -611,10 +618,11 @@ def open_checkpoint(args: argparse.Namespace, meta: dict, say):
     checkpoint is one of this model and config."""
     if args.checkpoint_dir is None:
         return None, None
-    from training.checkpoint import Checkpointer
-
     ckpt = Checkpointer(args.checkpoint_dir)
     if not args.resume:
+        if (latest := ckpt.latest_step()) is not None:  # Orbax would skip every save at or below it
+            raise UsageError(f"--checkpoint-dir: {ckpt.directory} holds a run's checkpoints (the latest at step "
+                             f"{latest}); pass --resume to continue that run, or choose another directory")
         return ckpt, None
     if ckpt.latest_step() is None:
         say(f"--resume: no checkpoint in {ckpt.directory} yet; starting from step 0")
@@ -630,11 +638,12 @@ def open_checkpoint(args: argparse.Namespace, meta: dict, say):
     defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
     runtime_only = ("dtype", "split_qkv", "remat")
     shape_of = lambda c: {k: v for k, v in {**defaults, **(c or {})}.items() if k not in runtime_only}
-    if shape_of(saved.get("model_config")) != shape_of(meta["model_config"]):
-        raise UsageError(
-            f"--resume: the checkpoint in {ckpt.directory} is for --config {saved.get('config')} "
-            f"{shape_of(saved.get('model_config'))}; this run is --config {args.config} "
-            f"{shape_of(meta['model_config'])}")
+    theirs, ours = shape_of(saved.get("model_config")), shape_of(meta["model_config"])
+    if theirs != ours:
+        differs = ", ".join(f"{k} {theirs.get(k)!r} (this run: {ours.get(k)!r})"
+                            for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k))
+        raise UsageError(f"--resume: the checkpoint in {ckpt.directory} is for --config {saved.get('config')} "
+                         f"with {differs}; this run is --config {args.config}")
     return ckpt, saved
 
 
@@ -920,6 +929,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         train(args)
     except UsageError as e:
         print(f"{build_parser().prog}: error: {e}", file=sys.stderr)
+        return 2
+    except CheckpointError as e:
+        print(f"{build_parser().prog}: error: --checkpoint-dir: {e}", file=sys.stderr)
         return 2
     return 0
 
