@@ -25,7 +25,7 @@ from training import data as data_mod
 from training import sample
 from training.checkpoint import Checkpointer
 from training.sharding import model_errors
-from training.train import DevicePrefetcher, build_parser, main, parse_args, train
+from training.train import DevicePrefetcher, Schedule, build_parser, main, parse_args, train
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["--batch-size", "8", "--seq-len", "32", "--eval-batches", "2", "--warmup", "5", "--lr", "1e-2"]
@@ -92,6 +92,9 @@ def test_a_few_steps_reduce_the_loss(framework, tmp_path):
     assert [r["step"] for r in rows if r["split"] == "eval"] == [0, 25]
     keys = {"loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s"}
     assert all(keys <= set(r) for r in rows if r["split"] == "train")
+    # the rate each logged step applied (its update is optax's count step - 1)
+    applied = [float(Schedule(1e-2, 5, 25)(step - 1)) for step in (5, 10, 15, 20, 25)]
+    assert [r["lr"] for r in rows if r["split"] == "train"] == pytest.approx(applied, rel=1e-6)
     try:  # the loss curve is written, or skipped with a message without matplotlib
         import matplotlib  # noqa: F401
     except ImportError:

@@ -726,7 +726,9 @@ def run_loop(args, step_fn: CompiledStep, leaves, batches, schedule: Schedule, *
         out.train_seconds += seconds
         first = window.last_step - len(values) + 1
         out.train_curve += [(first + i, float(v)) for i, v in enumerate(values)]
-        mean, lr, tps = float(np.mean(values)), float(learning_rates[window.last_step]), len(values) * tokens_per_step / seconds
+        # the rate the window's last step applied: optax counts updates from 0, the steps from 1
+        lr = float(learning_rates[window.last_step - 1])
+        mean, tps = float(np.mean(values)), len(values) * tokens_per_step / seconds
         out.window_means.append((mean, len(values)))
         record(step=window.last_step, split="train", loss=mean, lr=lr, grad_norm=float(grad_norm),
                tokens_per_s=tps, elapsed_s=out.train_seconds)
