@@ -94,6 +94,8 @@ def test_bench_tiny_cases_table_and_breakdown(tmp_path, capsys, monkeypatch):
         assert float(cells[6]) > 0 and float(cells[7]) > 0 and int(cells[9].replace(",", "")) > 0
         assert int(cells[12].replace(",", "")) > 0  # compiled memory (the CPU keeps no peak statistics)
     assert rows[1].split("|")[11].strip() == "1.00x"  # stock vs itself
+    # on the CPU the cutelayers rows are the jnp reference path: the report says so under the table
+    assert "Note: the cutelayers rows above ran no CuTe kernel" in text
     parts = re.findall(r"^\| (GEMM \w+ \(\d+x\d+\)|MLP \(\d+x\d+x\d+\)|LayerNorm|attention|LM head \+ loss|"
                        r"optimizer \(AdamW\)|other \(step - parts\)) \| ([\d.-]+) \| ([\d.-]+) \|",
                        text, re.MULTILINE)

@@ -510,6 +510,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     where = f" --mesh {mesh}" if args.mesh else ""
                     print(f"# {config} {model} {variant}{where}: {rows[-1]['tokens_per_s']:,.0f} tokens/s", flush=True)
         sections.append(results_table(rows, meshes=args.mesh is not None))
+        if any(r["variant"] == "cutelayers" and not r["kernel_calls"] for r in rows):
+            sections.append("Note: the cutelayers rows above ran no CuTe kernel (their compiled step has no kernel "
+                            "call: the jnp reference path, as off a Hopper GPU), so they time that decomposition "
+                            "against stock, not the kernels.")
         sections += [kernel_table(r) for r in rows if r["kernels"] is not None]
         if args.breakdown:
             step_ms = {r["variant"]: r["step_ms"] for r in rows if r["model"] == args.model[0] and r["mesh"] == ONE_DEVICE}
