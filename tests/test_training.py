@@ -582,4 +582,8 @@ def test_sample_continues_the_prompt(tmp_path, capsys):
     generated = greedy[len("Alice was "):]
     assert sum(c.isalpha() or c == " " for c in generated) > 0.8 * len(generated), generated
     assert sample.main(["--checkpoint-dir", str(tmp_path / "none")]) == 2
+    assert f"--checkpoint-dir: {tmp_path / 'none'} does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()  # not created by the attempt
+    (tmp_path / "empty").mkdir()
+    assert sample.main(["--checkpoint-dir", str(tmp_path / "empty")]) == 2
     assert "--checkpoint-dir: no checkpoint in" in capsys.readouterr().err

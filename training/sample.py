@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_model(directory: Path):
     """(Functional of the model the checkpoint was written by, its parameters)."""
+    if not Path(directory).exists():  # (a Checkpointer would create it)
+        raise UsageError(f"--checkpoint-dir: {directory} does not exist (train with "
+                         f"python -m training.train --checkpoint-dir {directory} first)")
     ckpt = Checkpointer(directory)
     try:
         if ckpt.latest_step() is None:
