@@ -325,6 +325,13 @@ def test_remat_trains_as_without(tmp_path):
         assert Checkpointer(ckpt / remat).read_meta()["model_config"]["remat"] == remat
     resumed, text = run([*base[2:], "--steps", "8", "--checkpoint-dir", str(ckpt / "dots"), "--resume"])
     assert resumed.steps_run == 2 and "at step 6" in text
+    assert "changes the data" not in text
+    # other data settings resume too, and say so
+    resumed, text = run([*base[2:], "--steps", "9", "--checkpoint-dir", str(ckpt / "dots"), "--resume",
+                         "--seed", "3", "--batch-size", "4"])
+    assert resumed.steps_run == 1
+    assert ("--resume: this command changes the data from here on: --batch-size 4 (the run's was 8), "
+            "--seed 3 (the run's was 0)") in text
 
 
 def test_tensor_parallel_splits_whole_key_value_heads():

@@ -644,6 +644,11 @@ def open_checkpoint(args: argparse.Namespace, meta: dict, say):
                             for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k))
         raise UsageError(f"--resume: the checkpoint in {ckpt.directory} is for --config {saved.get('config')} "
                          f"with {differs}; this run is --config {args.config}")
+    # the data settings may change on resume (the batches from here on follow this command's)
+    changed = [f"--{name.replace('_', '-')} {getattr(args, name)} (the run's was {saved[name]})"
+               for name in ("batch_size", "seq_len", "seed") if name in saved and saved[name] != getattr(args, name)]
+    if changed:
+        say(f"--resume: this command changes the data from here on: {', '.join(changed)}")
     return ckpt, saved
 
 
