@@ -17,7 +17,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from cutelayers import backend
-from cutelayers.ops._rowwise import check_number
+from cutelayers.ops._rowwise import check_int, check_number
 from cutelayers.ops.linear import (
     ACTIVATION_FUNCTIONS,
     MIXED_PRECISION_DTYPES,
@@ -202,14 +202,25 @@ def lm_head_loss(head, h, weight, bias, labels, vocab_major: bool):
                                 logit_soft_cap=head.logit_soft_cap, chunk_size=head.chunk_size)
 
 
+def _positive_int(module: str, name: str, value, allowed: str) -> int:
+    """A module's positive integer argument (a Python or NumPy int, no bool): a ValueError naming
+    ``allowed`` otherwise, as the modules' other configuration errors."""
+    try:
+        number = check_int(module, name, value)
+    except TypeError:
+        number = 0
+    if number < 1:
+        raise ValueError(f"{module}: argument {name!r} must be {allowed}; got {value!r}")
+    return number
+
+
 def check_parts(module: str, parts, out_features, activation, residual) -> None:
     """A Linear / Dense call's ``parts``: None, or a positive int dividing the output features,
     for a plain projection (no activation, no residual) -- what :func:`cutelayers.ops.split_linear`
     computes."""
     if parts is None:
         return
-    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
-        raise ValueError(f"{module}: argument 'parts' must be None or a positive int; got {parts!r}")
+    parts = _positive_int(module, "parts", parts, "None or a positive int")
     if not isinstance(out_features, int) or out_features % parts:
         raise ValueError(f"{module}: argument 'parts'={parts} must divide the output features "
                          f"({out_features!r}) into equal blocks")
@@ -233,8 +244,7 @@ def check_mlp(module: str, activation, **features) -> None:
     """An MLP's arguments: ``activation`` None, a name the GEMM epilogue fuses or a callable (as
     :func:`cutelayers.ops.mlp` takes), and the named feature counts positive integers."""
     for name, value in features.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{module}: argument {name!r} must be a positive integer; got {value!r}")
+        _positive_int(module, name, value, "a positive integer")
     if activation is None or callable(activation):
         return
     if not isinstance(activation, str):

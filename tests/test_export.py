@@ -105,6 +105,18 @@ def check_against_direct(results, args):
         assert_close(got, want, jnp.bfloat16)
 
 
+def test_concrete_dim_reads_numbers_and_gives_none_for_a_symbol():
+    from cutelayers.kernels.gemm_config import SYMBOLIC_DIM, stream_k_pays
+    from cutelayers.kernels.hopper import concrete_dim
+
+    rows = jax.export.symbolic_shape("rows")[0]
+    assert concrete_dim(7) == 7 and concrete_dim(np.int64(7)) == 7 and type(concrete_dim(np.int32(3))) is int
+    assert concrete_dim(rows) is None and concrete_dim(2 * rows) is None
+    assert concrete_dim(None) is None
+    # a GEMM config decides a symbolic row count as SYMBOLIC_DIM rows
+    assert stream_k_pays(rows, 768, 3072) == stream_k_pays(SYMBOLIC_DIM, 768, 3072)
+
+
 def test_a_symbolic_row_count_exports(rng):
     # under shape polymorphism the row count is not known to be few: the norm forward takes the
     # many-rows kernel instead of comparing a symbolic dimension with FEW_ROWS

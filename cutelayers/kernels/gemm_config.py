@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 
-from cutelayers.kernels.hopper import HOPPER_SMS, RESIDENT_CLUSTERS
+from cutelayers.kernels.hopper import HOPPER_SMS, RESIDENT_CLUSTERS, concrete_dim
 
 WARPGROUP = 128
 SMEM_CAPACITY = 227 * 1024  # sm_90 dynamic shared memory per CTA
@@ -195,10 +194,8 @@ def _concrete_dims(choice):
 
 
 def _number_or_symbolic(dim) -> int:
-    try:
-        return operator.index(dim)  # Python and NumPy integers
-    except TypeError:  # a symbolic dimension has no number
-        return SYMBOLIC_DIM
+    number = concrete_dim(dim)
+    return SYMBOLIC_DIM if number is None else number
 
 
 @_concrete_dims

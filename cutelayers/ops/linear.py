@@ -77,6 +77,7 @@ from cutelayers.kernels.gemm_config import (
     stream_k_pays,
     weight_grad_stream_k,
 )
+from cutelayers.kernels.hopper import concrete_dim
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import check_float_array
 from cutelayers.ops._zeros import zeros_after
@@ -1313,8 +1314,8 @@ def choose_kernels(op: str, usable: bool, why: str, x, f32_params: bool) -> bool
     kernels run."""
     if not usable:
         return not _backend.fall_back(op, why)
-    rows = math.prod(x.shape[:-1])  # symbolic under shape polymorphism: then not known to be few
-    if f32_params and isinstance(rows, int) and rows < MIXED_PRECISION_KERNEL_ROWS:
+    rows = concrete_dim(math.prod(x.shape[:-1]))  # None (not known to be few) where symbolic
+    if f32_params and rows is not None and rows < MIXED_PRECISION_KERNEL_ROWS:
         return not _backend.fall_back(
             op, f"float32 parameters at fewer than {MIXED_PRECISION_KERNEL_ROWS} rows: XLA fuses their cast into "
             "its GEMM, where the kernels would cast them in a pass of their own", kernels_can_run=True)

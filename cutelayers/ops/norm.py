@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from cutelayers.kernels import norm_config
+from cutelayers.kernels.hopper import concrete_dim
 from cutelayers.kernels.reduction_config import RowConfig, can_prefetch
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import RowKernelFamily, call_kernel, check_dtype, check_float_array, check_number
@@ -224,8 +225,7 @@ class NormBackward(RowKernelFamily):
         if self.grid:
             return self.grid
         g = self.geometry(avals)
-        rows = rows if isinstance(rows, int) else None
-        return norm_config.backward_grid(g, rows, self.elem_bits(avals) // 8, self.wanted)
+        return norm_config.backward_grid(g, concrete_dim(rows), self.elem_bits(avals) // 8, self.wanted)
 
     @property
     def arg_names(self) -> tuple[str, ...]:
@@ -408,8 +408,8 @@ def _forward_core(center: bool, has_residual: bool, has_scale: bool, has_bias: b
         # register-resident rows of a small batch: the kernel that loads its parameters first (a
         # streamed row's kernel is the same for any row count: one compile)
         # (a symbolic row count, under shape polymorphism, is not known to be few)
-        m = operands[0].shape[0]
-        few = isinstance(m, int) and m <= norm_config.FEW_ROWS and chosen.geometry(operands).resident
+        m = concrete_dim(operands[0].shape[0])
+        few = m is not None and m <= norm_config.FEW_ROWS and chosen.geometry(operands).resident
         outs = call_kernel(dataclasses.replace(chosen, few_rows=few), *operands)
         return (tuple(o.reshape(x.shape) for o in outs[:rows])
                 + tuple(o.reshape(x.shape[:-1]) for o in outs[rows:]))

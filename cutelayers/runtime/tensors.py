@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax.numpy as jnp
-import numpy as np
+
+from cutelayers.kernels.hopper import concrete_dim
 
 BUFFER_ALIGN_BYTES = 16
 
@@ -40,7 +41,8 @@ def cutlass_dtype(dtype):
 def _size_key(size):
     """A dynamic dim's key among equal dims: its size, or itself where it is symbolic (under
     jax.export's shape polymorphism, which has no number for it)."""
-    return int(size) if isinstance(size, (int, np.integer)) else size
+    number = concrete_dim(size)
+    return size if number is None else number
 
 
 def fake_tensor(dtype, shape: Sequence[int], dynamic: Sequence[bool], symbols: dict):
