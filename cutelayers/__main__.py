@@ -1,5 +1,6 @@
 """``python -m cutelayers``: a short demo -- run a layer, print the backend and the cache stats."""
 
+import argparse
 import logging
 
 import jax
@@ -8,7 +9,8 @@ import jax.numpy as jnp
 import cutelayers as cl
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    argparse.ArgumentParser(prog="python -m cutelayers", description=__doc__).parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     x = jax.random.normal(jax.random.key(0), (4, 128, 1000), jnp.bfloat16)
     f = jax.jit(lambda x: cl.ops.reduce_mean(x))

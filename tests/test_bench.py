@@ -204,3 +204,16 @@ def test_json_needs_an_existing_folder(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["softmax", "--json", str(tmp_path / "missing" / "rows.json")])
     assert "argument --json" in capsys.readouterr().err
+
+
+def test_the_demo_takes_help_without_running(capsys):
+    from cutelayers.__main__ import main as demo
+
+    with pytest.raises(SystemExit) as done:
+        demo(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: python -m cutelayers" in out and "platform:" not in out  # nothing ran
+    with pytest.raises(SystemExit) as done:
+        demo(["--bogus"])
+    assert done.value.code == 2

@@ -240,6 +240,15 @@ def test_checkpoint_round_trip_and_exact_resume(tmp_path):
     # nothing left to do
     again, text = run([*base, "--resume"])
     assert again.steps_run == 0 and "nothing to do" in text
+    assert again.compile_seconds == 0.0 and again.path == "nothing compiled"  # no step compiled for nothing
+    # a resume that keeps the run's schedule does not note this command's clamped default warmup
+    no_warmup = [a for i, a in enumerate(base) if "--warmup" not in base[max(i - 1, 0):i + 1]]
+    args = parse_args([*no_warmup, "--steps", "11", "--resume"])
+    assert args.notes and "default warmup of 50 steps" in args.notes[0]
+    out = io.StringIO()
+    again = train(args, out=out)
+    assert again.steps_run == 0 and "keeping the run's learning-rate schedule" in out.getvalue()
+    assert "default warmup" not in out.getvalue()
     # a checkpoint whose recorded config predates fields added since (their defaults: its model)
     # resumes; one of another model does not
     (meta_file,) = [f for f in (ckpt / "12").rglob("*") if f.is_file() and '"model_config"' in f.read_text(errors="ignore")]

@@ -796,8 +796,6 @@ def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
     def say(*parts):
         print(*parts, file=out, flush=True)
 
-    for note in getattr(args, "notes", ()):
-        say(note)
     config = model_config(args)
     data = TextData.load()
     data.check_seq_len(args.seq_len)
@@ -816,10 +814,22 @@ def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
         model = common.init(args.model, config, jax.random.key(args.seed), stock=args.stock)
         ckpt, saved = open_checkpoint(args, meta, say)
         schedule = choose_schedule(args, saved, say)
+        if schedule == Schedule(args.lr, args.warmup, args.steps):  # the notes adjust this command's
+            for note in getattr(args, "notes", ()):  # schedule: moot where a resume keeps the run's
+                say(note)
         meta["schedule"] = dataclasses.asdict(schedule)
         tx = make_optimizer(model.params, schedule, weight_decay=args.weight_decay, grad_clip=args.grad_clip)
         params, opt_state, start_step = initial_state(model, tx, mesh, ckpt, saved, args.stock, say)
         say(describe_run(args, config, data, params, backend, schedule))
+        if start_step >= args.steps:  # resumed at or past the end: nothing to compile or run
+            if ckpt is not None:
+                ckpt.close()
+            result = Result(
+                steps_run=0, final_step=start_step, start_loss=None, end_loss=None, eval_losses=[], train_curve=[],
+                backend=backend, path="nothing compiled", kernel_calls=0, step_hlo="", params=params,
+                opt_state=opt_state, schedule=schedule, compile_seconds=0.0, seconds=0.0, tokens_per_s=0.0)
+            say(summary(result, None, args, start_step, notes.take()))
+            return result
 
         def batch(step):
             return data.train_batch(step, args.batch_size, args.seq_len, args.seed, rows=rows)
@@ -861,7 +871,7 @@ def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
             if ckpt is not None:
                 ckpt.save(step, train_state(*step_fn.unflatten(leaves), step), meta)
 
-        eval_losses = [(start_step, evaluate(start_step, leaves))] if start_step < args.steps else []
+        eval_losses = [(start_step, evaluate(start_step, leaves))]
         steps = range(start_step + 1, args.steps + 1)
         batches = DevicePrefetcher(batch, steps, place)
         t_loop = time.perf_counter()
@@ -879,13 +889,13 @@ def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
         eval_losses += loop.eval_losses
         params, opt_state = step_fn.unflatten(loop.leaves)
         result = Result(
-            steps_run=len(steps), final_step=args.steps if len(steps) else start_step,
+            steps_run=len(steps), final_step=args.steps,
             start_loss=loop.train_curve[0][1] if loop.train_curve else None,
             end_loss=loop.window_means[-1][0] if loop.window_means else None,
             eval_losses=eval_losses, train_curve=loop.train_curve, backend=backend, path=path,
             kernel_calls=step_fn.kernel_calls, step_hlo=step_fn.hlo_text, params=params, opt_state=opt_state, schedule=schedule,
             compile_seconds=step_fn.seconds, seconds=seconds,
-            tokens_per_s=len(steps) * args.batch_size * args.seq_len / loop.train_seconds if len(steps) else 0.0)
+            tokens_per_s=len(steps) * args.batch_size * args.seq_len / loop.train_seconds)
         say(summary(result, loop, args, start_step, notes.take()))
     return result
 
@@ -908,7 +918,7 @@ def describe_run(args, config: GPTConfig, data: TextData, params, backend: str, 
     return "\n".join(lines)
 
 
-def summary(result: Result, loop: LoopResult, args, start_step: int, notes: str | None) -> str:
+def summary(result: Result, loop: LoopResult | None, args, start_step: int, notes: str | None) -> str:
     lines = []
     if result.steps_run:
         lines.append(f"done: {result.steps_run} steps in {result.seconds:.1f} s ({loop.train_seconds:.1f} s in "
