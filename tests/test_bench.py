@@ -173,8 +173,9 @@ def test_a_saved_table_is_the_baseline_of_the_next(tmp_path, capsys):
                  {**_row("rms_norm", "fwd", 4096, 20.0), "params": "bfloat16"},
                  {**_row("rms_norm", "fwd", 4096, 20.0), "params": "float32"}], times)
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].endswith("| XLA/ours | baseline/ours |") and lines[1].count("---|") == 11
-    assert lines[2].endswith("| 2.00 | 1.50 |")  # 30 us before, 20 now
+    assert lines[0].endswith("| XLA/floor | XLA/ours | baseline/ours |") and lines[1].count("---|") == 12
+    # XLA at 4x the floor: a kernel at the floor would be 4x XLA; 30 us before, 20 now
+    assert lines[2].endswith("| 4.00 | 2.00 | 1.50 |")
     assert lines[3].endswith("| 2.00 | - |")  # N = 8192: not in the baseline
     assert lines[4].endswith("| 2.00 | 1.50 |")  # bf16 parameters named: the same row
     assert lines[5].endswith("| 2.00 | - |")  # float32 parameters: another row
