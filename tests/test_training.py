@@ -242,7 +242,8 @@ def test_checkpoint_round_trip_and_exact_resume(tmp_path):
     assert again.steps_run == 0 and "nothing to do" in text
     assert again.compile_seconds == 0.0 and again.path == "nothing compiled"  # no step compiled for nothing
     # a resume that keeps the run's schedule does not note this command's clamped default warmup
-    no_warmup = [a for i, a in enumerate(base) if "--warmup" not in base[max(i - 1, 0):i + 1]]
+    at = base.index("--warmup")
+    no_warmup = base[:at] + base[at + 2:]  # without "--warmup N"
     args = parse_args([*no_warmup, "--steps", "11", "--resume"])
     assert args.notes and "default warmup of 50 steps" in args.notes[0]
     out = io.StringIO()
