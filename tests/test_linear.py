@@ -1143,7 +1143,7 @@ def test_gated_input_grad_family():
     S = jax.ShapeDtypeStruct
     dy, w2, z1 = S((1, 300, 768), jnp.bfloat16), S((1, 3072, 768), jnp.bfloat16), S((1, 300, 6144), jnp.bfloat16)
     family = LinearInputGrad("silu", gated=True)
-    assert [o.shape for o in family.out_avals((dy, w2, z1))] == [(1, 300, 6144)]
+    assert [o.shape for o in family.out_avals((dy, w2, z1))] == [(1, 300, 6144), (1, 300, 3072)]  # dz1, h
     assert {c.tile_n for c in family.config_space((dy, w2, z1))} == {64, 128, 192, 256}
     odd = (dy, S((1, 320, 768), jnp.bfloat16), S((1, 300, 640), jnp.bfloat16))  # H = 320 = 5 x 64
     assert {c.tile_n for c in family.config_space(odd)} == {64}
@@ -1153,8 +1153,9 @@ def test_gated_input_grad_family():
     assert "k" not in {f for dims in (*operands, *results) for f in dims}
     with pytest.raises(ValueError, match="gated takes the gate's activation"):
         LinearInputGrad(gated=True)
-    (dz1,) = family.reference(*(jnp.ones(a.shape, jnp.float32) for a in (dy, w2, z1)))
-    assert dz1.shape == (1, 300, 6144)
+    dz1, h = family.reference(*(jnp.ones(a.shape, jnp.float32) for a in (dy, w2, z1)))
+    assert dz1.shape == (1, 300, 6144) and h.shape == (1, 300, 3072)
+    assert_close(h, jnp.full(h.shape, jax.nn.silu(1.0)), jnp.float32)  # act(gate) * value
 
 
 @pytest.mark.gpu
@@ -1423,7 +1424,7 @@ import dataclasses, functools, json, os, sys
 import jax, jax.numpy as jnp
 import cutelayers as cl
 from cutelayers.kernels.gemm_config import CONFIGS
-from cutelayers.ops.linear import LinearForward, exp_logits, exp_logits_fix, fused_linear
+from cutelayers.ops.linear import LinearForward, LinearInputGrad, exp_logits, exp_logits_fix, fused_linear
 from cutelayers.runtime.sharding import kernel_call
 
 dump = sys.argv[1]
@@ -1440,15 +1441,21 @@ def gelu_train(x, w, b):  # GPT-2 fc1: the forward storing z, dx through gelu', 
 def gelu(x, w, b):
     return fused_linear(x, w, b, activation="gelu")
 
+def configured(family, *avals):
+    return functools.partial(kernel_call, dataclasses.replace(family, config=family.default_config(avals))), avals
+
 gated_avals = (S((1, 4096, 1024), bf), S((1, 1024, 2 * 2816), bf), S((2 * 2816,), bf))
-gated = LinearForward("silu", True, False, False, gated=True)  # swiglu's fc1 forward
-gated = dataclasses.replace(gated, config=gated.default_config(gated_avals))
 fc1 = (S((16384, 768), bf), S((768, 3072), bf), S((3072,), bf))
 cases = {f"forward_8192x4096x4096_{name}": forward(config, S((1, 8192, 4096), bf), S((1, 4096, 4096), bf))
          for name, config in CONFIGS.items()}
 cases["fc1_gelu_forward"] = (gelu, fc1)
 cases["fc1_gelu_train_step"] = (gelu_train, fc1)
-cases["swiglu_forward"] = (functools.partial(kernel_call, gated), gated_avals)
+cases["swiglu_forward"] = configured(LinearForward("silu", True, False, False, gated=True), *gated_avals)
+# GPT-2 MLP blocks' dh GEMMs: dz1 through gelu' (swiglu's both halves) and h again
+cases["mlp_gelu_hidden_grad"] = configured(LinearInputGrad("gelu"), S((1, 16384, 768), bf), S((1, 3072, 768), bf),
+                                           S((1, 16384, 3072), bf))
+cases["mlp_swiglu_hidden_grad"] = configured(LinearInputGrad("silu", gated=True), S((1, 16384, 768), bf),
+                                             S((1, 2048, 768), bf), S((1, 16384, 4096), bf))
 cases["decode_split_k_16x4096x4096"] = (gelu, (S((16, 4096), bf), S((4096, 4096), bf), S((4096,), bf)))
 cases["lm_head_exp_4096x4096x131072"] = (exp_logits, (S((4096, 4096), bf), S((4096, 131072), bf)))
 # the GPT-2 head's pass over rows out of the exponential's range (pingpong, a per-row shift)
@@ -1468,7 +1475,8 @@ print(json.dumps(found))
 # The GEMM kernels each case lowers
 PTXAS_CASE_KERNELS = {"forward_8192x4096x4096_small_m": 1, "forward_8192x4096x4096_default": 1,
                       "forward_8192x4096x4096_wide": 1, "fc1_gelu_forward": 1, "fc1_gelu_train_step": 3,
-                      "swiglu_forward": 1, "decode_split_k_16x4096x4096": 1, "lm_head_exp_4096x4096x131072": 1,
+                      "swiglu_forward": 1, "mlp_gelu_hidden_grad": 1, "mlp_swiglu_hidden_grad": 1,
+                      "decode_split_k_16x4096x4096": 1, "lm_head_exp_4096x4096x131072": 1,
                       "lm_head_exp_fix_4096x768x50304": 1}
 # The cases whose kernel has 64-row tiles (one consumer warpgroup)
 ROW_BOX_CASES = {"forward_8192x4096x4096_small_m", "decode_split_k_16x4096x4096"}
@@ -1483,7 +1491,8 @@ def test_ptxas_neither_serializes_the_wgmmas_nor_spills(tmp_path):
     # plain forward at 8192 x 4096 x 4096 in each heuristic config, GPT-2's fc1 (16384 x 768 x 3072,
     # the pingpong "default" config) with bias and gelu -- its inference forward, and its training
     # forward storing z, input gradient through gelu' and stream-K weight gradient with the bias
-    # sums -- a swiglu forward, a decode step's split-K forward (16 x 4096 x 4096) and an LM head
+    # sums -- a swiglu forward, the GPT-2 MLP blocks' dh GEMMs (gelu', swiglu's halves, and h
+    # written again), a decode step's split-K forward (16 x 4096 x 4096) and an LM head
     # chunk's logits GEMM with the exp epilogue, and at GPT-2 size its pass over flagged rows.
     # None spills (ptxas -v: 0 bytes spill stores for each, before the change as after).
     from cutelayers.kernels.gemm import ROW_BOX

@@ -82,15 +82,31 @@ def test_float16_and_unaligned_widths_take_the_reference(rng):
 
 def test_hidden_grad_reference_is_the_activation_vjp(rng):
     # The dx family's activation-gradient epilogue, as its jnp reference states it, against
-    # jax.vjp of the activation: (dz @ w2ᵀ) * act'(z) for every activation.
+    # jax.vjp of the activation: (dz @ w2ᵀ) * act'(z) for every activation, and its second result
+    # the activation's output act(z).
     dz = random(rng, (1, 40, 24), jnp.float32)
     w = random(rng, (1, 56, 24), jnp.float32)
     z = 3.0 * random(rng, (1, 40, 56), jnp.float32)
     for activation in ACTS[1:]:
-        (got,) = LinearInputGrad(activation).reference(dz, w, z)
-        _, vjp = jax.vjp(ACTIVATION_FUNCTIONS[activation], z[0])
+        got, hidden = LinearInputGrad(activation).reference(dz, w, z)
+        output, vjp = jax.vjp(ACTIVATION_FUNCTIONS[activation], z[0])
         want = vjp(jnp.matmul(dz[0], w[0].T, precision=HIGHEST))[0]
         assert_close(got[0], want, jnp.float32)
+        assert_close(hidden[0], output, jnp.float32)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu", None])
+def test_the_backward_keeps_the_preactivation_not_the_hidden_layer(activation, rng):
+    # The residuals of the block's vjp: x, the parameters and one array of rows of the hidden
+    # width -- z1 ((M, 2H) gated), from which the dh GEMM writes h = act(z1) again for dw2; without
+    # an activation h itself (h = z1). Never both h and z1.
+    m, k, h, n = 24, 64, 256, 32
+    width = 2 * h if activation == "swiglu" else h
+    x, w1, b1, w2, b2, r = block_operands(rng, (m,), k, width, n, jnp.bfloat16)
+    w2 = w2[:h]
+    _, vjp = jax.vjp(lambda *a: mlp(*a[:5], activation=activation, residual=a[5]), x, w1, b1, w2, b2, r)
+    kept = sorted(leaf.shape for leaf in jax.tree_util.tree_leaves(vjp))
+    assert kept == sorted([(m, k), (k, width), (m, width), (h, n), (width,), (n,)])
 
 
 def test_no_biases_no_residual_and_callable_activation(rng):
@@ -209,10 +225,12 @@ def test_gated_block_lowers_to_the_gemm_kernels():
     targets = sorted(line.split("@cutelayers_")[1].split("(")[0].rsplit("_", 1)[0] for line in calls)
     assert targets == ["linear_dkernel", "linear_dkernel", "linear_dx", "linear_dx", "linear_fwd", "linear_fwd"]
     # fc1 gates in its epilogue: h (256, 128) and the saved z (256, 256) from one launch; the dh
-    # GEMM's epilogue reads z and writes both halves' gradients (256, 256): no XLA pass between
+    # GEMM's epilogue reads z and writes both halves' gradients (256, 256) and h again (256, 128):
+    # no XLA pass between
     gated = "(tensor<1x256x64xbf16>, tensor<1x64x256xbf16>, tensor<256xbf16>) -> (tensor<1x256x128xbf16>, tensor<1x256x256xbf16>)"
     assert sum(line.endswith(gated) for line in calls) == 1
-    gated_grad = "(tensor<1x256x64xbf16>, tensor<1x128x64xbf16>, tensor<1x256x256xbf16>) -> tensor<1x256x256xbf16>"
+    gated_grad = ("(tensor<1x256x64xbf16>, tensor<1x128x64xbf16>, tensor<1x256x256xbf16>) -> "
+                  "(tensor<1x256x256xbf16>, tensor<1x256x128xbf16>)")
     assert sum(line.endswith(gated_grad) for line in calls) == 1
     assert "logistic" not in hlo  # silu and its derivative live in the kernels
 
@@ -255,7 +273,9 @@ def test_lowering_fuses_the_activation_derivative():
     calls = [line for line in hlo.splitlines() if "stablehlo.custom_call @cutelayers_" in line]
     targets = sorted(line.split("@cutelayers_")[1].split("(")[0].rsplit("_", 1)[0] for line in calls)
     assert targets == ["linear_dkernel", "linear_dkernel", "linear_dx", "linear_dx", "linear_fwd", "linear_fwd"]
-    hidden_signature = "(tensor<1x200x64xbf16>, tensor<1x256x64xbf16>, tensor<1x200x256xbf16>) -> tensor<1x200x256xbf16>"
+    # dh's epilogue: dz1 and h = gelu(z1) again, for dw2 (h is not saved by the forward)
+    hidden_signature = ("(tensor<1x200x64xbf16>, tensor<1x256x64xbf16>, tensor<1x200x256xbf16>) -> "
+                        "(tensor<1x200x256xbf16>, tensor<1x200x256xbf16>)")
     assert sum(line.endswith(hidden_signature) for line in calls if "@cutelayers_linear_dx" in line) == 1
     assert "tanh" not in hlo  # gelu's derivative lives in the kernel, not in an XLA fusion
     # db1 and db2 are the weight-gradient launches' second results: no reduction over the rows

@@ -610,7 +610,12 @@ def run_meta(args: argparse.Namespace, config: GPTConfig) -> dict:
     """What a checkpoint records about the run besides its arrays."""
     return {"model": args.model, "config": args.config, "model_config": dataclasses.asdict(config),
             "stock": args.stock, "seed": args.seed, "batch_size": args.batch_size, "seq_len": args.seq_len,
-            "schedule": dataclasses.asdict(Schedule(args.lr, args.warmup, args.steps))}
+            "schedule": dataclasses.asdict(requested_schedule(args))}
+
+
+def requested_schedule(args: argparse.Namespace) -> Schedule:
+    """The learning-rate schedule this command's flags ask for."""
+    return Schedule(args.lr, args.warmup, args.steps)
 
 
 def open_checkpoint(args: argparse.Namespace, meta: dict, say):
@@ -655,7 +660,7 @@ def open_checkpoint(args: argparse.Namespace, meta: dict, say):
 def choose_schedule(args: argparse.Namespace, saved: dict | None, say) -> Schedule:
     """This command's schedule for a new run (or with --reschedule); the checkpoint's when resuming.
     Says what it did whenever the two differ."""
-    requested = Schedule(args.lr, args.warmup, args.steps)
+    requested = requested_schedule(args)
     if saved is None:
         return requested
     if "schedule" not in saved:
@@ -806,7 +811,6 @@ def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
     def place(batch):
         return sharding.global_batch(batch_sharded, batch, args.batch_size)
 
-    eval_set = [place(b) for b in data.eval_batches(args.batch_size, args.seq_len, args.eval_batches, rows=rows)]
     meta = run_meta(args, config)
 
     with cl.use_backend(args.backend), LibraryNotes() as notes:
@@ -814,7 +818,7 @@ def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
         model = common.init(args.model, config, jax.random.key(args.seed), stock=args.stock)
         ckpt, saved = open_checkpoint(args, meta, say)
         schedule = choose_schedule(args, saved, say)
-        if schedule == Schedule(args.lr, args.warmup, args.steps):  # the notes adjust this command's
+        if schedule == requested_schedule(args):  # the notes adjust this command's
             for note in getattr(args, "notes", ()):  # schedule: moot where a resume keeps the run's
                 say(note)
         meta["schedule"] = dataclasses.asdict(schedule)
@@ -833,6 +837,8 @@ def train(args: argparse.Namespace, *, out=sys.stdout) -> Result:
 
         def batch(step):
             return data.train_batch(step, args.batch_size, args.seq_len, args.seed, rows=rows)
+
+        eval_set = [place(b) for b in data.eval_batches(args.batch_size, args.seq_len, args.eval_batches, rows=rows)]
 
         first = place(batch(start_step + 1))
         step_fn = compile_train_step(model.loss, tx, params, opt_state, *first)

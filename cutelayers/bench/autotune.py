@@ -299,8 +299,9 @@ def _lm_head_cases(op: str, shape, dtype) -> list[Case]:
 def _gated_mlp_cases(op: str, shape, dtype) -> list[Case]:
     """A gated MLP block of shape M x K x H (rows, model width, hidden width): its two gated
     kernels, fc1's forward (x @ w1 (K, 2H) + b1, gated, storing z1) and the hidden gradient
-    (dy @ w2ᵀ with w2 (H, K), both halves' act' from z1). Their entries serve silu and gelu gates
-    alike; fc2 and the other gradients are the linear op's (``linear`` at M x H x K)."""
+    (dy @ w2ᵀ with w2 (H, K), both halves' act' from z1, and h again). Their entries serve silu
+    and gelu gates alike; fc2 and the other gradients are the linear op's (``linear`` at M x H x
+    K)."""
     m, k_dim, h = shape
     usable, why = gated_kernels_apply(dtype, k_dim, h)
     if not usable:

@@ -6,6 +6,11 @@ The kernel computes, for every batch index ``l``::
     c[m, n, l]   = act(z[m, n, l])  (+ residual[m, n, l])                  stored in c's dtype
     preact       = z                                                       stored only if asked
 
+or, with ``Epilogue.grad_of`` (an MLP's backward through its hidden activation, the source
+``preact_in`` being the forward's z), ``c = (a @ bᵀ) * act'(preact_in)`` and a second output
+``hidden = act(preact_in)``: the forward's hidden activation, rewritten here so that the forward
+need not keep it for the next layer's weight gradient.
+
 or, with ``Epilogue.exp_row_sums`` (the LM head's logits), ``c = exp(z)`` and per row the sum of
 ``exp(z)`` over each ``ROW_SUM_BLOCK`` columns, float32 (see :meth:`HopperGemmKernel.exp_row_sums`);
 with ``Epilogue.exp_fix_rows`` too, the same over the tiles of flagged rows only, shifted per row
@@ -115,14 +120,16 @@ class Epilogue:
     has_residual: bool = False
     store_preact: bool = False
     # c = product * act'(preact): the backward of ``grad_of`` through an activation whose input
-    # (preact, an (M, N, L) operand after b) is read as a source tile. Excludes the fields above.
+    # (preact, an (M, N, L) operand after b) is read as a source tile; and a second output, hidden
+    # = act(preact) (M, N, L) in c's dtype. Excludes the fields above.
     grad_of: str = "none"
     # A gated layer (SwiGLU / GeGLU). Forward (``activation`` the gate's): B's N columns are a
     # (K, 2H) weight's gate and value halves, c is (M, H) = act(gate) * value, and bias and the
     # stored preact span both halves; each tile holds tile_n / 2 columns of each half. Backward
     # (``grad_of`` the gate's activation): the product is dh (M, H), the source z and c = dz are
-    # (M, 2H): dz = (dh * value * act'(gate), dh * act(gate)); each tile reads and writes tile_n
-    # columns of each half. Both through ``HopperGemmKernel.gated_view``.
+    # (M, 2H): dz = (dh * value * act'(gate), dh * act(gate)), hidden (M, H) = act(gate) * value;
+    # each tile reads and writes tile_n columns of each half. Both through
+    # ``HopperGemmKernel.gated_view``.
     gated: bool = False
     # c = exp(min(product, EXP_CLAMP)) -- finite in bf16, whatever the logits -- and each row's
     # sum of it over every ROW_SUM_BLOCK columns inside N, in float32 before c's rounding, into an
@@ -162,6 +169,12 @@ class Epilogue:
     def has_source(self) -> bool:
         """Whether the epilogue reads an (M, N, L) tile: the residual or the pre-activation."""
         return self.has_residual or self.grad_of != "none"
+
+    @property
+    def second_output(self) -> bool:
+        """Whether the kernel writes an output after c: the stored preact (forward) or the hidden
+        activation (``grad_of``)."""
+        return self.store_preact or self.grad_of != "none"
 
 
 OPERAND_PLANES = ("batched", "shared", "split")
@@ -241,35 +254,13 @@ def gelu_sigmoid(x: Float32, x2: Float32) -> Float32:
 
 
 @cute.jit
-def apply_activation(x: Float32, name: cutlass.Constexpr) -> Float32:
-    """act(x) in fp32, the formulas of the matching jax.nn function."""
-    y = x
+def activation_and_grad(x: Float32, name: cutlass.Constexpr):
+    """(act(x), act'(x)) in fp32 from shared intermediates: the formulas of the matching jax.nn
+    function and its derivative (jax's at the kinks). A caller using one of the two leaves the
+    other's instructions to dead-code elimination."""
+    y, d = x, Float32(1.0)
     if const_expr(name == "relu"):
         y = cute.arch.fmax(x, Float32(0.0), nan=True)
-    elif const_expr(name == "gelu"):
-        y = x * gelu_sigmoid(x, x * x)
-    elif const_expr(name == "gelu_exact"):
-        y = 0.5 * x * (1.0 + cute.math.erf(x * (1.0 / math.sqrt(2.0))))
-    elif const_expr(name == "silu"):
-        y = x * sigmoid_base2(x * -LOG2E)
-    elif const_expr(name == "sigmoid"):
-        y = sigmoid_base2(x * -LOG2E)
-    elif const_expr(name == "tanh"):
-        y = cute.math.tanh(x)
-    elif const_expr(name == "leaky_relu"):
-        # max(x, slope * x) is x for x >= 0 and slope * x below, as slope < 1.
-        y = cute.arch.fmax(x, LEAKY_SLOPE * x, nan=True)
-    elif const_expr(name == "hardswish"):
-        relu6 = cute.arch.fmin(cute.arch.fmax(x + 3.0, Float32(0.0)), Float32(6.0))
-        y = x * relu6 * (1.0 / 6.0)
-    return y
-
-
-@cute.jit
-def activation_grad(x: Float32, name: cutlass.Constexpr) -> Float32:
-    """act'(x) in fp32: the derivative of :func:`apply_activation` (jax's at the kinks)."""
-    d = Float32(1.0)
-    if const_expr(name == "relu"):
         d = Float32(0.0)
         if x > 0.0:
             d = Float32(1.0)
@@ -277,31 +268,49 @@ def activation_grad(x: Float32, name: cutlass.Constexpr) -> Float32:
         # d/dx x s(2u) = s + x s (1 - s) 2u', s = sigmoid(2u), 2u' = 2 sqrt(2/pi) (1 + 3 0.044715 x^2)
         x2 = x * x
         s = gelu_sigmoid(x, x2)
+        y = x * s
         du = 2.0 * GELU_TANH_SCALE + (6.0 * GELU_TANH_SCALE * GELU_CUBIC) * x2
-        d = s + x * s * (1.0 - s) * du
+        d = s + y * (1.0 - s) * du
     elif const_expr(name == "gelu_exact"):
         cdf = 0.5 * (1.0 + cute.math.erf(x * (1.0 / math.sqrt(2.0))))
+        y = x * cdf
         d = cdf + x * cute.math.exp(-0.5 * x * x) * (1.0 / math.sqrt(2.0 * math.pi))
     elif const_expr(name == "silu"):
         sig = sigmoid_base2(x * -LOG2E)
+        y = x * sig
         d = sig * (1.0 + x * (1.0 - sig))
     elif const_expr(name == "sigmoid"):
-        sig = sigmoid_base2(x * -LOG2E)
-        d = sig * (1.0 - sig)
+        y = sigmoid_base2(x * -LOG2E)
+        d = y * (1.0 - y)
     elif const_expr(name == "tanh"):
-        t = cute.math.tanh(x)
-        d = 1.0 - t * t
+        y = cute.math.tanh(x)
+        d = 1.0 - y * y
     elif const_expr(name == "leaky_relu"):
+        # max(x, slope * x) is x for x >= 0 and slope * x below, as slope < 1.
+        y = cute.arch.fmax(x, LEAKY_SLOPE * x, nan=True)
         d = Float32(LEAKY_SLOPE)
         if x >= 0.0:
             d = Float32(1.0)
     elif const_expr(name == "hardswish"):
         # d/dx x * relu6(x + 3) / 6 = (relu6(x + 3) + x * [-3 < x < 3]) / 6
         relu6 = cute.arch.fmin(cute.arch.fmax(x + 3.0, Float32(0.0)), Float32(6.0))
+        y = x * relu6 * (1.0 / 6.0)
         d = relu6 * (1.0 / 6.0)
         if x > -3.0 and x < 3.0:
             d = d + x * (1.0 / 6.0)
-    return d
+    return y, d
+
+
+@cute.jit
+def apply_activation(x: Float32, name: cutlass.Constexpr) -> Float32:
+    """act(x) in fp32 (:func:`activation_and_grad`)."""
+    return activation_and_grad(x, name)[0]
+
+
+@cute.jit
+def activation_grad(x: Float32, name: cutlass.Constexpr) -> Float32:
+    """act'(x) in fp32 (:func:`activation_and_grad`)."""
+    return activation_and_grad(x, name)[1]
 
 
 @cute.jit
@@ -454,7 +463,7 @@ class SplitKScheduler:
 class HopperGemmKernel:
     """C = epilogue(A @ Bᵀ) on Hopper: persistent, warp-specialized TMA + wgmma, fp32 accumulation.
 
-    Launcher ``(stream, a, b, [bias], [residual | preact_in], [sums], [flags], c, [preact],
+    Launcher ``(stream, a, b, [bias], [residual | preact_in], [sums], [flags], c, [preact | hidden],
     [workspace], [row_sums])``, which optional tensors are present being fixed by ``epilogue`` (and
     flags and workspace by stream-K without ``accumulate``), each of a, b and c being
     ``planes.count`` tensors where :class:`Planes` splits it; with ``Epilogue.exp_fix_rows``
@@ -466,7 +475,8 @@ class HopperGemmKernel:
       M/N or K contiguous; M, K and L may be symbolic, N static, every contiguous extent a
       multiple of 8;
     * bias: (N,) in c's dtype, (N, P) with a plane count (each plane its own); residual,
-      preact_in (the source of ``grad_of``), c, preact: (M, N, L), N contiguous, c's dtype.
+      preact_in (the source of ``grad_of``), c, preact, hidden: (M, N, L), N contiguous, c's dtype
+      (a gated backward's preact_in and c (M, 2N, L)).
 
     ``accumulate``: C += A @ Bᵀ, each tile added into c by the TMA store (reduce-add): how a caller
     adds into a running float32 sum without a pass of its own, and how ``stream_k``
@@ -549,7 +559,7 @@ class HopperGemmKernel:
             fix_rows = tuple(rest.pop(0) for _ in range(3))  # the rows' flags, labels and shifts
         else:
             c_in = take(planes.c)
-        preact = rest.pop(0) if const_expr(epilogue.store_preact) else None
+        second = rest.pop(0) if const_expr(epilogue.second_output) else None  # preact | hidden
         workspace = rest.pop(0) if const_expr(self.fixup) else None
         row_sums = rest.pop(0) if const_expr(epilogue.exp_row_sums) else None
         if const_expr(epilogue.exp_fix_rows):
@@ -567,7 +577,7 @@ class HopperGemmKernel:
                              f"b {b.element_type}")
         require_n_major("c", c_in)
         require_n_major("residual" if const_expr(epilogue.has_residual) else "preact_in", source)
-        require_n_major("preact", preact)
+        require_n_major("preact" if const_expr(epilogue.store_preact) else "hidden", second)
         self.a_dtype, self.b_dtype, self.c_dtype = a.element_type, b.element_type, c.element_type
         self.stages = config.stages_for(a.element_type.width // 8, c.element_type.width // 8, epilogue.has_source)
         if const_expr(self.stages < 2):  # a k tile's stage is released once the next one's is waited for
@@ -593,7 +603,7 @@ class HopperGemmKernel:
         elif const_expr(epilogue.gated):
             b_in = self.gated_view(b_in, 0, config.tile_n // 2)
             bias = self.gated_view(bias, 0, config.tile_n // 2) if const_expr(epilogue.has_bias) else None
-            preact = self.gated_view(preact, 1, config.tile_n // 2) if const_expr(epilogue.store_preact) else None
+            second = self.gated_view(second, 1, config.tile_n // 2) if const_expr(epilogue.store_preact) else None
         # A is shared by the cluster_n CTAs of a cluster row, B by the cluster_m of a column.
         tma_a, tma_tensor_a = self.load_atom(a_in, a_smem, (config.tile_m, config.tile_k), config.cluster_n)
         self.row_boxes = (config.tile_m == 64 and config.cluster_n == 1 and planes.a != "split"
@@ -613,9 +623,9 @@ class HopperGemmKernel:
             self.accumulate) else cpasync.CopyBulkTensorTileS2GOp()
         epi_smem_one = cute.slice_(epi_smem, (None, None, 0))
         tma_c, tma_tensor_c = per_plane(lambda t: cpasync.make_tiled_tma_atom(store, t, epi_smem_one, epi_tile), c_in)
-        tma_z, tma_tensor_z = None, None
-        if const_expr(epilogue.store_preact):
-            tma_z, tma_tensor_z = cpasync.make_tiled_tma_atom(store, preact, epi_smem_one, epi_tile)
+        tma_z, tma_tensor_z = None, None  # the second output's
+        if const_expr(epilogue.second_output):
+            tma_z, tma_tensor_z = cpasync.make_tiled_tma_atom(store, second, epi_smem_one, epi_tile)
         tma_s, tma_tensor_s = None, None
         if const_expr(epilogue.has_source):
             tma_s, tma_tensor_s = cpasync.make_tiled_tma_atom(
@@ -879,7 +889,7 @@ class HopperGemmKernel:
             )
             source_loaded = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SOURCE_STAGES)
             source_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SOURCE_STAGES)
-            stores_per_tile = self.out_tiles(epi_tile) + (self.epi_tiles(epi_tile) if const_expr(epilogue.store_preact) else 0)
+            stores_per_tile = self.out_tiles(epi_tile) + (self.epi_tiles(epi_tile) if const_expr(epilogue.second_output) else 0)
             tiles_done = Int32(0)
             work = scheduler.initial_work_tile_info()
             if const_expr(fix_rows is not None):
@@ -1394,7 +1404,8 @@ class HopperGemmKernel:
     def epilogue_tile(self, acc, tile_coords_c, tile_idx, ring, sources, group, source_loaded, source_read,
                       tma_c, tma_tensor_c, tma_z, tma_tensor_z, tma_s, tma_tensor_s, bias, row_sums, fix_rows, c_shape,
                       epi_tile: cutlass.Constexpr, stores, store_warp, inside, first_store, gtidx):
-        """Bias, [pre-activation store], activation, source and the store of one finished tile.
+        """Bias, [pre-activation store], activation, source and the store of one finished tile
+        [and of its hidden activation, with ``grad_of``: ``tma_z`` is then the hidden output's].
 
         ``first_store``: stores this group made before, so the ring buffer of each subtile is
         (first_store + e) mod EPI_STAGES within the group's ring. ``inside``: whether the tile
@@ -1418,16 +1429,17 @@ class HopperGemmKernel:
             self.exp_row_sums(acc, tile_coords_c, tile_idx, row_sums, fix_rows, c_shape, inside, gtidx)
         if const_expr(epilogue.store_preact):
             self.store_tile(acc, False, ring, sources, group, source_loaded, source_read, tma_z, tma_tensor_z,
-                            tma_s, tma_tensor_s, tile_idx, epi_tile, stores, store_warp, inside, first_store, False)
+                            tma_s, tma_tensor_s, tile_idx, epi_tile, stores, store_warp, inside, first_store, False, None)
             first_store += self.epi_tiles(epi_tile)
         if const_expr(self.halved):
             self.gate(acc, ring, epi_tile)
         elif const_expr(epilogue.activation != "none"):
             for i in cutlass.range(cute.size(acc), unroll_full=True):
                 acc[i] = apply_activation(acc[i], epilogue.activation)
+        hidden = (tma_z, tma_tensor_z) if const_expr(epilogue.grad_of != "none") else None
         self.store_tile(acc, epilogue.has_source, ring, sources, group, source_loaded, source_read, tma_c,
                         tma_tensor_c, tma_s, tma_tensor_s, tile_idx, epi_tile, stores, store_warp, inside, first_store,
-                        True)
+                        True, hidden)
         return source_loaded, source_read
 
     @cute.jit
@@ -1517,7 +1529,7 @@ class HopperGemmKernel:
     @cute.jit
     def store_tile(self, acc, with_source: cutlass.Constexpr, ring, sources, group, source_loaded, source_read,
                    tma_out, tma_tensor_out, tma_s, tma_tensor_s, tile_idx, epi_tile: cutlass.Constexpr, stores,
-                   store_warp, inside, first_store, c_tile: cutlass.Constexpr):
+                   store_warp, inside, first_store, c_tile: cutlass.Constexpr, hidden):
         """Write the fp32 accumulators ``acc`` (combined with the source tile if ``with_source``:
         + residual, or x act'(preact)) to ``tma_tensor_out``'s tile in its dtype: registers ->
         smem (stmatrix) -> global (TMA store), one epilogue subtile at a time through the group's
@@ -1525,7 +1537,9 @@ class HopperGemmKernel:
         is c (``c_columns`` a tile; a gated layer's forward stores it from the gate subtiles,
         :meth:`gate`), else the stored preact z (tile_n). A gated layer's backward (:attr:`paired`)
         reads the gate and the value subtile of z for each accumulator subtile and stores dz's
-        two."""
+        two. ``hidden`` (``grad_of``): the hidden output's (TMA atom, tensor), whose subtile --
+        act(preact), or act(gate) * value -- follows each of c's (a tile_n-wide tile); else None.
+        """
         config, epilogue = self.config, self.epilogue
         copy_r2s, _, part_shape, copy_s2r, s2r_src, ss, sc = ring
         acc_view = copy_r2s.retile(acc)
@@ -1546,8 +1560,14 @@ class HopperGemmKernel:
             views = self.subtile_views(tma_out, tma_tensor_out, sc, tile_idx, epi_tile,
                                        self.c_columns if const_expr(c_tile) else config.tile_n)
         sending = (ring, views, tma_out, tile_idx, group, stores, store_warp, inside)
+        hidden_sending = None
+        if const_expr(hidden is not None):
+            hidden_views = self.subtile_views(*hidden, sc, tile_idx, epi_tile, config.tile_n)
+            hidden_sending = (ring, hidden_views, hidden[0], tile_idx, group, stores, store_warp, inside)
         if const_expr(self.paired):
-            # dz's gate subtile = dh * value * act'(gate), its value subtile = dh * act(gate)
+            # dz's gate subtile = dh * value * act'(gate), its value subtile = dh * act(gate);
+            # hidden's = act(gate) * value
+            sends = 3 if const_expr(hidden is not None) else 2  # stores per accumulator subtile
             gate = cute.make_rmem_tensor(part_layout, Float32)
             for e in cutlass.range_constexpr(self.epi_tiles(epi_tile)):
                 self.read_source(2 * e, *reading)
@@ -1555,14 +1575,21 @@ class HopperGemmKernel:
                     gate[v] = source_part[v].to(Float32)
                 self.read_source(2 * e + 1, *reading)
                 for v in cutlass.range_constexpr(cute.size(part)):
-                    part[v] = (acc_view[e * cute.size(part) + v] * source_part[v].to(Float32)
-                               * activation_grad(gate[v], epilogue.grad_of))
-                self.send_subtile(part, part_out, self.source_subtile(2 * e, epi_tile), first_store + 2 * e, *sending)
-                for v in cutlass.range_constexpr(cute.size(part)):
-                    part[v] = acc_view[e * cute.size(part) + v] * apply_activation(gate[v], epilogue.grad_of)
-                self.send_subtile(part, part_out, self.source_subtile(2 * e + 1, epi_tile), first_store + 2 * e + 1,
+                    activated, slope = activation_and_grad(gate[v], epilogue.grad_of)
+                    part[v] = acc_view[e * cute.size(part) + v] * source_part[v].to(Float32) * slope
+                    gate[v] = activated
+                self.send_subtile(part, part_out, self.source_subtile(2 * e, epi_tile), first_store + sends * e,
                                   *sending)
+                for v in cutlass.range_constexpr(cute.size(part)):
+                    part[v] = acc_view[e * cute.size(part) + v] * gate[v]
+                self.send_subtile(part, part_out, self.source_subtile(2 * e + 1, epi_tile),
+                                  first_store + sends * e + 1, *sending)
+                if const_expr(hidden is not None):
+                    for v in cutlass.range_constexpr(cute.size(part)):
+                        part[v] = gate[v] * source_part[v].to(Float32)
+                    self.send_subtile(part, part_out, e, first_store + sends * e + 2, *hidden_sending)
         else:
+            sends = 2 if const_expr(hidden is not None) else 1
             subtiles = self.out_tiles(epi_tile) if const_expr(c_tile) else self.epi_tiles(epi_tile)
             for e in cutlass.range_constexpr(subtiles):
                 a = self.acc_subtile(e, epi_tile) if const_expr(c_tile) else e
@@ -1573,10 +1600,17 @@ class HopperGemmKernel:
                     for v in cutlass.range_constexpr(cute.size(part)):
                         src = source_part[v].to(Float32)
                         if const_expr(epilogue.grad_of != "none"):
-                            part[v] = part[v] * activation_grad(src, epilogue.grad_of)
+                            activated, slope = activation_and_grad(src, epilogue.grad_of)
+                            part[v] = part[v] * slope
+                            if const_expr(hidden is not None):
+                                source_part[v] = activated.to(self.c_dtype)  # kept in c's dtype until sent
                         else:
                             part[v] = part[v] + src
-                self.send_subtile(part, part_out, e, first_store + e, *sending)
+                self.send_subtile(part, part_out, e, first_store + sends * e, *sending)
+                if const_expr(hidden is not None):
+                    for v in cutlass.range_constexpr(cute.size(part)):
+                        part[v] = source_part[v].to(Float32)
+                    self.send_subtile(part, part_out, e, first_store + sends * e + 1, *hidden_sending)
 
     @cute.jit
     def read_source(self, i: cutlass.Constexpr, sources, group, source_loaded, source_read, ss, tma_s, tma_tensor_s,

@@ -319,20 +319,22 @@ class GemmFamily(TunableFamily):
 
     def per_shard(self, rule, ctx, *operands):
         """One device's part: the GEMM on its shards; results that lack a sharded factor of the
-        operands (the contraction) are partial sums, psum'd -- except over the factor that
-        operand sums (a weight gradient's second result) do not involve: each device holds them
-        whole for its rows."""
-        independent = self.sums_independent_factor()
+        operands (the contraction) are partial sums, psum'd -- except a second result over the
+        factor it is whole over (:meth:`second_result_whole_over`)."""
+        independent = self.second_result_whole_over()
         if independent is not None:
-            rule = dataclasses.replace(rule, results=(rule.results[0], rule.results[1] + (independent,)))
+            first, second, *rest = rule.results
+            rule = dataclasses.replace(rule, results=(first, second + (independent,), *rest))
         results = self.run_local(*operands)
         if self.fixup:  # the workspace and flags are scratch, not partial sums
             return sum_partials(rule, ctx, results[:-2]) + results[-2:]
         return sum_partials(rule, ctx, results)
 
-    def sums_independent_factor(self) -> str | None:
-        """With operand sums: the sharding factor of the other operand's features, which the sums
-        (of dz over the rows) do not involve; None without them."""
+    def second_result_whole_over(self) -> str | None:
+        """A sharding factor the second result does not involve, over which each device computes
+        it whole, not as a partial sum: a weight gradient's operand sums (of dz over the rows) over
+        the other operand's features, the input gradient's hidden activation over the
+        contraction; None if none."""
         return None
 
     def run_local(self, *operands):
@@ -663,7 +665,9 @@ class LinearInputGrad(GemmFamily):
 
     With ``grad_of`` an activation, also a pre-activation (1, M, K) operand and
     dx = (dz @ kernelᵀ) * act'(preact): the backward of an activation that came before this layer
-    (an MLP's hidden activation), applied in the GEMM's epilogue.
+    (an MLP's hidden activation), applied in the GEMM's epilogue -- which also writes a second
+    result, that activation's output act(preact) (1, M, K) (a gated one's act(gate) * value), for
+    the layer's weight gradient: the forward need not keep it.
 
     ``stream_k`` -- few rows against a long contraction, such as an LM head chunk's dh (4096 x 768
     contracting the vocabulary: 96 tiles on 132 SMs) -- splits the (tile, k tile) steps evenly over
@@ -694,7 +698,8 @@ class LinearInputGrad(GemmFamily):
         return ("dz", "kernel") + ("preact",) * (self.grad_of != "none") + ("zeros",) * self.stream_k
 
     def kinds(self):
-        return ("rows", "weight") + ("rows",) * (self.grad_of != "none") + ("rows",) * self.stream_k + ("rows",)
+        grad_of = self.grad_of != "none"
+        return ("rows", "weight") + ("rows",) * grad_of + ("rows",) * self.stream_k + ("rows",) * (1 + grad_of)
 
     def operand_output_aliases(self):
         return {2: 0} if self.stream_k else None
@@ -713,8 +718,12 @@ class LinearInputGrad(GemmFamily):
         # gated layer's K (its hidden width, both halves in dx) is not sharded.
         k = None if self.gated else "k"
         weight = tuple(k if f == "k" else f for f in self.kernel_factor())
-        operands = ((None, "rows", "n"), weight) + ((None, "rows", k),) * (self.grad_of != "none")
-        return operands + ((None, "rows", k),) * self.stream_k, ((None, "rows", k),)
+        grad_of = self.grad_of != "none"
+        operands = ((None, "rows", "n"), weight) + ((None, "rows", k),) * grad_of
+        return operands + ((None, "rows", k),) * self.stream_k, ((None, "rows", k),) * (1 + grad_of)
+
+    def second_result_whole_over(self):
+        return "n" if self.grad_of != "none" else None  # act(preact) does not involve the contraction
 
     def layer_dims(self, avals):
         return self.kernel_kn(avals[1])
@@ -733,16 +742,20 @@ class LinearInputGrad(GemmFamily):
 
     def out_avals(self, avals):
         dz, w = avals[:2]
-        k = self.kernel_kn(w)[0] * (2 if self.gated else 1)  # a gated layer's dz: both halves
-        return (jax.ShapeDtypeStruct((1, dz.shape[1], k), jnp.float32 if self.stream_k else dz.dtype),)
+        k = self.kernel_kn(w)[0]
+        dx = jax.ShapeDtypeStruct((1, dz.shape[1], 2 * k if self.gated else k),  # a gated layer's: both halves
+                                  jnp.float32 if self.stream_k else dz.dtype)
+        return (dx,) + (jax.ShapeDtypeStruct((1, dz.shape[1], k), dz.dtype),) * (self.grad_of != "none")
 
     def reference(self, dz, w, *rest):
         product = _matmul(dz[0], as_kn(w[0], self.kernel_nk).T)
         if self.stream_k:
             return ((rest[0][0] + product)[None],)
-        if rest:
-            product = preact_grad(rest[0][0], product, layer_activation(self.grad_of, self.gated))
-        return (product.astype(dz.dtype)[None],)
+        if not rest:
+            return (product.astype(dz.dtype)[None],)
+        z, activation = rest[0][0], layer_activation(self.grad_of, self.gated)
+        hidden = activation_fn(activation)(z.astype(jnp.float32))
+        return preact_grad(z, product, activation).astype(dz.dtype)[None], hidden.astype(dz.dtype)[None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -779,7 +792,7 @@ class LinearWeightGrad(GemmFamily):
     def with_sums(self) -> bool:
         return self.operand_sums is not None
 
-    def sums_independent_factor(self):
+    def second_result_whole_over(self):
         return {None: None, "a": "n", "b": "k"}[self.operand_sums]
 
     @property
@@ -1020,28 +1033,33 @@ def _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kerne
 
 
 def _input_grad_rows(dz, kernel, preact, grad_of, use_kernels, precision, kernel_nk):
-    """dx (..., K) = dz (..., N) @ kernelᵀ [* act'(preact (..., K)) for ``grad_of`` an activation];
-    kernel (K, N), or (N, K) if ``kernel_nk``. A gated ``grad_of``: preact and dx (..., 2K), the
-    gradient of both halves from the product (..., K)."""
+    """dx (..., K) = dz (..., N) @ kernelᵀ, kernel (K, N), or (N, K) if ``kernel_nk``. With
+    ``preact`` (..., K) (``grad_of`` an activation) the pair (dx * act'(preact), act(preact)):
+    the activation's gradient and its output, both from one GEMM epilogue. A gated ``grad_of``:
+    preact and dx (..., 2K) -- the gradient of both halves from the product (..., K) -- and the
+    output act(gate) * value (..., K)."""
     lead, k = dz.shape[:-1], kernel.shape[1 if kernel_nk else 0]
     act, gated = kernel_activation(grad_of)
-    width = 2 * k if gated else k
+    widths = (2 * k if gated else k, k)[:1 + (preact is not None)]
     if not use_kernels:
         product = _matmul(dz, as_kn(kernel, kernel_nk).T, precision)
-        if preact is not None:
-            product = preact_grad(preact, product, grad_of)
-        return product.astype(dz.dtype)
+        if preact is None:
+            return product.astype(dz.dtype)
+        hidden = activation_fn(grad_of)(preact.astype(jnp.float32))
+        return preact_grad(preact, product, grad_of).astype(dz.dtype), hidden.astype(dz.dtype)
     rows = as_rows(dz)
     (_, m, n) = rows.shape
     if m == 0:
-        return jnp.zeros((*lead, width), dz.dtype)
-    # Too few output tiles to fill the GPU over a long contraction: stream-K, into zeros.
-    stream_k = preact is None and stream_k_pays(m, k, n)
-    operands = ((rows, kernel[None]) + (() if preact is None else (as_rows(preact),))
-                + ((_row_zeros(rows, k),) if stream_k else ()))
-    family = LinearInputGrad(act, kernel_nk=kernel_nk, stream_k=stream_k, gated=gated)
-    (dx,) = kernel_call(resolve(family, operands), *operands)
-    return dx.astype(dz.dtype).reshape(*lead, width)
+        outs = tuple(jnp.zeros((*lead, w), dz.dtype) for w in widths)
+    else:
+        # Too few output tiles to fill the GPU over a long contraction: stream-K, into zeros.
+        stream_k = preact is None and stream_k_pays(m, k, n)
+        operands = ((rows, kernel[None]) + (() if preact is None else (as_rows(preact),))
+                    + ((_row_zeros(rows, k),) if stream_k else ()))
+        family = LinearInputGrad(act, kernel_nk=kernel_nk, stream_k=stream_k, gated=gated)
+        outs = tuple(o.astype(dz.dtype).reshape(*lead, w)
+                     for o, w in zip(kernel_call(resolve(family, operands), *operands), widths))
+    return outs if preact is not None else outs[0]
 
 
 def stream_k_flags(anchor):
@@ -1116,7 +1134,9 @@ def input_grad_fn(use_kernels: bool, precision=None, grad_of: str = "none", kern
     :mod:`cutelayers.ops.lm_head`.
 
     With ``grad_of`` an activation: ``input_grad(dz, kernel, preact)`` multiplies the product by
-    act'(preact) in the GEMM's epilogue (:mod:`cutelayers.ops.mlp`'s hidden layer)."""
+    act'(preact) in the GEMM's epilogue and returns the pair (that, act(preact)) -- the
+    activation's output, written by the same epilogue (:mod:`cutelayers.ops.mlp`'s hidden
+    layer)."""
 
     def input_grad(dz, kernel, *preact):
         return _input_grad_rows(dz, kernel, *preact or (None,), grad_of, use_kernels, precision, kernel_nk)

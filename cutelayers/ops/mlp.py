@@ -6,10 +6,13 @@ Two fused GEMMs forward (:mod:`cutelayers.ops.linear`'s kernel): fc1 with bias a
 its epilogue (also storing the pre-activation ``z1`` when differentiated), fc2 with bias and
 residual in its epilogue.
 
-Backward, from the saved (x, w1, z1, h = act(z1), w2):
+Backward, from the saved (x, w1, z1, w2) -- not the hidden layer ``h = act(z1)``, the block's
+largest saved array beside z1 (an (M, H) one: a third of what a GPT-2 block saves outside
+attention):
 
 * ``dz1 = (dy @ w2ᵀ) * act'(z1)``: one GEMM whose epilogue reads ``z1`` and applies the activation
-  derivative, so ``act'`` costs no pass of its own (``fused_linear`` alone needs one);
+  derivative, so ``act'`` costs no pass of its own (``fused_linear`` alone needs one), and writes
+  ``h = act(z1)`` again beside dz1 (a second output of the same epilogue, one more (M, H) store);
 * ``dw2 = hᵀ @ dy``, ``dx = dz1 @ w1ᵀ``, ``dw1 = xᵀ @ dz1``: the linear op's GEMM kernels;
 * ``db2 = sum(dy)``, ``db1 = sum(dz1)`` over rows (from the dw2 / dw1 launches), ``dresidual = dy``.
 
@@ -24,7 +27,8 @@ the gate and value halves side by side, (K, 2H), and ``h = act(gate) * value`` w
 holds matching gate and value columns and its epilogue writes h (and, differentiated, z (..., 2H)
 for the backward); the hidden width must be a multiple of ``GATED_BLOCK`` (else XLA, logged). In
 the backward the dh GEMM's epilogue reads z's gate and value blocks and writes both halves of dz1 =
-(dh * value * act'(gate), dh * act(gate)): no pass of its own, as for the plain activations.
+(dh * value * act'(gate), dh * act(gate)) and h = act(gate) * value: no pass of its own, as for the
+plain activations.
 """
 
 from __future__ import annotations
@@ -78,11 +82,13 @@ def _mlp_fn(activation: str, has_residual: bool, use_kernels: bool, precision, k
         w1, b1, w2, b2 = compute_params(x, w1, b1, w2, b2)
         h, *z1 = fc1_saving(x, w1, b1, None)
         (y,) = fc2(h, w2, b2, residual)
-        return y, (x, w1, z1[0] if z1 else None, h, w2, b1, b2)
+        # the backward's dh GEMM writes h again from z1: kept only without an activation (h = z1)
+        saved = (z1[0],) if needs_preact else (h,)
+        return y, (x, w1, *saved, w2, b1, b2)
 
     def bwd(res, dy):
-        x, w1, z1, h, w2, b1, b2 = res
-        dz1 = hidden_grad(dy, w2, z1) if needs_preact else input_grad(dy, w2)
+        x, w1, saved, w2, b1, b2 = res
+        dz1, h = hidden_grad(dy, w2, saved) if needs_preact else (input_grad(dy, w2), saved)
         dw2, db2 = weight_and_bias_grads(h, dy, kernel_nk, b2 is not None, use_kernels, precision, f32_params)
         dx = input_grad(dz1, w1)
         dw1, db1 = weight_and_bias_grads(x, dz1, kernel_nk, b1 is not None, use_kernels, precision, f32_params)

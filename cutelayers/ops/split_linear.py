@@ -225,7 +225,7 @@ class SplitWeightGrad(GemmFamily):
         """The kernel's summed operand: the dys, B of xᵀ @ dy (A of dyᵀ @ x)."""
         return ("a" if self.kernel_nk else "b") if self.with_sums else None
 
-    def sums_independent_factor(self):
+    def second_result_whole_over(self):
         return "k" if self.with_sums else None  # the dys' sums do not involve x's features
 
     @property
