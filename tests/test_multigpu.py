@@ -180,6 +180,22 @@ def test_megatron_mlp_matches_one_device(platform, rng):
     assert any(rows * 64 in sizes for _, sizes in found), found
 
 
+def test_mlp_with_its_output_split_matches_one_device(platform, rng):
+    """fc2 column-parallel (w2, b2 split over the output width), fc1 replicated: the dh GEMM's
+    contraction (that width) is split, so each device's dz1 is a partial sum, all-reduced -- and
+    the hidden layer h = act(z1) its epilogue writes beside dz1 is whole on every device, not a
+    partial sum (counted once in dw2)."""
+    mesh = parallel_mesh(platform)
+    dtype = platform.dtype(jnp.float16)
+    args = platform.one_device((_x(rng, dtype, 64), random(rng, (64, 128), dtype) / 8, random(rng, (128,), dtype),
+                                random(rng, (128, 64), dtype) / 12, random(rng, (64,), dtype), _x(rng, dtype, 64)))
+    specs = (ROWS, REPLICATED, REPLICATED, P(None, "model"), P("model"), ROWS)
+    cotangent = np.asarray(rng.standard_normal((BATCH, SEQ, 64)), np.float32)
+    ref = STEP(_mlp, args, tuple(range(6)), cotangent)
+    sharded = put(mesh, args, specs)
+    assert_step_matches(STEP(_mlp, sharded, tuple(range(6)), cotangent), ref, dtype)
+
+
 def test_training_over_a_data_mesh_of_two(platform):
     """``python -m training.train --mesh data=2`` for a few steps on the platform's devices (the
     command trains on JAX's default platform): it trains, the state sits on both devices, and on
