@@ -7,7 +7,7 @@ its epilogue (also storing the pre-activation ``z1`` when differentiated), fc2 w
 residual in its epilogue.
 
 Backward, from the saved (x, w1, z1, w2) -- not the hidden layer ``h = act(z1)``, the block's
-largest saved array beside z1 (an (M, H) one: a third of what a GPT-2 block saves outside
+largest saved array beside z1 (an (M, H) one: about a quarter of what a GPT-2 block kept outside
 attention):
 
 * ``dz1 = (dy @ w2ᵀ) * act'(z1)``: one GEMM whose epilogue reads ``z1`` and applies the activation
