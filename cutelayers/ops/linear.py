@@ -753,9 +753,8 @@ class LinearInputGrad(GemmFamily):
             return ((rest[0][0] + product)[None],)
         if not rest:
             return (product.astype(dz.dtype)[None],)
-        z, activation = rest[0][0], layer_activation(self.grad_of, self.gated)
-        hidden = activation_fn(activation)(z.astype(jnp.float32))
-        return preact_grad(z, product, activation).astype(dz.dtype)[None], hidden.astype(dz.dtype)[None]
+        dx, hidden = hidden_grad_reference(rest[0][0], product, layer_activation(self.grad_of, self.gated), dz.dtype)
+        return dx[None], hidden[None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -995,6 +994,13 @@ def preact_grad(z, dy, activation: str):
     return vjp(dy)[0]
 
 
+def hidden_grad_reference(z, product, activation: str, dtype):
+    """(product * act'(z), act(z)) in ``dtype``, computed in fp32: what the input gradient's
+    ``grad_of`` epilogue writes (a gated ``activation``: z (..., 2H), product and act(z) (..., H))."""
+    hidden = activation_fn(activation)(z.astype(jnp.float32))
+    return preact_grad(z, product, activation).astype(dtype), hidden.astype(dtype)
+
+
 # --- kernel calls on (rows, features) arrays -------------------------------------------------------
 
 def _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kernels, precision, kernel_nk):
@@ -1043,10 +1049,8 @@ def _input_grad_rows(dz, kernel, preact, grad_of, use_kernels, precision, kernel
     widths = (2 * k if gated else k, k)[:1 + (preact is not None)]
     if not use_kernels:
         product = _matmul(dz, as_kn(kernel, kernel_nk).T, precision)
-        if preact is None:
-            return product.astype(dz.dtype)
-        hidden = activation_fn(grad_of)(preact.astype(jnp.float32))
-        return preact_grad(preact, product, grad_of).astype(dz.dtype), hidden.astype(dz.dtype)
+        return product.astype(dz.dtype) if preact is None else hidden_grad_reference(preact, product, grad_of,
+                                                                                     dz.dtype)
     rows = as_rows(dz)
     (_, m, n) = rows.shape
     if m == 0:
