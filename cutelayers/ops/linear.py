@@ -1049,8 +1049,9 @@ def _input_grad_rows(dz, kernel, preact, grad_of, use_kernels, precision, kernel
     widths = (2 * k if gated else k, k)[:1 + (preact is not None)]
     if not use_kernels:
         product = _matmul(dz, as_kn(kernel, kernel_nk).T, precision)
-        return product.astype(dz.dtype) if preact is None else hidden_grad_reference(preact, product, grad_of,
-                                                                                     dz.dtype)
+        if preact is None:
+            return product.astype(dz.dtype)
+        return hidden_grad_reference(preact, product, grad_of, dz.dtype)
     rows = as_rows(dz)
     (_, m, n) = rows.shape
     if m == 0:
