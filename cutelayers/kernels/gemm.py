@@ -308,12 +308,6 @@ def apply_activation(x: Float32, name: cutlass.Constexpr) -> Float32:
 
 
 @cute.jit
-def activation_grad(x: Float32, name: cutlass.Constexpr) -> Float32:
-    """act'(x) in fp32 (:func:`activation_and_grad`)."""
-    return activation_and_grad(x, name)[1]
-
-
-@cute.jit
 def pin_zeros(acc):
     """Zeros into every register of ``acc``, each through an empty asm (CUTLASS's
     ``warpgroup_fence_operand``): a value the compiler can neither carry in from the last tile nor
@@ -1566,8 +1560,7 @@ class HopperGemmKernel:
             hidden_sending = (ring, hidden_views, hidden[0], tile_idx, group, stores, store_warp, inside)
         if const_expr(self.paired):
             # dz's gate subtile = dh * value * act'(gate), its value subtile = dh * act(gate);
-            # hidden's = act(gate) * value
-            sends = 3 if const_expr(hidden is not None) else 2  # stores per accumulator subtile
+            # hidden's = act(gate) * value (a gated backward always stores it)
             gate = cute.make_rmem_tensor(part_layout, Float32)
             for e in cutlass.range_constexpr(self.epi_tiles(epi_tile)):
                 self.read_source(2 * e, *reading)
@@ -1578,16 +1571,15 @@ class HopperGemmKernel:
                     activated, slope = activation_and_grad(gate[v], epilogue.grad_of)
                     part[v] = acc_view[e * cute.size(part) + v] * source_part[v].to(Float32) * slope
                     gate[v] = activated
-                self.send_subtile(part, part_out, self.source_subtile(2 * e, epi_tile), first_store + sends * e,
+                self.send_subtile(part, part_out, self.source_subtile(2 * e, epi_tile), first_store + 3 * e,
                                   *sending)
                 for v in cutlass.range_constexpr(cute.size(part)):
                     part[v] = acc_view[e * cute.size(part) + v] * gate[v]
                 self.send_subtile(part, part_out, self.source_subtile(2 * e + 1, epi_tile),
-                                  first_store + sends * e + 1, *sending)
-                if const_expr(hidden is not None):
-                    for v in cutlass.range_constexpr(cute.size(part)):
-                        part[v] = gate[v] * source_part[v].to(Float32)
-                    self.send_subtile(part, part_out, e, first_store + sends * e + 2, *hidden_sending)
+                                  first_store + 3 * e + 1, *sending)
+                for v in cutlass.range_constexpr(cute.size(part)):
+                    part[v] = gate[v] * source_part[v].to(Float32)
+                self.send_subtile(part, part_out, e, first_store + 3 * e + 2, *hidden_sending)
         else:
             sends = 2 if const_expr(hidden is not None) else 1
             subtiles = self.out_tiles(epi_tile) if const_expr(c_tile) else self.epi_tiles(epi_tile)
