@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -151,6 +152,20 @@ def test_key_covers_shapes_and_source(tmp_path, monkeypatch, one_entry):
     monkeypatch.setattr(disk_cache, "library_source_digest", lambda: "edited source")
     edited = lower_in_process(tmp_path, monkeypatch, n=512)
     assert (edited.compiles, edited.disk_hits) == (1, 0)
+
+
+def test_source_digest_follows_the_source_not_its_folder(tmp_path):
+    # Two copies of the package in different folders: the same digest (entries and kernel target
+    # names carry over to another checkout or machine); an edited file: another.
+    package = Path(disk_cache.__file__).resolve().parent.parent
+    copies = [shutil.copytree(package, tmp_path / side / "cutelayers", ignore=shutil.ignore_patterns("__pycache__"))
+              for side in ("a", "b")]
+    digests = [disk_cache.package_source_digest(Path(c)) for c in copies]
+    assert digests[0] == digests[1] == disk_cache.library_source_digest()
+    edited = Path(copies[1]) / "ops" / "mlp.py"
+    edited.write_text(edited.read_text() + "\n# edited\n")
+    disk_cache._hash_files.cache_clear()
+    assert disk_cache.package_source_digest(Path(copies[1])) != digests[0]
 
 
 @pytest.mark.cute

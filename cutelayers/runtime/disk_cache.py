@@ -52,18 +52,25 @@ def cache_dir() -> Path | None:
 
 
 @functools.cache
-def _hash_files(paths: tuple[str, ...]) -> str:
+def _hash_files(paths: tuple[str, ...], root: str | None = None) -> str:
+    """SHA-256 over each file's name -- relative to ``root`` if given -- and its bytes."""
     digest = hashlib.sha256()
     for path in paths:
-        digest.update(path.encode())
+        digest.update((os.path.relpath(path, root) if root else path).encode())
         digest.update(Path(path).read_bytes())
     return digest.hexdigest()
 
 
+def package_source_digest(root: Path) -> str:
+    """SHA-256 over every Python file under the package folder ``root``, named relative to it:
+    the same source anywhere (another checkout, another machine) has the same digest."""
+    return _hash_files(tuple(str(p) for p in sorted(root.rglob("*.py"))), str(root))
+
+
 def library_source_digest() -> str:
-    """SHA-256 over every Python file of the cutelayers package (the kernels and their callers)."""
-    root = Path(__file__).resolve().parent.parent
-    return _hash_files(tuple(str(p) for p in sorted(root.rglob("*.py"))))
+    """:func:`package_source_digest` of the cutelayers package (the kernels and their callers):
+    a kernel's entry is found again wherever the same source is installed."""
+    return package_source_digest(Path(__file__).resolve().parent.parent)
 
 
 def source_digest(extra_files: tuple[str, ...]) -> str:
