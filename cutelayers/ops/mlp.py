@@ -83,8 +83,7 @@ def _mlp_fn(activation: str, has_residual: bool, use_kernels: bool, precision, k
         h, *z1 = fc1_saving(x, w1, b1, None)
         (y,) = fc2(h, w2, b2, residual)
         # the backward's dh GEMM writes h again from z1: kept only without an activation (h = z1)
-        saved = (z1[0],) if needs_preact else (h,)
-        return y, (x, w1, *saved, w2, b1, b2)
+        return y, (x, w1, z1[0] if needs_preact else h, w2, b1, b2)
 
     def bwd(res, dy):
         x, w1, saved, w2, b1, b2 = res
