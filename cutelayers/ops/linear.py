@@ -684,10 +684,16 @@ class LinearInputGrad(GemmFamily):
     name = "linear_dx"
 
     def __post_init__(self):
-        if self.stream_k and self.grad_of != "none":
+        if self.stream_k and self.through_activation:
             raise ValueError("LinearInputGrad: stream-K adds partial products; it takes no activation gradient")
-        if self.gated and self.grad_of == "none":
+        if self.gated and not self.through_activation:
             raise ValueError("LinearInputGrad: gated takes the gate's activation as grad_of")
+
+    @property
+    def through_activation(self) -> bool:
+        """Whether dx goes through ``grad_of``'s derivative: a pre-activation operand, and the
+        activation's output as a second result."""
+        return self.grad_of != "none"
 
     @property
     def accumulate(self):
@@ -695,11 +701,11 @@ class LinearInputGrad(GemmFamily):
 
     @property
     def arg_names(self):
-        return ("dz", "kernel") + ("preact",) * (self.grad_of != "none") + ("zeros",) * self.stream_k
+        return ("dz", "kernel") + ("preact",) * self.through_activation + ("zeros",) * self.stream_k
 
     def kinds(self):
-        grad_of = self.grad_of != "none"
-        return ("rows", "weight") + ("rows",) * grad_of + ("rows",) * self.stream_k + ("rows",) * (1 + grad_of)
+        second = self.through_activation
+        return ("rows", "weight") + ("rows",) * second + ("rows",) * self.stream_k + ("rows",) * (1 + second)
 
     def operand_output_aliases(self):
         return {2: 0} if self.stream_k else None
@@ -718,12 +724,12 @@ class LinearInputGrad(GemmFamily):
         # gated layer's K (its hidden width, both halves in dx) is not sharded.
         k = None if self.gated else "k"
         weight = tuple(k if f == "k" else f for f in self.kernel_factor())
-        grad_of = self.grad_of != "none"
-        operands = ((None, "rows", "n"), weight) + ((None, "rows", k),) * grad_of
-        return operands + ((None, "rows", k),) * self.stream_k, ((None, "rows", k),) * (1 + grad_of)
+        second = self.through_activation
+        operands = ((None, "rows", "n"), weight) + ((None, "rows", k),) * second
+        return operands + ((None, "rows", k),) * self.stream_k, ((None, "rows", k),) * (1 + second)
 
     def second_result_whole_over(self):
-        return "n" if self.grad_of != "none" else None  # act(preact) does not involve the contraction
+        return "n" if self.through_activation else None  # act(preact) does not involve the contraction
 
     def layer_dims(self, avals):
         return self.kernel_kn(avals[1])
@@ -733,7 +739,7 @@ class LinearInputGrad(GemmFamily):
 
     @property
     def reads_source(self):
-        return self.grad_of != "none"
+        return self.through_activation
 
     def epilogue(self):
         from cutelayers.kernels.gemm import Epilogue
@@ -745,7 +751,7 @@ class LinearInputGrad(GemmFamily):
         k = self.kernel_kn(w)[0]
         dx = jax.ShapeDtypeStruct((1, dz.shape[1], 2 * k if self.gated else k),  # a gated layer's: both halves
                                   jnp.float32 if self.stream_k else dz.dtype)
-        return (dx,) + (jax.ShapeDtypeStruct((1, dz.shape[1], k), dz.dtype),) * (self.grad_of != "none")
+        return (dx,) + (jax.ShapeDtypeStruct((1, dz.shape[1], k), dz.dtype),) * self.through_activation
 
     def reference(self, dz, w, *rest):
         product = _matmul(dz[0], as_kn(w[0], self.kernel_nk).T)
