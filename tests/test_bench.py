@@ -116,6 +116,34 @@ def test_time_fn_rotates_small_operands_over_copies(monkeypatch):
         assert len(buffers) == sets and scales == {3}
 
 
+def test_settle_clock_runs_calls_for_its_seconds_on_a_gpu_only(monkeypatch):
+    """On a GPU the measurement helpers first run the calls for a while (the clock settling under
+    the power cap); elsewhere nothing runs. The time_fn path calls it before it traces."""
+    import time
+
+    import jax
+
+    from cutelayers.bench import timing
+
+    ran = []
+    timing.settle_clock(lambda: ran.append(1), 0.05)
+    assert jax.default_backend() != "gpu" and ran == []
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    start = time.perf_counter()
+    timing.settle_clock(lambda: (ran.append(1), time.sleep(0.005)), 0.05)
+    assert time.perf_counter() - start >= 0.05 and 1 <= len(ran) <= 11
+    ran.clear()
+    timing.settle_clock(lambda: ran.append(1), 0.0)
+    assert ran == []
+
+    settled = []
+    monkeypatch.setattr(timing, "settle_clock", lambda calls, seconds=0.5: settled.append(seconds))
+    assert timing.time_fn(lambda x: x + 1, jax.numpy.ones(4), iters=2, settle_seconds=0.25) > 0
+    assert timing.wall_time(lambda x: x + 1, jax.numpy.ones(4), iters=2, repeats=1) > 0
+    assert settled == [0.25, timing.SETTLE_SECONDS]
+
+
 def test_wall_time_counts_where_a_call_waits_on_the_host():
     """A call that stops for the host (here a callback that sleeps 20 ms; on a GPU, the LM head's
     data-dependent loop) takes at least that long in wall time, which the device time of its

@@ -120,6 +120,22 @@ def test_a_remat_case(monkeypatch):
     assert cells == ["tiny", "tiny (remat dots)"]
 
 
+def test_the_clock_settles_on_training_steps_before_the_loop_is_timed(monkeypatch):
+    """measure() runs steps (each waited for, the state carried on: its buffers are donated)
+    until the clock has settled (timing.settle_clock, which on a GPU runs them for
+    SETTLE_SECONDS) before it times the loop."""
+    runs = []
+
+    def settle(one_step, seconds=None):
+        for _ in range(3):
+            one_step()
+            runs.append(1)
+
+    monkeypatch.setattr(bench, "settle_clock", settle)
+    row = bench.measure(bench.Case("tiny", "nnx", "cutelayers", 2, 1, 2))
+    assert len(runs) == 3 and row["loop_ms"] > 0 and np.isfinite(row["loss"])
+
+
 @pytest.mark.parametrize("name, family", [
     ("kernel_cutlass_kernel_cutelayerskernelsgemmHopperGemmKernel_object_at__TiledMMA", "cutelayers (CuTe)"),
     ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", "cuDNN attention"),

@@ -7,8 +7,9 @@ the jnp reference backend) -- one train step (value_and_grad + AdamW, the step
 shipped byte-level corpus, as training.train reads it):
 
 * compile seconds of the train step;
-* ``loop ms``: steady-state time per step of back-to-back steps (compile and ``--warmup-steps``
-  excluded, losses left on the device), and tokens/s from it;
+* ``loop ms``: steady-state time per step of back-to-back steps (compile, ``--warmup-steps`` and
+  then :data:`cutelayers.bench.timing.SETTLE_SECONDS` of steps -- the GPU's clock settling under
+  its power cap -- excluded, losses left on the device), and tokens/s from it;
 * ``step ms``: one step dispatched and waited for (median of ``--steps`` such calls): the device
   time of a step plus one dispatch; ``loop/step`` near 1 means the loop keeps the device busy;
 * peak device memory: ``memory_stats()['peak_bytes_in_use']`` of the device (each case runs in a
@@ -66,7 +67,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import cutelayers as cl
-from cutelayers.bench.timing import idle_gaps, kernel_totals, time_fn, traced_kernel_spans
+from cutelayers.bench.timing import idle_gaps, kernel_totals, settle_clock, time_fn, traced_kernel_spans
 from models import common
 from models.configs import CONFIGS, REMATS, GPTConfig, get_config
 from training import sharding
@@ -159,6 +160,13 @@ def measure(case: Case) -> dict:
         for i in range(case.warmup_steps):
             leaves, loss, _ = step.run(leaves, *batches[i % 2])
         jax.block_until_ready(leaves)
+
+        def one_step():
+            nonlocal leaves
+            leaves = step.run(leaves, *batches[0])[0]
+            jax.block_until_ready(leaves)
+
+        settle_clock(one_step)
         start = time.perf_counter()
         losses = []
         for i in range(case.steps):
@@ -520,7 +528,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             job = {"config_name": config, "batch_size": batch_size, "step_ms": step_ms}
             sections.append(breakdown_table(config, in_subprocess("--one-breakdown", job, args.case_timeout)))
     command = "python -m training.bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    legend = ("tokens/s from `loop ms` (steady state: compile, warmup and evaluation excluded); "
+    legend = ("tokens/s from `loop ms` (steady state: compile, warmup, the clock's settling and evaluation excluded); "
               "`step ms`: one step waited for; peak MiB: the device's peak_bytes_in_use in the "
               "case's own process; compiled MiB: arguments + outputs + temporaries of the "
               "compiled step (memory_analysis); memory `vs stock` uses peak where the device "

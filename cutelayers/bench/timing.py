@@ -18,6 +18,24 @@ import jax
 import jax.numpy as jnp
 
 
+# Seconds of back-to-back calls before a measurement. Under the GPU's power cap the SM clock
+# settles over a fraction of a second of load, and what draws more power slows more: the LM head at
+# GPT-2 size ran 18 % longer a call over 80 calls than over 4, XLA's head 5 % (H100,
+# docs/benchmarks.md, fifty-first session). Timed at a settled clock, each side is measured as it
+# runs in training, whichever ran before it.
+SETTLE_SECONDS = 0.5
+
+
+def settle_clock(calls, seconds: float = SETTLE_SECONDS) -> None:
+    """Run ``calls()`` again and again for ``seconds`` (on a GPU; elsewhere there is no clock to
+    settle and it returns at once)."""
+    if seconds <= 0 or jax.default_backend() != "gpu":
+        return
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        calls()
+
+
 def traced_kernel_spans(run) -> list[tuple[str, float, float]]:
     """``run()`` under jax.profiler: the (name, start, seconds) of every kernel it launched on the
     first GPU's streams, in the order they started (start in seconds on the trace's clock); []
@@ -108,18 +126,20 @@ def _per_call(kernels: list, iters: int) -> list[list]:
 
 def call_kernels(fn, *args, iters: int = 10) -> list[tuple[str, float]]:
     """One call of a jitted ``fn`` kernel by kernel: (name, median seconds over ``iters`` calls
-    rotating over :func:`operand_sets`) in launch order -- which kernel a gap between two
-    implementations is in. [] where no device kernels are recorded (CPU) or calls launched
-    different kernel counts."""
-    calls = _per_call(traced_kernels(_rotating_calls(fn, args, iters)), iters)
+    rotating over :func:`operand_sets`, after :func:`settle_clock`) in launch order -- which kernel a gap
+    between two implementations is in. [] where no device kernels are recorded (CPU) or calls
+    launched different kernel counts."""
+    run = _rotating_calls(fn, args, iters)
+    settle_clock(run)
+    calls = _per_call(traced_kernels(run), iters)
     if not calls:
         return []
     return [(name, statistics.median(call[j][1] for call in calls)) for j, (name, _) in enumerate(calls[0])]
 
 
-def time_fn(fn, *args, iters: int = 20, repeats: int = 7) -> float:
+def time_fn(fn, *args, iters: int = 20, repeats: int = 7, settle_seconds: float = SETTLE_SECONDS) -> float:
     """Median seconds per call of a jitted ``fn``, its calls rotating over copies of small
-    operands (:func:`operand_sets`).
+    operands (:func:`operand_sets`), after ``settle_seconds`` of them (:func:`settle_clock`).
 
     On a GPU, device time: the summed durations of the kernels each of ``iters`` traced calls
     launched (the host's dispatch, ~50-100 us per call, would otherwise be what a call of a few
@@ -127,6 +147,7 @@ def time_fn(fn, *args, iters: int = 20, repeats: int = 7) -> float:
     asynchronous calls, synchronized per batch.
     """
     calls = _rotating_calls(fn, args, iters)
+    settle_clock(calls, settle_seconds)
     kernels = traced_kernels(calls)
     if per_call := _per_call(kernels, iters):  # one call's kernels each, in order
         return statistics.median(sum(s for _, s in call) for call in per_call)
@@ -135,12 +156,15 @@ def time_fn(fn, *args, iters: int = 20, repeats: int = 7) -> float:
     return _batch_seconds(calls, iters, repeats)
 
 
-def wall_time(fn, *args, iters: int = 10, repeats: int = 5) -> float:
+def wall_time(fn, *args, iters: int = 10, repeats: int = 5, settle_seconds: float = SETTLE_SECONDS) -> float:
     """Median wall seconds per call of a jitted ``fn``: batches of ``iters`` asynchronous calls
-    (rotating over :func:`operand_sets`), synchronized per batch. Unlike :func:`time_fn`'s device
-    time it counts the device's idle time inside a call -- where the host waits on the device
-    mid-call (a data-dependent loop's predicate) and launches the rest only then."""
-    return _batch_seconds(_rotating_calls(fn, args, iters), iters, repeats)
+    (rotating over :func:`operand_sets`), synchronized per batch, after ``settle_seconds`` of them
+    (:func:`settle_clock`). Unlike :func:`time_fn`'s device time it counts the device's idle time inside a
+    call -- where the host waits on the device mid-call (a data-dependent loop's predicate) and
+    launches the rest only then."""
+    calls = _rotating_calls(fn, args, iters)
+    settle_clock(calls, settle_seconds)
+    return _batch_seconds(calls, iters, repeats)
 
 
 def _batch_seconds(calls, iters: int, repeats: int) -> float:
