@@ -54,6 +54,7 @@ from cutelayers.runtime.sharding import kernel_call
 S = jax.ShapeDtypeStruct
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 FAKE_GPU = "Fake H100 for tests"
+REAL_DEVICE_KIND = tuning.device_kind  # before the fixture below stands a fake in for it
 
 
 @pytest.fixture(autouse=True)
@@ -762,13 +763,38 @@ def test_cli_usage_errors(capsys):
 
 
 @pytest.mark.skipif(HAS_GPU, reason="checks the error raised without a Hopper GPU")
-def test_cli_without_a_gpu_fails_with_a_clear_message(tmp_path):
+@pytest.mark.parametrize("cross_compiling", [False, True])
+def test_cli_without_a_gpu_fails_with_a_clear_message(tmp_path, cross_compiling):
+    """Also when this host compiles for a GPU it does not have, whose tuned configs it reads
+    (CUTELAYERS_DEVICE_KIND): timing needs the GPU itself."""
     env = {**os.environ, "CUTELAYERS_TUNING_FILE": str(tmp_path / "t.json")}
+    if cross_compiling:
+        env.update(CUTE_DSL_ARCH="sm_90a", CUTELAYERS_DEVICE_KIND="NVIDIA H100 80GB HBM3")
     proc = subprocess.run([sys.executable, "-m", "cutelayers.bench.autotune", "--op", "softmax", "--shape", "64x1024"],
                           capture_output=True, text=True, env=env, cwd=Path(__file__).parents[1], timeout=300, check=False)
     assert proc.returncode == 2
     assert "times kernels on a Hopper GPU (compute capability 9.x)" in proc.stderr
     assert "--dry-run" in proc.stderr and not (tmp_path / "t.json").exists()
+
+
+@pytest.mark.skipif(HAS_GPU, reason="a visible GPU's own kind wins over CUTELAYERS_DEVICE_KIND")
+def test_a_host_without_the_gpu_picks_its_tuned_configs_by_name(monkeypatch):
+    """CUTELAYERS_DEVICE_KIND names the GPU whose shipped entries a CPU-only host uses (its kernels
+    then compile as that GPU's would); unset, the heuristic."""
+    monkeypatch.setattr(tuning, "device_kind", REAL_DEVICE_KIND)
+    monkeypatch.setattr(tuning, "SHIPPED_TABLE", Path(tuning.__file__).resolve().parent / "tuned_configs.json")
+    h100 = "NVIDIA H100 80GB HBM3"
+    entries = json.loads(tuning.SHIPPED_TABLE.read_text())["entries"]
+    (entry,) = [e for e in entries if e["device"] == h100 and e["kernel"] == "linear_fwd"
+                and e["dims"] == {"m": "2048+", "k": 4096, "n": 4096}]
+    family, avals = LinearForward("none", False, False, False), (S((1, 8192, 4096), BF16), S((1, 4096, 4096), BF16))
+    tuned = family.config_from_fields(entry["config"])
+    assert tuned != family.default_config(avals)  # else the check below could not fail
+
+    monkeypatch.delenv("CUTELAYERS_DEVICE_KIND", raising=False)
+    assert tuning.device_kind() is None and tuning.resolve(family, avals).config == family.default_config(avals)
+    monkeypatch.setenv("CUTELAYERS_DEVICE_KIND", h100)
+    assert tuning.device_kind() == h100 and tuning.resolve(family, avals).config == tuned
 
 
 # --- on the GPU: a real sweep --------------------------------------------------------------------------

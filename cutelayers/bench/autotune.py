@@ -414,8 +414,8 @@ class DeviceRunner:
     """Runs candidates on this machine's Hopper GPU, through the kernel-call primitive."""
 
     def __init__(self):
-        # the GPU the table is keyed by (the first) must be the one kernels are built for
-        self.device_kind = tuning.device_kind()
+        # the GPU the table is keyed by (the first) must be the one kernels are built for and run on
+        self.device_kind = tuning.visible_gpu_kind()
         arch, where = target_arch()
         if self.device_kind is None or not kernels_supported(arch):
             raise NoGpuError(

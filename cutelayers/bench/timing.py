@@ -17,7 +17,6 @@ import time
 import jax
 import jax.numpy as jnp
 
-
 # Seconds of back-to-back calls before a measurement. Under the GPU's power cap the SM clock
 # settles over a fraction of a second of load, and what draws more power slows more: the LM head at
 # GPT-2 size ran 18 % longer a call over 80 calls than over 4, XLA's head 5 % (H100,

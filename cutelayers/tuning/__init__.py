@@ -6,7 +6,8 @@ the heuristic's config is always one of them). When an op builds a family for it
 calls :func:`resolve`, which picks
 
 1. the tuned entry for (GPU, kernel, dtype, dims), if the tables hold one that names a config of
-   the family's space for these operands;
+   the family's space for these operands -- the GPU being the visible one, or on a host without
+   one ``$CUTELAYERS_DEVICE_KIND`` (:func:`device_kind`);
 2. otherwise the heuristic.
 
 The chosen config is a field of the family, and the family is part of the compile key, so a tuned
@@ -46,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -74,14 +76,21 @@ def user_table_path() -> Path | None:
 
 
 @functools.cache
-def device_kind() -> str | None:
-    """The GPU whose tuned entries apply (the first CUDA device's ``device_kind``); None without
-    a CUDA device (compiling for ``CUTE_DSL_ARCH`` on a CPU-only host uses the heuristic)."""
+def visible_gpu_kind() -> str | None:
+    """The first CUDA device's ``device_kind``; None without a CUDA device."""
     try:
         gpus = jax.devices("cuda")
     except RuntimeError:
         return None
     return gpus[0].device_kind if gpus else None
+
+
+def device_kind() -> str | None:
+    """The GPU whose tuned entries apply: the visible one (:func:`visible_gpu_kind`); without a
+    CUDA device, ``$CUTELAYERS_DEVICE_KIND`` if set -- compiling for ``CUTE_DSL_ARCH`` on a CPU-only
+    host the configs that GPU would run (e.g. "NVIDIA H100 80GB HBM3", to read their PTX) --, else
+    None (the heuristic)."""
+    return visible_gpu_kind() or os.environ.get("CUTELAYERS_DEVICE_KIND") or None
 
 
 TableKey = tuple[str, str, str, Dims]
