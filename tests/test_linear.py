@@ -1480,6 +1480,8 @@ PTXAS_CASE_KERNELS = {"forward_8192x4096x4096_small_m": 1, "forward_8192x4096x40
                       "lm_head_exp_fix_4096x768x50304": 1}
 # The cases whose kernel has 64-row tiles (one consumer warpgroup)
 ROW_BOX_CASES = {"forward_8192x4096x4096_small_m", "decode_split_k_16x4096x4096"}
+# The cases whose one kernel adds a bfloat16 bias (a gated one's gate and value halves included)
+BIAS_CASES = {"fc1_gelu_forward", "swiglu_forward", "decode_split_k_16x4096x4096"}
 
 
 @pytest.mark.cute
@@ -1494,7 +1496,7 @@ def test_ptxas_neither_serializes_the_wgmmas_nor_spills(tmp_path):
     # sums -- a swiglu forward, the GPT-2 MLP blocks' dh GEMMs (gelu', swiglu's halves, and h
     # written again), a decode step's split-K forward (16 x 4096 x 4096) and an LM head
     # chunk's logits GEMM with the exp epilogue, and at GPT-2 size its pass over flagged rows.
-    # None spills (ptxas -v: 0 bytes spill stores for each, before the change as after).
+    # The biased forwards read the bias a pair of columns at a time. None spills (ptxas -v: 0 bytes spill stores for each, before the change as after).
     from cutelayers.kernels.gemm import ROW_BOX
 
     ptxas = shutil.which("ptxas")
@@ -1515,6 +1517,10 @@ def test_ptxas_neither_serializes_the_wgmmas_nor_spills(tmp_path):
             # A 64-row tile loads A in ROW_BOX-row boxes where it crosses M, the bytes of the boxes
             # past M completed without a load; 128-row tiles load whole boxes only
             assert ("mbarrier.complete_tx" in ptx) == (case in ROW_BOX_CASES), case
+            if case in BIAS_CASES:
+                # the bias two columns a load (a thread's accumulators pair adjacent columns): one
+                # 16-bit load a column had ptxas hoist them all and spill to hold them
+                assert "ld.global.v2.b16" in ptx and not re.search(r"ld\.global\.b16\s", ptx), case
             if case.startswith("decode"):
                 # per 64-column swizzle atom of the k tile, 64 / ROW_BOX box loads beside the whole tile's
                 loads = len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx))

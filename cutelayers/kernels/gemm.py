@@ -468,9 +468,9 @@ class HopperGemmKernel:
     * a: (M, K, L), b: (N, K, L): bfloat16 or float16 (same dtype), any one of the two modes
       M/N or K contiguous; M, K and L may be symbolic, N static, every contiguous extent a
       multiple of 8;
-    * bias: (N,) in c's dtype, (N, P) with a plane count (each plane its own); residual,
-      preact_in (the source of ``grad_of``), c, preact, hidden: (M, N, L), N contiguous, c's dtype
-      (a gated backward's preact_in and c (M, 2N, L)).
+    * bias: (N,) in c's dtype (16-bit and N even: read two columns a load), (N, P) with a plane
+      count (each plane its own); residual, preact_in (the source of ``grad_of``), c, preact,
+      hidden: (M, N, L), N contiguous, c's dtype (a gated backward's preact_in and c (M, 2N, L)).
 
     ``accumulate``: C += A @ Bᵀ, each tile added into c by the TMA store (reduce-add): how a caller
     adds into a running float32 sum without a pass of its own, and how ``stream_k``
@@ -591,12 +591,21 @@ class HopperGemmKernel:
         epi_smem = sm90.make_smem_layout_epi(c.element_type, c_layout, epi_tile, EPI_STAGES * groups)
         source_smem = sm90.make_smem_layout_epi(c.element_type, c_layout, epi_tile, SOURCE_STAGES * groups)
 
+        # A 16-bit bias of even length is read two columns a 32-bit word: one bf16 load a column
+        # had ptxas hoist a thread's 48 loads ahead of the adds and spill to hold them (128 x 192
+        # pingpong tiles: docs/gemm_notes.md, fifty-first session).
+        self.bias_words = (epilogue.has_bias and bias.element_type.width == 16
+                           and cute.size(bias, mode=[0]) % 2 == 0)
+        if const_expr(self.bias_words):
+            self.bias_dtype = bias.element_type
+            bias = cute.recast_tensor(bias, Int32)
         if const_expr(self.paired):
             c_in, c = (self.gated_view(c, 1, config.tile_n),) * 2
             source = self.gated_view(source, 1, config.tile_n)
         elif const_expr(epilogue.gated):
             b_in = self.gated_view(b_in, 0, config.tile_n // 2)
-            bias = self.gated_view(bias, 0, config.tile_n // 2) if const_expr(epilogue.has_bias) else None
+            if const_expr(epilogue.has_bias):
+                bias = self.gated_view(bias, 0, config.tile_n // (4 if self.bias_words else 2))
             second = self.gated_view(second, 1, config.tile_n // 2) if const_expr(epilogue.store_preact) else None
         # A is shared by the cluster_n CTAs of a cluster row, B by the cluster_m of a column.
         tma_a, tma_tensor_a = self.load_atom(a_in, a_smem, (config.tile_m, config.tile_k), config.cluster_n)
@@ -1413,12 +1422,24 @@ class HopperGemmKernel:
             # of the thread's distinct columns once (a branch per accumulator kept all 128).
             start = tile_idx[1] * self.tile_mnk[1]
             last = cute.size(bias, mode=[0]) - 1
-            for i in cutlass.range(cute.size(acc), unroll_full=True):
-                col = cutlass.min(start + tile_coords_c[i][1], last)
-                if const_expr(self.planes.count is None):
-                    acc[i] = acc[i] + bias[col].to(Float32)
-                else:
-                    acc[i] = acc[i] + bias[(col, tile_idx[2])].to(Float32)
+            if const_expr(self.bias_words):
+                # A thread's accumulators come in pairs of adjacent columns, the first even. The
+                # word is written through the pair's 32-bit view (a one-word register tensor viewed
+                # as two 16-bit halves reads its low half twice).
+                pair = cute.make_rmem_tensor((2,), self.bias_dtype)
+                word = cute.recast_tensor(pair, Int32)
+                for j in cutlass.range(cute.size(acc) // 2, unroll_full=True):
+                    at = cutlass.min((start + tile_coords_c[2 * j][1]) // 2, last)
+                    word[0] = bias[at] if const_expr(self.planes.count is None) else bias[(at, tile_idx[2])]
+                    acc[2 * j] = acc[2 * j] + pair[0].to(Float32)
+                    acc[2 * j + 1] = acc[2 * j + 1] + pair[1].to(Float32)
+            else:
+                for i in cutlass.range(cute.size(acc), unroll_full=True):
+                    col = cutlass.min(start + tile_coords_c[i][1], last)
+                    if const_expr(self.planes.count is None):
+                        acc[i] = acc[i] + bias[col].to(Float32)
+                    else:
+                        acc[i] = acc[i] + bias[(col, tile_idx[2])].to(Float32)
         if const_expr(epilogue.exp_row_sums):
             self.exp_row_sums(acc, tile_coords_c, tile_idx, row_sums, fix_rows, c_shape, inside, gtidx)
         if const_expr(epilogue.store_preact):
