@@ -1496,7 +1496,8 @@ def test_ptxas_neither_serializes_the_wgmmas_nor_spills(tmp_path):
     # sums -- a swiglu forward, the GPT-2 MLP blocks' dh GEMMs (gelu', swiglu's halves, and h
     # written again), a decode step's split-K forward (16 x 4096 x 4096) and an LM head
     # chunk's logits GEMM with the exp epilogue, and at GPT-2 size its pass over flagged rows.
-    # The biased forwards read the bias a pair of columns at a time. None spills (ptxas -v: 0 bytes spill stores for each, before the change as after).
+    # None spills (ptxas -v: 0 bytes spill stores for each). The biased forwards read the bias a
+    # pair of columns a load.
     from cutelayers.kernels.gemm import ROW_BOX
 
     ptxas = shutil.which("ptxas")
