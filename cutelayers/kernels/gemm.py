@@ -1422,6 +1422,8 @@ class HopperGemmKernel:
             # of the thread's distinct columns once (a branch per accumulator kept all 128).
             start = tile_idx[1] * self.tile_mnk[1]
             last = cute.size(bias, mode=[0]) - 1
+            if const_expr(self.planes.count is not None):
+                bias = bias[(None, tile_idx[2])]  # the tile's plane: one bias column
             if const_expr(self.bias_words):
                 # A thread's accumulators come in pairs of adjacent columns, the first even. The
                 # word is written through the pair's 32-bit view (a one-word register tensor viewed
@@ -1430,16 +1432,13 @@ class HopperGemmKernel:
                 word = cute.recast_tensor(pair, Int32)
                 for j in cutlass.range(cute.size(acc) // 2, unroll_full=True):
                     at = cutlass.min((start + tile_coords_c[2 * j][1]) // 2, last)
-                    word[0] = bias[at] if const_expr(self.planes.count is None) else bias[(at, tile_idx[2])]
+                    word[0] = bias[at]
                     acc[2 * j] = acc[2 * j] + pair[0].to(Float32)
                     acc[2 * j + 1] = acc[2 * j + 1] + pair[1].to(Float32)
             else:
                 for i in cutlass.range(cute.size(acc), unroll_full=True):
                     col = cutlass.min(start + tile_coords_c[i][1], last)
-                    if const_expr(self.planes.count is None):
-                        acc[i] = acc[i] + bias[col].to(Float32)
-                    else:
-                        acc[i] = acc[i] + bias[(col, tile_idx[2])].to(Float32)
+                    acc[i] = acc[i] + bias[col].to(Float32)
         if const_expr(epilogue.exp_row_sums):
             self.exp_row_sums(acc, tile_coords_c, tile_idx, row_sums, fix_rows, c_shape, inside, gtidx)
         if const_expr(epilogue.store_preact):
