@@ -22,7 +22,9 @@ import sys
 from pathlib import Path
 
 OUTCOME = re.compile(r"\b(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
-NODE = re.compile(r"(tests/[\w./-]+\.py)::(\S+)")
+# a node id: its parameters may hold spaces (a GemmConfig repr), so they run to the "]" that ends
+# the id (followed by a space or the line's end)
+NODE = re.compile(r"(tests/[\w./-]+\.py)::(\w+(?:\[.*?\](?=\s|$))?)")
 RATIO_HEADER = re.compile(r"XLA/ours|speedup|vs[ _]xla", re.IGNORECASE)
 
 
