@@ -26,7 +26,6 @@ from cutelayers.kernels.gemm_config import (
     EXTRA_CONFIGS,
     PERSISTENT_SMS,
     SMEM_CAPACITY,
-    SOURCE_RING_CONFIGS,
     SPLIT_K_CONFIGS,
     STREAM_K_CONFIG,
     GemmConfig,
@@ -1258,7 +1257,7 @@ def test_stream_k_needs_a_cooperative_config():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [*CONFIGS.values(), *EXTRA_CONFIGS, *SOURCE_RING_CONFIGS], ids=str)
+@pytest.mark.parametrize("config", [*CONFIGS.values(), *EXTRA_CONFIGS], ids=str)
 def test_every_config_forward_epilogue_and_input_grad_gpu(config, rng):
     # Every config of the space (a tuned table may name any): the forward with bias, gelu, the
     # stored z and a residual, and the input gradient scaled by gelu'(z) in its epilogue (both
@@ -1272,59 +1271,6 @@ def test_every_config_forward_epilogue_and_input_grad_gpu(config, rng):
     cases = [(LinearForward("gelu", True, True, True, config=config), (x, w, b, r)),
              (LinearInputGrad("gelu", config=config), (dz, w, preact))]
     check_families(cases)
-
-
-def source_cases():
-    """(family, avals) of the kernels reading a source tile -- the forward's residual, the input
-    gradient's pre-activation (gelu'), the gated one's -- and of a plain forward, at GPT-2 widths."""
-    S = jax.ShapeDtypeStruct
-    x, w, b = S((1, 4096, 768), jnp.bfloat16), S((1, 768, 768), jnp.bfloat16), S((768,), jnp.bfloat16)
-    w2, z1 = S((1, 768, 768), jnp.bfloat16), S((1, 4096, 2 * 768), jnp.bfloat16)  # gated: H = 768
-    return {"residual": (LinearForward("none", True, True, False), (x, w, b, x)),
-            "gelu'": (LinearInputGrad("gelu"), (x, w, x)),
-            "silu' gated": (LinearInputGrad("silu", gated=True), (x, w2, z1)),
-            "plain": (LinearForward("none", False, False, False), (x, w))}
-
-
-def test_deeper_source_rings_are_in_the_space_of_source_kernels_only():
-    # The autotuner may pick a deeper source ring only for a kernel that has a source tile; the
-    # plain kernel's space is unchanged. Each deeper ring leaves its config a mainloop stage or more
-    # (stages >= 2) and fits in shared memory.
-    for name, (family, avals) in source_cases().items():
-        space = family.config_space(avals)
-        deeper = [c for c in space if c.source_stages != GemmConfig.source_stages]
-        if name == "plain":
-            assert not deeper
-        else:
-            assert deeper and set(deeper) <= set(SOURCE_RING_CONFIGS), name
-    for config in SOURCE_RING_CONFIGS:
-        assert config.source_stages > GemmConfig.source_stages
-        assert config.stages_for(2, 2, True) >= 2
-        assert config.smem_bytes(2, 2, True) <= SMEM_CAPACITY, config
-        # every subtile past the ring's first is a buffer: the ring costs the mainloop room
-        assert config.ring_bytes(2, True) > dataclasses.replace(config, source_stages=2).ring_bytes(2, True)
-
-
-@pytest.mark.cute
-def test_source_stages_must_be_positive():
-    from cutelayers.kernels.gemm import Epilogue, HopperGemmKernel
-
-    with pytest.raises(ValueError, match="source_stages must be at least 1; got 0"):
-        HopperGemmKernel(dataclasses.replace(CONFIGS["default"], source_stages=0), Epilogue(has_residual=True))
-
-
-@pytest.mark.cute
-def test_deeper_source_rings_compile(fresh_cache):
-    # Every deeper source ring lowers for sm_90a in each kernel that reads a source tile.
-    compiled = 0
-    for name, (family, avals) in source_cases().items():
-        for config in family.config_space(avals):
-            if config.source_stages == GemmConfig.source_stages:
-                continue
-            hlo = lower_cuda(functools.partial(kernel_call, dataclasses.replace(family, config=config)), *avals)
-            assert kernel_targets(hlo) == [family.name], (name, config)
-            compiled += 1
-    assert compiled >= len(SOURCE_RING_CONFIGS)
 
 
 def test_source_epilogues_are_tuned_on_their_own():

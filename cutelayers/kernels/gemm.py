@@ -41,7 +41,7 @@ Structure (one CTA per SM, looping over output tiles; ``1 + consumer_warpgroups`
   next tile's mainloop runs. The pre-activation, when asked for, goes out first through the same
   ring. A *source* tile read by the epilogue -- the residual, or the pre-activation whose
   activation derivative scales the product (an MLP backward) -- comes in by TMA too, into its own
-  ring of ``GemmConfig.source_stages`` buffers, issued before the tile's mainloop so it lands while the MMAs
+  ring of ``SOURCE_STAGES`` buffers, issued before the tile's mainloop so it lands while the MMAs
   run, and is read back with ``ldmatrix`` in the accumulators' layout.
 * pingpong (``GemmConfig.pingpong``): the two consumer warpgroups take alternate tiles, each a
   whole tile on its own, so one warpgroup's epilogue runs while the other's MMAs do -- for short
@@ -82,6 +82,7 @@ from cutelayers.kernels.gemm_config import (
     OPERAND_SUMS,
     PERSISTENT_SMS,
     ROW_SUM_BLOCK,
+    SOURCE_STAGES,
     WARPGROUP,
     GemmConfig,
 )
@@ -506,8 +507,6 @@ class HopperGemmKernel:
         if epilogue.exp_row_sums and (stream_k or planes != Planes() or sums is not None or config.split_k > 1):
             raise ValueError("an exp_row_sums epilogue takes no stream-K, planes, operand sums or split-K")
         self.tile_mnk = (config.tile_m, config.tile_n, config.tile_k)
-        if config.source_stages < 1:
-            raise ValueError(f"source_stages must be at least 1; got {config.source_stages}")
         if config.consumer_warpgroups not in (1, 2):
             raise ValueError("consumer_warpgroups must be 1 or 2")
         if config.pingpong and config.consumer_warpgroups != 2:
@@ -590,7 +589,7 @@ class HopperGemmKernel:
         epi_tile = config.epi_tile(c.element_type.width // 8)
         groups = config.epilogue_groups
         epi_smem = sm90.make_smem_layout_epi(c.element_type, c_layout, epi_tile, EPI_STAGES * groups)
-        source_smem = sm90.make_smem_layout_epi(c.element_type, c_layout, epi_tile, config.source_stages * groups)
+        source_smem = sm90.make_smem_layout_epi(c.element_type, c_layout, epi_tile, SOURCE_STAGES * groups)
 
         # A 16-bit bias of even length is read two columns a 32-bit word: one bf16 load a column
         # had ptxas hoist a thread's 48 loads ahead of the adds and spill to hold them (128 x 192
@@ -641,7 +640,7 @@ class HopperGemmKernel:
         # receives, and their barrier.
         split = config.split_k > 1
         fields = {"barriers": cute.struct.MemRange[cutlass.Int64, self.stages * 2],
-                  "source_barriers": cute.struct.MemRange[cutlass.Int64, config.source_stages * groups * 2]}
+                  "source_barriers": cute.struct.MemRange[cutlass.Int64, SOURCE_STAGES * groups * 2]}
         if const_expr(split):
             fields["partials_barrier"] = cute.struct.MemRange[cutlass.Int64, 1]
         if const_expr(epilogue.exp_fix_rows):
@@ -780,13 +779,13 @@ class HopperGemmKernel:
             enable_multicast_signaling=True,
             defer_sync=True,
         )
-        # The source rings of all epilogue groups: group g owns stages [g, g + 1) * source_stages
+        # The source rings of all epilogue groups: group g owns stages [g, g + 1) * SOURCE_STAGES
         # (see ``group_state``), each consumed by the group's own threads.
         sources = None
         if const_expr(epilogue.has_source):
             sources = pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.source_barriers.data_ptr(),
-                num_stages=config.source_stages * config.epilogue_groups,
+                num_stages=SOURCE_STAGES * config.epilogue_groups,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mma_threads),
                 tx_count=cute.size_in_bytes(self.c_dtype, cute.slice_(source_smem, (None, None, 0))),
@@ -891,8 +890,8 @@ class HopperGemmKernel:
                 num_stages=EPI_STAGES,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mma_threads),
             )
-            source_loaded = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, config.source_stages)
-            source_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, config.source_stages)
+            source_loaded = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SOURCE_STAGES)
+            source_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SOURCE_STAGES)
             stores_per_tile = self.out_tiles(epi_tile) + (self.epi_tiles(epi_tile) if const_expr(epilogue.second_output) else 0)
             tiles_done = Int32(0)
             work = scheduler.initial_work_tile_info()
@@ -921,7 +920,7 @@ class HopperGemmKernel:
                     inside = inside & (rank == 0)  # the cluster's first CTA stores the summed tile
                 if const_expr(epilogue.has_source):
                     # The tile's first source subtiles load while its mainloop runs.
-                    for e in cutlass.range_constexpr(min(config.source_stages, self.out_tiles(epi_tile))):
+                    for e in cutlass.range_constexpr(min(SOURCE_STAGES, self.out_tiles(epi_tile))):
                         source_loaded = self.load_source(sources, group, source_loaded, ring[5], tma_s,
                                                          tma_tensor_s, tile_idx, epi_tile, e, store_warp)
                 if const_expr(config.pingpong):
@@ -1382,11 +1381,10 @@ class HopperGemmKernel:
         return s_tma, g_tma, cute.make_layout(epi_grid, stride=(epi_grid[1], 1))
 
     def group_state(self, state, group):
-        """``state`` of a group's own ring (``source_stages`` long) as a position in the shared
+        """``state`` of a group's own ring (SOURCE_STAGES long) as a position in the shared
         source pipeline, whose stages are the groups' rings one after the other."""
-        stages = self.config.source_stages
-        return pipeline.PipelineState(stages * self.config.epilogue_groups, state.count,
-                                      state.index + group * stages, state.phase)
+        return pipeline.PipelineState(SOURCE_STAGES * self.config.epilogue_groups, state.count,
+                                      state.index + group * SOURCE_STAGES, state.phase)
 
     @cute.jit
     def load_source(self, sources, group, source_loaded, ss, tma_s, tma_tensor_s, tile_idx,
@@ -1630,16 +1628,15 @@ class HopperGemmKernel:
     def read_source(self, i: cutlass.Constexpr, sources, group, source_loaded, source_read, ss, tma_s, tma_tensor_s,
                     tile_idx, epi_tile: cutlass.Constexpr, store_warp, copy_s2r, s2r_src, source_view):
         """The tile's ``i``-th source subtile from the group's source ring into ``source_view``
-        (the thread's registers), then the load of the one ``source_stages`` later, if any."""
+        (the thread's registers), then the load of the one ``SOURCE_STAGES`` later, if any."""
         state = self.group_state(source_read, group)
         sources.consumer_wait(state)
         cute.copy(copy_s2r, s2r_src[(None, None, None, state.index)], source_view)
         sources.consumer_release(state)
         source_read.advance()
-        later = i + self.config.source_stages
-        if const_expr(later < self.out_tiles(epi_tile)):
+        if const_expr(i + SOURCE_STAGES < self.out_tiles(epi_tile)):
             self.load_source(sources, group, source_loaded, ss, tma_s, tma_tensor_s, tile_idx, epi_tile,
-                             later, store_warp)
+                             i + SOURCE_STAGES, store_warp)
 
     @cute.jit
     def send_subtile(self, part, part_out, index: cutlass.Constexpr, store, ring, views, tma_out,

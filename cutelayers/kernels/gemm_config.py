@@ -28,7 +28,7 @@ EPI_STAGES = 2
 # a 16-bit one and leaves the mainloop a stage more (GPT-2 stream-K weight gradients, 16384 rows,
 # 64 -> 32 float32 columns: 87.9 / 111.2 / 110.3 / 35.8 -> 84.2 / 108.9 / 109.0 / 34.8 us, H200).
 EPI_ROW_BYTES = 128
-SOURCE_STAGES = 2  # epilogue source tiles (residual / pre-activation) in flight, by default
+SOURCE_STAGES = 2  # epilogue source tiles (residual / pre-activation) in flight
 # Which operand's sums over the contraction a GEMM also gives (a weight gradient's bias gradient):
 # none, A or B.
 OPERAND_SUMS = (None, "a", "b")
@@ -49,9 +49,7 @@ class GemmConfig:
     CTAs (one tile a cluster, not persistent): each sends its float32 partial tile to the first
     one's shared memory, which adds them and runs the epilogue -- for outputs of few tiles, such as
     a decode step's. ``stages`` is an upper bound: an epilogue that needs a source ring gets as
-    many as fit next to it. ``source_stages``: the subtiles of an epilogue's source tile (a
-    residual, a pre-activation) loaded before the tile's mainloop; the rest are loaded in the
-    epilogue, each as a buffer frees (:data:`SOURCE_RING_CONFIGS`).
+    many as fit next to it.
     """
 
     tile_m: int
@@ -63,7 +61,6 @@ class GemmConfig:
     pingpong: bool = False
     tile_k: int = 64
     split_k: int = 1
-    source_stages: int = SOURCE_STAGES
 
     @property
     def threads(self) -> int:
@@ -88,7 +85,7 @@ class GemmConfig:
     def ring_bytes(self, c_bytes: int, source: bool) -> int:
         """Shared memory of the epilogue rings: stores, plus sources if the epilogue reads one."""
         rows, cols = self.epi_tile(c_bytes)
-        buffers = EPI_STAGES + (self.source_stages if source else 0)
+        buffers = EPI_STAGES + (SOURCE_STAGES if source else 0)
         return self.epilogue_groups * buffers * rows * cols * c_bytes
 
     def stage_bytes(self, ab_bytes: int) -> int:
@@ -131,14 +128,6 @@ CONFIGS = {
     "default": GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6, cluster_n=2, pingpong=True),
     "wide": GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, stages=4, cluster_m=2),
 }
-# 128 x 192 pingpong: each warpgroup's tile is 1.5x the 128 x 128 one, so its epilogue hides
-# behind a longer mainloop at K = 768 (GPT-2 fc2's input gradient on the H100: 101 us against
-# 116-118 on 128 x 128 / 128 x 256 tiles; cuBLAS 97); ptxas: no spills but 124 bytes in the
-# bias + gelu forward that stores z.
-PINGPONG_192 = (
-    GemmConfig(tile_m=128, tile_n=192, consumer_warpgroups=2, stages=5, cluster_m=2, pingpong=True),
-    GemmConfig(tile_m=128, tile_n=192, consumer_warpgroups=2, stages=5, cluster_n=2, pingpong=True),
-)
 # Further points of the autotuning space (not picked by the heuristic).
 EXTRA_CONFIGS = (
     GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6),
@@ -148,21 +137,17 @@ EXTRA_CONFIGS = (
     GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6, pingpong=True),
     GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6, cluster_m=2, pingpong=True),
     GemmConfig(tile_m=64, tile_n=256, consumer_warpgroups=2, stages=6, pingpong=True),
-    *PINGPONG_192,
+    # 128 x 192 pingpong: each warpgroup's tile is 1.5x the 128 x 128 one, so its epilogue hides
+    # behind a longer mainloop at K = 768 (GPT-2 fc2's input gradient on the H100: 101 us against
+    # 116-118 on 128 x 128 / 128 x 256 tiles; cuBLAS 97); ptxas: no spills but 124 bytes in the
+    # bias + gelu forward that stores z.
+    GemmConfig(tile_m=128, tile_n=192, consumer_warpgroups=2, stages=5, cluster_m=2, pingpong=True),
+    GemmConfig(tile_m=128, tile_n=192, consumer_warpgroups=2, stages=5, cluster_n=2, pingpong=True),
     # Decode rows over a short N: twice the CTAs of the small_m tile, in 128-deep k tiles (H100,
     # 16 x 4096 x 4096: forward 19.5 -> 17.2 us, input gradient 18.2 -> 16.2; 64-deep ones, as many
     # stages as fit, 17.8 / 16.8). Its 64-column tiles lose where N fills the GPU (16 x 4096 x
     # 16384: 52.8 us against small_m's 47.9).
     GemmConfig(tile_m=64, tile_n=64, consumer_warpgroups=1, stages=6, cluster_n=2, tile_k=128),
-)
-
-# Deeper source rings, for the kernels that read a source tile (GemmFamily.config_space): more of
-# a tile's subtiles loaded before its mainloop (of 4 on 128 x 128 pingpong tiles and on 128 x 256
-# cooperative ones, of 6 on 128 x 192 pingpong ones), where the default ring of two loads the rest
-# in the epilogue, each read then waiting for DRAM; for a mainloop stage or two of shared memory.
-SOURCE_RING_CONFIGS = tuple(
-    dataclasses.replace(c, source_stages=stages) for c, stages in (
-        (CONFIGS["default"], 4), (CONFIGS["wide"], 3), *((c, n) for c in PINGPONG_192 for n in (4, 6)))
 )
 
 

@@ -67,7 +67,6 @@ from cutelayers.kernels.gemm_config import (
     OPERAND_SUMS,
     PERSISTENT_SMS,
     ROW_SUM_BLOCK,
-    SOURCE_RING_CONFIGS,
     SPLIT_K_CONFIGS,
     GemmConfig,
     config_class,
@@ -266,7 +265,6 @@ class GemmFamily(TunableFamily):
 
     def config_space(self, avals) -> tuple:
         space = tuple(CONFIGS.values()) + EXTRA_CONFIGS + (SPLIT_K_CONFIGS if self.takes_split_k else ())
-        space += SOURCE_RING_CONFIGS if self.reads_source else ()
         # stream-K's segments end where its chunks do, not with a warpgroup's tile: cooperative only
         if self.stream_k:
             space = tuple(c for c in space if not c.pingpong)
