@@ -1363,14 +1363,13 @@ def grads_fn(use_kernels: bool, precision, kernel_nk: bool, f32_params: bool, ha
     def per_example_grads(x, dz, kernel):
         # dkernel and dbias of each example (the batch leading every row-wise argument): the
         # separate kernels, the weight gradient's batch mode holding the examples
-        dx = input_grad(dz, kernel)
         a, b = (dz, x) if kernel_nk else (x, dz)
         flat = [t.reshape(t.shape[0], -1, t.shape[-1]) for t in (a, b)]
         if not has_bias:
-            return dx, weight_grad_fn(use_kernels, precision, result_dtype=dtype_of(x))(*flat), None
+            return input_grad(dz, kernel), weight_grad_fn(use_kernels, precision, result_dtype=dtype_of(x))(*flat), None
         dkernel, sums = weight_grad_fn(use_kernels, precision, "a" if kernel_nk else "b",
                                        result_dtype=dtype_of(x))(*flat)
-        return dx, dkernel, sums.astype(dtype_of(x))
+        return input_grad(dz, kernel), dkernel, sums.astype(dtype_of(x))
 
     return fold_batch(grads, shared=(2,), batched=per_example_grads)
 
