@@ -60,9 +60,6 @@ adding into a running sum (``accumulate``), they meet in c through reduce-add TM
 attention projection -- as the GEMM's batch mode, with an operand given as P separate buffers
 where the layer's neighbours hold them apart (the forward's outputs, dx's contraction over dq, dk,
 dv, dW's columns): no slice or concatenation around the GEMM.
-
-A *pair* (:class:`HopperGemmPair`): two such GEMMs in one persistent launch, each on its share of
-the SMs -- a weight gradient of few tiles beside its layer's input gradient.
 """
 
 from __future__ import annotations
@@ -349,21 +346,20 @@ class StreamKScheduler:
 
     def __init__(self, state, clusters_m: int, clusters_n: int, cluster_mn: tuple[int, int]):
         # state: Int32 (position, end of the chunk, k tiles, all steps, clusters in the grid,
-        # this CTA's m and n in its cluster, its cluster)
+        # this CTA's m and n in its cluster)
         self.state, self.clusters_m, self.clusters_n, self.cluster_mn = state, clusters_m, clusters_n, cluster_mn
 
     @staticmethod
-    def create(c_shape, tile_mn, cluster_mn, cluster_coord, k_tiles, position):
-        """The schedule of this CTA's cluster (the third coordinate of ``position``, the kernel's
-        (block index, grid size)) for an output of ``c_shape`` (M, N, L) in tiles of ``tile_mn``."""
+    def create(c_shape, tile_mn, cluster_mn, cluster_coord, k_tiles):
+        """The schedule of this CTA's cluster (the grid's third coordinate) for an output of
+        ``c_shape`` (M, N, L) in tiles of ``tile_mn``."""
         clusters_m = cute.ceil_div(cute.ceil_div(c_shape[0], tile_mn[0]), cluster_mn[0])
         clusters_n = cute.ceil_div(cute.ceil_div(c_shape[1], tile_mn[1]), cluster_mn[1])
         steps = Int32(clusters_m * clusters_n * c_shape[2] * k_tiles)
-        cluster = Int32(position[0][2])
-        clusters = Int32(position[1][2])
+        cluster = Int32(cute.arch.block_idx()[2])
+        clusters = Int32(cute.arch.grid_dim()[2])
         start, end = chunk_start(cluster, steps, clusters), chunk_start(cluster + 1, steps, clusters)
-        state = (start, end, Int32(k_tiles), steps, clusters, Int32(cluster_coord[0]), Int32(cluster_coord[1]),
-                 cluster)
+        state = (start, end, Int32(k_tiles), steps, clusters, Int32(cluster_coord[0]), Int32(cluster_coord[1]))
         return StreamKScheduler(state, clusters_m, clusters_n, cluster_mn)
 
     def __extract_mlir_values__(self):
@@ -377,7 +373,7 @@ class StreamKScheduler:
         return self.get_current_work()
 
     def get_current_work(self):
-        pos, end, k_tiles, steps, clusters, cta_m, cta_n, _ = self.state
+        pos, end, k_tiles, steps, clusters, cta_m, cta_n = self.state
         tile = pos // k_tiles
         inner = pos - tile * k_tiles
         count = cutlass.min(end - pos, k_tiles - inner)
@@ -398,10 +394,6 @@ class StreamKScheduler:
         pos = pos + cutlass.min(end - pos, k_tiles - pos % k_tiles)
         self.state = (pos, *self.state[1:])
 
-    def cluster(self):
-        """This CTA's cluster: its chunk's index."""
-        return self.state[7]
-
     def chunk_start(self, cluster):
         """The first step of ``cluster``'s chunk (its chunk ends where the next one starts)."""
         return chunk_start(cluster, self.state[3], self.state[4])
@@ -420,7 +412,7 @@ class StreamKScheduler:
         # the cluster holding the tile's last step: the last one whose chunk starts at or before
         # it (chunks are empty where there are fewer steps than clusters)
         last = Int32((Int64(tile + 1) * Int64(k_tiles) * Int64(clusters) - 1) // Int64(steps))
-        first = self.cluster() + 1
+        first = Int32(cute.arch.block_idx()[2]) + 1
         return tuple(cute.arch.make_warp_uniform(v) for v in (pos - tile * k_tiles, first, last + 1))
 
 
@@ -434,10 +426,10 @@ class SplitKScheduler:
         self.state = state  # Int32 (m, n, batch, first k tile, k tiles, 1 while the unit is pending)
 
     @staticmethod
-    def create(c_shape, tile_mn, k_tiles, split: int, rank, position):
+    def create(c_shape, tile_mn, k_tiles, split: int, rank):
         tiles_m = cute.ceil_div(c_shape[0], tile_mn[0])
         tiles_n = cute.ceil_div(c_shape[1], tile_mn[1])
-        tile = Int32(position[0][2])
+        tile = Int32(cute.arch.block_idx()[2])
         per = (k_tiles + split - 1) // split
         k0 = Int32(rank) * per
         count = cutlass.max(cutlass.min(k_tiles - k0, per), 0)
@@ -494,13 +486,9 @@ class HopperGemmKernel:
     """
 
     def __init__(self, config: GemmConfig, epilogue: Epilogue, accumulate: bool = False, stream_k: bool = False,
-                 planes: Planes = Planes(), sums: str | None = None, sms: int = PERSISTENT_SMS):
+                 planes: Planes = Planes(), sums: str | None = None):
         self.config, self.epilogue, self.accumulate, self.stream_k = config, epilogue, accumulate, stream_k
-        self.planes, self.sums, self.sms = planes, sums, sms
-        cluster_size = config.cluster_m * config.cluster_n
-        if not 0 < sms <= PERSISTENT_SMS or sms % cluster_size:
-            raise ValueError(f"sms must be a multiple of the cluster's {cluster_size} CTAs up to {PERSISTENT_SMS}; "
-                             f"got {sms}")
+        self.planes, self.sums = planes, sums
         if sums not in OPERAND_SUMS:
             raise ValueError(f"sums must be one of {OPERAND_SUMS}; got {sums!r}")
         if sums is not None and planes.summed:
@@ -543,14 +531,6 @@ class HopperGemmKernel:
 
     @cute.jit
     def __call__(self, stream, *tensors):
-        args, grid, cluster = self.prepare(*tensors)
-        self.kernel(args).launch(grid=grid, block=[self.config.threads, 1, 1], cluster=cluster, min_blocks_per_mp=1,
-                                  smem=self.shared_storage.size_in_bytes(), stream=stream)
-
-    def prepare(self, *tensors):
-        """Everything the launch of ``tensors`` (see the class docstring) needs, made on the host:
-        (the kernel's arguments, grid, cluster shape); sets the shared-memory layout
-        (``shared_storage``) and the static facts the kernel body reads from ``self``."""
         epilogue, config = self.epilogue, self.config
         planes = self.planes
         rest = list(tensors)
@@ -680,7 +660,7 @@ class HopperGemmKernel:
         schedule = utils.PersistentTileSchedulerParams(
             tiles, (config.cluster_m, config.cluster_n, 1), self.raster_group(c_n), True
         )
-        clusters_per_wave = self.sms // (config.cluster_m * config.cluster_n)
+        clusters_per_wave = PERSISTENT_SMS // (config.cluster_m * config.cluster_n)
         cluster = (config.cluster_m, config.cluster_n, 1)
         if const_expr(self.stream_k):
             grid = (config.cluster_m, config.cluster_n, clusters_per_wave)  # every cluster takes a chunk
@@ -689,12 +669,19 @@ class HopperGemmKernel:
             cluster = (config.split_k, 1, 1)
         else:
             grid = utils.StaticPersistentTileScheduler.get_grid_shape(schedule, clusters_per_wave)
-        self.epi_tile = epi_tile
-        args = (tiled_mma, tma_a, tma_tensor_a, tma_a_rows, tma_tensor_a_rows, tma_b, tma_tensor_b,
-                tma_c, tma_tensor_c, tma_z, tma_tensor_z, tma_s, tma_tensor_s, bias, sums, summed, flags,
-                workspace, row_sums, fix_rows, a_smem, b_smem, epi_smem, source_smem, schedule,
-                (c.shape[0], c_n, batches))
-        return args, grid, cluster
+        self.kernel(
+            tiled_mma, tma_a, tma_tensor_a, tma_a_rows, tma_tensor_a_rows, tma_b, tma_tensor_b,
+            tma_c, tma_tensor_c, tma_z, tma_tensor_z, tma_s, tma_tensor_s, bias, sums, summed, flags,
+            workspace, row_sums, fix_rows, a_smem, b_smem, epi_smem, source_smem, epi_tile, schedule,
+            (c.shape[0], c_n, batches),
+        ).launch(
+            grid=grid,
+            block=[config.threads, 1, 1],
+            cluster=cluster,
+            min_blocks_per_mp=1,
+            smem=self.shared_storage.size_in_bytes(),
+            stream=stream,
+        )
 
     def raster_group(self, n) -> int:
         """Cluster columns per rasterization group for N = ``n`` columns: the largest divisor of
@@ -726,27 +713,7 @@ class HopperGemmKernel:
             op, t, cute.slice_(smem_staged, (None, None, 0)), tile, num_multicast=multicast), tensor)
 
     @cute.kernel
-    def kernel(self, args):
-        """The whole grid runs this GEMM; ``args`` as :meth:`prepare` made them."""
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
-        self.body(args, (cute.arch.block_idx(), cute.arch.grid_dim()), storage)
-
-    def grid_position(self):
-        """(block index, grid size) of this CTA within the part of the grid this kernel runs on:
-        the launch's own, or in a :class:`HopperGemmPair` its share of the clusters (the third
-        coordinate counted from the share's first cluster). Every schedule reads these, never
-        ``block_idx`` / ``grid_dim`` directly."""
-        return self.position
-
-    @cute.jit
-    def body(self, args, position, storage):
-        """The kernel's work on the CTA at ``position`` (:meth:`grid_position`), ``args`` as
-        :meth:`prepare` made them, in the shared memory ``storage`` (a ``shared_storage``)."""
-        self.position, self.storage = position, storage
-        self.run(*args)
-
-    @cute.jit
-    def run(
+    def kernel(
         self,
         tiled_mma: cute.TiledMma,
         tma_a,  # CopyAtom, or a tuple of them per plane when split (so are the tensors)
@@ -773,11 +740,11 @@ class HopperGemmKernel:
         b_smem: cute.ComposedLayout,
         epi_smem: cute.ComposedLayout,
         source_smem: cute.ComposedLayout,
+        epi_tile: cutlass.Constexpr,
         schedule: utils.PersistentTileSchedulerParams,
         c_shape,
     ):
         config, epilogue, planes = self.config, self.epilogue, self.planes
-        epi_tile = self.epi_tile
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp == 0:
@@ -790,7 +757,7 @@ class HopperGemmKernel:
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         # a split-K cluster's CTAs share their tile: each loads its own k tiles, unicast
         cluster_coord = (0, 0, 0) if const_expr(split > 1) else cluster_layout.get_flat_coord(rank)
-        storage = self.storage
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
         if const_expr(split > 1):
             if tidx == 0:
                 cute.arch.mbarrier_init(storage.partials_barrier.data_ptr(), 1)
@@ -846,13 +813,13 @@ class HopperGemmKernel:
 
         pipeline.pipeline_init_wait(cluster_shape_mn=sync_mn)
         if const_expr(split > 1):
-            scheduler = SplitKScheduler.create(c_shape, (config.tile_m, config.tile_n), tile_steps, split, rank,
-                                               self.grid_position())
+            scheduler = SplitKScheduler.create(c_shape, (config.tile_m, config.tile_n), tile_steps, split, rank)
         elif const_expr(self.stream_k):
             scheduler = StreamKScheduler.create(c_shape, (config.tile_m, config.tile_n), cluster_mn,
-                                                cluster_coord, tile_steps, self.grid_position())
+                                                cluster_coord, tile_steps)
         else:
-            scheduler = utils.StaticPersistentTileScheduler.create(schedule, *self.grid_position())
+            scheduler = utils.StaticPersistentTileScheduler.create(
+                schedule, cute.arch.block_idx(), cute.arch.grid_dim())
 
         if warp < 4:
             # --- producer warpgroup: warp 0 streams A and B for every tile of this CTA -----------
@@ -1182,7 +1149,7 @@ class HopperGemmKernel:
         vector = ir.VectorType.get([4], Float32.mlir_type)
         inner, first, end = scheduler.fixup_role()
         if inner > 0:
-            slot = scheduler.cluster() * cluster_size + rank
+            slot = Int32(cute.arch.block_idx()[2]) * cluster_size + rank
             four = cute.make_rmem_tensor(cute.make_layout(4), Float32)
             for q in cutlass.range_constexpr(quads):
                 for j in cutlass.range_constexpr(4):
@@ -1232,11 +1199,11 @@ class HopperGemmKernel:
         batches = len(planes) if const_expr(len(planes) > 1) else first.shape[2]
         block = 32 * SUM_VECTOR
         blocks = cute.ceil_div(extent, block)
-        bidx, grid = self.grid_position()
-        warps = grid[0] * grid[1] * grid[2] * SUM_WARPS
+        warps = cute.arch.grid_dim()[0] * cute.arch.grid_dim()[1] * cute.arch.grid_dim()[2] * SUM_WARPS
         runs = cutlass.max(warps // (batches * blocks), 1)  # row runs per (batch, block)
         run_rows = cute.ceil_div(rows, runs)
-        cta = bidx[0] + grid[0] * (bidx[1] + grid[1] * bidx[2])
+        bidx = cute.arch.block_idx()
+        cta = bidx[0] + cute.arch.grid_dim()[0] * (bidx[1] + cute.arch.grid_dim()[1] * bidx[2])
         lane = cute.arch.lane_idx()
         totals = cute.make_rmem_tensor((SUM_VECTOR,), Float32)
         values = cute.make_rmem_tensor((SUM_VECTOR,), first.element_type)
@@ -1697,59 +1664,3 @@ class HopperGemmKernel:
             stores.producer_commit()
             stores.producer_acquire()
         cute.arch.barrier(barrier_id=1 + group, number_of_threads=mma_threads)
-
-
-class HopperGemmPair:
-    """Two GEMMs in one persistent launch: the grid's first clusters run ``first``'s tile loop,
-    the rest ``second``'s, each on its own ``sms`` (one CTA an SM; together at most the GPU's).
-    Where neither GEMM fills the GPU by itself -- a weight gradient of few tiles over a long
-    contraction and the input gradient beside it -- each runs on part of the SMs at once instead of
-    on all of them one after the other: one launch's fixed costs and tail, not two.
-
-    Both take one cluster shape and thread count (one launch) and a persistent grid (no split-K:
-    its grid is a cluster a tile); their shared-memory layouts overlap (a ``cute.union``: a CTA
-    runs one of the two). Launcher ``(stream, *tensors)``: ``routes[i]`` are the positions in
-    ``tensors`` of kernel i's launcher tensors, in its order (see :class:`HopperGemmKernel`).
-    """
-
-    def __init__(self, first: HopperGemmKernel, second: HopperGemmKernel, routes: tuple[tuple[int, ...], ...]):
-        self.first, self.second, self.routes = first, second, routes
-        a, b = first.config, second.config
-        if (a.cluster_m, a.cluster_n) != (b.cluster_m, b.cluster_n) or a.threads != b.threads:
-            raise ValueError(f"a pair's GEMMs take one cluster shape and thread count; got {a} and {b}")
-        if a.split_k > 1 or b.split_k > 1:
-            raise ValueError("a pair's GEMMs run persistent grids: no split-K")
-        if first.sms + second.sms > PERSISTENT_SMS:
-            raise ValueError(f"a pair's GEMMs take at most {PERSISTENT_SMS} SMs together; got {first.sms} + "
-                             f"{second.sms}")
-        if len(routes) != 2:
-            raise ValueError(f"routes gives each of the two GEMMs its tensors; got {len(routes)} routes")
-
-    @cute.jit
-    def __call__(self, stream, *tensors):
-        first_args, first_grid, cluster = self.first.prepare(*(tensors[i] for i in self.routes[0]))
-        second_args, second_grid, _ = self.second.prepare(*(tensors[i] for i in self.routes[1]))
-
-        class Shared:
-            __annotations__ = {"first": self.first.shared_storage, "second": self.second.shared_storage}
-
-        self.shared_storage = cute.union(Shared)
-        first_clusters = Int32(first_grid[2])
-        self.kernel(first_args, second_args, first_clusters).launch(
-            grid=(first_grid[0], first_grid[1], first_clusters + second_grid[2]),
-            block=[self.first.config.threads, 1, 1],
-            cluster=cluster,
-            min_blocks_per_mp=1,
-            smem=self.shared_storage.size_in_bytes(),
-            stream=stream,
-        )
-
-    @cute.kernel
-    def kernel(self, first_args, second_args, first_clusters: Int32):
-        block, grid = cute.arch.block_idx(), cute.arch.grid_dim()
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
-        if block[2] < first_clusters:
-            self.first.body(first_args, (block, (grid[0], grid[1], first_clusters)), storage.first)
-        else:
-            self.second.body(second_args, ((block[0], block[1], block[2] - first_clusters),
-                                           (grid[0], grid[1], grid[2] - first_clusters)), storage.second)

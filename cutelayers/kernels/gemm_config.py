@@ -234,28 +234,6 @@ def weight_grad_stream_k(m: int, n: int, k: int, batch: int = 1) -> str | None:
     return "workspace" if stream_k_workspace_pays(m, n, batch) else "zeros"
 
 
-# A linear layer's weight gradient and input gradient in one launch (kernels.gemm.HopperGemmPair),
-# each on part of the SMs, where the weight gradient's few tiles are cut over many clusters. The
-# two GEMMs compiled alone for part of the grid, H100, attention output 16384 x 768 x 768
-# (docs/benchmarks.md, fifty-seventh session), us: dW + db 41.3 on 132 SMs, 52.7-53.1 on 66; dx
-# 28.9 on 132, 47.8-48.0 on 66 -- side by side ~53 against 70.2 in sequence. One launch takes one
-# cluster shape: dx runs "default"'s tile on STREAM_K_CONFIG's 2 x 1 cluster.
-PAIR_WEIGHT_GRAD_SMS = 66
-PAIR_INPUT_GRAD_CONFIG = GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, stages=6, cluster_m=2,
-                                    pingpong=True)
-
-
-@_concrete_dims
-def grads_pair_pays(m: int, k: int, n: int, kernel_nk: bool = False) -> bool:
-    """Whether a linear layer's backward on ``m`` rows of x (m, k) and dz (m, n) runs dkernel and
-    dx in one launch: where dkernel -- (k, n), or (n, k) for a kernel stored so -- adds its
-    stream-K partial tiles into float32 zeros (:func:`weight_grad_stream_k`: its tiles too few
-    for the grid) and dx (m, k) runs whole tiles (:func:`stream_k_pays` says no) -- the attention
-    output at GPT-2 size."""
-    dkernel = (n, k) if kernel_nk else (k, n)
-    return weight_grad_stream_k(*dkernel, m) == "zeros" and not stream_k_pays(m, k, n)
-
-
 SMALL_M_MAX = 64  # rows up to this are "small_m"
 # A decode GEMM's default where its kernel takes split-K: the first of SPLIT_K_CONFIGS whose
 # clusters, one a tile, are all resident at once (hopper.RESIDENT_CLUSTERS) -- the most CTAs on the

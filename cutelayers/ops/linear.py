@@ -65,17 +65,13 @@ from cutelayers.kernels.gemm_config import (
     EXP_CLAMP,
     EXTRA_CONFIGS,
     OPERAND_SUMS,
-    PAIR_INPUT_GRAD_CONFIG,
-    PAIR_WEIGHT_GRAD_SMS,
     PERSISTENT_SMS,
     ROW_SUM_BLOCK,
     SPLIT_K_CONFIGS,
-    STREAM_K_CONFIG,
     GemmConfig,
     config_class,
     decode_split_config,
     decode_stream_k_pays,
-    grads_pair_pays,
     row_bucket,
     stream_k_config,
     stream_k_pays,
@@ -85,7 +81,7 @@ from cutelayers.kernels.hopper import concrete_dim
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import check_float_array
 from cutelayers.ops._zeros import zeros_after
-from cutelayers.runtime.family import KernelFamily, ShardingRule, TunableFamily
+from cutelayers.runtime.family import ShardingRule, TunableFamily
 from cutelayers.runtime.sharding import kernel_call, run_kernel, sum_partials, vary_like
 from cutelayers.tuning import resolve
 
@@ -322,17 +318,14 @@ class GemmFamily(TunableFamily):
         return dataclasses.replace(rule, per_shard=functools.partial(self.per_shard, rule))
 
     def per_shard(self, rule, ctx, *operands):
-        """One device's part: the GEMM on its shards, its results combined (:meth:`combine_shards`)."""
-        return self.combine_shards(rule, ctx, self.run_local(*operands))
-
-    def combine_shards(self, rule, ctx, results):
-        """One device's ``results`` over the mesh: those that lack a sharded factor of the operands
-        (the contraction) are partial sums, psum'd -- except a second result over the factor it is
-        whole over (:meth:`second_result_whole_over`)."""
+        """One device's part: the GEMM on its shards; results that lack a sharded factor of the
+        operands (the contraction) are partial sums, psum'd -- except a second result over the
+        factor it is whole over (:meth:`second_result_whole_over`)."""
         independent = self.second_result_whole_over()
         if independent is not None:
             first, second, *rest = rule.results
             rule = dataclasses.replace(rule, results=(first, second + (independent,), *rest))
+        results = self.run_local(*operands)
         if self.fixup:  # the workspace and flags are scratch, not partial sums
             return sum_partials(rule, ctx, results[:-2]) + results[-2:]
         return sum_partials(rule, ctx, results)
@@ -345,7 +338,13 @@ class GemmFamily(TunableFamily):
         return None
 
     def run_local(self, *operands):
-        return run_on_shard(self, self.layer_dims(operands), operands)
+        """This GEMM on one device's operands; the jnp reference where sharding left K or N per
+        device no multiple of 8 (TMA alignment)."""
+        use_kernels, why = kernels_apply(operands[0].dtype, *self.layer_dims(operands))
+        if not use_kernels:
+            _backend.fall_back(f"{self.name} on a shard", why)
+            return tuple(self.reference(*operands))
+        return run_kernel(self, *operands)
 
     def dynamic_dims_at(self, position, aval):
         kind = self.kinds()[position]
@@ -406,14 +405,10 @@ class GemmFamily(TunableFamily):
         return False
 
     def launcher(self, avals, out_avals):
-        return self.kernel()
-
-    def kernel(self, sms: int = PERSISTENT_SMS):
-        """This family's GEMM kernel, its persistent grid on ``sms`` SMs."""
         from cutelayers.kernels.gemm import HopperGemmKernel
 
         return HopperGemmKernel(self.chosen_config(), self.epilogue(), self.accumulate, self.stream_k,
-                                self.planes(), self.operand_sums, sms)
+                                self.planes(), self.operand_sums)
 
     def epilogue(self):
         from cutelayers.kernels.gemm import Epilogue
@@ -866,112 +861,6 @@ class LinearWeightGrad(GemmFamily):
         return (dkernel,) + sums + self.scratch_reference()
 
 
-def run_on_shard(family, layer_dims: tuple[int, int], operands):
-    """``family``'s kernel on one device's ``operands``; the jnp reference where sharding left the
-    layer's (K, N) ``layer_dims`` per device no multiple of 8 (TMA alignment)."""
-    use_kernels, why = kernels_apply(operands[0].dtype, *layer_dims)
-    if not use_kernels:
-        _backend.fall_back(f"{family.name} on a shard", why)
-        return tuple(family.reference(*operands))
-    return run_kernel(family, *operands)
-
-
-@dataclasses.dataclass(frozen=True)
-class LinearGrads(KernelFamily):
-    """Kernel family: a linear layer's weight gradient (``weight``, a :class:`LinearWeightGrad`)
-    and input gradient (``input``, a :class:`LinearInputGrad`) in one launch
-    (:class:`cutelayers.kernels.gemm.HopperGemmPair`), the weight gradient on ``weight_sms`` SMs and
-    dx on the rest. Operands: the weight gradient's, then dx's; results likewise. Both families
-    carry their configs (one cluster shape); neither may use a workspace (scratch results)."""
-
-    weight: LinearWeightGrad
-    input: LinearInputGrad
-    weight_sms: int
-
-    name = "linear_grads"
-
-    def __post_init__(self):
-        if self.weight.fixup or self.input.stream_k:
-            raise ValueError("LinearGrads: the paired kernels take no stream-K workspace and no stream-K dx")
-
-    @property
-    def parts(self) -> tuple[tuple[GemmFamily, int, int], ...]:
-        """(family, its operand count, its result count) of the weight gradient, then of dx."""
-        return tuple((f, len(f.arg_names), len(f.kinds()) - len(f.arg_names)) for f in (self.weight, self.input))
-
-    def locate(self, position: int) -> tuple[GemmFamily, int]:
-        """The family that operand or result ``position`` belongs to, and its position there."""
-        (w, w_in, w_out), (i, i_in, _) = self.parts
-        if position < w_in:
-            return w, position
-        if position < w_in + i_in:
-            return i, position - w_in
-        result = position - w_in - i_in
-        return (w, w_in + result) if result < w_out else (i, i_in + result - w_out)
-
-    def split(self, sequence, results: bool = False) -> tuple:
-        """``sequence`` (operands, or results if ``results``) cut into the weight gradient's and dx's."""
-        count = self.parts[0][2 if results else 1]
-        return tuple(sequence[:count]), tuple(sequence[count:])
-
-    @property
-    def arg_names(self):
-        return self.weight.arg_names + self.input.arg_names
-
-    def dynamic_dims_at(self, position, aval):
-        family, at = self.locate(position)
-        return family.dynamic_dims_at(at, aval)
-
-    def modes_at(self, position):
-        family, at = self.locate(position)
-        return family.modes_at(at)
-
-    def kept_outputs(self, n_outputs):
-        (w, _, w_out), (i, _, i_out) = self.parts
-        return w.kept_outputs(w_out) + tuple(w_out + r for r in i.kept_outputs(i_out))
-
-    def operand_output_aliases(self):
-        (w, w_in, w_out), (i, _, _) = self.parts
-        aliases = dict(w.operand_output_aliases() or {})
-        aliases |= {w_in + o: w_out + r for o, r in (i.operand_output_aliases() or {}).items()}
-        return aliases or None
-
-    def out_avals(self, avals):
-        w_avals, i_avals = self.split(avals)
-        return self.weight.out_avals(w_avals) + self.input.out_avals(i_avals)
-
-    def reference(self, *arrays):
-        w_arrays, i_arrays = self.split(arrays)
-        return tuple(self.weight.reference(*w_arrays)) + tuple(self.input.reference(*i_arrays))
-
-    def launcher(self, avals, out_avals):
-        from cutelayers.kernels.gemm import HopperGemmPair
-
-        (w, w_in, w_out), (i, i_in, i_out) = self.parts
-        operands = w_in + i_in
-        kept_w = w.kept_outputs(w_out)
-        routes = (tuple(range(w_in)) + tuple(operands + j for j in range(len(kept_w))),
-                  tuple(range(w_in, operands)) + tuple(operands + len(kept_w) + j
-                                                       for j in range(len(i.kept_outputs(i_out)))))
-        return HopperGemmPair(w.kernel(self.weight_sms), i.kernel(PERSISTENT_SMS - self.weight_sms), routes)
-
-    def sharding_rule(self, avals):
-        # each family's rule over its own operands and results, the factors named alike in both
-        # (rows, k, n); each part's results summed over the factors it lacks, as alone
-        w_avals, i_avals = self.split(avals)
-        rules = [f.sharding_rule(a) for f, a in ((self.weight, w_avals), (self.input, i_avals))]
-        rule = ShardingRule(rules[0].operands + rules[1].operands, rules[0].results + rules[1].results)
-        return dataclasses.replace(rule, per_shard=functools.partial(self.per_shard, rules))
-
-    def per_shard(self, rules, ctx, *operands):
-        w_ops, _ = self.split(operands)
-        results = run_on_shard(self, self.weight.layer_dims(w_ops), operands)
-        w_results, i_results = self.split(results, results=True)
-        # each part's own per-shard combination (a second result whole over a factor, psums)
-        return (self.weight.combine_shards(rules[0], ctx, w_results)
-                + self.input.combine_shards(rules[1], ctx, i_results))
-
-
 # --- jnp reference: the kernels' decomposition -----------------------------------------------------
 
 def _matmul(a, b, precision=None):
@@ -1234,27 +1123,19 @@ def _weight_grad_batched(x, dz, accumulator, use_kernels, precision, sums=None, 
         else:
             dw = accumulator + _weight_grad_einsum(x, dz, precision, dtype=jnp.float32)
         return dw if sums is None else (dw, jnp.sum(summed.astype(jnp.float32), axis=1))
-    family, operands = weight_grad_call(x, dz, accumulator, sums, f32_out)
-    out = kernel_call(resolve(family, operands), *operands)
-    dw = out[0] if accumulator is not None else out[0].astype(out_dtype)
-    return dw if sums is None else (dw, out[1])
-
-
-def weight_grad_call(x, dz, accumulator, sums, f32_out: bool) -> tuple[LinearWeightGrad, tuple]:
-    """(family, operands) of the weight-gradient kernel on x (L, M, K) and dz (L, M, N): the
-    operand sums' float32 zeros where ``sums`` asks for them, then the float32 ``accumulator``
-    (None: none) -- which stream-K's partial tiles, if any, are added into too -- or what
-    :func:`weight_grad_schedule` adds."""
     (batch, rows, k), n = x.shape, dz.shape[-1]
-    summed = x if sums == "a" else dz
     sums_in = () if sums is None else (zeros_after(summed, (batch, summed.shape[-1])),)
-    if accumulator is not None:
+    running = accumulator is not None
+    if running:  # stream-K's partial tiles, if any, are added into the running sum too
         stream_k, accumulate, tail = stream_k_pays(k, n, rows, batch), True, (accumulator,)
     else:
         stream_k, accumulate, tail = weight_grad_schedule(dz, k, n, rows, batch, (batch, k, n))
+    operands = (x, dz, *sums_in, *tail)
     family = LinearWeightGrad(accumulate=accumulate, stream_k=stream_k, operand_sums=sums,
                               f32_out=f32_out and not accumulate)
-    return family, (x, dz, *sums_in, *tail)
+    out = kernel_call(resolve(family, operands), *operands)
+    dw = out[0] if running else out[0].astype(out_dtype)
+    return dw if sums is None else (dw, out[1])
 
 
 @functools.cache
@@ -1318,7 +1199,7 @@ def _linear_fn(activation: str, has_residual: bool, use_kernels: bool, precision
     parameters in x's dtype or, with ``f32_params``, float32 (:func:`compute_params`)."""
     plain = forward_fn(activation, False, use_kernels, precision, kernel_nk)
     saving = forward_fn(activation, True, use_kernels, precision, kernel_nk)
-    grads = functools.partial(grads_fn, use_kernels, precision, kernel_nk, f32_params)
+    input_grad = input_grad_fn(use_kernels, precision, kernel_nk=kernel_nk)
     needs_preact = activation != "none"
 
     @jax.custom_vjp
@@ -1336,55 +1217,13 @@ def _linear_fn(activation: str, has_residual: bool, use_kernels: bool, precision
     def bwd(res, dy):
         x, kernel, z, bias = res
         dz = preact_grad(z, dy, activation).astype(x.dtype)
-        dx, dkernel, dbias = grads(bias is not None)(x, dz, kernel)
+        dx = input_grad(dz, kernel)
+        dkernel, dbias = weight_and_bias_grads(x, dz, kernel_nk, bias is not None, use_kernels, precision,
+                                               f32_params)
         return dx, dkernel, dbias, dy if has_residual else None
 
     linear.defvjp(fwd, bwd)
     return fold_batch(linear, shared=(1, 2), per_example=linear)
-
-
-@functools.cache
-def grads_fn(use_kernels: bool, precision, kernel_nk: bool, f32_params: bool, has_bias: bool):
-    """``(dx, dkernel, dbias) = grads(x, dz, kernel)``: a linear layer's backward from x (..., K)
-    and dz (..., N) (:func:`input_grad_fn`, :func:`weight_and_bias_grads`; dbias None without a
-    bias), vmappable: batch dims fold into rows (dkernel over all of them), or under ``vmap`` of
-    the backward one dkernel per example. Where ``gemm_config.grads_pair_pays``, dkernel and dx
-    run in one launch (:class:`LinearGrads`)."""
-    input_grad = input_grad_fn(use_kernels, precision, kernel_nk=kernel_nk)
-    dtype_of = (lambda x: jnp.float32) if f32_params else (lambda x: x.dtype)
-
-    def grads(x, dz, kernel):
-        m, (k, n) = math.prod(x.shape[:-1]), (x.shape[-1], dz.shape[-1])
-        if use_kernels and m > 0 and grads_pair_pays(m, k, n, kernel_nk):
-            return _paired_grads(x, dz, kernel, has_bias, kernel_nk, dtype_of(x))
-        return (input_grad(dz, kernel),
-                *weight_and_bias_grads(x, dz, kernel_nk, has_bias, use_kernels, precision, f32_params))
-
-    def per_example_grads(x, dz, kernel):
-        # dkernel and dbias of each example (the batch leading every row-wise argument): the
-        # separate kernels, the weight gradient's batch mode holding the examples
-        a, b = (dz, x) if kernel_nk else (x, dz)
-        flat = [t.reshape(t.shape[0], -1, t.shape[-1]) for t in (a, b)]
-        if not has_bias:
-            return input_grad(dz, kernel), weight_grad_fn(use_kernels, precision, result_dtype=dtype_of(x))(*flat), None
-        dkernel, sums = weight_grad_fn(use_kernels, precision, "a" if kernel_nk else "b",
-                                       result_dtype=dtype_of(x))(*flat)
-        return input_grad(dz, kernel), dkernel, sums.astype(dtype_of(x))
-
-    return fold_batch(grads, shared=(2,), batched=per_example_grads)
-
-
-def _paired_grads(x, dz, kernel, has_bias: bool, kernel_nk: bool, dtype):
-    """(dx, dkernel, dbias) of :func:`grads_fn` from one :class:`LinearGrads` launch, the
-    parameters' gradients in ``dtype``."""
-    a, b = (dz, x) if kernel_nk else (x, dz)
-    sums = ("a" if kernel_nk else "b") if has_bias else None
-    weight, w_operands = weight_grad_call(as_rows(a), as_rows(b), None, sums, False)
-    family = LinearGrads(dataclasses.replace(weight, config=STREAM_K_CONFIG),
-                         LinearInputGrad(config=PAIR_INPUT_GRAD_CONFIG, kernel_nk=kernel_nk), PAIR_WEIGHT_GRAD_SMS)
-    results = kernel_call(family, *w_operands, as_rows(dz), kernel[None])
-    dbias = results[1][0].astype(dtype) if has_bias else None
-    return results[-1].reshape(x.shape), results[0][0].astype(dtype), dbias
 
 
 def weight_and_bias_grads(x, dz, kernel_nk: bool, has_bias: bool, use_kernels: bool, precision,
