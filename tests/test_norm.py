@@ -786,18 +786,22 @@ def test_decode_sized_backward_writes_few_partials():
 @pytest.mark.cute
 def test_few_rows_run_their_own_forward_kernel():
     # Up to norm_config.FEW_ROWS register-resident rows the forward is another kernel (its
-    # parameters loaded before the reductions); one row more is the many-rows kernel again, one
-    # compile per kind. A streamed row's kernel is one for any row count.
-    def target(rows, n):
-        x, p = jax.ShapeDtypeStruct((rows, n), jnp.bfloat16), jax.ShapeDtypeStruct((n,), jnp.bfloat16)
+    # parameters loaded before the reductions) where many rows' loads them after (LayerNorm's
+    # float32 scale and bias at 2048: norm_config.params_first); one row more is the many-rows
+    # kernel again, one compile per kind. Where many rows load them first too (bf16 parameters at
+    # 1024), and for a streamed row, it is one kernel for any row count.
+    def target(rows, n, param_dtype):
+        x, p = jax.ShapeDtypeStruct((rows, n), jnp.bfloat16), jax.ShapeDtypeStruct((n,), param_dtype)
         with cl.use_backend("cute"):
             hlo = jax.jit(layer_norm).trace(x, p, p).lower(lowering_platforms=("cuda",)).as_text()
         (name,) = re.findall(r"custom_call @(cutelayers_layer_norm_fwd_[0-9a-f]+)\(", hlo)
         return name
 
     few, many = norm_config.FEW_ROWS, norm_config.FEW_ROWS + 1
-    assert target(1, 1024) == target(few, 1024) != target(many, 1024) == target(4096, 1024)
-    assert target(few, 65536) == target(many, 65536)
+    f32 = jnp.float32
+    assert target(1, 2048, f32) == target(few, 2048, f32) != target(many, 2048, f32) == target(4096, 2048, f32)
+    assert target(1, 1024, jnp.bfloat16) == target(few, 1024, jnp.bfloat16) == target(4096, 1024, jnp.bfloat16)
+    assert target(few, 65536, jnp.bfloat16) == target(many, 65536, jnp.bfloat16)
 
 
 # Lowers the forwards of rms_norm (ROWS, 16384) bf16 x and scale + bias of the dtype in argv[1] for
@@ -908,7 +912,115 @@ def test_streamed_backward_held_to_two_ctas_an_sm(tmp_path, kernel, n, operands,
 
 
 @pytest.mark.cute
-def test_few_rows_take_register_resident_rows():
+@pytest.mark.parametrize("center,n,param_dtype,rows,first", [
+    (True, 768, jnp.bfloat16, 16384, True),   # one warp a row
+    (True, 768, jnp.float32, 16384, True),
+    (True, 1024, jnp.float32, 16384, True),
+    (True, 2048, jnp.bfloat16, 16384, True),   # 32 values x 4 bytes of parameters a thread
+    (True, 2048, jnp.float32, 16384, False),   # 32 x 8 bytes over two warps a row
+    (True, 4096, jnp.float32, 16384, False),
+    (False, 4096, jnp.float32, 16384, True),
+    (True, 8192, jnp.bfloat16, 16384, False),  # wider than PARAMS_FIRST_MAX_N
+    (True, 2048, jnp.float32, 8, True),        # few rows: always
+    (False, 65536, jnp.bfloat16, 8, False),    # a streamed row: never
+])
+def test_forward_loads_its_parameters_first_by_the_rule(monkeypatch, center, n, param_dtype, rows, first):
+    """Which heuristic forwards load scale and bias before their reductions
+    (norm_config.params_first, as measured on the H100), and the kernel's flag follows it."""
+    from cutelayers import tuning
+    from cutelayers.ops.norm import NormForward
+
+    monkeypatch.setattr(tuning, "device_kind", lambda: "Fake H100 for tests")  # no table entries
+    S = jax.ShapeDtypeStruct
+    avals = (S((rows, n), jnp.bfloat16),) + (S((n,), param_dtype),) * (1 + center)
+    family = tuning.resolve(NormForward(center, True, center, 1e-6, "bfloat16"), avals)
+    family = dataclasses.replace(family, few_rows=rows <= norm_config.FEW_ROWS)
+    assert family.loads_params_first(avals) == first
+    assert family.launcher(avals, None).params_first == first
+
+
+def test_forward_parameter_order_round_trips_the_tuning_table(tmp_path, monkeypatch):
+    """A register-resident forward's space holds each config also with the other choice than the
+    rule's of when the parameters load (norm_config.ForwardConfig); written to the tuned table with
+    its params_first and read back as itself, it decides over the rule; an entry without the field
+    (every one written before it) is the plain RowConfig, which the rule decides for."""
+    from cutelayers import tuning
+    from cutelayers.ops.norm import NormForward
+
+    S = jax.ShapeDtypeStruct
+    device = "Fake H100 for tests"
+    monkeypatch.setattr(tuning, "device_kind", lambda: device)
+    avals = (S((16384, 1024), jnp.bfloat16), S((1024,), jnp.bfloat16), S((1024,), jnp.bfloat16))
+    family = NormForward(True, True, True, 1e-6, "bfloat16")
+    space = family.config_space(avals)
+    plain = [c for c in space if type(c) is RowConfig]
+    others = [c for c in space if isinstance(c, norm_config.ForwardConfig)]
+    assert len(others) == len(plain)  # every config resident at 1024
+    for c in others:
+        rule = dataclasses.replace(family, config=RowConfig(**{k: v for k, v in dataclasses.asdict(c).items()
+                                                                 if k != "params_first"}))
+        assert c.params_first != rule.loads_params_first(avals)
+    streamed = (S((8, 65536), jnp.bfloat16),) + (S((65536,), jnp.bfloat16),) * 2
+    assert not [c for c in family.config_space(streamed) if isinstance(c, norm_config.ForwardConfig)]
+    dtype, dims = family.tuning_key(avals)
+
+    def resolved(i, config):
+        path = tmp_path / f"tuned{i}.json"
+        tuning.write_entries(path, [{"device": device, "kernel": family.name, "dtype": dtype, "dims": dict(dims),
+                                     "config": config}])
+        monkeypatch.setenv("CUTELAYERS_TUNING_FILE", str(path))
+        return tuning.resolve(family, avals)
+
+    for i, config in enumerate(others):
+        chosen = resolved(i, tuning.config_fields(config))
+        assert chosen.config == config and chosen.loads_params_first(avals) == config.params_first
+    fields = {k: v for k, v in tuning.config_fields(others[0]).items() if k != "params_first"}
+    assert type(resolved(len(others), fields).config) is RowConfig
+
+
+# Lowers layer_norm's forward of (argv[2], argv[3]) bf16 x with scale and bias of the dtype argv[1]
+# for sm_90a, the PTX kept in CUTE_DSL_DUMP_DIR (a fresh process, as above).
+LAYER_NORM_PTX_PROGRAM = """
+import sys
+import jax, jax.numpy as jnp
+import cutelayers as cl
+x = jax.ShapeDtypeStruct((int(sys.argv[2]), int(sys.argv[3])), jnp.bfloat16)
+p = jax.ShapeDtypeStruct((int(sys.argv[3]),), jnp.dtype(sys.argv[1]))
+with cl.use_backend("cute"):
+    jax.jit(lambda x, s, b: cl.ops.layer_norm(x, s, b, dtype=jnp.bfloat16)).trace(x, p, p).lower(
+        lowering_platforms=("cuda",))
+"""
+
+
+@pytest.mark.cute
+@pytest.mark.parametrize("param_dtype,n,first", [("float32", 768, True), ("float32", 2048, False),
+                                                 ("bfloat16", 1000, True)])
+def test_resident_forward_keeps_l1_for_its_parameters(tmp_path, param_dtype, n, first):
+    # A register-resident row is read once and written once: x's loads evict first from L1 and y's
+    # stores stream (.cs), so L1 keeps the parameters that every row reads (reduction.row_tiled_copy).
+    # The parameters' own loads are plain, and go out before the row's first shuffle where the
+    # kernel loads them first (norm_config.params_first), after its last one otherwise.
+    path = kept_ptx(tmp_path, LAYER_NORM_PTX_PROGRAM, param_dtype, "16384", str(n))
+    lines = path.read_text().splitlines()
+    row_loads = [i for i, line in enumerate(lines) if "ld.global.L1::evict_first" in line]
+    param_loads = [i for i, line in enumerate(lines) if re.search(r"\bld\.global\.v", line)]
+    shuffles = [i for i, line in enumerate(lines) if "shfl.sync" in line]
+    stores = [line for line in lines if re.search(r"\bst\.global\.", line)]
+    assert row_loads and param_loads and shuffles
+    assert any(".cs." in line for line in stores) and not any(re.search(r"st\.global\.v", line) for line in stores)
+    assert (max(param_loads) < min(shuffles)) == first and (min(param_loads) > max(shuffles)) == (not first)
+
+
+@pytest.mark.cute
+def test_streamed_forward_reads_without_cache_hints(tmp_path):
+    # A streamed row is read again for its normalize pass: no eviction hints on its accesses.
+    path = kept_ptx(tmp_path, LAYER_NORM_PTX_PROGRAM, "bfloat16", "8", "65536")
+    text = path.read_text()
+    assert "ld.global" in text and "L1::evict_first" not in text and "st.global.cs" not in text
+
+
+@pytest.mark.cute
+def test_parameters_first_take_register_resident_rows():
     from cutelayers.kernels.norm import NormForwardKernel
     from cutelayers.ops.norm import NormForward
     from cutelayers.tuning import resolve
@@ -917,9 +1029,9 @@ def test_few_rows_take_register_resident_rows():
     avals = (S((8, 65536), jnp.bfloat16), S((65536,), jnp.bfloat16))
     streamed = resolve(NormForward(False, True, False, 1e-6, "bfloat16"), avals).geometry(avals)
     assert not streamed.resident
-    with pytest.raises(ValueError, match="few_rows takes register-resident rows; a 65536-column row streams"):
+    with pytest.raises(ValueError, match="params_first takes register-resident rows; a 65536-column row streams"):
         NormForwardKernel(streamed, center=False, has_residual=False, has_scale=True, has_bias=False,
-                          epsilon=1e-6, few_rows=True)
+                          epsilon=1e-6, params_first=True)
 
 
 @pytest.mark.cute
@@ -1142,6 +1254,33 @@ def test_backward_staging_fewer_operands_gpu(kernel, shape, dtype):
         np.testing.assert_array_equal(got_dx, dx)
         for a, b in zip(got, expected, strict=True):
             assert_close(a, b, jnp.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel,n,param_dtype", [("layer_norm_fwd", 768, "float32"), ("layer_norm_fwd", 2048, "float32"),
+                                                  ("rms_norm_fwd", 1000, "bfloat16"), ("add_layer_norm_fwd", 4095, "float32"),
+                                                  ("add_rms_norm_fwd", 3072, "float32")])
+def test_forward_parameter_order_gives_the_same_results_gpu(kernel, n, param_dtype):
+    """A register-resident forward that loads its parameters before its reductions and one that
+    loads them after (norm_config.ForwardConfig) compute the same thing: results within one unit in
+    the last place of each other, or within float32 rounding at the array's scale where y cancels
+    to near zero (ptxas may contract the scale and bias into an FMA in one and not the other:
+    add_layer_norm at 4095 differed so in 0.001 % of y on an H200), on many rows (ragged where N
+    is odd), with the residual add too."""
+    from cutelayers.bench import autotune
+
+    ((case, _, default),) = autotune.list_candidates(kernel, [(9000, n)], ["bfloat16"], param_dtype)
+    family = case.family
+    assert family.cut(default, case.avals).resident
+    operands = case.make_operands()
+    fields = {k: v for k, v in dataclasses.asdict(default).items() if k != "params_first"}
+    first, after = (_run_config(family, norm_config.ForwardConfig(**fields, params_first=flag), operands)
+                    for flag in (True, False))
+    for a, b in zip(first, after, strict=True):
+        ulp = float(jnp.finfo(b.dtype).eps)
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        rounding = 8 * float(jnp.finfo(jnp.float32).eps) * float(np.max(np.abs(b)))
+        np.testing.assert_allclose(a, b, rtol=ulp, atol=rounding)
 
 
 # Streamed forwards of several rows a CTA, cut over a cluster: (kernel, (rows, N), x dtype, param

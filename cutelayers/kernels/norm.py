@@ -115,19 +115,17 @@ class NormForwardKernel:
 
     Launcher ``(stream, x, [residual], [scale], [bias], y, [summed], [mean], rstd)``; which
     optional tensors are present is fixed at construction (``has_residual``, ``has_scale``,
-    ``has_bias``, ``center``), as is ``few_rows`` (a kernel for at most
-    :data:`.norm_config.FEW_ROWS` register-resident rows).
+    ``has_bias``, ``center``), as is ``params_first`` (a register-resident row loads scale and bias
+    with itself, before its reductions: :func:`.norm_config.params_first` decides).
     """
 
     def __init__(self, config: RowGeometry, *, center: bool, has_residual: bool, has_scale: bool,
-                 has_bias: bool, epsilon: float, few_rows: bool = False):
+                 has_bias: bool, epsilon: float, params_first: bool = False):
         self.config, self.center, self.has_residual = config, center, has_residual
         self.has_scale, self.has_bias, self.epsilon = has_scale, has_bias, epsilon
-        if few_rows and not config.resident:
-            raise ValueError(f"few_rows takes register-resident rows; a {config.n}-column row streams")
-        # A register-resident row of a small batch loads its parameters before its reductions
-        # (norm_config.FEW_ROWS: the registers they then hold cost a large batch occupancy).
-        self.params_first = few_rows
+        if params_first and not config.resident:
+            raise ValueError(f"params_first takes register-resident rows; a {config.n}-column row streams")
+        self.params_first = params_first
 
     @cute.jit
     def __call__(self, stream, *tensors):
@@ -141,14 +139,17 @@ class NormForwardKernel:
         mean = rest.pop(0) if const_expr(self.center) else None
         rstd = rest.pop(0)
         config = self.config
+        # a register-resident row's inputs are read once and its outputs written once: their
+        # accesses leave L1 to the parameters, which every row reads
+        read, written = ("load", "store") if config.resident else (None, None)
         self.kernel(
             x, residual, scale, bias, y, summed, mean, rstd,
-            row_tiled_copy(x.element_type, config),
-            row_tiled_copy(residual.element_type, config) if const_expr(self.has_residual) else None,
+            row_tiled_copy(x.element_type, config, read),
+            row_tiled_copy(residual.element_type, config, read) if const_expr(self.has_residual) else None,
             row_tiled_copy(scale.element_type, config) if const_expr(self.has_scale) else None,
             row_tiled_copy(bias.element_type, config) if const_expr(self.has_bias) else None,
-            row_tiled_copy(y.element_type, config),
-            row_tiled_copy(summed.element_type, config) if const_expr(self.has_residual) else None,
+            row_tiled_copy(y.element_type, config, written),
+            row_tiled_copy(summed.element_type, config, written) if const_expr(self.has_residual) else None,
         ).launch(
             grid=[cute.ceil_div(x.shape[0], config.row.rows_per_cta) * config.cluster, 1, 1],
             block=[config.row.num_threads, 1, 1],
@@ -169,8 +170,8 @@ class NormForwardKernel:
         bf16 parameters at 16000 / 16384 (63 registers already), float32 ones at 12288 (24 values
         a thread) (H200; docs/benchmarks.md, thirty-sixth session)."""
         config = self.config
-        # Not the few-rows kernel: occupancy does not hold its small grid back, and its parameters,
-        # loaded first, spilled 608 bytes a thread when held.
+        # Not a kernel that loads its parameters first: they spilled 608 bytes a thread when held
+        # (and a few rows' small grid is not held back by occupancy).
         if self.params_first:
             return {}
         if not (config.resident and config.row.num_threads == 512 and x.element_type.width == 16
@@ -216,7 +217,7 @@ class NormForwardKernel:
         prefetch_shares((prefetch,), valid_row, steps, config)
         if const_expr(self.params_first):
             # The parameters' loads go out with the row's, not after its reductions: one memory
-            # round trip fewer on the critical path of a grid of few rows.
+            # round trip fewer on each CTA's critical path.
             for op in (ops, opb):
                 if const_expr(op is not None):
                     load_step(op, 0)

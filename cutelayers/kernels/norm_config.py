@@ -45,12 +45,24 @@ STREAMED_BACKWARD_THREADS = {True: 256, False: 512}
 # the best cut at 32768 ... 262144 (docs/benchmarks.md, twenty-fourth session); add_layer_norm's
 # forward, swept on its own, takes 40 KiB shares at 50304 from the tuned table (twenty-fifth).
 FORWARD_SHARE_BYTES = {True: STAGED_ROW_BYTES, False: 40 * 1024}
-# Row counts up to which the forward's register-resident rows load scale and bias before their
-# reductions, not after: one memory round trip fewer where the kernel is a few rows' latency (H100,
-# bf16, 8 rows: 1.05-1.34x faster at N = 256 to 8192, layer_norm 8 x 256 2.0 -> 1.5 us), but ~16
-# registers more a thread, which cost LayerNorm's occupancy on many rows (its 63 -> 80 registers:
-# 181 -> 244 us at 16384 x 8192, 180 -> 198 at 131072 x 1024): docs/benchmarks.md, 21st session.
+# Row counts up to which the forward's register-resident rows always load scale and bias before
+# their reductions, not after: one memory round trip fewer where the kernel is a few rows' latency
+# (H100, bf16, 8 rows: 1.05-1.34x faster at N = 256 to 8192, layer_norm 8 x 256 2.0 -> 1.5 us). On
+# many rows the registers they then hold may cost occupancy (LayerNorm's 63 -> 80 registers: 181 ->
+# 244 us at 16384 x 8192, 180 -> 198 at 131072 x 1024: docs/benchmarks.md, 21st session), so there
+# :func:`params_first` decides.
 FEW_ROWS = 64
+# Many register-resident rows of at most PARAMS_FIRST_MAX_N columns load their parameters first too
+# where one warp holds the row or a thread's parameter values take at most PARAMS_FIRST_BYTES: after
+# the reductions, every row read them again through L1 (LayerNorm's float32 scale and bias are 8
+# bytes a column against x's 2), a latency on each CTA's critical path. H100, 16384 rows of bf16 x,
+# us after -> first (parameters' dtype): layer_norm 768 19.7 -> 18.6 (bf16), 20.2 -> 19.0 (float32),
+# 2048 48.3 -> 46.2 (bf16); rms_norm 768 19.4 -> 18.4, 2048 47.5 -> 46.2 (float32). Where neither
+# holds it lost: layer_norm with float32 scale and bias at 2048 / 4096, 48.2 -> 54.1 / 92.4 -> 103.5
+# (64 parameter registers a thread, two and four warps a row). Wider rows were not measured.
+# docs/benchmarks.md, fifty-ninth session. A tuned :class:`ForwardConfig` overrides the rule.
+PARAMS_FIRST_MAX_N = 4096
+PARAMS_FIRST_BYTES = 128
 # Resident threads an SM that the register-resident backward's grid counts on (backward_grid), and
 # that its launch holds it to (backward_ctas_per_sm: at most 65536 / that registers a thread), by
 # the values a thread holds in a step. Up to 16 values: 512 (128 registers; a 1024-thread target
@@ -115,6 +127,33 @@ def staged_operands(config: RowConfig) -> int:
 def staging_stages(config: RowConfig) -> int:
     """Buffers of each staged operand the backward with ``config`` keeps (:class:`StagingConfig`)."""
     return config.stages if isinstance(config, StagingConfig) else 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ForwardConfig(RowConfig):
+    """A forward config that says whether its register-resident rows load scale and bias before
+    their reductions (``params_first``) where :func:`params_first`'s rule would say otherwise: a
+    tuned entry where the rule loses (layer_norm's bf16 rows of 1024 on 512-thread CTAs on the H100:
+    25.5 us after, 27.4 first)."""
+
+    params_first: bool
+
+
+def params_first(config: RowConfig, geometry: RowGeometry, param_bytes: int, few_rows: bool = False) -> bool:
+    """Whether the forward with ``config`` (``geometry`` its rows) loads scale and bias with the row,
+    before its reductions: only a register-resident row can; then always for ``few_rows`` (at most
+    :data:`FEW_ROWS`), else as a :class:`ForwardConfig` says, else where the row has at most
+    :data:`PARAMS_FIRST_MAX_N` columns and one warp holds it or a thread's parameter values
+    (``param_bytes``: one column's scale and bias together) take at most :data:`PARAMS_FIRST_BYTES`."""
+    if not geometry.resident:
+        return False
+    if few_rows:
+        return True
+    if isinstance(config, ForwardConfig):
+        return config.params_first
+    values = geometry.vec * config.unroll  # a thread's, of its one step
+    return geometry.n <= PARAMS_FIRST_MAX_N and (config.threads_per_row <= 32
+                                                 or values * param_bytes <= PARAMS_FIRST_BYTES)
 
 
 def staged_shares(geometry: RowGeometry, elem_bytes: int, sums: int) -> tuple[bool, bool]:

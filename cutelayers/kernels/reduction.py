@@ -159,13 +159,28 @@ class RowReduceKernel:
 
 
 
-def row_tiled_copy(dtype, geometry: RowGeometry):
+def row_tiled_copy(dtype, geometry: RowGeometry, once: str | None = None):
     """A tiled copy of ``geometry``'s layout for ``dtype``: 128-bit accesses at most, so a wider
     dtype than the one that set ``vec`` splits a vector in two; flat value order stays the same,
-    so fragments of different dtypes line up after a reshape."""
+    so fragments of different dtypes line up after a reshape.
+
+    ``once``: ``"load"`` or ``"store"``, for a global tensor whose every element the kernel moves
+    once in that direction -- its accesses then leave L1 to what is read again (loads
+    ``L1::evict_first``, stores ``.cs``). The norm forwards' register-resident rows so keep their
+    parameters in L1: H100, 16384 rows of 768 to 4096 bf16 columns, 1-4 % faster
+    (docs/benchmarks.md, fifty-ninth session)."""
     tiler, tv = row_tv_layout(geometry.row, geometry.vec)
     bits = min(dtype.width * geometry.vec, 128)
-    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
+    if once == "load":
+        atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), dtype, num_bits_per_copy=bits,
+                                   l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.EVICT_FIRST)
+    elif once == "store":
+        atom = cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), dtype, num_bits_per_copy=bits,
+                                   store_cache_mode=cute.nvgpu.StoreCacheMode.STREAMING)
+    elif once is None:
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
+    else:
+        raise ValueError(f"once must be 'load', 'store' or None; got {once!r}")
     return cute.make_tiled_copy(atom, tv, tiler)
 
 

@@ -75,7 +75,7 @@ class NormForward(RowKernelFamily):
     out_dtype: str
     has_residual: bool = False
     config: RowConfig | None = None
-    few_rows: bool = False  # at most norm_config.FEW_ROWS register-resident rows: parameters loaded first
+    few_rows: bool = False  # at most norm_config.FEW_ROWS rows (see :meth:`loads_params_first`)
     per_row_rank = 2
     values_per_thread = norm_config.FORWARD_VALUES_PER_THREAD
     staged_operands = 1  # a streamed row (x, or summed) kept for the normalize pass
@@ -94,6 +94,30 @@ class NormForward(RowKernelFamily):
     def arg_names(self) -> tuple[str, ...]:
         optional = (("residual", self.has_residual), ("scale", self.has_scale), ("bias", self.has_bias))
         return ("x",) + tuple(name for name, present in optional if present)
+
+    def config_space(self, avals) -> tuple:
+        # each register-resident config also with the other choice than its rule's of when the
+        # parameters load (norm_config.ForwardConfig)
+        space = super().config_space(avals)
+        others = tuple(norm_config.ForwardConfig(**dataclasses.asdict(c),
+                                                 params_first=not self._params_first(c, avals))
+                       for c in space if self.cut(c, avals).resident)
+        return space + others
+
+    def config_from_fields(self, fields: dict):
+        if "params_first" in fields:  # a ForwardConfig; a plain RowConfig lets the rule decide
+            return norm_config.ForwardConfig(**fields)
+        return super().config_from_fields(fields)
+
+    def loads_params_first(self, avals) -> bool:
+        """Whether the kernel loads scale and bias with the row, before its reductions
+        (:func:`.norm_config.params_first`)."""
+        return self._params_first(self.chosen_config(), avals)
+
+    def _params_first(self, config: RowConfig, avals) -> bool:
+        params = avals[1 + self.has_residual:]
+        param_bytes = sum(jnp.dtype(a.dtype).itemsize for a in params)
+        return norm_config.params_first(config, self.cut(config, avals), param_bytes, self.few_rows)
 
     def out_avals(self, avals):
         m, n = avals[0].shape
@@ -125,7 +149,7 @@ class NormForward(RowKernelFamily):
 
         return NormForwardKernel(self.geometry(avals), center=self.center, has_residual=self.has_residual,
                                  has_scale=self.has_scale, has_bias=self.has_bias, epsilon=self.epsilon,
-                                 few_rows=self.few_rows)
+                                 params_first=self.loads_params_first(avals))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -405,11 +429,12 @@ def _forward_core(center: bool, has_residual: bool, has_scale: bool, has_bias: b
         x = args[0]
         operands = (*(a.reshape(-1, x.shape[-1]) for a in args[:rows]), *args[rows:])
         chosen = resolve(family, operands)
-        # register-resident rows of a small batch: the kernel that loads its parameters first (a
-        # streamed row's kernel is the same for any row count: one compile)
+        # register-resident rows of a small batch load their parameters first; where many rows'
+        # kernel does too, or the row streams, it is the same kernel for any row count: one compile
         # (a symbolic row count, under shape polymorphism, is not known to be few)
         m = concrete_dim(operands[0].shape[0])
-        few = m is not None and m <= norm_config.FEW_ROWS and chosen.geometry(operands).resident
+        few = (m is not None and m <= norm_config.FEW_ROWS and chosen.geometry(operands).resident
+               and not chosen.loads_params_first(operands))
         outs = call_kernel(dataclasses.replace(chosen, few_rows=few), *operands)
         return (tuple(o.reshape(x.shape) for o in outs[:rows])
                 + tuple(o.reshape(x.shape[:-1]) for o in outs[rows:]))
