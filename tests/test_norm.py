@@ -955,11 +955,9 @@ def test_forward_parameter_order_round_trips_the_tuning_table(tmp_path, monkeypa
     space = family.config_space(avals)
     plain = [c for c in space if type(c) is RowConfig]
     others = [c for c in space if isinstance(c, norm_config.ForwardConfig)]
-    assert len(others) == len(plain)  # every config resident at 1024
-    for c in others:
-        rule = dataclasses.replace(family, config=RowConfig(**{k: v for k, v in dataclasses.asdict(c).items()
-                                                                 if k != "params_first"}))
-        assert c.params_first != rule.loads_params_first(avals)
+    # every config resident at 1024: each plain one again, with the choice its rule does not make
+    assert others == [norm_config.forward_config(c, not dataclasses.replace(family, config=c).loads_params_first(avals))
+                      for c in plain]
     streamed = (S((8, 65536), jnp.bfloat16),) + (S((65536,), jnp.bfloat16),) * 2
     assert not [c for c in family.config_space(streamed) if isinstance(c, norm_config.ForwardConfig)]
     dtype, dims = family.tuning_key(avals)
@@ -1273,8 +1271,7 @@ def test_forward_parameter_order_gives_the_same_results_gpu(kernel, n, param_dty
     family = case.family
     assert family.cut(default, case.avals).resident
     operands = case.make_operands()
-    fields = {k: v for k, v in dataclasses.asdict(default).items() if k != "params_first"}
-    first, after = (_run_config(family, norm_config.ForwardConfig(**fields, params_first=flag), operands)
+    first, after = (_run_config(family, norm_config.forward_config(default, flag), operands)
                     for flag in (True, False))
     for a, b in zip(first, after, strict=True):
         ulp = float(jnp.finfo(b.dtype).eps)

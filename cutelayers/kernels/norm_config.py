@@ -57,7 +57,7 @@ FEW_ROWS = 64
 # the reductions, every row read them again through L1 (LayerNorm's float32 scale and bias are 8
 # bytes a column against x's 2), a latency on each CTA's critical path. H100, 16384 rows of bf16 x,
 # us after -> first (parameters' dtype): layer_norm 768 19.7 -> 18.6 (bf16), 20.2 -> 19.0 (float32),
-# 2048 48.3 -> 46.2 (bf16); rms_norm 768 19.4 -> 18.4, 2048 47.5 -> 46.2 (float32). Where neither
+# 2048 48.3 -> 46.2 (bf16); rms_norm 768 19.5 -> 18.4, 2048 47.5 -> 46.2 (float32). Where neither
 # holds it lost: layer_norm with float32 scale and bias at 2048 / 4096, 48.2 -> 54.1 / 92.4 -> 103.5
 # (64 parameter registers a thread, two and four warps a row). Wider rows were not measured.
 # docs/benchmarks.md, fifty-ninth session. A tuned :class:`ForwardConfig` overrides the rule.
@@ -137,6 +137,12 @@ class ForwardConfig(RowConfig):
     25.5 us after, 27.4 first)."""
 
     params_first: bool
+
+
+def forward_config(config: RowConfig, params_first: bool) -> ForwardConfig:
+    """``config``'s row fields (a :class:`ForwardConfig`'s choice dropped) with ``params_first``."""
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(RowConfig)}
+    return ForwardConfig(**fields, params_first=params_first)
 
 
 def params_first(config: RowConfig, geometry: RowGeometry, param_bytes: int, few_rows: bool = False) -> bool:

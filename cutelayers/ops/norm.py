@@ -99,8 +99,7 @@ class NormForward(RowKernelFamily):
         # each register-resident config also with the other choice than its rule's of when the
         # parameters load (norm_config.ForwardConfig)
         space = super().config_space(avals)
-        others = tuple(norm_config.ForwardConfig(**dataclasses.asdict(c),
-                                                 params_first=not self._params_first(c, avals))
+        others = tuple(norm_config.forward_config(c, not self._params_first(c, avals))
                        for c in space if self.cut(c, avals).resident)
         return space + others
 
