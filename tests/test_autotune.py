@@ -42,6 +42,7 @@ from cutelayers.kernels.reduction_config import (
     geometry_for,
     row_config,
     row_config_space,
+    row_count_bucket,
     row_geometry,
     row_geometry_space,
 )
@@ -449,6 +450,25 @@ def test_a_gemm_entry_covers_its_row_bucket(tmp_path, monkeypatch):
         64, 512, 256)
 
 
+def test_a_row_kernel_entry_of_a_row_range_wins_there(tmp_path, monkeypatch):
+    """An entry naming a range of row counts holds there, over one naming none (every row count);
+    outside it, and where the row count is symbolic (shape polymorphism), the latter holds."""
+    family = LN_FWD
+    every, ranged = [c for c in family.config_space(LN_AVALS) if c != family.default_config(LN_AVALS)][:2]
+    use_table(monkeypatch, write_table(tmp_path / "user.json", [
+        entry("layer_norm_fwd", "bfloat16", {"n": 1024}, fields(every)),
+        entry("layer_norm_fwd", "bfloat16", {"n": 1024, "rows": "65-32768"}, fields(ranged))]))
+    params = LN_AVALS[1:]
+    for rows, chosen in ((1, every), (64, every), (65, ranged), (16384, ranged), (32768, ranged),
+                         (32769, every), (131072, every)):
+        assert tuning.resolve(family, (S((rows, 1024), BF16), *params)).config == chosen, rows
+    (rows,) = jax.export.symbolic_shape("m")
+    assert family.tuning_keys((S((rows, 1024), BF16), *params)) == (("bfloat16", (("n", 1024),)),)
+    assert tuning.resolve(family, (S((rows, 1024), BF16), *params)).config == every
+    assert [reduction_config.row_count_bucket(m) for m in (1, 64, 65, 32768, 32769)] == [
+        "1-64", "1-64", "65-32768", "65-32768", "32769+"]
+
+
 def test_user_table_overrides_the_shipped_one(tmp_path, monkeypatch):
     family = SoftmaxForward(False)
     avals_a, avals_b = (S((8, 4096), BF16),), (S((8, 1024), BF16),)
@@ -531,8 +551,9 @@ def _shapes_for(entry) -> list[tuple]:
     row kernels, MxKxN for the GEMMs (a row count of the entry's bucket; dx's contraction is the
     layer's N, dkernel's output the layer's (K, N))."""
     dims, kernel = entry["dims"], entry["kernel"]
-    if not kernel.startswith("linear"):
-        return [(8, dims["n"])]
+    if not kernel.startswith("linear"):  # a row count of the entry's range, or any
+        rows = next(m for m in (8, 16384, 65536) if row_count_bucket(m) == dims.get("rows", row_count_bucket(m)))
+        return [(rows, dims["n"])]
     if kernel == "linear_dkernel":  # rows over which stream-K pays for a stream-K entry, else too few
         return [(16384 if dims.get("stream_k") else 1024, dims["m"], dims["n"])]
     rows = next(m for m in (16, 1000, 4096) if row_bucket(m) == dims["m"])
@@ -566,7 +587,8 @@ def test_every_shipped_entry_names_a_candidate_config(monkeypatch):
         monkeypatch.setattr(tuning, "device_kind", lambda: entry["device"])
         key = tuning.table_key(entry["device"], entry["kernel"], entry["dtype"], entry["dims"])
         found = [case for case in _cases_for(entry)
-                 if tuning.table_key(entry["device"], case.family.name, *case.family.tuning_key(case.avals)) == key]
+                 if key in [tuning.table_key(entry["device"], case.family.name, *k)
+                            for k in case.family.tuning_keys(case.avals)]]
         assert len(found) == 1, (entry, [c.describe() for c in _cases_for(entry)])
         (case,) = found
         config = case.family.config_from_fields(entry["config"])
@@ -666,10 +688,10 @@ def test_autotune_writes_winners_that_the_runtime_then_uses(tmp_path, monkeypatc
     assert [r.case.family.name for r in results] == ["softmax_fwd", "softmax_bwd"]
     table = json.loads(output.read_text())
     fwd = next(e for e in table["entries"] if e["kernel"] == "softmax_fwd")
-    assert fwd == {"device": FAKE_GPU, "kernel": "softmax_fwd", "dtype": "float16", "dims": {"n": 2048},
+    assert fwd == {"device": FAKE_GPU, "kernel": "softmax_fwd", "dtype": "float16", "dims": {"n": 2048, "rows": "1-64"},
                    "config": fields(tuned), "time_us": 100.0, "default_time_us": 1000.0}
     summary = lines[-2]
-    assert summary.startswith("| kernel |") and "| softmax_fwd | float16 | n=2048 |" in summary and "| 10.00 |" in summary
+    assert summary.startswith("| kernel |") and "| softmax_fwd | float16 | n=2048 rows=1-64 |" in summary and "| 10.00 |" in summary
     assert "wrote 2 tuned config(s)" in lines[-1]
     use_table(monkeypatch, output)
     assert tuning.resolve(family, avals).config == tuned
@@ -739,8 +761,8 @@ def test_cli_dry_run_lists_candidates(capsys):
     assert autotune.main(["--op", "layer_norm", "--shape", "64x1024", "--dtype", "bfloat16", "float32", "--dry-run"]) == 0
     out = capsys.readouterr().out
     family, avals = LN_FWD, LN_AVALS
-    assert f"layer_norm_fwd bfloat16 n=1024: {len(family.config_space(avals))} candidates" in out
-    assert "layer_norm_bwd float32 n=1024:" in out
+    assert f"layer_norm_fwd bfloat16 n=1024 rows=1-64: {len(family.config_space(avals))} candidates" in out
+    assert "layer_norm_bwd float32 n=1024 rows=1-64:" in out
     heuristic = tuning.describe_config(family.default_config(avals))
     assert f"  {heuristic} (heuristic)" in out
     assert out.count("(heuristic)") == 4  # one per (kernel, dtype)
@@ -748,7 +770,7 @@ def test_cli_dry_run_lists_candidates(capsys):
 
 def test_cli_dry_run_takes_the_norm_parameters_dtype(capsys):
     assert autotune.main(["--op", "rms_norm_fwd", "--shape", "64x1024", "--param-dtype", "float32", "--dry-run"]) == 0
-    assert "rms_norm_fwd bfloat16+float32 n=1024:" in capsys.readouterr().out
+    assert "rms_norm_fwd bfloat16+float32 n=1024 rows=1-64:" in capsys.readouterr().out
     assert autotune.main(["--op", "softmax", "--shape", "64x1024", "--param-dtype", "float32", "--dry-run"]) == 2
     assert "param_dtype applies to the norm ops" in capsys.readouterr().err
 

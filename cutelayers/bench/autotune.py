@@ -28,7 +28,9 @@ shape.
 Winners go into a tuned-config table (see :mod:`cutelayers.tuning`): by default the user's, which
 the runtime reads, so functions traced afterwards run the tuned kernels. Entries are keyed by the
 GPU (``device_kind``), the family, dtype and static dims; a linear entry covers a range of row
-counts (:func:`cutelayers.kernels.gemm_config.row_bucket`), a row-op entry every row count.
+counts (:func:`cutelayers.kernels.gemm_config.row_bucket`), a row-op entry a range too
+(:func:`cutelayers.kernels.reduction_config.row_count_bucket`): tune at the row counts the kernels
+will run (a training step's tokens), not only at large arrays.
 
 The sweep logic (:func:`sweep`) takes a runner -- ``run(family, operands)`` and ``time(family,
 operands)`` -- so it is testable without a GPU; :class:`DeviceRunner` is the real one.

@@ -61,6 +61,25 @@ def row_config(n: int, elem_bits: int) -> RowConfig:
     return RowConfig(threads_per_row=256, num_threads=256, unroll=4)
 
 
+# The row counts between which a row kernel's best config may change for a fixed N, and so the
+# ranges a tuned entry names (:func:`row_count_bucket`): a few rows (decode: one short wave, latency);
+# a training step's tokens (arrays of 16-64 MiB at the model widths, a wave or two of CTAs, whose
+# ramp and last wave weigh); more (the 256 MiB arrays most entries were timed on). H100, layer_norm
+# bf16 at N = 1024: 512-thread CTAs of two-warp rows 5 % faster than the heuristic at 131072 rows,
+# 2.5 % slower at 16384 (docs/benchmarks.md, sixtieth session).
+ROW_COUNT_EDGES = (64, 32768)
+
+
+def row_count_bucket(rows: int) -> str:
+    """The range of :data:`ROW_COUNT_EDGES` that ``rows`` falls in ("1-64", "65-32768", "32769+")."""
+    low = 1
+    for edge in ROW_COUNT_EDGES:
+        if rows <= edge:
+            return f"{low}-{edge}"
+        low = edge + 1
+    return f"{low}+"
+
+
 MIN_THREADS_PER_ROW = 4
 MAX_THREADS_PER_ROW = 512  # 1024-thread CTAs would cap a thread at 64 registers
 CTA_THREADS = (128, 256, 512)  # CTA sizes the config spaces offer

@@ -11,11 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cutelayers.kernels.hopper import concrete_dim
 from cutelayers.kernels.reduction_config import (
     SHARE_BUDGETS,
     STAGED_ROW_BYTES,
     RowConfig,
     geometry_for,
+    row_count_bucket,
     row_geometry,
     row_geometry_space,
     split_rows,
@@ -39,9 +41,10 @@ class RowKernelFamily(TunableFamily):
     :mod:`cutelayers.kernels.reduction_config` for register-resident row kernels -- or override
     ``default_config`` and ``config_space`` (the row-reduce kernel) -- and may override
     ``row_dtypes(avals)``: the dtypes of the operands the kernel walks along the row (the widest
-    sets the vector width; default: the first operand's). The tuned table's key is those dtypes
-    and N. ``per_row_rank`` says which operands have a symbolic row count. Their ``launcher``
-    imports the kernel module, so only building a kernel needs the CuTe DSL.
+    sets the vector width; default: the first operand's). The tuned table's key is those dtypes,
+    N and the row count's range; an entry without the range holds for every row count.
+    ``per_row_rank`` says which operands have a symbolic row count. Their ``launcher`` imports the
+    kernel module, so only building a kernel needs the CuTe DSL.
     """
 
     per_row_rank: int | None = None
@@ -121,7 +124,19 @@ class RowKernelFamily(TunableFamily):
         return tuple(configs)
 
     def tuning_key(self, avals):
-        return dtype_names(self.row_dtypes(avals)), (("n", self.row_length(avals)),)
+        """The row dtypes and N, and the range of a concrete row count (:func:`.row_count_bucket`):
+        a config the autotuner found best at a row count holds near it."""
+        dims = (("n", self.row_length(avals)),)
+        rows = concrete_dim(avals[0].shape[0]) if len(avals[0].shape) == 2 else None
+        if rows is not None:
+            dims += (("rows", row_count_bucket(rows)),)
+        return dtype_names(self.row_dtypes(avals)), dims
+
+    def tuning_keys(self, avals):
+        """:meth:`tuning_key`, then the key of every row count (N's alone)."""
+        dtype, dims = self.tuning_key(avals)
+        every = (dtype, dims[:1])
+        return ((dtype, dims), every) if len(dims) > 1 else (every,)
 
     def config_from_fields(self, fields: dict):
         return RowConfig(**fields)

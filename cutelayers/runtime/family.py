@@ -193,6 +193,12 @@ class TunableFamily(KernelFamily):
         """``(dtype, dims)``: with the GPU and :attr:`name`, the tuned table's key for these
         operands (dims: what the heuristic and the space depend on)."""
 
+    def tuning_keys(self, avals: Sequence[Aval]) -> tuple[tuple[str, Dims], ...]:
+        """The keys a config is looked up by, the most specific first: :meth:`tuning_key` alone,
+        unless the family's entries may also cover more shapes (a row kernel's: those of its row
+        count's range, then those of every row count)."""
+        return (self.tuning_key(avals),)
+
     @abc.abstractmethod
     def config_from_fields(self, fields: dict) -> Any:
         """A config from its JSON form (``dataclasses.asdict`` of one)."""

@@ -33,7 +33,9 @@ Format::
                   "config": {"threads_per_row": 256, "num_threads": 256, "unroll": 2},
                   "time_us": 101.2, "default_time_us": 104.9}]}  # informational
 
-Row kernels' dims are ``{"n": N}`` (any row count); the GEMM's are ``{"m": "2048+", "k": K, "n":
+Row kernels' dims are ``{"n": N, "rows": "65-32768"}``, ``rows`` a range of row counts
+(:func:`cutelayers.kernels.reduction_config.row_count_bucket`), or ``{"n": N}`` for every row count
+where no entry names the range; the GEMM's are ``{"m": "2048+", "k": K, "n":
 N}``, ``m`` a range of row counts (:func:`cutelayers.kernels.gemm_config.row_bucket`), except for
 ``linear_dkernel``, whose rows are the contraction: ``{"m": K, "n": N}``.
 
@@ -210,16 +212,19 @@ def describe_config(config) -> str:
 
 
 def choose_config(family: TunableFamily, avals: Sequence) -> Any:
-    """The tuned config of ``family`` for ``avals`` on this GPU if the tables name a valid one,
-    else the heuristic."""
+    """The tuned config of ``family`` for ``avals`` on this GPU if the tables name a valid one (by
+    the first of its keys, :meth:`~cutelayers.runtime.family.TunableFamily.tuning_keys`, that an
+    entry has), else the heuristic."""
     default = family.default_config(avals)
     device = device_kind()
     if device is None:
         return default
-    key = table_key(device, family.name, *family.tuning_key(avals))
-    entry = tuned_entries().get(key)
-    if entry is None:
+    entries = tuned_entries()
+    keys = (table_key(device, family.name, *key) for key in family.tuning_keys(avals))
+    key = next((key for key in keys if key in entries), None)
+    if key is None:
         return default
+    entry = entries[key]
     where = f"tuned-config table {entry.source}: entry {describe_key(key)}"
     try:
         config = family.config_from_fields(entry.config)
