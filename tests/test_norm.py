@@ -1010,9 +1010,11 @@ def test_resident_forward_keeps_l1_for_its_parameters(tmp_path, param_dtype, n, 
 
 
 @pytest.mark.cute
-def test_streamed_forward_reads_without_cache_hints(tmp_path):
-    # A streamed row is read again for its normalize pass: no eviction hints on its accesses.
-    path = kept_ptx(tmp_path, LAYER_NORM_PTX_PROGRAM, "bfloat16", "8", "65536")
+@pytest.mark.parametrize("rows,n", [(8, 65536), (16384, 8192)])
+def test_forward_without_cache_hints(tmp_path, rows, n):
+    # A streamed row is read again for its normalize pass, and a resident row wider than
+    # norm_config.CACHE_HINTS_MAX_N ran slower with the hints: plain accesses.
+    path = kept_ptx(tmp_path, LAYER_NORM_PTX_PROGRAM, "bfloat16", str(rows), str(n))
     text = path.read_text()
     assert "ld.global" in text and "L1::evict_first" not in text and "st.global.cs" not in text
 

@@ -61,6 +61,7 @@ from cutlass import Float32, const_expr, cute
 from cutelayers.kernels.norm_config import (
     FORWARD_VALUES_PER_THREAD,
     backward_ctas_per_sm,
+    forward_cache_hints,
     partial_rows,
     scale_fits,
     staged_shares,
@@ -140,8 +141,8 @@ class NormForwardKernel:
         rstd = rest.pop(0)
         config = self.config
         # a register-resident row's inputs are read once and its outputs written once: their
-        # accesses leave L1 to the parameters, which every row reads
-        read, written = ("load", "store") if config.resident else (None, None)
+        # accesses leave L1 to the parameters, which every row reads (up to a width)
+        read, written = ("load", "store") if forward_cache_hints(config) else (None, None)
         self.kernel(
             x, residual, scale, bias, y, summed, mean, rstd,
             row_tiled_copy(x.element_type, config, read),

@@ -63,6 +63,12 @@ FEW_ROWS = 64
 # docs/benchmarks.md, fifty-ninth session. A tuned :class:`ForwardConfig` overrides the rule.
 PARAMS_FIRST_MAX_N = 4096
 PARAMS_FIRST_BYTES = 128
+# Register-resident forward rows of at most this many columns load x ``L1::evict_first`` and store
+# y ``.cs`` (:func:`forward_cache_hints`), which leaves L1 to the parameters every row reads: 1-4 %
+# faster at 768-4096 (H100, 16384 rows: fifty-ninth session). At 8192 LayerNorm's forward lost
+# 1.0-1.4 % with them (182.4-183.2 against 180.5-180.9 us, bf16 and float32 parameters, three
+# alternating rounds; RMSNorm's gained 0.4 %): docs/benchmarks.md, sixtieth session.
+CACHE_HINTS_MAX_N = 4096
 # Resident threads an SM that the register-resident backward's grid counts on (backward_grid), and
 # that its launch holds it to (backward_ctas_per_sm: at most 65536 / that registers a thread), by
 # the values a thread holds in a step. Up to 16 values: 512 (128 registers; a 1024-thread target
@@ -160,6 +166,13 @@ def params_first(config: RowConfig, geometry: RowGeometry, param_bytes: int, few
     values = geometry.vec * config.unroll  # a thread's, of its one step
     return geometry.n <= PARAMS_FIRST_MAX_N and (config.threads_per_row <= 32
                                                  or values * param_bytes <= PARAMS_FIRST_BYTES)
+
+
+def forward_cache_hints(geometry: RowGeometry) -> bool:
+    """Whether the forward's row operands are moved once with cache hints: register-resident rows
+    (a streamed row is read again for its normalize pass) of at most :data:`CACHE_HINTS_MAX_N`
+    columns."""
+    return geometry.resident and geometry.n <= CACHE_HINTS_MAX_N
 
 
 def staged_shares(geometry: RowGeometry, elem_bytes: int, sums: int) -> tuple[bool, bool]:
