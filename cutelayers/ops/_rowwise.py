@@ -134,9 +134,9 @@ class RowKernelFamily(TunableFamily):
 
     def tuning_keys(self, avals):
         """:meth:`tuning_key`, then the key of every row count (N's alone)."""
-        dtype, dims = self.tuning_key(avals)
-        every = (dtype, dims[:1])
-        return ((dtype, dims), every) if len(dims) > 1 else (every,)
+        key = self.tuning_key(avals)
+        every = (key[0], (("n", self.row_length(avals)),))
+        return (key, every) if key != every else (every,)
 
     def config_from_fields(self, fields: dict):
         return RowConfig(**fields)
