@@ -39,7 +39,10 @@ from cutelayers.kernels.reduction_config import (
     CTA_THREADS,
     MAX_THREADS_PER_ROW,
     MIN_THREADS_PER_ROW,
+    RowConfig,
+    cut_budget,
     geometry_for,
+    latency_geometry,
     row_config,
     row_config_space,
     row_count_bucket,
@@ -225,13 +228,22 @@ def families_and_avals():
     """(family, operand avals, the heuristic config computed from the kernels' config modules directly)."""
     norm_fwd, norm_bwd = norm_config.FORWARD_VALUES_PER_THREAD, norm_config.BACKWARD_VALUES_PER_THREAD
     soft_fwd, soft_bwd = softmax_config.FORWARD_VALUES_PER_THREAD, softmax_config.BACKWARD_VALUES_PER_THREAD
-    ln = (S((64, 1000), BF16), S((1000,), F32), S((1000,), BF16))
+    ln = (S((4096, 1000), BF16), S((1000,), F32), S((1000,), BF16))
+    few_ln = (S((8, 1000), BF16), S((1000,), F32), S((1000,), BF16))
+    wide_few = (S((8, 8192), BF16), S((8192,), F32))
+    cut = RowConfig(threads_per_row=norm_config.FEW_ROWS_CUT_THREADS, num_threads=norm_config.FEW_ROWS_CUT_THREADS,
+                    unroll=1)
     ln_bwd = (S((64, 4096), BF16), S((64, 4096), BF16), S((64, 1), F32), S((64, 1), F32), S((4096,), BF16))
     rms_bwd = (S((8, 65536), F32), S((8, 65536), F32), S((8, 1), F32), S((65536,), F32))
     x, labels, per_row = S((64, 32000), BF16), S((64,), jnp.int32), S((64,), F32)
     return [
         # The norm forward's vector width is set by its widest row operand (an fp32 scale here).
         (NormForward(True, True, True, 1e-6, "bfloat16"), ln, row_geometry(1000, 32, norm_fwd).row),
+        # a decode batch: one row a CTA over wide CTAs; a wide row cut over a cluster of them
+        (NormForward(True, True, True, 1e-6, "bfloat16"), few_ln,
+         latency_geometry(1000, 32, norm_fwd, norm_config.FEW_ROWS_VALUES).row),
+        (NormForward(False, True, False, 1e-6, "bfloat16"), wide_few, dataclasses.replace(
+            cut, share_budget=cut_budget(cut, 8192, 32, norm_config.few_rows_cluster(8192, 32)))),
         (NormBackward(True, True, True, True), ln_bwd, row_geometry(4096, 16, norm_bwd[16]).row),
         # a streamed RMSNorm row: the table's unroll over STREAMED_BACKWARD_THREADS[False] threads
         (NormBackward(False, True, False, False), rms_bwd, dataclasses.replace(
@@ -398,7 +410,7 @@ def test_streamed_norm_backward_tunes_the_kernel_with_its_sums():
 
 # --- the tuned-config table -------------------------------------------------------------------------
 
-LN_AVALS = (S((64, 1024), BF16), S((1024,), BF16), S((1024,), BF16))
+LN_AVALS = (S((128, 1024), BF16), S((1024,), BF16), S((1024,), BF16))
 LN_FWD = NormForward(True, True, True, 1e-6, "bfloat16")  # cl.ops.layer_norm's forward on LN_AVALS
 
 
@@ -421,9 +433,9 @@ def test_a_table_entry_changes_the_config_and_the_compiled_kernel(tmp_path, monk
     assert built(cl.cache_info()["layer_norm_fwd"]) == 2  # one kernel per config
 
     # Other operands (another N, another dtype, another GPU) keep the heuristic.
-    other_n = (S((64, 2048), BF16), S((2048,), BF16), S((2048,), BF16))
+    other_n = (S((128, 2048), BF16), S((2048,), BF16), S((2048,), BF16))
     assert tuning.resolve(family, other_n).config == family.default_config(other_n)
-    other_dtype = (S((64, 1024), F16), S((1024,), F16), S((1024,), F16))
+    other_dtype = (S((128, 1024), F16), S((1024,), F16), S((1024,), F16))
     assert tuning.resolve(family, other_dtype).config == family.default_config(other_dtype)
     monkeypatch.setattr(tuning, "device_kind", lambda: "Another GPU")
     assert tuning.resolve(family, LN_AVALS).config == family.default_config(LN_AVALS)
@@ -451,17 +463,19 @@ def test_a_gemm_entry_covers_its_row_bucket(tmp_path, monkeypatch):
 
 
 def test_a_row_kernel_entry_of_a_row_range_wins_there(tmp_path, monkeypatch):
-    """An entry naming a range of row counts holds there, over one naming none (every row count);
-    outside it, and where the row count is symbolic (shape polymorphism), the latter holds."""
+    """An entry naming a range of row counts holds there, over one naming none (every row count
+    past decode's); outside it, and where the row count is symbolic (shape polymorphism), the
+    latter holds -- but not on a decode batch's few rows, which keep their heuristic."""
     family = LN_FWD
     every, ranged = [c for c in family.config_space(LN_AVALS) if c != family.default_config(LN_AVALS)][:2]
     use_table(monkeypatch, write_table(tmp_path / "user.json", [
         entry("layer_norm_fwd", "bfloat16", {"n": 1024}, fields(every)),
         entry("layer_norm_fwd", "bfloat16", {"n": 1024, "rows": "65-32768"}, fields(ranged))]))
     params = LN_AVALS[1:]
-    for rows, chosen in ((1, every), (64, every), (65, ranged), (16384, ranged), (32768, ranged),
+    for rows, chosen in ((1, None), (64, None), (65, ranged), (16384, ranged), (32768, ranged),
                          (32769, every), (131072, every)):
-        assert tuning.resolve(family, (S((rows, 1024), BF16), *params)).config == chosen, rows
+        avals = (S((rows, 1024), BF16), *params)
+        assert tuning.resolve(family, avals).config == (chosen or family.default_config(avals)), rows
     (rows,) = jax.export.symbolic_shape("m")
     assert family.tuning_keys((S((rows, 1024), BF16), *params)) == (("bfloat16", (("n", 1024),)),)
     assert tuning.resolve(family, (S((rows, 1024), BF16), *params)).config == every
@@ -471,7 +485,7 @@ def test_a_row_kernel_entry_of_a_row_range_wins_there(tmp_path, monkeypatch):
 
 def test_user_table_overrides_the_shipped_one(tmp_path, monkeypatch):
     family = SoftmaxForward(False)
-    avals_a, avals_b = (S((8, 4096), BF16),), (S((8, 1024), BF16),)
+    avals_a, avals_b = (S((128, 4096), BF16),), (S((128, 1024), BF16),)
     shipped_a, user_a = [c for c in family.config_space(avals_a) if c != family.default_config(avals_a)][:2]
     shipped_b = other_candidate(family, avals_b)
     write_table(tuning.SHIPPED_TABLE, [entry("softmax_fwd", "bfloat16", {"n": 4096}, fields(shipped_a)),
@@ -505,7 +519,7 @@ def test_an_unreadable_table_warns_and_the_heuristic_runs(name, tmp_path, monkey
 @pytest.mark.cute
 def test_malformed_entries_warn_with_file_and_key_and_the_heuristic_runs(tmp_path, monkeypatch):
     family = SoftmaxForward(False)
-    avals = (S((8, 4096), BF16),)
+    avals = (S((128, 4096), BF16),)
     good = other_candidate(family, avals)
     default = family.default_config(avals)
     default_kernel = targets(lower_cuda(functools.partial(kernel_call, tuning.resolve(family, avals)), *avals))
@@ -551,8 +565,8 @@ def _shapes_for(entry) -> list[tuple]:
     row kernels, MxKxN for the GEMMs (a row count of the entry's bucket; dx's contraction is the
     layer's N, dkernel's output the layer's (K, N))."""
     dims, kernel = entry["dims"], entry["kernel"]
-    if not kernel.startswith("linear"):  # a row count of the entry's range, or any
-        rows = next(m for m in (8, 16384, 65536) if "rows" not in dims or row_count_bucket(m) == dims["rows"])
+    if not kernel.startswith("linear"):  # a row count of the entry's range, or past decode's
+        rows = next(m for m in (65536, 16384, 8) if row_count_bucket(m) == dims.get("rows", "32769+"))
         return [(rows, dims["n"])]
     if kernel == "linear_dkernel":  # rows over which stream-K pays for a stream-K entry, else too few
         return [(16384 if dims.get("stream_k") else 1024, dims["m"], dims["n"])]
@@ -758,11 +772,11 @@ def test_relative_error_flags_moved_non_finite_values():
 # --- command line -------------------------------------------------------------------------------------
 
 def test_cli_dry_run_lists_candidates(capsys):
-    assert autotune.main(["--op", "layer_norm", "--shape", "64x1024", "--dtype", "bfloat16", "float32", "--dry-run"]) == 0
+    assert autotune.main(["--op", "layer_norm", "--shape", "128x1024", "--dtype", "bfloat16", "float32", "--dry-run"]) == 0
     out = capsys.readouterr().out
     family, avals = LN_FWD, LN_AVALS
-    assert f"layer_norm_fwd bfloat16 n=1024 rows=1-64: {len(family.config_space(avals))} candidates" in out
-    assert "layer_norm_bwd float32 n=1024 rows=1-64:" in out
+    assert f"layer_norm_fwd bfloat16 n=1024 rows=65-32768: {len(family.config_space(avals))} candidates" in out
+    assert "layer_norm_bwd float32 n=1024 rows=65-32768:" in out
     heuristic = tuning.describe_config(family.default_config(avals))
     assert f"  {heuristic} (heuristic)" in out
     assert out.count("(heuristic)") == 4  # one per (kernel, dtype)

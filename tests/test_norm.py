@@ -20,7 +20,7 @@ from numerics import assert_close, dtype_cover, random
 import cutelayers as cl
 from cutelayers.kernels import norm_config
 from cutelayers.kernels.reduction_config import RowConfig
-from cutelayers.ops.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
+from cutelayers.ops.norm import NormBackward, NormForward, add_layer_norm, add_rms_norm, layer_norm, rms_norm
 
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
 OPS = {"layer_norm": (layer_norm, True), "rms_norm": (rms_norm, False)}
@@ -479,12 +479,12 @@ def test_streamed_rows_are_staged_and_cut_over_clusters():
     dscale / dbias sums where it computes them; model widths stay in registers, uncut."""
     from cutelayers.kernels.norm_config import STREAMED_BACKWARD_THREADS, STREAMED_THREADS, sums_fit
     from cutelayers.kernels.reduction_config import STAGED_ROW_BYTES_ALONE, share_bytes, staged
-    from cutelayers.ops.norm import NormBackward, NormForward
     from cutelayers.tuning import resolve
 
     S = jax.ShapeDtypeStruct
     for n, dtype in [*CUT_ROWS, (768, jnp.bfloat16), (8192, jnp.float32)]:
-        x, p, stat = S((8, n), dtype), S((n,), dtype), S((8, 1), jnp.float32)
+        # more rows than a decode batch (whose forward cuts wide rows: test_a_decode_batch_...)
+        x, p, stat = S((128, n), dtype), S((n,), dtype), S((128, 1), jnp.float32)
         fwd_avals, bwd_avals = (x, p, p), (x, x, stat, stat, p)
         forward = resolve(NormForward(True, True, True, 1e-6, jnp.dtype(dtype).name), fwd_avals)
         dx_only = resolve(NormBackward(True, True, False, False), bwd_avals)
@@ -595,7 +595,6 @@ def test_rms_norm_forward_cuts_streamed_rows_into_smaller_shares():
     """RMSNorm's forward stages shares of at most norm_config.FORWARD_SHARE_BYTES[False] (more CTAs a
     row than LayerNorm's, which fills STAGED_ROW_BYTES)."""
     from cutelayers.kernels.reduction_config import share_bytes
-    from cutelayers.ops.norm import NormForward
     from cutelayers.tuning import resolve
 
     S = jax.ShapeDtypeStruct
@@ -683,7 +682,6 @@ def test_staging_configs_round_trip_the_tuning_table(tmp_path, monkeypatch):
     written before them) reads as the plain RowConfig, one without stages as a single buffer, and
     one naming another count is refused for the heuristic."""
     from cutelayers import tuning
-    from cutelayers.ops.norm import NormBackward
 
     S = jax.ShapeDtypeStruct
     device = "Fake H100 for tests"
@@ -726,7 +724,6 @@ def test_backward_staging_fewer_operands_lowers_for_cuda(center, residual, n):
     buffers, compiles for sm_90a, each its own kernel: RMSNorm's with and without the residual at N
     = 262144, and add_layer_norm's at an odd N (dy staged from registers: 2-byte accesses, no
     cp.async -- so no second buffer is a candidate there)."""
-    from cutelayers.ops.norm import NormBackward
 
     S = jax.ShapeDtypeStruct
     x, stat, p = S((64, n), jnp.bfloat16), S((64, 1), jnp.float32), S((n,), jnp.bfloat16)
@@ -748,7 +745,6 @@ def test_forward_cuts_several_rows_a_cta_over_a_cluster():
     rows stay uncut (its streamed loop gathers one row a CTA). Two such forwards lower for sm_90a,
     each a kernel of its own."""
     from cutelayers.kernels.reduction import cluster_slot_bytes
-    from cutelayers.ops.norm import NormBackward, NormForward
 
     S = jax.ShapeDtypeStruct
     n = 262144
@@ -785,11 +781,10 @@ def test_decode_sized_backward_writes_few_partials():
 
 @pytest.mark.cute
 def test_few_rows_run_their_own_forward_kernel():
-    # Up to norm_config.FEW_ROWS register-resident rows the forward is another kernel (its
-    # parameters loaded before the reductions) where many rows' loads them after (LayerNorm's
-    # float32 scale and bias at 2048: norm_config.params_first); one row more is the many-rows
-    # kernel again, one compile per kind. Where many rows load them first too (bf16 parameters at
-    # 1024), and for a streamed row, it is one kernel for any row count.
+    # Up to norm_config.FEW_ROWS register-resident rows the forward is another kernel: one row a
+    # CTA over wide CTAs (norm_config.FEW_ROWS_VALUES), its parameters loaded before the reductions;
+    # one row more is the many-rows kernel again, one compile per kind. A streamed row's kernel is
+    # the same for any row count.
     def target(rows, n, param_dtype):
         x, p = jax.ShapeDtypeStruct((rows, n), jnp.bfloat16), jax.ShapeDtypeStruct((n,), param_dtype)
         with cl.use_backend("cute"):
@@ -798,10 +793,46 @@ def test_few_rows_run_their_own_forward_kernel():
         return name
 
     few, many = norm_config.FEW_ROWS, norm_config.FEW_ROWS + 1
-    f32 = jnp.float32
-    assert target(1, 2048, f32) == target(few, 2048, f32) != target(many, 2048, f32) == target(4096, 2048, f32)
-    assert target(1, 1024, jnp.bfloat16) == target(few, 1024, jnp.bfloat16) == target(4096, 1024, jnp.bfloat16)
+    for n, param_dtype in ((2048, jnp.float32), (1024, jnp.bfloat16), (8192, jnp.float32)):
+        assert target(1, n, param_dtype) == target(few, n, param_dtype) != target(many, n, param_dtype)
+        assert target(many, n, param_dtype) == target(4096, n, param_dtype)
     assert target(few, 65536, jnp.bfloat16) == target(many, 65536, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("n,param_dtype,threads,unroll,cluster", [
+    (768, jnp.float32, 128, 2, 1),      # 192 accesses of 4 values: 128 threads, some with one
+    (1000, jnp.float32, 128, 2, 1),
+    (2048, jnp.float32, 128, 4, 1),
+    (4096, jnp.bfloat16, 256, 2, 1),
+    (4096, jnp.float32, 256, 4, 1),
+    (8192, jnp.float32, 256, 1, 8),     # cut: 8 CTAs of one 1024-column step each
+    (8192, jnp.bfloat16, 256, 1, 4),
+    (16384, jnp.float32, 256, 1, 16),
+    (12000, jnp.bfloat16, 256, 1, 8),   # ragged: 1504-column shares, the last one 1472
+])
+def test_a_decode_batch_runs_wide_ctas_and_cuts_wide_rows(n, param_dtype, threads, unroll, cluster):
+    """A few rows' forward config (NormForward.default_config): one row a CTA of about
+    FEW_ROWS_VALUES values a thread; rows that would take more than FEW_ROWS_CUT_THREADS threads
+    so are cut over a cluster of such CTAs, a step each. Every such config is one of the space's,
+    and the cuts are candidates at a few rows only. A row of fewer accesses than 128 threads keeps
+    the many-rows heuristic."""
+    family = NormForward(True, True, True, 1e-6, "bfloat16")
+    avals = (jax.ShapeDtypeStruct((8, n), jnp.bfloat16), *[jax.ShapeDtypeStruct((n,), param_dtype)] * 2)
+    config = family.default_config(avals)
+    geometry = dataclasses.replace(family, config=config).geometry(avals)
+    assert (config.threads_per_row, config.num_threads, geometry.row.unroll, geometry.cluster) == (
+        threads, threads, unroll, cluster)
+    assert geometry.resident == (cluster == 1) and geometry.steps_per_cta == geometry.last_steps == 1
+    space = family.config_space(avals)
+    assert config in space
+    many = (jax.ShapeDtypeStruct((4096, n), jnp.bfloat16), *avals[1:])
+    cut = [c for c in space if dataclasses.replace(family, config=c).geometry(avals).cluster > 1]
+    assert len(cut) == len(set(cut)) and (cluster == 1 or config in cut)
+    assert not set(cut) & set(family.config_space(many))
+    assert family.default_config(many) != config
+    narrow = (jax.ShapeDtypeStruct((8, 768), jnp.bfloat16), *[jax.ShapeDtypeStruct((768,), jnp.bfloat16)] * 2)
+    assert family.default_config(narrow) == family.default_config((jax.ShapeDtypeStruct((4096, 768), jnp.bfloat16),
+                                                                   *narrow[1:]))
 
 
 # Lowers the forwards of rms_norm (ROWS, 16384) bf16 x and scale + bias of the dtype in argv[1] for
@@ -928,7 +959,6 @@ def test_forward_loads_its_parameters_first_by_the_rule(monkeypatch, center, n, 
     """Which heuristic forwards load scale and bias before their reductions
     (norm_config.params_first, as measured on the H100), and the kernel's flag follows it."""
     from cutelayers import tuning
-    from cutelayers.ops.norm import NormForward
 
     monkeypatch.setattr(tuning, "device_kind", lambda: "Fake H100 for tests")  # no table entries
     S = jax.ShapeDtypeStruct
@@ -945,7 +975,6 @@ def test_forward_parameter_order_round_trips_the_tuning_table(tmp_path, monkeypa
     its params_first and read back as itself, it decides over the rule; an entry without the field
     (every one written before it) is the plain RowConfig, which the rule decides for."""
     from cutelayers import tuning
-    from cutelayers.ops.norm import NormForward
 
     S = jax.ShapeDtypeStruct
     device = "Fake H100 for tests"
@@ -1022,7 +1051,6 @@ def test_forward_without_cache_hints(tmp_path, rows, n):
 @pytest.mark.cute
 def test_parameters_first_take_register_resident_rows():
     from cutelayers.kernels.norm import NormForwardKernel
-    from cutelayers.ops.norm import NormForward
     from cutelayers.tuning import resolve
 
     S = jax.ShapeDtypeStruct
@@ -1040,7 +1068,6 @@ def test_only_resident_rows_take_the_row_slot_sum_buffer():
     # register-resident rows; a streamed row's slots keep their sums in their shares' buffer and
     # store them as partial rows of their own. The slot buffer was allocated for streamed rows too:
     # 4 slots of a float32 12000-column RMSNorm row asked for 384 KiB, and the launch failed.
-    from cutelayers.ops.norm import NormBackward
 
     S = jax.ShapeDtypeStruct
     family = NormBackward(False, True, True, False)
@@ -1136,6 +1163,30 @@ def test_kernel_vmap_and_large_mean_gpu(op, rng):
         g_ref = jax.jit(jax.grad(lambda x, s: jnp.sum(jnp.sin(fn(x, s))), argnums=(0, 1)))(x, scale)
     for a, b in zip(g, g_ref):
         assert_close(a, np.asarray(b), jnp.float32, scale=100.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", [*OPS, *ADD_OPS])
+@pytest.mark.parametrize("n", [768, 4095, 8192, 12000, 16384])
+def test_decode_rows_forward_gpu(op, n, rng):
+    # A decode batch (1 to norm_config.FEW_ROWS rows) runs wide one-row CTAs, its rows past 4096
+    # columns cut over a cluster whose CTAs combine their statistics (LayerNorm's by Chan's merge:
+    # a mean of 100 and a spread of 1 would lose digits to E[x^2] - E[x]^2), with float32
+    # parameters and parameters of x's dtype.
+    fn, center = {**OPS, **ADD_OPS}[op]
+    adds = op in ADD_OPS
+    for rows, dtype in ((1, jnp.bfloat16), (8, jnp.float16), (norm_config.FEW_ROWS, jnp.float32)):
+        x = random(rng, (rows, n), dtype, loc=100.0)
+        residual = random(rng, (rows, n), dtype)
+        scale, bias = _params(rng, n, jnp.float32, True, center)
+        for s, b in ((scale, bias), (scale.astype(dtype), None if bias is None else bias.astype(dtype))):
+            params = (s, b) if center else (s,)
+            with cl.use_backend("cute"):
+                out = jax.jit(fn)(x, residual, *params) if adds else jax.jit(fn)(x, *params)
+            normed, summed = out if adds else (out, x)
+            if adds:
+                assert_close(summed, np.asarray(x, np.float64) + np.asarray(residual, np.float64), dtype)
+            assert_close(normed, ref64(summed, *params, center=center), dtype, scale=2.0)
 
 
 @pytest.mark.gpu

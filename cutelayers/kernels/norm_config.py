@@ -5,13 +5,16 @@ which fixes the shape of its dscale / dbias partials (:mod:`.norm`)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from cutelayers.kernels.hopper import HOPPER_SMS, RESIDENT_CLUSTERS
 from cutelayers.kernels.reduction_config import (
+    MAX_CLUSTER,
     STAGED_ROW_BYTES,
     STAGED_ROW_BYTES_ALONE,
     RowConfig,
     RowGeometry,
+    row_chunks,
     share_bytes,
     staged,
 )
@@ -52,6 +55,25 @@ FORWARD_SHARE_BYTES = {True: STAGED_ROW_BYTES, False: 40 * 1024}
 # 244 us at 16384 x 8192, 180 -> 198 at 131072 x 1024: docs/benchmarks.md, 21st session), so there
 # :func:`params_first` decides.
 FEW_ROWS = 64
+# Elements a thread of such a batch's register-resident forward holds
+# (:func:`.reduction_config.latency_geometry`: one row a CTA of N / 16 threads, 128 to 512) where
+# many rows' heuristic packs 4 rows of 32-thread rows into a CTA at 768 / 1024 and gives each thread
+# 32 elements. H100, 8 rows of bf16 x, float32 parameters, the best of 11-22 configs each: this
+# rule's config was the fastest or within 0.1 us at 768-8192 for all four forwards; against the
+# heuristic, us: layer_norm 1024 1.7 -> 1.5, 2048 2.3 -> 1.6, 4096 2.3 -> 1.7, 8192 2.6 -> 2.3 (the
+# parameters loaded first); rms_norm 1.6 -> 1.3, 1.9 -> 1.4, 1.8 -> 1.5, 2.3 -> 2.0; add_layer_norm
+# 2048 2.7 -> 1.7, 4096 3.2 -> 1.9 (docs/benchmarks.md, sixty-first session).
+FEW_ROWS_VALUES = 16
+# Wider rows of such a batch -- where that rule would take more threads a row than this -- are cut
+# over a cluster of one-row CTAs of this many threads, each CTA one step of the row
+# (:func:`few_rows_cluster`, at most reduction_config.MAX_CLUSTER CTAs), their statistics combined
+# through distributed shared memory: each SM then reads its share of the parameters, not all of
+# them. H100, 8 rows of bf16 x, us, the register-resident row on 512 threads -> cut: float32
+# parameters, layer_norm 8192 2.30 -> 2.08 (8 CTAs), 16384 3.33 -> 2.46 (16), rms_norm 1.79 -> 1.76,
+# 2.66 -> 2.02; bf16 parameters at 16384 3.17 -> 2.14 and 2.53 -> 1.81 (8 CTAs). At 4096 the
+# resident row of 256 threads was faster than every cut (1.76 against 1.95-2.24 us):
+# docs/benchmarks.md, sixty-first session.
+FEW_ROWS_CUT_THREADS = 256
 # Many register-resident rows of at most PARAMS_FIRST_MAX_N columns load their parameters first too
 # where one warp holds the row or a thread's parameter values take at most PARAMS_FIRST_BYTES: after
 # the reductions, every row read them again through L1 (LayerNorm's float32 scale and bias are 8
@@ -149,6 +171,13 @@ def forward_config(config: RowConfig, params_first: bool) -> ForwardConfig:
     """``config``'s row fields (a :class:`ForwardConfig`'s choice dropped) with ``params_first``."""
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(RowConfig)}
     return ForwardConfig(**fields, params_first=params_first)
+
+
+def few_rows_cluster(n: int, elem_bits: int) -> int:
+    """CTAs a few rows of ``n`` elements are cut over (:data:`FEW_ROWS_CUT_THREADS`): one step of
+    their one-row CTAs each, a power of two, at most MAX_CLUSTER."""
+    steps = math.ceil(row_chunks(n, elem_bits) / FEW_ROWS_CUT_THREADS)
+    return min(1 << (steps - 1).bit_length(), MAX_CLUSTER)
 
 
 def params_first(config: RowConfig, geometry: RowGeometry, param_bytes: int, few_rows: bool = False) -> bool:

@@ -220,6 +220,26 @@ def row_geometry(n: int, elem_bits: int, values_per_thread: int) -> RowGeometry:
     return RowGeometry(RowConfig(threads_per_row=tpr, num_threads=max(128, tpr), unroll=unroll), n, vec)
 
 
+def latency_geometry(n: int, elem_bits: int, values_per_thread: int, values: int) -> RowGeometry | None:
+    """A config for rows whose kernel is one short wave -- a few rows, each row's latency the
+    kernel's time -- rather than a stream of them: one row a CTA (several where the row's step is
+    narrower than a CTA's 128 threads), spread over the power of two of threads (at least 128, at
+    most ``MAX_THREADS_PER_ROW``, no wider than the row's step) that gives a thread about
+    ``values`` elements, so each thread's loads are few and the row's all in flight at once. None
+    where the row would not then be register resident (``values_per_thread`` its budget, as
+    :func:`row_geometry`), or has fewer accesses than those threads (a bf16 row of 768 with bf16
+    parameters, 96 on 128 threads, lost 0.1 us of 1.4-1.8 in add_layer_norm and add_rms_norm:
+    docs/benchmarks.md, sixty-first session). One of :func:`row_geometry_space`'s configs."""
+    vec = vector_width(n, elem_bits)
+    chunks = math.ceil(n / vec)
+    wanted = 1 << (math.ceil(n / values) - 1).bit_length()
+    tpr = min(max(wanted, CTA_THREADS[0]), MAX_THREADS_PER_ROW, _step_limit(chunks))
+    unroll = math.ceil(chunks / tpr)
+    if chunks < tpr or unroll > max(values_per_thread // vec, 1):
+        return None
+    return RowGeometry(RowConfig(threads_per_row=tpr, num_threads=max(tpr, CTA_THREADS[0]), unroll=unroll), n, vec)
+
+
 def row_geometry_space(n: int, elem_bits: int, values_per_thread: int) -> tuple[RowGeometry, ...]:
     """The configs a register-resident row kernel can run rows of ``n`` elements with.
 
@@ -318,6 +338,14 @@ def split_rows(geometry: RowGeometry, elem_bytes: int, operands: int, accumulato
     if smallest is not None and (accumulators or staged(smallest, elem_bytes, operands, accumulators)):
         return _fitted_steps(smallest)
     return geometry
+
+
+def cut_budget(config: RowConfig, n: int, elem_bits: int, cluster: int, operands: int = 1) -> int:
+    """The share budget with which :func:`split_rows` cuts rows of ``n`` elements (``elem_bits``
+    the widest row operand's) run with ``config`` over ``cluster`` CTAs: the bytes of one such
+    share of ``operands`` staged row operands."""
+    geometry = geometry_for(config, n, elem_bits)
+    return cut_share_width(n, cluster, geometry.share_quantum) * operands * elem_bits // 8
 
 
 def _fitted_steps(cut: RowGeometry) -> RowGeometry:

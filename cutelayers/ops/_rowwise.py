@@ -42,7 +42,8 @@ class RowKernelFamily(TunableFamily):
     ``default_config`` and ``config_space`` (the row-reduce kernel) -- and may override
     ``row_dtypes(avals)``: the dtypes of the operands the kernel walks along the row (the widest
     sets the vector width; default: the first operand's). The tuned table's key is those dtypes,
-    N and the row count's range; an entry without the range holds for every row count.
+    N and the row count's range; an entry without the range holds for every row count past the
+    first range (a decode batch's).
     ``per_row_rank`` says which operands have a symbolic row count. Their ``launcher`` imports the
     kernel module, so only building a kernel needs the CuTe DSL.
     """
@@ -133,10 +134,16 @@ class RowKernelFamily(TunableFamily):
         return dtype_names(self.row_dtypes(avals)), dims
 
     def tuning_keys(self, avals):
-        """:meth:`tuning_key`, then the key of every row count (N's alone)."""
+        """:meth:`tuning_key`, then the key of every row count (N's alone) -- but for the first of
+        :func:`.row_count_bucket`'s ranges (a decode batch), whose kernel is a short wave's latency
+        rather than the stream of rows an entry of every row count was swept on (the H100's
+        layer_norm entry at 8192, two rows a CTA: 3.1 us on 8 rows against 2.3 without it,
+        docs/benchmarks.md, sixty-first session)."""
         key = self.tuning_key(avals)
         every = (key[0], (("n", self.row_length(avals)),))
-        return (key, every) if key != every else (every,)
+        if key == every:
+            return (every,)
+        return (key,) if dict(key[1])["rows"] == row_count_bucket(1) else (key, every)
 
     def config_from_fields(self, fields: dict):
         return RowConfig(**fields)

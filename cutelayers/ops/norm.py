@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from cutelayers.kernels import norm_config
 from cutelayers.kernels.hopper import concrete_dim
-from cutelayers.kernels.reduction_config import RowConfig, can_prefetch
+from cutelayers.kernels.reduction_config import RowConfig, can_prefetch, cut_budget, latency_geometry
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import RowKernelFamily, call_kernel, check_dtype, check_float_array, check_number
 from cutelayers.runtime.family import ShardingRule
@@ -95,13 +95,47 @@ class NormForward(RowKernelFamily):
         optional = (("residual", self.has_residual), ("scale", self.has_scale), ("bias", self.has_bias))
         return ("x",) + tuple(name for name, present in optional if present)
 
+    def default_config(self, avals):
+        # a decode-sized batch: its rows spread over wide CTAs (norm_config.FEW_ROWS_VALUES), the
+        # widest cut over a cluster (norm_config.FEW_ROWS_CUT_THREADS)
+        few = self._few_rows_geometry(avals)
+        if few is None:
+            return super().default_config(avals)
+        if few.row.threads_per_row <= norm_config.FEW_ROWS_CUT_THREADS:
+            return few.row
+        n, bits = self.row_length(avals), self.elem_bits(avals)
+        return self._cut_config(norm_config.FEW_ROWS_CUT_THREADS, n, bits, norm_config.few_rows_cluster(n, bits))
+
     def config_space(self, avals) -> tuple:
         # each register-resident config also with the other choice than its rule's of when the
-        # parameters load (norm_config.ForwardConfig)
+        # parameters load (norm_config.ForwardConfig); for a few rows, the row cut over clusters of
+        # one-row CTAs of 128 or 256 threads
         space = super().config_space(avals)
         others = tuple(norm_config.forward_config(c, not self._params_first(c, avals))
                        for c in space if self.cut(c, avals).resident)
-        return space + others
+        cuts = ()
+        if self._few_rows_geometry(avals) is not None:
+            n, bits = self.row_length(avals), self.elem_bits(avals)
+            candidates = (self._cut_config(threads, n, bits, cluster)
+                          for threads in (128, norm_config.FEW_ROWS_CUT_THREADS) for cluster in (2, 4, 8, 16))
+            cuts = tuple(c for c in candidates if self.cut(c, avals).cluster > 1)
+        return space + others + tuple(dict.fromkeys(cuts))
+
+    def _few_rows_geometry(self, avals):
+        """:func:`.latency_geometry` for a concrete row count of at most norm_config.FEW_ROWS whose
+        rows it keeps register resident; else None."""
+        rows = concrete_dim(avals[0].shape[0])
+        if rows is None or rows > norm_config.FEW_ROWS:
+            return None
+        return latency_geometry(self.row_length(avals), self.elem_bits(avals), self.register_values(avals),
+                                norm_config.FEW_ROWS_VALUES)
+
+    @staticmethod
+    def _cut_config(threads: int, n: int, elem_bits: int, cluster: int) -> RowConfig:
+        """One-row CTAs of ``threads`` threads, a step of one access a thread, whose share budget
+        cuts rows of ``n`` over ``cluster`` CTAs (:func:`.cut_budget`)."""
+        config = RowConfig(threads_per_row=threads, num_threads=threads, unroll=1)
+        return dataclasses.replace(config, share_budget=cut_budget(config, n, elem_bits, cluster))
 
     def config_from_fields(self, fields: dict):
         if "params_first" in fields:  # a ForwardConfig; a plain RowConfig lets the rule decide

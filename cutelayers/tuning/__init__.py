@@ -35,7 +35,8 @@ Format::
 
 Row kernels' dims are ``{"n": N, "rows": "65-32768"}``, ``rows`` a range of row counts
 (:func:`cutelayers.kernels.reduction_config.row_count_bucket`), or ``{"n": N}`` for every row count
-where no entry names the range; the GEMM's are ``{"m": "2048+", "k": K, "n":
+where no entry names the range (but the first range's, a decode batch's: those take a ranged entry
+or the heuristic); the GEMM's are ``{"m": "2048+", "k": K, "n":
 N}``, ``m`` a range of row counts (:func:`cutelayers.kernels.gemm_config.row_bucket`), except for
 ``linear_dkernel``, whose rows are the contraction: ``{"m": K, "n": N}``.
 
