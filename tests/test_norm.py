@@ -855,7 +855,7 @@ def test_resident_forward_with_float32_parameters_holds_two_ctas_an_sm(tmp_path)
     # unheld, ptxas gave it 66 registers (one CTA an SM, 63.5 % of copy bandwidth on an H200). Held
     # to two CTAs an SM (NormForwardKernel.two_ctas_an_sm) it takes 64 and spills nothing; the same
     # row with bf16 parameters (63 registers already) is not held, nor the kernel of a few rows
-    # (norm_config.FEW_ROWS), whose parameters loaded first spilled 608 bytes a thread held.
+    # (norm_config.FEW_ROWS: the row cut over a cluster, test_a_few_rows_cut_keeps_its_shares_in_registers).
     ptxas = shutil.which("ptxas")
     many, few = str(norm_config.FEW_ROWS + 1), str(norm_config.FEW_ROWS)
     for dtype, rows, held in (("float32", many, True), ("bfloat16", many, False), ("float32", few, False)):
@@ -867,6 +867,17 @@ def test_resident_forward_with_float32_parameters_holds_two_ctas_an_sm(tmp_path)
             notes = ptxas_report(ptxas, path)
             (registers,) = re.findall(r"Used (\d+) registers", notes)
             assert int(registers) <= 64 and " 0 bytes spill stores" in notes, notes
+
+
+@pytest.mark.cute
+def test_a_few_rows_cut_keeps_its_shares_in_registers(tmp_path):
+    # A decode batch's row of 16384 is cut over a cluster in shares of one step
+    # (NormForwardKernel.holds_share): the CTAs exchange their statistics (st.async into each
+    # other's shared memory) but stage nothing -- no cp.async copy of the row, read back for the
+    # normalize pass -- where many rows of 65 ... stream.
+    path = kept_ptx(tmp_path, RESIDENT_PTX_PROGRAM, "float32", str(norm_config.FEW_ROWS))
+    ptx = path.read_text()
+    assert "st.async" in ptx and "cp.async" not in ptx
 
 
 # Lowers the heuristic backward of the row kernel argv[1] at (16384, argv[2]) bf16 for sm_90a, its PTX

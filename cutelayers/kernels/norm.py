@@ -155,8 +155,8 @@ class NormForwardKernel:
             grid=[cute.ceil_div(x.shape[0], config.row.rows_per_cta) * config.cluster, 1, 1],
             block=[config.row.num_threads, 1, 1],
             smem=shared_buffer_bytes(config, 2) + cluster_slot_bytes(config, self.cluster_values)
-            + staged_smem(config, (summed if const_expr(self.has_residual) else x,),
-                          widest_bytes(x, scale, bias, y)),
+            + (0 if self.holds_share else staged_smem(config, (summed if const_expr(self.has_residual) else x,),
+                                                      widest_bytes(x, scale, bias, y))),
             stream=stream,
             **self.two_ctas_an_sm(x),
             **cluster_launch(config),
@@ -179,6 +179,13 @@ class NormForwardKernel:
                 and config.vec == 4 and config.vec * config.row.unroll == FORWARD_VALUES_PER_THREAD):
             return {}
         return held_to(2)
+
+    @property
+    def holds_share(self) -> bool:
+        """A row cut over a cluster in shares of one step each (a decode batch's wide rows): the
+        statistics pass's fragment is the normalize pass's, neither staged nor read again."""
+        config = self.config
+        return not config.resident and config.steps_per_cta == 1 and config.last_steps == 1
 
     @property
     def cluster_values(self) -> int:
@@ -208,8 +215,10 @@ class NormForwardKernel:
         valid_row = row < x.shape[0]
         # A streamed row kept in shared memory for the normalize pass: x prefetched, or summed
         # copied from registers as pass 1 computes it.
-        source, copy_to, again, prefetch = share.staging(normalized, src, staged(config, widest_bytes(x, scale, bias, y)),
-                                                         prefetch=not self.has_residual)
+        stage = staged(config, widest_bytes(x, scale, bias, y)) and not self.holds_share
+        source, copy_to, again, prefetch = share.staging(normalized, src, stage, prefetch=not self.has_residual)
+        if const_expr(self.holds_share):
+            again = None  # the share's one step stays in registers
         buffers = shared_buffers(config, 2)  # after the staged row (see reduction.shared_row_tensor)
         slots = cluster_slots(config, self.cluster_values)
         if const_expr(self.has_residual):
