@@ -633,7 +633,7 @@ class FakeRunner:
 
     def __init__(self, seconds=None, wrong=(), failing=()):
         self.seconds, self.wrong, self.failing = seconds or {}, set(wrong), set(failing)
-        self.timed = []
+        self.timed, self.timed_families = [], []
 
     def run(self, family, operands):
         if family.config in self.failing:
@@ -643,6 +643,7 @@ class FakeRunner:
 
     def time(self, family, operands):
         self.timed.append(family.config)
+        self.timed_families.append(family)
         return self.seconds.get(family.config, 1e-3)
 
 
@@ -675,6 +676,23 @@ def test_sweep_keeps_the_heuristic_within_min_gain():
     runner = FakeRunner(seconds={slightly_faster: 0.99e-3, default: 1e-3})
     assert autotune.sweep(case, runner, log=lambda _: None).winner == default
     assert autotune.sweep(case, runner, min_gain=0.0, log=lambda _: None).winner == slightly_faster
+
+
+def test_a_decode_sweep_times_the_kernels_the_op_runs(monkeypatch):
+    # A few register-resident rows load their parameters first (NormForward.with_config): another
+    # kernel than many rows' with the same config. The sweep times each candidate as the op runs it.
+    monkeypatch.setattr(tuning, "device_kind", lambda: FAKE_GPU)
+    (case,) = autotune.cases("layer_norm_fwd", [(8, 2048)], ["bfloat16"], "float32")
+    runner = FakeRunner()
+    autotune.sweep(case, runner, log=lambda _: None)
+    timed = {f.config: f for f in runner.timed_families}
+    assert set(timed) == set(case.family.config_space(case.avals))
+    assert timed[case.family.default_config(case.avals)] == tuning.resolve(case.family, case.avals)
+    assert all(f.loads_params_first(case.avals) == f.geometry(case.avals).resident for f in timed.values()
+               if not isinstance(f.config, norm_config.ForwardConfig))
+    assert any(f.few_rows for f in timed.values())
+    many = (S((128, 2048), BF16), *case.avals[1:])
+    assert not tuning.resolve(case.family, many).few_rows
 
 
 def test_sweep_with_no_correct_candidate_has_no_winner():

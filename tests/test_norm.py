@@ -974,8 +974,7 @@ def test_forward_loads_its_parameters_first_by_the_rule(monkeypatch, center, n, 
     monkeypatch.setattr(tuning, "device_kind", lambda: "Fake H100 for tests")  # no table entries
     S = jax.ShapeDtypeStruct
     avals = (S((rows, n), jnp.bfloat16),) + (S((n,), param_dtype),) * (1 + center)
-    family = tuning.resolve(NormForward(center, True, center, 1e-6, "bfloat16"), avals)
-    family = dataclasses.replace(family, few_rows=rows <= norm_config.FEW_ROWS)
+    family = tuning.resolve(NormForward(center, True, center, 1e-6, "bfloat16"), avals)  # few_rows set for rows
     assert family.loads_params_first(avals) == first
     assert family.launcher(avals, None).params_first == first
 

@@ -438,7 +438,7 @@ class DeviceRunner:
         with use_backend("cute"), parallel_compiles():
             for case in todo:
                 for config in case.family.config_space(case.avals):
-                    self._function(dataclasses.replace(case.family, config=config)).lower(*case.avals)
+                    self._function(case.family.with_config(config, case.avals)).lower(*case.avals)
 
     def run(self, family, operands):
         with use_backend("cute"):
@@ -496,7 +496,7 @@ def sweep(case: Case, runner: Runner, *, min_gain: float = MIN_GAIN, log: Callab
     expected = case.observe(dataclasses.replace(family, config=default).reference(*operands))
     trials = []
     for i, config in enumerate(candidates, 1):
-        configured = dataclasses.replace(family, config=config)
+        configured = family.with_config(config, case.avals)
         label = f"[{case.describe()}] {i}/{len(candidates)} {tuning.describe_config(config)}"
         label += " (heuristic)" if config == default else ""
         try:

@@ -137,6 +137,16 @@ class NormForward(RowKernelFamily):
         config = RowConfig(threads_per_row=threads, num_threads=threads, unroll=1)
         return dataclasses.replace(config, share_budget=cut_budget(config, n, elem_bits, cluster))
 
+    def with_config(self, config, avals):
+        # A few register-resident rows load their parameters first (norm_config.params_first):
+        # another kernel than many rows', whose compile key (a symbolic row count) is the same. A
+        # symbolic row count, under shape polymorphism, is not known to be few.
+        family = dataclasses.replace(self, config=config, few_rows=False)
+        m = concrete_dim(avals[0].shape[0])
+        few = (m is not None and m <= norm_config.FEW_ROWS and family.geometry(avals).resident
+               and not family.loads_params_first(avals))
+        return dataclasses.replace(family, few_rows=few)
+
     def config_from_fields(self, fields: dict):
         if "params_first" in fields:  # a ForwardConfig; a plain RowConfig lets the rule decide
             return norm_config.ForwardConfig(**fields)
@@ -461,14 +471,7 @@ def _forward_core(center: bool, has_residual: bool, has_scale: bool, has_bias: b
     def forward(*args):
         x = args[0]
         operands = (*(a.reshape(-1, x.shape[-1]) for a in args[:rows]), *args[rows:])
-        chosen = resolve(family, operands)
-        # register-resident rows of a small batch load their parameters first; where many rows'
-        # kernel does too, or the row streams, it is the same kernel for any row count: one compile
-        # (a symbolic row count, under shape polymorphism, is not known to be few)
-        m = concrete_dim(operands[0].shape[0])
-        few = (m is not None and m <= norm_config.FEW_ROWS and chosen.geometry(operands).resident
-               and not chosen.loads_params_first(operands))
-        outs = call_kernel(dataclasses.replace(chosen, few_rows=few), *operands)
+        outs = call_kernel(resolve(family, operands), *operands)
         return (tuple(o.reshape(x.shape) for o in outs[:rows])
                 + tuple(o.reshape(x.shape[:-1]) for o in outs[rows:]))
 

@@ -20,7 +20,7 @@ Two classes, one per reader:
   written by the launcher, and only rows may be sharded.
 * :class:`TunableFamily`, a family whose kernel takes a config: the four hooks
   :mod:`cutelayers.tuning` reads to choose one (``tuning.resolve``) and the autotuner reads to
-  sweep them.
+  sweep them, and :meth:`~TunableFamily.with_config`, which both use to set it.
 
 Implementations, each in its own file: :class:`cutelayers.ops._rowwise.RowKernelFamily` (row
 kernels' configs) and its families in ``ops/norm.py``, ``ops/softmax.py``, ``ops/reduce.py``;
@@ -202,6 +202,12 @@ class TunableFamily(KernelFamily):
     @abc.abstractmethod
     def config_from_fields(self, fields: dict) -> Any:
         """A config from its JSON form (``dataclasses.asdict`` of one)."""
+
+    def with_config(self, config: Any, avals: Sequence[Aval]) -> TunableFamily:
+        """This family running ``config`` on these operands: what :func:`cutelayers.tuning.resolve`
+        returns, and what the autotuner times for each candidate. A family whose kernel depends on
+        more of the operands than its compile key holds (the norm forward's few rows) sets it here."""
+        return dataclasses.replace(self, config=config)
 
     def chosen_config(self) -> Any:
         """The config; an error if none has been chosen yet."""

@@ -247,7 +247,7 @@ def resolve(family: TunableFamily, avals: Sequence) -> TunableFamily:
     has one already."""
     if family.config is not None:
         return family
-    return dataclasses.replace(family, config=choose_config(family, avals))
+    return family.with_config(choose_config(family, avals), avals)
 
 
 def dtype_names(dtypes) -> str:
