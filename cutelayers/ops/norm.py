@@ -75,7 +75,7 @@ class NormForward(RowKernelFamily):
     out_dtype: str
     has_residual: bool = False
     config: RowConfig | None = None
-    few_rows: bool = False  # at most norm_config.FEW_ROWS rows (see :meth:`loads_params_first`)
+    few_rows: bool = False  # a few rows' kernel, its parameters loaded first (set by :meth:`with_config`)
     per_row_rank = 2
     values_per_thread = norm_config.FORWARD_VALUES_PER_THREAD
     staged_operands = 1  # a streamed row (x, or summed) kept for the normalize pass
@@ -121,11 +121,17 @@ class NormForward(RowKernelFamily):
             cuts = tuple(c for c in candidates if self.cut(c, avals).cluster > 1)
         return space + others + tuple(dict.fromkeys(cuts))
 
-    def _few_rows_geometry(self, avals):
-        """:func:`.latency_geometry` for a concrete row count of at most norm_config.FEW_ROWS whose
-        rows it keeps register resident; else None."""
+    @staticmethod
+    def _decode_batch(avals) -> bool:
+        """Whether the rows are a concrete count of at most norm_config.FEW_ROWS (a symbolic one,
+        under shape polymorphism, is not known to be few)."""
         rows = concrete_dim(avals[0].shape[0])
-        if rows is None or rows > norm_config.FEW_ROWS:
+        return rows is not None and rows <= norm_config.FEW_ROWS
+
+    def _few_rows_geometry(self, avals):
+        """:func:`.latency_geometry` for a decode batch whose rows it keeps register resident; else
+        None."""
+        if not self._decode_batch(avals):
             return None
         return latency_geometry(self.row_length(avals), self.elem_bits(avals), self.register_values(avals),
                                 norm_config.FEW_ROWS_VALUES)
@@ -139,11 +145,9 @@ class NormForward(RowKernelFamily):
 
     def with_config(self, config, avals):
         # A few register-resident rows load their parameters first (norm_config.params_first):
-        # another kernel than many rows', whose compile key (a symbolic row count) is the same. A
-        # symbolic row count, under shape polymorphism, is not known to be few.
+        # another kernel than many rows', whose compile key (a symbolic row count) is the same.
         family = dataclasses.replace(self, config=config, few_rows=False)
-        m = concrete_dim(avals[0].shape[0])
-        few = (m is not None and m <= norm_config.FEW_ROWS and family.geometry(avals).resident
+        few = (self._decode_batch(avals) and family.geometry(avals).resident
                and not family.loads_params_first(avals))
         return dataclasses.replace(family, few_rows=few)
 
