@@ -10,6 +10,7 @@ import math
 from cutelayers.kernels.hopper import HOPPER_SMS, RESIDENT_CLUSTERS
 from cutelayers.kernels.reduction_config import (
     MAX_CLUSTER,
+    ROW_COUNT_EDGES,
     STAGED_ROW_BYTES,
     STAGED_ROW_BYTES_ALONE,
     RowConfig,
@@ -53,8 +54,9 @@ FORWARD_SHARE_BYTES = {True: STAGED_ROW_BYTES, False: 40 * 1024}
 # (H100, bf16, 8 rows: 1.05-1.34x faster at N = 256 to 8192, layer_norm 8 x 256 2.0 -> 1.5 us). On
 # many rows the registers they then hold may cost occupancy (LayerNorm's 63 -> 80 registers: 181 ->
 # 244 us at 16384 x 8192, 180 -> 198 at 131072 x 1024: docs/benchmarks.md, 21st session), so there
-# :func:`params_first` decides.
-FEW_ROWS = 64
+# :func:`params_first` decides. The first range of reduction_config.row_count_bucket, a decode batch's,
+# which tuned entries of every row count leave to its own (RowKernelFamily.tuning_keys).
+FEW_ROWS = ROW_COUNT_EDGES[0]
 # Elements a thread of such a batch's register-resident forward holds
 # (:func:`.reduction_config.latency_geometry`: one row a CTA of N / 16 threads, 128 to 512) where
 # many rows' heuristic packs 4 rows of 32-thread rows into a CTA at 768 / 1024 and gives each thread
