@@ -814,8 +814,7 @@ def test_a_decode_batch_runs_wide_ctas_and_cuts_wide_rows(n, param_dtype, thread
     """A few rows' forward config (NormForward.default_config): one row a CTA of about
     FEW_ROWS_VALUES values a thread; rows that would take more than FEW_ROWS_CUT_THREADS threads
     so are cut over a cluster of such CTAs, a step each. Every such config is one of the space's,
-    and the cuts are candidates at a few rows only. A row of fewer accesses than 128 threads keeps
-    the many-rows heuristic."""
+    and the cuts are candidates at a few rows only."""
     family = NormForward(True, True, True, 1e-6, "bfloat16")
     avals = (jax.ShapeDtypeStruct((8, n), jnp.bfloat16), *[jax.ShapeDtypeStruct((n,), param_dtype)] * 2)
     config = family.default_config(avals)
@@ -830,9 +829,14 @@ def test_a_decode_batch_runs_wide_ctas_and_cuts_wide_rows(n, param_dtype, thread
     assert len(cut) == len(set(cut)) and (cluster == 1 or config in cut)
     assert not set(cut) & set(family.config_space(many))
     assert family.default_config(many) != config
-    narrow = (jax.ShapeDtypeStruct((8, 768), jnp.bfloat16), *[jax.ShapeDtypeStruct((768,), jnp.bfloat16)] * 2)
-    assert family.default_config(narrow) == family.default_config((jax.ShapeDtypeStruct((4096, 768), jnp.bfloat16),
-                                                                   *narrow[1:]))
+
+
+def test_a_decode_batch_of_rows_narrower_than_a_cta_keeps_the_many_rows_heuristic():
+    # 96 accesses of a bf16 row of 768 with bf16 parameters would leave 32 of 128 threads idle
+    family = NormForward(True, True, True, 1e-6, "bfloat16")
+    params = (jax.ShapeDtypeStruct((768,), jnp.bfloat16),) * 2
+    few, many = (jax.ShapeDtypeStruct((rows, 768), jnp.bfloat16) for rows in (8, 4096))
+    assert family.default_config((few, *params)) == family.default_config((many, *params))
 
 
 # Lowers the forwards of rms_norm (ROWS, 16384) bf16 x and scale + bias of the dtype in argv[1] for
