@@ -18,6 +18,7 @@ from conftest import kept_ptx, ptxas_report
 from numerics import assert_close, dtype_cover, random
 
 import cutelayers as cl
+from cutelayers.kernels import norm as norm_kernels
 from cutelayers.kernels import norm_config
 from cutelayers.kernels.reduction_config import RowConfig
 from cutelayers.ops.norm import NormBackward, NormForward, add_layer_norm, add_rms_norm, layer_norm, rms_norm
@@ -112,6 +113,24 @@ def test_epsilon_and_param_dtypes(op, epsilon, rng):
     _check_values(op, x, scale, bias, epsilon=epsilon)
     _check_values(op, x, scale, None, epsilon=epsilon, dtype=jnp.float32)
     _check_values(op, x, None, bias, epsilon=epsilon, dtype=jnp.float16)
+
+
+def test_forward_moments_merge_by_halves_like_two_pass_statistics(rng):
+    # The butterfly of norm.merged_halves over a row's threads, as reduction.row_merge runs it
+    # (lane t merges with t ^ offset), on x = 1000 + N(0, 1) in float32: every lane ends with the
+    # same bits, and with the row's float64 mean and variance.
+    threads, per_thread = 128, 16
+    x = (1000.0 + rng.standard_normal((threads, per_thread))).astype(np.float32)
+    lanes = [(v.mean(dtype=np.float32), np.square(v - v.mean(dtype=np.float32)).mean(dtype=np.float32)) for v in x]
+    offset = threads // 2
+    while offset:
+        lanes = [norm_kernels.merged_halves(lanes[t], lanes[t ^ offset]) for t in range(threads)]
+        offset //= 2
+    assert len(set(lanes)) == 1
+    mean, var = lanes[0]
+    exact = x.astype(np.float64)
+    assert abs(mean - exact.mean()) <= 2 * np.spacing(np.float32(1000.0))
+    np.testing.assert_allclose(var, exact.var(), rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -839,17 +858,18 @@ def test_a_decode_batch_of_rows_narrower_than_a_cta_keeps_the_many_rows_heuristi
     assert family.default_config((few, *params)) == family.default_config((many, *params))
 
 
-# Lowers the forwards of rms_norm (ROWS, 16384) bf16 x and scale + bias of the dtype in argv[1] for
-# sm_90a, the PTX kept in CUTE_DSL_DUMP_DIR (a fresh process: the DSL reads CUTE_DSL_KEEP at import).
-RESIDENT_PTX_PROGRAM = """
+# Lowers the forward of the norm op argv[1] on (argv[3], argv[4]) bf16 x, scale + bias of dtype
+# argv[2], for sm_90a, the PTX kept in CUTE_DSL_DUMP_DIR (a fresh process: the DSL reads
+# CUTE_DSL_KEEP at import).
+FORWARD_PTX_PROGRAM = """
 import sys
 import jax, jax.numpy as jnp
 import cutelayers as cl
-x = jax.ShapeDtypeStruct((int(sys.argv[2]), 16384), jnp.bfloat16)
-p = jax.ShapeDtypeStruct((16384,), jnp.dtype(sys.argv[1]))
+op, dtype, rows, n = getattr(cl.ops, sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+x = jax.ShapeDtypeStruct((rows, n), jnp.bfloat16)
+p = jax.ShapeDtypeStruct((n,), jnp.dtype(dtype))
 with cl.use_backend("cute"):
-    jax.jit(lambda x, s, b: cl.ops.rms_norm(x, s, b, dtype=jnp.bfloat16)).trace(x, p, p).lower(
-        lowering_platforms=("cuda",))
+    jax.jit(lambda x, s, b: op(x, s, b, dtype=jnp.bfloat16)).trace(x, p, p).lower(lowering_platforms=("cuda",))
 """
 
 
@@ -865,7 +885,7 @@ def test_resident_forward_with_float32_parameters_holds_two_ctas_an_sm(tmp_path)
     for dtype, rows, held in (("float32", many, True), ("bfloat16", many, False), ("float32", few, False)):
         out = tmp_path / f"{dtype}_{rows}"
         out.mkdir()
-        path = kept_ptx(out, RESIDENT_PTX_PROGRAM, dtype, rows)
+        path = kept_ptx(out, FORWARD_PTX_PROGRAM, "rms_norm", dtype, rows, "16384")
         assert (".minnctapersm 2" in path.read_text()) == held, (dtype, rows)
         if held and ptxas is not None:
             notes = ptxas_report(ptxas, path)
@@ -879,9 +899,19 @@ def test_a_few_rows_cut_keeps_its_shares_in_registers(tmp_path):
     # (NormForwardKernel.holds_share): the CTAs exchange their statistics (st.async into each
     # other's shared memory) but stage nothing -- no cp.async copy of the row, read back for the
     # normalize pass -- where many rows of 65 ... stream.
-    path = kept_ptx(tmp_path, RESIDENT_PTX_PROGRAM, "float32", str(norm_config.FEW_ROWS))
+    path = kept_ptx(tmp_path, FORWARD_PTX_PROGRAM, "rms_norm", "float32", str(norm_config.FEW_ROWS), "16384")
     ptx = path.read_text()
     assert "st.async" in ptx and "cp.async" not in ptx
+
+
+@pytest.mark.cute
+@pytest.mark.parametrize("rows, n", [(8, 4096), (16384, 2048), (8, 16384)])
+def test_layer_norm_forward_moments_meet_at_one_barrier(tmp_path, rows, n):
+    # A row over several warps -- resident (a decode batch of 4096, many rows of 2048) or a
+    # cluster's share (8 x 16384) -- merges its threads' (mean, variance) in one butterfly
+    # (reduction.row_merge), so its warps meet at one barrier, where the mean and then M2 took two.
+    ptx = kept_ptx(tmp_path, FORWARD_PTX_PROGRAM, "layer_norm", "float32", str(rows), str(n)).read_text()
+    assert len(re.findall(r"\bbar(?:rier)?\.sync", ptx)) == 1
 
 
 # Lowers the heuristic backward of the row kernel argv[1] at (16384, argv[2]) bf16 for sm_90a, its PTX
@@ -929,6 +959,7 @@ import dataclasses, functools, sys
 import jax
 import cutelayers as cl
 from cutelayers.bench import autotune
+from cutelayers.kernels import norm as norm_kernels
 from cutelayers.kernels import norm_config
 from cutelayers.runtime.sharding import kernel_call
 ((case, _, default),) = autotune.list_candidates(sys.argv[1], [(64, int(sys.argv[2]))], ["bfloat16"])

@@ -25,10 +25,11 @@ column predicates and the last one with them (up to the share's end:
 the kernel; the autotuner may pick another one from :func:`.reduction_config.row_geometry_space`.
 
 Statistics are fp32. LayerNorm's variance never uses E[x^2] - E[x]^2 (which cancels for inputs
-such as 1000 + N(0, 1)): a register-resident row takes the mean first and then the mean of
-(x - mean)^2 from registers; a streamed row keeps a per-thread (count, mean, M2) that each step's
-own two-pass statistics are merged into (Chan et al.'s pairwise update), and the row combines
-them as M2 = sum(M2_t + n_t (mean_t - mean)^2), a sum of non-negative terms.
+such as 1000 + N(0, 1)): each thread keeps a (count, mean, M2) that each step's own two-pass
+statistics are merged into (Chan et al.'s pairwise update), and a row's threads merge theirs the
+same way in one butterfly (:func:`.reduction.row_merge`: one barrier where a row spans warps, not
+one for the mean and one for M2); a cut row's CTAs then combine theirs as
+M2 = sum(M2_r + n_r (mean_r - mean)^2), a sum of non-negative terms.
 
 Tensors as the launchers take them (M is the symbolic row count):
 
@@ -85,6 +86,7 @@ from cutelayers.kernels.reduction import (
     prefetch_shares,
     prefetch_step,
     row_allreduce,
+    row_merge,
     row_operand,
     row_prefetch,
     row_share,
@@ -103,6 +105,29 @@ from cutelayers.kernels.reduction import (
     widest_bytes,
 )
 from cutelayers.kernels.reduction_config import RowGeometry, staged
+
+# The forward's reduction buffers: one per value of a ragged share's (count, mean, M2).
+STAT_BUFFERS = 3
+
+
+def merged_halves(a, b):
+    """Two (mean, variance) over as many values each, merged (Chan et al.'s update with equal
+    counts): the means' midpoint, and the variances' mean plus half the means' gap squared. Symmetric
+    in ``a`` and ``b``, so both lanes of a butterfly pair get the same bits."""
+    half_gap = (b[0] - a[0]) * 0.5
+    return (a[0] + b[0]) * 0.5, (a[1] + b[1]) * 0.5 + half_gap * half_gap
+
+
+def merged_by_counts(a, b):
+    """Two (count, mean, M2), merged (Chan et al.'s pairwise update; counts may be 0), written
+    symmetric in ``a`` and ``b``: the mean as the midpoint plus a correction that is small where the
+    means are close, as they are for inputs such as 1000 + N(0, 1)."""
+    (count_a, mean_a, m2_a), (count_b, mean_b, m2_b) = a, b
+    count = count_a + count_b
+    inverse = cute.arch.rcp_approx(cute.arch.fmax(count, Float32(1.0)))
+    gap = mean_b - mean_a
+    mean = (mean_a + mean_b) * 0.5 + gap * ((count_b - count_a) * 0.5 * inverse)
+    return count, mean, m2_a + m2_b + gap * gap * (count_a * count_b * inverse)
 
 
 def _broadcast_rows(vector, config: RowGeometry):
@@ -154,7 +179,7 @@ class NormForwardKernel:
         ).launch(
             grid=[cute.ceil_div(x.shape[0], config.row.rows_per_cta) * config.cluster, 1, 1],
             block=[config.row.num_threads, 1, 1],
-            smem=shared_buffer_bytes(config, 2) + cluster_slot_bytes(config, self.cluster_values)
+            smem=shared_buffer_bytes(config, STAT_BUFFERS) + cluster_slot_bytes(config, self.cluster_values)
             + (0 if self.holds_share else staged_smem(config, (summed if const_expr(self.has_residual) else x,),
                                                       widest_bytes(x, scale, bias, y))),
             stream=stream,
@@ -219,7 +244,7 @@ class NormForwardKernel:
         source, copy_to, again, prefetch = share.staging(normalized, src, stage, prefetch=not self.has_residual)
         if const_expr(self.holds_share):
             again = None  # the share's one step stays in registers
-        buffers = shared_buffers(config, 2)  # after the staged row (see reduction.shared_row_tensor)
+        buffers = shared_buffers(config, STAT_BUFFERS)  # after the staged row (see reduction.shared_row_tensor)
         slots = cluster_slots(config, self.cluster_values)
         if const_expr(self.has_residual):
             source = opx  # pass 1 reads x (and the residual) from global memory; it stages summed
@@ -233,44 +258,25 @@ class NormForwardKernel:
                     load_step(op, 0)
 
         # --- statistics ------------------------------------------------------------------------
+        # this thread's statistics: a ragged row's whole steps first, then the share's last one --
+        # the row's partial step -- alone, so only it pays for column masks (a resident row: its
+        # one step, which stays in registers)
+        stats = share_steps(
+            steps, config.ragged,
+            lambda step, edge, stats: self.statistics_step(
+                source, opr, ops_sum, copy_to, src, valid_row, step, edge, stats),
+            (Float32(0.0),) * (3 if self.center else 1))
         row_mean = Float32(0.0)
-        if const_expr(config.resident):
-            if valid_row:
-                self.load_row_step(source, opr, ops_sum, copy_to, 0)
-            vals = src.frag.load().to(Float32)
-            if const_expr(self.center):
-                row_mean = row_allreduce(row_sum(vals), operator.add, Float32(0.0), config.row, buffers[0]) / n
-                dev = vals - row_mean
-                if const_expr(config.ragged):
-                    dev = cute.where(column_mask(src.coords[None, None, None, 0], src.frag, src.limit), dev, Float32(0.0))
-                sq = row_sum(dev * dev)
-            else:
-                sq = row_sum(vals * vals)
-            var = row_allreduce(sq, operator.add, Float32(0.0), config.row, buffers[1]) / n
+        if const_expr(self.center):
+            row_mean, m2 = self.share_moments(stats, rank, buffers)
+            if const_expr(config.cluster > 1):
+                cluster_gather((row_mean, m2), slots, config)
+                row_mean, m2 = self.combined_moments(slots)
+            var = m2 / n
         else:
-            # this thread's statistics: a ragged row's whole steps first, then the share's last
-            # one -- the row's partial step -- alone, so only it pays for column masks
-            stats = share_steps(
-                steps, config.ragged,
-                lambda step, edge, stats: self.statistics_step(
-                    source, opr, ops_sum, copy_to, src, valid_row, step, edge, stats),
-                (Float32(0.0),) * (3 if self.center else 1))
-            if const_expr(self.center):
-                count, t_mean, t_m2 = stats
-                width = self.share_columns(rank)
-                share_sum = row_allreduce(t_mean * count, operator.add, Float32(0.0), config.row, buffers[0])
-                row_mean = share_sum / width
-                spread = t_mean - row_mean
-                m2 = row_allreduce(t_m2 + count * spread * spread, operator.add, Float32(0.0), config.row,
-                                   buffers[1])
-                if const_expr(config.cluster > 1):
-                    cluster_gather((row_mean, m2), slots, config)
-                    row_mean, m2 = self.combined_moments(slots)
-                var = m2 / n
-            else:
-                sq = row_allreduce(stats[0], operator.add, Float32(0.0), config.row, buffers[0])
-                (sq,) = cluster_sum((sq,), slots, config)
-                var = sq / n
+            sq = row_allreduce(stats[0], operator.add, config.row, buffers[0])
+            (sq,) = cluster_sum((sq,), slots, config)
+            var = sq / n
         row_rstd = cute.math.rsqrt(var + self.epsilon)
 
         if valid_row and tidx % config.row.threads_per_row == 0 and rank == 0:
@@ -280,6 +286,20 @@ class NormForwardKernel:
         # --- normalize -----------------------------------------------------------------------
         share_steps(steps, config.ragged, lambda step, edge, _: self.normalize_step(
             src, again, ops, opb, opy, valid_row, step, row_mean, row_rstd, edge))
+
+    @cute.jit
+    def share_moments(self, stats, rank, buffers):
+        """(mean, M2) of CTA ``rank``'s share of the row from its threads' (count, mean, M2), in one
+        reduction (:func:`row_merge`): an unragged share's threads hold as many values each, so
+        their (mean, variance) merge by halves without counts; a ragged one's merge by counts."""
+        config = self.config
+        count, mean, m2 = stats
+        if const_expr(config.ragged):
+            _, mean, m2 = row_merge(stats, merged_by_counts, config.row, buffers)
+        else:
+            mean, var = row_merge((mean, m2 / count), merged_halves, config.row, buffers)
+            m2 = var * self.share_columns(rank)
+        return mean, m2
 
     @cute.jit
     def share_columns(self, rank):
@@ -785,10 +805,10 @@ class NormBackwardKernel:
             lambda step, edge, sums: self.row_sums_step(
                 source_x, source_g, copies, ops, step, edge, valid_row, row_mean, row_rstd, *sums),
             (Float32(0.0), Float32(0.0)))
-        c_dot = row_allreduce(dot, operator.add, Float32(0.0), config.row, buffers[0])
+        c_dot = row_allreduce(dot, operator.add, config.row, buffers[0])
         c_sum = Float32(0.0)
         if const_expr(self.center):
-            c_sum = row_allreduce(g_sum, operator.add, Float32(0.0), config.row, buffers[1])
+            c_sum = row_allreduce(g_sum, operator.add, config.row, buffers[1])
         elif const_expr(config.row.warps_per_row > 1):
             cute.arch.barrier()  # the next row's reduction reuses buffers[0]
         if const_expr(self.center):  # the row's sums from its CTAs' ones

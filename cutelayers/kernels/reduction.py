@@ -33,36 +33,48 @@ from cutelayers.kernels.reduction_config import (
 )
 
 
-@cute.jit
-def warp_reduce(val, op: cutlass.Constexpr, group: cutlass.Constexpr):
-    """Butterfly reduction over ``group`` consecutive lanes (a power of two <= 32)."""
+def warp_merge(values, merge, group: int):
+    """Butterfly reduction of the tuple ``values`` by ``merge`` over ``group`` consecutive lanes (a
+    power of two <= 32)."""
     offset = group // 2
-    while const_expr(offset > 0):
-        val = op(val, cute.arch.shuffle_sync_bfly(val, offset=offset))
-        offset = offset // 2
-    return val
+    while offset > 0:
+        values = merge(values, tuple(cute.arch.shuffle_sync_bfly(v, offset=offset) for v in values))
+        offset //= 2
+    return values
 
 
 @cute.jit
-def row_allreduce(val, op: cutlass.Constexpr, init, config: cutlass.Constexpr, buffer):
-    """Reduce ``val`` over the threads of a row; every thread of the row gets the result.
+def row_merge(values, merge: cutlass.Constexpr, config: cutlass.Constexpr, buffers):
+    """Reduce the tuple ``values`` (fp32 values) over the threads of a row by ``merge(a, b)``, which
+    takes and returns such tuples; every thread of the row gets the result -- the same bits on
+    each where ``merge`` is symmetric in a and b, as a butterfly merges each pair both ways.
 
-    ``buffer`` is a shared-memory tensor of shape (rows_per_cta, warps_per_row), used only when a
-    row spans several warps.
-    """
-    val = warp_reduce(val, op, min(config.threads_per_row, WARP))
+    ``buffers``: one shared-memory tensor of shape (rows_per_cta, warps_per_row) per value, used
+    only when a row spans several warps; its warps then meet at one barrier whatever the number
+    of values (two reductions of one value each would meet at two)."""
+    values = warp_merge(values, merge, min(config.threads_per_row, WARP))
     if const_expr(config.warps_per_row > 1):
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         row = warp // config.warps_per_row
         if lane == 0:
-            buffer[row, warp % config.warps_per_row] = val
+            for i in cutlass.range_constexpr(len(values)):
+                buffers[i][row, warp % config.warps_per_row] = values[i]
         cute.arch.barrier()
-        val = init
-        if lane < config.warps_per_row:
-            val = buffer[row, lane]
-        val = warp_reduce(val, op, WARP)
-    return val
+        # every lane reads a warp's values (lane l the l % warps_per_row-th), so each group of
+        # warps_per_row lanes holds the row's and merges them in log2(warps_per_row) steps
+        gathered = list(values)
+        for i in cutlass.range_constexpr(len(values)):
+            gathered[i] = buffers[i][row, lane % config.warps_per_row]
+        values = warp_merge(tuple(gathered), merge, config.warps_per_row)
+    return values
+
+
+@cute.jit
+def row_allreduce(val, op: cutlass.Constexpr, config: cutlass.Constexpr, buffer):
+    """Reduce ``val`` over the threads of a row by ``op`` (commutative); every thread of the row
+    gets the result. ``buffer``: as one of :func:`row_merge`'s."""
+    return row_merge((val,), lambda a, b: (op(a[0], b[0]),), config, (buffer,))[0]
 
 
 def row_tv_layout(config: RowConfig, vec: int):
@@ -148,7 +160,7 @@ class RowReduceKernel:
                 else:
                     for i in cutlass.range_constexpr(cute.size(frag)):
                         acc = nan_max(acc, vals[i])
-        acc = row_allreduce(acc, combine, init, config, buffer)
+        acc = row_allreduce(acc, combine, config, buffer)
         if row < x.shape[0]:
             if tidx % config.threads_per_row == 0:
                 out[row] = (acc * self.scale).to(out.element_type) if is_sum else acc.to(out.element_type)
@@ -651,7 +663,7 @@ def staged_smem(geometry: RowGeometry, operands, elem_bytes: int | None = None) 
 
 
 def shared_buffers(geometry: RowGeometry, count: int):
-    """``count`` shared buffers for :func:`row_allreduce` (distinct ones so that back-to-back
+    """``count`` shared buffers for :func:`row_merge` (distinct ones so that back-to-back
     reductions need no barrier between them)."""
     smem = cutlass.memory.SmemAllocator()
     layout = cute.make_layout((geometry.row.rows_per_cta, geometry.row.warps_per_row),

@@ -85,9 +85,9 @@ def online_lse_step(vals, size: cutlass.Constexpr, mx, c, s):
 @cute.jit
 def row_lse(mx, c, s, geometry: cutlass.Constexpr, max_buffer, sum_buffer):
     """Combine the threads' online states into the row's logsumexp (every thread gets it)."""
-    row_max = row_allreduce(mx, nan_max, -Float32.inf, geometry.row, max_buffer)
+    row_max = row_allreduce(mx, nan_max, geometry.row, max_buffer)
     shift = finite_shift(row_max)
-    total = row_allreduce(s * exp(c - shift), operator.add, Float32(0.0), geometry.row, sum_buffer)
+    total = row_allreduce(s * exp(c - shift), operator.add, geometry.row, sum_buffer)
     return shift + cute.math.log(total, fastmath=True)
 
 
@@ -272,7 +272,7 @@ class SoftmaxBackwardKernel:
                 acc = acc + row_sum(grad)
             else:
                 acc = acc + row_sum(grad * opy.frag.load().to(Float32).reshape(grad.shape))
-        dot = row_allreduce(acc, operator.add, Float32(0.0), g.row, buffers[0])
+        dot = row_allreduce(acc, operator.add, g.row, buffers[0])
         (dot,) = cluster_sum((dot,), slots, g)
         for step in cutlass.range(steps, unroll=1):
             if valid_row:
@@ -355,7 +355,7 @@ class CrossEntropyForwardKernel:
         mx, c, s, total = self.fold_step(opx, g.num_steps - 1, valid_row, g.ragged, mx, c, s, total)
         lse = row_lse(mx, c, s, g, buffers[0], buffers[1])
         if const_expr(self.buffers > 2):
-            total = row_allreduce(total, operator.add, Float32(0.0), g.row, buffers[2])
+            total = row_allreduce(total, operator.add, g.row, buffers[2])
         if valid_row and tidx % g.row.threads_per_row == 0:
             lse_out[row] = lse
             if const_expr(self.with_labels):
@@ -482,7 +482,7 @@ class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
         mx, c, s, total = self.fold_step(source, steps - 1, valid_row, g.ragged, mx, c, s, total, stage)
         lse = row_lse(mx, c, s, g, buffers[0], buffers[1])
         if const_expr(self.buffers > 2):
-            total = row_allreduce(total, operator.add, Float32(0.0), g.row, buffers[2])
+            total = row_allreduce(total, operator.add, g.row, buffers[2])
         if const_expr(g.cluster > 1):
             buffer = cluster_gather((lse, total)[:self.slot_values], slots, g)
             lse = combined_lse(slots, g)
