@@ -898,10 +898,13 @@ def test_a_few_rows_cut_keeps_its_shares_in_registers(tmp_path):
     # A decode batch's row of 16384 is cut over a cluster in shares of one step
     # (NormForwardKernel.holds_share): the CTAs exchange their statistics (st.async into each
     # other's shared memory) but stage nothing -- no cp.async copy of the row, read back for the
-    # normalize pass -- where many rows of 65 ... stream.
+    # normalize pass -- where many rows of 65 ... stream. Its share of the float32 scale (32-bit
+    # loads; x's are 16-bit) is loaded with the share, before the exchange, not after it
+    # (norm_config.params_first).
     path = kept_ptx(tmp_path, FORWARD_PTX_PROGRAM, "rms_norm", "float32", str(norm_config.FEW_ROWS), "16384")
     ptx = path.read_text()
     assert "st.async" in ptx and "cp.async" not in ptx
+    assert ptx.index("ld.global.v4.b32") < ptx.index("st.async")
 
 
 @pytest.mark.cute
@@ -1094,17 +1097,26 @@ def test_forward_without_cache_hints(tmp_path, rows, n):
 
 
 @pytest.mark.cute
-def test_parameters_first_take_register_resident_rows():
+def test_parameters_first_take_rows_held_in_registers():
+    # A register-resident row, or a decode batch's row cut in one-step shares, holds its parameters'
+    # step from the start; a streamed row's steps would each need their own.
     from cutelayers.kernels.norm import NormForwardKernel
     from cutelayers.tuning import resolve
 
     S = jax.ShapeDtypeStruct
-    avals = (S((8, 65536), jnp.bfloat16), S((65536,), jnp.bfloat16))
-    streamed = resolve(NormForward(False, True, False, 1e-6, "bfloat16"), avals).geometry(avals)
-    assert not streamed.resident
-    with pytest.raises(ValueError, match="params_first takes register-resident rows; a 65536-column row streams"):
-        NormForwardKernel(streamed, center=False, has_residual=False, has_scale=True, has_bias=False,
-                          epsilon=1e-6, params_first=True)
+    family = NormForward(False, True, False, 1e-6, "bfloat16")
+    for n, held in ((65536, False), (16384, True)):
+        avals = (S((8, n), jnp.bfloat16), S((n,), jnp.bfloat16))
+        geometry = resolve(family, avals).geometry(avals)
+        assert not geometry.resident and geometry.one_step_shares == held
+        make = functools.partial(NormForwardKernel, geometry, center=False, has_residual=False, has_scale=True,
+                                 has_bias=False, epsilon=1e-6, params_first=True)
+        if held:
+            assert make().params_first
+        else:
+            with pytest.raises(ValueError, match="params_first takes register-resident rows or one-step shares; "
+                                                 "a 65536-column row streams"):
+                make()
 
 
 @pytest.mark.cute

@@ -149,8 +149,9 @@ class NormForwardKernel:
                  has_bias: bool, epsilon: float, params_first: bool = False):
         self.config, self.center, self.has_residual = config, center, has_residual
         self.has_scale, self.has_bias, self.epsilon = has_scale, has_bias, epsilon
-        if params_first and not config.resident:
-            raise ValueError(f"params_first takes register-resident rows; a {config.n}-column row streams")
+        if params_first and not (config.resident or config.one_step_shares):
+            raise ValueError(f"params_first takes register-resident rows or one-step shares; a {config.n}-column "
+                             f"row streams")
         self.params_first = params_first
 
     @cute.jit
@@ -207,10 +208,9 @@ class NormForwardKernel:
 
     @property
     def holds_share(self) -> bool:
-        """A row cut over a cluster in shares of one step each (a decode batch's wide rows): the
-        statistics pass's fragment is the normalize pass's, neither staged nor read again."""
-        config = self.config
-        return not config.resident and config.steps_per_cta == 1 and config.last_steps == 1
+        """A row cut over a cluster in shares of one step each (``RowGeometry.one_step_shares``):
+        the statistics pass's fragment is the normalize pass's, neither staged nor read again."""
+        return self.config.one_step_shares
 
     @property
     def cluster_values(self) -> int:
@@ -357,7 +357,9 @@ class NormForwardKernel:
     def merged_moments(self, src, step, edge: cutlass.Constexpr, count, mean, m2):
         """This thread's (count, mean, M2) with its values of ``step`` (in ``src``'s fragment)
         merged in by Chan et al.'s pairwise update; ``edge``: the step may be partial (its columns
-        past n left out)."""
+        past n left out). Written with an exact division, not as :func:`merged_by_counts`: merged
+        into the empty state, a step's mean stays its own to the bit, so a register-resident row
+        (one step) keeps its two-pass statistics."""
         vals = src.frag.load().to(Float32)
         if const_expr(edge):
             mask = column_mask(src.coords[None, None, None, step], src.frag, src.limit)

@@ -74,7 +74,10 @@ FEW_ROWS_VALUES = 16
 # parameters, layer_norm 8192 2.30 -> 2.08 (8 CTAs), 16384 3.33 -> 2.46 (16), rms_norm 1.79 -> 1.76,
 # 2.66 -> 2.02; bf16 parameters at 16384 3.17 -> 2.14 and 2.53 -> 1.81 (8 CTAs). At 4096 the
 # resident row of 256 threads was faster than every cut (1.76 against 1.95-2.24 us):
-# docs/benchmarks.md, sixty-first session.
+# docs/benchmarks.md, sixty-first session. Each CTA loads its share of the parameters with its share
+# of the row, before the exchange (:func:`params_first`), not after it: H100, float32 parameters, us
+# at 8192 / 16384, layer_norm 1.9 -> 1.7 / 2.2 -> 2.1, rms_norm 1.7 -> 1.5 / 1.9 -> 1.8, the fused
+# residual adds 0.1 us each (two alternating rounds: docs/benchmarks.md, sixty-third session).
 FEW_ROWS_CUT_THREADS = 256
 # Many register-resident rows of at most PARAMS_FIRST_MAX_N columns load their parameters first too
 # where one warp holds the row or a thread's parameter values take at most PARAMS_FIRST_BYTES: after
@@ -184,11 +187,12 @@ def few_rows_cluster(n: int, elem_bits: int) -> int:
 
 def params_first(config: RowConfig, geometry: RowGeometry, param_bytes: int, few_rows: bool = False) -> bool:
     """Whether the forward with ``config`` (``geometry`` its rows) loads scale and bias with the row,
-    before its reductions: only a register-resident row can; then always for ``few_rows`` (at most
+    before its reductions: only a register-resident row or a one-step share can
+    (``RowGeometry.one_step_shares``); then always for ``few_rows`` (at most
     :data:`FEW_ROWS`), else as a :class:`ForwardConfig` says, else where the row has at most
     :data:`PARAMS_FIRST_MAX_N` columns and one warp holds it or a thread's parameter values
     (``param_bytes``: one column's scale and bias together) take at most :data:`PARAMS_FIRST_BYTES`."""
-    if not geometry.resident:
+    if not (geometry.resident or geometry.one_step_shares):
         return False
     if few_rows:
         return True

@@ -179,6 +179,13 @@ class RowGeometry:
         return self.num_steps == 1
 
     @property
+    def one_step_shares(self) -> bool:
+        """A row cut over a cluster in shares of one step each (a decode batch's wide rows): a
+        two-pass kernel keeps each CTA's share in registers between its passes, as it does a
+        register-resident row."""
+        return not self.resident and self.steps_per_cta == 1 and self.last_steps == 1
+
+    @property
     def ragged(self) -> bool:
         """A share's last step may be partial: its loads and stores need column predicates (up to
         the share's end: :func:`.reduction.share_limit`)."""

@@ -144,10 +144,12 @@ class NormForward(RowKernelFamily):
         return dataclasses.replace(config, share_budget=cut_budget(config, n, elem_bits, cluster))
 
     def with_config(self, config, avals):
-        # A few register-resident rows load their parameters first (norm_config.params_first):
-        # another kernel than many rows', whose compile key (a symbolic row count) is the same.
+        # A few register-resident rows, or a few rows cut in one-step shares, load their parameters
+        # first (norm_config.params_first): another kernel than many rows', whose compile key (a
+        # symbolic row count) is the same.
         family = dataclasses.replace(self, config=config, few_rows=False)
-        few = (self._decode_batch(avals) and family.geometry(avals).resident
+        geometry = family.geometry(avals)
+        few = (self._decode_batch(avals) and (geometry.resident or geometry.one_step_shares)
                and not family.loads_params_first(avals))
         return dataclasses.replace(family, few_rows=few)
 
