@@ -331,6 +331,44 @@ def check_with_grad(rng, rows, v, dtype, cfg, out_of_range=False):
         assert loss.reshape(-1)[1] == 0.0 and not np.any(dx.reshape(-1, v)[1])
 
 
+def check_far_below_zero(rng, v, dtype):
+    """Rows of logits under -88, where exp of a negated shift overflows float32: N(-120, 4) (no
+    lower, so that float32's spacing there keeps x - lse within the float32 tolerance); the
+    leading half held at the dtype's lowest value (left padding masked so); all but the last column
+    so. A thread whose first values are all that low once folded 0 * exp(inf) = NaN into its sum
+    (softmax.rescaled). logsumexp, softmax, and the cross-entropy (label: the last column) through
+    the forward and backward kernels and the fused one, each row against float64."""
+    from cutelayers.ops.softmax import cross_entropy_kernels
+
+    x = np.asarray(random(rng, (3, v), dtype) * 2, np.float64)
+    x[0] -= 120.0
+    x[1, : v // 2] = x[2, :-1] = float(jnp.finfo(dtype).min)
+    x = jnp.asarray(x, dtype)
+    x64 = np.asarray(x, np.float64)
+    lse_ref = np_lse(x64)
+    p_ref = np.exp(x64 - lse_ref[:, None])
+    onehot = np.arange(v) == v - 1
+    loss_ref = lse_ref - x64[:, -1]
+    labels = jnp.full((3,), v - 1, jnp.int32)
+    grad = jax.grad(lambda x: jnp.sum(cl.ops.softmax_cross_entropy(x, labels)))(x)
+    _, fused_loss, fused_grad = jax.jit(cross_entropy_kernels(None)[2])(x, labels, jnp.ones((3,), jnp.float32))
+    outputs = (cl.ops.logsumexp(x), cl.ops.softmax(x), cl.ops.softmax_cross_entropy(x, labels), grad, fused_loss,
+               fused_grad)
+    for r in range(3):
+        lse, p, loss, g, loss2, g2 = (np.asarray(jnp.asarray(out[r], jnp.float32)) for out in outputs)
+        assert_close(lse, lse_ref[r], dtype)
+        assert_close(p, p_ref[r], dtype, scale=2.0)
+        for out in (loss, loss2):
+            assert_close(out, loss_ref[r], jnp.float32, scale=10.0, scale_ref=abs(loss_ref[r]) + abs(lse_ref[r]))
+        for out in (g, g2):
+            assert_close(out, p_ref[r] - onehot, dtype, scale=2.0, scale_ref=p_ref[r] + onehot)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_rows_far_below_zero_reference(dtype, rng):
+    check_far_below_zero(rng, 7, dtype)
+
+
 @pytest.mark.parametrize("cfg", WITH_GRAD_CFGS, ids=["plain", "all-options"])
 def test_cross_entropy_with_grad_reference(cfg, rng):
     """The fused family's jnp path (off CUDA) matches the forward + backward pair, vmapped too."""
@@ -427,6 +465,15 @@ def test_logsumexp_gpu(dtype, v, rng):
     with cl.use_backend("cute"):
         for rows in CE_GPU_ROWS[v]:
             check_logsumexp(rng, (*rows, v), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v", [7, 1000, 4096, 50257, 131072])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_rows_far_below_zero_gpu(dtype, v, rng):
+    """Registers (one warp a row and several), shared-memory staging and rows cut over a cluster."""
+    with cl.use_backend("cute"):
+        check_far_below_zero(rng, v, dtype)
 
 
 @pytest.mark.gpu

@@ -72,6 +72,9 @@ def main(argv=None) -> int:
                           help="softmax fwd/bwd and cross-entropy fwd+bwd vs XLA/optax")
     soft.add_argument("--n", type=int, nargs="+", default=[4096, 32768, 131072])
     soft.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    soft.add_argument("--rows", type=int, default=None,
+                      help="rows of every array (default: 32768 for softmax, 8192 for cross-entropy, fewer where "
+                           "an array would pass 1 GiB)")
     lin = sub.add_parser("gemm", help="fused_linear (Hopper GEMM + epilogue) TFLOP/s vs XLA")
     lin.add_argument("--shapes", type=gemm.parse_shape, nargs="+", default=(),
                      help="MxKxN ... (default: the transformer layers of cutelayers.bench.gemm.LAYERS)")
@@ -135,7 +138,7 @@ def main(argv=None) -> int:
             results = bench_norms(args.n, jnp.dtype(args.dtype), args.rows, tuple(args.ops), tuple(args.passes),
                                   args.param_dtype)
         else:
-            results = bench_softmax(args.n, jnp.dtype(args.dtype))
+            results = bench_softmax(args.n, jnp.dtype(args.dtype), args.rows)
         if baseline is not None:
             print(f"# baseline: {described}")
         print_table(results, baseline)

@@ -5,7 +5,8 @@
 * cross-entropy ``fwd+bwd``: loss and dlogits from (logits, labels); counted as 2 |logits|
   (read once, write dlogits once), the figure the issue compares against (8192 rows).
 
-Fewer rows where x would pass ``MAX_X_BYTES`` (wide rows: N = 256K would make a 16 GiB x, and
+``rows`` sets every array's rows instead (a decode batch's few, say). Fewer rows where x would
+pass ``MAX_X_BYTES`` (wide rows: N = 256K would make a 16 GiB x, and
 the benchmark would run out of memory rather than measure).
 """
 
@@ -35,14 +36,14 @@ def _time_backward(f, x, dy) -> float:
     return time_fn(jax.jit(lambda vjp, dy: vjp(dy)[0]), vjp, dy)
 
 
-def bench_softmax(ns: list[int], dtype=jnp.bfloat16) -> list[dict]:
+def bench_softmax(ns: list[int], dtype=jnp.bfloat16, rows: int | None = None) -> list[dict]:
     dtype = jnp.dtype(dtype)
     bw = measured_bandwidth()
     key = jax.random.key(0)
     results = []
     for n in ns:
         kx, kd, kl = jax.random.split(jax.random.fold_in(key, n), 3)
-        x = 2 * jax.random.normal(kx, (_rows(SOFTMAX_ROWS, n, dtype), n), dtype)
+        x = 2 * jax.random.normal(kx, (_rows(rows or SOFTMAX_ROWS, n, dtype), n), dtype)
         dy = jax.random.normal(kd, x.shape, dtype)
         x_bytes = x.size * dtype.itemsize
         with cl.use_backend("cute"):
@@ -52,7 +53,7 @@ def bench_softmax(ns: list[int], dtype=jnp.bfloat16) -> list[dict]:
         results.append(result_row("softmax", x.shape, dtype, 3 * x_bytes, t_bwd,
                                   _time_backward(jax.nn.softmax, x, dy), bw, **{"pass": "bwd"}))
         del x, dy
-        logits = 2 * jax.random.normal(kx, (_rows(CE_ROWS, n, dtype), n), dtype)
+        logits = 2 * jax.random.normal(kx, (_rows(rows or CE_ROWS, n, dtype), n), dtype)
         labels = jax.random.randint(kl, logits.shape[:1], 0, n)
 
         def ce(f, labels=labels):

@@ -2,11 +2,11 @@
 cross-entropy forward (one streaming read), cross-entropy backward (one read, one write).
 
 Built on the row core of :mod:`.reduction`. The logsumexp of a row is computed online: each thread
-keeps (running max, the finite shift ``c`` used so far, s = sum exp(x - c)) and rescales ``s``
-when the max grows, so a row streamed in several steps is still read once; rows that fit
-(:func:`.reduction_config.row_geometry`) stay in registers, and softmax then writes y without a second
-read. Shifts are the max when it is finite and 0 otherwise, so rows of -inf give lse = -inf, rows
-holding +inf give +inf and NaN propagates -- the same rule as ``jax.nn.logsumexp``.
+keeps (running max m, s = sum exp(x - shift(m))) and rescales ``s`` when the max grows, so a row
+streamed in several steps is still read once; rows that fit (:func:`.reduction_config.row_geometry`)
+stay in registers, and softmax then writes y without a second read. Shifts shift(m) are the max
+when it is finite and 0 otherwise, so rows of -inf give lse = -inf, rows holding +inf give +inf and
+NaN propagates -- the same rule as ``jax.nn.logsumexp``.
 
 Each kernel takes its config (a :class:`.reduction_config.RowGeometry`) at construction; the
 heuristic and the autotuner's candidates come from :mod:`.reduction_config` with the kernel's values
@@ -71,23 +71,37 @@ def soft_capped(values, cap: cutlass.Constexpr):
 
 
 @cute.jit
-def online_lse_step(vals, size: cutlass.Constexpr, mx, c, s):
-    """Fold one step's values (masked columns already -inf) into a thread's (max, shift, sum)."""
-    local = -Float32.inf
-    for i in cutlass.range_constexpr(size):
-        local = nan_max(local, vals[i])
-    mx = nan_max(mx, local)
-    shift = finite_shift(mx)
-    s = s * exp(c - shift) + row_sum(exp(vals - shift))
-    return mx, shift, s
+def rescaled(mx, s, shift):
+    """A thread's sum ``s`` of exp(x - finite_shift(mx)) rescaled to ``shift`` (the shift of a max at
+    least ``mx``). The factor is held at 1 at most: a state that has folded nothing in yet (max
+    -inf, shift 0, s 0) against a shift below -88 would otherwise give 0 * exp(inf) = NaN -- rows
+    of logits under -88, such as scores masked with a large negative value. Only a max of +inf
+    makes the factor exceed 1, and then the row's sum is +inf whatever it is."""
+    return s * exp(cute.arch.fmin(finite_shift(mx) - shift, Float32(0.0)))
 
 
 @cute.jit
-def row_lse(mx, c, s, geometry: cutlass.Constexpr, max_buffer, sum_buffer):
-    """Combine the threads' online states into the row's logsumexp (every thread gets it)."""
-    row_max = row_allreduce(mx, nan_max, geometry.row, max_buffer)
+def online_lse_step(vals, size: cutlass.Constexpr, mx, s):
+    """Fold one step's values (masked columns already -inf) into a thread's (max, sum of exp(x -
+    finite_shift(max)))."""
+    local = -Float32.inf
+    for i in cutlass.range_constexpr(size):
+        local = nan_max(local, vals[i])
+    top = nan_max(mx, local)
+    shift = finite_shift(top)
+    return top, rescaled(mx, s, shift) + row_sum(exp(vals - shift))
+
+
+@cute.jit
+def row_lse(mx, s, geometry: cutlass.Constexpr, buffers):
+    """Combine the threads' online states (max, sum exp) into the row's logsumexp (every thread
+    gets it): the row's max, then the sums rescaled to its shift. Two reductions: one merge of the
+    (max, sum) pairs would meet at one barrier, but its exps in every butterfly step cost a decode
+    batch's rows more than the barrier (H100, 8 rows of 1024 / 32768: 1.6 -> 1.7 / 5.3 -> 5.6 us;
+    docs/benchmarks.md, sixty-third session)."""
+    row_max = row_allreduce(mx, nan_max, geometry.row, buffers[0])
     shift = finite_shift(row_max)
-    total = row_allreduce(s * exp(c - shift), operator.add, geometry.row, sum_buffer)
+    total = row_allreduce(rescaled(mx, s, shift), operator.add, geometry.row, buffers[1])
     return shift + cute.math.log(total, fastmath=True)
 
 
@@ -204,15 +218,15 @@ class SoftmaxForwardKernel:
         slots = cluster_slots(g)
         opx.frag.fill(0.0)
         prefetch_shares((prefetch,), valid_row, steps, g)
-        mx, c, s = -Float32.inf, Float32(0.0), Float32(0.0)
+        mx, s = -Float32.inf, Float32(0.0)
         for step in cutlass.range(steps, unroll=1):
             if valid_row:
                 load_step(source, step)
                 if const_expr(copy_to is not None):
                     save_step(copy_to, step)
             vals = masked(opx, step, opx.frag.load().to(Float32), -math.inf)
-            mx, c, s = online_lse_step(vals, cute.size(opx.frag), mx, c, s)
-        lse = row_lse(mx, c, s, g, buffers[0], buffers[1])
+            mx, s = online_lse_step(vals, cute.size(opx.frag), mx, s)
+        lse = row_lse(mx, s, g, buffers)
         if const_expr(g.cluster > 1):
             cluster_gather((lse,), slots, g)
             lse = combined_lse(slots, g)
@@ -315,8 +329,8 @@ class CrossEntropyForwardKernel:
         _launch(kernel, g, x.shape[0], stream, self.buffers)
 
     @cute.jit
-    def fold_step(self, opx, step, valid_row, edge: cutlass.Constexpr, mx, c, s, total, stage=None):
-        """Fold ``step`` of the row into a thread's (max, shift, sum, row sum); ``edge``: the
+    def fold_step(self, opx, step, valid_row, edge: cutlass.Constexpr, mx, s, total, stage=None):
+        """Fold ``step`` of the row into a thread's (max, sum exp, row sum); ``edge``: the
         ragged last step, whose columns past V are masked; ``stage``: a shared-memory operand
         that keeps a copy of the step (:class:`CrossEntropyWithGradKernel`)."""
         if valid_row:
@@ -330,8 +344,8 @@ class CrossEntropyForwardKernel:
             total = total + row_sum(vals)
         if const_expr(edge):
             vals = masked(opx, step, vals, -math.inf)
-        mx, c, s = online_lse_step(vals, cute.size(opx.frag), mx, c, s)
-        return mx, c, s, total
+        mx, s = online_lse_step(vals, cute.size(opx.frag), mx, s)
+        return mx, s, total
 
     def row_start(self, x, copy_x):
         """This thread's start on its row: (thread index, block index, the row reductions' shared
@@ -349,11 +363,11 @@ class CrossEntropyForwardKernel:
         n = g.n
         tidx, _, buffers, opx, row, valid_row = self.row_start(x, copy_x)
         opx.frag.fill(0.0)
-        mx, c, s, total = -Float32.inf, Float32(0.0), Float32(0.0), Float32(0.0)
+        mx, s, total = -Float32.inf, Float32(0.0), Float32(0.0)
         for step in cutlass.range(g.num_steps - 1, unroll=1):
-            mx, c, s, total = self.fold_step(opx, step, valid_row, False, mx, c, s, total)
-        mx, c, s, total = self.fold_step(opx, g.num_steps - 1, valid_row, g.ragged, mx, c, s, total)
-        lse = row_lse(mx, c, s, g, buffers[0], buffers[1])
+            mx, s, total = self.fold_step(opx, step, valid_row, False, mx, s, total)
+        mx, s, total = self.fold_step(opx, g.num_steps - 1, valid_row, g.ragged, mx, s, total)
+        lse = row_lse(mx, s, g, buffers)
         if const_expr(self.buffers > 2):
             total = row_allreduce(total, operator.add, g.row, buffers[2])
         if valid_row and tidx % g.row.threads_per_row == 0:
@@ -476,11 +490,11 @@ class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
         opx.frag.fill(0.0)
         prefetch_shares((prefetch,), valid_row, steps, g)
         # only the row's last step can be partial: the last one of the last CTA's share
-        mx, c, s, total = -Float32.inf, Float32(0.0), Float32(0.0), Float32(0.0)
+        mx, s, total = -Float32.inf, Float32(0.0), Float32(0.0)
         for step in cutlass.range(steps - 1, unroll=1):
-            mx, c, s, total = self.fold_step(source, step, valid_row, False, mx, c, s, total, stage)
-        mx, c, s, total = self.fold_step(source, steps - 1, valid_row, g.ragged, mx, c, s, total, stage)
-        lse = row_lse(mx, c, s, g, buffers[0], buffers[1])
+            mx, s, total = self.fold_step(source, step, valid_row, False, mx, s, total, stage)
+        mx, s, total = self.fold_step(source, steps - 1, valid_row, g.ragged, mx, s, total, stage)
+        lse = row_lse(mx, s, g, buffers)
         if const_expr(self.buffers > 2):
             total = row_allreduce(total, operator.add, g.row, buffers[2])
         if const_expr(g.cluster > 1):
