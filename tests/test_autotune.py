@@ -235,7 +235,11 @@ def families_and_avals():
                     unroll=1)
     ln_bwd = (S((64, 4096), BF16), S((64, 4096), BF16), S((64, 1), F32), S((64, 1), F32), S((4096,), BF16))
     rms_bwd = (S((8, 65536), F32), S((8, 65536), F32), S((8, 1), F32), S((65536,), F32))
-    x, labels, per_row = S((64, 32000), BF16), S((64,), jnp.int32), S((64,), F32)
+    x = S((64, 32000), BF16)
+    many, many_labels, many_rows = S((4096, 32000), BF16), S((4096,), jnp.int32), S((4096,), F32)
+    few, few_labels, few_rows = S((8, 131072), BF16), S((8,), jnp.int32), S((8,), F32)
+    few_cut = softmax_config.few_rows_cut(row_geometry(131072, 16, soft_fwd).row, 8, 131072, 16)
+    assert few_cut.share_budget
     return [
         # The norm forward's vector width is set by its widest row operand (an fp32 scale here).
         (NormForward(True, True, True, 1e-6, "bfloat16"), ln, row_geometry(1000, 32, norm_fwd).row),
@@ -254,8 +258,11 @@ def families_and_avals():
             row_geometry(32000, 16, soft_fwd).row, threads_per_row=softmax_config.STREAMED_FORWARD_THREADS,
             num_threads=softmax_config.STREAMED_FORWARD_THREADS)),
         (SoftmaxBackward(True), (S((64, 32000), F32), x), row_geometry(32000, 32, soft_bwd).row),
-        (CrossEntropyForward(True), (x, labels), row_geometry(32000, 16, soft_fwd).row),
-        (CrossEntropyBackward(), (x, labels, per_row, per_row), row_geometry(32000, 16, soft_fwd).row),
+        (CrossEntropyForward(True), (many, many_labels), row_geometry(32000, 16, soft_fwd).row),
+        (CrossEntropyBackward(), (many, many_labels, many_rows, many_rows), row_geometry(32000, 16, soft_fwd).row),
+        # a few rows of a long vocabulary: cut over CTAs, the cut carried as the share budget
+        (CrossEntropyForward(True), (few, few_labels), few_cut),
+        (CrossEntropyBackward(), (few, few_labels, few_rows, few_rows), few_cut),
         (RowReduce("mean"), (S((64, 777), F16),), row_config(777, 16)),
         (LinearForward("gelu", True, False, False), (S((1, 5000, 256), BF16), S((1, 256, 4096), BF16), S((4096,), BF16)),
          CONFIGS[config_class(5000, 4096, 256)]),

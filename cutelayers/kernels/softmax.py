@@ -33,7 +33,6 @@ from cutelayers.kernels.reduction import (
     nan_max,
     prefetch_shares,
     row_allreduce,
-    row_operand,
     row_sum,
     row_tiled_copy,
     save_step,
@@ -150,13 +149,14 @@ def combined_lse(slots, geometry: cutlass.Constexpr):
 
 def _launch(kernel, geometry: RowGeometry, rows, stream, buffers: int, extra_smem: int = 0, slot_values: int = 1):
     """One CTA per ``rows_per_cta`` rows -- ``cluster`` CTAs, a cluster, where rows are cut (their
-    CTAs exchanging ``slot_values`` values: :func:`.reduction.cluster_slots`)."""
+    CTAs exchanging ``slot_values`` values: :func:`.reduction.cluster_slots`; 0: nothing to
+    exchange, the CTAs launched as a plain grid)."""
     kernel.launch(
         grid=[cute.ceil_div(rows, geometry.row.rows_per_cta) * geometry.cluster, 1, 1],
         block=[geometry.row.num_threads, 1, 1],
         smem=shared_buffer_bytes(geometry, buffers) + cluster_slot_bytes(geometry, slot_values) + extra_smem,
         stream=stream,
-        **cluster_launch(geometry),
+        **(cluster_launch(geometry) if slot_values else {}),
     )
 
 
@@ -308,6 +308,9 @@ class CrossEntropyForwardKernel:
     x is the capped c tanh(logits / c). One read of the logits, plus x[label] read once by the
     thread that writes the row's loss. Columns past V exist only in a ragged row's last step,
     the only one masked; the row sum is kept only for label smoothing.
+    A row cut over a cluster (a few rows of a long vocabulary: :func:`.softmax_config.few_rows_cut`)
+    is read by its CTAs a share each, their logsumexps (and row sums) combined through distributed
+    shared memory; the cluster's first CTA writes the row's results.
     Launcher ``(stream, x, [labels], lse, [loss])``."""
 
     def __init__(self, geometry: RowGeometry, with_labels: bool, ignore_index, smoothing: float, z_loss: float,
@@ -316,6 +319,11 @@ class CrossEntropyForwardKernel:
         self.with_labels, self.ignore_index = with_labels, ignore_index
         self.smoothing, self.z_loss, self.soft_cap = smoothing, z_loss, soft_cap
         self.buffers = 2 + (with_labels and smoothing > 0.0)  # max, sum [, the row sum]
+
+    @property
+    def slot_values(self) -> int:
+        """Values the CTAs of a cut row exchange: their logsumexps [, row sums]."""
+        return self.buffers - 1
 
     @cute.jit
     def __call__(self, stream, *tensors):
@@ -326,7 +334,7 @@ class CrossEntropyForwardKernel:
             x, lse = tensors
             labels, loss = None, None
         kernel = self.kernel(x, labels, lse, loss, row_tiled_copy(x.element_type, g))
-        _launch(kernel, g, x.shape[0], stream, self.buffers)
+        _launch(kernel, g, x.shape[0], stream, self.buffers, 0, self.slot_values)
 
     @cute.jit
     def fold_step(self, opx, step, valid_row, edge: cutlass.Constexpr, mx, s, total, stage=None):
@@ -347,30 +355,42 @@ class CrossEntropyForwardKernel:
         mx, s = online_lse_step(vals, cute.size(opx.frag), mx, s)
         return mx, s, total
 
-    def row_start(self, x, copy_x):
-        """This thread's start on its row: (thread index, block index, the row reductions' shared
-        buffers, x's row operand, the row, whether the row exists)."""
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        buffers = shared_buffers(self.geometry, self.buffers)
-        opx = row_operand(x, copy_x, cute.make_identity_tensor(x.shape), self.geometry, (bidx, None), tidx)
-        row = opx.coords[0][0]
-        return tidx, bidx, buffers, opx, row, row < x.shape[0]
+    @cute.jit
+    def row_statistics(self, share, opx, valid_row, buffers, slots, stage=None):
+        """(lse, row sum) of this thread's row from its CTA's share (``opx``: its operand), read in
+        one pass (``stage``: as :meth:`fold_step`'s); a cut row's CTAs combine theirs. The row sum
+        is kept only for label smoothing (else 0)."""
+        g = self.geometry
+        steps = share.steps
+        # only the row's last step can be partial: the last one of the last CTA's share
+        mx, s, total = -Float32.inf, Float32(0.0), Float32(0.0)
+        for step in cutlass.range(steps - 1, unroll=1):
+            mx, s, total = self.fold_step(opx, step, valid_row, False, mx, s, total, stage)
+        mx, s, total = self.fold_step(opx, steps - 1, valid_row, g.ragged, mx, s, total, stage)
+        lse = row_lse(mx, s, g, buffers)
+        if const_expr(self.buffers > 2):
+            total = row_allreduce(total, operator.add, g.row, buffers[2])
+        if const_expr(g.cluster > 1):
+            buffer = cluster_gather((lse, total)[:self.slot_values], slots, g)
+            lse = combined_lse(slots, g)
+            if const_expr(self.buffers > 2):
+                total = slot_total(slots, buffer, 1, g)
+        return lse, total
 
     @cute.kernel
     def kernel(self, x, labels, lse_out, loss_out, copy_x):
         g = self.geometry
         n = g.n
-        tidx, _, buffers, opx, row, valid_row = self.row_start(x, copy_x)
+        tidx, _, _ = cute.arch.thread_idx()
+        share = cta_share(g, x.shape, tidx)  # the row's share: all of it without a cluster
+        opx = share.operand(x, copy_x)
+        row = opx.coords[0][0]
+        valid_row = row < x.shape[0]
+        buffers = shared_buffers(g, self.buffers)
+        slots = cluster_slots(g, self.slot_values)
         opx.frag.fill(0.0)
-        mx, s, total = -Float32.inf, Float32(0.0), Float32(0.0)
-        for step in cutlass.range(g.num_steps - 1, unroll=1):
-            mx, s, total = self.fold_step(opx, step, valid_row, False, mx, s, total)
-        mx, s, total = self.fold_step(opx, g.num_steps - 1, valid_row, g.ragged, mx, s, total)
-        lse = row_lse(mx, s, g, buffers)
-        if const_expr(self.buffers > 2):
-            total = row_allreduce(total, operator.add, g.row, buffers[2])
-        if valid_row and tidx % g.row.threads_per_row == 0:
+        lse, total = self.row_statistics(share, opx, valid_row, buffers, slots)
+        if valid_row and tidx % g.row.threads_per_row == 0 and share.rank == 0:
             lse_out[row] = lse
             if const_expr(self.with_labels):
                 label = Int32(labels[row])
@@ -394,7 +414,9 @@ class CrossEntropyForwardKernel:
 class CrossEntropyBackwardKernel:
     """dx = dloss (exp(x - lse)(1 + 2 z lse) - (1-a) onehot(label) - a/V), times 1 - tanh^2 of
     the capping with ``soft_cap`` (x then the capped logits): one read of the logits, one write
-    of dx, no reduction. Launcher ``(stream, x, labels, lse, dloss, dx)``."""
+    of dx, no reduction. A row cut over CTAs (a few rows of a long vocabulary:
+    :func:`.softmax_config.few_rows_cut`) is written by each a share, with nothing to exchange: a
+    plain grid, not a cluster. Launcher ``(stream, x, labels, lse, dloss, dx)``."""
 
     def __init__(self, geometry: RowGeometry, ignore_index, smoothing: float, z_loss: float, soft_cap: float = 0.0):
         self.geometry = geometry
@@ -405,23 +427,22 @@ class CrossEntropyBackwardKernel:
         g = self.geometry
         kernel = self.kernel(x, labels, lse, dloss, dx, row_tiled_copy(x.element_type, g),
                              row_tiled_copy(dx.element_type, g))
-        _launch(kernel, g, x.shape[0], stream, 0)
+        _launch(kernel, g, x.shape[0], stream, 0, slot_values=0)
 
     @cute.kernel
     def kernel(self, x, labels, lse_in, dloss, dx, copy_x, copy_dx):
         g = self.geometry
         n = g.n
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        coords = cute.make_identity_tensor(x.shape)
-        opx = row_operand(x, copy_x, coords, g, (bidx, None), tidx)
-        opd = row_operand(dx, copy_dx, coords, g, (bidx, None), tidx)
+        share = cta_share(g, x.shape, tidx)  # the row's share: all of it where rows are not cut
+        opx = share.operand(x, copy_x)
+        opd = share.operand(dx, copy_dx)
         row = opx.coords[0][0]
         if row < x.shape[0]:
             label = labels[row]
             lse = lse_in[row]
             scale = grad_scale(dloss[row], label, n, self.ignore_index)
-            for step in cutlass.range(g.num_steps, unroll=1):
+            for step in cutlass.range(share.steps, unroll=1):
                 vals = load_step(opx, step)
                 store_step(opd, step, cross_entropy_grad(self, vals, label_mask(opx, step, label), lse, scale))
 
@@ -431,7 +452,7 @@ class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
     the loss as :class:`CrossEntropyForwardKernel`, and dx as :class:`CrossEntropyBackwardKernel`
     with ``dloss`` given, written over x. Launcher ``(stream, x, labels, dloss, lse, loss)``.
 
-    Pass 1 folds the row's online (max, shift, sum); after the row reductions pass 2 computes dx.
+    Pass 1 folds the row's online (max, sum exp); after the row reductions pass 2 computes dx.
     Where the row stays in registers it is read once. A streamed row is read once too, into
     shared memory: with cp.async, every step issued at once when the CTA starts (the whole share
     in flight, no registers held: on an H200 0.206 ms at 4096 x 50304 bf16, against 0.246 ms for
@@ -453,11 +474,6 @@ class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
     def __init__(self, geometry: RowGeometry, ignore_index, smoothing: float, z_loss: float,
                  soft_cap: float = 0.0):
         super().__init__(geometry, True, ignore_index, smoothing, z_loss, soft_cap)
-
-    @property
-    def slot_values(self) -> int:
-        """Values the CTAs of a cut row exchange: their logsumexps [, row sums]."""
-        return self.buffers - 1
 
     @cute.jit
     def __call__(self, stream, x, labels, dloss, lse, loss):
@@ -489,19 +505,7 @@ class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
         slots = cluster_slots(g, self.slot_values)
         opx.frag.fill(0.0)
         prefetch_shares((prefetch,), valid_row, steps, g)
-        # only the row's last step can be partial: the last one of the last CTA's share
-        mx, s, total = -Float32.inf, Float32(0.0), Float32(0.0)
-        for step in cutlass.range(steps - 1, unroll=1):
-            mx, s, total = self.fold_step(source, step, valid_row, False, mx, s, total, stage)
-        mx, s, total = self.fold_step(source, steps - 1, valid_row, g.ragged, mx, s, total, stage)
-        lse = row_lse(mx, s, g, buffers)
-        if const_expr(self.buffers > 2):
-            total = row_allreduce(total, operator.add, g.row, buffers[2])
-        if const_expr(g.cluster > 1):
-            buffer = cluster_gather((lse, total)[:self.slot_values], slots, g)
-            lse = combined_lse(slots, g)
-            if const_expr(self.buffers > 2):
-                total = slot_total(slots, buffer, 1, g)
+        lse, total = self.row_statistics(share, source, valid_row, buffers, slots, stage)
         if valid_row:
             lane = column_lane(opx.coords[0][1], rank, g)  # this thread's, from a column it holds
             label = Int32(labels[row])

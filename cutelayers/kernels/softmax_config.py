@@ -1,7 +1,22 @@
 """What the softmax-family kernels' callers need without CuTe: the kernels' values per thread,
 which select their heuristic configs and config spaces (:func:`.reduction_config.row_geometry`,
-:func:`.reduction_config.row_geometry_space`), and the CTA width of a streamed forward row. (When
-a streamed row is staged, and over how many CTAs it is cut: :func:`.reduction_config.split_rows`.)"""
+:func:`.reduction_config.row_geometry_space`), the CTA width of a streamed forward row, and the cut
+of a few long rows (:func:`few_rows_cut`). (When a streamed row is staged, and over how many CTAs
+it is cut: :func:`.reduction_config.split_rows`.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from cutelayers.kernels.hopper import HOPPER_SMS
+from cutelayers.kernels.reduction_config import (
+    MAX_CLUSTER,
+    ROW_COUNT_EDGES,
+    RowConfig,
+    cut_budget,
+    geometry_for,
+)
 
 # fp32 values per thread per step: one row operand (the forwards; the cross-entropy backward, which
 # reads the logits), two in the softmax backward (y and dy).
@@ -15,3 +30,25 @@ WITH_GRAD_VALUES_PER_THREAD = 16
 # A streamed softmax forward row runs 256-thread CTAs: more CTAs per SM hide the cut rows'
 # exchanges (H200 autotune against 512: 50304 559 -> 528 us, 131072 540 -> 521, 262144 625 -> 552).
 STREAMED_FORWARD_THREADS = 256
+
+# A few rows (a concrete count of at most FEW_ROWS) of a long vocabulary: the one-pass
+# cross-entropy kernels give a row one CTA, so 8 rows of 131072 kept 8 SMs busy (H100, fwd+bwd 19.3
+# us against XLA's 11.6: docs/benchmarks.md, sixty-third session). Such rows are cut over CTAs --
+# the forward's a cluster exchanging their logsumexps, the backward's a plain grid -- until the
+# batch has about a CTA an SM, each CTA at least a step of the row (:func:`few_rows_cut`).
+FEW_ROWS = ROW_COUNT_EDGES[0]
+
+
+def few_rows_cut(config: RowConfig, rows: int | None, n: int, elem_bits: int) -> RowConfig:
+    """``config`` with the share budget that cuts ``rows`` rows of ``n`` elements (``elem_bits``
+    the widest row operand's) over the power of two of CTAs a row (at most ``MAX_CLUSTER``, at most
+    the row's steps) that gives the batch about ``HOPPER_SMS`` CTAs; ``config`` as it is for more
+    rows, a symbolic count (None), or a register-resident row."""
+    geometry = geometry_for(config, n, elem_bits)
+    if rows is None or rows > FEW_ROWS or geometry.resident:
+        return config
+    wanted = 1 << (math.ceil(HOPPER_SMS / rows) - 1).bit_length()
+    ctas = min(wanted, MAX_CLUSTER, 1 << (geometry.num_steps.bit_length() - 1))
+    if ctas == 1:
+        return config
+    return dataclasses.replace(config, share_budget=cut_budget(config, n, elem_bits, ctas))

@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from cutelayers.kernels import softmax_config
-from cutelayers.kernels.reduction_config import RowConfig
+from cutelayers.kernels.hopper import concrete_dim
+from cutelayers.kernels.reduction_config import RowConfig, split_rows
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import (
     INT32_MAX,
@@ -134,13 +135,35 @@ class LossOptions:
     soft_cap: float = 0.0
 
 
+class FewRowsCut:
+    """A one-pass cross-entropy family whose few long rows are cut over CTAs
+    (:func:`.softmax_config.few_rows_cut`: a concrete count of rows, whose config then carries the
+    cut as its share budget, so it compiles apart from many rows' kernel)."""
+
+    def default_config(self, avals):
+        config = super().default_config(avals)
+        return softmax_config.few_rows_cut(config, concrete_dim(avals[0].shape[0]), self.row_length(avals),
+                                           self.elem_bits(avals))
+
+    def config_space(self, avals) -> tuple:
+        space = super().config_space(avals)
+        default = self.default_config(avals)
+        return space if default in space else space + (default,)
+
+    def cut(self, config: RowConfig, avals):
+        g = super().cut(config, avals)
+        if config.share_budget and not g.resident:
+            g = split_rows(g, self.elem_bits(avals) // 8, 1, budget=config.share_budget)
+        return g
+
+
 def loss_options(family: LossOptions) -> dict:
     """``family``'s loss options, as keywords for another cross-entropy family."""
     return {f.name: getattr(family, f.name) for f in dataclasses.fields(LossOptions)}
 
 
 @dataclasses.dataclass(frozen=True)
-class CrossEntropyForward(LossOptions, RowKernelFamily):
+class CrossEntropyForward(LossOptions, FewRowsCut, RowKernelFamily):
     """Per-row lse (fp32), and with labels the per-row loss (fp32): one streaming read of x.
     ``soft_cap`` > 0: of the capped logits soft_cap * tanh(x / soft_cap)."""
 
@@ -188,7 +211,7 @@ class CrossEntropyForward(LossOptions, RowKernelFamily):
 
 
 @dataclasses.dataclass(frozen=True)
-class CrossEntropyBackward(LossOptions, RowKernelFamily):
+class CrossEntropyBackward(LossOptions, FewRowsCut, RowKernelFamily):
     """dlogits from (logits, labels, lse, dloss) in one pass (no reduction).
 
     ``in_place``: dlogits is written over the logits (each thread reads its values before it
