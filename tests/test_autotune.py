@@ -238,7 +238,7 @@ def families_and_avals():
     x = S((64, 32000), BF16)
     many, many_labels, many_rows = S((4096, 32000), BF16), S((4096,), jnp.int32), S((4096,), F32)
     few, few_labels, few_rows = S((8, 131072), BF16), S((8,), jnp.int32), S((8,), F32)
-    few_cut = softmax_config.few_rows_cut(row_geometry(131072, 16, soft_fwd).row, 8, 131072, 16)
+    few_cut = softmax_config.few_rows_cut(row_geometry(131072, 16, soft_fwd).row, 131072, 16)
     assert few_cut.share_budget
     return [
         # The norm forward's vector width is set by its widest row operand (an fp32 scale here).

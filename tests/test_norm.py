@@ -20,7 +20,7 @@ from numerics import assert_close, dtype_cover, random
 import cutelayers as cl
 from cutelayers.kernels import norm as norm_kernels
 from cutelayers.kernels import norm_config
-from cutelayers.kernels.reduction_config import RowConfig
+from cutelayers.kernels.reduction_config import FEW_ROWS, RowConfig
 from cutelayers.ops.norm import NormBackward, NormForward, add_layer_norm, add_rms_norm, layer_norm, rms_norm
 
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
@@ -800,7 +800,7 @@ def test_decode_sized_backward_writes_few_partials():
 
 @pytest.mark.cute
 def test_few_rows_run_their_own_forward_kernel():
-    # Up to norm_config.FEW_ROWS register-resident rows the forward is another kernel: one row a
+    # Up to FEW_ROWS register-resident rows the forward is another kernel: one row a
     # CTA over wide CTAs (norm_config.FEW_ROWS_VALUES), its parameters loaded before the reductions;
     # one row more is the many-rows kernel again, one compile per kind. A streamed row's kernel is
     # the same for any row count.
@@ -811,7 +811,7 @@ def test_few_rows_run_their_own_forward_kernel():
         (name,) = re.findall(r"custom_call @(cutelayers_layer_norm_fwd_[0-9a-f]+)\(", hlo)
         return name
 
-    few, many = norm_config.FEW_ROWS, norm_config.FEW_ROWS + 1
+    few, many = FEW_ROWS, FEW_ROWS + 1
     for n, param_dtype in ((2048, jnp.float32), (1024, jnp.bfloat16), (8192, jnp.float32)):
         assert target(1, n, param_dtype) == target(few, n, param_dtype) != target(many, n, param_dtype)
         assert target(many, n, param_dtype) == target(4096, n, param_dtype)
@@ -879,9 +879,9 @@ def test_resident_forward_with_float32_parameters_holds_two_ctas_an_sm(tmp_path)
     # unheld, ptxas gave it 66 registers (one CTA an SM, 63.5 % of copy bandwidth on an H200). Held
     # to two CTAs an SM (NormForwardKernel.two_ctas_an_sm) it takes 64 and spills nothing; the same
     # row with bf16 parameters (63 registers already) is not held, nor the kernel of a few rows
-    # (norm_config.FEW_ROWS: the row cut over a cluster, test_a_few_rows_cut_keeps_its_shares_in_registers).
+    # (FEW_ROWS: the row cut over a cluster, test_a_few_rows_cut_keeps_its_shares_in_registers).
     ptxas = shutil.which("ptxas")
-    many, few = str(norm_config.FEW_ROWS + 1), str(norm_config.FEW_ROWS)
+    many, few = str(FEW_ROWS + 1), str(FEW_ROWS)
     for dtype, rows, held in (("float32", many, True), ("bfloat16", many, False), ("float32", few, False)):
         out = tmp_path / f"{dtype}_{rows}"
         out.mkdir()
@@ -896,12 +896,12 @@ def test_resident_forward_with_float32_parameters_holds_two_ctas_an_sm(tmp_path)
 @pytest.mark.cute
 def test_a_few_rows_cut_keeps_its_shares_in_registers(tmp_path):
     # A decode batch's row of 16384 is cut over a cluster in shares of one step
-    # (NormForwardKernel.holds_share): the CTAs exchange their statistics (st.async into each
+    # (RowGeometry.one_step_shares): the CTAs exchange their statistics (st.async into each
     # other's shared memory) but stage nothing -- no cp.async copy of the row, read back for the
     # normalize pass -- where many rows of 65 ... stream. Its share of the float32 scale (32-bit
     # loads; x's are 16-bit) is loaded with the share, before the exchange, not after it
     # (norm_config.params_first).
-    path = kept_ptx(tmp_path, FORWARD_PTX_PROGRAM, "rms_norm", "float32", str(norm_config.FEW_ROWS), "16384")
+    path = kept_ptx(tmp_path, FORWARD_PTX_PROGRAM, "rms_norm", "float32", str(FEW_ROWS), "16384")
     ptx = path.read_text()
     assert "st.async" in ptx and "cp.async" not in ptx
     assert ptx.index("ld.global.v4.b32") < ptx.index("st.async")
@@ -1226,13 +1226,13 @@ def test_kernel_vmap_and_large_mean_gpu(op, rng):
 @pytest.mark.parametrize("op", [*OPS, *ADD_OPS])
 @pytest.mark.parametrize("n", [768, 4095, 8192, 12000, 16384])
 def test_decode_rows_forward_gpu(op, n, rng):
-    # A decode batch (1 to norm_config.FEW_ROWS rows) runs wide one-row CTAs, its rows past 4096
+    # A decode batch (1 to FEW_ROWS rows) runs wide one-row CTAs, its rows past 4096
     # columns cut over a cluster whose CTAs combine their statistics (LayerNorm's by Chan's merge:
     # a mean of 100 and a spread of 1 would lose digits to E[x^2] - E[x]^2), with float32
     # parameters and parameters of x's dtype.
     fn, center = {**OPS, **ADD_OPS}[op]
     adds = op in ADD_OPS
-    for rows, dtype in ((1, jnp.bfloat16), (8, jnp.float16), (norm_config.FEW_ROWS, jnp.float32)):
+    for rows, dtype in ((1, jnp.bfloat16), (8, jnp.float16), (FEW_ROWS, jnp.float32)):
         x = random(rng, (rows, n), dtype, loc=100.0)
         residual = random(rng, (rows, n), dtype)
         scale, bias = _params(rng, n, jnp.float32, True, center)

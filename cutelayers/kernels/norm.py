@@ -181,7 +181,7 @@ class NormForwardKernel:
             grid=[cute.ceil_div(x.shape[0], config.row.rows_per_cta) * config.cluster, 1, 1],
             block=[config.row.num_threads, 1, 1],
             smem=shared_buffer_bytes(config, STAT_BUFFERS) + cluster_slot_bytes(config, self.cluster_values)
-            + (0 if self.holds_share else staged_smem(config, (summed if const_expr(self.has_residual) else x,),
+            + (0 if config.one_step_shares else staged_smem(config, (summed if const_expr(self.has_residual) else x,),
                                                       widest_bytes(x, scale, bias, y))),
             stream=stream,
             **self.two_ctas_an_sm(x),
@@ -205,12 +205,6 @@ class NormForwardKernel:
                 and config.vec == 4 and config.vec * config.row.unroll == FORWARD_VALUES_PER_THREAD):
             return {}
         return held_to(2)
-
-    @property
-    def holds_share(self) -> bool:
-        """A row cut over a cluster in shares of one step each (``RowGeometry.one_step_shares``):
-        the statistics pass's fragment is the normalize pass's, neither staged nor read again."""
-        return self.config.one_step_shares
 
     @property
     def cluster_values(self) -> int:
@@ -240,10 +234,10 @@ class NormForwardKernel:
         valid_row = row < x.shape[0]
         # A streamed row kept in shared memory for the normalize pass: x prefetched, or summed
         # copied from registers as pass 1 computes it.
-        stage = staged(config, widest_bytes(x, scale, bias, y)) and not self.holds_share
+        stage = staged(config, widest_bytes(x, scale, bias, y)) and not config.one_step_shares
         source, copy_to, again, prefetch = share.staging(normalized, src, stage, prefetch=not self.has_residual)
-        if const_expr(self.holds_share):
-            again = None  # the share's one step stays in registers
+        if const_expr(config.one_step_shares):
+            again = None  # the share's one step stays in registers (neither staged nor read again)
         buffers = shared_buffers(config, STAT_BUFFERS)  # after the staged row (see reduction.shared_row_tensor)
         slots = cluster_slots(config, self.cluster_values)
         if const_expr(self.has_residual):

@@ -10,7 +10,6 @@ import math
 from cutelayers.kernels.hopper import HOPPER_SMS, RESIDENT_CLUSTERS
 from cutelayers.kernels.reduction_config import (
     MAX_CLUSTER,
-    ROW_COUNT_EDGES,
     STAGED_ROW_BYTES,
     STAGED_ROW_BYTES_ALONE,
     RowConfig,
@@ -49,14 +48,14 @@ STREAMED_BACKWARD_THREADS = {True: 256, False: 512}
 # the best cut at 32768 ... 262144 (docs/benchmarks.md, twenty-fourth session); add_layer_norm's
 # forward, swept on its own, takes 40 KiB shares at 50304 from the tuned table (twenty-fifth).
 FORWARD_SHARE_BYTES = {True: STAGED_ROW_BYTES, False: 40 * 1024}
-# Row counts up to which the forward's register-resident rows always load scale and bias before
-# their reductions, not after: one memory round trip fewer where the kernel is a few rows' latency
-# (H100, bf16, 8 rows: 1.05-1.34x faster at N = 256 to 8192, layer_norm 8 x 256 2.0 -> 1.5 us). On
-# many rows the registers they then hold may cost occupancy (LayerNorm's 63 -> 80 registers: 181 ->
-# 244 us at 16384 x 8192, 180 -> 198 at 131072 x 1024: docs/benchmarks.md, 21st session), so there
-# :func:`params_first` decides. The first range of reduction_config.row_count_bucket, a decode batch's,
-# which tuned entries of every row count leave to its own (RowKernelFamily.tuning_keys).
-FEW_ROWS = ROW_COUNT_EDGES[0]
+# Up to reduction_config.FEW_ROWS rows (a decode batch) the forward's register-resident rows always
+# load scale and bias before their reductions, not after: one memory round trip fewer where the
+# kernel is a few rows' latency (H100, bf16, 8 rows: 1.05-1.34x faster at N = 256 to 8192, layer_norm
+# 8 x 256 2.0 -> 1.5 us). On many rows the registers they then hold may cost occupancy (LayerNorm's
+# 63 -> 80 registers: 181 -> 244 us at 16384 x 8192, 180 -> 198 at 131072 x 1024: docs/benchmarks.md,
+# 21st session), so there :func:`params_first` decides. That row range is the first of
+# reduction_config.row_count_bucket, which tuned entries of every row count leave to its own
+# (RowKernelFamily.tuning_keys).
 # Elements a thread of such a batch's register-resident forward holds
 # (:func:`.reduction_config.latency_geometry`: one row a CTA of N / 16 threads, 128 to 512) where
 # many rows' heuristic packs 4 rows of 32-thread rows into a CTA at 768 / 1024 and gives each thread
@@ -189,9 +188,10 @@ def params_first(config: RowConfig, geometry: RowGeometry, param_bytes: int, few
     """Whether the forward with ``config`` (``geometry`` its rows) loads scale and bias with the row,
     before its reductions: only a register-resident row or a one-step share can
     (``RowGeometry.one_step_shares``); then always for ``few_rows`` (at most
-    :data:`FEW_ROWS`), else as a :class:`ForwardConfig` says, else where the row has at most
-    :data:`PARAMS_FIRST_MAX_N` columns and one warp holds it or a thread's parameter values
-    (``param_bytes``: one column's scale and bias together) take at most :data:`PARAMS_FIRST_BYTES`."""
+    :data:`.reduction_config.FEW_ROWS`), else as a :class:`ForwardConfig` says, else where the row
+    has at most :data:`PARAMS_FIRST_MAX_N` columns and one warp holds it or a thread's parameter
+    values (``param_bytes``: one column's scale and bias together) take at most
+    :data:`PARAMS_FIRST_BYTES`."""
     if not (geometry.resident or geometry.one_step_shares):
         return False
     if few_rows:

@@ -68,6 +68,9 @@ def row_config(n: int, elem_bits: int) -> RowConfig:
 # bf16 at N = 1024: 512-thread CTAs of two-warp rows 5 % faster than the heuristic at 131072 rows,
 # 2.5 % slower at 16384 (docs/benchmarks.md, sixtieth session).
 ROW_COUNT_EDGES = (64, 32768)
+# A decode batch: a concrete row count in the first of those ranges (RowKernelFamily.decode_batch),
+# whose kernel is one short wave's latency rather than a stream of rows.
+FEW_ROWS = ROW_COUNT_EDGES[0]
 
 
 def row_count_bucket(rows: int) -> str:

@@ -10,7 +10,6 @@ import dataclasses
 
 from cutelayers.kernels.reduction_config import (
     MAX_CLUSTER,
-    ROW_COUNT_EDGES,
     RowConfig,
     cut_budget,
     geometry_for,
@@ -29,23 +28,21 @@ WITH_GRAD_VALUES_PER_THREAD = 16
 # exchanges (H200 autotune against 512: 50304 559 -> 528 us, 131072 540 -> 521, 262144 625 -> 552).
 STREAMED_FORWARD_THREADS = 256
 
-# A few rows (a concrete count of at most FEW_ROWS) of a long vocabulary: the one-pass
+# A decode batch's rows (at most reduction_config.FEW_ROWS) of a long vocabulary: the one-pass
 # cross-entropy kernels gave a row one CTA, so 8 rows of 131072 kept 8 SMs busy (H100, fwd+bwd 19.7
 # us against XLA's 11.5: docs/benchmarks.md, sixty-third session). Such rows are cut over CTAs --
 # the forward's a cluster exchanging their logsumexps, the backward's a plain grid -- a step of the
 # row a CTA, at most MAX_CLUSTER of them (:func:`few_rows_cut`; the same cut for every such count,
 # so a decode batch's size does not change the kernel).
-FEW_ROWS = ROW_COUNT_EDGES[0]
 
 
-def few_rows_cut(config: RowConfig, rows: int | None, n: int, elem_bits: int) -> RowConfig:
-    """``config`` with the share budget that cuts ``rows`` rows of ``n`` elements (``elem_bits``
-    the widest row operand's) over a CTA a step of the row -- the largest power of two of CTAs, at
-    most ``MAX_CLUSTER``, each with a whole step -- where ``rows`` is a few (at most
-    :data:`FEW_ROWS`); ``config`` as it is for more rows, a symbolic count (None), or a
+def few_rows_cut(config: RowConfig, n: int, elem_bits: int) -> RowConfig:
+    """``config`` with the share budget that cuts a decode batch's rows of ``n`` elements
+    (``elem_bits`` the widest row operand's) over a CTA a step of the row -- the largest power of
+    two of CTAs, at most ``MAX_CLUSTER``, each with a whole step; ``config`` as it is for a
     register-resident row."""
     geometry = geometry_for(config, n, elem_bits)
-    if rows is None or rows > FEW_ROWS or geometry.resident:
+    if geometry.resident:
         return config
     ctas = min(MAX_CLUSTER, 1 << (geometry.num_steps.bit_length() - 1))
     return dataclasses.replace(config, share_budget=cut_budget(config, n, elem_bits, ctas))

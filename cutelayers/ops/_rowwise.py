@@ -13,6 +13,7 @@ import numpy as np
 
 from cutelayers.kernels.hopper import concrete_dim
 from cutelayers.kernels.reduction_config import (
+    FEW_ROWS,
     SHARE_BUDGETS,
     STAGED_ROW_BYTES,
     RowConfig,
@@ -123,6 +124,13 @@ class RowKernelFamily(TunableFamily):
                     configs.append(other)
                     cuts.add(cut)
         return tuple(configs)
+
+    @staticmethod
+    def decode_batch(avals) -> bool:
+        """Whether the rows are a concrete count of at most :data:`.reduction_config.FEW_ROWS` (a
+        symbolic one, under shape polymorphism, is not known to be few)."""
+        rows = concrete_dim(avals[0].shape[0])
+        return rows is not None and rows <= FEW_ROWS
 
     def tuning_key(self, avals):
         """The row dtypes and N, and the range of a concrete row count (:func:`.row_count_bucket`):

@@ -121,17 +121,10 @@ class NormForward(RowKernelFamily):
             cuts = tuple(c for c in candidates if self.cut(c, avals).cluster > 1)
         return space + others + tuple(dict.fromkeys(cuts))
 
-    @staticmethod
-    def _decode_batch(avals) -> bool:
-        """Whether the rows are a concrete count of at most norm_config.FEW_ROWS (a symbolic one,
-        under shape polymorphism, is not known to be few)."""
-        rows = concrete_dim(avals[0].shape[0])
-        return rows is not None and rows <= norm_config.FEW_ROWS
-
     def _few_rows_geometry(self, avals):
         """:func:`.latency_geometry` for a decode batch whose rows it keeps register resident; else
         None."""
-        if not self._decode_batch(avals):
+        if not self.decode_batch(avals):
             return None
         return latency_geometry(self.row_length(avals), self.elem_bits(avals), self.register_values(avals),
                                 norm_config.FEW_ROWS_VALUES)
@@ -149,7 +142,7 @@ class NormForward(RowKernelFamily):
         # symbolic row count) is the same.
         family = dataclasses.replace(self, config=config, few_rows=False)
         geometry = family.geometry(avals)
-        few = (self._decode_batch(avals) and (geometry.resident or geometry.one_step_shares)
+        few = (self.decode_batch(avals) and (geometry.resident or geometry.one_step_shares)
                and not family.loads_params_first(avals))
         return dataclasses.replace(family, few_rows=few)
 

@@ -34,7 +34,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from cutelayers.kernels import softmax_config
-from cutelayers.kernels.hopper import concrete_dim
 from cutelayers.kernels.reduction_config import RowConfig, split_rows
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import (
@@ -136,14 +135,15 @@ class LossOptions:
 
 
 class FewRowsCut:
-    """A one-pass cross-entropy family whose few long rows are cut over CTAs
-    (:func:`.softmax_config.few_rows_cut`: a concrete count of rows, whose config then carries the
-    cut as its share budget, so it compiles apart from many rows' kernel)."""
+    """A one-pass cross-entropy family whose decode batch's long rows are cut over CTAs
+    (:func:`.softmax_config.few_rows_cut`; the config then carries the cut as its share budget, so
+    it compiles apart from many rows' kernel)."""
 
     def default_config(self, avals):
         config = super().default_config(avals)
-        return softmax_config.few_rows_cut(config, concrete_dim(avals[0].shape[0]), self.row_length(avals),
-                                           self.elem_bits(avals))
+        if not self.decode_batch(avals):
+            return config
+        return softmax_config.few_rows_cut(config, self.row_length(avals), self.elem_bits(avals))
 
     def config_space(self, avals) -> tuple:
         space = super().config_space(avals)
