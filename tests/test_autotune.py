@@ -235,7 +235,9 @@ def families_and_avals():
                     unroll=1)
     ln_bwd = (S((64, 4096), BF16), S((64, 4096), BF16), S((64, 1), F32), S((64, 1), F32), S((4096,), BF16))
     rms_bwd = (S((8, 65536), F32), S((8, 65536), F32), S((8, 1), F32), S((65536,), F32))
-    x = S((64, 32000), BF16)
+    streamed_softmax = dataclasses.replace(
+        row_geometry(32000, 16, soft_fwd).row, threads_per_row=softmax_config.STREAMED_FORWARD_THREADS,
+        num_threads=softmax_config.STREAMED_FORWARD_THREADS)
     many, many_labels, many_rows = S((4096, 32000), BF16), S((4096,), jnp.int32), S((4096,), F32)
     few, few_labels, few_rows = S((8, 131072), BF16), S((8,), jnp.int32), S((8,), F32)
     few_cut = softmax_config.few_rows_cut(row_geometry(131072, 16, soft_fwd).row, 131072, 16)
@@ -254,15 +256,19 @@ def families_and_avals():
             row_geometry(65536, 32, norm_bwd[32]).row, threads_per_row=norm_config.STREAMED_BACKWARD_THREADS[False],
             num_threads=norm_config.STREAMED_BACKWARD_THREADS[False])),
         # a streamed softmax forward row: the table's unroll over STREAMED_FORWARD_THREADS threads
-        (SoftmaxForward(False), (x,), dataclasses.replace(
-            row_geometry(32000, 16, soft_fwd).row, threads_per_row=softmax_config.STREAMED_FORWARD_THREADS,
-            num_threads=softmax_config.STREAMED_FORWARD_THREADS)),
-        (SoftmaxBackward(True), (S((64, 32000), F32), x), row_geometry(32000, 32, soft_bwd).row),
+        (SoftmaxForward(False), (many,), streamed_softmax),
+        (SoftmaxBackward(True), (S((4096, 32000), F32), many), row_geometry(32000, 32, soft_bwd).row),
+        # a decode batch: cut over CTAs, the cut carried as the share budget (the backward's counting y and dy)
+        (SoftmaxForward(False), (few,), softmax_config.few_rows_cut(
+            dataclasses.replace(streamed_softmax, unroll=row_geometry(131072, 16, soft_fwd).row.unroll), 131072, 16)),
+        (SoftmaxBackward(True), (few, few), softmax_config.few_rows_cut(
+            row_geometry(131072, 16, soft_bwd).row, 131072, 16, operands=2)),
         (CrossEntropyForward(True), (many, many_labels), row_geometry(32000, 16, soft_fwd).row),
         (CrossEntropyBackward(), (many, many_labels, many_rows, many_rows), row_geometry(32000, 16, soft_fwd).row),
         # a few rows of a long vocabulary: cut over CTAs, the cut carried as the share budget
         (CrossEntropyForward(True), (few, few_labels), few_cut),
-        (CrossEntropyBackward(), (few, few_labels, few_rows, few_rows), few_cut),
+        (CrossEntropyBackward(), (few, few_labels, few_rows, few_rows), softmax_config.few_rows_cut(
+            row_geometry(131072, 16, soft_fwd).row, 131072, 16, cluster=False)),
         (RowReduce("mean"), (S((64, 777), F16),), row_config(777, 16)),
         (LinearForward("gelu", True, False, False), (S((1, 5000, 256), BF16), S((1, 256, 4096), BF16), S((4096,), BF16)),
          CONFIGS[config_class(5000, 4096, 256)]),

@@ -267,28 +267,45 @@ def test_long_rows_are_cut_over_a_cluster_whose_shares_stage():
         dataclasses.replace(g, cluster=4)  # shares of 8 columns: the last CTA none
 
 
-def test_a_few_long_rows_of_the_cross_entropy_are_cut_over_ctas():
-    # One CTA a row kept 8 SMs busy for 8 rows of 131072 (softmax_config.few_rows_cut): the forward
-    # and backward cut a few rows (a concrete count, whatever it is) into a CTA a step, at most 16;
-    # many rows, a symbolic count and register-resident rows are not cut.
-    from cutelayers.ops.softmax import CrossEntropyBackward, CrossEntropyForward
+def test_a_few_long_rows_are_cut_over_ctas():
+    # One CTA a row kept 8 SMs busy for 8 rows of 131072 (softmax_config.few_rows_cut): a few rows
+    # (a concrete count, whatever it is) are cut over as many CTAs as a step's halves, at most 16,
+    # a cluster of at most 4096 threads; many rows and a symbolic count are cut as before (the
+    # cross-entropy's not at all, the softmax kernels' to stage them), register-resident rows never.
+    from cutelayers.ops.softmax import (
+        CrossEntropyBackward,
+        CrossEntropyForward,
+        SoftmaxBackward,
+        SoftmaxForward,
+    )
     from cutelayers.tuning import resolve
 
     def geometry(family, rows, v):
         x, per_row = jax.ShapeDtypeStruct((rows, v), jnp.bfloat16), jax.ShapeDtypeStruct((rows,), jnp.float32)
         labels = jax.ShapeDtypeStruct((rows,), jnp.int32)
-        avals = (x, labels) if isinstance(family, CrossEntropyForward) else (x, labels, per_row, per_row)
+        avals = {CrossEntropyForward: (x, labels), CrossEntropyBackward: (x, labels, per_row, per_row),
+                 SoftmaxForward: (x,), SoftmaxBackward: (x, x)}[type(family)]
         return resolve(family, avals).geometry(avals)
 
+    symbolic = jax.export.symbolic_shape("m")[0]
+    # (CTAs a row, share width, steps a CTA) at 8 rows of 131072: the softmax forward's 16 of its
+    # 256-thread CTAs, the backward's and the cross-entropy forward's 8 of 512 threads (a cluster
+    # of 4096 threads at most), the cross-entropy backward's plain grid 16; and the CTAs a row at
+    # 32768, where each kernel's row has 4 steps (8192 columns), or 2 (16384): twice that many
+    cuts = {SoftmaxForward(False): ((16, 8192, 1), 8), SoftmaxBackward(True): ((8, 16384, 2), 8),
+            CrossEntropyForward(True): ((8, 16384, 1), 4), CrossEntropyBackward(): ((16, 8192, 1), 4)}
+    for family, (want, at_32768) in cuts.items():
+        cut = geometry(family, 8, 131072)
+        assert (cut.cluster, cut.share_width, cut.steps_per_cta) == want, (family, cut)
+        assert geometry(family, 1, 262144).cluster == geometry(family, 64, 131072).cluster == want[0], family
+        assert geometry(family, 8, 32768).cluster == at_32768, family
+        assert geometry(family, 8, 4096).cluster == 1  # register-resident
+    for family, staged in ((SoftmaxForward(False), 4), (SoftmaxBackward(True), 8)):
+        for rows in (4096, 65, symbolic):  # staged in shares of 64 KiB (x; y and dy)
+            assert geometry(family, rows, 131072).cluster == staged, rows
     for family in (CrossEntropyForward(True), CrossEntropyBackward()):
-        cut = geometry(family, 8, 131072)  # 8 steps of 16384: 8 CTAs a row, one step each
-        assert (cut.cluster, cut.share_width, cut.steps_per_cta) == (8, 16384, 1), cut
-        assert geometry(family, 1, 262144).cluster == 16
-        assert geometry(family, 64, 131072).cluster == 8
-        for rows, v in ((4096, 131072), (65, 131072), (8, 4096)):
-            assert geometry(family, rows, v).cluster == 1, (rows, v)
-        symbolic = jax.export.symbolic_shape("m")[0]
-        assert geometry(family, symbolic, 131072).cluster == 1
+        for rows in (4096, 65, symbolic):
+            assert geometry(family, rows, 131072).cluster == 1, rows
 
 
 @pytest.mark.cute
@@ -299,7 +316,7 @@ def test_softmax_kernels_lower_with_rows_cut_over_clusters():
     from cutelayers.tuning import resolve
 
     for v, clusters in {131072: (4, 8), 50257: (1, 2)}.items():
-        x = jax.ShapeDtypeStruct((8, v), jnp.bfloat16)
+        x = jax.ShapeDtypeStruct((1024, v), jnp.bfloat16)  # many rows (a decode batch's are cut finer)
         forward, backward = resolve(SoftmaxForward(False), (x,)), resolve(SoftmaxBackward(False), (x, x))
         assert (forward.geometry((x,)).cluster, backward.geometry((x, x)).cluster) == clusters
         for op in (cl.ops.softmax, cl.ops.log_softmax):
@@ -463,8 +480,11 @@ def test_cross_entropy_with_grad_lowering():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [1, 7, 1000, 4096, 32000, 50257, 131072, 262144])
 def test_softmax_gpu(log, dtype, n, rng):
+    # 3 rows: a decode batch, whose long rows are cut a step a CTA; 65: many, whose streamed rows
+    # are staged (in shares of a cluster where they are long)
     with cl.use_backend("cute"):
-        check_softmax(rng, (3, n), dtype, log)
+        for rows in (3, 65) if n >= 32000 else (3,):
+            check_softmax(rng, (rows, n), dtype, log)
 
 
 # Vocabulary sizes and the row shapes run at each: one case per (cfg, dtype, V), so a case's kernels

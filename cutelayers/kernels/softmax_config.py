@@ -28,21 +28,29 @@ WITH_GRAD_VALUES_PER_THREAD = 16
 # exchanges (H200 autotune against 512: 50304 559 -> 528 us, 131072 540 -> 521, 262144 625 -> 552).
 STREAMED_FORWARD_THREADS = 256
 
-# A decode batch's rows (at most reduction_config.FEW_ROWS) of a long vocabulary: the one-pass
-# cross-entropy kernels gave a row one CTA, so 8 rows of 131072 kept 8 SMs busy (H100, fwd+bwd 19.7
-# us against XLA's 11.5: docs/benchmarks.md, sixty-third session). Such rows are cut over CTAs --
-# the forward's a cluster exchanging their logsumexps, the backward's a plain grid -- a step of the
-# row a CTA, at most MAX_CLUSTER of them (:func:`few_rows_cut`; the same cut for every such count,
-# so a decode batch's size does not change the kernel).
+# A decode batch's rows (at most reduction_config.FEW_ROWS) of a long vocabulary: a kernel that
+# gives a row one CTA, or the few a long row's staging needs, keeps few SMs busy -- the one-pass
+# cross-entropy's 8 rows of 131072 ran fwd+bwd in 19.7 us against XLA's 11.5, the softmax forward's
+# 8 rows of 32768 in 5.2 us (H100: docs/benchmarks.md, sixty-third and sixty-fourth sessions). Such
+# rows are cut over CTAs -- a cluster where the kernel exchanges row statistics, a plain grid where
+# it has none to exchange (the cross-entropy's backward) -- the same cut for every such count, so a
+# decode batch's size does not change the kernel (:func:`few_rows_cut`). Swept at 8 rows of 32768,
+# 131072 and 262144 over 2-16 CTAs a row (H100, sixty-fourth session), each kernel ran fastest
+# with the most CTAs tried -- shares down to half a step -- but for clusters of more than
+# FEW_ROWS_CLUSTER_THREADS threads: 16 CTAs of 512 threads ran 10-30 % slower than 8 (the
+# cross-entropy forward at 262144: 5.0 against 3.9 us), 16 of 256 threads 5-9 % faster.
+FEW_ROWS_CLUSTER_THREADS = 4096
 
 
-def few_rows_cut(config: RowConfig, n: int, elem_bits: int) -> RowConfig:
+def few_rows_cut(config: RowConfig, n: int, elem_bits: int, operands: int = 1, cluster: bool = True) -> RowConfig:
     """``config`` with the share budget that cuts a decode batch's rows of ``n`` elements
-    (``elem_bits`` the widest row operand's) over a CTA a step of the row -- the largest power of
-    two of CTAs, at most ``MAX_CLUSTER``, each with a whole step; ``config`` as it is for a
-    register-resident row."""
+    (``elem_bits`` the widest row operand's; a share's budget counts ``operands`` of them) over
+    CTAs -- a power of two of them, at most twice the row's steps (shares of half a step at least),
+    at most ``MAX_CLUSTER``, and where the CTAs form a ``cluster``, of at most
+    ``FEW_ROWS_CLUSTER_THREADS`` threads in all; ``config`` as it is for a register-resident row."""
     geometry = geometry_for(config, n, elem_bits)
     if geometry.resident:
         return config
-    ctas = min(MAX_CLUSTER, 1 << (geometry.num_steps.bit_length() - 1))
-    return dataclasses.replace(config, share_budget=cut_budget(config, n, elem_bits, ctas))
+    most = min(MAX_CLUSTER, FEW_ROWS_CLUSTER_THREADS // config.num_threads) if cluster else MAX_CLUSTER
+    ctas = min(most, 1 << geometry.num_steps.bit_length())
+    return dataclasses.replace(config, share_budget=cut_budget(config, n, elem_bits, ctas, operands))

@@ -57,8 +57,38 @@ F32 = jnp.float32
 # ``config``: the kernel's RowConfig, chosen by the op for its operands (see RowKernelFamily).
 
 
+class FewRowsCut:
+    """A softmax-family kernel family whose decode batch's long rows are cut over CTAs
+    (:func:`.softmax_config.few_rows_cut`; the config then carries the cut as its share budget, so
+    it compiles apart from many rows' kernel)."""
+
+    cut_rows_exchange: bool = True
+    """Whether a cut row's CTAs exchange row statistics (as a cluster); else a plain grid."""
+
+    def default_config(self, avals):
+        return self._few_rows_cut(super().default_config(avals), avals)
+
+    def config_space(self, avals) -> tuple:
+        # each config also cut so (the default's among them) -- not through default_config, which
+        # may look its streamed config up in this space
+        space = super().config_space(avals)
+        return tuple(dict.fromkeys(space + tuple(self._few_rows_cut(c, avals) for c in space)))
+
+    def _few_rows_cut(self, config: RowConfig, avals) -> RowConfig:
+        if not self.decode_batch(avals):
+            return config
+        return softmax_config.few_rows_cut(config, self.row_length(avals), self.elem_bits(avals),
+                                           max(self.staged_operands, 1), cluster=self.cut_rows_exchange)
+
+    def cut(self, config: RowConfig, avals):
+        g = super().cut(config, avals)  # a kernel that stages its rows cuts them by the budget there
+        if config.share_budget and not self.staged_operands and not g.resident:
+            g = split_rows(g, self.elem_bits(avals) // 8, 1, budget=config.share_budget)
+        return g
+
+
 @dataclasses.dataclass(frozen=True)
-class SoftmaxForward(RowKernelFamily):
+class SoftmaxForward(FewRowsCut, RowKernelFamily):
     """y = softmax(x) or log_softmax(x) per row; y in x's dtype."""
 
     log: bool
@@ -89,7 +119,7 @@ class SoftmaxForward(RowKernelFamily):
 
 
 @dataclasses.dataclass(frozen=True)
-class SoftmaxBackward(RowKernelFamily):
+class SoftmaxBackward(FewRowsCut, RowKernelFamily):
     """dx from (y, dy): see the module docstring."""
 
     log: bool
@@ -132,29 +162,6 @@ class LossOptions:
     smoothing: float = 0.0
     z_loss: float = 0.0
     soft_cap: float = 0.0
-
-
-class FewRowsCut:
-    """A one-pass cross-entropy family whose decode batch's long rows are cut over CTAs
-    (:func:`.softmax_config.few_rows_cut`; the config then carries the cut as its share budget, so
-    it compiles apart from many rows' kernel)."""
-
-    def default_config(self, avals):
-        config = super().default_config(avals)
-        if not self.decode_batch(avals):
-            return config
-        return softmax_config.few_rows_cut(config, self.row_length(avals), self.elem_bits(avals))
-
-    def config_space(self, avals) -> tuple:
-        space = super().config_space(avals)
-        default = self.default_config(avals)
-        return space if default in space else space + (default,)
-
-    def cut(self, config: RowConfig, avals):
-        g = super().cut(config, avals)
-        if config.share_budget and not g.resident:
-            g = split_rows(g, self.elem_bits(avals) // 8, 1, budget=config.share_budget)
-        return g
 
 
 def loss_options(family: LossOptions) -> dict:
@@ -223,6 +230,7 @@ class CrossEntropyBackward(LossOptions, FewRowsCut, RowKernelFamily):
     config: RowConfig | None = None
     in_place: bool = False
     values_per_thread = softmax_config.FORWARD_VALUES_PER_THREAD
+    cut_rows_exchange = False
     arg_names = ("logits", "labels", "lse", "dloss")
 
     @property
