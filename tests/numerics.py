@@ -26,6 +26,18 @@ def assert_close(out, ref, dtype, scale: float = 1.0, scale_ref=None):
     assert err <= tol, f"relative error {err:.3g} > {tol:.3g} ({jnp.dtype(dtype).name})"
 
 
+def assert_same_where_special(out, ref, dtype, what, scale: float = 3.0):
+    """NaN and +-inf where ``ref`` has them (``what`` names the result in a failure), and close to
+    it elsewhere (:func:`assert_close` with ``scale``)."""
+    out, ref = (np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (out, ref))
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref), err_msg=f"{what}: NaNs")
+    infinite = np.isinf(ref)
+    np.testing.assert_array_equal(out[infinite], ref[infinite], err_msg=f"{what}: infinities")
+    finite = np.isfinite(ref)
+    assert np.isfinite(out[finite]).all(), what
+    assert_close(out[finite], ref[finite], dtype, scale=scale)
+
+
 def least_precise(*dtypes):
     """The dtype among ``dtypes`` with the loosest tolerance: a gradient that flows through a value
     stored in a lower precision (a module's output) is only as accurate as that value."""

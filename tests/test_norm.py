@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import kept_ptx, ptxas_report
-from numerics import assert_close, dtype_cover, random
+from numerics import assert_close, assert_same_where_special, dtype_cover, random
 
 import cutelayers as cl
 from cutelayers.kernels import norm as norm_kernels
@@ -1220,6 +1220,64 @@ def test_kernel_vmap_and_large_mean_gpu(op, rng):
         g_ref = jax.jit(jax.grad(lambda x, s: jnp.sum(jnp.sin(fn(x, s))), argnums=(0, 1)))(x, scale)
     for a, b in zip(g, g_ref):
         assert_close(a, np.asarray(b), jnp.float32, scale=100.0)
+
+
+def special_rows(rng, rows, n, dtype, non_finite: bool):
+    """Rows of N(1, 1) but for a constant one first and last (zero variance: y is the bias) and,
+    with ``non_finite``, a NaN in the second row and a +inf in the third (NaN rows in LayerNorm; in
+    RMSNorm NaN at the +inf, 0 beside it), so that rows sharing a CTA's reductions and row slots
+    with them show whether anything leaks."""
+    x = np.array(random(rng, (rows, n), jnp.float32, loc=1.0))
+    x[0] = x[-1] = 0.75
+    if non_finite:
+        x[1, n // 2] = np.nan
+        x[2, n - 1] = np.inf
+    return jnp.asarray(x, dtype)
+
+
+def special_row_outputs(op, x, scale, bias):
+    """The norm's output and its gradients (x, scale, bias) for a fixed cotangent."""
+    fn, _ = OPS[op]
+    w = jnp.asarray(np.cos(np.arange(x.size)).reshape(x.shape), jnp.float32)
+
+    def loss(x, s, b):
+        return jnp.sum(fn(x, s, b).astype(jnp.float32) * w)
+
+    return (jax.jit(fn)(x, scale, bias), *jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, scale, bias))
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_special_rows_reference(op, rng):
+    """The ops' jnp path on constant, NaN and +inf rows: the plain formula's values, NaNs and infinities."""
+    _, center = OPS[op]
+    x = special_rows(rng, 6, 7, jnp.float32, non_finite=True)
+    scale, bias = _params(rng, 7, jnp.float32, True, True)
+    y = special_row_outputs(op, x, scale, bias)[0]
+    assert_same_where_special(y, plain(x, scale, bias, center=center), jnp.float32, op)
+    # a constant row: the bias (LayerNorm; jnp.mean's rounding of its mean, an ulp, times rstd =
+    # 1 / sqrt(epsilon) leaves ~1e-4), or scale * x / |x| + bias (RMSNorm)
+    constant = np.asarray(bias) if center else np.asarray(scale) * 0.75 / np.sqrt(0.75**2 + 1e-6) + np.asarray(bias)
+    np.testing.assert_allclose(np.asarray(y)[[0, -1]], np.broadcast_to(constant, (2, 7)), rtol=1e-5, atol=1e-3)
+    assert np.isnan(np.asarray(y)[1]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("n,rows", [(1000, 6), (1000, 66), (8192, 6), (8192, 66), (65536, 6), (65536, 66)])
+def test_special_rows_gpu(op, dtype, n, rows, rng):
+    """The kernels -- register-resident rows (several a CTA), a decode batch's wide CTAs, rows cut
+    over a cluster -- on constant rows give the jnp path's values and gradients, and on NaN and
+    +inf rows its NaNs and infinities, with every other row's results untouched."""
+    scale, bias = _params(rng, n, jnp.float32, True, True)
+    for non_finite in (False, True):
+        x = special_rows(rng, rows, n, dtype, non_finite)
+        with cl.use_backend("reference"):
+            expected = special_row_outputs(op, x, scale, bias)
+        with cl.use_backend("cute"):
+            got = special_row_outputs(op, x, scale, bias)
+        for name, a, b in zip(("y", "dx", "dscale", "dbias"), got, expected):
+            assert_same_where_special(a, b, dtype, f"{op} {name} (non-finite rows: {non_finite})", scale=10.0)
 
 
 @pytest.mark.gpu

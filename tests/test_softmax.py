@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from numerics import assert_close, dtype_cover, random
+from numerics import assert_close, assert_same_where_special, dtype_cover, random
 
 import cutelayers as cl
 
@@ -408,6 +408,61 @@ def check_far_below_zero(rng, v, dtype):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_rows_far_below_zero_reference(dtype, rng):
     check_far_below_zero(rng, 7, dtype)
+
+
+def masked_rows(rng, rows, v, dtype):
+    """Rows masked with -inf, as attention scores and padded vocabularies are, in threes: half the
+    columns masked at random; all but the last; all of them (softmax NaN, logsumexp -inf, as
+    jax.nn's). The last column is the label (a kept one but in the third row)."""
+    x = np.asarray(random(rng, (rows, v), jnp.float32) * 2)
+    keep = rng.random((rows, v)) < 0.5
+    keep[1::3] = keep[2::3] = False
+    keep[:, -1] = True
+    keep[2::3, -1] = False
+    return jnp.asarray(np.where(keep, x, -np.inf), dtype), jnp.full((rows,), v - 1, jnp.int32)
+
+
+def masked_outputs(x, labels):
+    """softmax, log_softmax, logsumexp, the cross-entropy and the gradients of each family's
+    kernels (softmax's, log_softmax's, the cross-entropy's backward and its fused kernel)."""
+    from cutelayers.ops.softmax import cross_entropy_kernels
+
+    w = jnp.linspace(-1.0, 1.0, x.shape[-1], dtype=jnp.float32)  # a cotangent with no zeros at -inf
+    grads = [jax.grad(lambda x, op=op: jnp.sum(w * op(x).astype(jnp.float32)))(x)
+             for op in (cl.ops.softmax, cl.ops.log_softmax)]
+    ce_grad = jax.grad(lambda x: jnp.sum(cl.ops.softmax_cross_entropy(x, labels)))(x)
+    _, fused_loss, fused_grad = jax.jit(cross_entropy_kernels(None)[2])(x, labels, jnp.ones(labels.shape, jnp.float32))
+    return {"softmax": cl.ops.softmax(x), "log_softmax": cl.ops.log_softmax(x), "logsumexp": cl.ops.logsumexp(x),
+            "loss": cl.ops.softmax_cross_entropy(x, labels), "softmax grad": grads[0], "log_softmax grad": grads[1],
+            "loss grad": ce_grad, "fused loss": fused_loss, "fused grad": fused_grad}
+
+
+def test_rows_masked_with_minus_inf_reference(rng):
+    """The ops' jnp path gives jax.nn's and optax's NaNs, infinities and values on masked rows."""
+    x, labels = masked_rows(rng, 6, 7, jnp.float32)
+    ours = masked_outputs(x, labels)
+    stock = {"softmax": jax.nn.softmax(x), "log_softmax": jax.nn.log_softmax(x),
+             "logsumexp": jax.nn.logsumexp(x, axis=-1),
+             "loss": optax.softmax_cross_entropy_with_integer_labels(x, labels)}
+    for name, ref in stock.items():
+        assert_same_where_special(ours[name], ref, jnp.float32, name)
+    assert np.isnan(np.asarray(ours["softmax"])[2::3]).all() and (np.asarray(ours["logsumexp"])[2::3] == -np.inf).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v,rows", [(1000, 6), (1000, 66), (32000, 66), (50257, 6), (131072, 6), (131072, 66)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_rows_masked_with_minus_inf_gpu(dtype, v, rows, rng):
+    """The kernels -- register-resident rows, staged ones, rows cut over a cluster (6 rows: a
+    decode batch's cut; 66: the staged one) -- give the jnp path's NaNs, infinities and values on
+    rows masked with -inf."""
+    x, labels = masked_rows(rng, rows, v, dtype)
+    with cl.use_backend("reference"):
+        expected = masked_outputs(x, labels)
+    with cl.use_backend("cute"):
+        got = masked_outputs(x, labels)
+    for name, ref in expected.items():
+        assert_same_where_special(got[name], ref, dtype, name)
 
 
 @pytest.mark.parametrize("cfg", WITH_GRAD_CFGS, ids=["plain", "all-options"])
