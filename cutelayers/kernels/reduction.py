@@ -463,8 +463,10 @@ def _join_cluster(barrier, buffers: cutlass.Constexpr):
 
 
 def cluster_slot_bytes(geometry: RowGeometry, count: int = 1, buffers: int = 1) -> int:
-    """Shared memory of :func:`cluster_slots` (barriers, slots, alignment)."""
-    if geometry.cluster == 1:
+    """Shared memory of :func:`cluster_slots` (barriers, slots, alignment); none for a CTA without a
+    cluster, or for ``count`` 0 values (a cut row whose CTAs exchange nothing, launched as a plain
+    grid)."""
+    if geometry.cluster == 1 or count == 0:
         return 0
     return buffers * (8 + 4 * count * geometry.cluster * geometry.row.rows_per_cta) + 8
 

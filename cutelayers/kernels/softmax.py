@@ -154,8 +154,7 @@ def _launch(kernel, geometry: RowGeometry, rows, stream, buffers: int, extra_sme
     kernel.launch(
         grid=[cute.ceil_div(rows, geometry.row.rows_per_cta) * geometry.cluster, 1, 1],
         block=[geometry.row.num_threads, 1, 1],
-        smem=(shared_buffer_bytes(geometry, buffers) + (cluster_slot_bytes(geometry, slot_values) if slot_values else 0)
-              + extra_smem),
+        smem=shared_buffer_bytes(geometry, buffers) + cluster_slot_bytes(geometry, slot_values) + extra_smem,
         stream=stream,
         **(cluster_launch(geometry) if slot_values else {}),
     )

@@ -60,7 +60,8 @@ class RowKernelFamily(TunableFamily):
     staged_operands: int = 0
     """Row operands a two-pass kernel stages in shared memory when its row streams, its long rows
     cut over a cluster of CTAs (:func:`cutelayers.kernels.reduction_config.split_rows`); 0: a
-    kernel that does neither."""
+    kernel that stages nothing, whose rows are cut only where its config's share budget says (a
+    decode batch's: :class:`cutelayers.ops.softmax.FewRowsCut`)."""
 
     staged_sums: int = 0
     """fp32 sums a column that a streamed row's CTA keeps in shared memory next to its staged
@@ -163,10 +164,11 @@ class RowKernelFamily(TunableFamily):
 
     def cut(self, config: RowConfig, avals):
         """``config`` applied to these operands' rows: :func:`.split_rows` with the config's share
-        budget, or the family's, where the kernel stages streamed rows."""
+        budget, or the family's, where the kernel stages streamed rows; with the config's (shares
+        of one row operand) where one that stages nothing has one."""
         g = geometry_for(config, self.row_length(avals), self.elem_bits(avals))
-        if self.staged_operands:
-            g = split_rows(g, self.elem_bits(avals) // 8, self.staged_operands, self.staged_sums,
+        if self.staged_operands or config.share_budget:
+            g = split_rows(g, self.elem_bits(avals) // 8, max(self.staged_operands, 1), self.staged_sums,
                            budget=config.share_budget or self.share_budget, row_slots=self.cuts_row_slots)
         return g
 

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cutelayers.kernels import softmax_config
-from cutelayers.kernels.reduction_config import RowConfig, split_rows
+from cutelayers.kernels.reduction_config import RowConfig
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import (
     INT32_MAX,
@@ -79,12 +79,6 @@ class FewRowsCut:
             return config
         return softmax_config.few_rows_cut(config, self.row_length(avals), self.elem_bits(avals),
                                            max(self.staged_operands, 1), cluster=self.cut_rows_exchange)
-
-    def cut(self, config: RowConfig, avals):
-        g = super().cut(config, avals)  # a kernel that stages its rows cuts them by the budget there
-        if config.share_budget and not self.staged_operands and not g.resident:
-            g = split_rows(g, self.elem_bits(avals) // 8, 1, budget=config.share_budget)
-        return g
 
 
 @dataclasses.dataclass(frozen=True)
