@@ -240,7 +240,7 @@ def families_and_avals():
         num_threads=softmax_config.STREAMED_FORWARD_THREADS)
     many, many_labels, many_rows = S((4096, 32000), BF16), S((4096,), jnp.int32), S((4096,), F32)
     few, few_labels, few_rows = S((8, 131072), BF16), S((8,), jnp.int32), S((8,), F32)
-    few_cut = softmax_config.few_rows_cut(row_geometry(131072, 16, soft_fwd).row, 131072, 16)
+    few_cut = softmax_config.few_rows_cut(row_geometry(131072, 16, soft_fwd).row, 131072, 16, 8)
     assert few_cut.share_budget
     return [
         # The norm forward's vector width is set by its widest row operand (an fp32 scale here).
@@ -260,15 +260,15 @@ def families_and_avals():
         (SoftmaxBackward(True), (S((4096, 32000), F32), many), row_geometry(32000, 32, soft_bwd).row),
         # a decode batch: cut over CTAs, the cut carried as the share budget (the backward's counting y and dy)
         (SoftmaxForward(False), (few,), softmax_config.few_rows_cut(
-            dataclasses.replace(streamed_softmax, unroll=row_geometry(131072, 16, soft_fwd).row.unroll), 131072, 16)),
+            dataclasses.replace(streamed_softmax, unroll=row_geometry(131072, 16, soft_fwd).row.unroll), 131072, 16, 8)),
         (SoftmaxBackward(True), (few, few), softmax_config.few_rows_cut(
-            row_geometry(131072, 16, soft_bwd).row, 131072, 16, operands=2)),
+            row_geometry(131072, 16, soft_bwd).row, 131072, 16, 8, operands=2)),
         (CrossEntropyForward(True), (many, many_labels), row_geometry(32000, 16, soft_fwd).row),
         (CrossEntropyBackward(), (many, many_labels, many_rows, many_rows), row_geometry(32000, 16, soft_fwd).row),
         # a few rows of a long vocabulary: cut over CTAs, the cut carried as the share budget
         (CrossEntropyForward(True), (few, few_labels), few_cut),
         (CrossEntropyBackward(), (few, few_labels, few_rows, few_rows), softmax_config.few_rows_cut(
-            row_geometry(131072, 16, soft_fwd).row, 131072, 16, cluster=False)),
+            row_geometry(131072, 16, soft_fwd).row, 131072, 16, 8, cluster=False)),
         (RowReduce("mean"), (S((64, 777), F16),), row_config(777, 16)),
         (LinearForward("gelu", True, False, False), (S((1, 5000, 256), BF16), S((1, 256, 4096), BF16), S((4096,), BF16)),
          CONFIGS[config_class(5000, 4096, 256)]),

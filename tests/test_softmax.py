@@ -303,9 +303,13 @@ def test_a_few_long_rows_are_cut_over_ctas():
     for family, staged in ((SoftmaxForward(False), 4), (SoftmaxBackward(True), 8)):
         for rows in (4096, 65, symbolic):  # staged in shares of 64 KiB (x; y and dy)
             assert geometry(family, rows, 131072).cluster == staged, rows
+    # past a decode batch, rows of a CTA each are cut until they fill FILL_CTAS: the power of two of
+    # CTAs at most FILL_CTAS / rows (4 at 65-66 rows, 2 at 67-132), and only where that is more than
+    # the softmax kernels' staging cut (theirs at 131072 as above)
     for family in (CrossEntropyForward(True), CrossEntropyBackward()):
-        for rows in (4096, 65, symbolic):
-            assert geometry(family, rows, 131072).cluster == 1, rows
+        for rows, ctas in ((65, 4), (66, 4), (67, 2), (132, 2), (133, 1), (4096, 1), (symbolic, 1)):
+            assert geometry(family, rows, 131072).cluster == ctas, rows
+    assert geometry(SoftmaxForward(False), 100, 32768).cluster == 2
 
 
 @pytest.mark.cute

@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from cutelayers.kernels import softmax_config
-from cutelayers.kernels.reduction_config import RowConfig
+from cutelayers.kernels.hopper import concrete_dim
+from cutelayers.kernels.reduction_config import FEW_ROWS, RowConfig
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import (
     INT32_MAX,
@@ -58,7 +59,8 @@ F32 = jnp.float32
 
 
 class FewRowsCut:
-    """A softmax-family kernel family whose decode batch's long rows are cut over CTAs
+    """A softmax-family kernel family whose long rows, a decode batch's or too few to fill the GPU
+    (at most :data:`.softmax_config.CUT_ROWS`), are cut over CTAs
     (:func:`.softmax_config.few_rows_cut`; the config then carries the cut as its share budget, so
     it compiles apart from many rows' kernel)."""
 
@@ -75,9 +77,14 @@ class FewRowsCut:
         return tuple(dict.fromkeys(space + tuple(self._few_rows_cut(c, avals) for c in space)))
 
     def _few_rows_cut(self, config: RowConfig, avals) -> RowConfig:
-        if not self.decode_batch(avals):
+        rows = concrete_dim(avals[0].shape[0])
+        if rows is None or rows > softmax_config.CUT_ROWS:
             return config
-        return softmax_config.few_rows_cut(config, self.row_length(avals), self.elem_bits(avals),
+        # past a decode batch, only rows the kernel gives a CTA each: a staged row cut finer was no
+        # faster (docs/benchmarks.md, sixty-fifth session)
+        if rows > FEW_ROWS and self.cut(config, avals).cluster > 1:
+            return config
+        return softmax_config.few_rows_cut(config, self.row_length(avals), self.elem_bits(avals), rows,
                                            max(self.staged_operands, 1), cluster=self.cut_rows_exchange)
 
 
