@@ -147,23 +147,31 @@ class RowReduceKernel:
         row = tXcX[0][0]
         acc = init
         if row < x.shape[0]:
-            for step in cutlass.range(self.num_steps, unroll=1):
-                if const_expr(self.n % self.tile_n == 0):
-                    cute.copy(tiled_copy, tXgX[None, None, None, step], frag)
-                else:
-                    pred = column_predicate(tXcX[None, None, None, step], self.n)
-                    frag.fill(0.0 if is_sum else -math.inf)
-                    cute.copy(tiled_copy, tXgX[None, None, None, step], frag, pred=pred)
-                vals = frag.load().to(Float32)
-                if const_expr(is_sum):
-                    acc = acc + vals.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
-                else:
-                    for i in cutlass.range_constexpr(cute.size(frag)):
-                        acc = nan_max(acc, vals[i])
+            # a ragged row's whole steps without column predicates, its last one alone with them
+            acc = share_steps(self.num_steps, self.n % self.tile_n != 0, lambda step, edge, acc: self.fold_step(
+                tiled_copy, tXgX, tXcX, frag, step, edge, acc), acc)
         acc = row_allreduce(acc, combine, config, buffer)
         if row < x.shape[0]:
             if tidx % config.threads_per_row == 0:
                 out[row] = (acc * self.scale).to(out.element_type) if is_sum else acc.to(out.element_type)
+
+    @cute.jit
+    def fold_step(self, tiled_copy, tXgX, tXcX, frag, step, edge: cutlass.Constexpr, acc):
+        """Fold ``step`` of the row into ``acc``; ``edge``: the ragged last step (columns past n
+        load as the reduction's identity)."""
+        is_sum = const_expr(self.op == "sum")
+        if const_expr(edge):
+            pred = column_predicate(tXcX[None, None, None, step], self.n)
+            frag.fill(0.0 if is_sum else -math.inf)
+            cute.copy(tiled_copy, tXgX[None, None, None, step], frag, pred=pred)
+        else:
+            cute.copy(tiled_copy, tXgX[None, None, None, step], frag)
+        vals = frag.load().to(Float32)
+        if const_expr(is_sum):
+            return acc + vals.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+        for i in cutlass.range_constexpr(cute.size(frag)):
+            acc = nan_max(acc, vals[i])
+        return acc
 
 
 # --- row operands: the shared machinery of every row kernel --------------------------------------

@@ -31,11 +31,13 @@ from cutelayers.kernels.reduction import (
     cta_share,
     load_step,
     nan_max,
+    partial_step,
     prefetch_shares,
     row_allreduce,
     row_sum,
     row_tiled_copy,
     save_step,
+    share_steps,
     shared_buffer_bytes,
     shared_buffers,
     slot_total,
@@ -161,9 +163,10 @@ def _launch(kernel, geometry: RowGeometry, rows, stream, buffers: int, extra_sme
 
 
 @cute.jit
-def masked(op, step, vals, fill):
-    """``vals`` with columns past N replaced by ``fill`` (only for ragged geometries)."""
-    if const_expr(op.geometry.ragged):
+def masked(op, step, vals, fill, edge: cutlass.Constexpr = None):
+    """``vals`` with columns past N replaced by ``fill`` (only for a partial step: ``edge`` as in
+    :func:`.reduction.partial_step`)."""
+    if const_expr(partial_step(op.geometry, edge)):
         vals = cute.where(column_mask(op.coords[None, None, None, step], op.frag, op.limit), vals, Float32(fill))
     return vals
 
@@ -174,6 +177,17 @@ def column_lane(column, owner, geometry: RowGeometry):
     share -- whose steps count from its start -- to lane ((j - start) // vec) % threads_per_row."""
     tpr = geometry.row.threads_per_row
     return owner * tpr + ((column - owner * geometry.share_width) // geometry.vec) % tpr
+
+
+@cute.jit
+def grad_step(kernel: cutlass.Constexpr, opx, source, dest, step, edge: cutlass.Constexpr, label, lse, scale):
+    """Write the cross-entropy's dx of ``step`` of the row (``opx``: its logits' operand) to
+    ``dest``, the logits loaded into ``opx``'s fragment from ``source`` (None: still there).
+    ``edge``: as in :func:`.reduction.partial_step` (predicated loads and stores)."""
+    if const_expr(source is not None):
+        load_step(source, step, edge)
+    vals = opx.frag.load().to(Float32)
+    store_step(dest, step, cross_entropy_grad(kernel, vals, label_mask(opx, step, label), lse, scale), edge)
 
 
 @cute.jit
@@ -218,24 +232,35 @@ class SoftmaxForwardKernel:
         slots = cluster_slots(g)
         opx.frag.fill(0.0)
         prefetch_shares((prefetch,), valid_row, steps, g)
-        mx, s = -Float32.inf, Float32(0.0)
-        for step in cutlass.range(steps, unroll=1):
-            if valid_row:
-                load_step(source, step)
-                if const_expr(copy_to is not None):
-                    save_step(copy_to, step)
-            vals = masked(opx, step, opx.frag.load().to(Float32), -math.inf)
-            mx, s = online_lse_step(vals, cute.size(opx.frag), mx, s)
+        # a ragged row's whole steps without column predicates, its last one alone with them
+        mx, s = share_steps(steps, g.ragged, lambda step, edge, state: self.lse_step(
+            opx, source, copy_to, valid_row, step, edge, *state), (-Float32.inf, Float32(0.0)))
         lse = row_lse(mx, s, g, buffers)
         if const_expr(g.cluster > 1):
             cluster_gather((lse,), slots, g)
             lse = combined_lse(slots, g)
-        for step in cutlass.range(steps, unroll=1):
-            if valid_row:
-                if const_expr(again is not None):
-                    load_step(again, step)
-                vals = opx.frag.load().to(Float32)
-                store_step(opy, step, vals - lse if const_expr(self.log) else exp(vals - lse))
+        share_steps(steps, g.ragged, lambda step, edge, _: self.output_step(
+            opx, again, opy, valid_row, step, edge, lse))
+
+    @cute.jit
+    def lse_step(self, opx, source, copy_to, valid_row, step, edge: cutlass.Constexpr, mx, s):
+        """Fold ``step`` of the row (loaded from ``source``, staged to ``copy_to``) into a thread's
+        online (max, sum exp)."""
+        if valid_row:
+            load_step(source, step, edge)
+            if const_expr(copy_to is not None):
+                save_step(copy_to, step, edge)
+        vals = masked(opx, step, opx.frag.load().to(Float32), -math.inf, edge)
+        return online_lse_step(vals, cute.size(opx.frag), mx, s)
+
+    @cute.jit
+    def output_step(self, opx, again, opy, valid_row, step, edge: cutlass.Constexpr, lse):
+        """Write y of ``step`` of the row, x loaded again from ``again`` (None: still in registers)."""
+        if valid_row:
+            if const_expr(again is not None):
+                load_step(again, step, edge)
+            vals = opx.frag.load().to(Float32)
+            store_step(opy, step, vals - lse if const_expr(self.log) else exp(vals - lse), edge)
 
 
 class SoftmaxBackwardKernel:
@@ -272,34 +297,42 @@ class SoftmaxBackwardKernel:
         opy.frag.fill(0.0)
         opg.frag.fill(0.0)
         prefetch_shares((prefetch_y, prefetch_g), valid_row, steps, g)
-        acc = Float32(0.0)
-        for step in cutlass.range(steps, unroll=1):
-            if valid_row:
-                load_step(source_y, step)
-                load_step(source_g, step)
-                if const_expr(copy_y_to is not None):
-                    save_step(copy_y_to, step)
-                if const_expr(copy_g_to is not None):
-                    save_step(copy_g_to, step)
-            grad = opg.frag.load().to(Float32)
-            if const_expr(self.log):
-                acc = acc + row_sum(grad)
-            else:
-                acc = acc + row_sum(grad * opy.frag.load().to(Float32).reshape(grad.shape))
+        # a ragged row's whole steps without column predicates, its last one alone with them
+        acc = share_steps(steps, g.ragged, lambda step, edge, acc: self.dot_step(
+            opy, opg, (source_y, source_g), (copy_y_to, copy_g_to), valid_row, step, edge, acc), Float32(0.0))
         dot = row_allreduce(acc, operator.add, g.row, buffers[0])
         (dot,) = cluster_sum((dot,), slots, g)
-        for step in cutlass.range(steps, unroll=1):
-            if valid_row:
-                if const_expr(again_y is not None):
-                    load_step(again_y, step)
-                    load_step(again_g, step)
-                grad = opg.frag.load().to(Float32)
-                out = opy.frag.load().to(Float32).reshape(grad.shape)
-                if const_expr(self.log):
-                    out = grad - exp(out) * dot
-                else:
-                    out = out * (grad - dot)
-                store_step(opd, step, out)
+        share_steps(steps, g.ragged, lambda step, edge, _: self.dx_step(
+            opy, opg, (again_y, again_g), opd, valid_row, step, edge, dot))
+
+    @cute.jit
+    def dot_step(self, opy, opg, sources, copies_to, valid_row, step, edge: cutlass.Constexpr, acc):
+        """Add ``step``'s sum(dy y) (log-softmax: sum(dy)) to ``acc``, y and dy loaded from
+        ``sources`` and staged to ``copies_to`` (None: not staged); columns past N load as 0."""
+        if valid_row:
+            for i in cutlass.range_constexpr(2):
+                load_step(sources[i], step, edge)
+                if const_expr(copies_to[i] is not None):
+                    save_step(copies_to[i], step, edge)
+        grad = opg.frag.load().to(Float32)
+        if const_expr(self.log):
+            return acc + row_sum(grad)
+        return acc + row_sum(grad * opy.frag.load().to(Float32).reshape(grad.shape))
+
+    @cute.jit
+    def dx_step(self, opy, opg, agains, opd, valid_row, step, edge: cutlass.Constexpr, dot):
+        """Write dx of ``step``, y and dy loaded again from ``agains`` (None: still in registers)."""
+        if valid_row:
+            if const_expr(agains[0] is not None):
+                for i in cutlass.range_constexpr(2):
+                    load_step(agains[i], step, edge)
+            grad = opg.frag.load().to(Float32)
+            out = opy.frag.load().to(Float32).reshape(grad.shape)
+            if const_expr(self.log):
+                out = grad - exp(out) * dot
+            else:
+                out = out * (grad - dot)
+            store_step(opd, step, out, edge)
 
 
 class CrossEntropyForwardKernel:
@@ -350,8 +383,7 @@ class CrossEntropyForwardKernel:
             vals, _ = soft_capped(vals, self.soft_cap)
         if const_expr(self.buffers > 2):
             total = total + row_sum(vals)
-        if const_expr(edge):
-            vals = masked(opx, step, vals, -math.inf)
+        vals = masked(opx, step, vals, -math.inf, edge)
         mx, s = online_lse_step(vals, cute.size(opx.frag), mx, s)
         return mx, s, total
 
@@ -362,11 +394,8 @@ class CrossEntropyForwardKernel:
         is kept only for label smoothing (else 0)."""
         g = self.geometry
         steps = share.steps
-        # only the row's last step can be partial: the last one of the last CTA's share
-        mx, s, total = -Float32.inf, Float32(0.0), Float32(0.0)
-        for step in cutlass.range(steps - 1, unroll=1):
-            mx, s, total = self.fold_step(opx, step, valid_row, False, mx, s, total, stage)
-        mx, s, total = self.fold_step(opx, steps - 1, valid_row, g.ragged, mx, s, total, stage)
+        mx, s, total = share_steps(steps, g.ragged, lambda step, edge, state: self.fold_step(
+            opx, step, valid_row, edge, *state, stage), (-Float32.inf, Float32(0.0), Float32(0.0)))
         lse = row_lse(mx, s, g, buffers)
         if const_expr(self.buffers > 2):
             total = row_allreduce(total, operator.add, g.row, buffers[2])
@@ -442,9 +471,9 @@ class CrossEntropyBackwardKernel:
             label = labels[row]
             lse = lse_in[row]
             scale = grad_scale(dloss[row], label, n, self.ignore_index)
-            for step in cutlass.range(share.steps, unroll=1):
-                vals = load_step(opx, step)
-                store_step(opd, step, cross_entropy_grad(self, vals, label_mask(opx, step, label), lse, scale))
+            # a ragged row's whole steps without column predicates, its last one alone with them
+            share_steps(share.steps, g.ragged, lambda step, edge, _: grad_step(
+                self, opx, opx, opd, step, edge, label, lse, scale))
 
 
 class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
@@ -480,15 +509,6 @@ class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
         g = self.geometry
         kernel = self.kernel(x, labels, dloss, lse, loss, row_tiled_copy(x.element_type, g))
         _launch(kernel, g, x.shape[0], stream, self.buffers, staged_smem(g, (x,)), self.slot_values)
-
-    @cute.jit
-    def grad_step(self, opx, source, step, edge: cutlass.Constexpr, label, lse, scale):
-        """Write dx over ``step`` of the row, its logits loaded from ``source`` (None: still in
-        registers). ``edge``: the ragged last step (predicated loads and stores)."""
-        if const_expr(source is not None):
-            load_step(source, step, edge)
-        vals = opx.frag.load().to(Float32)
-        store_step(opx, step, cross_entropy_grad(self, vals, label_mask(opx, step, label), lse, scale), edge)
 
     @cute.kernel
     def kernel(self, x, labels, dloss, lse_out, loss_out, copy_x):
@@ -530,6 +550,5 @@ class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
                 loss_out[row] = loss
             if lane == 0:
                 lse_out[row] = lse
-            for step in cutlass.range(steps - 1, unroll=1):
-                self.grad_step(opx, again, step, False, label, lse, scale)
-            self.grad_step(opx, again, steps - 1, g.ragged, label, lse, scale)
+            share_steps(steps, g.ragged, lambda step, edge, _: grad_step(
+                self, opx, again, opx, step, edge, label, lse, scale))
