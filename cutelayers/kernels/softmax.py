@@ -6,7 +6,10 @@ keeps (running max m, s = sum exp(x - shift(m))) and rescales ``s`` when the max
 streamed in several steps is still read once; rows that fit (:func:`.reduction_config.row_geometry`)
 stay in registers, and softmax then writes y without a second read. Shifts shift(m) are the max
 when it is finite and 0 otherwise, so rows of -inf give lse = -inf, rows holding +inf give +inf and
-NaN propagates -- the same rule as ``jax.nn.logsumexp``.
+NaN propagates -- the same rule as ``jax.nn.logsumexp``. Where N (or a cut row's share) is not a
+multiple of the step, every kernel runs the whole steps without column predicates and the last one
+alone with them (:func:`.reduction.share_steps`): at odd N, where accesses are scalar, a predicated
+load waits for its value before the next one issues.
 
 Each kernel takes its config (a :class:`.reduction_config.RowGeometry`) at construction; the
 heuristic and the autotuner's candidates come from :mod:`.reduction_config` with the kernel's values
