@@ -172,6 +172,35 @@ def kept_ptx(dump_dir, program: str, *argv: str):
     return path
 
 
+# Lowers the heuristic kernel of the row kernel family argv[1] at (16384, argv[2]) bf16 for sm_90a
+# (through kept_ptx, which keeps its PTX).
+ROW_KERNEL_PTX_PROGRAM = """
+import dataclasses, functools, sys
+import jax
+import cutelayers as cl
+from cutelayers.bench import autotune
+from cutelayers.runtime.sharding import kernel_call
+((case, _, default),) = autotune.list_candidates(sys.argv[1], [(16384, int(sys.argv[2]))], ["bfloat16"])
+with cl.use_backend("cute"):
+    jax.jit(functools.partial(kernel_call, dataclasses.replace(case.family, config=default))).trace(
+        *case.avals).lower(lowering_platforms=("cuda",))
+"""
+
+
+def longest_load_run(ptx: str) -> int:
+    """The most global loads in ``ptx`` that issue one after another: no branch, barrier or
+    arithmetic between them (moves and conversions of their values aside)."""
+    run = best = 0
+    for line in ptx.splitlines():
+        line = line.strip()
+        if line.startswith("ld.global"):
+            run += 1
+            best = max(best, run)
+        elif not line.startswith(("mov.", "cvt.")):
+            run = 0
+    return best
+
+
 def ptxas_report(ptxas: str, path) -> str:
     """``ptxas -arch=sm_90a -v`` of the PTX file ``path``: its report (registers, spills,
     advisories). Skips the test where this ptxas is older than the PTX the CuTe DSL emits."""

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import kept_ptx, ptxas_report
+from conftest import ROW_KERNEL_PTX_PROGRAM, kept_ptx, ptxas_report
 from numerics import assert_close, assert_same_where_special, dtype_cover, random
 
 import cutelayers as cl
@@ -917,21 +917,6 @@ def test_layer_norm_forward_moments_meet_at_one_barrier(tmp_path, rows, n):
     assert len(re.findall(r"\bbar(?:rier)?\.sync", ptx)) == 1
 
 
-# Lowers the heuristic backward of the row kernel argv[1] at (16384, argv[2]) bf16 for sm_90a, its PTX
-# kept in CUTE_DSL_DUMP_DIR (a fresh process, as above).
-BACKWARD_PTX_PROGRAM = """
-import dataclasses, functools, sys
-import jax
-import cutelayers as cl
-from cutelayers.bench import autotune
-from cutelayers.runtime.sharding import kernel_call
-((case, _, default),) = autotune.list_candidates(sys.argv[1], [(16384, int(sys.argv[2]))], ["bfloat16"])
-with cl.use_backend("cute"):
-    jax.jit(functools.partial(kernel_call, dataclasses.replace(case.family, config=default))).trace(
-        *case.avals).lower(lowering_platforms=("cuda",))
-"""
-
-
 @pytest.mark.cute
 @pytest.mark.parametrize("kernel,n,ctas", [("add_layer_norm_bwd", 768, 3), ("rms_norm_bwd", 3072, 3),
                                            ("layer_norm_bwd", 1024, 4), ("add_layer_norm_bwd", 8192, 1)])
@@ -947,7 +932,7 @@ def test_resident_backward_holds_the_ctas_its_grid_counts_on(tmp_path, kernel, n
     geometry = dataclasses.replace(case.family, config=default).geometry(case.avals)
     assert norm_config.backward_ctas_per_sm(geometry) == ctas
     assert norm_config.backward_grid(geometry) == norm_config.HOPPER_SMS * ctas
-    path = kept_ptx(tmp_path, BACKWARD_PTX_PROGRAM, kernel, str(n))
+    path = kept_ptx(tmp_path, ROW_KERNEL_PTX_PROGRAM, kernel, str(n))
     assert f".minnctapersm {ctas}" in path.read_text()
     if (ptxas := shutil.which("ptxas")) is not None:
         notes = ptxas_report(ptxas, path)

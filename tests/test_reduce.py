@@ -172,3 +172,17 @@ def test_kernel_large_mean_and_nonfinite_gpu(rng):
         y = x.at[3, 17].set(jnp.nan).at[5, 4095].set(jnp.inf)
         out = cl.ops.reduce_max(y)
     assert np.isnan(out[3]) and out[5] == np.inf
+
+
+@pytest.mark.cute
+@pytest.mark.parametrize("kernel", ["reduce_sum", "reduce_max"])
+def test_a_ragged_rows_whole_steps_load_back_to_back(tmp_path, kernel):
+    # Only a ragged row's last step takes column predicates (reduction.share_steps): at 50257 bf16
+    # (scalar accesses) a predicated step held each load in its own branch, one after another.
+    from conftest import ROW_KERNEL_PTX_PROGRAM, kept_ptx, longest_load_run
+
+    from cutelayers.bench import autotune
+
+    ((_, _, default),) = autotune.list_candidates(kernel, [(16384, 50257)], ["bfloat16"])
+    ptx = kept_ptx(tmp_path, ROW_KERNEL_PTX_PROGRAM, kernel, "50257").read_text()
+    assert longest_load_run(ptx) >= default.unroll > 1

@@ -313,6 +313,24 @@ def test_a_few_long_rows_are_cut_over_ctas():
 
 
 @pytest.mark.cute
+@pytest.mark.parametrize("kernel", ["softmax_fwd", "softmax_bwd", "cross_entropy_bwd", "cross_entropy_with_grad"])
+def test_a_ragged_rows_whole_steps_load_back_to_back(tmp_path, kernel):
+    # At 50257 bf16 (scalar accesses) a predicated step held each load in its own branch, its
+    # 16-bit value packed right after it, so the loads ran one after another (2 GB/s a CTA on an
+    # H100: docs/benchmarks.md, sixty-fifth session). Only the ragged last step takes predicates
+    # now (reduction.share_steps): a whole step's loads issue back to back.
+    from conftest import ROW_KERNEL_PTX_PROGRAM, kept_ptx, longest_load_run
+
+    from cutelayers.bench import autotune
+
+    ((case, _, default),) = autotune.list_candidates(kernel, [(16384, 50257)], ["bfloat16"])
+    geometry = dataclasses.replace(case.family, config=default).geometry(case.avals)
+    assert geometry.ragged and geometry.vec == 1
+    ptx = kept_ptx(tmp_path, ROW_KERNEL_PTX_PROGRAM, kernel, "50257").read_text()
+    assert longest_load_run(ptx) >= geometry.row.unroll
+
+
+@pytest.mark.cute
 def test_softmax_kernels_lower_with_rows_cut_over_clusters():
     """Cut rows compile for sm_90a: an even cut (131072), an uneven one with scalar accesses
     staged from registers (50257: shares of 25136 and 25121 columns), both directions."""
