@@ -634,8 +634,7 @@ class NormBackwardKernel:
                 sums[i] = row_operand(shared_row_tensor(config, Float32), copy_partial, share.coords, config,
                                       (0, None), tidx)
                 sums[i].frag.fill(0.0)
-                for step in cutlass.range(steps, unroll=1):
-                    save_step(sums[i], step)
+                share_steps(steps, config.ragged, lambda step, edge, _, op=sums[i]: save_step(op, step, edge))
         groups = cute.ceil_div(x.shape[0], config.row.rows_per_cta)
         first_row, (_, _, _, first_x), (_, _, _, first_g) = self.streamed_staging(share, x, dy, copy_x, copy_dy,
                                                                                   shared[0])
@@ -667,8 +666,8 @@ class NormBackwardKernel:
                 pcoords = row_share(cute.make_identity_tensor(partial.shape), config, cid, rank)
                 out = row_operand(row_share(partial, config, cid, rank), copy_partial, pcoords, config, (0, None),
                                   tidx)
-                for step in cutlass.range(steps, unroll=1):
-                    store_step(out, step, load_step(acc, step))
+                share_steps(steps, config.ragged, lambda step, edge, _, out=out, acc=acc: store_step(
+                    out, step, load_step(acc, step, edge), edge))
 
     @cute.jit
     def streamed_row(self, share, tile, cid, clusters, row_args, shared, ring_next, prefetched: cutlass.Constexpr):
