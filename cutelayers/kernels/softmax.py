@@ -166,7 +166,7 @@ def _launch(kernel, geometry: RowGeometry, rows, stream, buffers: int, extra_sme
 
 
 @cute.jit
-def masked(op, step, vals, fill, edge: cutlass.Constexpr = None):
+def masked(op, step, vals, fill, edge: cutlass.Constexpr):
     """``vals`` with columns past N replaced by ``fill`` (only for a partial step: ``edge`` as in
     :func:`.reduction.partial_step`)."""
     if const_expr(partial_step(op.geometry, edge)):
