@@ -59,11 +59,20 @@ def check_softmax(rng, shape, dtype, log):
     assert_close(g, g_ref, dtype, scale=3.0, scale_ref=terms)
 
 
+def edge_labels(labels, v):
+    """``labels`` with the first and last columns in rows 3 and 4 where there are more than 4 (a
+    shifted row's first and last steps are its partial ones: RowGeometry.shifted)."""
+    if labels.size > 4:
+        labels.flat[3], labels.flat[4] = 0, v - 1
+    return labels
+
+
 def check_ce(rng, rows, v, dtype, **cfg):
     x = random(rng, (*rows, v), dtype) * 2
-    labels = jnp.asarray(rng.integers(0, v, rows), jnp.int32)
+    labels = edge_labels(rng.integers(0, v, rows).astype(np.int32), v)
     if cfg.get("ignore_index") is not None and labels.size > 1:
-        labels = labels.at[(0,) * len(rows)].set(cfg["ignore_index"])
+        labels.flat[0] = cfg["ignore_index"]
+    labels = jnp.asarray(labels)
     kw = {"ignore_index": cfg.get("ignore_index"), "label_smoothing": cfg.get("smoothing", 0.0), "z_loss": cfg.get("z", 0.0)}
     loss = cl.ops.softmax_cross_entropy(x, labels, **kw)
     dloss = random(rng, rows, jnp.float32)
@@ -313,21 +322,67 @@ def test_a_few_long_rows_are_cut_over_ctas():
 
 
 @pytest.mark.cute
-@pytest.mark.parametrize("kernel", ["softmax_fwd", "softmax_bwd", "cross_entropy_bwd", "cross_entropy_with_grad"])
-def test_a_ragged_rows_whole_steps_load_back_to_back(tmp_path, kernel):
-    # At 50257 bf16 (scalar accesses) a predicated step held each load in its own branch, its
-    # 16-bit value packed right after it, so the loads ran one after another (2 GB/s a CTA on an
-    # H100: docs/benchmarks.md, sixty-fifth session). Only the ragged last step takes predicates
-    # now (reduction.share_steps): a whole step's loads issue back to back.
-    from conftest import ROW_KERNEL_PTX_PROGRAM, kept_ptx, longest_load_run
+@pytest.mark.parametrize("kernel", ["softmax_fwd", "cross_entropy_fwd", "cross_entropy_bwd", "cross_entropy_with_grad"])
+def test_odd_rows_move_in_16_byte_accesses(tmp_path, kernel):
+    # At 50257 bf16 a row start is 2-byte aligned, and accesses that keep every row start aligned
+    # are scalar: 78 % of copy bandwidth for the softmax forward, 50 % for the cross-entropy,
+    # against 99 % and 65 % at 50304 (H100: docs/benchmarks.md, sixty-sixth session). A row with a
+    # CTA of its own is walked shifted (RowGeometry.shifted): every row's load -- a global one or
+    # a cp.async into shared memory -- is 16 bytes; only the partial steps' stores (and the
+    # label's logit) are scalar. (The softmax backward's rows are cut over two CTAs: not shifted.)
+    import re
+
+    from conftest import ROW_KERNEL_PTX_PROGRAM, kept_ptx
 
     from cutelayers.bench import autotune
 
     ((case, _, default),) = autotune.list_candidates(kernel, [(16384, 50257)], ["bfloat16"])
     geometry = dataclasses.replace(case.family, config=default).geometry(case.avals)
-    assert geometry.ragged and geometry.vec == 1
+    assert geometry.shifted and geometry.vec == 8 and geometry.span == 50264
     ptx = kept_ptx(tmp_path, ROW_KERNEL_PTX_PROGRAM, kernel, "50257").read_text()
-    assert longest_load_run(ptx) >= geometry.row.unroll
+    wide_loads = re.findall(r"ld\.global\S*\.v4\.b32|cp\.async\.\w+\.shared\.global \[[^]]*\], \[[^]]*\], 16", ptx)
+    assert wide_loads
+    assert len(re.findall(r"ld\.global\S*\.b16", ptx)) <= int(kernel.startswith("cross_entropy_") and "bwd" not in kernel)
+    if kernel != "cross_entropy_fwd":
+        assert re.search(r"st\.global\S*\.v4\.b32", ptx)
+
+
+def test_shifted_rows_geometry():
+    """Odd N shifts a row that has a CTA of its own, uncut (a step's accesses full vectors, its
+    window up to vec - 1 columns before the row), but not rows cut over CTAs (many rows' long ones,
+    a few rows'), nor rows that share a CTA, nor aligned ones, nor another kernel family's."""
+    from cutelayers.kernels.reduction_config import row_geometry
+    from cutelayers.ops.softmax import (
+        CrossEntropyBackward,
+        CrossEntropyWithGrad,
+        SoftmaxBackward,
+        SoftmaxForward,
+    )
+    from cutelayers.tuning import resolve
+
+    def geometry(family, rows, n, dtype=jnp.bfloat16):
+        x, per_row = jax.ShapeDtypeStruct((rows, n), dtype), jax.ShapeDtypeStruct((rows,), jnp.float32)
+        avals = {SoftmaxBackward: (x, x), CrossEntropyWithGrad: (x, per_row.update(dtype=jnp.int32), per_row),
+                 CrossEntropyBackward: (x, per_row.update(dtype=jnp.int32), per_row, per_row)}.get(type(family), (x,))
+        return resolve(family, avals).geometry(avals)
+
+    families = (SoftmaxForward(False), SoftmaxBackward(True), CrossEntropyBackward(), CrossEntropyWithGrad())
+    for n, dtype, vec in [(4097, jnp.float16, 8), (12345, jnp.float32, 4), (50257, jnp.bfloat16, 8)]:
+        for family in families:
+            g = geometry(family, 4096, n, dtype)
+            if g.cluster > 1:  # the softmax backward's 50257: two operands staged over 2 CTAs
+                assert not g.shifted and (n, type(family)) == (50257, SoftmaxBackward)
+                continue
+            assert g.shifted and g.vec == vec and g.span == n + vec - 1 and g.edge_steps == (True, True), (family, n)
+            assert g.row.rows_per_cta == 1
+    g = geometry(SoftmaxForward(False), 4096, 131071)  # staged over 4 CTAs
+    assert g.cluster == 4 and not g.shifted and g.vec == 1
+    assert geometry(CrossEntropyBackward(), 4096, 131071).shifted  # read once, uncut
+    assert not geometry(CrossEntropyBackward(), 8, 50257).shifted  # a decode batch's rows: cut
+    assert not geometry(SoftmaxForward(False), 4096, 50304).shifted  # aligned
+    g = geometry(SoftmaxForward(False), 4096, 1001)  # several rows a CTA
+    assert not g.shifted and g.vec == 1 and g.row.rows_per_cta > 1
+    assert not row_geometry(50257, 16, 32).shifted  # a kernel family that does not shift rows (the norms)
 
 
 @pytest.mark.cute
@@ -361,7 +416,7 @@ def check_with_grad(rng, rows, v, dtype, cfg, out_of_range=False):
     forward, backward, with_grad = cross_entropy_kernels(cfg.get("ignore_index"), cfg.get("smoothing", 0.0),
                                                          cfg.get("z_loss", 0.0), cfg.get("soft_cap", 0.0))
     x = random(rng, (*rows, v), dtype) * 2
-    labels = np.asarray(rng.integers(0, v, rows), np.int32)
+    labels = edge_labels(rng.integers(0, v, rows).astype(np.int32), v)
     if cfg.get("ignore_index") is not None and labels.size > 1:
         labels.flat[1] = cfg["ignore_index"]
     if out_of_range and labels.size > 2:
@@ -595,6 +650,26 @@ def test_rows_far_below_zero_gpu(dtype, v, rng):
     """Registers (one warp a row and several), shared-memory staging and rows cut over a cluster."""
     with cl.use_backend("cute"):
         check_far_below_zero(rng, v, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v", [4097, 12345, 50257, 131071])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shifted_rows_gpu(dtype, v, rng):
+    """Rows whose starts N leaves misaligned, walked in full vectors from the aligned address at or
+    before each where a row has a CTA of its own (RowGeometry.shifted: a resident row, a staged
+    one, a streamed one; rows cut over CTAs are not shifted): every kernel of the family on 9
+    rows -- every row offset within a vector -- labels at the rows' first and last columns, and on
+    a decode batch's 3 and 70 rows."""
+    with cl.use_backend("cute"):
+        for rows in (3, 9, 70):
+            check_softmax(rng, (rows, v), dtype, log=rows == 9)
+        check_softmax(rng, (9, v), dtype, log=False)
+        check_logsumexp(rng, (9, v), dtype)
+        check_ce(rng, (9,), v, dtype, ignore_index=-100, smoothing=0.1, z=1e-3)
+        check_ce(rng, (3,), v, dtype)
+        for cfg in WITH_GRAD_CFGS:
+            check_with_grad(rng, (9,), v, dtype, cfg, out_of_range=True)
 
 
 @pytest.mark.gpu

@@ -256,7 +256,7 @@ class NormForwardKernel:
         # the row's partial step -- alone, so only it pays for column masks (a resident row: its
         # one step, which stays in registers)
         stats = share_steps(
-            steps, config.ragged,
+            steps, config.edge_steps,
             lambda step, edge, stats: self.statistics_step(
                 source, opr, ops_sum, copy_to, src, valid_row, step, edge, stats),
             (Float32(0.0),) * (3 if self.center else 1))
@@ -278,7 +278,7 @@ class NormForwardKernel:
             if const_expr(self.center):
                 mean[row, 0] = row_mean
         # --- normalize -----------------------------------------------------------------------
-        share_steps(steps, config.ragged, lambda step, edge, _: self.normalize_step(
+        share_steps(steps, config.edge_steps, lambda step, edge, _: self.normalize_step(
             src, again, ops, opb, opy, valid_row, step, row_mean, row_rstd, edge))
 
     @cute.jit
@@ -634,7 +634,7 @@ class NormBackwardKernel:
                 sums[i] = row_operand(shared_row_tensor(config, Float32), copy_partial, share.coords, config,
                                       (0, None), tidx)
                 sums[i].frag.fill(0.0)
-                share_steps(steps, config.ragged, lambda step, edge, _, op=sums[i]: save_step(op, step, edge))
+                share_steps(steps, config.edge_steps, lambda step, edge, _, op=sums[i]: save_step(op, step, edge))
         groups = cute.ceil_div(x.shape[0], config.row.rows_per_cta)
         first_row, (_, _, _, first_x), (_, _, _, first_g) = self.streamed_staging(share, x, dy, copy_x, copy_dy,
                                                                                   shared[0])
@@ -666,7 +666,7 @@ class NormBackwardKernel:
                 pcoords = row_share(cute.make_identity_tensor(partial.shape), config, cid, rank)
                 out = row_operand(row_share(partial, config, cid, rank), copy_partial, pcoords, config, (0, None),
                                   tidx)
-                share_steps(steps, config.ragged, lambda step, edge, _, out=out, acc=acc: store_step(
+                share_steps(steps, config.edge_steps, lambda step, edge, _, out=out, acc=acc: store_step(
                     out, step, load_step(acc, step, edge), edge))
 
     @cute.jit
@@ -796,7 +796,7 @@ class NormBackwardKernel:
         # mean(g * xhat) and mean(g) over the row; padding has dy = 0, so it adds nothing. A ragged
         # row's whole steps skip the column predicates; the share's last step alone takes them.
         dot, g_sum = share_steps(
-            steps, config.ragged,
+            steps, config.edge_steps,
             lambda step, edge, sums: self.row_sums_step(
                 source_x, source_g, copies, ops, step, edge, valid_row, row_mean, row_rstd, *sums),
             (Float32(0.0), Float32(0.0)))
@@ -811,7 +811,7 @@ class NormBackwardKernel:
         else:
             (c_dot,) = cluster_sum((c_dot,), slots, config, index)
         c_dot, c_sum = c_dot / n, c_sum / n
-        share_steps(steps, config.ragged, lambda step, edge, _: self.dx_step(
+        share_steps(steps, config.edge_steps, lambda step, edge, _: self.dx_step(
             again_x, again_g, opds, ops, opd, acc_scale, acc_bias, step, edge, valid_row, row_mean, row_rstd,
             c_dot, c_sum, refill))
         if const_expr(refill is not None):

@@ -148,7 +148,7 @@ class RowReduceKernel:
         acc = init
         if row < x.shape[0]:
             # a ragged row's whole steps without column predicates, its last one alone with them
-            acc = share_steps(self.num_steps, self.n % self.tile_n != 0, lambda step, edge, acc: self.fold_step(
+            acc = share_steps(self.num_steps, (False, self.n % self.tile_n != 0), lambda step, edge, acc: self.fold_step(
                 tiled_copy, tXgX, tXcX, frag, step, edge, acc), acc)
         acc = row_allreduce(acc, combine, config, buffer)
         if row < x.shape[0]:
@@ -205,8 +205,29 @@ def row_tiled_copy(dtype, geometry: RowGeometry, once: str | None = None):
 
 
 @cute.jit
-def column_predicate(coords, n: cutlass.Constexpr):
-    """Per-access ``column < n`` for one step of a partitioned identity tensor."""
+def in_row(column, n, before: cutlass.Constexpr):
+    """``column < n``, and for a shifted row's window (``before``, else None) ``column > before``:
+    the window starts before the row's column 0."""
+    inside = cute.elem_less(column, n)
+    if const_expr(before is not None):
+        inside = inside & cute.elem_less(before, column)
+    return inside
+
+
+def row_start_bound(geometry: RowGeometry | None, access: bool):
+    """The bound :func:`in_row` keeps a shifted row's window's columns above: those of the row, or
+    for an ``access`` (``vec`` columns from its first), those holding one; None for unshifted rows
+    (or no geometry)."""
+    if geometry is None or not geometry.shifted:
+        return None
+    return -geometry.vec if access else -1
+
+
+@cute.jit
+def column_predicate(coords, n, geometry: cutlass.Constexpr = None):
+    """Per-access ``column < n`` for one step of a partitioned identity tensor (and in a shifted
+    row's window, an access holding any column of the row: its columns past either end are masked
+    after the load, :func:`load_step`)."""
     pred = cute.make_rmem_tensor(
         cute.make_layout(
             (cute.size(coords, mode=[0, 1]), cute.size(coords, mode=[1]), cute.size(coords, mode=[2])),
@@ -214,18 +235,21 @@ def column_predicate(coords, n: cutlass.Constexpr):
         ),
         cutlass.Boolean,
     )
+    before = row_start_bound(geometry, True)
     for v in cutlass.range_constexpr(cute.size(pred, mode=[0])):
         for k in cutlass.range_constexpr(cute.size(pred, mode=[2])):
-            pred[v, 0, k] = cute.elem_less(coords[(0, v), 0, k][1], n)
+            pred[v, 0, k] = in_row(coords[(0, v), 0, k][1], n, before)
     return pred
 
 
 @cute.jit
-def column_mask(coords, frag, n: cutlass.Constexpr):
-    """Per-element ``column < n`` as a Boolean TensorSSA shaped like ``frag``."""
+def column_mask(coords, frag, n, geometry: cutlass.Constexpr = None):
+    """Per-element ``column < n`` (and in a shifted row's window, ``column >= 0``) as a Boolean
+    TensorSSA shaped like ``frag``."""
     mask = cute.make_rmem_tensor(frag.layout, cutlass.Boolean)
+    before = row_start_bound(geometry, False)
     for i in cutlass.range_constexpr(cute.size(frag)):
-        mask[i] = cute.elem_less(coords[i][1], n)
+        mask[i] = in_row(coords[i][1], n, before)
     return mask.load()
 
 
@@ -277,14 +301,24 @@ def partial_step(geometry: RowGeometry, edge) -> bool:
 
 
 @cute.jit
-def share_steps(steps, ragged: cutlass.Constexpr, step_fn: cutlass.Constexpr, state=None):
+def share_steps(steps, edges: cutlass.Constexpr, step_fn: cutlass.Constexpr, state=None):
     """Run ``state = step_fn(step, edge, state)`` over a share's ``steps`` steps: the whole ones in
-    a dynamic loop, without column predicates (``edge`` False), then a ragged geometry's last one
-    alone, with them (``edge`` True), so that only it pays for them. ``state`` (DSL values, a
-    tuple of them, or None) is carried through the loop; returns the last one."""
-    for step in cutlass.range(steps - int(ragged), unroll=1):
+    a dynamic loop, without column predicates (``edge`` False), and the partial ones alone, with
+    them (``edge`` True), so that only they pay for them. ``edges``: (whether the first step may be
+    partial -- a shifted row's window's --, whether the last may be), as
+    :attr:`.reduction_config.RowGeometry.edge_steps` gives them. ``state`` (DSL values, a tuple of
+    them, or None) is carried through the loop; returns the last one."""
+    head, tail = edges
+    first = 0
+    if const_expr(head):
+        state = step_fn(0, True, state)
+        first = 1
+    for step in cutlass.range(first, steps - int(tail), unroll=1):
         state = step_fn(step, False, state)
-    if const_expr(ragged):
+    if const_expr(tail and head):
+        if steps > 1:  # else the first step was the last
+            state = step_fn(steps - 1, True, state)
+    elif const_expr(tail):
         state = step_fn(steps - 1, True, state)
     return state
 
@@ -296,8 +330,12 @@ def load_step(op: RowOperand, step, edge: cutlass.Constexpr = None):
     geometry = op.geometry
     if const_expr(partial_step(geometry, edge)):
         op.frag.fill(0.0)
-        pred = column_predicate(op.coords[None, None, None, step], op.limit)
-        cute.copy(op.copy, op.src[None, None, None, step], op.frag, pred=pred)
+        coords = op.coords[None, None, None, step]
+        cute.copy(op.copy, op.src[None, None, None, step], op.frag, pred=column_predicate(coords, op.limit, geometry))
+        if const_expr(geometry.shifted):
+            # an access at a shifted row's end holds the next (or last) row's columns too
+            vals = op.frag.load()
+            op.frag.store(cute.where(column_mask(coords, op.frag, op.limit, geometry), vals, cute.zeros_like(vals)))
     else:
         cute.copy(op.copy, op.src[None, None, None, step], op.frag)
     return op.frag.load().to(Float32)
@@ -314,11 +352,19 @@ def store_step(op: RowOperand, step, values, edge: cutlass.Constexpr = None):
 @cute.jit
 def save_step(op: RowOperand, step, edge: cutlass.Constexpr = None):
     """Copy ``op.frag`` as it is (no conversion) to ``step`` of ``op``'s tensor: a row staged in
-    shared memory by :func:`shared_row_operand`; ``edge`` as in :func:`load_step`."""
+    shared memory by :func:`shared_row_operand`; ``edge`` as in :func:`load_step` (a shifted
+    row's partial step element by element: its accesses at the row's ends hold other rows'
+    columns)."""
     geometry = op.geometry
-    if const_expr(partial_step(geometry, edge)):
-        pred = column_predicate(op.coords[None, None, None, step], op.limit)
-        cute.copy(op.copy, op.frag, op.src[None, None, None, step], pred=pred)
+    coords = op.coords[None, None, None, step]
+    if const_expr(partial_step(geometry, edge) and geometry.shifted):
+        dst = op.src[None, None, None, step]
+        before = row_start_bound(geometry, False)
+        for i in cutlass.range_constexpr(cute.size(op.frag)):
+            if in_row(coords[i][1], op.limit, before):
+                dst[i] = op.frag[i]
+    elif const_expr(partial_step(geometry, edge)):
+        cute.copy(op.copy, op.frag, op.src[None, None, None, step], pred=column_predicate(coords, op.limit, geometry))
     else:
         cute.copy(op.copy, op.frag, op.src[None, None, None, step])
 
@@ -412,9 +458,10 @@ def prefetch_step(op: RowPrefetch, step, edge: cutlass.Constexpr = None):
     src, dst = op.src[None, None, None, step], op.dst[None, None, None, step]
     if const_expr(partial_step(geometry, edge)):
         coords = op.coords[None, None, None, step]
+        before = row_start_bound(geometry, True)
         for v in cutlass.range_constexpr(cute.size(coords, mode=[0, 1])):
             for k in cutlass.range_constexpr(cute.size(coords, mode=[2])):
-                if cute.elem_less(coords[(0, v), 0, k][1], op.limit):
+                if in_row(coords[(0, v), 0, k][1], op.limit, before):
                     cute.copy(op.copy, src[(None, v), None, k], dst[(None, v), None, k])
     else:
         cute.copy(op.copy, src, dst)
@@ -550,7 +597,7 @@ def cta_position(geometry: cutlass.Constexpr):
         tile, rank = bidx // geometry.cluster, bidx % geometry.cluster
         if const_expr(geometry.last_steps != geometry.steps_per_cta):
             # the last CTA's share is shorter: the steps of what is left of the row, at most a share's
-            rest = geometry.n - rank * geometry.share_width
+            rest = geometry.span - rank * geometry.share_width
             steps = min(geometry.steps_per_cta, (rest + geometry.tile_n - 1) // geometry.tile_n)
     return tile, rank, steps
 
@@ -559,7 +606,8 @@ def cta_position(geometry: cutlass.Constexpr):
 class CtaShare:
     """This CTA's share of its row tile (:func:`cta_share`): its ``rows_per_cta`` rows -- for a row
     cut over a cluster, the columns of its ``rank`` -- walked in ``steps`` steps; ``row_coords``
-    the coordinates of the whole row tensors. Frozen, as :class:`RowOperand`."""
+    the coordinates of the whole row tensors, or of a shifted row's window (whose columns count
+    from the row's start: the window's first ones are negative). Frozen, as :class:`RowOperand`."""
 
     geometry: RowGeometry
     tile: object
@@ -567,6 +615,7 @@ class CtaShare:
     steps: object
     thread: object
     row_coords: object
+    start: object = 0  # a shifted row's window's columns before the row (window_start)
 
     @functools.cached_property
     def coords(self):
@@ -576,15 +625,25 @@ class CtaShare:
         (add_rms_norm's at N = 50257: 114 -> 116 registers; rms_norm's at 50304: 8 more SASS
         instructions). A kernel that uses them after a dynamic loop or branch must not use them
         first inside it."""
-        return row_share(self.row_coords, self.geometry, self.tile, self.rank)
+        return row_share(self.row_coords, self.geometry, self.window_tile, self.rank)
+
+    @property
+    def window_tile(self):
+        """The tile of the row tensors' views that the share is in: the only one of a shifted
+        row's window."""
+        return 0 if self.geometry.shifted else self.tile
 
     def for_tile(self, tile) -> CtaShare:
-        """The same CTA's share of row tile ``tile`` (a persistent kernel's next rows)."""
+        """The same CTA's share of row tile ``tile`` (a persistent kernel's next rows; not shifted
+        ones, whose window is the tile's)."""
+        assert not self.geometry.shifted, "a shifted row's window is its own tile's"
         return dataclasses.replace(self, tile=tile)
 
     def view(self, tensor):
         """The share of ``tensor`` (rows, n)."""
-        return row_share(tensor, self.geometry, self.tile, self.rank)
+        if self.geometry.shifted:
+            tensor = shifted_row(tensor, self.geometry, self.tile, self.start)
+        return row_share(tensor, self.geometry, self.window_tile, self.rank)
 
     def operand(self, tensor, tiled_copy) -> RowOperand:
         """The share of ``tensor`` as this thread's row operand."""
@@ -601,7 +660,56 @@ class CtaShare:
 def cta_share(geometry: RowGeometry, shape, thread) -> CtaShare:
     """This CTA's :class:`CtaShare` of row tensors of ``shape`` (:func:`cta_position`)."""
     tile, rank, steps = cta_position(geometry)
-    return CtaShare(geometry, tile, rank, steps, thread, cute.make_identity_tensor(shape))
+    if not geometry.shifted:
+        return CtaShare(geometry, tile, rank, steps, thread, cute.make_identity_tensor(shape))
+    start = window_start(geometry, tile)
+    window = cute.make_identity_tensor((1, window_width(geometry)))
+    return CtaShare(geometry, tile, rank, steps, thread, cute.domain_offset((tile, -start), window), start)
+
+
+# --- shifted rows: N leaves row starts misaligned, rows are walked in full vectors anyway --------
+#
+# Row r of a (rows, n) tensor starts r * n elements past its 16-byte aligned base. Where n is not a
+# multiple of the full vector (vec elements, 16 bytes of the widest operand), a row start is
+# aligned only every few rows, and accesses that keep every start aligned are narrower: scalar at
+# odd n. A shifted geometry instead walks each row -- one a CTA -- from the aligned address at or
+# before its start, ``window_start`` columns earlier, over a window of ``span`` columns: every
+# access but those at the window's two ends lies wholly in the row. Those two are partial steps
+# (share_steps' ``head`` and ragged last step): loaded whole, the other rows' columns then masked
+# to zero -- 16 aligned bytes around a column of the row never cross a page, so the load cannot
+# fault, and the values it reads of other rows (which their CTAs may be writing) are dropped --
+# and stored element by element. Every operand of a kernel has the same window (the same element
+# offsets: every buffer's base is aligned), so the fragments of its operands line up as they do
+# unshifted.
+
+
+def window_width(geometry: RowGeometry) -> int:
+    """Columns of a shifted row's window view: every CTA's share of it, in whole steps."""
+    if geometry.cluster > 1:
+        return geometry.cluster * geometry.share_width
+    return geometry.steps_per_cta * geometry.tile_n
+
+
+@cute.jit
+def window_start(geometry: cutlass.Constexpr, row):
+    """Columns from the aligned address at or before row ``row``'s start to it (the row's offset
+    ``row * n`` modulo ``vec``, taken apart so that it does not overflow)."""
+    vec = geometry.vec
+    return ((row % vec) * (geometry.n % vec)) % vec
+
+
+def shifted_row(tensor, geometry: RowGeometry, row, start):
+    """Row ``row`` of ``tensor`` (rows, n) as its window: a (1, :func:`window_width`) tensor from
+    the aligned address at or before the row's start, ``start`` columns before it
+    (:func:`window_start`), so that the full-vector accesses of the geometry's tiled copies are
+    aligned (the buffer's base is, and ``vec`` columns of the widest operand are 16 bytes)."""
+    dtype = tensor.element_type
+    elem_bytes = dtype.width // 8
+    offset = cutlass.Int64(row) * geometry.n - start
+    pointer = cute.make_ptr(dtype, tensor.iterator.toint() + offset * elem_bytes, cute.AddressSpace.gmem,
+                            assumed_align=min(geometry.vec * elem_bytes, 16))
+    width = window_width(geometry)
+    return cute.make_tensor(pointer, cute.make_layout((1, width), stride=(width, 1)))
 
 
 def row_staging(geometry: RowGeometry, tensor, op, tile_coord, tidx, stage: bool, prefetch: bool = True,

@@ -129,17 +129,31 @@ class RowGeometry:
     a column) in ``steps_per_cta`` steps from the share's start, the last of them partial where
     the share is not whole steps; the row's statistics are combined through distributed shared
     memory.
+
+    ``shifted``: rows whose starts are not all aligned to full vectors (N not a multiple of them)
+    are walked in full vectors anyway, each one-row CTA from the aligned address at or before its
+    row's start: a window of :attr:`span` columns whose first and last steps are partial (see
+    :func:`.reduction.cta_share`). Shares, steps and cuts count the window's columns.
     """
 
     row: RowConfig
     n: int
     vec: int
     cluster: int = 1
+    shifted: bool = False
 
     def __post_init__(self):
         if self.last_share_width < 1:
-            raise ValueError(f"cluster {self.cluster} leaves a CTA none of the row's {self.n} columns "
+            raise ValueError(f"cluster {self.cluster} leaves a CTA none of the row's {self.span} columns "
                              f"(shares of {self.share_width})")
+        if self.shifted and self.row.rows_per_cta != 1:
+            raise ValueError(f"shifted rows need one row a CTA; got {self.row.rows_per_cta}")
+
+    @property
+    def span(self) -> int:
+        """Columns a row's walk covers: ``n``, or a shifted row's window -- up to ``vec - 1``
+        columns before the row's start, from the aligned address at or before it."""
+        return self.n + self.vec - 1 if self.shifted else self.n
 
     @property
     def tile_n(self) -> int:
@@ -147,13 +161,13 @@ class RowGeometry:
 
     @property
     def num_steps(self) -> int:
-        return math.ceil(self.n / self.tile_n)
+        return math.ceil(self.span / self.tile_n)
 
     @property
     def share_width(self) -> int:
-        """Columns of a row one CTA covers: the row's own width without a cluster, else
-        :func:`cut_share_width`."""
-        return cut_share_width(self.n, self.cluster, self.share_quantum)
+        """Columns of a row one CTA covers: the row's own width (its window's, if shifted) without
+        a cluster, else :func:`cut_share_width`."""
+        return cut_share_width(self.span, self.cluster, self.share_quantum)
 
     @property
     def share_quantum(self) -> int:
@@ -164,7 +178,7 @@ class RowGeometry:
     @property
     def last_share_width(self) -> int:
         """Columns of the cluster's last CTA's share (the rest of the row)."""
-        return self.n - (self.cluster - 1) * self.share_width
+        return self.span - (self.cluster - 1) * self.share_width
 
     @property
     def steps_per_cta(self) -> int:
@@ -189,10 +203,18 @@ class RowGeometry:
         return not self.resident and self.steps_per_cta == 1 and self.last_steps == 1
 
     @property
+    def edge_steps(self) -> tuple[bool, bool]:
+        """Whether a share's first step may be partial (a shifted row's window's), and whether its
+        last may be (:attr:`ragged`): the steps that need column predicates
+        (:func:`.reduction.share_steps`)."""
+        return self.shifted, self.ragged
+
+    @property
     def ragged(self) -> bool:
         """A share's last step may be partial: its loads and stores need column predicates (up to
-        the share's end: :func:`.reduction.share_limit`)."""
-        return self.share_width % self.tile_n != 0 or self.last_share_width % self.tile_n != 0
+        the share's end: :func:`.reduction.share_limit`). Where the row's window starts depends
+        on the row if it is shifted, so its last step may always be."""
+        return self.shifted or self.share_width % self.tile_n != 0 or self.last_share_width % self.tile_n != 0
 
 
 # A cut row's shares start this many vector accesses apart at least: 128 bytes of a row of full
@@ -212,22 +234,41 @@ def cut_share_width(n: int, cluster: int, quantum: int) -> int:
     return -(-n // (cluster * quantum)) * quantum
 
 
-def row_geometry(n: int, elem_bits: int, values_per_thread: int) -> RowGeometry:
+def row_geometry(n: int, elem_bits: int, values_per_thread: int, shift: bool = False) -> RowGeometry:
     """The config table of register-resident row kernels.
 
     The smallest ``threads_per_row`` (4 .. 512) for which a thread holds at most
     ``values_per_thread`` elements of the row in one step; rows that still do not fit are streamed
     in steps of ``512 * values_per_thread`` elements. ``elem_bits`` is the widest element among
-    the row-shaped operands (it bounds the vector width).
+    the row-shaped operands (it bounds the vector width). ``shift``: a kernel that can walk
+    misaligned rows in full vectors (:attr:`RowGeometry.shifted`) does so where N leaves row
+    starts misaligned and the row takes a CTA of its own.
     """
+    full = shift_vector(n, elem_bits, shift)
+    if full:
+        config = _table_config(n + full - 1, full, values_per_thread)
+        if config.rows_per_cta == 1:
+            return RowGeometry(config, n, full, shifted=True)
     vec = vector_width(n, elem_bits)
-    chunks = math.ceil(n / vec)
+    return RowGeometry(_table_config(n, vec, values_per_thread), n, vec)
+
+
+def shift_vector(n: int, elem_bits: int, shift: bool) -> int:
+    """The full vector width a kernel that can ``shift`` rows walks rows of ``n`` in where their
+    starts are misaligned (N not a multiple of it); 0 where it walks them unshifted."""
+    full = 128 // elem_bits
+    return full if shift and n % full else 0
+
+
+def _table_config(span: int, vec: int, values_per_thread: int) -> RowConfig:
+    """:func:`row_geometry`'s config for a walk of ``span`` columns at vector width ``vec``."""
+    chunks = math.ceil(span / vec)
     max_unroll = max(values_per_thread // vec, 1)
     tpr = MIN_THREADS_PER_ROW
     while tpr < MAX_THREADS_PER_ROW and math.ceil(chunks / tpr) > max_unroll:
         tpr *= 2
     unroll = min(math.ceil(chunks / tpr), max_unroll)
-    return RowGeometry(RowConfig(threads_per_row=tpr, num_threads=max(128, tpr), unroll=unroll), n, vec)
+    return RowConfig(threads_per_row=tpr, num_threads=max(128, tpr), unroll=unroll)
 
 
 def latency_geometry(n: int, elem_bits: int, values_per_thread: int, values: int) -> RowGeometry | None:
@@ -250,7 +291,7 @@ def latency_geometry(n: int, elem_bits: int, values_per_thread: int, values: int
     return RowGeometry(RowConfig(threads_per_row=tpr, num_threads=max(tpr, CTA_THREADS[0]), unroll=unroll), n, vec)
 
 
-def row_geometry_space(n: int, elem_bits: int, values_per_thread: int) -> tuple[RowGeometry, ...]:
+def row_geometry_space(n: int, elem_bits: int, values_per_thread: int, shift: bool = False) -> tuple[RowGeometry, ...]:
     """The configs a register-resident row kernel can run rows of ``n`` elements with.
 
     Threads per row: see :func:`_threads_per_row_options`; unroll: the fewest steps for that width
@@ -258,23 +299,28 @@ def row_geometry_space(n: int, elem_bits: int, values_per_thread: int) -> tuple[
     ``CTA_THREADS`` that hold whole rows. A row that :func:`row_geometry` keeps in registers only
     gets configs that keep it there, and a streamed one only streamed configs: whether the row is
     resident decides the kernels' code path (one read of x; the norm backward's dscale partials).
+    Where the heuristic shifts the rows (``shift``), so does every config: one row a CTA.
     """
-    heuristic = row_geometry(n, elem_bits, values_per_thread)
-    vec = heuristic.vec
-    chunks = math.ceil(n / vec)
+    heuristic = row_geometry(n, elem_bits, values_per_thread, shift)
+    vec, shifted = heuristic.vec, heuristic.shifted
+    chunks = math.ceil(heuristic.span / vec)
     max_unroll = max(values_per_thread // vec, 1)
     candidates = (
         RowGeometry(RowConfig(threads_per_row=tpr, num_threads=threads,
-                              unroll=min(math.ceil(chunks / tpr), max_unroll)), n, vec)
+                              unroll=min(math.ceil(chunks / tpr), max_unroll)), n, vec, shifted=shifted)
         for tpr in _threads_per_row_options(chunks)
         for threads in CTA_THREADS
-        if threads >= tpr
+        if threads >= tpr and (threads == tpr or not shifted)
     )
     return tuple(g for g in candidates if g.resident == heuristic.resident)
 
 
-def geometry_for(config: RowConfig, n: int, elem_bits: int) -> RowGeometry:
-    """``config`` applied to rows of ``n`` elements whose widest row operand has ``elem_bits``."""
+def geometry_for(config: RowConfig, n: int, elem_bits: int, shift: bool = False) -> RowGeometry:
+    """``config`` applied to rows of ``n`` elements whose widest row operand has ``elem_bits``
+    (shifted where the kernel can ``shift`` rows, N leaves them misaligned and a CTA has one)."""
+    full = shift_vector(n, elem_bits, shift)
+    if full and config.rows_per_cta == 1:
+        return RowGeometry(config, n, full, shifted=True)
     return RowGeometry(config, n, vector_width(n, elem_bits))
 
 
@@ -372,6 +418,6 @@ def _cuts(geometry: RowGeometry) -> list[RowGeometry]:
     """``geometry`` cut over 2, 4, ... ``MAX_CLUSTER`` CTAs, each of which gets a column -- and no
     more CTAs than a row has threads (:func:`.reduction.cluster_gather`: a row's thread t stores
     to CTA t)."""
-    n, quantum = geometry.n, geometry.share_quantum
+    n, quantum = geometry.span, geometry.share_quantum
     return [dataclasses.replace(geometry, cluster=c) for c in (2, 4, 8, 16)
             if c <= min(MAX_CLUSTER, geometry.row.threads_per_row) and (c - 1) * cut_share_width(n, c, quantum) < n]

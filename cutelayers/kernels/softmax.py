@@ -7,9 +7,11 @@ streamed in several steps is still read once; rows that fit (:func:`.reduction_c
 stay in registers, and softmax then writes y without a second read. Shifts shift(m) are the max
 when it is finite and 0 otherwise, so rows of -inf give lse = -inf, rows holding +inf give +inf and
 NaN propagates -- the same rule as ``jax.nn.logsumexp``. Where N (or a cut row's share) is not a
-multiple of the step, every kernel runs the whole steps without column predicates and the last one
-alone with them (:func:`.reduction.share_steps`): at odd N, where accesses are scalar, a predicated
-load waits for its value before the next one issues.
+multiple of the step, every kernel runs the whole steps without column predicates and the partial
+ones alone with them (:func:`.reduction.share_steps`). Where N leaves row starts misaligned (odd N
+in 16 bits), a row with a CTA of its own is walked in 16-byte accesses from the aligned address
+before it (:attr:`.reduction_config.RowGeometry.shifted`), not in scalar ones: its window's first
+step is partial too.
 
 Each kernel takes its config (a :class:`.reduction_config.RowGeometry`) at construction; the
 heuristic and the autotuner's candidates come from :mod:`.reduction_config` with the kernel's values
@@ -170,16 +172,18 @@ def masked(op, step, vals, fill, edge: cutlass.Constexpr):
     """``vals`` with columns past N replaced by ``fill`` (only for a partial step: ``edge`` as in
     :func:`.reduction.partial_step`)."""
     if const_expr(partial_step(op.geometry, edge)):
-        vals = cute.where(column_mask(op.coords[None, None, None, step], op.frag, op.limit), vals, Float32(fill))
+        vals = cute.where(column_mask(op.coords[None, None, None, step], op.frag, op.limit, op.geometry), vals,
+                          Float32(fill))
     return vals
 
 
-def column_lane(column, owner, geometry: RowGeometry):
+def column_lane(column, owner, geometry: RowGeometry, start=0):
     """The position, among a cluster's threads of a row (a CTA's without a cluster), of the thread
     whose fragments hold ``column`` of CTA ``owner``'s share: ``row_tv_layout`` gives column j of a
-    share -- whose steps count from its start -- to lane ((j - start) // vec) % threads_per_row."""
+    share -- whose steps count from its start -- to lane ((j - start) // vec) % threads_per_row.
+    ``start``: a shifted row's window's columns before the row (whose shares count from there)."""
     tpr = geometry.row.threads_per_row
-    return owner * tpr + ((column - owner * geometry.share_width) // geometry.vec) % tpr
+    return owner * tpr + ((column + start - owner * geometry.share_width) // geometry.vec) % tpr
 
 
 @cute.jit
@@ -236,13 +240,13 @@ class SoftmaxForwardKernel:
         opx.frag.fill(0.0)
         prefetch_shares((prefetch,), valid_row, steps, g)
         # a ragged row's whole steps without column predicates, its last one alone with them
-        mx, s = share_steps(steps, g.ragged, lambda step, edge, state: self.lse_step(
+        mx, s = share_steps(steps, g.edge_steps, lambda step, edge, state: self.lse_step(
             opx, source, copy_to, valid_row, step, edge, *state), (-Float32.inf, Float32(0.0)))
         lse = row_lse(mx, s, g, buffers)
         if const_expr(g.cluster > 1):
             cluster_gather((lse,), slots, g)
             lse = combined_lse(slots, g)
-        share_steps(steps, g.ragged, lambda step, edge, _: self.output_step(
+        share_steps(steps, g.edge_steps, lambda step, edge, _: self.output_step(
             opx, again, opy, valid_row, step, edge, lse))
 
     @cute.jit
@@ -301,11 +305,11 @@ class SoftmaxBackwardKernel:
         opg.frag.fill(0.0)
         prefetch_shares((prefetch_y, prefetch_g), valid_row, steps, g)
         # a ragged row's whole steps without column predicates, its last one alone with them
-        acc = share_steps(steps, g.ragged, lambda step, edge, acc: self.dot_step(
+        acc = share_steps(steps, g.edge_steps, lambda step, edge, acc: self.dot_step(
             opy, opg, (source_y, source_g), (copy_y_to, copy_g_to), valid_row, step, edge, acc), Float32(0.0))
         dot = row_allreduce(acc, operator.add, g.row, buffers[0])
         (dot,) = cluster_sum((dot,), slots, g)
-        share_steps(steps, g.ragged, lambda step, edge, _: self.dx_step(
+        share_steps(steps, g.edge_steps, lambda step, edge, _: self.dx_step(
             opy, opg, (again_y, again_g), opd, valid_row, step, edge, dot))
 
     @cute.jit
@@ -397,7 +401,7 @@ class CrossEntropyForwardKernel:
         is kept only for label smoothing (else 0)."""
         g = self.geometry
         steps = share.steps
-        mx, s, total = share_steps(steps, g.ragged, lambda step, edge, state: self.fold_step(
+        mx, s, total = share_steps(steps, g.edge_steps, lambda step, edge, state: self.fold_step(
             opx, step, valid_row, edge, *state, stage), (-Float32.inf, Float32(0.0), Float32(0.0)))
         lse = row_lse(mx, s, g, buffers)
         if const_expr(self.buffers > 2):
@@ -475,7 +479,7 @@ class CrossEntropyBackwardKernel:
             lse = lse_in[row]
             scale = grad_scale(dloss[row], label, n, self.ignore_index)
             # a ragged row's whole steps without column predicates, its last one alone with them
-            share_steps(share.steps, g.ragged, lambda step, edge, _: grad_step(
+            share_steps(share.steps, g.edge_steps, lambda step, edge, _: grad_step(
                 self, opx, opx, opd, step, edge, label, lse, scale))
 
 
@@ -530,16 +534,17 @@ class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
         prefetch_shares((prefetch,), valid_row, steps, g)
         lse, total = self.row_statistics(share, source, valid_row, buffers, slots, stage)
         if valid_row:
-            lane = column_lane(opx.coords[0][1], rank, g)  # this thread's, from a column it holds
+            lane = column_lane(opx.coords[0][1], rank, g, share.start)  # this thread's, from a column it holds
             label = Int32(labels[row])
             loss = Float32(math.nan)
             scale = grad_scale(dloss[row], label, n, self.ignore_index)
             writer = lane == 0
             if label >= 0:
                 if label < n:
-                    # column j lies in the share of CTA j // share_width; the thread holding it
-                    # alone overwrites x[row, label], in its pass 2 below
-                    writer = column_lane(label, label // g.share_width, g) == lane
+                    # column j lies in the share of CTA (j + start) // share_width; the thread holding
+                    # it alone overwrites x[row, label], in its pass 2 below
+                    owner = (label + share.start) // g.share_width
+                    writer = column_lane(label, owner, g, share.start) == lane
                     if writer:
                         picked = x[row, label].to(Float32)
                         if const_expr(self.soft_cap > 0.0):
@@ -553,5 +558,5 @@ class CrossEntropyWithGradKernel(CrossEntropyForwardKernel):
                 loss_out[row] = loss
             if lane == 0:
                 lse_out[row] = lse
-            share_steps(steps, g.ragged, lambda step, edge, _: grad_step(
+            share_steps(steps, g.edge_steps, lambda step, edge, _: grad_step(
                 self, opx, again, opx, step, edge, label, lse, scale))

@@ -79,6 +79,29 @@ class RowKernelFamily(TunableFamily):
     streamed_threads: int | None = None
     """Threads per row (one row a CTA) of a streamed row's heuristic config; None: the table's."""
 
+    shifts_rows: bool = False
+    """Whether the kernel can walk rows whose starts N leaves misaligned in full vectors from the
+    aligned address before each (:attr:`cutelayers.kernels.reduction_config.RowGeometry.shifted`,
+    one row a CTA), and does where :meth:`shift` says; else it walks them in the narrower accesses
+    that keep every row start aligned."""
+
+    def shift(self, avals) -> bool:
+        """Whether the kernel walks these rows shifted: it can (``shifts_rows``), N leaves their
+        starts misaligned, and its heuristic gives a row a CTA, uncut. A share of a row cut over
+        CTAs does not know at compile time which accesses of its partial steps -- its first and
+        last -- lie in the row, and stores them element by element: at 50257 and 131071 bf16
+        columns the cut softmax kernels ran 13-47 % slower shifted, the uncut ones up to 1.5x
+        faster (H200: docs/benchmarks.md, sixty-sixth session)."""
+        if not self.shifts_rows:
+            return False
+        g = row_geometry(self.row_length(avals), self.elem_bits(avals), self.register_values(avals), True)
+        if not g.shifted:
+            return False
+        if self.staged_operands:
+            g = split_rows(g, self.elem_bits(avals) // 8, self.staged_operands, self.staged_sums,
+                           budget=self.share_budget, row_slots=self.cuts_row_slots)
+        return g.cluster == 1
+
     def register_values(self, avals) -> int:
         """``values_per_thread`` for these operands (a kernel may budget by element width)."""
         return self.values_per_thread
@@ -97,7 +120,8 @@ class RowKernelFamily(TunableFamily):
         return max(jnp.dtype(d).itemsize * 8 for d in self.row_dtypes(avals))
 
     def default_config(self, avals):
-        g = row_geometry(self.row_length(avals), self.elem_bits(avals), self.register_values(avals))
+        g = row_geometry(self.row_length(avals), self.elem_bits(avals), self.register_values(avals),
+                         self.shift(avals))
         if self.streamed_threads is None or g.resident:
             return g.row
         return next(c for c in self.config_space(avals)
@@ -107,7 +131,8 @@ class RowKernelFamily(TunableFamily):
         """:func:`.row_geometry_space`'s configs; where the kernel stages streamed rows, also each
         one-row config (each config, where it ``cuts_row_slots``) with the other ``SHARE_BUDGETS``
         that cut its rows differently."""
-        space = row_geometry_space(self.row_length(avals), self.elem_bits(avals), self.register_values(avals))
+        space = row_geometry_space(self.row_length(avals), self.elem_bits(avals), self.register_values(avals),
+                                   self.shift(avals))
         configs = [g.row for g in space]
         if not self.staged_operands or space[0].resident:
             return tuple(configs)
@@ -166,7 +191,7 @@ class RowKernelFamily(TunableFamily):
         """``config`` applied to these operands' rows: :func:`.split_rows` with the config's share
         budget, or the family's, where the kernel stages streamed rows; with the config's (shares
         of one row operand) where one that stages nothing has one."""
-        g = geometry_for(config, self.row_length(avals), self.elem_bits(avals))
+        g = geometry_for(config, self.row_length(avals), self.elem_bits(avals), self.shift(avals))
         if self.staged_operands or config.share_budget:
             g = split_rows(g, self.elem_bits(avals) // 8, max(self.staged_operands, 1), self.staged_sums,
                            budget=config.share_budget or self.share_budget, row_slots=self.cuts_row_slots)

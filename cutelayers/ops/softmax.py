@@ -76,10 +76,19 @@ class FewRowsCut:
         space = super().config_space(avals)
         return tuple(dict.fromkeys(space + tuple(self._few_rows_cut(c, avals) for c in space)))
 
-    def _few_rows_cut(self, config: RowConfig, avals) -> RowConfig:
+    def shift(self, avals) -> bool:
+        return super().shift(avals) and not self._few_rows(avals)  # cut rows are not shifted
+
+    @staticmethod
+    def _few_rows(avals) -> bool:
+        """Whether the rows are a concrete count of at most :data:`.softmax_config.CUT_ROWS`."""
         rows = concrete_dim(avals[0].shape[0])
-        if rows is None or rows > softmax_config.CUT_ROWS:
+        return rows is not None and rows <= softmax_config.CUT_ROWS
+
+    def _few_rows_cut(self, config: RowConfig, avals) -> RowConfig:
+        if not self._few_rows(avals):
             return config
+        rows = concrete_dim(avals[0].shape[0])
         # past a decode batch, only rows the kernel gives a CTA each: a staged row cut finer was no
         # faster (docs/benchmarks.md, sixty-fifth session)
         if rows > FEW_ROWS and self.cut(config, avals).cluster > 1:
@@ -95,6 +104,7 @@ class SoftmaxForward(FewRowsCut, RowKernelFamily):
     log: bool
     config: RowConfig | None = None
     values_per_thread = softmax_config.FORWARD_VALUES_PER_THREAD
+    shifts_rows = True
     staged_operands = 1
     streamed_threads = softmax_config.STREAMED_FORWARD_THREADS
     arg_names = ("x",)
@@ -126,6 +136,7 @@ class SoftmaxBackward(FewRowsCut, RowKernelFamily):
     log: bool
     config: RowConfig | None = None
     values_per_thread = softmax_config.BACKWARD_VALUES_PER_THREAD
+    shifts_rows = True
     staged_operands = 2
     arg_names = ("y", "dy")
 
@@ -178,6 +189,7 @@ class CrossEntropyForward(LossOptions, FewRowsCut, RowKernelFamily):
     with_labels: bool
     config: RowConfig | None = None
     values_per_thread = softmax_config.FORWARD_VALUES_PER_THREAD
+    shifts_rows = True
 
     @property
     def name(self):
@@ -231,6 +243,7 @@ class CrossEntropyBackward(LossOptions, FewRowsCut, RowKernelFamily):
     config: RowConfig | None = None
     in_place: bool = False
     values_per_thread = softmax_config.FORWARD_VALUES_PER_THREAD
+    shifts_rows = True
     cut_rows_exchange = False
     arg_names = ("logits", "labels", "lse", "dloss")
 
@@ -276,6 +289,7 @@ class CrossEntropyWithGrad(LossOptions, RowKernelFamily):
 
     config: RowConfig | None = None
     values_per_thread = softmax_config.WITH_GRAD_VALUES_PER_THREAD
+    shifts_rows = True
     staged_operands = 1  # a streamed row of logits, kept for pass 2 (cut over a cluster where long)
     arg_names = ("logits", "labels", "dloss")
 
