@@ -348,10 +348,12 @@ def test_odd_rows_move_in_16_byte_accesses(tmp_path, kernel):
 
 
 def test_shifted_rows_geometry():
-    """Odd N shifts a row that has a CTA of its own, uncut (a step's accesses full vectors, its
-    window up to vec - 1 columns before the row), but not rows cut over CTAs (many rows' long ones,
-    a few rows'), nor rows that share a CTA, nor aligned ones, nor another kernel family's."""
+    """Odd N shifts a row that has a CTA of its own, uncut, walked in several steps (a step's
+    accesses full vectors, its window up to vec - 1 columns before the row), but not rows cut over
+    CTAs (many rows' long ones, a few rows'), nor rows of a step or two, nor rows that share a CTA,
+    nor aligned ones, nor another kernel family's."""
     from cutelayers.kernels.reduction_config import row_geometry
+    from cutelayers.ops._rowwise import SHIFTED_MIN_STEPS
     from cutelayers.ops.softmax import (
         CrossEntropyBackward,
         CrossEntropyWithGrad,
@@ -366,22 +368,21 @@ def test_shifted_rows_geometry():
                  CrossEntropyBackward: (x, per_row.update(dtype=jnp.int32), per_row, per_row)}.get(type(family), (x,))
         return resolve(family, avals).geometry(avals)
 
-    families = (SoftmaxForward(False), SoftmaxBackward(True), CrossEntropyBackward(), CrossEntropyWithGrad())
-    for n, dtype, vec in [(4097, jnp.float16, 8), (12345, jnp.float32, 4), (50257, jnp.bfloat16, 8)]:
-        for family in families:
-            g = geometry(family, 4096, n, dtype)
-            if g.cluster > 1:  # the softmax backward's 50257: two operands staged over 2 CTAs
-                assert not g.shifted and (n, type(family)) == (50257, SoftmaxBackward)
-                continue
-            assert g.shifted and g.vec == vec and g.span == n + vec - 1 and g.edge_steps == (True, True), (family, n)
-            assert g.row.rows_per_cta == 1
-    g = geometry(SoftmaxForward(False), 4096, 131071)  # staged over 4 CTAs
-    assert g.cluster == 4 and not g.shifted and g.vec == 1
-    assert geometry(CrossEntropyBackward(), 4096, 131071).shifted  # read once, uncut
-    assert not geometry(CrossEntropyBackward(), 8, 50257).shifted  # a decode batch's rows: cut
-    assert not geometry(SoftmaxForward(False), 4096, 50304).shifted  # aligned
-    g = geometry(SoftmaxForward(False), 4096, 1001)  # several rows a CTA
-    assert not g.shifted and g.vec == 1 and g.row.rows_per_cta > 1
+    shifted = [(SoftmaxForward(False), 50257, jnp.bfloat16, 8), (CrossEntropyWithGrad(), 50257, jnp.bfloat16, 8),
+               (CrossEntropyBackward(), 50257, jnp.float32, 4), (CrossEntropyBackward(), 131071, jnp.float16, 8)]
+    for family, n, dtype, vec in shifted:
+        g = geometry(family, 4096, n, dtype)
+        assert g.shifted and g.vec == vec and g.span == n + vec - 1 and g.edge_steps == (True, True), (family, n)
+        assert g.row.rows_per_cta == 1 and g.cluster == 1 and g.num_steps >= SHIFTED_MIN_STEPS
+    unshifted = [(SoftmaxBackward(True), 4096, 50257),  # y and dy staged over 2 CTAs
+                 (SoftmaxForward(False), 4096, 131071),  # staged over 4
+                 (CrossEntropyBackward(), 8, 50257),  # a decode batch's rows, cut
+                 (SoftmaxForward(False), 4096, 4097),  # one step
+                 (SoftmaxForward(False), 4096, 50304),  # aligned
+                 (SoftmaxForward(False), 4096, 1001)]  # several rows a CTA
+    for family, rows, n in unshifted:
+        g = geometry(family, rows, n)
+        assert not g.shifted and g.vec == (8 if n == 50304 else 1), (family, rows, n)
     assert not row_geometry(50257, 16, 32).shifted  # a kernel family that does not shift rows (the norms)
 
 
@@ -656,11 +657,10 @@ def test_rows_far_below_zero_gpu(dtype, v, rng):
 @pytest.mark.parametrize("v", [4097, 12345, 50257, 131071])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_shifted_rows_gpu(dtype, v, rng):
-    """Rows whose starts N leaves misaligned, walked in full vectors from the aligned address at or
-    before each where a row has a CTA of its own (RowGeometry.shifted: a resident row, a staged
-    one, a streamed one; rows cut over CTAs are not shifted): every kernel of the family on 9
-    rows -- every row offset within a vector -- labels at the rows' first and last columns, and on
-    a decode batch's 3 and 70 rows."""
+    """Rows whose starts N leaves misaligned (RowGeometry.shifted where a row has a CTA of its own,
+    walked in several steps: staged rows, streamed ones; scalar accesses elsewhere): every kernel
+    of the family on 9 rows -- every row offset within a vector -- labels at the rows' first and
+    last columns, and on a decode batch's 3 and 70 rows."""
     with cl.use_backend("cute"):
         for rows in (3, 9, 70):
             check_softmax(rng, (rows, v), dtype, log=rows == 9)

@@ -24,6 +24,9 @@ from cutelayers.kernels.reduction_config import (
     split_rows,
 )
 from cutelayers.runtime.family import TunableFamily
+
+# The fewest steps of a row walked shifted (RowKernelFamily.shift): the fewest measured faster so.
+SHIFTED_MIN_STEPS = 4
 from cutelayers.runtime.placement import check_arrays
 from cutelayers.runtime.sharding import kernel_call
 from cutelayers.runtime.tensors import FLOAT_DTYPES
@@ -87,11 +90,13 @@ class RowKernelFamily(TunableFamily):
 
     def shift(self, avals) -> bool:
         """Whether the kernel walks these rows shifted: it can (``shifts_rows``), N leaves their
-        starts misaligned, and its heuristic gives a row a CTA, uncut. A share of a row cut over
-        CTAs does not know at compile time which accesses of its partial steps -- its first and
-        last -- lie in the row, and stores them element by element: at 50257 and 131071 bf16
-        columns the cut softmax kernels ran 13-47 % slower shifted, the uncut ones up to 1.5x
-        faster (H200: docs/benchmarks.md, sixty-sixth session)."""
+        starts misaligned, and its heuristic gives a row a CTA, uncut, walked in at least
+        :data:`.SHIFTED_MIN_STEPS` steps. Its partial steps -- the window's first and last -- cost
+        more than a scalar step: a row in one step ran 1.8-3x slower shifted (4097 bf16 columns),
+        and a share of a row cut over CTAs, which does not know at compile time which accesses of
+        those steps lie in the row and stores them element by element, 13-47 % slower (50257 and
+        131071); uncut rows of 4-9 steps ran up to 1.5x faster (H200: docs/benchmarks.md,
+        sixty-sixth session)."""
         if not self.shifts_rows:
             return False
         g = row_geometry(self.row_length(avals), self.elem_bits(avals), self.register_values(avals), True)
@@ -100,7 +105,7 @@ class RowKernelFamily(TunableFamily):
         if self.staged_operands:
             g = split_rows(g, self.elem_bits(avals) // 8, self.staged_operands, self.staged_sums,
                            budget=self.share_budget, row_slots=self.cuts_row_slots)
-        return g.cluster == 1
+        return g.cluster == 1 and g.num_steps >= SHIFTED_MIN_STEPS
 
     def register_values(self, avals) -> int:
         """``values_per_thread`` for these operands (a kernel may budget by element width)."""
