@@ -239,7 +239,7 @@ class SoftmaxForwardKernel:
         slots = cluster_slots(g)
         opx.frag.fill(0.0)
         prefetch_shares((prefetch,), valid_row, steps, g)
-        # a ragged row's whole steps without column predicates, its last one alone with them
+        # the row's whole steps without column predicates, its partial ones alone with them
         mx, s = share_steps(steps, g.edge_steps, lambda step, edge, state: self.lse_step(
             opx, source, copy_to, valid_row, step, edge, *state), (-Float32.inf, Float32(0.0)))
         lse = row_lse(mx, s, g, buffers)
@@ -304,7 +304,7 @@ class SoftmaxBackwardKernel:
         opy.frag.fill(0.0)
         opg.frag.fill(0.0)
         prefetch_shares((prefetch_y, prefetch_g), valid_row, steps, g)
-        # a ragged row's whole steps without column predicates, its last one alone with them
+        # the row's whole steps without column predicates, its partial ones alone with them
         acc = share_steps(steps, g.edge_steps, lambda step, edge, acc: self.dot_step(
             opy, opg, (source_y, source_g), (copy_y_to, copy_g_to), valid_row, step, edge, acc), Float32(0.0))
         dot = row_allreduce(acc, operator.add, g.row, buffers[0])
@@ -478,7 +478,7 @@ class CrossEntropyBackwardKernel:
             label = labels[row]
             lse = lse_in[row]
             scale = grad_scale(dloss[row], label, n, self.ignore_index)
-            # a ragged row's whole steps without column predicates, its last one alone with them
+            # the row's whole steps without column predicates, its partial ones alone with them
             share_steps(share.steps, g.edge_steps, lambda step, edge, _: grad_step(
                 self, opx, opx, opd, step, edge, label, lse, scale))
 

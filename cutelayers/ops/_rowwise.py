@@ -24,13 +24,13 @@ from cutelayers.kernels.reduction_config import (
     split_rows,
 )
 from cutelayers.runtime.family import TunableFamily
-
-# The fewest steps of a row walked shifted (RowKernelFamily.shift): the fewest measured faster so.
-SHIFTED_MIN_STEPS = 4
 from cutelayers.runtime.placement import check_arrays
 from cutelayers.runtime.sharding import kernel_call
 from cutelayers.runtime.tensors import FLOAT_DTYPES
 from cutelayers.tuning import dtype_names, resolve
+
+# The fewest steps of a row walked shifted (RowKernelFamily.shift): the fewest measured faster so.
+SHIFTED_MIN_STEPS = 4
 
 
 class RowKernelFamily(TunableFamily):
@@ -103,8 +103,7 @@ class RowKernelFamily(TunableFamily):
         if not g.shifted:
             return False
         if self.staged_operands:
-            g = split_rows(g, self.elem_bits(avals) // 8, self.staged_operands, self.staged_sums,
-                           budget=self.share_budget, row_slots=self.cuts_row_slots)
+            g = self.split_staged(g, avals, self.share_budget)
         return g.cluster == 1 and g.num_steps >= SHIFTED_MIN_STEPS
 
     def register_values(self, avals) -> int:
@@ -198,9 +197,14 @@ class RowKernelFamily(TunableFamily):
         of one row operand) where one that stages nothing has one."""
         g = geometry_for(config, self.row_length(avals), self.elem_bits(avals), self.shift(avals))
         if self.staged_operands or config.share_budget:
-            g = split_rows(g, self.elem_bits(avals) // 8, max(self.staged_operands, 1), self.staged_sums,
-                           budget=config.share_budget or self.share_budget, row_slots=self.cuts_row_slots)
+            g = self.split_staged(g, avals, config.share_budget or self.share_budget)
         return g
+
+    def split_staged(self, geometry, avals, budget: int):
+        """:func:`.split_rows` of ``geometry`` for this kernel's staged operands (one where it stages
+        none) and sums, in shares of at most ``budget`` bytes."""
+        return split_rows(geometry, self.elem_bits(avals) // 8, max(self.staged_operands, 1), self.staged_sums,
+                          budget=budget, row_slots=self.cuts_row_slots)
 
 
 def check_float_array(op: str, name: str, x, min_rank: int = 1) -> jax.Array:

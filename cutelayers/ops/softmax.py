@@ -77,18 +77,18 @@ class FewRowsCut:
         return tuple(dict.fromkeys(space + tuple(self._few_rows_cut(c, avals) for c in space)))
 
     def shift(self, avals) -> bool:
-        return super().shift(avals) and not self._few_rows(avals)  # cut rows are not shifted
+        return super().shift(avals) and self._few_rows(avals) is None  # cut rows are not shifted
 
     @staticmethod
-    def _few_rows(avals) -> bool:
-        """Whether the rows are a concrete count of at most :data:`.softmax_config.CUT_ROWS`."""
+    def _few_rows(avals) -> int | None:
+        """The rows' count where it is concrete and at most :data:`.softmax_config.CUT_ROWS`, else None."""
         rows = concrete_dim(avals[0].shape[0])
-        return rows is not None and rows <= softmax_config.CUT_ROWS
+        return rows if rows is not None and rows <= softmax_config.CUT_ROWS else None
 
     def _few_rows_cut(self, config: RowConfig, avals) -> RowConfig:
-        if not self._few_rows(avals):
+        rows = self._few_rows(avals)
+        if rows is None:
             return config
-        rows = concrete_dim(avals[0].shape[0])
         # past a decode batch, only rows the kernel gives a CTA each: a staged row cut finer was no
         # faster (docs/benchmarks.md, sixty-fifth session)
         if rows > FEW_ROWS and self.cut(config, avals).cluster > 1:
