@@ -322,14 +322,16 @@ def test_a_few_long_rows_are_cut_over_ctas():
 
 
 @pytest.mark.cute
-@pytest.mark.parametrize("kernel", ["softmax_fwd", "cross_entropy_fwd", "cross_entropy_bwd", "cross_entropy_with_grad"])
+@pytest.mark.parametrize("kernel", ["softmax_fwd", "softmax_bwd", "cross_entropy_fwd", "cross_entropy_bwd",
+                                    "cross_entropy_with_grad"])
 def test_odd_rows_move_in_16_byte_accesses(tmp_path, kernel):
     # At 50257 bf16 a row start is 2-byte aligned, and accesses that keep every row start aligned
     # are scalar: 78 % of copy bandwidth for the softmax forward, 50 % for the cross-entropy,
-    # against 99 % and 65 % at 50304 (H100: docs/benchmarks.md, sixty-sixth session). A row with a
-    # CTA of its own is walked shifted (RowGeometry.shifted): every row's load -- a global one or
-    # a cp.async into shared memory -- is 16 bytes; only the partial steps' stores (and the
-    # label's logit) are scalar. (The softmax backward's rows are cut over two CTAs: not shifted.)
+    # against 99 % and 65 % at 50304 (H100: docs/benchmarks.md, sixty-sixth session). A row
+    # is walked shifted (RowGeometry.shifted), by one CTA or cut over a cluster (the softmax
+    # backward's, over two): every row's load -- a global one or a cp.async into shared memory --
+    # is 16 bytes; only the partial steps' accesses at the row's ends are stored element by
+    # element (and the label's logit loaded alone).
     import re
 
     from conftest import ROW_KERNEL_PTX_PROGRAM, kept_ptx
@@ -348,10 +350,10 @@ def test_odd_rows_move_in_16_byte_accesses(tmp_path, kernel):
 
 
 def test_shifted_rows_geometry():
-    """Odd N shifts a row that has a CTA of its own, uncut, walked in several steps (a step's
-    accesses full vectors, its window up to vec - 1 columns before the row), but not rows cut over
-    CTAs (many rows' long ones, a few rows'), nor rows of a step or two, nor rows that share a CTA,
-    nor aligned ones, nor another kernel family's."""
+    """Odd N shifts a row walked in several steps (a step's accesses full vectors, its window up to
+    vec - 1 columns before the row), by one CTA or cut over a cluster, but not a decode batch's
+    rows (cut over CTAs the same way for every such count), nor rows of one step, nor rows that
+    share a CTA, nor aligned ones, nor another kernel family's."""
     from cutelayers.kernels.reduction_config import row_geometry
     from cutelayers.ops._rowwise import SHIFTED_MIN_STEPS
     from cutelayers.ops.softmax import (
@@ -368,15 +370,16 @@ def test_shifted_rows_geometry():
                  CrossEntropyBackward: (x, per_row.update(dtype=jnp.int32), per_row, per_row)}.get(type(family), (x,))
         return resolve(family, avals).geometry(avals)
 
-    shifted = [(SoftmaxForward(False), 50257, jnp.bfloat16, 8), (CrossEntropyWithGrad(), 50257, jnp.bfloat16, 8),
-               (CrossEntropyBackward(), 50257, jnp.float32, 4), (CrossEntropyBackward(), 131071, jnp.float16, 8)]
-    for family, n, dtype, vec in shifted:
+    # (family, N, dtype, vec, CTAs a row)
+    shifted = [(SoftmaxForward(False), 50257, jnp.bfloat16, 8, 1), (CrossEntropyWithGrad(), 50257, jnp.bfloat16, 8, 1),
+               (CrossEntropyBackward(), 50257, jnp.float32, 4, 1), (CrossEntropyBackward(), 131071, jnp.float16, 8, 1),
+               (SoftmaxBackward(True), 50257, jnp.bfloat16, 8, 2),  # y and dy staged over 2 CTAs
+               (SoftmaxForward(False), 131071, jnp.bfloat16, 8, 4)]  # staged over 4
+    for family, n, dtype, vec, cluster in shifted:
         g = geometry(family, 4096, n, dtype)
-        assert g.shifted and g.vec == vec and g.span == n + vec - 1 and g.edge_steps == (True, True), (family, n)
-        assert g.row.rows_per_cta == 1 and g.cluster == 1 and g.num_steps >= SHIFTED_MIN_STEPS
-    unshifted = [(SoftmaxBackward(True), 4096, 50257),  # y and dy staged over 2 CTAs
-                 (SoftmaxForward(False), 4096, 131071),  # staged over 4
-                 (CrossEntropyBackward(), 8, 50257),  # a decode batch's rows, cut
+        assert g.shifted and g.span == n + vec - 1 and g.edge_steps == (True, True), (family, n)
+        assert (g.vec, g.cluster, g.row.rows_per_cta) == (vec, cluster, 1) and g.num_steps >= SHIFTED_MIN_STEPS
+    unshifted = [(CrossEntropyBackward(), 8, 50257),  # a decode batch's rows, cut
                  (SoftmaxForward(False), 4096, 4097),  # one step
                  (SoftmaxForward(False), 4096, 50304),  # aligned
                  (SoftmaxForward(False), 4096, 1001)]  # several rows a CTA
@@ -657,17 +660,20 @@ def test_rows_far_below_zero_gpu(dtype, v, rng):
 @pytest.mark.parametrize("v", [4097, 12345, 50257, 131071])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_shifted_rows_gpu(dtype, v, rng):
-    """Rows whose starts N leaves misaligned (RowGeometry.shifted where a row has a CTA of its own,
-    walked in several steps: staged rows, streamed ones; scalar accesses elsewhere): every kernel
-    of the family on 9 rows -- every row offset within a vector -- labels at the rows' first and
-    last columns, and on a decode batch's 3 and 70 rows."""
+    """Rows whose starts N leaves misaligned (RowGeometry.shifted where a row is walked in several
+    steps: by a CTA or cut over a cluster, staged rows, streamed ones; scalar accesses elsewhere):
+    every kernel of the family on 9 rows -- every row offset within a vector -- labels at the
+    rows' first and last columns, and on 3, 70 and 140 rows (the softmax kernels shift rows past
+    softmax_config.CUT_ROWS, 132: fewer are cut over CTAs unshifted)."""
     with cl.use_backend("cute"):
-        for rows in (3, 9, 70):
+        for rows in (3, 9, 70, 140):
             check_softmax(rng, (rows, v), dtype, log=rows == 9)
         check_softmax(rng, (9, v), dtype, log=False)
+        check_softmax(rng, (140, v), dtype, log=True)
         check_logsumexp(rng, (9, v), dtype)
         check_ce(rng, (9,), v, dtype, ignore_index=-100, smoothing=0.1, z=1e-3)
         check_ce(rng, (3,), v, dtype)
+        check_ce(rng, (140,), v, dtype)
         for cfg in WITH_GRAD_CFGS:
             check_with_grad(rng, (9,), v, dtype, cfg, out_of_range=True)
 

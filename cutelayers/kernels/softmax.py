@@ -9,9 +9,9 @@ when it is finite and 0 otherwise, so rows of -inf give lse = -inf, rows holding
 NaN propagates -- the same rule as ``jax.nn.logsumexp``. Where N (or a cut row's share) is not a
 multiple of the step, every kernel runs the whole steps without column predicates and the partial
 ones alone with them (:func:`.reduction.share_steps`). Where N leaves row starts misaligned (odd N
-in 16 bits), a row with a CTA of its own is walked in 16-byte accesses from the aligned address
-before it (:attr:`.reduction_config.RowGeometry.shifted`), not in scalar ones: its window's first
-step is partial too.
+in 16 bits), a row that shares no CTA -- one CTA's or cut over a cluster -- is walked in 16-byte
+accesses from the aligned address before it (:attr:`.reduction_config.RowGeometry.shifted`), not in
+scalar ones: its window's first step is partial too.
 
 Each kernel takes its config (a :class:`.reduction_config.RowGeometry`) at construction; the
 heuristic and the autotuner's candidates come from :mod:`.reduction_config` with the kernel's values

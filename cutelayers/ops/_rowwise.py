@@ -29,8 +29,9 @@ from cutelayers.runtime.sharding import kernel_call
 from cutelayers.runtime.tensors import FLOAT_DTYPES
 from cutelayers.tuning import dtype_names, resolve
 
-# The fewest steps of a row walked shifted (RowKernelFamily.shift): the fewest measured faster so.
-SHIFTED_MIN_STEPS = 4
+# The fewest steps of a row walked shifted (RowKernelFamily.shift): a row of one step ran 6-7 %
+# slower shifted in the softmax forward and backward (H100, 4097 bf16 columns).
+SHIFTED_MIN_STEPS = 2
 
 
 class RowKernelFamily(TunableFamily):
@@ -90,21 +91,15 @@ class RowKernelFamily(TunableFamily):
 
     def shift(self, avals) -> bool:
         """Whether the kernel walks these rows shifted: it can (``shifts_rows``), N leaves their
-        starts misaligned, and its heuristic gives a row a CTA, uncut, walked in at least
-        :data:`.SHIFTED_MIN_STEPS` steps. Its partial steps -- the window's first and last -- cost
-        more than a scalar step: a row in one step ran 1.8-3x slower shifted (4097 bf16 columns),
-        and a share of a row cut over CTAs, which does not know at compile time which accesses of
-        those steps lie in the row and stores them element by element, 13-47 % slower (50257 and
-        131071); uncut rows of 4-9 steps ran up to 1.5x faster (H200: docs/benchmarks.md,
-        sixty-sixth session)."""
+        starts misaligned, and its heuristic walks a row in at least :data:`.SHIFTED_MIN_STEPS`
+        steps, whether one CTA takes the row or a cluster cuts it. H100, bf16, against scalar
+        accesses (docs/benchmarks.md, sixty-seventh session): the softmax forward 1.25x faster at
+        10682 x 50257 and 1.31x at 4096 x 131071 (cut over 4 CTAs), the backward 1.27x and 1.53x
+        (cut over 2 and 8), the cross-entropy fwd+bwd 1.28x and 1.49x."""
         if not self.shifts_rows:
             return False
         g = row_geometry(self.row_length(avals), self.elem_bits(avals), self.register_values(avals), True)
-        if not g.shifted:
-            return False
-        if self.staged_operands:
-            g = self.split_staged(g, avals, self.share_budget)
-        return g.cluster == 1 and g.num_steps >= SHIFTED_MIN_STEPS
+        return g.shifted and g.num_steps >= SHIFTED_MIN_STEPS
 
     def register_values(self, avals) -> int:
         """``values_per_thread`` for these operands (a kernel may budget by element width)."""
