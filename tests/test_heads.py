@@ -329,6 +329,77 @@ def test_return_lse(rng):
     np.testing.assert_allclose(g, jax.grad(head)(h))
 
 
+def odd_vocabulary_head(layout, with_bias, reduction, labels, z_loss=1e-3):
+    """(ours, reference) of a head whose kernel is given (H, V) and read in ``layout``, ignoring
+    label -100, as a weighted sum where ``reduction`` is "none"."""
+    def ours(h, kernel, *bias):
+        return linear_cross_entropy(h, kernel if layout == "hv" else kernel.T, labels, bias=bias[0] if bias else None,
+                                    ignore_index=-100, reduction=reduction, z_loss=z_loss, chunk_size=128,
+                                    kernel_layout=layout)
+
+    def ref(h, kernel, *bias):
+        return reference_loss(f32_logits(h, kernel, bias[0] if bias else None), labels, -100, reduction, z_loss=z_loss)
+
+    if reduction == "none":
+        weights = jnp.linspace(0.5, 1.5, labels.size, dtype=F32).reshape(labels.shape)
+        ours, ref = weighted_sum(ours, weights), weighted_sum(ref, weights)
+    return ours, ref
+
+
+@pytest.mark.parametrize("layout", ["hv", "vh"])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_odd_vocabulary_through_the_kernel_path(layout, with_bias, reduction, rng):
+    """V not a multiple of 8 (the kernels' TMA alignment) runs the kernel path on a vocabulary
+    padded to one, its padding masked by a -inf bias: loss and gradients of the head as given,
+    in their shapes (on the CPU the kernels' reference lowering runs, chunk by chunk)."""
+    h, kernel, bias, labels = head_operands(rng, (2, 150), 64, 253, jnp.bfloat16, ignore_index=-100)
+    ours, ref = odd_vocabulary_head(layout, with_bias, reduction, labels)
+    check_value_and_grads(ours, ref, (h, kernel, bias) if with_bias else (h, kernel))
+
+
+def test_odd_vocabulary_padding_is_no_class(rng):
+    """A label in the padding, [V, V rounded up to 8), is outside the vocabulary as any other: a
+    NaN loss, not the padding's -inf logit (an infinite loss); ignore_index there is ignored."""
+    h, kernel, _, labels = head_operands(rng, (6,), 64, 253, jnp.bfloat16)
+    labels = labels.at[2].set(254)  # traced labels (concrete ones outside the vocabulary raise)
+    head = jax.jit(linear_cross_entropy, static_argnames=("ignore_index", "reduction"))
+    loss = head(h, kernel, labels, reduction="none")
+    assert np.isnan(loss[2]) and np.isfinite(np.delete(np.asarray(loss), 2)).all()
+    loss = head(h, kernel, labels, ignore_index=254, reduction="none")
+    assert loss[2] == 0 and np.isfinite(np.asarray(loss)).all()
+
+
+@pytest.mark.cute
+def test_odd_vocabulary_lowers_to_the_kernels_for_cuda():
+    """V = 50257 (GPT-2's): the head's GEMMs and its cross-entropy kernel on the padded 50264
+    columns; label smoothing keeps XLA's GEMMs (its mean over the classes would count the
+    padding)."""
+    tokens, hidden, vocab = 4096, 128, 50257
+    S = jax.ShapeDtypeStruct
+    avals = (S((tokens, hidden), jnp.bfloat16), S((hidden, vocab), jnp.bfloat16), S((tokens,), jnp.int32))
+
+    def loss(h, kernel, labels, smoothing=0.0):
+        return linear_cross_entropy(h, kernel, labels, ignore_index=-100, label_smoothing=smoothing)
+
+    with cl.use_backend("auto"):
+        calls = collections.Counter(kernel_targets(lower_cuda(jax.value_and_grad(loss, (0, 1)), *avals)))
+        assert calls == {"linear_fwd": 1, "cross_entropy_with_grad": 1, "linear_dkernel": 1, "linear_dx": 1}, calls  # one chunk
+        smoothed = lower_cuda(jax.value_and_grad(functools.partial(loss, smoothing=0.1), (0, 1)), *avals)
+        assert not [t for t in kernel_targets(smoothed) if t.startswith("linear_")]  # XLA's GEMMs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["hv", "vh"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_odd_vocabulary_kernel_path_gpu(layout, reduction, rng):
+    """The padded vocabulary on the GPU (V = 1001, several chunks, the last one partial; no bias:
+    the -inf bias masks the padding): loss and every gradient vs a float32 reference."""
+    h, kernel, _, labels = head_operands(rng, (3, 333), 256, 1001, jnp.bfloat16, ignore_index=-100)
+    ours, ref = odd_vocabulary_head(layout, False, reduction, labels)
+    check_value_and_grads(ours, ref, (h, kernel), on_kernels=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [{}, OPTIONS[-1]], ids=["plain", "all-options"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])

@@ -83,6 +83,7 @@ import jax.numpy as jnp
 from cutelayers import backend as _backend
 from cutelayers.ops._rowwise import check_int
 from cutelayers.ops.linear import (
+    ALIGN_ELEMENTS,
     check_linear_operands,
     compute_params,
     exp_logits,
@@ -384,6 +385,28 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
     return losses, weighted_total
 
 
+def _pad_vocabulary(kernel, bias, labels, ignore_index, vocab_major: bool, vocab_pad: int):
+    """A vocabulary V not a multiple of 8 -- GPT-2's 50257 -- padded for the kernels (TMA needs
+    16-byte rows): ``vocab_pad`` zero columns of the kernel (zero rows of a (V, H) table), whose
+    logits a bias of -inf there masks -- exp(-inf) adds nothing to a row's sums and its gradient
+    is 0 -- so the padded head's loss and gradients are the head's, and autodiff slices the
+    padding off the kernel's and the bias's gradients. (A (V, H) table with a bias is read
+    transposed: one copy, beside the one its padding makes.) Labels in [V, V + vocab_pad) stay
+    outside the vocabulary: NaN losses, as any such label. Not for label smoothing (a mean over
+    the classes) or soft-capping (tanh caps -inf): those keep the reference. Returns (kernel,
+    bias, labels)."""
+    vocab = kernel.shape[0] if vocab_major else kernel.shape[1]
+    kernel = jnp.pad(kernel, ((0, vocab_pad), (0, 0)) if vocab_major else ((0, 0), (0, vocab_pad)))
+    dtype = kernel.dtype if bias is None else bias.dtype
+    bias = jnp.concatenate([jnp.zeros((vocab,), dtype) if bias is None else bias,
+                            jnp.full((vocab_pad,), -jnp.inf, dtype)])
+    outside = (labels >= vocab) & (labels < vocab + vocab_pad)
+    if ignore_index is not None:
+        outside &= labels != ignore_index
+    labels = jnp.where(outside, -1 if ignore_index != -1 else vocab + vocab_pad, labels)
+    return kernel, bias, labels
+
+
 def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | None = None,
                          reduction: str = "mean", label_smoothing: float = 0.0, z_loss: float = 0.0,
                          logit_soft_cap: float | None = None, kernel_layout: str = "hv",
@@ -448,9 +471,15 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
     if tokens == 0:
         loss = jnp.zeros(lead if reduction == "none" else (), F32)
         return (loss, jnp.zeros(lead, F32)) if return_lse else loss
-    use_kernels, why = kernels_apply(h.dtype, hidden, vocab)
+    vocab_pad = -vocab % ALIGN_ELEMENTS if options[0] == 0.0 and options[2] == 0.0 else 0
+    use_kernels, why = kernels_apply(h.dtype, hidden, vocab + vocab_pad)
     if not use_kernels:
+        if vocab % ALIGN_ELEMENTS and not vocab_pad:
+            why += " (an odd vocabulary is padded for them only without label smoothing or soft-capping)"
         _backend.fall_back(op, why)
+    elif vocab_pad:
+        kernel, bias, labels = _pad_vocabulary(kernel, bias, labels, ignore_index, vocab_major, vocab_pad)
+        vocab += vocab_pad
     n_chunks, rows = chunk_layout(lead, vocab, chunk_size)
     pad = n_chunks * rows - tokens
     # strided chunks (module docstring): token t is row t // n_chunks of chunk t % n_chunks.
