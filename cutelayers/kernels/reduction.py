@@ -686,7 +686,8 @@ def cta_share(geometry: RowGeometry, shape, thread) -> CtaShare:
 # (share_steps' ``head`` and ragged last step): loaded whole, the other rows' columns then masked
 # to zero -- 16 aligned bytes around a column of the row never cross a page, so the load cannot
 # fault, and the values it reads of other rows (which their CTAs may be writing) are dropped --
-# and stored element by element. Every operand of a kernel has the same window (the same element
+# and stored whole where an access lies in the row, element by element where it holds another
+# row's columns (:func:`save_step`). Every operand of a kernel has the same window (the same element
 # offsets: every buffer's base is aligned), so the fragments of its operands line up as they do
 # unshifted.
 

@@ -192,14 +192,9 @@ class RowKernelFamily(TunableFamily):
         of one row operand) where one that stages nothing has one."""
         g = geometry_for(config, self.row_length(avals), self.elem_bits(avals), self.shift(avals))
         if self.staged_operands or config.share_budget:
-            g = self.split_staged(g, avals, config.share_budget or self.share_budget)
+            g = split_rows(g, self.elem_bits(avals) // 8, max(self.staged_operands, 1), self.staged_sums,
+                           budget=config.share_budget or self.share_budget, row_slots=self.cuts_row_slots)
         return g
-
-    def split_staged(self, geometry, avals, budget: int):
-        """:func:`.split_rows` of ``geometry`` for this kernel's staged operands (one where it stages
-        none) and sums, in shares of at most ``budget`` bytes."""
-        return split_rows(geometry, self.elem_bits(avals) // 8, max(self.staged_operands, 1), self.staged_sums,
-                          budget=budget, row_slots=self.cuts_row_slots)
 
 
 def check_float_array(op: str, name: str, x, min_rank: int = 1) -> jax.Array:

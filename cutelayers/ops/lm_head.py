@@ -393,7 +393,7 @@ def _pad_vocabulary(kernel, bias, labels, ignore_index, vocab_major: bool, vocab
     padding off the kernel's and the bias's gradients. (A (V, H) table with a bias is read
     transposed: one copy, beside the one its padding makes.) Labels in [V, V + vocab_pad) stay
     outside the vocabulary: NaN losses, as any such label. Not for label smoothing (a mean over
-    the classes) or soft-capping (tanh caps -inf): those keep the reference. Returns (kernel,
+    the classes) or soft-capping (tanh caps -inf): those keep XLA's GEMMs. Returns (kernel,
     bias, labels)."""
     vocab = kernel.shape[0] if vocab_major else kernel.shape[1]
     kernel = jnp.pad(kernel, ((0, vocab_pad), (0, 0)) if vocab_major else ((0, 0), (0, vocab_pad)))
@@ -471,7 +471,8 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
     if tokens == 0:
         loss = jnp.zeros(lead if reduction == "none" else (), F32)
         return (loss, jnp.zeros(lead, F32)) if return_lse else loss
-    vocab_pad = -vocab % ALIGN_ELEMENTS if options[0] == 0.0 and options[2] == 0.0 else 0
+    smoothing, _, soft_cap = options
+    vocab_pad = -vocab % ALIGN_ELEMENTS if smoothing == 0.0 and soft_cap == 0.0 else 0
     use_kernels, why = kernels_apply(h.dtype, hidden, vocab + vocab_pad)
     if not use_kernels:
         if vocab % ALIGN_ELEMENTS and not vocab_pad:
