@@ -391,13 +391,15 @@ def test_odd_vocabulary_lowers_to_the_kernels_for_cuda():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["hv", "vh"])
+@pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_odd_vocabulary_kernel_path_gpu(layout, reduction, rng):
-    """The padded vocabulary on the GPU (V = 1001, several chunks, the last one partial; no bias:
-    the -inf bias masks the padding): loss and every gradient vs a float32 reference."""
-    h, kernel, _, labels = head_operands(rng, (3, 333), 256, 1001, jnp.bfloat16, ignore_index=-100)
-    ours, ref = odd_vocabulary_head(layout, False, reduction, labels)
-    check_value_and_grads(ours, ref, (h, kernel), on_kernels=True)
+def test_odd_vocabulary_kernel_path_gpu(layout, with_bias, reduction, rng):
+    """The padded vocabulary on the GPU (V = 1001, several chunks, the last one partial), the
+    -inf bias masking the padding alone or appended to the head's own: loss and every gradient
+    vs a float32 reference."""
+    h, kernel, bias, labels = head_operands(rng, (3, 333), 256, 1001, jnp.bfloat16, ignore_index=-100)
+    ours, ref = odd_vocabulary_head(layout, with_bias, reduction, labels)
+    check_value_and_grads(ours, ref, (h, kernel, bias) if with_bias else (h, kernel), on_kernels=True)
 
 
 @pytest.mark.gpu
