@@ -351,10 +351,12 @@ def test_odd_rows_move_in_16_byte_accesses(tmp_path, kernel):
 
 def test_shifted_rows_geometry():
     """Odd N shifts a row walked in several steps (a step's accesses full vectors, its window up to
-    vec - 1 columns before the row), by one CTA or cut over a cluster, but not a decode batch's
-    rows (cut over CTAs the same way for every such count), nor rows of one step, nor rows that
-    share a CTA, nor aligned ones, nor another kernel family's."""
-    from cutelayers.kernels.reduction_config import row_geometry
+    vec - 1 columns before the row), by one CTA or cut over a cluster -- also a few rows' cut over
+    CTAs past a decode batch --, but not a decode batch's rows (cut over CTAs the same way for
+    every such count), nor rows of one step, nor rows that share a CTA, nor aligned ones, nor
+    another kernel family's."""
+    from cutelayers.kernels.reduction_config import FEW_ROWS, row_geometry
+    from cutelayers.kernels.softmax_config import CUT_ROWS
     from cutelayers.ops._rowwise import SHIFTED_MIN_STEPS
     from cutelayers.ops.softmax import (
         CrossEntropyBackward,
@@ -379,7 +381,10 @@ def test_shifted_rows_geometry():
         g = geometry(family, 4096, n, dtype)
         assert g.shifted and g.span == n + vec - 1 and g.edge_steps == (True, True), (family, n)
         assert (g.vec, g.cluster, g.row.rows_per_cta) == (vec, cluster, 1) and g.num_steps >= SHIFTED_MIN_STEPS
-    unshifted = [(CrossEntropyBackward(), 8, 50257),  # a decode batch's rows, cut
+    for family, rows in [(CrossEntropyBackward(), FEW_ROWS + 1), (SoftmaxForward(False), CUT_ROWS)]:
+        g = geometry(family, rows, 50257)  # a few rows past a decode batch, cut over CTAs
+        assert g.shifted and g.vec == 8 and g.cluster > 1 and g.num_steps >= SHIFTED_MIN_STEPS, (family, rows)
+    unshifted = [(CrossEntropyBackward(), 8, 50257), (SoftmaxForward(False), FEW_ROWS, 50257),  # a decode batch's rows, cut
                  (SoftmaxForward(False), 4096, 4097),  # one step
                  (SoftmaxForward(False), 4096, 50304),  # aligned
                  (SoftmaxForward(False), 4096, 1001)]  # several rows a CTA
@@ -663,8 +668,8 @@ def test_shifted_rows_gpu(dtype, v, rng):
     """Rows whose starts N leaves misaligned (RowGeometry.shifted where a row is walked in several
     steps: by a CTA or cut over a cluster, staged rows, streamed ones; scalar accesses elsewhere):
     every kernel of the family on 9 rows -- every row offset within a vector -- labels at the
-    rows' first and last columns, and on 3, 70 and 140 rows (the softmax kernels shift rows past
-    softmax_config.CUT_ROWS, 132: fewer are cut over CTAs unshifted)."""
+    rows' first and last columns, and on 3, 70 and 140 rows (the softmax kernels cut up to
+    softmax_config.CUT_ROWS, 132, over CTAs; a decode batch's, up to 64, unshifted)."""
     with cl.use_backend("cute"):
         for rows in (3, 9, 70, 140):
             check_softmax(rng, (rows, v), dtype, log=False)
@@ -672,8 +677,8 @@ def test_shifted_rows_gpu(dtype, v, rng):
             check_softmax(rng, (rows, v), dtype, log=True)
         check_logsumexp(rng, (9, v), dtype)
         check_ce(rng, (9,), v, dtype, ignore_index=-100, smoothing=0.1, z=1e-3)
-        check_ce(rng, (3,), v, dtype)
-        check_ce(rng, (140,), v, dtype)
+        for rows in (3, 70, 140):
+            check_ce(rng, (rows,), v, dtype)
         for cfg in WITH_GRAD_CFGS:
             check_with_grad(rng, (9,), v, dtype, cfg, out_of_range=True)
 

@@ -77,9 +77,10 @@ class FewRowsCut:
         return tuple(dict.fromkeys(space + tuple(self._few_rows_cut(c, avals) for c in space)))
 
     def shift(self, avals) -> bool:
-        # a few rows' cut is not shifted: it ran 13-47 % slower so (sixty-sixth session, before a
-        # shifted partial step stored its whole accesses whole; not measured since)
-        return super().shift(avals) and self._few_rows(avals) is None
+        # a decode batch's cut rows are not shifted: at 8 rows they ran up to 30 % slower so, while
+        # 70 and 132 rows ran up to 40 % faster (docs/benchmarks.md, sixty-ninth session)
+        rows = self._few_rows(avals)
+        return super().shift(avals) and (rows is None or rows > FEW_ROWS)
 
     @staticmethod
     def _few_rows(avals) -> int | None:
