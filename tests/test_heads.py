@@ -346,14 +346,26 @@ def odd_vocabulary_head(layout, with_bias, reduction, labels, z_loss=1e-3):
     return ours, ref
 
 
+def far_below_zero(h, kernel, tokens):
+    """h and kernel with the logits of ``tokens`` (flat indices) all about -100 (and every other
+    token's moved by its first feature): the exp path's second pass shifts those rows by their
+    max logit, which a padded vocabulary's zero columns (logit 0) must not be."""
+    kernel = kernel.at[0].set(1.0)
+    flat = h.reshape(-1, h.shape[-1])
+    return flat.at[jnp.asarray(tokens), 0].set(-100.0).reshape(h.shape), kernel
+
+
 @pytest.mark.parametrize("layout", ["hv", "vh"])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_odd_vocabulary_through_the_kernel_path(layout, with_bias, reduction, rng):
     """V not a multiple of 8 (the kernels' TMA alignment) runs the kernel path on a vocabulary
-    padded to one, its padding masked by a -inf bias: loss and gradients of the head as given,
-    in their shapes (on the CPU the kernels' reference lowering runs, chunk by chunk)."""
+    padded to one, its padding left out by the exp path's GEMMs (no bias; rows far below zero
+    too) or masked by a -inf bias: loss and gradients of the head as given, in their shapes (on
+    the CPU the kernels' reference lowering runs, chunk by chunk)."""
     h, kernel, bias, labels = head_operands(rng, (2, 150), 64, 253, jnp.bfloat16, ignore_index=-100)
+    if not with_bias:  # the exp path (bf16 logits about -100 would be 0.25 apart on the other)
+        h, kernel = far_below_zero(h, kernel, [1, 200])
     ours, ref = odd_vocabulary_head(layout, with_bias, reduction, labels)
     check_value_and_grads(ours, ref, (h, kernel, bias) if with_bias else (h, kernel))
 
@@ -372,19 +384,24 @@ def test_odd_vocabulary_padding_is_no_class(rng):
 
 @pytest.mark.cute
 def test_odd_vocabulary_lowers_to_the_kernels_for_cuda():
-    """V = 50257 (GPT-2's): the head's GEMMs and its cross-entropy kernel on the padded 50264
-    columns; label smoothing keeps XLA's GEMMs (its mean over the classes would count the
-    padding)."""
+    """V = 50257 (GPT-2's): the head's GEMMs on the padded 50264 columns -- the exp path's, which
+    leave the padding out, or with a bias the cross-entropy path's and its kernel; label
+    smoothing keeps XLA's GEMMs (its mean over the classes would count the padding)."""
     tokens, hidden, vocab = 4096, 128, 50257
     S = jax.ShapeDtypeStruct
     avals = (S((tokens, hidden), jnp.bfloat16), S((hidden, vocab), jnp.bfloat16), S((tokens,), jnp.int32))
 
-    def loss(h, kernel, labels, smoothing=0.0):
-        return linear_cross_entropy(h, kernel, labels, ignore_index=-100, label_smoothing=smoothing)
+    def loss(h, kernel, labels, *bias, smoothing=0.0):
+        return linear_cross_entropy(h, kernel, labels, bias=bias[0] if bias else None, ignore_index=-100,
+                                    label_smoothing=smoothing)
 
     with cl.use_backend("auto"):
         calls = collections.Counter(kernel_targets(lower_cuda(jax.value_and_grad(loss, (0, 1)), *avals)))
-        assert calls == {"linear_fwd": 1, "cross_entropy_with_grad": 1, "linear_dkernel": 1, "linear_dx": 1}, calls  # one chunk
+        # one chunk: the exp GEMM and its two passes over rows out of range, dh and dkernel
+        assert calls == {"linear_fwd": 1, "linear_exp_fix": 2, "linear_dkernel": 1, "linear_dx": 1}, calls
+        biased = lower_cuda(jax.value_and_grad(loss, (0, 1, 3)), *avals, S((vocab,), jnp.bfloat16))
+        assert collections.Counter(kernel_targets(biased)) == {"linear_fwd": 1, "cross_entropy_with_grad": 1,
+                                                               "linear_dkernel": 1, "linear_dx": 1}
         smoothed = lower_cuda(jax.value_and_grad(functools.partial(loss, smoothing=0.1), (0, 1)), *avals)
         assert not [t for t in kernel_targets(smoothed) if t.startswith("linear_")]  # XLA's GEMMs
 
@@ -395,9 +412,11 @@ def test_odd_vocabulary_lowers_to_the_kernels_for_cuda():
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_odd_vocabulary_kernel_path_gpu(layout, with_bias, reduction, rng):
     """The padded vocabulary on the GPU (V = 1001, several chunks, the last one partial), the
-    -inf bias masking the padding alone or appended to the head's own: loss and every gradient
-    vs a float32 reference."""
+    padding left out by the exp path's GEMMs (with rows far below zero: its second pass) or masked
+    by a -inf bias appended to the head's own: loss and every gradient vs a float32 reference."""
     h, kernel, bias, labels = head_operands(rng, (3, 333), 256, 1001, jnp.bfloat16, ignore_index=-100)
+    if not with_bias:
+        h, kernel = far_below_zero(h, kernel, [5, 400, 998])
     ours, ref = odd_vocabulary_head(layout, with_bias, reduction, labels)
     check_value_and_grads(ours, ref, (h, kernel, bias) if with_bias else (h, kernel), on_kernels=True)
 

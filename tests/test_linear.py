@@ -624,6 +624,11 @@ def test_exp_logits_reference(rng):
     assert_close(e, np.exp(z), jnp.bfloat16)
     want = np.pad(np.exp(z), ((0, 0), (0, 56))).reshape(37, 4, 64).sum(-1)
     assert_close(sums, want, jnp.float32, scale=10.0)
+    # a vocabulary padded for TMA: past the first 150 columns e is 0 and nothing is summed
+    e, sums = jax.jit(functools.partial(exp_logits, columns=150))(x, w)
+    kept = np.where(np.arange(200) < 150, np.exp(z), 0.0)
+    assert_close(e, kept, jnp.bfloat16) and np.all(np.asarray(e[:, 150:]) == 0)
+    assert_close(sums, np.pad(kept, ((0, 0), (0, 56))).reshape(37, 4, 64).sum(-1), jnp.float32, scale=10.0)
 
 
 @pytest.mark.cute
@@ -732,6 +737,8 @@ def test_an_exp_row_sums_epilogue_with_a_bias_is_refused():
         Epilogue(has_bias=True, exp_row_sums=True)
     with pytest.raises(ValueError, match="exp_row_sums=True takes no bias"):
         LinearForward("none", True, False, False, exp_row_sums=True).epilogue()
+    with pytest.raises(ValueError, match="exp_columns must be 0 or, with exp_row_sums=True, > 0; got 7"):
+        Epilogue(exp_columns=7)
 
 
 @pytest.mark.gpu
@@ -739,14 +746,17 @@ def test_exp_logits_gpu(rng):
     # the exp_row_sums epilogue against float64: rows past a tile, a last tile reaching past N by
     # whole 64-column blocks (4104 = 32 x 128 + 8), and a GPT-2 vocabulary
     with cl.use_backend("cute"):
-        for m, k, n in ((1000, 256, 1000), (333, 768, 50304), (4096, 128, 4104)):
+        for m, k, n, columns in ((1000, 256, 1000, 0), (333, 768, 50304, 0), (4096, 128, 4104, 0),
+                                 (333, 768, 50264, 50257), (1000, 256, 1024, 1001)):
             x = random(rng, (m, k), jnp.bfloat16)
             w = jnp.asarray(random(rng, (k, n), jnp.float32) * 3.0 / k**0.5, jnp.bfloat16)
-            e, sums = jax.jit(exp_logits)(x, w)
+            e, sums = jax.jit(functools.partial(exp_logits, columns=columns))(x, w)
             z = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+            want = np.where(np.arange(n) < (columns or n), np.exp(z), 0.0)  # past the columns that count: 0
             blocks = -(-n // 64)
-            assert_close(e, np.exp(z), jnp.bfloat16)
-            assert_close(sums, np.pad(np.exp(z), ((0, 0), (0, blocks * 64 - n))).reshape(m, blocks, 64).sum(-1),
+            assert_close(e, want, jnp.bfloat16)
+            assert np.all(np.asarray(e[:, columns or n:]) == 0)
+            assert_close(sums, np.pad(want, ((0, 0), (0, blocks * 64 - n))).reshape(m, blocks, 64).sum(-1),
                          jnp.float32, scale=100.0)
 
 
@@ -1458,10 +1468,11 @@ cases["mlp_swiglu_hidden_grad"] = configured(LinearInputGrad("silu", gated=True)
                                              S((1, 2048, 768), bf), S((1, 16384, 4096), bf))
 cases["decode_split_k_16x4096x4096"] = (gelu, (S((16, 4096), bf), S((4096, 4096), bf), S((4096,), bf)))
 cases["lm_head_exp_4096x4096x131072"] = (exp_logits, (S((4096, 4096), bf), S((4096, 131072), bf)))
-# the GPT-2 head's pass over rows out of the exponential's range (pingpong, a per-row shift)
-cases["lm_head_exp_fix_4096x768x50304"] = (exp_logits_fix, (S((4096, 768), bf), S((768, 50304), bf), S((4096, 50304), bf),
-                                                            S((4096,), jnp.int32), S((4096,), jnp.int32),
-                                                            S((4096,), jnp.float32)))
+# the GPT-2 head's pass over rows out of the exponential's range (pingpong, a per-row shift), at
+# GPT-2's own vocabulary: 50257 columns of the 50264 its padding makes count
+cases["lm_head_exp_fix_4096x768x50264"] = (functools.partial(exp_logits_fix, columns=50257),
+                                           (S((4096, 768), bf), S((768, 50264), bf), S((4096, 50264), bf),
+                                            S((4096,), jnp.int32), S((4096,), jnp.int32), S((4096,), jnp.float32)))
 found = {}
 with cl.use_backend("cute"):
     for case, (f, avals) in cases.items():
@@ -1477,7 +1488,7 @@ PTXAS_CASE_KERNELS = {"forward_8192x4096x4096_small_m": 1, "forward_8192x4096x40
                       "forward_8192x4096x4096_wide": 1, "fc1_gelu_forward": 1, "fc1_gelu_train_step": 3,
                       "swiglu_forward": 1, "mlp_gelu_hidden_grad": 1, "mlp_swiglu_hidden_grad": 1,
                       "decode_split_k_16x4096x4096": 1, "lm_head_exp_4096x4096x131072": 1,
-                      "lm_head_exp_fix_4096x768x50304": 1}
+                      "lm_head_exp_fix_4096x768x50264": 1}
 # The cases whose kernel has 64-row tiles (one consumer warpgroup)
 ROW_BOX_CASES = {"forward_8192x4096x4096_small_m", "decode_split_k_16x4096x4096"}
 # The cases whose one kernel adds a bfloat16 bias (a gated one's gate and value halves included)

@@ -387,6 +387,28 @@ def test_class_sharded_cross_entropy_matches_one_device(name, rng):
     assert all(n <= largest for _, sizes in found for n in sizes), found
 
 
+def test_odd_vocabulary_split_matches_one_device(rng):
+    """An odd vocabulary (62 columns, padded to 64 for TMA) split over the "model" axis takes the
+    exp path with its padding left out of the sums -- with rows out of its range, whose second
+    passes must not take the padding's zero logits as a row's max: its value and gradients are
+    one device's. (The padded columns are not split: each device reads the whole kernel.)"""
+    mesh = make_mesh((2, 2), ("data", "model"))
+    # row (1, 2)'s logits past the exp epilogue's clamp; row (6, 3)'s all about -100 (w's first
+    # row 0.5 everywhere, h's first feature there -200)
+    h = _x(rng, jnp.bfloat16, 32).at[1, 2].multiply(300.0).at[6, 3, 0].set(-200.0)
+    w = (random(rng, (32, 62), jnp.bfloat16) / 6).at[0].set(0.5)
+    args, specs = (h, w, _labels(rng, 62)), (ROWS, P(None, "model"), ROWS)
+
+    def fn(h, w, labels):
+        return cl.ops.linear_cross_entropy(h, w, labels, ignore_index=-1, chunk_size=8)
+
+    cotangent = random_cotangent(rng, Case("odd_vocabulary", fn, None, (), (0, 1)), args)
+    step = jax.jit(loss_and_grads, static_argnums=(0, 2))
+    ref = step(fn, args, (0, 1), cotangent)
+    sharded = put(mesh, args, specs)
+    assert_step_matches(step(fn, sharded, (0, 1), cotangent), ref, jnp.bfloat16)
+
+
 @pytest.mark.parametrize("x_spec,w_spec", [(P("data", "model"), P("model", None)),
                                             (P("data", None), P(None, "model"))], ids=["contraction", "columns"])
 def test_exp_gemm_passes_sharded_match_one_device(x_spec, w_spec, rng):

@@ -143,6 +143,10 @@ class Epilogue:
     # operand, in place); per row and ROW_SUM_BLOCK columns also the block's max of z - shift[m]
     # and its entry at the row's label column (-inf elsewhere), float32 (M, blocks, L) each.
     exp_fix_rows: bool = False
+    # With exp_row_sums, the columns that count when fewer than N (0: all N): a vocabulary padded
+    # for TMA's 16-byte rows, its buffers wider than the vocabulary. Past them c is 0 and nothing
+    # is summed (nor, with exp_fix_rows, maxed), as past N.
+    exp_columns: int = 0
 
     def __post_init__(self):
         for name in (self.activation, self.grad_of):
@@ -164,6 +168,9 @@ class Epilogue:
                                  f"(c = exp(A @ Bᵀ) only); got it with {got}")
         if self.exp_fix_rows and not self.exp_row_sums:
             raise ValueError("exp_fix_rows=True is a pass of the exp epilogue: it takes exp_row_sums=True")
+        if self.exp_columns and (not self.exp_row_sums or self.exp_columns < 0):
+            raise ValueError(f"exp_columns must be 0 or, with exp_row_sums=True, > 0; got {self.exp_columns} "
+                             f"with exp_row_sums={self.exp_row_sums}")
 
     @property
     def has_source(self) -> bool:
@@ -1469,16 +1476,21 @@ class HopperGemmKernel:
         values = acc.shape[0]
         if const_expr(cute.rank(values) != 3 or values[0] != 2 or values[1] != 2 or cute.size(acc, mode=[2]) != 1):
             raise ValueError(f"exp_row_sums expects the wgmma accumulator layout ((2, 2, N / 8), M, 1); got {acc.shape}")
-        # only a tile reaching past N tests each column (a select per value the other tiles skip)
-        if tile_idx[1] * self.config.tile_n + self.config.tile_n <= c_shape[1]:
-            self.exp_block_sums(acc, tile_coords_c, tile_idx, row_sums, fix_rows, c_shape, inside, gtidx, False)
+        # only a tile reaching past the columns that count tests each column (a select per value
+        # the other tiles skip)
+        limit = c_shape[1] if const_expr(not self.epilogue.exp_columns) else Int32(self.epilogue.exp_columns)
+        if tile_idx[1] * self.config.tile_n + self.config.tile_n <= limit:
+            self.exp_block_sums(acc, tile_coords_c, tile_idx, row_sums, fix_rows, c_shape, limit, inside, gtidx,
+                                False)
         else:
-            self.exp_block_sums(acc, tile_coords_c, tile_idx, row_sums, fix_rows, c_shape, inside, gtidx, True)
+            self.exp_block_sums(acc, tile_coords_c, tile_idx, row_sums, fix_rows, c_shape, limit, inside, gtidx,
+                                True)
 
     @cute.jit
-    def exp_block_sums(self, acc, tile_coords_c, tile_idx, row_sums, fix_rows, c_shape, inside, gtidx,
+    def exp_block_sums(self, acc, tile_coords_c, tile_idx, row_sums, fix_rows, c_shape, limit, inside, gtidx,
                        masked: cutlass.Constexpr):
-        """:meth:`exp_row_sums` on one tile, testing each column against N if ``masked``."""
+        """:meth:`exp_row_sums` on one tile, testing each column against ``limit`` (N, or
+        ``Epilogue.exp_columns``) if ``masked``; past exp_columns c is 0 too."""
         config = self.config
         groups_per_block = ROW_SUM_BLOCK // 8
         m0, n0 = tile_idx[0] * config.tile_m, tile_idx[1] * config.tile_n
@@ -1503,13 +1515,13 @@ class HopperGemmKernel:
                                 column = tile_coords_c[at][1]
                                 at_label = cutlass.select_(column == label, z, at_label)
                                 if const_expr(masked):
-                                    top = cute.arch.fmax(top, cutlass.select_(n0 + column < c_shape[1], z, low))
+                                    top = cute.arch.fmax(top, cutlass.select_(n0 + column < limit, z, low))
                                 else:
                                     top = cute.arch.fmax(top, z)
                             e = cute.math.exp2(cute.arch.fmin(z, Float32(EXP_CLAMP)) * LOG2E, fastmath=True)
-                            acc[at] = e
                             if const_expr(masked):
-                                e = cutlass.select_(n0 + tile_coords_c[at][1] < c_shape[1], e, Float32(0.0))
+                                e = cutlass.select_(n0 + tile_coords_c[at][1] < limit, e, Float32(0.0))
+                            acc[at] = e
                             total = total + e
                     total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
                     total = total + cute.arch.shuffle_sync_bfly(total, offset=2)

@@ -460,6 +460,8 @@ class LinearForward(ForwardGemm):
     # (1, M, ceil(N / ROW_SUM_BLOCK)) second result (no bias, activation, residual or stored
     # preact): the LM head's unnormalized softmax (:func:`exp_logits`)
     exp_row_sums: bool = False
+    # with exp_row_sums: the columns that count, if fewer than N (``Epilogue.exp_columns``; 0: all)
+    exp_columns: int = 0
 
     name = "linear_fwd"
 
@@ -511,10 +513,12 @@ class LinearForward(ForwardGemm):
 
     def exp_row_sums_per_shard(self, ctx, x, w, *rest):
         """One device's exp GEMM. Over a split contraction the exponential waits for the psum
-        (the reference epilogue after a plain GEMM). Over split columns the row sums' blocks
-        combine over the column devices (:func:`combine_column_blocks`)."""
-        if ctx.sharded("k"):
-            e, sums = exp_row_sums_reference(exp_product_over_split_contraction(ctx, x, w, self.kernel_nk), x.dtype)
+        (the reference epilogue after a plain GEMM), and so it does over split columns of which
+        only the first ``exp_columns`` count (:func:`exp_reference_on_device`). Over split columns
+        the row sums' blocks combine over the column devices (:func:`combine_column_blocks`)."""
+        if exp_reference_on_device(ctx, self.exp_columns):
+            product = exp_product_over_split_contraction(ctx, x, w, self.kernel_nk)
+            e, sums = exp_row_sums_reference(product, x.dtype, local_columns(ctx, self.exp_columns, self.kernel_kn(w)[1]))
         else:
             e, sums = self.run_local(x, w, *rest)
         return e, combine_column_blocks(ctx, sums, self.kernel_kn(w)[1], "sum")
@@ -535,7 +539,7 @@ class LinearForward(ForwardGemm):
         from cutelayers.kernels.gemm import Epilogue
 
         return Epilogue(self.activation, self.has_bias, self.has_residual, self.store_preact, gated=self.gated,
-                        exp_row_sums=self.exp_row_sums)
+                        exp_row_sums=self.exp_row_sums, exp_columns=self.exp_columns)
 
     def out_avals(self, avals):
         x, w = avals[0], avals[1]
@@ -546,7 +550,7 @@ class LinearForward(ForwardGemm):
 
     def reference(self, x, w, *rest):
         if self.exp_row_sums:
-            return exp_row_sums_reference(_matmul(x[0], as_kn(w[0], self.kernel_nk)), x.dtype)
+            return exp_row_sums_reference(_matmul(x[0], as_kn(w[0], self.kernel_nk)), x.dtype, self.exp_columns)
         rest = list(rest)
         bias = rest.pop(0) if self.has_bias else None
         residual = rest.pop(0)[0] if self.has_residual else None
@@ -561,6 +565,22 @@ def exp_product_over_split_contraction(ctx, x, w, kernel_nk: bool):
     rounded to bf16 before the exponential are off by up to |z| 2^-9 nats, a factor of 1.3 at
     z = 150 (a row the passes over flagged rows shift)."""
     return ctx.psum(_matmul(x[0], as_kn(w[0], kernel_nk)), {"k"})
+
+
+def exp_reference_on_device(ctx, exp_columns: int) -> bool:
+    """Whether a device's exp GEMM (or its pass over flagged rows) runs as XLA's product and the
+    reference epilogue: over a split contraction, whose exponential waits for the psum; and over
+    split columns of which only the first ``exp_columns`` count (a padded vocabulary), which
+    leaves each device its own count of them -- the kernel takes it at compile time."""
+    return ctx.sharded("k") or bool(exp_columns and ctx.sharded("n"))
+
+
+def local_columns(ctx, exp_columns: int, n_local: int):
+    """How many of this device's ``n_local`` columns are among the first ``exp_columns`` of all
+    (0: every column counts, as without them)."""
+    if not (exp_columns and ctx.sharded("n")):
+        return exp_columns
+    return jnp.clip(exp_columns - jax.lax.axis_index(ctx.axes["n"]) * n_local, 0, n_local)
 
 
 def combine_column_blocks(ctx, blocks, n_local: int, how: str):
@@ -589,10 +609,12 @@ class ExpLogitsFix(ForwardGemm):
     (``Epilogue.exp_fix_rows``): their rows of e become exp(min(z - shift, EXP_CLAMP)), z = x @
     kernel, and the three (1, M, ceil(N / ROW_SUM_BLOCK)) float32 results -- the row sums of
     that, the blocks' max of z - shift, and their entries at the label's column (-inf in the
-    other blocks) -- are defined on those rows only."""
+    other blocks) -- are defined on those rows only. ``exp_columns``: as
+    :attr:`LinearForward.exp_columns`."""
 
     config: GemmConfig | None = None
     kernel_nk: bool = False
+    exp_columns: int = 0
 
     name = "linear_exp_fix"
     arg_names = ("x", "kernel", "e", "flags", "labels", "shift")
@@ -615,7 +637,7 @@ class ExpLogitsFix(ForwardGemm):
     def epilogue(self):
         from cutelayers.kernels.gemm import Epilogue
 
-        return Epilogue(exp_row_sums=True, exp_fix_rows=True)
+        return Epilogue(exp_row_sums=True, exp_fix_rows=True, exp_columns=self.exp_columns)
 
     def operand_output_aliases(self):
         return {2: 0}
@@ -629,7 +651,8 @@ class ExpLogitsFix(ForwardGemm):
         return (jax.ShapeDtypeStruct(e.shape, e.dtype), blocks, blocks, blocks)
 
     def reference(self, x, w, e, flags, labels, shift):
-        return self.reference_epilogue(_matmul(x[0], as_kn(w[0], self.kernel_nk)), e, flags, labels, shift)
+        return self.reference_epilogue(_matmul(x[0], as_kn(w[0], self.kernel_nk)), e, flags, labels, shift,
+                                       self.exp_columns)
 
     def per_shard(self, rule, ctx, x, w, e, flags, labels, shift):
         """One device's pass. Over a split contraction the reference epilogue after the psum'd
@@ -638,9 +661,10 @@ class ExpLogitsFix(ForwardGemm):
         n_local = self.kernel_kn(w)[1]
         if ctx.sharded("n"):
             labels = labels - jax.lax.axis_index(ctx.axes["n"]) * n_local
-        if ctx.sharded("k"):
+        if exp_reference_on_device(ctx, self.exp_columns):
             product = exp_product_over_split_contraction(ctx, x, w, self.kernel_nk)
-            e, *blocks = self.reference_epilogue(product, e, flags, labels, shift)
+            e, *blocks = self.reference_epilogue(product, e, flags, labels, shift,
+                                                 local_columns(ctx, self.exp_columns, n_local))
         else:
             e, *blocks = self.run_local(x, w, e, flags, labels, shift)
         sums, top, at_label = (combine_column_blocks(ctx, b, n_local, how)
@@ -648,12 +672,14 @@ class ExpLogitsFix(ForwardGemm):
         return e, sums, top, at_label
 
     @staticmethod
-    def reference_epilogue(product, e, flags, labels, shift):
+    def reference_epilogue(product, e, flags, labels, shift, columns: int = 0):
         """The results from the float32 product (M, N) and the operands after x and kernel, every
         flagged row's -- and only those: the kernel's tiles hold others too, whose e they
-        recompute with their own shift."""
+        recompute with their own shift. ``columns``: as ``Epilogue.exp_columns``."""
         z = product - shift[0]
-        new, sums = exp_row_sums_reference(z, e.dtype)
+        new, sums = exp_row_sums_reference(z, e.dtype, columns)
+        if counting_columns(columns):  # the columns past them neither max nor match a label
+            z = jnp.where(jnp.arange(z.shape[1])[None] < columns, z, -jnp.inf)
         at_label = jnp.where(jnp.arange(z.shape[1])[None] == labels[0], z, -jnp.inf)
         e = jnp.where(flags[0] != 0, new[0], e[0])
         return e[None], sums, row_blocks(z, -jnp.inf).max(-1)[None], row_blocks(at_label, -jnp.inf).max(-1)[None]
@@ -909,11 +935,20 @@ def apply_epilogue(product, bias, residual, activation: str, dtype):
     return y.astype(dtype), z.astype(dtype)
 
 
-def exp_row_sums_reference(product, dtype):
+def exp_row_sums_reference(product, dtype, columns: int = 0):
     """(exp(min(z, EXP_CLAMP))[None] in ``dtype``, its float32 sums over every ROW_SUM_BLOCK
-    columns [None]) for the product z (M, N) = x @ kernel: what an ``exp_row_sums`` GEMM returns."""
+    columns [None]) for the product z (M, N) = x @ kernel: what an ``exp_row_sums`` GEMM returns;
+    0 past the first ``columns`` if given (``Epilogue.exp_columns``)."""
     e = jnp.exp(jnp.minimum(product.astype(jnp.float32), EXP_CLAMP))
+    if counting_columns(columns):
+        e = jnp.where(jnp.arange(e.shape[1])[None] < columns, e, 0.0)
     return e.astype(dtype)[None], row_blocks(e, 0.0).sum(-1)[None]
+
+
+def counting_columns(columns) -> bool:
+    """Whether a reference exp epilogue's ``columns`` -- an int (0: all) or, on one device of a
+    vocabulary split, a traced count (:func:`local_columns`) -- leaves columns out."""
+    return not isinstance(columns, int) or columns > 0
 
 
 def row_blocks(a, fill: float):
@@ -924,7 +959,7 @@ def row_blocks(a, fill: float):
     return jnp.pad(a, ((0, 0), (0, blocks * ROW_SUM_BLOCK - n)), constant_values=fill).reshape(m, blocks, ROW_SUM_BLOCK)
 
 
-def exp_logits(x, kernel, kernel_nk: bool = False):
+def exp_logits(x, kernel, kernel_nk: bool = False, columns: int = 0):
     """(exp(min(x @ kernel, EXP_CLAMP)), its float32 row sums over every ROW_SUM_BLOCK columns)
     for x (..., K), kernel (K, N) -- (N, K) if ``kernel_nk``: a vocabulary-major table, read as
     stored --, both x's dtype: one GEMM on x's rows whose epilogue takes the exponential and sums
@@ -932,21 +967,25 @@ def exp_logits(x, kernel, kernel_nk: bool = False):
     row with logits past EXP_CLAMP, or all far below 0 (sums underflowing), is wrong or imprecise:
     the caller checks the sums (:mod:`cutelayers.ops.lm_head`). Under a sharded N (a vocabulary
     split) only the sums' total over the blocks is defined (``LinearForward.exp_row_sums_per_shard``).
-    vmappable: batch dims fold into the rows."""
-    return _exp_logits_fn(kernel_nk)(x, kernel)
+    ``columns`` (0: all N): the first columns alone count, the rest of the result is 0 -- a
+    vocabulary padded for TMA (split over devices, each one's columns run as XLA's product and
+    the reference epilogue: :func:`exp_reference_on_device`). vmappable: batch dims fold into the
+    rows."""
+    return _exp_logits_fn(kernel_nk, columns)(x, kernel)
 
 
 @functools.cache
-def _exp_logits_fn(kernel_nk: bool):
+def _exp_logits_fn(kernel_nk: bool, columns: int):
     def exp_rows(x, kernel):
         operands = [as_rows(x), kernel[None]]
-        family = LinearForward("none", False, False, False, kernel_nk=kernel_nk, exp_row_sums=True)
+        family = LinearForward("none", False, False, False, kernel_nk=kernel_nk, exp_row_sums=True,
+                               exp_columns=columns)
         return tuple(from_rows(r, x.shape[:-1]) for r in kernel_call(resolve(family, operands), *operands))
 
     return fold_batch(exp_rows, shared=(1,))
 
 
-def exp_logits_fix(x, kernel, e, flags, labels, shift, kernel_nk: bool = False):
+def exp_logits_fix(x, kernel, e, flags, labels, shift, kernel_nk: bool = False, columns: int = 0):
     """:func:`exp_logits` again on the rows ``flags`` marks -- those whose exponentials left
     bf16's range, at the LM head -- with a per-row ``shift``, writing their rows of ``e`` (the
     first pass's, consumed: rewritten in place) as exp(min(x @ kernel - shift, EXP_CLAMP)).
@@ -960,12 +999,13 @@ def exp_logits_fix(x, kernel, e, flags, labels, shift, kernel_nk: bool = False):
     flagged row and ROW_SUM_BLOCK columns the sum of the new e (before its rounding), the max of
     x @ kernel - shift, and its entry at the label's column (-inf in the other blocks); on other
     rows undefined. Under a sharded N only the blocks' total (sum, max) is defined
-    (:func:`combine_column_blocks`). vmappable: batch dims fold into the rows."""
-    return _exp_logits_fix_fn(kernel_nk)(x, kernel, e, flags, labels, shift)
+    (:func:`combine_column_blocks`). ``columns``: as :func:`exp_logits`'. vmappable: batch dims
+    fold into the rows."""
+    return _exp_logits_fix_fn(kernel_nk, columns)(x, kernel, e, flags, labels, shift)
 
 
 @functools.cache
-def _exp_logits_fix_fn(kernel_nk: bool):
+def _exp_logits_fix_fn(kernel_nk: bool, columns: int):
     def fix_rows(x, kernel, e, flags, labels, shift):
         lead = x.shape[:-1]
 
@@ -974,7 +1014,7 @@ def _exp_logits_fix_fn(kernel_nk: bool):
 
         operands = [as_rows(x), kernel[None], as_rows(e), per_row(flags, jnp.int32), per_row(labels, jnp.int32),
                     per_row(shift, jnp.float32)]
-        results = kernel_call(resolve(ExpLogitsFix(kernel_nk=kernel_nk), operands), *operands)
+        results = kernel_call(resolve(ExpLogitsFix(kernel_nk=kernel_nk, exp_columns=columns), operands), *operands)
         return tuple(from_rows(r, lead) for r in results)
 
     return fold_batch(fix_rows, shared=(1,))

@@ -42,7 +42,9 @@ is transposed.
   logit is log P[y], and ``dz = s (P - c onehot)`` with ``s = w (1 + 2 z_loss lse) / S`` and
   ``c = S / (1 + 2 z_loss lse)``: one in-place scatter-add of ``-c`` into each row's label entry,
   dh = s * (P @ kernelᵀ), dkernel += (s * h)ᵀ @ P -- the same two GEMMs, each logit exp'd once
-  (a (V, H) table: the logits GEMM reads it as stored, as the dh GEMM does).
+  (a (V, H) table: the logits GEMM reads it as stored, as the dh GEMM does). A vocabulary
+  padded for TMA (:func:`_pad_vocabulary`) stays on it: its GEMMs count only the vocabulary's
+  columns (``exp_columns``), the padding's P is 0.
   A row whose S leaves [e^-60, e^60] or whose label's P underflows (logits past the epilogue's
   clamp at 80, or a label beyond ~69 nats) is flagged, and two more launches of the exp GEMM,
   each running only the tiles that hold a flagged row (:func:`cutelayers.ops.linear.exp_logits_fix`),
@@ -169,14 +171,22 @@ def _zeros_of_type(a, dtype=None):
         return jnp.zeros_like(a, dtype)
 
 
+def _takes_exp_path(use_kernels: bool, options: tuple[float, float, float], has_bias: bool, dtype) -> bool:
+    """Whether a call runs the exp path (module docstring): the kernels, no label smoothing or
+    soft cap, no bias, and bfloat16 (float16's exponents stop at e^11)."""
+    smoothing, _, soft_cap = options
+    return use_kernels and smoothing == 0.0 and soft_cap == 0.0 and not has_bias and dtype == jnp.bfloat16
+
+
 @functools.cache
 def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major: bool, use_kernels: bool,
-                 f32_params: bool):
+                 f32_params: bool, exp_columns: int = 0):
     """``(losses, weighted_total)`` over h (R, C, H), labels (R, C) in the strided layout (chunk
     ``c`` is column ``c``), kernel (H, V) -- (V, H) if ``vocab_major`` --, bias (V,) | None, in h's
     dtype or, with ``f32_params``, float32 (cast for the GEMMs; their gradients are the float32
     sums themselves, no cast); the cross-entropy ``options`` (smoothing, z_loss, soft_cap) of
-    :func:`check_loss_options`:
+    :func:`check_loss_options`; ``exp_columns`` (0: all V) the vocabulary's columns of a kernel
+    padded for the exp path (:func:`_pad_vocabulary`), which counts no others:
 
     * ``losses(h, labels, kernel, bias)``: (per-token losses, lse), each (R, C) float32; the
       backward recomputes each chunk's logits;
@@ -186,9 +196,7 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
     """
     # a chunk's logits die in the cross-entropy gradient kernels: dz takes their buffer
     ce_forward, ce_backward, ce_with_grad = cross_entropy_kernels(ignore_index, *options, in_place=True)
-    smoothing, z_loss, soft_cap = options
-    # the exp path: no label smoothing or soft cap (and no bias: at the call)
-    exp_path = use_kernels and smoothing == 0.0 and soft_cap == 0.0
+    z_loss = options[1]
     plain_gemm, input_grad = forward_fn("none", False, use_kernels), input_grad_fn(use_kernels)
     weight_grad = weight_grad_fn(use_kernels, f32_out=True)
     # A (V, H) kernel (a tied embedding table) swaps the roles of the forward and dx GEMMs and
@@ -251,9 +259,7 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
         return dh, None, dkernel.astype(param_dtype), None if dbias is None else dbias.astype(param_dtype)
 
     def takes_exp_path(h, bias) -> bool:
-        """Whether this call runs the exp path (module docstring): bfloat16 (float16's exponents
-        stop at e^11) and no bias."""
-        return exp_path and bias is None and h.dtype == jnp.bfloat16
+        return _takes_exp_path(use_kernels, options, bias is not None, h.dtype)
 
     def forward(h, labels, kernel, bias):
         if takes_exp_path(h, bias):
@@ -318,7 +324,7 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
         """One chunk's exp GEMM (P and its row sums S), its two passes over the rows out of the
         exponential's range, and what the exp path reads of them (module docstring)."""
         valid = jnp.ones(y_c.shape, bool) if ignore_index is None else y_c != ignore_index
-        p, sums = exp_logits(h_c, kernel, kernel_nk=vocab_major)
+        p, sums = exp_logits(h_c, kernel, kernel_nk=vocab_major, columns=exp_columns)
         s = jnp.sum(sums, axis=-1)
         rows = jnp.arange(y_c.shape[0])
         # a label outside the vocabulary makes its token's loss and gradients NaN
@@ -335,9 +341,10 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
         # logit (exact, from the float32 accumulators), then one with the max as the shift, so
         # that the max maps to 1 and S to [1, V]; the other rows' P stays as it was.
         y_fix = jnp.where(known, y_c, -1)
-        p, _, top, at_label = exp_logits_fix(h_c, kernel, p, out, y_fix, jnp.zeros_like(s), kernel_nk=vocab_major)
+        p, _, top, at_label = exp_logits_fix(h_c, kernel, p, out, y_fix, jnp.zeros_like(s), kernel_nk=vocab_major,
+                                             columns=exp_columns)
         shift = jnp.where(out, jnp.max(top, axis=-1), 0.0)
-        p, sums, _, _ = exp_logits_fix(h_c, kernel, p, out, y_fix, shift, kernel_nk=vocab_major)
+        p, sums, _, _ = exp_logits_fix(h_c, kernel, p, out, y_fix, shift, kernel_nk=vocab_major, columns=exp_columns)
         s = jnp.where(out, jnp.sum(sums, axis=-1), s)
         lse = shift + jnp.log(s)
         z_y = jnp.where(out, jnp.max(at_label, axis=-1), jnp.log(jnp.where(out, 1.0, p_y)))
@@ -385,21 +392,23 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
     return losses, weighted_total
 
 
-def _pad_vocabulary(kernel, bias, labels, ignore_index, vocab_major: bool, vocab_pad: int):
+def _pad_vocabulary(kernel, bias, labels, ignore_index, vocab_major: bool, vocab_pad: int, mask_by_bias: bool):
     """A vocabulary V not a multiple of 8 -- GPT-2's 50257 -- padded for the kernels (TMA needs
-    16-byte rows): ``vocab_pad`` zero columns of the kernel (zero rows of a (V, H) table), whose
-    logits a bias of -inf there masks -- exp(-inf) adds nothing to a row's sums and its gradient
-    is 0 -- so the padded head's loss and gradients are the head's, and autodiff slices the
-    padding off the kernel's and the bias's gradients. (A (V, H) table with a bias is read
-    transposed: one copy, beside the one its padding makes.) Labels in [V, V + vocab_pad) stay
-    outside the vocabulary: NaN losses, as any such label. Not for label smoothing (a mean over
-    the classes) or soft-capping (tanh caps -inf): those keep XLA's GEMMs. Returns (kernel,
+    16-byte rows): ``vocab_pad`` zero columns of the kernel (zero rows of a (V, H) table), left
+    out of the loss by the exp path's GEMMs (``exp_columns``: their P is 0, nothing sums them)
+    or, ``mask_by_bias``, by a bias of -inf there -- exp(-inf) adds nothing to a row's sums and
+    its gradient is 0 -- so the padded head's loss and gradients are the head's, and autodiff
+    slices the padding off the kernel's and the bias's gradients. (A (V, H) table with a bias is
+    read transposed: one copy, beside the one its padding makes.) Labels in [V, V + vocab_pad)
+    stay outside the vocabulary: NaN losses, as any such label. Not for label smoothing (a mean
+    over the classes) or soft-capping (tanh caps -inf): those keep XLA's GEMMs. Returns (kernel,
     bias, labels)."""
     vocab = kernel.shape[0] if vocab_major else kernel.shape[1]
     kernel = jnp.pad(kernel, ((0, vocab_pad), (0, 0)) if vocab_major else ((0, 0), (0, vocab_pad)))
-    dtype = kernel.dtype if bias is None else bias.dtype
-    bias = jnp.concatenate([jnp.zeros((vocab,), dtype) if bias is None else bias,
-                            jnp.full((vocab_pad,), -jnp.inf, dtype)])
+    if mask_by_bias:
+        dtype = kernel.dtype if bias is None else bias.dtype
+        bias = jnp.concatenate([jnp.zeros((vocab,), dtype) if bias is None else bias,
+                                jnp.full((vocab_pad,), -jnp.inf, dtype)])
     outside = (labels >= vocab) & (labels < vocab + vocab_pad)
     if ignore_index is not None:
         outside &= labels != ignore_index
@@ -478,8 +487,12 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
         if vocab % ALIGN_ELEMENTS and not vocab_pad:
             why += " (an odd vocabulary is padded for them only without label smoothing or soft-capping)"
         _backend.fall_back(op, why)
-    elif vocab_pad:
-        kernel, bias, labels = _pad_vocabulary(kernel, bias, labels, ignore_index, vocab_major, vocab_pad)
+    exp_columns = 0
+    if use_kernels and vocab_pad:
+        exp_path = _takes_exp_path(use_kernels, options, bias is not None, h.dtype)
+        exp_columns = vocab if exp_path else 0
+        kernel, bias, labels = _pad_vocabulary(kernel, bias, labels, ignore_index, vocab_major, vocab_pad,
+                                               mask_by_bias=not exp_path)
         vocab += vocab_pad
     n_chunks, rows = chunk_layout(lead, vocab, chunk_size)
     pad = n_chunks * rows - tokens
@@ -491,7 +504,7 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
     if vocab_major and bias is not None:
         kernel, vocab_major = kernel.T, False  # see kernel_layout above
     kernel, bias = vary_like(h, kernel, bias)  # shared by every shard inside shard_map
-    per_token, weighted_total = _chunked_fns(ignore_index, options, vocab_major, use_kernels, f32_params)
+    per_token, weighted_total = _chunked_fns(ignore_index, options, vocab_major, use_kernels, f32_params, exp_columns)
 
     def per_token_order(a):  # (R, C) strided -> the tokens' leading shape
         return a.reshape(-1)[:tokens].reshape(lead)
