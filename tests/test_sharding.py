@@ -391,7 +391,8 @@ def test_odd_vocabulary_split_matches_one_device(rng):
     """An odd vocabulary (62 columns, padded to 64 for TMA) split over the "model" axis takes the
     exp path with its padding left out of the sums -- with rows out of its range, whose second
     passes must not take the padding's zero logits as a row's max: its value and gradients are
-    one device's. (The padded columns are not split: each device reads the whole kernel.)"""
+    one device's. (Each device counts its own share of the vocabulary's columns, through XLA's
+    product and the reference epilogue.)"""
     mesh = make_mesh((2, 2), ("data", "model"))
     # row (1, 2)'s logits past the exp epilogue's clamp; row (6, 3)'s all about -100 (w's first
     # row 0.5 everywhere, h's first feature there -200)

@@ -575,12 +575,18 @@ def exp_reference_on_device(ctx, exp_columns: int) -> bool:
     return ctx.sharded("k") or bool(exp_columns and ctx.sharded("n"))
 
 
+def column_offset(ctx, n_local: int):
+    """This device's first column among all of a vocabulary split over the "n" devices (0 without
+    a split)."""
+    return jax.lax.axis_index(ctx.axes["n"]) * n_local if ctx.sharded("n") else 0
+
+
 def local_columns(ctx, exp_columns: int, n_local: int):
     """How many of this device's ``n_local`` columns are among the first ``exp_columns`` of all
     (0: every column counts, as without them)."""
     if not (exp_columns and ctx.sharded("n")):
         return exp_columns
-    return jnp.clip(exp_columns - jax.lax.axis_index(ctx.axes["n"]) * n_local, 0, n_local)
+    return jnp.clip(exp_columns - column_offset(ctx, n_local), 0, n_local)
 
 
 def combine_column_blocks(ctx, blocks, n_local: int, how: str):
@@ -659,8 +665,7 @@ class ExpLogitsFix(ForwardGemm):
         product; over split columns each device's labels count from its first column, and the
         blocks combine over the column devices (:func:`combine_column_blocks`)."""
         n_local = self.kernel_kn(w)[1]
-        if ctx.sharded("n"):
-            labels = labels - jax.lax.axis_index(ctx.axes["n"]) * n_local
+        labels = labels - column_offset(ctx, n_local)
         if exp_reference_on_device(ctx, self.exp_columns):
             product = exp_product_over_split_contraction(ctx, x, w, self.kernel_nk)
             e, *blocks = self.reference_epilogue(product, e, flags, labels, shift,
@@ -676,10 +681,8 @@ class ExpLogitsFix(ForwardGemm):
         """The results from the float32 product (M, N) and the operands after x and kernel, every
         flagged row's -- and only those: the kernel's tiles hold others too, whose e they
         recompute with their own shift. ``columns``: as ``Epilogue.exp_columns``."""
-        z = product - shift[0]
-        new, sums = exp_row_sums_reference(z, e.dtype, columns)
-        if counting_columns(columns):  # the columns past them neither max nor match a label
-            z = jnp.where(jnp.arange(z.shape[1])[None] < columns, z, -jnp.inf)
+        z = first_columns(product - shift[0], columns)  # the others neither max nor match a label
+        new, sums = exp_row_sums_reference(z, e.dtype)
         at_label = jnp.where(jnp.arange(z.shape[1])[None] == labels[0], z, -jnp.inf)
         e = jnp.where(flags[0] != 0, new[0], e[0])
         return e[None], sums, row_blocks(z, -jnp.inf).max(-1)[None], row_blocks(at_label, -jnp.inf).max(-1)[None]
@@ -939,16 +942,17 @@ def exp_row_sums_reference(product, dtype, columns: int = 0):
     """(exp(min(z, EXP_CLAMP))[None] in ``dtype``, its float32 sums over every ROW_SUM_BLOCK
     columns [None]) for the product z (M, N) = x @ kernel: what an ``exp_row_sums`` GEMM returns;
     0 past the first ``columns`` if given (``Epilogue.exp_columns``)."""
-    e = jnp.exp(jnp.minimum(product.astype(jnp.float32), EXP_CLAMP))
-    if counting_columns(columns):
-        e = jnp.where(jnp.arange(e.shape[1])[None] < columns, e, 0.0)
+    e = jnp.exp(jnp.minimum(first_columns(product.astype(jnp.float32), columns), EXP_CLAMP))
     return e.astype(dtype)[None], row_blocks(e, 0.0).sum(-1)[None]
 
 
-def counting_columns(columns) -> bool:
-    """Whether a reference exp epilogue's ``columns`` -- an int (0: all) or, on one device of a
-    vocabulary split, a traced count (:func:`local_columns`) -- leaves columns out."""
-    return not isinstance(columns, int) or columns > 0
+def first_columns(z, columns):
+    """The (M, N) float32 logits ``z`` with -inf past the first ``columns`` -- an int (0: all, ``z``
+    as it is) or, on one device of a vocabulary split, a traced count (:func:`local_columns`):
+    what a reference exp epilogue leaves out (exp gives 0 there)."""
+    if isinstance(columns, int) and columns == 0:
+        return z
+    return jnp.where(jnp.arange(z.shape[1])[None] < columns, z, -jnp.inf)
 
 
 def row_blocks(a, fill: float):
