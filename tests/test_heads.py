@@ -355,15 +355,15 @@ def far_below_zero(h, kernel, tokens):
     return flat.at[jnp.asarray(tokens), 0].set(-100.0).reshape(h.shape), kernel
 
 
-@pytest.mark.parametrize("layout", ["hv", "vh"])
-@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("layout,with_bias,vocab", [("hv", False, 253), ("vh", False, 253), ("hv", True, 253),
+                                                    ("vh", True, 253), ("hv", False, 200), ("vh", True, 200)])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_odd_vocabulary_through_the_kernel_path(layout, with_bias, reduction, rng):
-    """V not a multiple of 8 (the kernels' TMA alignment) runs the kernel path on a vocabulary
-    padded to one, its padding left out by the exp path's GEMMs (no bias; rows far below zero
-    too) or masked by a -inf bias: loss and gradients of the head as given, in their shapes (on
-    the CPU the kernels' reference lowering runs, chunk by chunk)."""
-    h, kernel, bias, labels = head_operands(rng, (2, 150), 64, 253, jnp.bfloat16, ignore_index=-100)
+def test_odd_vocabulary_through_the_kernel_path(layout, with_bias, vocab, reduction, rng):
+    """V not a multiple of 64 -- of 8 (the kernels' TMA alignment) or not -- runs the kernel path
+    on a vocabulary padded to one, its padding left out by the exp path's GEMMs (no bias; rows far
+    below zero too) or masked by a -inf bias: loss and gradients of the head as given, in their
+    shapes (on the CPU the kernels' reference lowering runs, chunk by chunk)."""
+    h, kernel, bias, labels = head_operands(rng, (2, 150), 64, vocab, jnp.bfloat16, ignore_index=-100)
     if not with_bias:  # the exp path (bf16 logits about -100 would be 0.25 apart on the other)
         h, kernel = far_below_zero(h, kernel, [1, 200])
     ours, ref = odd_vocabulary_head(layout, with_bias, reduction, labels)
@@ -371,23 +371,25 @@ def test_odd_vocabulary_through_the_kernel_path(layout, with_bias, reduction, rn
 
 
 def test_odd_vocabulary_padding_is_no_class(rng):
-    """A label in the padding, [V, V rounded up to 8), is outside the vocabulary as any other: a
+    """A label in the padding, [V, V rounded up to 64), is outside the vocabulary as any other: a
     NaN loss, not the padding's -inf logit (an infinite loss); ignore_index there is ignored."""
-    h, kernel, _, labels = head_operands(rng, (6,), 64, 253, jnp.bfloat16)
-    labels = labels.at[2].set(254)  # traced labels (concrete ones outside the vocabulary raise)
+    h, kernel, _, labels = head_operands(rng, (6,), 64, 201, jnp.bfloat16)  # padded to 256
+    labels = labels.at[2].set(230)  # traced labels (concrete ones outside the vocabulary raise)
     head = jax.jit(linear_cross_entropy, static_argnames=("ignore_index", "reduction"))
     loss = head(h, kernel, labels, reduction="none")
     assert np.isnan(loss[2]) and np.isfinite(np.delete(np.asarray(loss), 2)).all()
-    loss = head(h, kernel, labels, ignore_index=254, reduction="none")
+    loss = head(h, kernel, labels, ignore_index=230, reduction="none")
     assert loss[2] == 0 and np.isfinite(np.asarray(loss)).all()
 
 
 @pytest.mark.cute
-def test_odd_vocabulary_lowers_to_the_kernels_for_cuda():
-    """V = 50257 (GPT-2's): the head's GEMMs on the padded 50264 columns -- the exp path's, which
-    leave the padding out, or with a bias the cross-entropy path's and its kernel; label
-    smoothing keeps XLA's GEMMs (its mean over the classes would count the padding)."""
-    tokens, hidden, vocab = 4096, 128, 50257
+@pytest.mark.parametrize("vocab", [50257, 50280])
+def test_odd_vocabulary_lowers_to_the_kernels_for_cuda(vocab):
+    """V = 50257 (GPT-2's) or 50280 (a multiple of 8, not of 64): the head's GEMMs on the padded
+    50304 columns -- the exp path's, which leave the padding out, or with a bias the
+    cross-entropy path's and its kernel; label smoothing keeps the vocabulary unpadded: XLA's
+    GEMMs at 50257 (its mean over the classes would count the padding), the kernels at 50280."""
+    tokens, hidden = 4096, 128
     S = jax.ShapeDtypeStruct
     avals = (S((tokens, hidden), jnp.bfloat16), S((hidden, vocab), jnp.bfloat16), S((tokens,), jnp.int32))
 
@@ -396,25 +398,32 @@ def test_odd_vocabulary_lowers_to_the_kernels_for_cuda():
                                     label_smoothing=smoothing)
 
     with cl.use_backend("auto"):
-        calls = collections.Counter(kernel_targets(lower_cuda(jax.value_and_grad(loss, (0, 1)), *avals)))
+        plain = lower_cuda(jax.value_and_grad(loss, (0, 1)), *avals)
+        calls = collections.Counter(kernel_targets(plain))
         # one chunk: the exp GEMM and its two passes over rows out of range, dh and dkernel
         assert calls == {"linear_fwd": 1, "linear_exp_fix": 2, "linear_dkernel": 1, "linear_dx": 1}, calls
         biased = lower_cuda(jax.value_and_grad(loss, (0, 1, 3)), *avals, S((vocab,), jnp.bfloat16))
         assert collections.Counter(kernel_targets(biased)) == {"linear_fwd": 1, "cross_entropy_with_grad": 1,
                                                                "linear_dkernel": 1, "linear_dx": 1}
+        for hlo in (plain, biased):  # every kernel reads and writes the padded width
+            calls = [line for line in hlo.splitlines() if "stablehlo.custom_call @cutelayers_" in line]
+            assert all("50304" in line and str(vocab) not in line for line in calls), calls
         smoothed = lower_cuda(jax.value_and_grad(functools.partial(loss, smoothing=0.1), (0, 1)), *avals)
-        assert not [t for t in kernel_targets(smoothed) if t.startswith("linear_")]  # XLA's GEMMs
+        gemms = [t for t in kernel_targets(smoothed) if t.startswith("linear_")]
+        assert bool(gemms) == (vocab % 8 == 0)  # XLA's GEMMs at 50257
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["hv", "vh"])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_odd_vocabulary_kernel_path_gpu(layout, with_bias, reduction, rng):
-    """The padded vocabulary on the GPU (V = 1001, several chunks, the last one partial), the
-    padding left out by the exp path's GEMMs (with rows far below zero: its second pass) or masked
-    by a -inf bias appended to the head's own: loss and every gradient vs a float32 reference."""
-    h, kernel, bias, labels = head_operands(rng, (3, 333), 256, 1001, jnp.bfloat16, ignore_index=-100)
+@pytest.mark.parametrize("vocab", [1001, 1000])
+def test_odd_vocabulary_kernel_path_gpu(layout, with_bias, reduction, vocab, rng):
+    """The padded vocabulary on the GPU (V = 1001 or 1000, padded to 1024; several chunks, the
+    last one partial), the padding left out by the exp path's GEMMs (with rows far below zero: its
+    second pass) or masked by a -inf bias appended to the head's own: loss and every gradient vs a
+    float32 reference."""
+    h, kernel, bias, labels = head_operands(rng, (3, 333), 256, vocab, jnp.bfloat16, ignore_index=-100)
     if not with_bias:
         h, kernel = far_below_zero(h, kernel, [5, 400, 998])
     ours, ref = odd_vocabulary_head(layout, with_bias, reduction, labels)

@@ -748,7 +748,8 @@ def test_exp_logits_gpu(rng):
     # whole 64-column blocks (4104 = 32 x 128 + 8), and a GPT-2 vocabulary
     with cl.use_backend("cute"):
         for m, k, n, columns in ((1000, 256, 1000, 0), (333, 768, 50304, 0), (4096, 128, 4104, 0),
-                                 (333, 768, 50264, 50257), (1000, 256, 1024, 1001)):
+                                 (333, 768, 50264, 50257), (333, 768, 50304, 50257),
+                                 (1000, 256, 1024, 1001)):
             x = random(rng, (m, k), jnp.bfloat16)
             w = jnp.asarray(random(rng, (k, n), jnp.float32) * 3.0 / k**0.5, jnp.bfloat16)
             e, sums = jax.jit(functools.partial(exp_logits, columns=columns))(x, w)
@@ -1470,9 +1471,9 @@ cases["mlp_swiglu_hidden_grad"] = configured(LinearInputGrad("silu", gated=True)
 cases["decode_split_k_16x4096x4096"] = (gelu, (S((16, 4096), bf), S((4096, 4096), bf), S((4096,), bf)))
 cases["lm_head_exp_4096x4096x131072"] = (exp_logits, (S((4096, 4096), bf), S((4096, 131072), bf)))
 # the GPT-2 head's pass over rows out of the exponential's range (pingpong, a per-row shift), at
-# GPT-2's own vocabulary: 50257 columns of the 50264 its padding makes count
-cases["lm_head_exp_fix_4096x768x50264"] = (functools.partial(exp_logits_fix, columns=50257),
-                                           (S((4096, 768), bf), S((768, 50264), bf), S((4096, 50264), bf),
+# GPT-2's own vocabulary: 50257 columns of the 50304 its padding makes count
+cases["lm_head_exp_fix_4096x768x50304"] = (functools.partial(exp_logits_fix, columns=50257),
+                                           (S((4096, 768), bf), S((768, 50304), bf), S((4096, 50304), bf),
                                             S((4096,), jnp.int32), S((4096,), jnp.int32), S((4096,), jnp.float32)))
 found = {}
 with cl.use_backend("cute"):
@@ -1489,7 +1490,7 @@ PTXAS_CASE_KERNELS = {"forward_8192x4096x4096_small_m": 1, "forward_8192x4096x40
                       "forward_8192x4096x4096_wide": 1, "fc1_gelu_forward": 1, "fc1_gelu_train_step": 3,
                       "swiglu_forward": 1, "mlp_gelu_hidden_grad": 1, "mlp_swiglu_hidden_grad": 1,
                       "decode_split_k_16x4096x4096": 1, "lm_head_exp_4096x4096x131072": 1,
-                      "lm_head_exp_fix_4096x768x50264": 1}
+                      "lm_head_exp_fix_4096x768x50304": 1}
 # The cases whose kernel has 64-row tiles (one consumer warpgroup)
 ROW_BOX_CASES = {"forward_8192x4096x4096_small_m", "decode_split_k_16x4096x4096"}
 # The cases whose one kernel adds a bfloat16 bias (a gated one's gate and value halves included)

@@ -43,7 +43,7 @@ is transposed.
   ``c = S / (1 + 2 z_loss lse)``: one in-place scatter-add of ``-c`` into each row's label entry,
   dh = s * (P @ kernelᵀ), dkernel += (s * h)ᵀ @ P -- the same two GEMMs, each logit exp'd once
   (a (V, H) table: the logits GEMM reads it as stored, as the dh GEMM does). A vocabulary
-  padded for TMA (:func:`_pad_vocabulary`) stays on it: its GEMMs count only the vocabulary's
+  padded for the kernels (:func:`_pad_vocabulary`) stays on it: its GEMMs count only the vocabulary's
   columns (``exp_columns``), the padding's P is 0.
   A row whose S leaves [e^-60, e^60] or whose label's P underflows (logits past the epilogue's
   clamp at 80, or a label beyond ~69 nats) is flagged, and two more launches of the exp GEMM,
@@ -119,6 +119,12 @@ REDUCTIONS = ("mean", "sum", "none")
 EXP_RANGE = 60.0
 LABEL_EXP_MIN = 1e-30
 KERNEL_LAYOUTS = ("hv", "vh")
+# The kernels take a vocabulary padded to a multiple of PADDED_VOCAB_MULTIPLE (:func:`_pad_vocabulary`):
+# TMA needs 16-byte rows (V a multiple of 8), and rows of 16-bit logits and kernel columns that span
+# whole 128-byte lines run the logits GEMM faster -- at 16384 x 768 the head took 0.58-0.76 ms (9-11 %)
+# less a call at V = 50264 / 50280 padded to 50304 than unpadded (H100, docs/benchmarks.md,
+# seventieth session).
+PADDED_VOCAB_MULTIPLE = 64
 
 
 class ExpChunk(NamedTuple):
@@ -393,16 +399,16 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
 
 
 def _pad_vocabulary(kernel, bias, labels, ignore_index, vocab_major: bool, vocab_pad: int, mask_by_bias: bool):
-    """A vocabulary V not a multiple of 8 -- GPT-2's 50257 -- padded for the kernels (TMA needs
-    16-byte rows): ``vocab_pad`` zero columns of the kernel (zero rows of a (V, H) table), left
-    out of the loss by the exp path's GEMMs (``exp_columns``: their P is 0, nothing sums them)
-    or, ``mask_by_bias``, by a bias of -inf there -- exp(-inf) adds nothing to a row's sums and
-    its gradient is 0 -- so the padded head's loss and gradients are the head's, and autodiff
-    slices the padding off the kernel's and the bias's gradients. (A (V, H) table with a bias is
-    read transposed: one copy, beside the one its padding makes.) Labels in [V, V + vocab_pad)
-    stay outside the vocabulary: NaN losses, as any such label. Not for label smoothing (a mean
-    over the classes) or soft-capping (tanh caps -inf): those keep XLA's GEMMs. Returns (kernel,
-    bias, labels)."""
+    """A vocabulary V not a multiple of :data:`PADDED_VOCAB_MULTIPLE` -- GPT-2's 50257 --
+    padded for the kernels: ``vocab_pad`` zero columns of the kernel (zero rows of a (V, H)
+    table), left out of the loss by the exp path's GEMMs (``exp_columns``: their P is 0, nothing
+    sums them) or, ``mask_by_bias``, by a bias of -inf there -- exp(-inf) adds nothing to a row's
+    sums and its gradient is 0 -- so the padded head's loss and gradients are the head's, and
+    autodiff slices the padding off the kernel's and the bias's gradients. (A (V, H) table with a
+    bias is read transposed: one copy, beside the one its padding makes.) Labels in
+    [V, V + vocab_pad) stay outside the vocabulary: NaN losses, as any such label. Not for label
+    smoothing (a mean over the classes) or soft-capping (tanh caps -inf): those run unpadded, on
+    XLA's GEMMs where V is not a multiple of 8. Returns (kernel, bias, labels)."""
     vocab = kernel.shape[0] if vocab_major else kernel.shape[1]
     kernel = jnp.pad(kernel, ((0, vocab_pad), (0, 0)) if vocab_major else ((0, 0), (0, vocab_pad)))
     if mask_by_bias:
@@ -481,7 +487,8 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
         loss = jnp.zeros(lead if reduction == "none" else (), F32)
         return (loss, jnp.zeros(lead, F32)) if return_lse else loss
     smoothing, _, soft_cap = options
-    vocab_pad = -vocab % ALIGN_ELEMENTS if smoothing == 0.0 and soft_cap == 0.0 else 0
+    pads = vocab % PADDED_VOCAB_MULTIPLE and smoothing == 0.0 and soft_cap == 0.0
+    vocab_pad = -vocab % PADDED_VOCAB_MULTIPLE if pads else 0
     use_kernels, why = kernels_apply(h.dtype, hidden, vocab + vocab_pad)
     if not use_kernels:
         if vocab % ALIGN_ELEMENTS and not vocab_pad:
