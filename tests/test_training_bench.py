@@ -120,6 +120,30 @@ def test_a_remat_case(monkeypatch):
     assert cells == ["tiny", "tiny (remat dots)"]
 
 
+def test_a_vocabulary_case(monkeypatch, capsys):
+    """--vocab-size: the case's model has that vocabulary (its random tokens drawn from it: the
+    untrained loss is about log V), the per-part breakdown's head too, and the config cell names
+    it; a vocabulary the byte corpus does not fit is a usage error before any case runs."""
+    built, init = [], bench.common.init
+    monkeypatch.setattr(bench.common, "init", lambda framework, config, *a, **k: built.append(config.vocab_size)
+                        or init(framework, config, *a, **k))
+    job = dataclasses.asdict(bench.Case("tiny", "nnx", "cutelayers", 2, 0, 1, vocab_size=1001))
+    row = in_this_process("--one-case", job, None)
+    assert built == [1001] and row["vocab_size"] == 1001
+    assert abs(row["loss"] - np.log(1001)) < 0.5, row["loss"]
+    assert bench.results_table([row]).splitlines()[2].split("|")[1].strip() == "tiny (vocabulary 1001)"
+    assert bench.config_label({**row, "remat": "dots"}) == "tiny (remat dots, vocabulary 1001)"
+    parts = []
+    monkeypatch.setattr(bench, "part_seconds", lambda config, *a, **k: parts.append(config.vocab_size) or {})
+    in_this_process("--one-breakdown", {"config_name": "tiny", "batch_size": 2, "step_ms": {}, "vocab_size": 1001},
+                    None)
+    assert parts == [1001, 1001]  # ours and stock
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--config", "tiny", "--tokens", "corpus", "--vocab-size", "100"])
+    assert e.value.code == 2
+    assert "argument --vocab-size: --tokens corpus draws byte ids up to 255; got 100, allowed >= 256" in capsys.readouterr().err
+
+
 def test_the_clock_settles_on_training_steps_before_the_loop_is_timed(monkeypatch):
     """measure() runs steps (each waited for, the state carried on: its buffers are donated)
     until the clock has settled (timing.settle_clock, which on a GPU runs them for

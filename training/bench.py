@@ -28,6 +28,10 @@ held by the mesh's first device (the sum of its shards of every leaf), with its 
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N``), and the batch must divide over its data x
 fsdp shards.
 
+``--vocab-size V`` builds every preset with V tokens instead of its own (``--config gpt2
+--vocab-size 50257``: GPT-2 at its tokenizer's vocabulary, which the presets pad to 50304); the
+table's config cell says so.
+
 ``--breakdown`` adds a per-part table, cutelayers vs stock: each part of one step timed alone at the
 model's shapes (forward + backward, times its count per step): the two attention GEMMs and the
 MLP of a block, the LayerNorms, attention, the LM head + loss, the optimizer update, and the rest
@@ -71,6 +75,7 @@ from cutelayers.bench.timing import idle_gaps, kernel_totals, settle_clock, time
 from models import common
 from models.configs import CONFIGS, REMATS, GPTConfig, get_config
 from training import sharding
+from training.data import VOCAB_SIZE as CORPUS_VOCAB_SIZE
 from training.data import TextData
 from training.train import DEFAULTS, Schedule, _int_at_least, compile_train_step, make_optimizer
 
@@ -91,16 +96,23 @@ class Case:
     mesh: str = ONE_DEVICE  # training.sharding.describe() of the case's mesh
     top_kernels: int = 0  # rows of the per-kernel table (0: no profile)
     remat: str = "none"  # GPTConfig.remat: the blocks recomputed in the backward
+    vocab_size: int | None = None  # GPTConfig.vocab_size instead of the preset's (--vocab-size)
 
     @property
     def backend(self) -> str:
         return "reference" if self.variant == "reference" else "auto"
 
 
-def bench_config(name: str, remat: str = "none") -> GPTConfig:
+def bench_config(name: str, remat: str = "none", vocab_size: int | None = None) -> GPTConfig:
     """The preset, in bfloat16 on a GPU (as training.train runs it), its blocks recomputed as
-    ``remat`` asks (``GPTConfig.remat``)."""
-    return get_config(name, **({"dtype": "bfloat16"} if jax.default_backend() == "gpu" else {}), remat=remat)
+    ``remat`` asks (``GPTConfig.remat``), with ``vocab_size`` tokens where given."""
+    return get_config(name, **({"dtype": "bfloat16"} if jax.default_backend() == "gpu" else {}), remat=remat,
+                      **vocabulary(vocab_size))
+
+
+def vocabulary(vocab_size: int | None) -> dict:
+    """The GPTConfig override of ``--vocab-size`` ({} without one: the preset's)."""
+    return {} if vocab_size is None else {"vocab_size": vocab_size}
 
 
 TOKENS = ("uniform", "corpus")
@@ -142,7 +154,7 @@ def device_errors(meshes: list[str]) -> list[str]:
 
 def measure(case: Case) -> dict:
     """One case, in this process: compile, warm up, time; the row of the results table."""
-    config = bench_config(case.config, case.remat)
+    config = bench_config(case.config, case.remat, case.vocab_size)
     if errors := device_errors([case.mesh]):
         raise ValueError(errors[0])
     mesh = sharding.device_mesh(sharding.parse_mesh(case.mesh))
@@ -348,10 +360,11 @@ def part_seconds(config: GPTConfig, batch_size: int, *, stock: bool) -> dict[str
     return parts
 
 
-def breakdown_rows(config_name: str, batch_size: int, step_ms: dict[str, float]) -> list[dict]:
+def breakdown_rows(config_name: str, batch_size: int, step_ms: dict[str, float],
+                   vocab_size: int | None = None) -> list[dict]:
     """Per-part rows, cutelayers vs stock; ``step_ms``: the full step of each (from the cases;
     "other" is the step minus the parts)."""
-    config = bench_config(config_name)
+    config = bench_config(config_name, vocab_size=vocab_size)
     ours, stock = (part_seconds(config, batch_size, stock=s) for s in (False, True))
     rows = [{"part": name, "ours_ms": ours[name] * 1e3, "stock_ms": stock[name] * 1e3} for name in ours]
     if {"cutelayers", "stock"} <= set(step_ms):
@@ -390,7 +403,7 @@ def results_table(rows: list[dict], *, meshes: bool = False) -> str:
     one = lambda r: _peer(rows, r, mesh=ONE_DEVICE)
     stock = lambda r: _peer(rows, r, variant="stock")
     columns = [
-        ("config", lambda r: r["config"] + ("" if r.get("remat", "none") == "none" else f" (remat {r['remat']})")),
+        ("config", config_label),
         ("model", lambda r: r["model"]), ("variant", lambda r: r["variant"]),
         *([("mesh", lambda r: r["mesh"])] if meshes else []),
         ("attention", lambda r: r["attention"]),
@@ -410,6 +423,16 @@ def results_table(rows: list[dict], *, meshes: bool = False) -> str:
     lines = ["| " + " | ".join(name for name, _ in columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(r) for _, cell in columns) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def config_label(row: dict) -> str:
+    """A row's config cell: the preset, and what the case changed in it."""
+    changes = []
+    if row.get("remat", "none") != "none":
+        changes.append(f"remat {row['remat']}")
+    if row.get("vocab_size") is not None:
+        changes.append(f"vocabulary {row['vocab_size']}")
+    return row["config"] + (f" ({', '.join(changes)})" if changes else "")
 
 
 def breakdown_table(config: str, rows: list[dict]) -> str:
@@ -439,6 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="frameworks")
     p.add_argument("--variant", nargs="+", choices=VARIANTS, default=list(VARIANTS),
                    help="cutelayers model, its stock twin, the cutelayers model on the reference backend")
+    p.add_argument("--vocab-size", type=_int_at_least(1), default=None,
+                   help="every preset with this vocabulary instead of its own (e.g. --config gpt2 "
+                        "--vocab-size 50257: GPT-2's tokenizer, unpadded); --tokens corpus needs >= 256")
     p.add_argument("--batch-size", type=_int_at_least(1), default=None,
                    help="sequences per step, the whole batch over a mesh (default: the config's training default)")
     p.add_argument("--mesh", nargs="+", type=sharding.parse_mesh, default=None, metavar="AXIS=N[,AXIS=N...]",
@@ -484,7 +510,8 @@ def check_meshes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> l
         batch = None if args.batch_size else f"the {config} config's default --batch-size {batch_size}"
         for shape, mesh in zip(args.mesh, meshes):
             if error := (sharding.batch_error(shape, batch_size, f"--mesh {mesh}", batch)
-                         or sharding.tensor_error(shape, get_config(config), config)):
+                         or sharding.tensor_error(shape, get_config(config, **vocabulary(args.vocab_size)),
+                                                  config)):
                 parser.error(f"argument --mesh: {error}")
     several = any(math.prod(shape.values()) > 1 for shape in args.mesh)
     if several and (errors := in_subprocess("--one-check", meshes, args.case_timeout)):
@@ -504,6 +531,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.one_check:
         print(json.dumps(device_errors(json.loads(args.one_check))))
         return 0
+    if args.tokens == "corpus" and args.vocab_size is not None and args.vocab_size < CORPUS_VOCAB_SIZE:
+        parser.error(f"argument --vocab-size: --tokens corpus draws byte ids up to {CORPUS_VOCAB_SIZE - 1}; "
+                     f"got {args.vocab_size}, allowed >= {CORPUS_VOCAB_SIZE}")
     meshes = check_meshes(parser, args)
     sections = []
     for config in args.config:
@@ -513,7 +543,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for variant in args.variant:
                 for mesh in meshes:
                     case = Case(config, model, variant, batch_size, args.warmup_steps, args.steps, args.tokens, mesh,
-                                args.kernels, args.remat)
+                                args.kernels, args.remat, args.vocab_size)
                     rows.append(in_subprocess("--one-case", dataclasses.asdict(case), args.case_timeout))
                     where = f" --mesh {mesh}" if args.mesh else ""
                     print(f"# {config} {model} {variant}{where}: {rows[-1]['tokens_per_s']:,.0f} tokens/s", flush=True)
@@ -525,7 +555,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sections += [kernel_table(r) for r in rows if r["kernels"] is not None]
         if args.breakdown:
             step_ms = {r["variant"]: r["step_ms"] for r in rows if r["model"] == args.model[0] and r["mesh"] == ONE_DEVICE}
-            job = {"config_name": config, "batch_size": batch_size, "step_ms": step_ms}
+            job = {"config_name": config, "batch_size": batch_size, "step_ms": step_ms, "vocab_size": args.vocab_size}
             sections.append(breakdown_table(config, in_subprocess("--one-breakdown", job, args.case_timeout)))
     command = "python -m training.bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     legend = ("tokens/s from `loop ms` (steady state: compile, warmup, the clock's settling and evaluation excluded); "
