@@ -556,7 +556,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.breakdown:
             step_ms = {r["variant"]: r["step_ms"] for r in rows if r["model"] == args.model[0] and r["mesh"] == ONE_DEVICE}
             job = {"config_name": config, "batch_size": batch_size, "step_ms": step_ms, "vocab_size": args.vocab_size}
-            sections.append(breakdown_table(config, in_subprocess("--one-breakdown", job, args.case_timeout)))
+            label = config_label({"config": config, "vocab_size": args.vocab_size})  # its parts run without remat
+            sections.append(breakdown_table(label, in_subprocess("--one-breakdown", job, args.case_timeout)))
     command = "python -m training.bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     legend = ("tokens/s from `loop ms` (steady state: compile, warmup, the clock's settling and evaluation excluded); "
               "`step ms`: one step waited for; peak MiB: the device's peak_bytes_in_use in the "
