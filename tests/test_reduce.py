@@ -25,10 +25,17 @@ DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
 def _check_values(op, x, axis=-1):
     ours, ref64, _ = OPS[op]
     out = ours(x, axis) if axis != -1 else ours(x)
-    ref = ref64(np.asarray(x, np.float64), axis=axis)
+    x64 = np.asarray(x, np.float64)
+    ref = ref64(x64, axis=axis)
     assert out.dtype == x.dtype
-    # Sums of N terms carry ~sqrt(N) more rounding than one element in fp32.
-    assert_close(out, ref, x.dtype, scale=1.0 if op == "max" else 10.0)
+    if op == "max":
+        assert_close(out, ref, x.dtype)
+        return
+    # Sums of N terms carry ~sqrt(N) more rounding than one element in fp32, and terms of either
+    # sign can cancel to a sum far below their size (a rare draw: 1000 normals summing to 0.03),
+    # so the error is measured against the terms' root-sum-square, the sum's typical size.
+    size = np.sqrt(np.sum(x64**2, axis=axis)) / (x.shape[axis] if op == "mean" else 1)
+    assert_close(out, ref, x.dtype, scale=10.0, scale_ref=size)
 
 
 @pytest.mark.parametrize("op", OPS)
