@@ -487,8 +487,7 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
         loss = jnp.zeros(lead if reduction == "none" else (), F32)
         return (loss, jnp.zeros(lead, F32)) if return_lse else loss
     smoothing, _, soft_cap = options
-    pads = vocab % PADDED_VOCAB_MULTIPLE and smoothing == 0.0 and soft_cap == 0.0
-    vocab_pad = -vocab % PADDED_VOCAB_MULTIPLE if pads else 0
+    vocab_pad = -vocab % PADDED_VOCAB_MULTIPLE if smoothing == 0.0 and soft_cap == 0.0 else 0
     use_kernels, why = kernels_apply(h.dtype, hidden, vocab + vocab_pad)
     if not use_kernels:
         if vocab % ALIGN_ELEMENTS and not vocab_pad:
