@@ -408,6 +408,25 @@ def test_class_shapes_pick_their_config():
         assert config_class(m, n, k) == name
 
 
+@pytest.mark.cute
+def test_persistent_grid_keeps_the_rounds_on_the_fewest_clusters():
+    # Every cluster-tile count, against a wave of 66 two-CTA clusters (the H100's): the balanced
+    # grid takes as many rounds as the full wave would, no cluster fewer could, and never more
+    # clusters than tiles.
+    from cutelayers.kernels.gemm import balanced_clusters
+
+    assert balanced_clusters(0, 66) == 0
+    for tiles in range(1, 3 * 66 * 16):
+        clusters = balanced_clusters(tiles, 66)
+        rounds = -(-tiles // 66)
+        assert 1 <= clusters <= min(tiles, 66), tiles
+        assert -(-tiles // clusters) == rounds, tiles
+        assert clusters == 1 or -(-tiles // (clusters - 1)) > rounds, tiles
+    # 8192 x 16384 in 256 x 256 cluster tiles: 32 rounds on 64 clusters, four whole rows of the
+    # 16-column rasterization group each
+    assert balanced_clusters(32 * 64, 66) == 64
+
+
 def full_targets(hlo: str) -> list[str]:
     """FFI targets of the custom calls, in order, with their hash: one per distinct compile key."""
     return re.findall(r"stablehlo\.custom_call @(cutelayers_\w+?)\(", hlo)
