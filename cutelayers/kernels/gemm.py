@@ -346,11 +346,11 @@ def balanced_clusters(cluster_tiles, clusters_per_wave: int):
 
 
 def balanced_grid(schedule: utils.PersistentTileSchedulerParams, clusters_per_wave: int):
-    """The persistent grid of ``schedule``'s cluster tiles over :func:`balanced_clusters`. Where the
-    cluster count then divides the rounds' tiles into whole rows of the rasterization group (64
-    clusters = 4 rows of 16), a round's CTAs share their operands in L2 more than 66 straddling
-    rows do: 8192 x 4096 x 16384 took 2.6 % less time at the settled clock (H100,
-    docs/benchmarks.md, seventy-first session)."""
+    """The persistent grid of ``schedule``'s cluster tiles over :func:`balanced_clusters`. With
+    power-of-two outputs the count then also divides a rasterization group's tiles (64 clusters, 8
+    rounds to a group of 16 x 32), so no round holds two groups' B tiles in L2 at once, as 66
+    straddling a group's end did: 8192 x 4096 x 16384 took 2.6 % less time at the settled clock
+    (H100, docs/benchmarks.md, seventy-first session)."""
     tiles = cute.size(schedule.problem_layout_ncluster_mnl)
     return (*schedule.cluster_shape_mn, balanced_clusters(tiles, clusters_per_wave))
 
