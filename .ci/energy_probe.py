@@ -101,7 +101,8 @@ def head_cases(t: int, h: int, v: int):
     operands = head_operands(t, h, v, jnp.bfloat16, param_dtype=jnp.float32)
     for head in ("xla", "fused"):
         with cl.use_backend("cute"):
-            yield f"head {t}x{h}x{v} {head}", compile_head(head, operands), operands, 6 * t * h * v
+            compiled = compile_head(head, operands)
+        yield f"head {t}x{h}x{v} {head}", compiled, operands, 6 * t * h * v
 
 
 def main(argv: list[str]) -> None:
