@@ -117,7 +117,10 @@ def norm_blocker(x, reduction_axes: Any, feature_axes: Any, **dtypes: Any) -> st
         return why
     rank = len(x.shape)
     for name, axes in (("reduction_axes", reduction_axes), ("feature_axes", feature_axes)):
-        if sorted({a % rank for a in (axes if isinstance(axes, Iterable) else (axes,))}) != [rank - 1]:
+        given = tuple(axes) if isinstance(axes, Iterable) else (axes,)
+        if any(not -rank <= a < rank for a in given):  # the stock computation raises its IndexError
+            return f"{name}={axes!r} is out of range for x of rank {rank}"
+        if sorted({a % rank for a in given}) != [rank - 1]:
             return f"{name}={axes!r}: the kernels normalize over the last axis only"
     return dtype_blocker(x=x.dtype, **dtypes)
 

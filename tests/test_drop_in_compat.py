@@ -390,6 +390,33 @@ def test_a_traced_epsilon_runs_the_stock_norm(rng, fallbacks):
     assert {"LayerNorm", "RMSNorm"} <= set(fallbacks)
 
 
+def _outcome(fn):
+    """fn()'s result, or the type of the exception it raised."""
+    try:
+        return fn()
+    except Exception as error:  # noqa: BLE001 -- the stock layer's own error, whatever it is
+        return type(error)
+
+
+@pytest.mark.parametrize("axes", [2, -3, -4, -5, (1, 2), (-3, -1)])
+def test_out_of_range_norm_axes_do_what_stock_does(axes, rng, fallbacks):
+    # an axis outside [-rank, rank) must not be wrapped onto the last one by our check: the stock
+    # computation takes the call and does what it does with it (raises, or wraps the axis its way)
+    x = jnp.asarray(rng.standard_normal((4, 8)), jnp.float32)
+    for name in ("reduction_axes", "feature_axes"):
+        pairs = [(lambda cls=cls: cls(**{name: axes}).init_with_output(jax.random.key(0), x)[0])
+                 for cls in (cl_linen.LayerNorm, nn.LayerNorm, cl_linen.RMSNorm, nn.RMSNorm)]
+        pairs += [(lambda cls=cls: cls(8, **{name: axes}, rngs=nnx.Rngs(0))(x))
+                  for cls in (cl_nnx.LayerNorm, nnx.LayerNorm, cl_nnx.RMSNorm, nnx.RMSNorm)]
+        for ours, stock in zip(pairs[::2], pairs[1::2]):
+            got, want = _outcome(ours), _outcome(stock)
+            if isinstance(want, type):
+                assert got is want, (name, axes, got, want)
+            else:
+                _same(got, want)
+    assert {"LayerNorm", "RMSNorm"} <= set(fallbacks)
+
+
 def test_linen_decides_from_the_parameters_it_is_given(rng, fallbacks):
     # parameters as apply gets them, not as param_dtype would make them: NumPy float64 ones (JAX
     # reads them as float32) run the kernels' path; complex ones the stock computation
