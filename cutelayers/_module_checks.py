@@ -125,13 +125,32 @@ def norm_blocker(x, reduction_axes: Any, feature_axes: Any, **dtypes: Any) -> st
     return dtype_blocker(x=x.dtype, **dtypes)
 
 
+def check_norm_residual(module: str, x, residual) -> None:
+    """A norm call's ``residual`` (None passes): an array of a floating (or complex) dtype whose shape
+    broadcasts to x's. Checked before either path runs: the sum x + residual is kept in the
+    residual's dtype, so an integer residual would truncate the normalized input."""
+    if residual is None:
+        return
+    if not hasattr(residual, "shape") or not hasattr(residual, "dtype"):
+        raise TypeError(f"{module}: argument 'residual' must be an array; got {type(residual).__name__}")
+    if not jnp.issubdtype(residual.dtype, jnp.inexact):
+        raise TypeError(f"{module}: argument 'residual' has dtype {jnp.dtype(residual.dtype).name}; expected a "
+                        "floating dtype (the sum x + residual is kept in the residual's dtype)")
+    x_shape = tuple(jnp.shape(x))
+    try:
+        summed = jnp.broadcast_shapes(x_shape, tuple(residual.shape))
+    except ValueError:
+        summed = None
+    if summed != x_shape:
+        raise ValueError(f"{module}: argument 'residual' has shape {tuple(residual.shape)}; expected x's shape "
+                         f"{x_shape} or one that broadcasts to it")
+
+
 def residual_blocker(x, residual) -> str | None:
     """Why the fused residual add of a norm cannot take ``residual`` (None: there is none, or it
-    can): it needs an array of x's shape, bfloat16, float16 or float32."""
+    can; :func:`check_norm_residual` has passed it): it needs x's shape, bfloat16, float16 or float32."""
     if residual is None:
         return None
-    if not hasattr(residual, "shape") or not hasattr(residual, "dtype"):
-        return f"residual is a {type(residual).__name__}, not an array"
     if tuple(residual.shape) != tuple(x.shape):
         return f"residual has shape {tuple(residual.shape)}, not x's {tuple(x.shape)}"
     return dtype_blocker(residual=residual.dtype)

@@ -44,6 +44,7 @@ from jaxtyping import Array, PRNGKeyArray
 from cutelayers._module_checks import (
     array_blocker,
     check_mlp,
+    check_norm_residual,
     check_parts,
     check_tied_embedding,
     embed_blocker,
@@ -86,6 +87,7 @@ class _Norm(eqx.Module):
         residual's dtype) and return ``(normed, summed)`` in place of the normalized array -- the
         pre-norm transformer's residual add fused into the norm's kernels
         (:func:`cutelayers.ops.add_layer_norm`); normed then has the residual's dtype."""
+        check_norm_residual(type(self).__name__, x, residual)
         if getattr(x, "shape", None) != self.shape or not kernels_serve(
                 type(self).__name__, epsilon_blocker(self.eps)
                 or array_blocker(x.reshape(-1), weight=_dtype(self.weight), bias=_dtype(self.bias))

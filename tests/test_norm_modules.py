@@ -263,8 +263,25 @@ def test_residual_stock_paths(rng):
         np.testing.assert_array_equal(a, b)
     with cl.use_backend("cute"), pytest.raises(RuntimeError, match=r"RMSNorm: .*residual has shape \(8,\)"):
         m_ours(x, residual=row)
-    with cl.use_backend("cute"), pytest.raises(RuntimeError, match="LayerNorm: .*residual has dtype int32"):
-        cl_eqx.LayerNorm(8)(x[0, 0], residual=jnp.ones(8, jnp.int32))
+
+
+def test_a_residual_no_computation_takes_is_an_error(rng):
+    # on either path: an integer residual would truncate the sum (kept in the residual's dtype),
+    # and one that does not broadcast to x's shape would change the result's shape
+    x = random(rng, (2, 3, 8), jnp.float32)
+    v = nn.LayerNorm().init(jax.random.key(0), x)
+    calls = {"linen": lambda r, **kw: cl_linen.LayerNorm().apply(v, x, residual=r, **kw),
+             "nnx": lambda r, **kw: cl_nnx.RMSNorm(8, rngs=nnx.Rngs(0))(x, residual=r, **kw),
+             "equinox": lambda r, **kw: cl_eqx.LayerNorm(8)(x[0, 0], residual=r[0, 0] if getattr(r, "ndim", 0) > 1 else r)}
+    for name, call in calls.items():
+        with pytest.raises(TypeError, match=r"Norm: argument 'residual' has dtype int32; expected a floating"):
+            call(jnp.ones(x.shape, jnp.int32))
+        with pytest.raises(TypeError, match=r"Norm: argument 'residual' has dtype int32"):
+            call(jnp.ones(x.shape, jnp.int32), **({} if name == "equinox" else {"mask": x > 0}))  # stock path too
+        with pytest.raises(ValueError, match=r"Norm: argument 'residual' has shape \(5,\); expected x's shape"):
+            call(jnp.ones(5))
+        with pytest.raises(TypeError, match=r"Norm: argument 'residual' must be an array; got list"):
+            call([1.0] * 8)
 
 
 @pytest.mark.gpu

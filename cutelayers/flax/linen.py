@@ -41,6 +41,7 @@ from flax.linen.module import Module, compact
 from cutelayers._module_checks import (
     array_blocker,
     check_mlp,
+    check_norm_residual,
     check_parts,
     check_tied_embedding,
     embed_blocker,
@@ -92,6 +93,7 @@ class _Norm(Module):
         residual's dtype) and return ``(normed, summed)`` -- the pre-norm transformer's residual
         add fused into the norm's kernels (:func:`cutelayers.ops.add_layer_norm`)."""
         center = isinstance(self, nn.LayerNorm)
+        check_norm_residual(type(self).__name__, x, residual)
         names = ("scale",) * self.use_scale + ("bias",) * (center and self.use_bias)
         why = (options_blocker(axis_name=self.axis_name, axis_index_groups=self.axis_index_groups, mask=mask)
                or epsilon_blocker(self.epsilon)

@@ -45,6 +45,7 @@ from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 from cutelayers._module_checks import (
     array_blocker,
     check_mlp,
+    check_norm_residual,
     check_parts,
     check_tied_embedding,
     embed_blocker,
@@ -91,6 +92,7 @@ class _Norm(nnx.Module):
         residual's dtype) and return ``(normed, summed)`` -- the pre-norm transformer's residual
         add fused into the norm's kernels (:func:`cutelayers.ops.add_layer_norm`)."""
         center = isinstance(self, nnx.LayerNorm)
+        check_norm_residual(type(self).__name__, x, residual)
         params = [p[...] if p is not None else None for p in (self.scale, getattr(self, "bias", None))]
         why = (options_blocker(axis_name=self.axis_name, axis_index_groups=self.axis_index_groups, mask=mask,
                                promote_dtype=_custom(self.promote_dtype))
