@@ -455,3 +455,34 @@ def test_residual_is_a_keyword_as_stock_has_no_second_positional():
     for dense in (cl_linen.Dense(2), nn.Dense(2)):
         with pytest.raises(TypeError):
             dense.apply(v, x, x)
+
+
+def _strict_cases(rng):
+    """(name, fn) pairs that stock JAX / optax / Equinox code runs under 'strict' dtype promotion:
+    gradients of the losses and reductions, a boolean pooling mask, Equinox's norms on bfloat16."""
+    x = jnp.asarray(rng.standard_normal((6, 16)), jnp.bfloat16)
+    labels = jnp.arange(6) % 16
+    h = jnp.asarray(rng.standard_normal((6, 8)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((8, 16)), jnp.float32)
+    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    return {
+        "cross entropy": lambda: jax.grad(lambda x: cutelayers.ops.softmax_cross_entropy(
+            x, labels, label_smoothing=0.1, z_loss=1e-4).mean())(f32(x)),
+        "linear cross entropy": lambda: jax.grad(lambda h, w: cutelayers.ops.linear_cross_entropy(h, w, labels),
+                                                 argnums=(0, 1))(h, w),
+        "reduce_max": lambda: jax.grad(lambda x: cutelayers.ops.reduce_max(x).sum())(f32(x)),
+        "masked_mean_pool": lambda: cutelayers.ops.masked_mean_pool(x[None], jnp.arange(6)[None] < 4),
+        "equinox LayerNorm": lambda: jax.vmap(cl_eqx.LayerNorm(16))(x),
+        "equinox RMSNorm": lambda: jax.vmap(cl_eqx.RMSNorm(16))(x),
+    }
+
+
+@pytest.mark.parametrize("name", list(_strict_cases(np.random.default_rng(0))))
+def test_strict_dtype_promotion_runs_where_stock_code_does(name, rng):
+    # no implicit promotion of our own (a bool one-hot times a float, a float over an int count):
+    # the same results under 'strict' as under 'standard'
+    fn = _strict_cases(rng)[name]
+    want = fn()
+    with jax.numpy_dtype_promotion("strict"):
+        got = fn()
+    jax.tree.map(_same, got, want)

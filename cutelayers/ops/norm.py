@@ -587,7 +587,8 @@ def _check(op: str, x, residual, scale, bias, epsilon, dtype):
     # Flax's rule (flax.linen.dtypes.canonicalize_dtype): by default, the promoted dtype of the
     # normalized input (x, or the sum, in the residual's dtype) and the parameters
     normalized = x if residual is None else residual
-    promoted = functools.reduce(jnp.promote_types, [p.dtype for p in params.values()], normalized.dtype)
+    with jax.numpy_dtype_promotion("standard"):  # a rule, not arithmetic: also under 'strict' (as Equinox's norms)
+        promoted = functools.reduce(jnp.promote_types, [p.dtype for p in params.values()], normalized.dtype)
     out_dtype = promoted if dtype is None else check_dtype(op, "dtype", dtype)
     return x, residual, params, epsilon, out_dtype
 

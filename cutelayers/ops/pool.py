@@ -22,7 +22,7 @@ F32 = jnp.float32
 
 def _weights(mask):
     """(..., S) float32: 1 / count at kept positions, 0 elsewhere (and everywhere if none kept)."""
-    keep = (mask != 0).astype(F32)
+    keep = jnp.asarray(mask).astype(bool).astype(F32)  # nonzero is kept (not `!= 0`: bool masks under 'strict')
     return keep / jnp.maximum(jnp.sum(keep, axis=-1, keepdims=True), 1.0)
 
 

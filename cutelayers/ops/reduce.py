@@ -87,7 +87,7 @@ def _reduce_fn(kind: str):
         g = g.astype(jnp.float32)[..., None]
         if kind == "max":
             hit = x_or_shape == y[..., None]
-            count = jnp.sum(hit, axis=-1, keepdims=True)
+            count = jnp.sum(hit, axis=-1, keepdims=True, dtype=jnp.float32)
             # no position equals a NaN max: that row's gradient is NaN, as jax.grad(jnp.max) gives it
             dx = jnp.where(count == 0, jnp.nan, jnp.where(hit, g / count, 0.0))
         else:

@@ -412,7 +412,7 @@ def _ce_grad(x, labels, lse, dloss, cfg, classes: _ClassShard = WHOLE):
     x, t = _capped(x, cfg.soft_cap)
     p = jnp.exp(x.astype(F32) - lse[:, None])
     onehot = (jnp.arange(x.shape[-1]) + classes.offset)[None, :] == labels[:, None]
-    d = p * (1.0 + 2.0 * cfg.z_loss * lse[:, None]) - (1.0 - cfg.smoothing) * onehot - cfg.smoothing / v
+    d = p * (1.0 + 2.0 * cfg.z_loss * lse[:, None]) - (1.0 - cfg.smoothing) * onehot.astype(F32) - cfg.smoothing / v
     d = d * dloss[:, None] if t is None else d * dloss[:, None] * (1.0 - t * t)
     return jnp.where(ignored[:, None], 0.0, jnp.where(valid[:, None], d, jnp.nan))
 
