@@ -214,6 +214,18 @@ def fc1_features(activation, hidden_features: int) -> int:
     return 2 * hidden_features if is_gated(activation) else hidden_features
 
 
+def check_head_dtype(module: str, promoted, **operands) -> None:
+    """An LM head's operands must promote to a dtype the loss op computes in (it has no stock
+    computation to fall back to): a TypeError naming each operand's dtype otherwise -- under
+    jax_enable_x64 a float64 default parameter promotes a float32 ``h``."""
+    if jnp.dtype(promoted) in FLOAT_DTYPES:
+        return
+    shown = ", ".join(f"{name} {jnp.dtype(a.dtype).name}" for name, a in operands.items() if a is not None)
+    raise TypeError(f"{module}: the operands ({shown}) promote to {jnp.dtype(promoted).name}; the head computes in "
+                    f"{_KERNEL_DTYPES}: give it parameters of one of those (e.g. dtype=jnp.float32 under "
+                    "jax_enable_x64)")
+
+
 def lm_head_loss(head, h, weight, bias, labels, vocab_major: bool):
     """An ``LMHead`` module's loss: :func:`linear_cross_entropy` with the head's options, on an
     (H, V) ``weight`` or, with ``vocab_major``, a (V, H) one (a tied table, Equinox's layout)

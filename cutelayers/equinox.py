@@ -43,6 +43,7 @@ from jaxtyping import Array, PRNGKeyArray
 
 from cutelayers._module_checks import (
     array_blocker,
+    check_head_dtype,
     check_mlp,
     check_norm_residual,
     check_parts,
@@ -304,7 +305,10 @@ class LMHead(eqx.Module):
         """``h`` (..., in_features), ``labels`` (...) integers -> float32 loss: a scalar, or (...)
         for reduction="none"; ``key`` is ignored."""
         check_tied_embedding("LMHead", self.tie_embedding, embedding, self.vocab_size, self.in_features)
-        h, weight, bias = _promote(h, embedding if self.tie_embedding else self.weight, self.bias)
+        table = {"embedding": embedding} if self.tie_embedding else {"weight": self.weight}
+        promoted = _promote(h, *table.values(), self.bias)
+        check_head_dtype("LMHead", promoted[0].dtype, h=h, **table, bias=self.bias)
+        h, weight, bias = promoted
         return lm_head_loss(self, h, weight, bias, labels, vocab_major=True)
 
 

@@ -894,6 +894,20 @@ def test_equinox_lm_head(rng):
                      reference_loss(h @ embed.weight.T + tied.bias[None, None], ok, reduction="none"), F32)
 
 
+def test_equinox_lm_head_under_x64_names_the_promoting_parameter(rng):
+    # Equinox's default parameters are float64 under jax_enable_x64: they promote a float32 h, and
+    # the error says so instead of blaming h; float32 parameters run as usual
+    h = jnp.asarray(rng.standard_normal((4, 8)), F32)
+    labels = jnp.arange(4) % 16
+    with jax.enable_x64(True):
+        head = cl_eqx.LMHead(8, 16, key=jax.random.key(0))
+        with pytest.raises(TypeError, match=r"LMHead: the operands \(h float32, weight float64, bias float64\) "
+                                            r"promote to float64; the head computes in bfloat16"):
+            head(h, labels)
+        loss = cl_eqx.LMHead(8, 16, dtype=F32, key=jax.random.key(0))(h, labels)
+    assert loss.dtype == F32 and np.isfinite(loss)
+
+
 @pytest.mark.parametrize("framework", ["linen", "nnx", "equinox"])
 @pytest.mark.parametrize("tied", [False, True])
 def test_lm_head_modules_pass_the_loss_options(framework, tied, rng):
