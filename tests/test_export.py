@@ -136,6 +136,33 @@ def test_a_symbolic_row_count_exports(rng):
         assert_close(grads[0], want_grads[0], jnp.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_a_symbolic_token_count_exports_the_head_and_the_embedding_gradient(dtype, rng):
+    # the LM head cannot choose a chunk count for a symbolic token count (one chunk, then), nor the
+    # embedding gradient cut its tokens into blocks (one scatter-add): both export, for CUDA with
+    # their kernels and on the CPU with the same values as the direct call
+    tokens = jax.export.symbolic_shape("tokens")[0]
+    vocab = 256
+
+    def head_and_table_grads(h, kernel, table, labels):
+        loss, (dh, dkernel) = jax.value_and_grad(cl.ops.linear_cross_entropy, argnums=(0, 1))(h, kernel, labels)
+        dtable = jax.grad(lambda t: cl.ops.embed(t, labels).astype(jnp.float32).sum())(table)
+        return loss, dh, dkernel, dtable
+
+    specs = (jax.ShapeDtypeStruct((tokens, H), dtype), jax.ShapeDtypeStruct((H, vocab), dtype),
+             jax.ShapeDtypeStruct((vocab, H), dtype), jax.ShapeDtypeStruct((tokens,), jnp.int32))
+    exported = cl.aot.export(head_and_table_grads, *specs, platforms=("cuda", "cpu"))
+    assert str(exported.in_avals[0].shape[0]) == "tokens"
+    kinds = {t.split("_")[1] for t in cl.aot.kernel_targets(str(exported.mlir_module()))}
+    assert kinds & {"linear", "cross"}, kinds  # the head's kernels, not its reference
+    for n in (1, 7, 300):
+        args = (jnp.asarray(rng.standard_normal((n, H)), dtype), jnp.asarray(rng.standard_normal((H, vocab)), dtype),
+                jnp.asarray(rng.standard_normal((vocab, H)), dtype), jnp.asarray(rng.integers(0, vocab, n), jnp.int32))
+        for got, want in zip(exported.call(*args), jax.jit(head_and_table_grads)(*args), strict=True):
+            assert got.shape == want.shape
+            assert_close(got, want, dtype)
+
+
 def test_round_trip_in_a_fresh_process(tmp_path, rng):
     args = operands(rng)
     exported, bundle = bundle_for(args, ("cuda", "cpu"))

@@ -31,6 +31,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from cutelayers.kernels.hopper import concrete_dim
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import as_int32, check_dtype, check_float_array
 from cutelayers.ops._zeros import zeros_after
@@ -76,6 +77,9 @@ def table_grad(dy: jax.Array, ids: jax.Array, num_embeddings: int, block_tokens:
     ids, dy = ids.reshape(-1, t), dy.reshape(-1, t, h)
     # A dropped token's dy must not reach the block's sums (0 * inf is nan).
     dy = jnp.where((ids < num_embeddings)[..., None], dy, 0)
+    if concrete_dim(t) is None:  # a symbolic token count (jax.export) cannot be cut into blocks
+        zeros = zeros_after(dy, (num_embeddings, h))
+        return zeros.at[ids.reshape(-1)].add(dy.reshape(-1, h).astype(F32), mode="drop")
     block = min(block_tokens, t)
     pad = -t % block
     if pad:

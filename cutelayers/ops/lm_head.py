@@ -83,6 +83,7 @@ import jax
 import jax.numpy as jnp
 
 from cutelayers import backend as _backend
+from cutelayers.kernels.hopper import concrete_dim
 from cutelayers.ops._rowwise import check_int
 from cutelayers.ops.linear import (
     ALIGN_ELEMENTS,
@@ -152,9 +153,13 @@ def chunk_layout(lead: tuple[int, ...], vocab: int, chunk_size: int | None) -> t
     count (module docstring); padding breaks that. So the count is the first, from the fewest
     chunks up to twice that, which divides the tokens of one leading index (``lead[1:]``: then
     any even sharding of the leading axis, e.g. the batch, qualifies); else the first which
-    divides all the tokens; else (e.g. a prime token count) the fewest chunks, padded.
+    divides all the tokens; else (e.g. a prime token count) the fewest chunks, padded. A symbolic
+    token count (``jax.export``'s shape polymorphism) is one chunk: no count can be chosen for it,
+    so that program holds all the tokens' logits at once.
     """
     tokens, per_leading_index = math.prod(lead), math.prod(lead[1:])
+    if concrete_dim(tokens) is None:
+        return 1, tokens
     max_rows = chunk_size if chunk_size is not None else max(1, min(CHUNK_ROWS, LOGITS_CHUNK_BYTES // (4 * vocab)))
     fewest = -(-tokens // max_rows)
     near = range(fewest, min(2 * fewest, tokens) + 1)
