@@ -163,6 +163,29 @@ def test_a_symbolic_token_count_exports_the_head_and_the_embedding_gradient(dtyp
             assert_close(got, want, dtype)
 
 
+def test_a_symbolic_row_width_exports_the_row_ops_reference(rng):
+    # no row kernel config can be chosen for a symbolic width: the norms, losses and reductions
+    # take their reference (one fallback line each), for CUDA too, with the direct call's values;
+    # backend 'cute' refuses it naming why
+    width = jax.export.symbolic_shape("width")[0]
+
+    def row_ops(x, labels):
+        norm_grad = jax.grad(lambda x: jnp.sum(cl.ops.layer_norm(x) ** 2))(x)
+        loss, ce_grad = jax.value_and_grad(lambda x: cl.ops.softmax_cross_entropy(x, labels).mean())(x)
+        return norm_grad, loss, ce_grad, cl.ops.reduce_max(x), cl.ops.rms_norm(x)
+
+    specs = (jax.ShapeDtypeStruct((4, width), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.int32))
+    exported = cl.aot.export(row_ops, *specs, platforms=("cuda", "cpu"))
+    assert not cl.aot.kernel_targets(str(exported.mlir_module()))
+    for n in (1, 9, 700):
+        args = (jnp.asarray(rng.standard_normal((4, n)), jnp.float32), jnp.asarray(rng.integers(0, n, 4), jnp.int32))
+        for got, want in zip(exported.call(*args), jax.jit(row_ops)(*args), strict=True):
+            assert got.shape == want.shape
+            assert_close(got, want, jnp.float32)
+    with cl.use_backend("cute"), pytest.raises(RuntimeError, match=r"rows are \(width,\) wide, symbolic"):
+        jax.export.export(jax.jit(cl.ops.rms_norm), platforms=("cuda",))(specs[0])
+
+
 def test_round_trip_in_a_fresh_process(tmp_path, rng):
     args = operands(rng)
     exported, bundle = bundle_for(args, ("cuda", "cpu"))

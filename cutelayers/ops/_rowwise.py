@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cutelayers import backend as _backend
 from cutelayers.kernels.hopper import concrete_dim
 from cutelayers.kernels.reduction_config import (
     FEW_ROWS,
@@ -278,9 +279,23 @@ def normalize_axis(op: str, axis, ndim: int) -> int:
     return axis % ndim
 
 
+def symbolic_width(family: TunableFamily, operands) -> bool:
+    """Whether the rows of ``operands[0]`` (rows, ...) have a symbolic width (``jax.export``'s
+    shape polymorphism), which no config can be chosen for: then the call takes the reference,
+    after the backend's one fallback line."""
+    width = operands[0].shape[1:]
+    if all(concrete_dim(d) is not None for d in width):
+        return False
+    _backend.fall_back(family.name, f"its rows are {width} wide, symbolic; the kernels' configs need a number")
+    return True
+
+
 def call_kernel(family: TunableFamily, *operands: jax.Array) -> tuple[jax.Array, ...]:
     """``family``, its config chosen for these operands, called on them; the first operand is
-    (rows, ...), and zero rows skip the launch."""
+    (rows, ...), and zero rows skip the launch. Rows of a symbolic width take the reference
+    (:func:`symbolic_width`)."""
+    if symbolic_width(family, operands):
+        return tuple(family.reference(*operands))
     family = resolve(family, operands)
     if operands[0].shape[0] == 0:
         return tuple(jnp.zeros(o.shape, o.dtype) for o in family.out_avals(operands))

@@ -39,7 +39,14 @@ from cutelayers.kernels import norm_config
 from cutelayers.kernels.hopper import concrete_dim
 from cutelayers.kernels.reduction_config import RowConfig, can_prefetch, cut_budget, latency_geometry
 from cutelayers.ops._batching import fold_batch
-from cutelayers.ops._rowwise import RowKernelFamily, call_kernel, check_dtype, check_float_array, check_number
+from cutelayers.ops._rowwise import (
+    RowKernelFamily,
+    call_kernel,
+    check_dtype,
+    check_float_array,
+    check_number,
+    symbolic_width,
+)
 from cutelayers.runtime.family import ShardingRule
 from cutelayers.runtime.sharding import run_kernel, vary_like
 from cutelayers.tuning import resolve
@@ -470,7 +477,7 @@ def _forward_core(center: bool, has_residual: bool, has_scale: bool, has_bias: b
     def forward(*args):
         x = args[0]
         operands = (*(a.reshape(-1, x.shape[-1]) for a in args[:rows]), *args[rows:])
-        outs = call_kernel(resolve(family, operands), *operands)
+        outs = call_kernel(family, *operands)
         return (tuple(o.reshape(x.shape) for o in outs[:rows])
                 + tuple(o.reshape(x.shape[:-1]) for o in outs[rows:]))
 
@@ -486,7 +493,11 @@ def _backward_core(center: bool, has_residual: bool, has_scale: bool, has_bias: 
     def backward(*args):
         x, dy, _, mean, rstd, _ = _split_backward(args, center, has_residual, has_scale)
         rows = _backward_args(args, center, has_residual)
-        family = resolve(NormBackward(center, has_scale, has_scale, has_bias, has_residual), rows)
+        family = NormBackward(center, has_scale, has_scale, has_bias, has_residual)
+        if symbolic_width(family, rows):
+            dx, dscale, dbias = _backward_of_args(args, center, has_residual, has_scale)
+            return (dx,) + (dscale,) * has_scale + (dbias,) * has_bias
+        family = resolve(family, rows)
         # the persistent grid sized for these rows (few rows: few CTAs, few partials to sum)
         family = dataclasses.replace(family, grid=family.ctas(rows, rows[0].shape[0]))
         if not family.holds_sums(rows):
