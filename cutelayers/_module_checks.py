@@ -190,23 +190,28 @@ def op_operands(promoted, params):
     return (x, *cast)
 
 
-def finish_linear(y, activation, residual):
+def finish_linear(module: str, y, activation, residual):
     """A stock Dense / Linear result ``y`` -> ``activation(y) + residual``, what
     :func:`cutelayers.ops.fused_linear` adds in its epilogue (here in y's dtype, which may be
-    complex)."""
+    complex); a residual of another shape is refused as the op refuses it, not broadcast."""
     if activation is not None:
         fused, unfused = resolve_activation(activation)
         y = (unfused or ACTIVATION_FUNCTIONS[fused])(y)
-    return y if residual is None else y + jnp.asarray(residual).astype(y.dtype)
+    if residual is None:
+        return y
+    if tuple(jnp.shape(residual)) != tuple(y.shape):
+        raise ValueError(f"{module}: argument 'residual' has shape {tuple(jnp.shape(residual))}; expected the "
+                         f"result's shape {tuple(y.shape)}")
+    return y + jnp.asarray(residual).astype(y.dtype)
 
 
-def finish_mlp(fc1, fc2, x, activation, residual):
+def finish_mlp(module: str, fc1, fc2, x, activation, residual):
     """The stock two-layer computation ``fc2(activation(fc1(x))) + residual`` of stock Dense /
     Linear layers ``fc1`` and ``fc2`` -- for a gated activation ``fc2(act(gate) * value)``, gate
     and value the halves of fc1's output: what :func:`cutelayers.ops.mlp` computes."""
     z = fc1(x)
-    h = gated_hidden(z, activation) if is_gated(activation) else finish_linear(z, activation, None)
-    return finish_linear(fc2(h), None, residual)
+    h = gated_hidden(z, activation) if is_gated(activation) else finish_linear(module, z, activation, None)
+    return finish_linear(module, fc2(h), None, residual)
 
 
 def fc1_features(activation, hidden_features: int) -> int:

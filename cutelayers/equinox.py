@@ -171,7 +171,7 @@ class Linear(eqx.nn.Linear):
         if jnp.shape(x) != _shape(self.in_features) or not kernels_serve(
                 "Linear", empty_blocker(out_features=self.out_features)
                 or array_blocker(jnp.reshape(x, -1), weight=self.weight.dtype, bias=_dtype(self.bias))):
-            return split_result(finish_linear(super().__call__(x, key=key), self.activation, residual), parts)
+            return split_result(finish_linear("Linear", super().__call__(x, key=key), self.activation, residual), parts)
         x, weight, bias = _promote(jnp.reshape(x, -1), self.weight, self.bias)
         if parts is not None:
             return split_linear(x, weight, bias, parts=parts, kernel_layout="nk")
@@ -247,7 +247,7 @@ class MLP(eqx.Module):
         names = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
         if jnp.shape(x) != _shape(fc1.in_features) or not kernels_serve(
                 "MLP", array_blocker(jnp.reshape(x, -1), **{n: _dtype(a) for n, a in zip(names, arrays)})):
-            return finish_mlp(fc1, fc2, x, self.activation, residual)
+            return finish_mlp("MLP", fc1, fc2, x, self.activation, residual)
         x, w1, b1, w2, b2 = _promote(jnp.reshape(x, -1), *arrays)
         y = mlp(x, w1, b1, w2, b2, activation=self.activation, residual=_flat_residual(residual, x),
                 kernel_layout="nk")

@@ -445,6 +445,22 @@ def test_a_custom_promote_dtype_is_called_once_as_stock_calls_it():
     assert len(calls) == 2  # once each
 
 
+def test_a_residual_of_another_shape_is_refused_on_either_path():
+    # the kernels' path refuses a residual that is not the result's shape; the stock path (here
+    # complex inputs) must not broadcast it instead
+    for dtype, error in ((jnp.float32, r"argument 'residual' must have shape \(4, 16\)"),
+                         (jnp.complex64, r"Dense: argument 'residual' has shape \(16,\); expected the result's")):
+        x = jnp.ones((4, 8), dtype)
+        dense = cl_linen.Dense(16)
+        v = dense.init(jax.random.key(0), x)
+        with pytest.raises(ValueError, match=error):
+            dense.apply(v, x, residual=jnp.ones(16, dtype))
+    x = jnp.ones((4, 8), jnp.complex64)
+    for layer in (cl_nnx.Linear(8, 16, rngs=nnx.Rngs(0)), cl_nnx.MLP(8, 32, 16, rngs=nnx.Rngs(0))):
+        with pytest.raises(ValueError, match=r"(Linear|MLP): argument 'residual' has shape \(16,\)"):
+            layer(x, residual=jnp.ones(16, jnp.complex64))
+
+
 def test_residual_is_a_keyword_as_stock_has_no_second_positional():
     x = jnp.ones(8)
     linear = cl_eqx.Linear(8, 2, key=jax.random.key(0))

@@ -146,7 +146,7 @@ class Dense(nn.Dense):
                or array_blocker(inputs, kernel=_param_dtype(self, "kernel"), dtype=self.dtype,
                                 bias=_param_dtype(self, "bias") if self.use_bias else None))
         if not kernels_serve("Dense", why):
-            return split_result(finish_linear(super().__call__(inputs), self.activation, residual), parts)
+            return split_result(finish_linear("Dense", super().__call__(inputs), self.activation, residual), parts)
         kernel, bias = _dense_params(self, jnp.shape(inputs)[-1])
         inputs, kernel, bias = op_operands(self.promote_dtype(inputs, kernel, bias, dtype=self.dtype), (kernel, bias))
         if parts is not None:
@@ -233,7 +233,7 @@ class MLP(Module):
                     name="Dense_0", **shared)
         fc2 = Layer(self.features, kernel_init=out_kernel_init, name="Dense_1", **shared)
         if stock:
-            return finish_mlp(fc1, fc2, inputs, self.activation, residual)
+            return finish_mlp("MLP", fc1, fc2, inputs, self.activation, residual)
         w1, b1 = fc1(jnp.shape(inputs)[-1])
         w2, b2 = fc2(self.hidden_features)
         inputs, w1, b1, w2, b2 = op_operands(dtypes.promote_dtype(inputs, w1, b1, w2, b2, dtype=self.dtype),

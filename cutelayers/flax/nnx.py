@@ -150,7 +150,7 @@ class Linear(nnx.Linear):
             why = options_blocker(preferred_element_type=None if preferred is None
                                   or jnp.dtype(preferred) == x.dtype else preferred)
         if not kernels_serve("Linear", why):  # stock promotes the inputs itself
-            return split_result(finish_linear(super().__call__(inputs, out_sharding), self.activation, residual),
+            return split_result(finish_linear("Linear", super().__call__(inputs, out_sharding), self.activation, residual),
                                 parts)
         if parts is not None:
             return split_linear(x, kernel, bias, parts=parts, precision=self.precision)
@@ -228,7 +228,7 @@ class MLP(nnx.Module):
         why = array_blocker(inputs, dtype=fc1.dtype,
                             **{n: p.dtype for n, p in zip(names, params) if p is not None})
         if not kernels_serve("MLP", why):
-            return finish_mlp(fc1, fc2, inputs, self.activation, residual)
+            return finish_mlp("MLP", fc1, fc2, inputs, self.activation, residual)
         inputs, w1, b1, w2, b2 = op_operands(dtypes.promote_dtype((inputs, *params), dtype=fc1.dtype), params)
         return mlp(inputs, w1, b1, w2, b2, activation=self.activation, precision=fc1.precision,
                    residual=residual_like(residual, inputs))
