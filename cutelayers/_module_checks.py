@@ -135,7 +135,7 @@ def check_norm_residual(module: str, x, residual) -> None:
         raise TypeError(f"{module}: argument 'residual' must be an array; got {type(residual).__name__}")
     if not jnp.issubdtype(residual.dtype, jnp.inexact):
         raise TypeError(f"{module}: argument 'residual' has dtype {jnp.dtype(residual.dtype).name}; expected a "
-                        "floating dtype (the sum x + residual is kept in the residual's dtype)")
+                        "floating or complex dtype (the sum x + residual is kept in the residual's dtype)")
     x_shape = tuple(jnp.shape(x))
     try:
         summed = jnp.broadcast_shapes(x_shape, tuple(residual.shape))

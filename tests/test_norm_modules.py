@@ -274,7 +274,7 @@ def test_a_residual_no_computation_takes_is_an_error(rng):
              "nnx": lambda r, **kw: cl_nnx.RMSNorm(8, rngs=nnx.Rngs(0))(x, residual=r, **kw),
              "equinox": lambda r, **kw: cl_eqx.LayerNorm(8)(x[0, 0], residual=r[0, 0] if getattr(r, "ndim", 0) > 1 else r)}
     for name, call in calls.items():
-        with pytest.raises(TypeError, match=r"Norm: argument 'residual' has dtype int32; expected a floating"):
+        with pytest.raises(TypeError, match=r"Norm: argument 'residual' has dtype int32; expected a floating or complex"):
             call(jnp.ones(x.shape, jnp.int32))
         with pytest.raises(TypeError, match=r"Norm: argument 'residual' has dtype int32"):
             call(jnp.ones(x.shape, jnp.int32), **({} if name == "equinox" else {"mask": x > 0}))  # stock path too
