@@ -491,11 +491,11 @@ def _backward_core(center: bool, has_residual: bool, has_scale: bool, has_bias: 
     dx_only = _dx_core(center, has_residual, has_scale)
 
     def backward(*args):
-        x, dy, _, mean, rstd, _ = _split_backward(args, center, has_residual, has_scale)
+        x, dy, dsummed, mean, rstd, scale = _split_backward(args, center, has_residual, has_scale)
         rows = _backward_args(args, center, has_residual)
         family = NormBackward(center, has_scale, has_scale, has_bias, has_residual)
         if symbolic_width(family, rows):
-            dx, dscale, dbias = _backward_of_args(args, center, has_residual, has_scale)
+            dx, dscale, dbias = backward_reference(x, dy, mean, rstd, scale, dsummed)
             return (dx,) + (dscale,) * has_scale + (dbias,) * has_bias
         family = resolve(family, rows)
         # the persistent grid sized for these rows (few rows: few CTAs, few partials to sum)
