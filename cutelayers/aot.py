@@ -46,6 +46,7 @@ __all__ = ["deserialize", "export", "kernel_targets", "serialize"]
 
 BUNDLE_FORMAT = 1
 _TARGET = re.compile(r"custom_call @(cutelayers_\w+)")
+_TARGET_NAME = re.compile(r"cutelayers_\w+")
 # Versions the object files depend on at load time (cutelayers and jax do not enter the code).
 _ABI_LIBRARIES = ("nvidia-cutlass-dsl", "apache-tvm-ffi")
 
@@ -59,6 +60,9 @@ def export(fun: Callable, *args, platforms: Sequence[str] = ("cuda",), **export_
     """``jax.export.export`` of ``fun`` at ``args`` (arrays or ``jax.ShapeDtypeStruct``) that
     allows cutelayers' custom calls: their stability is ours to guarantee, through the bundle's
     version check, not XLA's list of stable targets."""
+    if isinstance(platforms, str) or not all(isinstance(p, str) for p in platforms):
+        raise TypeError(f"export: platforms={platforms!r}; expected a sequence of platform names, e.g. "
+                        "('cuda',) or ('cuda', 'cpu')")
     jitted = fun if hasattr(fun, "trace") else jax.jit(fun)
     text = jitted.trace(*args).lower(lowering_platforms=tuple(platforms)).as_text()
     checks = [jax_export.DisabledSafetyCheck.custom_call(t) for t in kernel_targets(text)]
@@ -93,7 +97,19 @@ def serialize(exported: jax_export.Exported) -> bytes:
     return buffer.getvalue()
 
 
-def _check_manifest(manifest: dict) -> None:
+def _check_manifest(manifest) -> None:
+    """Refuse a manifest not written by :func:`serialize` (its fields' types), or one whose kernels
+    this environment cannot load (library versions) or run (GPU arch)."""
+    kernels = manifest.get("kernels") if isinstance(manifest, dict) else None
+    well_formed = (
+        isinstance(kernels, list) and isinstance(manifest.get("versions"), dict)
+        and isinstance(manifest.get("arch"), (str, type(None)))
+        and all(isinstance(k, dict) and isinstance(k.get("target"), str) and _TARGET_NAME.fullmatch(k["target"])
+                and isinstance(k.get("sha256"), str) and isinstance(k.get("graph_safe"), bool) for k in kernels)
+    )
+    if not well_formed:
+        raise ValueError("deserialize: not a valid cutelayers bundle (its manifest.json lacks or mistypes "
+                         "'versions', 'arch' or a kernel's 'target', 'sha256' or 'graph_safe')")
     if manifest.get("format") != BUNDLE_FORMAT:
         raise ValueError(f"deserialize: bundle format {manifest.get('format')!r}; this cutelayers reads "
                          f"format {BUNDLE_FORMAT}")
@@ -115,15 +131,23 @@ def deserialize(data: bytes) -> jax_export.Exported:
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as bundle:
             manifest = json.loads(bundle.read("manifest.json"))
+            _check_manifest(manifest)
             exported = bundle.read("exported.jax")
             objects = {k["target"]: bundle.read(f"kernels/{k['target']}.o") for k in manifest["kernels"]}
-    except (zipfile.BadZipFile, KeyError, ValueError, zipfile.LargeZipFile) as error:
+    except (zipfile.BadZipFile, KeyError, UnicodeDecodeError, json.JSONDecodeError, zipfile.LargeZipFile) as error:
         raise ValueError(f"deserialize: not a valid cutelayers bundle ({type(error).__name__}: {error})") from None
-    _check_manifest(manifest)
+    try:
+        module = jax_export.deserialize(bytearray(exported))
+    except Exception as error:  # noqa: BLE001 -- jax reports a damaged one from deep inside (struct.error, ...)
+        raise ValueError(f"deserialize: the bundle's exported.jax is not a jax.export serialization this jax "
+                         f"reads ({type(error).__name__}: {error})") from None
+    missing = [t for t in kernel_targets(str(module.mlir_module())) if t not in objects and registered_kernel(t) is None]
+    if missing:
+        raise ValueError(f"deserialize: the bundle's function calls kernels the bundle does not carry: {missing}")
     for record in manifest["kernels"]:
         target, payload = record["target"], objects[record["target"]]
         if hashlib.sha256(payload).hexdigest() != record["sha256"]:
             raise ValueError(f"deserialize: the object of kernel {target} does not match its hash")
         if registered_kernel(target) is None:  # else the same content-named kernel is already live here
             kernel_from_object(target, payload, record["graph_safe"])
-    return jax_export.deserialize(bytearray(exported))
+    return module

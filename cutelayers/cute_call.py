@@ -25,12 +25,19 @@ they differ compiles separately.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import inspect
-from collections.abc import Callable, Hashable, Sequence
+import marshal
+import os
+import re
+import sysconfig
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from cutelayers.ops._batching import fold_batch
 from cutelayers.runtime.family import KernelFamily, ShardingRule
@@ -68,11 +75,13 @@ class UserKernel(KernelFamily):
 
     def identity(self):
         # Result shapes enter the key through out_avals (dynamic dims masked), not through here;
-        # the reference never shapes the kernel; a user compile_key stands for the launcher.
+        # the reference never shapes the kernel; a user compile_key stands for the launcher, with
+        # the code of what it reaches that has no file on disk (a notebook cell, ``python -c``).
         plan = dataclasses.replace(self, out_structs=None, user_reference=None)
         if self.compile_key is None:
             return plan
-        return (self.compile_key, dataclasses.replace(plan, user_launcher=None))
+        return (self.compile_key, dataclasses.replace(plan, user_launcher=None),
+                reached_code(self.user_launcher)[1])
 
     def sharding_rule(self, avals):
         # out_shape is the global, fixed result shape, so the kernel cannot run on a shard: under
@@ -83,12 +92,9 @@ class UserKernel(KernelFamily):
         return ShardingRule(tuple(whole(a.shape) for a in avals), tuple(whole(s) for s, _ in self.out_structs))
 
     def source_files(self):
-        # Editing the launcher's module invalidates its disk cache entries.
-        try:
-            path = inspect.getsourcefile(inspect.unwrap(self.user_launcher))
-        except TypeError:  # no Python source (a builtin or C-extension callable)
-            path = None
-        return (path,) if path else ()
+        # Editing the launcher's module, or a user module it reaches (its kernel's), invalidates
+        # the disk cache entries.
+        return reached_code(self.user_launcher)[0]
 
     def out_avals(self, avals):
         return tuple(jax.ShapeDtypeStruct(s, d) for s, d in self.out_structs)
@@ -124,31 +130,137 @@ class UserKernel(KernelFamily):
         flat, tree = jax.tree.flatten(outs)
         if tree != self.out_tree:
             raise ValueError(f"reference of {self.kernel_name!r} returned structure {tree}; out_shape is {self.out_tree}")
+        for i, (out, (shape, dtype)) in enumerate(zip(flat, self.out_structs)):
+            got = (tuple(jnp.shape(out)), jnp.result_type(out).name)
+            if got != (shape, dtype):
+                raise ValueError(f"reference of {self.kernel_name!r} returned {got[1]}{list(got[0])} as output "
+                                 f"{i}, where out_shape declares {dtype}{list(shape)}")
         return tuple(flat)
 
 
-def _positional_tensor_params(launcher) -> int | None:
-    """How many tensors the launcher takes after ``stream`` (None: it takes *args)."""
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+_INSTALLED = tuple(os.path.join(p, "") for p in
+                   {sysconfig.get_path(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")} if p)
+
+
+def _file_of(obj) -> str | None:
+    """``obj``'s source file if it is on disk (not a notebook cell's or ``python -c``'s)."""
+    try:
+        path = inspect.getsourcefile(obj)
+    except TypeError:  # builtins, C extensions
+        return None
+    return os.path.abspath(path) if path and os.path.isfile(path) else None
+
+
+def _is_user_code(obj, home: str) -> bool:
+    """Whether ``obj`` (a function or module) is the user's: in ``__main__``, in the launcher's
+    own top-level package ``home``, or in a file outside the Python installation and cutelayers."""
+    module = obj.__name__ if inspect.ismodule(obj) else getattr(obj, "__module__", None) or ""
+    if module == "__main__" or module.partition(".")[0] == home:
+        return module != "cutelayers" and not module.startswith("cutelayers.")
+    path = _file_of(obj)
+    return bool(path) and not path.startswith((os.path.join(_PACKAGE, ""), *_INSTALLED))
+
+
+def _names(code) -> set[str]:
+    """The global names ``code`` and the code nested in it use."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _names(const)
+    return names
+
+
+@functools.lru_cache(maxsize=256)
+def reached_code(launcher) -> tuple[tuple[str, ...], str]:
+    """The user code ``launcher`` reaches, for the disk cache's key: the source files of the
+    launcher, of the user functions it calls (its ``@cute.kernel`` functions, transitively) and of the user
+    modules it names; and a digest of those functions' code that has no file on disk."""
+    root = inspect.unwrap(launcher)
+    home = (getattr(root, "__module__", None) or "").partition(".")[0]
+    files, fileless, seen, todo = {}, [], set(), [root]
+    while todo:
+        fn = inspect.unwrap(todo.pop())
+        if id(fn) in seen or not inspect.isfunction(fn):
+            continue
+        seen.add(id(fn))
+        path = _file_of(fn)
+        if path:
+            files[path] = None
+        else:
+            try:
+                fileless.append(inspect.getsource(fn).encode())
+            except OSError:  # ``python -c``: the code itself
+                fileless.append(marshal.dumps(fn.__code__))
+        cells = [c.cell_contents for c in fn.__closure__ or () if c.cell_contents is not None]
+        for obj in [fn.__globals__[n] for n in _names(fn.__code__) if n in fn.__globals__] + cells:
+            if inspect.ismodule(obj) and _is_user_code(obj, home) and _file_of(obj):
+                files[_file_of(obj)] = None
+            elif inspect.isfunction(obj) and _is_user_code(inspect.unwrap(obj), home):
+                todo.append(obj)
+    return tuple(sorted(files)), hashlib.sha256(b"".join(fileless)).hexdigest() if fileless else ""
+
+
+def _tensor_params(launcher, constexpr: Mapping[str, Any]) -> tuple[int, int] | None:
+    """How many tensors the launcher takes after ``stream``: (fewest, most), its positional
+    parameters less those the constexpr keywords fill, the fewest without the defaulted ones
+    (None: it takes *args)."""
     try:
         params = list(inspect.signature(launcher).parameters.values())
     except (TypeError, ValueError):
         return None
     if any(p.kind is p.VAR_POSITIONAL for p in params):
         return None
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return len(positional) - 1
+    positional = [p for p in params[1:] if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                  and p.name not in constexpr]
+    return sum(p.default is p.empty for p in positional), len(positional)
+
+
+def _dims(where: str, shape) -> tuple:
+    """``shape`` as a tuple of dims: ints >= 0, or ``jax.export`` symbolic dims."""
+    dims = []
+    for d in shape:
+        if jax.export.is_symbolic_dim(d):
+            dims.append(d)
+        elif isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0:
+            dims.append(int(d))
+        else:
+            raise ValueError(f"cute_call: {where} has shape {tuple(shape)}; dims must be integers >= 0 "
+                             "(or jax.export symbolic dims)")
+    return tuple(dims)
+
+
+def _check_aliases(aliases) -> tuple[tuple[int, int], ...]:
+    if aliases is None:
+        return ()
+    if not isinstance(aliases, Mapping):
+        raise TypeError(f"cute_call: input_output_aliases={aliases!r}; expected a dict {{input leaf index: "
+                        "output leaf index}}")
+    for i, o in aliases.items():
+        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0 for v in (i, o)):
+            raise ValueError(f"cute_call: input_output_aliases {i!r}: {o!r}; indices must be integers >= 0 "
+                             "(leaf positions among the inputs and among out_shape's leaves)")
+    outputs = [int(o) for o in aliases.values()]
+    if len(set(outputs)) != len(outputs):
+        raise ValueError(f"cute_call: input_output_aliases={dict(aliases)!r} writes one output in place of two "
+                         "inputs; each output takes at most one input's buffer")
+    return tuple(sorted((int(i), int(o)) for i, o in aliases.items()))
 
 
 def _check_modes(kind: str, modes, ranks: Sequence[int]):
     if modes is None:
         return (None,) * len(ranks)
-    modes = tuple(modes)
+    if not isinstance(modes, (tuple, list)):
+        raise TypeError(f"{kind}_modes={modes!r}; expected one entry per {kind} array: None or a tuple of dims")
     if len(modes) != len(ranks):
         raise ValueError(f"{kind}_modes has {len(modes)} entries; there are {len(ranks)} {kind} arrays")
     out = []
     for i, (m, rank) in enumerate(zip(modes, ranks)):
         if m is not None:
-            m = tuple(int(a) for a in m)
+            if not isinstance(m, (tuple, list)) or not all(isinstance(a, int) for a in m):
+                raise TypeError(f"{kind}_modes[{i}] = {m!r}; expected None or a tuple of dims such as "
+                                f"{tuple(range(rank))}")
+            m = tuple(m)
             if sorted(m) != list(range(rank)):
                 raise ValueError(
                     f"{kind}_modes[{i}] = {m} is not a permutation of the dims of a rank-{rank} array "
@@ -162,6 +274,9 @@ def _dynamic_spec(dynamic_dims, ranks: Sequence[int]) -> tuple[tuple[int, ...], 
     """Normalize ``dynamic_dims``: one tuple for every array, or one tuple per array."""
     if dynamic_dims is ... or dynamic_dims is None:
         dynamic_dims = (0,)
+    if not isinstance(dynamic_dims, (tuple, list)):
+        raise TypeError(f"dynamic_dims={dynamic_dims!r}; expected a tuple of dims for every array, e.g. (0,), "
+                        "or one such tuple per array")
     dynamic_dims = tuple(dynamic_dims)
     per_array = dynamic_dims and all(isinstance(d, (tuple, list)) for d in dynamic_dims)
     spec = tuple(tuple(d) for d in dynamic_dims) if per_array else (dynamic_dims,) * len(ranks)
@@ -172,6 +287,21 @@ def _dynamic_spec(dynamic_dims, ranks: Sequence[int]) -> tuple[tuple[int, ...], 
             if not isinstance(d, int) or not -rank <= d < max(rank, 1):
                 raise ValueError(f"dynamic_dims entry {i} names dim {d!r}, but that array has rank {rank}")
     return tuple(tuple(sorted({d % rank for d in dims})) if rank else () for dims, rank in zip(spec, ranks))
+
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _kernel_name(name, launcher) -> str:
+    """``name``, which becomes part of the kernel's FFI target (``cutelayers_<name>_<digest>``)."""
+    if name is None:
+        return re.sub(r"[^A-Za-z0-9_]", "_", getattr(launcher, "__name__", "")) or "cute_call"
+    if not isinstance(name, str):
+        raise TypeError(f"cute_call: name={name!r}; expected a str")
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"cute_call: name={name!r}; expected ASCII letters, digits and underscores, not "
+                         "starting with a digit (it names the kernel's FFI target)")
+    return name
 
 
 def cute_call(
@@ -227,15 +357,22 @@ def cute_call(
             hash(value)
         except TypeError:
             raise TypeError(f"cute_call: keyword {key!r} = {value!r} is not hashable; constexpr values must be") from None
+    try:
+        hash(compile_key)
+    except TypeError:
+        raise TypeError(f"cute_call: compile_key={compile_key!r} is not hashable; pass e.g. a str or a tuple") from None
+    if not isinstance(graph_safe, bool):
+        raise TypeError(f"cute_call: graph_safe={graph_safe!r}; expected True or False")
     out_leaves, out_tree = jax.tree.flatten(out_shape)
     for i, leaf in enumerate(out_leaves):
         if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
             raise TypeError(f"cute_call: out_shape leaf {i} is {leaf!r}; expected jax.ShapeDtypeStruct")
         cutlass_dtype(leaf.dtype)  # raises for dtypes CuTe cannot take
-    out_structs = tuple((tuple(int(d) for d in leaf.shape), jnp.dtype(leaf.dtype).name) for leaf in out_leaves)
-    kernel_name = name or getattr(launcher, "__name__", "cute_call")
-    aliases = tuple(sorted((int(i), int(o)) for i, o in (input_output_aliases or {}).items()))
-    expected_tensors = _positional_tensor_params(launcher)
+    out_structs = tuple((_dims(f"out_shape leaf {i}", leaf.shape), jnp.dtype(leaf.dtype).name)
+                        for i, leaf in enumerate(out_leaves))
+    kernel_name = _kernel_name(name, launcher)
+    aliases = _check_aliases(input_output_aliases)
+    tensor_params = _tensor_params(launcher, constexpr)
 
     def call(*inputs):
         flat, in_tree = jax.tree.flatten(inputs)
@@ -248,11 +385,12 @@ def cute_call(
                 raise TypeError(f"{kernel_name}: input leaf {i}: {e}") from None
         check_arrays({f"input[{i}]": x for i, x in enumerate(flat)}, kernel_name)
         n_kept = len(out_leaves) - len(aliases)
-        if expected_tensors is not None and expected_tensors != len(flat) + n_kept:
+        if tensor_params is not None and not tensor_params[0] <= len(flat) + n_kept <= tensor_params[1]:
+            fewest, most = tensor_params
             raise TypeError(
-                f"{kernel_name}: the launcher takes {expected_tensors} tensors after stream, but the "
-                f"call passes {len(flat)} input(s) and {n_kept} output(s) (launcher(stream, *inputs, "
-                "*outputs, **constexpr); outputs aliased to inputs are not passed)"
+                f"{kernel_name}: the launcher takes {fewest if fewest == most else f'{fewest} to {most}'} "
+                f"tensors after stream, but the call passes {len(flat)} input(s) and {n_kept} output(s) "
+                "(launcher(stream, *inputs, *outputs, **constexpr); outputs aliased to inputs are not passed)"
             )
         for i, o in aliases:
             if i >= len(flat) or o >= len(out_leaves):
@@ -285,7 +423,19 @@ def rowwise_vmap(fn: Callable, *, shared: tuple[int, ...] = ()) -> Callable:
     arrays) whose leading dims are rows, lined up across arguments, with outputs row-wise too.
     A batched ``shared`` argument (per-example parameters) falls back to ``jax.lax.map``.
     """
-    return fold_batch(fn, shared=tuple(shared))
+    if not isinstance(shared, (tuple, list)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in shared):
+        raise TypeError(f"rowwise_vmap: shared={shared!r}; expected a tuple of argument positions (ints >= 0)")
+    folded = fold_batch(fn, shared=tuple(shared))
+
+    @functools.wraps(fn)
+    def call(*args):
+        if shared and max(shared) >= len(args):
+            raise ValueError(f"rowwise_vmap: shared={tuple(shared)} names argument {max(shared)}, but "
+                             f"{getattr(fn, '__name__', 'the function')} was called with {len(args)}")
+        return folded(*args)
+
+    return call
 
 
 def custom_op(forward: Callable, backward: Callable, *, rowwise: bool = False):

@@ -1,7 +1,10 @@
 """cutelayers.cute_call: user kernels through the same primitive, cache and checks as the layers."""
 
 import os
+import subprocess
 import sys
+import textwrap
+import types
 
 import jax
 import jax.numpy as jnp
@@ -127,6 +130,124 @@ def test_misuse_errors(uk):
         jax.grad(lambda x: uk.add(x).sum())(x)
     with pytest.raises(NotImplementedError, match="Batching"):
         jax.vmap(uk.add)(jnp.ones((2, 8)))
+
+
+def test_argument_errors_name_the_argument(uk):
+    x = jnp.ones((8,), jnp.float32)
+    aval = jax.ShapeDtypeStruct((8,), jnp.float32)
+    cases = [
+        ({"dynamic_dims": 0}, TypeError, r"dynamic_dims=0; expected a tuple of dims"),
+        ({"input_modes": 0}, TypeError, r"input_modes=0; expected one entry per input array"),
+        ({"input_modes": (0,)}, TypeError, r"input_modes\[0\] = 0; expected None or a tuple of dims"),
+        ({"input_output_aliases": [(0, 0)]}, TypeError, r"input_output_aliases=\[\(0, 0\)\]; expected a dict"),
+        ({"input_output_aliases": {0: -1}}, ValueError, r"input_output_aliases 0: -1; indices must be integers >= 0"),
+        ({"input_output_aliases": {-1: 0}}, ValueError, r"input_output_aliases -1: 0; indices must be integers >= 0"),
+        ({"input_output_aliases": {0: 0, 1: 0}}, ValueError, r"writes one output in place of two inputs"),
+        ({"compile_key": ["v1"]}, TypeError, r"compile_key=\['v1'\] is not hashable"),
+        ({"name": 123}, TypeError, r"name=123; expected a str"),
+        ({"name": "add-v2"}, ValueError, r"name='add-v2'; expected ASCII letters, digits and underscores"),
+        ({"name": "my.add"}, ValueError, r"name='my.add'"),
+        ({"graph_safe": "no"}, TypeError, r"graph_safe='no'; expected True or False"),
+        ({"out_shape": jax.ShapeDtypeStruct((-1,), jnp.float32)}, ValueError,
+         r"out_shape leaf 0 has shape \(-1,\); dims must be integers >= 0"),
+        ({"out_shape": types.SimpleNamespace(shape=(8.5,), dtype=jnp.float32)}, ValueError,
+         r"out_shape leaf 0 has shape \(8.5,\)"),
+    ]
+    for kwargs, error, message in cases:
+        with pytest.raises(error, match=message):
+            cl.cute_call(uk.add_launcher, **{"out_shape": aval, **kwargs})(x)
+
+
+def test_a_reference_that_disagrees_with_out_shape_is_named(uk):
+    x = jnp.ones((8,), jnp.float32)
+    for out, want in [(jax.ShapeDtypeStruct((8,), jnp.bfloat16),
+                       r"returned float32\[8\] as output 0, where out_shape declares bfloat16\[8\]"),
+                      (jax.ShapeDtypeStruct((8, 1), jnp.float32), r"returned float32\[8\] as output 0, where out_shape declares float32\[8, 1\]")]:
+        f = cl.cute_call(uk.add_launcher, out_shape=out, name="add", reference=lambda x, amount: x + amount, amount=1.0)
+        for call in (f, jax.jit(f)):
+            with pytest.raises(ValueError, match=r"reference of 'add' " + want):
+                call(x)
+
+
+def test_a_constant_may_be_a_plain_parameter(uk):
+    aval = jax.ShapeDtypeStruct((64,), jnp.float32)
+    for kwargs in ({"amount": 2.0}, {}):  # given, and left to its default
+        f = cl.cute_call(uk.add_launcher_positional, out_shape=aval, name="add_positional", **kwargs)
+        assert "custom_call @cutelayers_add_positional_" in lower_cuda(f, aval)
+    assert cl.cache_info()["add_positional"].compiles == 2
+    with pytest.raises(TypeError, match=r"takes 2 to 3 tensors after stream, but the call passes 3 input\(s\)"):
+        cl.cute_call(uk.add_launcher_positional, out_shape=aval)(*[jnp.ones(64)] * 3)
+
+
+def test_a_symbolic_row_count_exports_a_user_kernel(uk):
+    def add(x):
+        return cl.cute_call(uk.add_launcher, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), name="add",
+                            compile_key="add/v1", reference=lambda x, amount: x + amount, amount=1.5)(x)
+
+    spec = jax.ShapeDtypeStruct(jax.export.symbolic_shape("b"), jnp.float32)
+    exported = cl.aot.export(add, spec, platforms=("cuda", "cpu"))
+    assert len(cl.aot.kernel_targets(str(exported.mlir_module()))) == 1
+    for n in (1, 300):
+        np.testing.assert_array_equal(exported.call(jnp.arange(n, dtype=jnp.float32)), np.arange(n) + 1.5)
+
+
+def write_module(folder, name, source):
+    path = folder / f"{name}.py"
+    path.write_text(textwrap.dedent(source))
+    return str(path)
+
+
+def test_the_disk_key_covers_the_user_code_a_launcher_reaches(tmp_path, monkeypatch):
+    from cutelayers.cute_call import reached_code
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    kernels = write_module(tmp_path, "cc_kernels", """
+        def helper(x):
+            return x + 1.0
+        def kernel(x):
+            return helper(x)
+        """)
+    consts = write_module(tmp_path, "cc_consts", "TILE = 128\n")
+    launch = write_module(tmp_path, "cc_launch", """
+        import numpy as np
+        import cutelayers
+        import cc_consts
+        from cc_kernels import kernel
+        def launcher(stream, x, y):
+            return kernel(x) * cc_consts.TILE + np.float32(cutelayers.__name__ == "cutelayers")
+        """)
+    import cc_launch
+
+    files, fileless = reached_code(cc_launch.launcher)
+    assert set(files) == {kernels, consts, launch}  # not numpy's, nor cutelayers' own (hashed apart)
+    assert fileless == ""
+
+    def digest_of(source):  # a launcher with no file on disk (python -c): its code is the key
+        namespace = {}
+        exec(compile(textwrap.dedent(source), "<string>", "exec"), namespace)  # noqa: S102 -- as python -c does
+        return reached_code(namespace["launcher"])
+
+    one = digest_of("def launcher(stream, x, y):\n    return x + 1.0\n")
+    assert one[0] == () and one[1]
+    assert digest_of("def launcher(stream, x, y):\n    return x + 1.0\n") == one
+    assert digest_of("def launcher(stream, x, y):\n    return x + 2.0\n") != one
+
+
+def test_unkeyed_kernels_of_two_processes_have_different_targets():
+    # A bundle's unkeyed kernel, loaded beside the loader's own, must not share its FFI target.
+    code = textwrap.dedent("""
+        import jax, jax.numpy as jnp, cutelayers as cl
+        from user_kernels import add_launcher
+        aval = jax.ShapeDtypeStruct((64,), jnp.float32)
+        f = cl.cute_call(add_launcher, out_shape=aval, name="unkeyed")
+        print(cl.aot.kernel_targets(jax.jit(f).trace(aval).lower(lowering_platforms=("cuda",)).as_text()))
+        """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]),
+           "CUTELAYERS_CACHE_DIR": ""}
+    runs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    targets = [run.communicate(timeout=240)[0].strip().splitlines()[-1] for run in runs]
+    assert all(run.returncode == 0 for run in runs)
+    assert targets[0].startswith("['cutelayers_unkeyed_") and targets[0] != targets[1]
 
 
 def test_example_custom_op_grads_and_vmap(rng, ck):

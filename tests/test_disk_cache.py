@@ -183,6 +183,10 @@ def test_default_directory_is_the_user_cache(monkeypatch, tmp_path):
     monkeypatch.delenv("CUTELAYERS_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert disk_cache.cache_dir() == tmp_path / "cutelayers" / "kernels"
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for ignored in ("relative/cache", ""):  # the XDG spec: a relative path is invalid, ignore it
+        monkeypatch.setenv("XDG_CACHE_HOME", ignored)
+        assert disk_cache.cache_dir() == tmp_path / "home" / ".cache" / "cutelayers" / "kernels"
 
 
 @pytest.mark.cute

@@ -212,7 +212,7 @@ def test_round_trip_runs_the_kernels_on_gpu(tmp_path, rng):
         np.testing.assert_array_equal(got, np.asarray(want, np.float32))  # the same kernels, bit for bit
 
 
-def test_damaged_or_foreign_bundles_are_refused(rng):
+def test_damaged_or_foreign_bundles_are_refused(rng, monkeypatch):
     _, bundle = bundle_for(operands(rng), ("cuda",))
     manifest = json.loads(zipfile.ZipFile(io.BytesIO(bundle)).read("manifest.json"))
     first = f"kernels/{manifest['kernels'][0]['target']}.o"
@@ -228,3 +228,19 @@ def test_damaged_or_foreign_bundles_are_refused(rng):
         cl.aot.deserialize(b"PK\x03\x04 not really a zip")
     with pytest.raises(ValueError, match="not a valid cutelayers bundle"):
         cl.aot.deserialize(rewrite(bundle, "manifest.json", lambda d: b"{"))
+    for broken in ([], {**manifest, "versions": None}, {k: v for k, v in manifest.items() if k != "versions"},
+                   {**manifest, "kernels": [{"target": manifest["kernels"][0]["target"]}]}):
+        with pytest.raises(ValueError, match="not a valid cutelayers bundle"):
+            cl.aot.deserialize(rewrite(bundle, "manifest.json", lambda d, m=broken: json.dumps(m).encode()))
+    with pytest.raises(ValueError, match="exported.jax is not a jax.export serialization"):
+        cl.aot.deserialize(rewrite(bundle, "exported.jax", lambda d: b"garbage"))
+    carries_none = rewrite(bundle, "manifest.json", lambda d: json.dumps({**manifest, "kernels": []}).encode())
+    monkeypatch.setattr(cl.aot, "registered_kernel", lambda target: None)  # as in a fresh process
+    with pytest.raises(ValueError, match="calls kernels the bundle does not carry: .*cutelayers_"):
+        cl.aot.deserialize(carries_none)
+
+
+def test_export_names_a_platforms_string():
+    spec = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+    with pytest.raises(TypeError, match=r"platforms='cuda'; expected a sequence of platform names"):
+        cl.aot.export(jnp.sin, spec, platforms="cuda")

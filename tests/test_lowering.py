@@ -109,8 +109,12 @@ def test_backend_switch_is_not_served_from_jit_cache():
 
 
 @pytest.mark.cute
-def test_cute_backend_without_a_hopper_target_is_an_error(monkeypatch):
-    monkeypatch.delenv("CUTE_DSL_ARCH")
+@pytest.mark.parametrize("arch", [None, "sm_9x", "sm_100a", "SM_90A"])
+def test_cute_backend_without_a_hopper_target_is_an_error(monkeypatch, arch):
+    if arch is None:
+        monkeypatch.delenv("CUTE_DSL_ARCH")
+    else:  # a target the kernels are not built for (sm_9x: not an arch at all)
+        monkeypatch.setenv("CUTE_DSL_ARCH", arch)
     with cl.use_backend("cute"), pytest.raises(RuntimeError, match="needs a Hopper GPU"):
         lower_cuda(cl.ops.reduce_sum, jax.ShapeDtypeStruct((8, 64), jnp.float32))
     # auto falls back to the reference and says why

@@ -50,3 +50,9 @@ def transpose_call(x):
     return cl.cute_call(copy_rows_launcher, out_shape=jax.ShapeDtypeStruct(x.shape[::-1], x.dtype),
                         input_modes=[(1, 0)], dynamic_dims=[(0,), (1,)], name="transpose_view",
                         reference=lambda x: x.T)(x)
+
+
+@cute.jit
+def add_launcher_positional(stream, x: cute.Tensor, y: cute.Tensor, amount: cutlass.Constexpr = 1.0):
+    """add_launcher with its constant a plain parameter (passed by keyword all the same)."""
+    add_kernel(x, y, amount).launch(grid=[cute.ceil_div(x.shape[0], 128), 1, 1], block=[128, 1, 1], stream=stream)

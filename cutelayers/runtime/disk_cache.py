@@ -38,11 +38,14 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # an object repr: not stable acros
 
 def user_cache_path(variable: str, *parts: str) -> Path | None:
     """``$variable`` if set (an empty value: None, the feature is off), else ``parts`` under
-    ``$XDG_CACHE_HOME/cutelayers`` or ``~/.cache/cutelayers``."""
+    ``$XDG_CACHE_HOME/cutelayers`` (an absolute path; the XDG spec ignores a relative one) or
+    ``~/.cache/cutelayers``."""
     configured = os.environ.get(variable)
     if configured is not None:
         return Path(configured).expanduser() if configured else None
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):  # unset, empty or relative: the XDG spec says to ignore it
+        base = os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base).joinpath("cutelayers", *parts)
 
 
@@ -122,14 +125,17 @@ class DiskEntry:
 
     @property
     def digest(self) -> str:
+        """SHA-256 of the key text: the entry's file names."""
         return hashlib.sha256(self.key_text.encode()).hexdigest()
 
     @property
     def object_path(self) -> Path:
+        """The compiled kernel's relocatable object."""
         return self.directory / f"{self.digest}.o"
 
     @property
     def meta_path(self) -> Path:
+        """The metadata: key text, the object's size and SHA-256."""
         return self.directory / f"{self.digest}.json"
 
     def load(self):

@@ -42,10 +42,12 @@ class Aval(Protocol):
     """What hooks read of an operand or result."""
 
     @property
-    def shape(self) -> tuple[int, ...]: ...
+    def shape(self) -> tuple[int, ...]:
+        """The array's dims."""
 
     @property
-    def dtype(self) -> Any: ...
+    def dtype(self) -> Any:
+        """The array's dtype."""
 
 
 Factors = tuple[str | None, ...]  # per dim: a factor name, or None (the kernel needs it whole)

@@ -32,8 +32,8 @@ import functools
 import hashlib
 import importlib.metadata
 import importlib.util
-import itertools
 import os
+import secrets
 import sys
 import tempfile
 import threading
@@ -92,9 +92,12 @@ def target_arch() -> tuple[str | None, str]:
     return None, "no CUDA device visible and CUTE_DSL_ARCH unset"
 
 
+HOPPER_ARCHS = ("sm_90a", "sm_90")  # what the kernels are built for (wgmma, TMA, clusters)
+
+
 def kernels_supported(arch: str | None) -> bool:
-    """Whether kernels built for ``arch`` (from :func:`target_arch`) can run: Hopper, sm_9x."""
-    return arch is not None and arch.startswith("sm_9")
+    """Whether kernels built for ``arch`` (from :func:`target_arch`) can run: Hopper."""
+    return arch in HOPPER_ARCHS
 
 
 # What building and calling kernels imports, by module, and the distribution that brings it: the
@@ -171,6 +174,7 @@ class CompiledKernel:
     _object: bytes | None = None
 
     def object_bytes(self) -> bytes:
+        """The kernel's relocatable object (what the disk cache and an export bundle store)."""
         if self._object is None:
             self._object = disk_cache.object_bytes(self.owner)
         return self._object
@@ -178,7 +182,6 @@ class CompiledKernel:
 
 _REGISTERED: dict[str, CompiledKernel] = {}  # FFI target -> kernel; XLA registrations are for life
 _REGISTER_LOCK = threading.Lock()
-_UNIQUE = itertools.count()
 
 
 def register_kernel(kernel: CompiledKernel) -> None:
@@ -214,6 +217,7 @@ class CompileJob:
 
     @property
     def name(self) -> str:
+        """The kernel family's name."""
         return self.family.name
 
 
@@ -318,8 +322,9 @@ def ffi_target_for(family: KernelFamily, avals, out_avals) -> str:
     key = (static_key(family, avals, out_avals), arch, library_versions())
     key_text = disk_cache.stable_key_text((key, disk_cache.source_digest(family.source_files())))
     # A stable key names its target by content (the same name in every process, which exported
-    # modules rely on); an unstable one (a user launcher without compile_key) gets a unique name.
-    digest = hashlib.sha256(key_text.encode()).hexdigest() if key_text else f"{next(_UNIQUE):016d}"
+    # modules rely on); an unstable one (a user launcher without compile_key) gets a random name,
+    # which no other process's kernel has: a bundle's and the loader's own kernels never collide.
+    digest = hashlib.sha256(key_text.encode()).hexdigest() if key_text else secrets.token_hex(8)
     target = f"cutelayers_{family.name}_{digest[:16]}"
     entry = disk_cache.entry_for(key_text)
     job = CompileJob(family, _shapes(avals), _shapes(out_avals), target, entry)
