@@ -333,8 +333,10 @@ def cute_call(
       compile_key: a hashable that identifies the launcher (instead of the function object), so
         re-created launchers share compiled kernels. Only kernels with a compile_key (whose repr,
         like the constexpr values', is the same in every process) are kept in the disk cache, keyed
-        also by a hash of the launcher's source file; others are compiled once per process.
-      name: kernel name in cache statistics and profiles (default: the launcher's name).
+        also by a hash of the user code the launcher reaches (:func:`reached_code`); others are
+        compiled once per process.
+      name: kernel name in cache statistics, profiles and its FFI target: ASCII letters, digits and
+        underscores (default: the launcher's name).
       reference: optional jnp function with the kernel's inputs/outputs (and the constexpr
         keywords); used on non-CUDA platforms and under the 'reference' backend.
       graph_safe: whether the kernel may be captured in CUDA graphs.
