@@ -181,6 +181,7 @@ def reached_code(launcher) -> tuple[tuple[str, ...], str]:
     files, fileless, seen, todo = {}, [], set(), [root]
     while todo:
         fn = inspect.unwrap(todo.pop())
+        fn = getattr(fn, "__func__", fn) if inspect.ismethod(fn) else fn  # a launcher may be a method
         if id(fn) in seen or not inspect.isfunction(fn):
             continue
         seen.add(id(fn))
