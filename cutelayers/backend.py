@@ -16,9 +16,10 @@ argument only the stock module implements -- goes through :func:`fall_back`: one
 parameters at decode rows: :func:`cutelayers.ops.linear.choose_kernels`), :func:`fall_back` picks
 the reference under ``auto`` (one log line) and leaves ``cute`` with the kernels it asks for.
 
-Set it with the ``CUTELAYERS_BACKEND`` environment variable or, for a region of code, with
-:func:`use_backend`. The setting is part of JAX's jit cache key, so a function jitted under one
-backend is re-traced, not silently reused, under another.
+Set it with the ``CUTELAYERS_BACKEND`` environment variable (unset or empty: ``auto``; another
+value is a ``ValueError`` where the backend is read, :func:`current_backend`) or, for a region of
+code, with :func:`use_backend`. The setting is part of JAX's jit cache key, so a function jitted
+under one backend is re-traced, not silently reused, under another.
 """
 
 from __future__ import annotations
@@ -33,18 +34,19 @@ BACKENDS = ("auto", "cute", "reference")
 
 logger = logging.getLogger("cutelayers")
 
-_env = os.environ.get("CUTELAYERS_BACKEND", "auto") or "auto"
-if _env not in BACKENDS:
-    raise ValueError(
-        f"CUTELAYERS_BACKEND={_env!r} is not a backend; allowed: {', '.join(BACKENDS)}"
-    )
+ENV_VARIABLE = "CUTELAYERS_BACKEND"
+# The option named cutelayers_backend takes its default from $CUTELAYERS_BACKEND (JAX reads it) and
+# JAX refuses, at import, a value not among its enum values. So the value set, whatever it is, is
+# one of them, and current_backend() -- the point of use -- says what is wrong with it; empty is
+# unset (auto).
+_env = os.environ.get(ENV_VARIABLE, "")
 
 # A JAX config state rather than a plain context variable: JAX then keys its jit and trace caches
 # on it, so switching backends can never reuse an executable lowered for the other one.
 _backend_state = enum_state(
     name="cutelayers_backend",
-    enum_values=list(BACKENDS),
-    default=_env,
+    enum_values=list(dict.fromkeys([*BACKENDS, _env])),
+    default="auto",
     help="cutelayers backend: auto, cute or reference.",
     include_in_jit_key=True,
     include_in_trace_context=True,
@@ -52,8 +54,14 @@ _backend_state = enum_state(
 
 
 def current_backend() -> str:
-    """The backend in force here: ``"auto"``, ``"cute"`` or ``"reference"``."""
-    return _backend_state.value
+    """The backend in force here: ``"auto"``, ``"cute"`` or ``"reference"``. Raises ValueError
+    where that is the setting of ``$CUTELAYERS_BACKEND`` and names none of them."""
+    value = _backend_state.value
+    if value in BACKENDS:
+        return value
+    if value == "":
+        return "auto"
+    raise ValueError(f"{ENV_VARIABLE}={value!r} is not a backend; allowed: {', '.join(BACKENDS)} (or unset: auto)")
 
 
 def use_backend(name: str) -> Iterator[None]:

@@ -5,8 +5,8 @@ The forward pass is the one :mod:`models.common` describes (the residual add fus
 
 Leaves (float32): ``wte.weight``, ``wpe.weight``, ``blocks[i].{ln1,ln2}.{weight,bias}``,
 ``blocks[i].{qkv,attn_out}.{weight,bias}``, ``blocks[i].mlp.{fc1,fc2}.{weight,bias}`` (weights
-(out, in) as in ``eqx.nn.Linear``), ``ln_f.{weight,bias}``, ``head.weight`` (vocab, d_model; none
-when tied) -- in both twins (the stock twin's MLP has two ``eqx.nn.Linear`` fields ``fc1``,
+(out, in) as in ``eqx.nn.Linear``), ``ln_f.{weight,bias}``, ``head.weight`` (vocab, d_model; None
+when tied, the head reading ``wte.weight``) -- in both twins (the stock twin's MLP has two ``eqx.nn.Linear`` fields ``fc1``,
 ``fc2``); ``wpe`` None with rotary positions, biases None without ``config.bias`` or in an RMSNorm.
 
 Two choices:
@@ -90,6 +90,19 @@ class _StockHead(eqx.nn.Linear):
 
     def __call__(self, h, targets, *, key=None):
         return cross_entropy(_on_rows(super().__call__, h), targets)
+
+
+class _StockTiedHead(eqx.Module):
+    """The stock twin's tied LM head: ``head(h, targets, embedding=table)`` -> mean cross-entropy of
+    ``h @ table.T`` (optax, on materialised float32 logits). Its ``weight`` and ``bias`` are None,
+    as in cutelayers' tied LMHead: the twins' parameter trees then match node for node (Orbax
+    compares the None nodes too), so a checkpoint moves between them."""
+
+    weight: None = None
+    bias: None = None
+
+    def __call__(self, h, targets, *, embedding, key=None):
+        return cross_entropy(h @ embedding.T, targets)
 
 
 def _layers(stock: bool):
@@ -188,7 +201,7 @@ class GPT(eqx.Module):
     wpe: eqx.nn.Embedding | None
     blocks: list
     ln_f: eqx.Module
-    head: eqx.Module | None
+    head: eqx.Module
     config: GPTConfig = eqx.field(static=True)
     stock: bool = eqx.field(static=True)
 
@@ -204,8 +217,10 @@ class GPT(eqx.Module):
         self.ln_f = _norm(config, stock)
         if not config.tie_embeddings:
             self.head = _linear(Head, d, config.vocab_size, std, k_head, use_bias=False)
-        else:  # ours: an LMHead without a weight, given wte's table; the stock twin: h @ table.T
-            self.head = None if stock else Head(d, config.vocab_size, use_bias=False, tie_embedding=True, key=k_head)
+        elif stock:
+            self.head = _StockTiedHead()
+        else:  # an LMHead without a weight, given wte's table at each call
+            self.head = Head(d, config.vocab_size, use_bias=False, tie_embedding=True, key=k_head)
 
     def hidden(self, inputs):
         """The final hidden states (..., seq, d_model): the head's input."""
@@ -224,8 +239,6 @@ class GPT(eqx.Module):
         h = self.hidden(inputs)
         if not self.config.tie_embeddings:
             return self.head(h, targets)
-        if self.head is None:
-            return cross_entropy(h @ self.wte.weight.T, targets)
         return self.head(h, targets, embedding=self.wte.weight)
 
     def logits(self, inputs):

@@ -146,6 +146,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_cute)
 
 
+UNWRITABLE = ("a directory", "under a file", "/proc")
+
+
+def unwritable_path(kind: str, tmp_path: pathlib.Path, name: str) -> pathlib.Path:
+    """A file path ``name`` that cannot be written, of one ``kind`` of :data:`UNWRITABLE`: an
+    existing directory, a path under a file, or a new file in /proc (skips where there is none)."""
+    if kind == "a directory":
+        return tmp_path
+    if kind == "under a file":
+        (tmp_path / "afile").write_text("x")
+        return tmp_path / "afile" / name
+    if not pathlib.Path("/proc/self").is_dir():
+        pytest.skip("no /proc here")
+    return pathlib.Path("/proc") / name
+
+
 def built(stats) -> int:
     """Kernels a ``cl.cache_info()`` entry made ready in this process: compiled here, or loaded
     from the run's disk cache where another test or worker compiled them first."""

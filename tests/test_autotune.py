@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import HAS_GPU, built
+from conftest import HAS_GPU, UNWRITABLE, built, unwritable_path
 from test_linear import lower_cuda
 
 import cutelayers as cl
@@ -744,6 +744,19 @@ def test_autotune_writes_winners_that_the_runtime_then_uses(tmp_path, monkeypatc
     assert tuning.resolve(family, avals).config == tuned
 
 
+@pytest.mark.parametrize("where", UNWRITABLE)
+def test_an_output_that_cannot_be_written_is_refused_before_the_sweep(where, tmp_path):
+    """The table was written after every candidate had been timed: a directory failed there, and an
+    uncreatable folder raised an OSError the command line did not catch."""
+    output = unwritable_path(where, tmp_path, "x/t.json" if where == "/proc" else "t.json")
+    message = (f"cannot add tuned configs to {output}: it is not a readable table" if where == "a directory"
+               else f"cannot write the tuned-config table {output}")
+    runner = FakeRunner()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        autotune.autotune("layer_norm_fwd", [(16, 1024)], ["bfloat16"], output=output, runner=runner, log=lambda _: None)
+    assert runner.timed == []
+
+
 def test_autotune_linear_entries_load_and_the_runtime_uses_each(tmp_path, monkeypatch, recwarn):
     """Every GEMM kernel the linear autotune writes -- the flag-keyed ones (a residual forward, an
     activation-gradient dx: ``source``) included -- reads back without a warning and is chosen."""
@@ -829,6 +842,11 @@ def test_cli_usage_errors(capsys):
         autotune.main(["--op", "softmax", "--shape", "64xN"])
     assert exit_info.value.code == 2
     assert "shape '64xN' is not sizes joined by 'x'" in capsys.readouterr().err
+    for gain in ("-1", "1", "nan"):  # a fraction: 1 or more would keep every heuristic
+        with pytest.raises(SystemExit) as exit_info:
+            autotune.main(["--op", "softmax", "--shape", "64x1024", "--min-gain", gain])
+        assert exit_info.value.code == 2
+        assert f"argument --min-gain: must be a fraction in [0, 1) (0.02: 2%); got {gain}" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(HAS_GPU, reason="checks the error raised without a Hopper GPU")

@@ -246,3 +246,21 @@ def test_the_demo_takes_help_without_running(capsys):
     with pytest.raises(SystemExit) as done:
         demo(["--bogus"])
     assert done.value.code == 2
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["compile", "--n", "0"], ("argument --n: must be a positive multiple of 8 (fused_linear's CuTe GEMM takes K "
+                               "and N multiples of 8); got 0")),
+    (["compile", "--n", "-4"], "argument --n: must be a positive multiple of 8"),
+    (["compile", "--k", "3", "--n", "12"], "argument --k: must be a positive multiple of 8"),
+    (["compile", "--k", "ten"], "argument --k: must be an integer; got 'ten'"),
+    (["reduce", "--rows", "0"], "argument --rows: must be a positive integer; got 0"),
+    (["embed", "--block-tokens", "-1"], "argument --block-tokens: must be a positive integer; got -1"),
+    ([], "the following arguments are required: {reduce,norms,softmax,gemm,lm_head,embed,compile}"),
+])
+def test_sizes_and_the_suite_are_checked_as_usage_errors(argv, message, capsys):
+    """Sizes the kernels cannot take were tracebacks from inside the compile; a missing suite was
+    named by the parser's dest ("suite"), which the usage never shows."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err

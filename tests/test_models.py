@@ -115,6 +115,11 @@ def test_forward_backward_and_stock_twin(framework, design, tiny):
     assert sum(int(np.prod(p.shape)) for p in jax.tree.leaves(stock.params)) == tiny.num_params()
     # the same parameter tree: key paths, shapes, dtypes
     assert common.tree_signature(stock.params) == common.tree_signature(ours.params)
+    # and the same empty (None) nodes, which an Orbax checkpoint holds and compares too: the tied
+    # Equinox twins differed there (a weightless head vs none), and neither read the other's checkpoint
+    nodes = lambda tree: [jax.tree_util.keystr(path) for path, _ in
+                          jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]]
+    assert nodes(stock.params) == nodes(ours.params)
     # train-ish stock parameters, loaded into ours: the same loss and gradients
     stock_params = perturbed(stock.params)
     loaded = common.transfer_params(stock_params, ours.params)

@@ -23,9 +23,9 @@ from models import common
 from models.configs import GPTConfig, get_config
 from training import data as data_mod
 from training import sample
-from training.checkpoint import Checkpointer
+from training.checkpoint import Checkpointer, CheckpointError
 from training.sharding import model_errors
-from training.train import DevicePrefetcher, Schedule, build_parser, main, parse_args, train
+from training.train import DevicePrefetcher, Progress, Schedule, build_parser, main, parse_args, train
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["--batch-size", "8", "--seq-len", "32", "--eval-batches", "2", "--warmup", "5", "--lr", "1e-2"]
@@ -275,8 +275,18 @@ def test_checkpoint_directories_that_cannot_serve_are_usage_errors(tmp_path, cap
     # a file where the directory should be (saving into it hung the process at the end of the run)
     afile = tmp_path / "afile"
     afile.write_text("not a directory")
-    assert main([*base, "--checkpoint-dir", str(afile)]) == 2
-    assert f"error: --checkpoint-dir: {afile} is a file, not a directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main([*base, "--checkpoint-dir", str(afile)])
+    assert e.value.code == 2
+    assert f"error: argument --checkpoint-dir: {afile} is a file, not a directory" in capsys.readouterr().err
+    # one step's checkpoint given as the run's directory: it was read as holding none, and written into
+    step_dir = f"{ckpt / '4'} is one checkpoint (step 4) of the run in {ckpt}; give the run's directory"
+    with pytest.raises(SystemExit) as e:
+        main([*base, "--steps", "6", "--checkpoint-dir", str(ckpt / "4"), "--resume"])
+    assert e.value.code == 2 and f"error: argument --checkpoint-dir: {step_dir}" in capsys.readouterr().err
+    assert sample.main(["--checkpoint-dir", str(ckpt / "4"), "--tokens", "4"]) == 2
+    assert f"error: --checkpoint-dir: {step_dir}" in capsys.readouterr().err
+    assert sorted(p.name for p in (ckpt / "4").iterdir() if p.name.isdigit()) == []  # nothing written into it
     # a checkpoint whose state item is gone (a save cut short): one line naming it, not a traceback
     shutil.rmtree(ckpt / "4" / "state")
     for command in (lambda: main([*base, "--steps", "6", "--checkpoint-dir", str(ckpt), "--resume"]),
@@ -287,15 +297,52 @@ def test_checkpoint_directories_that_cannot_serve_are_usage_errors(tmp_path, cap
         assert f"remove {ckpt / '4'} to use the one before it" in err and "Traceback" not in err
 
 
-def test_a_metrics_file_that_cannot_be_written_is_refused_before_the_run(tmp_path, capsys):
-    afile = tmp_path / "afile"
+@pytest.mark.parametrize("flag, name", [("--metrics-file", "m.jsonl"), ("--plot", "loss.png"),
+                                        ("--checkpoint-dir", "ckpt")])
+def test_outputs_that_cannot_be_written_are_refused_before_the_run(flag, name, tmp_path, capsys):
+    """Every output path is checked when the command is parsed: a traceback at the end of a run (or
+    at its start, for the checkpoints) was the message."""
+    afile, folder = tmp_path / "afile", tmp_path / name
     afile.write_text("x")
-    for path, message in ((tmp_path, f"{tmp_path} is a directory; give a file's path"),
-                          (afile / "m.jsonl", f"{afile} is a file, not a directory")):
+    folder.mkdir()
+    wrong_kind = ((afile, f"{afile} is a file, not a directory") if flag == "--checkpoint-dir"
+                  else (folder, f"{folder} is a directory; give a file's path"))
+    cases = [wrong_kind, (afile / "sub" / name, f"{afile} is a file, not a directory")]
+    if Path("/proc/self").is_dir():  # a folder that takes no new files, whatever its permission bits say
+        cases.append((Path("/proc") / name, "cannot create files in /proc"))
+    for path, message in cases:
         with pytest.raises(SystemExit) as e:
-            parse_args(["--metrics-file", str(path)])
-        assert e.value.code == 2 and f"argument --metrics-file: {message}" in capsys.readouterr().err
-    assert parse_args(["--metrics-file", str(tmp_path / "new" / "m.jsonl")]).metrics_file.name == "m.jsonl"
+            parse_args([flag, str(path)])
+        assert e.value.code == 2 and f"argument {flag}: {message}" in capsys.readouterr().err
+    assert getattr(parse_args([flag, str(tmp_path / "new" / name)]), flag[2:].replace("-", "_")).name == name
+    assert not (tmp_path / "new").exists()  # checked, not made
+
+
+def test_tied_checkpoints_move_between_the_equinox_twins(tmp_path):
+    """--tie-embeddings: the stock twin's checkpoint resumes in the cutelayers model and back (their
+    trees differed at the weightless head, and the error blamed the files)."""
+    ckpt = tmp_path / "ckpt"
+    base = ["--model", "equinox", "--tie-embeddings", "--eval-every", "0", "--checkpoint-dir", str(ckpt), *FAST,
+            "--warmup", "0"]
+    run([*base, "--steps", "2", "--stock"])
+    ours, text = run([*base, "--steps", "3", "--resume"])
+    assert "at step 2 (written by the stock model)" in text and ours.steps_run == 1
+    stock, text = run([*base, "--steps", "4", "--resume", "--stock"])
+    assert "at step 3 (written by the cutelayers model)" in text and stock.steps_run == 1
+
+
+def test_a_checkpoint_of_another_structure_is_not_called_damaged(tmp_path):
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(1, {"w": np.ones(3, np.float32), "head": None}, {})
+    ckpt.close()
+    ckpt = Checkpointer(tmp_path)
+    with pytest.raises(CheckpointError) as e:
+        ckpt.restore({"w": np.ones(3, np.float32), "head": {"weight": None}})
+    ckpt.close()
+    message = str(e.value)
+    assert (f"checkpoint 1 in {tmp_path} does not fit this model: the structures of its state and of the "
+            "model's differ (first difference at head). It was written by a different model or config") in message
+    assert "damaged file" not in message and "remove" not in message
 
 
 def test_stock_checkpoint_continues_in_the_cutelayers_model(tmp_path):
@@ -402,6 +449,8 @@ def test_help_documents_every_flag(capsys):
     (["--process-id", "1"], "argument --process-id: 1 needs --num-processes 2 or more (one process: 0)"),
     (["--devices", "2", "--mesh", "data=2"], ("argument --devices: --devices 2 is --mesh data=2; give "
                                               "--devices or --mesh, not both")),
+    (["--seed", "-1"], "argument --seed: must be in 0..4294967295 (a 32-bit seed); got -1"),
+    (["--seed", str(2**32)], "argument --seed: must be in 0..4294967295 (a 32-bit seed); got 4294967296"),
 ])
 def test_bad_flags_are_clear_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -441,6 +490,33 @@ def test_more_devices_than_visible_is_a_clear_error(flags, capsys):
 def test_cute_backend_without_a_gpu_is_a_clear_error(capsys):
     assert main(["--backend", "cute", "--steps", "8", *FAST]) == 2
     assert "--backend cute needs a Hopper GPU" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU's refusal")
+def test_float16_on_the_cpu_is_a_clear_error(capsys):
+    """XLA's CPU dot_general takes no float16 x float16 -> float32 (F16_F16_F32): every run crashed."""
+    assert main(["--dtype", "float16", "--steps", "8", *FAST]) == 2
+    err = capsys.readouterr().err
+    assert "error: compute dtype float16 cannot run on the CPU" in err and "--dtype float32 or bfloat16" in err
+
+
+def test_the_backend_defaults_to_the_librarys_setting():
+    """Without --backend, the library's setting ($CUTELAYERS_BACKEND, else auto), which "auto" used
+    to override; a flag wins."""
+    with cl.use_backend("reference"):
+        assert parse_args([]).backend == "reference"
+        assert parse_args(["--backend", "auto"]).backend == "auto"
+    assert parse_args([]).backend == cl.current_backend()
+
+
+def test_a_backend_variable_that_names_no_backend_is_a_usage_error():
+    """It failed ``import cutelayers`` with a traceback; now the backend's point of use says so."""
+    env = {**os.environ, "CUTELAYERS_BACKEND": "nope"}
+    proc = subprocess.run([sys.executable, "-m", "training.train", "--steps", "1"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert ("error: argument --backend: not given, so the library's setting applies: CUTELAYERS_BACKEND='nope' "
+            "is not a backend; allowed: auto, cute, reference (or unset: auto)") in proc.stderr
 
 
 # --- several processes ------------------------------------------------------------------------------
@@ -538,6 +614,15 @@ class Terminal(io.StringIO):
         return True
 
 
+def test_a_slow_throughput_is_not_shown_as_zero():
+    out = io.StringIO()
+    progress = Progress(out, 0, 10, 64)
+    for tokens_per_s in (37.24, 0.5, 999.7, 12_345.0):
+        progress.window(1, 5.0, 1e-3, 1.0, tokens_per_s)
+    rates = [line.rsplit("| ", 1)[1] for line in out.getvalue().splitlines()]
+    assert rates == ["37.2 tokens/s", "0.5 tokens/s", "1.0k tokens/s", "12.3k tokens/s"]
+
+
 def test_progress_bar_on_a_terminal_plain_lines_elsewhere():
     """On a terminal the bar; the plain lines that replace it elsewhere (a StringIO, as ``run``
     gives train()) are checked in test_a_few_steps_reduce_the_loss, for every framework."""
@@ -598,6 +683,13 @@ def test_sample_continues_the_prompt(tmp_path, capsys):
     # trained on English: mostly letters and spaces, not uniform noise over 256 bytes
     generated = greedy[len("Alice was "):]
     assert sum(c.isalpha() or c == " " for c in generated) > 0.8 * len(generated), generated
+    # --backend cute off a GPU: refused as training.train refuses it (it was a traceback)
+    if jax.default_backend() != "gpu":
+        assert sample.main([*argv, "--backend", "cute"]) == 2
+        assert "error: --backend cute needs a Hopper GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sample.main([*argv, "--seed", "-1"])
+    assert "argument --seed: must be in 0..4294967295" in capsys.readouterr().err
     assert sample.main(["--checkpoint-dir", str(tmp_path / "none")]) == 2
     assert f"--checkpoint-dir: {tmp_path / 'none'} does not exist" in capsys.readouterr().err
     assert not (tmp_path / "none").exists()  # not created by the attempt

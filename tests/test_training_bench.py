@@ -9,10 +9,12 @@ import functools
 import io
 import json
 import re
+import subprocess
 
 import jax
 import numpy as np
 import pytest
+from conftest import UNWRITABLE, unwritable_path
 from jax.sharding import NamedSharding, PartitionSpec
 
 from cutelayers.bench import timing
@@ -283,3 +285,53 @@ def test_bad_meshes_are_clear_errors_before_any_case(argv, message, tmp_path, mo
     assert e.value.code == 2
     assert message in capsys.readouterr().err
     assert "--one-case" not in cases and not output.exists()
+
+
+def test_a_case_that_times_out_is_named_and_the_others_kept(tmp_path, monkeypatch, capsys):
+    """A case past --case-timeout is stopped and named under the table; the rows measured before
+    and after it stay (a subprocess.TimeoutExpired traceback lost them all). Each case says when it
+    starts and what it measured, as it happens (the cases take minutes). The stock case's process
+    "times out"; the other runs in this process."""
+
+    def run(command, *, timeout, **kwargs):
+        flag, job = command[-2:]
+        if json.loads(job)["variant"] == "stock":
+            raise subprocess.TimeoutExpired(command, timeout)
+        row = in_this_process(flag, json.loads(job), timeout)
+        return subprocess.CompletedProcess(command, 0, stdout=json.dumps(row) + "\n", stderr="")
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    output = tmp_path / "bench.md"
+    argv = ["--config", "tiny", "--model", "nnx", "--variant", "stock", "cutelayers", "--steps", "1",
+            "--warmup-steps", "0", "--case-timeout", "7", "--output", str(output)]
+    assert bench.main(argv) == 0
+    progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("# tiny")]
+    assert progress[:3] == ["# tiny nnx stock: running (at most 7 s)",
+                            "# tiny nnx stock: timed out: ran past --case-timeout 7 s and was stopped",
+                            "# tiny nnx cutelayers: running (at most 7 s)"]
+    assert re.fullmatch(r"# tiny nnx cutelayers: [\d,]+ tokens/s in \d+ s", progress[3]) and len(progress) == 4
+    text = output.read_text()
+    _, rows = table(text)
+    assert [row[2] for row in rows] == ["cutelayers"]
+    assert "Timed out (--case-timeout 7 s), not in the table: tiny nnx stock." in text
+
+
+@pytest.mark.parametrize("name", UNWRITABLE)
+def test_an_output_that_cannot_be_written_is_refused_before_any_case(name, tmp_path, monkeypatch, capsys):
+    """--output was opened after every case had run: its error (a traceback) lost them all."""
+    output = unwritable_path(name, tmp_path, "bench.md")
+    message = {"a directory": f"{output} is a directory; give a file's path",
+               "under a file": f"{output.parent} is a file, not a directory",
+               "/proc": "cannot create files in /proc"}[name]
+    cases = []
+    monkeypatch.setattr(bench, "in_subprocess", lambda flag, *a: cases.append(flag))
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--config", "tiny", "--model", "nnx", "--variant", "cutelayers", "--output", str(output)])
+    assert e.value.code == 2 and f"argument --output: {message}" in capsys.readouterr().err
+    assert cases == []
+
+
+def test_help_states_each_default_once():
+    text = bench.build_parser().format_help()
+    assert "(default: None)" not in text
+    assert "(default: the config's training default)" in " ".join(text.split())

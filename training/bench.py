@@ -44,7 +44,9 @@ per-part breakdown (parts compiled alone) cannot show. It also adds the device's
 kernels, by the kernel families on either side of each gap: the launches' share of a step.
 
 The tables are printed and appended to ``--output`` (default docs/benchmarks.md) with the GPU,
-versions, date and command. On CPU, tiny settings (``--config tiny --steps 3``) check it runs.
+versions, date and command. A line says when each case starts and what it measured; a case that
+runs past ``--case-timeout`` is stopped and named under the table, the other cases kept. On CPU,
+tiny settings (``--config tiny --steps 3``) check it runs.
 """
 
 from __future__ import annotations
@@ -77,7 +79,15 @@ from models.configs import CONFIGS, REMATS, GPTConfig, get_config
 from training import sharding
 from training.data import VOCAB_SIZE as CORPUS_VOCAB_SIZE
 from training.data import TextData
-from training.train import DEFAULTS, Schedule, _int_at_least, compile_train_step, make_optimizer
+from training.train import (
+    DEFAULTS,
+    Schedule,
+    _HelpFormatter,
+    _int_at_least,
+    compile_train_step,
+    make_optimizer,
+    path_error,
+)
 
 VARIANTS = ("cutelayers", "stock", "reference")
 ONE_DEVICE = sharding.describe(sharding.parse_mesh("data=1"))
@@ -279,14 +289,21 @@ def package_roots_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([*roots, *inherited])}
 
 
+class Timeout(RuntimeError):
+    """A benchmark process that ran past ``--case-timeout`` (and was killed)."""
+
+
 def in_subprocess(flag: str, job: dict, timeout: float):
     """The JSON that ``python -m training.bench FLAG JOB`` prints: every measurement runs in a fresh
     process (of the same packages as this one: :func:`package_roots_env`), so the device's peak
     memory is that job's own and this process never holds the GPU (JAX would reserve most of its
-    memory)."""
-    proc = subprocess.run([sys.executable, "-P", "-m", "training.bench", flag, json.dumps(job)],
-                          env=package_roots_env(), cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    memory). :class:`Timeout` after ``timeout`` seconds."""
+    try:
+        proc = subprocess.run([sys.executable, "-P", "-m", "training.bench", flag, json.dumps(job)],
+                              env=package_roots_env(), cwd=REPO, capture_output=True, text=True,
+                              timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        raise Timeout(f"timed out: ran past --case-timeout {timeout:g} s and was stopped") from None
     lines = [line for line in proc.stdout.splitlines() if line.startswith(("{", "["))]
     if proc.returncode or not lines:
         raise RuntimeError(f"benchmark {flag} {job} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -456,7 +473,7 @@ def environment_line(count: bool = False) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m training.bench", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=_HelpFormatter)
     p.add_argument("--config", nargs="+", choices=tuple(CONFIGS), default=["small", "gpt2"], help="model presets")
     p.add_argument("--model", nargs="+", choices=common.FRAMEWORKS, default=list(common.FRAMEWORKS),
                    help="frameworks")
@@ -514,9 +531,29 @@ def check_meshes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> l
                                                   config)):
                 parser.error(f"argument --mesh: {error}")
     several = any(math.prod(shape.values()) > 1 for shape in args.mesh)
-    if several and (errors := in_subprocess("--one-check", meshes, args.case_timeout)):
-        parser.error(f"argument --mesh: {errors[0]}")
+    if several:
+        try:
+            errors = in_subprocess("--one-check", meshes, args.case_timeout)
+        except Timeout as e:
+            parser.error(f"argument --mesh: checking the devices {e}")
+        if errors:
+            parser.error(f"argument --mesh: {errors[0]}")
     return meshes
+
+
+def run_job(label: str, flag: str, job: dict, timeout: float):
+    """:func:`in_subprocess`, said as it starts and ends (a case takes minutes); None where it timed
+    out."""
+    print(f"# {label}: running (at most {timeout:g} s)", flush=True)
+    started = time.perf_counter()
+    try:
+        result = in_subprocess(flag, job, timeout)
+    except Timeout as e:
+        print(f"# {label}: {e}", flush=True)
+        return None
+    tokens = f"{result['tokens_per_s']:,.0f} tokens/s in " if isinstance(result, dict) else ""
+    print(f"# {label}: {tokens}{time.perf_counter() - started:.0f} s", flush=True)
+    return result
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -534,20 +571,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.tokens == "corpus" and args.vocab_size is not None and args.vocab_size < CORPUS_VOCAB_SIZE:
         parser.error(f"argument --vocab-size: --tokens corpus draws byte ids up to {CORPUS_VOCAB_SIZE - 1}; "
                      f"got {args.vocab_size}, allowed >= {CORPUS_VOCAB_SIZE}")
+    if error := path_error(args.output):  # before the cases, which take minutes
+        parser.error(f"argument --output: {error}")
     meshes = check_meshes(parser, args)
     sections = []
     for config in args.config:
         batch_size = args.batch_size or DEFAULTS[config]["batch_size"]
-        rows = []
+        rows, timed_out = [], []
         for model in args.model:
             for variant in args.variant:
                 for mesh in meshes:
                     case = Case(config, model, variant, batch_size, args.warmup_steps, args.steps, args.tokens, mesh,
                                 args.kernels, args.remat, args.vocab_size)
-                    rows.append(in_subprocess("--one-case", dataclasses.asdict(case), args.case_timeout))
-                    where = f" --mesh {mesh}" if args.mesh else ""
-                    print(f"# {config} {model} {variant}{where}: {rows[-1]['tokens_per_s']:,.0f} tokens/s", flush=True)
-        sections.append(results_table(rows, meshes=args.mesh is not None))
+                    label = f"{config} {model} {variant}" + (f" --mesh {mesh}" if args.mesh else "")
+                    row = run_job(label, "--one-case", dataclasses.asdict(case), args.case_timeout)
+                    if row is None:
+                        timed_out.append(label)
+                    else:
+                        rows.append(row)
+        if rows:
+            sections.append(results_table(rows, meshes=args.mesh is not None))
+        if timed_out:
+            sections.append(f"Timed out (--case-timeout {args.case_timeout} s), not in the table: "
+                            f"{', '.join(timed_out)}.")
         if any(r["variant"] == "cutelayers" and not r["kernel_calls"] for r in rows):
             sections.append("Note: the cutelayers rows above ran no CuTe kernel (their compiled step has no kernel "
                             "call: the jnp reference path, as off a Hopper GPU), so they time that decomposition "
@@ -557,7 +603,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             step_ms = {r["variant"]: r["step_ms"] for r in rows if r["model"] == args.model[0] and r["mesh"] == ONE_DEVICE}
             job = {"config_name": config, "batch_size": batch_size, "step_ms": step_ms, "vocab_size": args.vocab_size}
             label = config_label({"config": config, "vocab_size": args.vocab_size})  # its parts run without remat
-            sections.append(breakdown_table(label, in_subprocess("--one-breakdown", job, args.case_timeout)))
+            parts = run_job(f"per-part breakdown, {label}", "--one-breakdown", job, args.case_timeout)
+            sections.append(f"Per-part breakdown, {label}: timed out (--case-timeout {args.case_timeout} s)."
+                            if parts is None else breakdown_table(label, parts))
     command = "python -m training.bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     legend = ("tokens/s from `loop ms` (steady state: compile, warmup, the clock's settling and evaluation excluded); "
               "`step ms`: one step waited for; peak MiB: the device's peak_bytes_in_use in the "

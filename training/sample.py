@@ -30,7 +30,11 @@ from training.train import (
     UsageError,
     _int_at_least,
     _nonneg_float,
+    _seed,
+    add_backend_argument,
     make_optimizer,
+    platform_error,
+    resolve_backend,
     train_state,
 )
 
@@ -45,8 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes to generate (default: %(default)s)")
     p.add_argument("--temperature", type=_nonneg_float, default=0.8,
                    help="sampling temperature; 0 picks the most likely byte (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default: %(default)s)")
-    p.add_argument("--backend", choices=cl.BACKENDS, default="auto", help="cutelayers backend (default: auto)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the sampling (default: %(default)s)")
+    add_backend_argument(p)
     return p
 
 
@@ -92,10 +96,14 @@ def generate(model, params, prompt: str, n_tokens: int, *, temperature: float, s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    resolve_backend(parser, args)
     try:
         with cl.use_backend(args.backend), LibraryNotes() as notes:
             model, params = load_model(args.checkpoint_dir)
+            if error := platform_error(args.backend, model.config.dtype):  # the dtype its run trained in
+                raise UsageError(error)
             text = generate(model, params, args.prompt, args.tokens, temperature=args.temperature, seed=args.seed)
             for line in filter(None, [notes.take()]):  # which path ran, on one line of stderr
                 print(line, file=sys.stderr)

@@ -41,8 +41,9 @@ and every process writes its shards of each (Orbax) checkpoint, which ``--resume
 the current mesh whatever the number of processes that wrote it. The README's Multi-GPU section
 has examples and the collectives each mesh costs.
 
-The backend (``--backend``) is applied with ``cutelayers.use_backend`` around tracing *and*
-running: the setting is part of JAX's jit key, so everything inside sees one backend.
+The backend (``--backend``; default: the library's setting, ``$CUTELAYERS_BACKEND``, else auto) is
+applied with ``cutelayers.use_backend`` around tracing *and* running: the setting is part of JAX's
+jit key, so everything inside sees one backend.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ import math
 import os
 import queue
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -71,7 +73,7 @@ import cutelayers as cl
 from models import common
 from models.configs import CONFIGS, REMATS, GPTConfig, get_config
 from training import sharding
-from training.checkpoint import Checkpointer, CheckpointError
+from training.checkpoint import Checkpointer, CheckpointError, step_directory_error
 from training.data import VOCAB_SIZE, TextData
 
 # Per-config training defaults; any flag given on the command line wins.
@@ -114,6 +116,19 @@ def _positive_float(text: str) -> float:
     return value
 
 
+SEEDS = 2**32  # jax.random.key keeps a seed's low 32 bits: 2**32 would be seed 0 again
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer; got {text!r}") from None
+    if not 0 <= value < SEEDS:
+        raise argparse.ArgumentTypeError(f"must be in 0..{SEEDS - 1} (a 32-bit seed); got {value}")
+    return value
+
+
 def _nonneg_float(text: str) -> float:
     try:
         value = float(text)
@@ -133,6 +148,45 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         if fixed and "%(default)" not in help_text:
             help_text += " (default: %(default)s)"
         return help_text
+
+
+def add_backend_argument(parser: argparse.ArgumentParser) -> None:
+    """``--backend`` (of this command and training.sample); :func:`resolve_backend` fills its
+    default."""
+    parser.add_argument("--backend", choices=cl.BACKENDS, default=None,
+                        help="cutelayers backend: auto = CuTe kernels on Hopper, jnp reference elsewhere; "
+                             "cute = kernels or an error; reference = jnp reference everywhere (default: "
+                             "the library's setting, $CUTELAYERS_BACKEND, else auto)")
+
+
+def resolve_backend(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``args.backend``: the flag, else the library's setting (``$CUTELAYERS_BACKEND``, else auto);
+    a usage error where that variable names no backend."""
+    if args.backend is None:
+        try:
+            args.backend = cl.current_backend()
+        except ValueError as e:
+            parser.error(f"argument --backend: not given, so the library's setting applies: {e}")
+
+
+def path_error(path: Path, *, directory: bool = False) -> str | None:
+    """Why ``path`` -- a file's, or with ``directory`` a directory's -- cannot be written (made,
+    with the folders above it), or None. The nearest existing folder takes a temporary file: its
+    permission bits do not tell (root; /proc refuses new files whatever they say)."""
+    path = path.resolve()
+    if path.exists() and path.is_dir() != directory:
+        return f"{path} is a file, not a directory" if directory else f"{path} is a directory; give a file's path"
+    if path.is_file() and not os.access(path, os.W_OK):
+        return f"{path} is not writable"
+    folder = path if path.is_dir() else next(p for p in path.parents if p.exists())
+    if not folder.is_dir():
+        return f"{folder} is a file, not a directory"
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        return f"cannot create files in {folder} ({e.strerror or e})"
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,9 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "no biases, rotary positions)")
     p.add_argument("--steps", type=_int_at_least(1), default=None,
                    help="total optimizer steps (with --resume: up to this step); default per config")
-    p.add_argument("--backend", choices=cl.BACKENDS, default="auto",
-                   help="cutelayers backend: auto = CuTe kernels on Hopper, jnp reference elsewhere; "
-                        "cute = kernels or an error; reference = jnp reference everywhere")
+    add_backend_argument(p)
     p.add_argument("--batch-size", type=_int_at_least(1), default=None,
                    help="sequences per step; default per config")
     p.add_argument("--seq-len", type=_int_at_least(1), default=None,
@@ -182,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype (parameters stay float32); default: bfloat16 on a GPU (the CuTe "
                         "GEMMs take bfloat16/float16), elsewhere the config's (tiny: float32, "
                         "small/deep24: bfloat16)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the parameter init and of the batches")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the parameter init and of the batches")
     p.add_argument("--eval-every", type=_int_at_least(0), default=None,
                    help="evaluate every N steps (and at the start and the end); 0: start and end only; "
                         "default per config")
@@ -254,12 +306,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("argument --resume: needs --checkpoint-dir")
     if args.reschedule and not args.resume:
         parser.error("argument --reschedule: needs --resume (a new run always uses its own schedule)")
-    if args.metrics_file is not None:  # checked now, not after the step has compiled
-        if args.metrics_file.is_dir():
-            parser.error(f"argument --metrics-file: {args.metrics_file} is a directory; give a file's path")
-        above = next(p for p in args.metrics_file.resolve().parents if p.exists())
-        if not above.is_dir():
-            parser.error(f"argument --metrics-file: {above} is a file, not a directory")
+    resolve_backend(parser, args)
     if args.devices is not None:
         if args.mesh is not None:
             parser.error(f"argument --devices: --devices {args.devices} is --mesh data={args.devices}; give "
@@ -275,7 +322,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.plot is not None and args.plot.suffix.lower() != ".png":
         parser.error(f"argument --plot: expected a .png file name; got {str(args.plot)!r}")
     _process_args(parser, args)
+    _check_outputs(parser, args)
     return args
+
+
+def _check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors for output paths that cannot be written, now rather than after training: the
+    checkpoint directory (every process writes its shards), the metrics file and the plot (process
+    0's)."""
+    outputs = {"--checkpoint-dir": (args.checkpoint_dir, True)}
+    if args.process_id == 0:
+        outputs |= {"--metrics-file": (args.metrics_file, False), "--plot": (args.plot, False)}
+    for flag, (path, directory) in outputs.items():
+        if path is not None and (error := path_error(path, directory=directory)):
+            parser.error(f"argument {flag}: {error}")
+    if args.checkpoint_dir is not None and (error := step_directory_error(args.checkpoint_dir)):
+        parser.error(f"argument --checkpoint-dir: {error}")
 
 
 PROCESS_ENV = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
@@ -468,6 +530,14 @@ class DevicePrefetcher:
         self._thread.join()
 
 
+def rate_text(tokens_per_s: float) -> str:
+    """A throughput for the log: thousands to one decimal (12.3k tokens/s); below 1000 three
+    significant digits (37.2 tokens/s), where 0.0k read as no progress."""
+    if tokens_per_s >= 999.5:  # (3 digits would round it to 1e+03)
+        return f"{tokens_per_s / 1e3:.1f}k tokens/s"
+    return f"{tokens_per_s:.3g} tokens/s"
+
+
 class Progress:
     """What the loop shows: on a terminal a progress bar (step, loss, tokens/s, ETA) redrawn at most
     10 times a second, with other lines printed above it; elsewhere a plain line per log interval."""
@@ -492,7 +562,7 @@ class Progress:
             self._draw(step)
         else:
             self.print(f"step {step:>6} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
-                       f"{tokens_per_s / 1e3:.1f}k tokens/s")
+                       f"{rate_text(tokens_per_s)}")
 
     def _draw(self, step: int) -> None:
         done = (step - self.first) / max(1, self.last - self.first)
@@ -501,7 +571,7 @@ class Progress:
         if self._loss is not None:
             tokens_left = (self.last - step) * self._tokens_per_step
             eta = tokens_left / self._tps if self._tps else float("nan")
-            parts += [f"loss {self._loss:.4f}", f"{self._tps / 1e3:.1f}k tokens/s",
+            parts += [f"loss {self._loss:.4f}", rate_text(self._tps),
                       f"ETA {int(eta) // 60}:{int(eta) % 60:02d}" if math.isfinite(eta) else "ETA ?"]
         print("\r\033[K" + " | ".join(parts), end="", file=self.out, flush=True)
         self._drawn_at = time.perf_counter()
@@ -600,10 +670,23 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
     if config.vocab_size < VOCAB_SIZE:
         raise UsageError(f"--config {args.config}: vocab_size={config.vocab_size} is smaller than the data's "
                          f"byte vocabulary ({VOCAB_SIZE})")
-    if args.backend == "cute" and jax.default_backend() != "gpu":
-        raise UsageError(f"--backend cute needs a Hopper GPU; JAX's platform here is "
-                         f"{jax.default_backend()!r}. Use --backend auto (the default) or reference.")
+    if error := platform_error(args.backend, config.dtype):
+        raise UsageError(error)
     return config
+
+
+def platform_error(backend: str, dtype: str) -> str | None:
+    """Why JAX's default platform cannot run ``backend`` at compute ``dtype`` (this command's and
+    training.sample's check, once JAX may start), or None."""
+    platform = jax.default_backend()
+    if backend == "cute" and platform != "gpu":
+        return (f"--backend cute needs a Hopper GPU; JAX's platform here is {platform!r}. Use --backend auto "
+                "or reference.")
+    if dtype == "float16" and platform == "cpu":
+        return ("compute dtype float16 cannot run on the CPU: its matmuls take no float16 operands with float32 "
+                "accumulation (XLA: precision F16_F16_F32 is not supported by dot_general on CPU). On a CPU, "
+                "train with --dtype float32 or bfloat16; float16 runs on a GPU.")
+    return None
 
 
 def run_meta(args: argparse.Namespace, config: GPTConfig) -> dict:
@@ -928,7 +1011,7 @@ def summary(result: Result, loop: LoopResult | None, args, start_step: int, note
     lines = []
     if result.steps_run:
         lines.append(f"done: {result.steps_run} steps in {result.seconds:.1f} s ({loop.train_seconds:.1f} s in "
-                     f"train steps, {result.tokens_per_s / 1e3:.1f}k tokens/s; evaluation and checkpoints "
+                     f"train steps, {rate_text(result.tokens_per_s)}; evaluation and checkpoints "
                      f"excluded); compile {result.compile_seconds:.1f} s")
         end_loss, window_steps = loop.window_means[-1]
         lines.append(f"loss: start {result.start_loss:.4f} (step {start_step + 1}) -> end {end_loss:.4f} "

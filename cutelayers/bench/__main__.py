@@ -42,6 +42,26 @@ def print_records(rows: list[dict]) -> None:
             print("| " + " | ".join(str(v) for v in row.values()) + " |")
 
 
+def _size(multiple: int = 1, why: str = ""):
+    """argparse type: a positive integer, a multiple of ``multiple`` (``why``: what needs that)."""
+    allowed = f"a positive multiple of {multiple}{why}" if multiple > 1 else "a positive integer"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer; got {text!r}") from None
+        if value < 1 or value % multiple:
+            raise argparse.ArgumentTypeError(f"must be {allowed}; got {value}")
+        return value
+
+    return parse
+
+
+POSITIVE = _size()
+GEMM_SIZE = _size(8, " (fused_linear's CuTe GEMM takes K and N multiples of 8)")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cutelayers.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -53,14 +73,14 @@ def main(argv=None) -> int:
                       help="a table saved with --json (a previous release's kernels, say): adds each "
                            "row's baseline time over ours")
     red = sub.add_parser("reduce", parents=[rows], help="row reductions vs XLA")
-    red.add_argument("--rows", type=int, default=32768, help="rows M (default 32768)")
-    red.add_argument("--n", type=int, nargs="+", default=[4096], help="feature sizes N (default 4096)")
+    red.add_argument("--rows", type=POSITIVE, default=32768, help="rows M (default 32768)")
+    red.add_argument("--n", type=POSITIVE, nargs="+", default=[4096], help="feature sizes N (default 4096)")
     red.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     norms = sub.add_parser("norms", parents=[rows],
                            help="layer_norm / rms_norm and their fused residual adds, fwd, fwd+bwd and fwd+bwd "
                                 "as a training step runs them ('step') vs XLA (x = 256 MiB unless --rows)")
-    norms.add_argument("--n", type=int, nargs="+", default=NORM_NS)
-    norms.add_argument("--rows", type=int, default=None, help="rows M of x (default: x is 256 MiB)")
+    norms.add_argument("--n", type=POSITIVE, nargs="+", default=NORM_NS)
+    norms.add_argument("--rows", type=POSITIVE, default=None, help="rows M of x (default: x is 256 MiB)")
     norms.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     norms.add_argument("--ops", nargs="+", choices=NORM_OPS, default=NORM_OPS, help="ops to time (default: all)")
     norms.add_argument("--passes", nargs="+", choices=NORM_PASSES, default=NORM_PASSES,
@@ -70,9 +90,9 @@ def main(argv=None) -> int:
                        help="scale and bias dtype (default: x's; float32 is what Flax's modules train with)")
     soft = sub.add_parser("softmax", parents=[rows],
                           help="softmax fwd/bwd and cross-entropy fwd+bwd vs XLA/optax")
-    soft.add_argument("--n", type=int, nargs="+", default=[4096, 32768, 131072])
+    soft.add_argument("--n", type=POSITIVE, nargs="+", default=[4096, 32768, 131072])
     soft.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    soft.add_argument("--rows", type=int, default=None,
+    soft.add_argument("--rows", type=POSITIVE, default=None,
                       help="rows of every array (default: 32768 for softmax, 8192 for cross-entropy, fewer where "
                            "an array would pass 1 GiB)")
     lin = sub.add_parser("gemm", help="fused_linear (Hopper GEMM + epilogue) TFLOP/s vs XLA")
@@ -89,29 +109,32 @@ def main(argv=None) -> int:
     head = sub.add_parser("lm_head", help="linear_cross_entropy fwd+bwd time and temp memory vs unfused XLA")
     # not "--h": the CuTe DSL parses sys.argv for its own flags at every compile, and "--h" is a
     # prefix of its "--help" (it printed its usage and exited mid-benchmark)
-    head.add_argument("--tokens", type=int, default=8192, help="tokens T (default 8192)")
-    head.add_argument("--hidden", type=int, default=4096, help="hidden size H (default 4096)")
-    head.add_argument("--vocab", type=int, default=131072, help="vocabulary size V (default 131072)")
+    head.add_argument("--tokens", type=POSITIVE, default=8192, help="tokens T (default 8192)")
+    head.add_argument("--hidden", type=POSITIVE, default=4096, help="hidden size H (default 4096)")
+    head.add_argument("--vocab", type=POSITIVE, default=131072, help="vocabulary size V (default 131072)")
     head.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     head.add_argument("--param-dtype", choices=["bfloat16", "float16", "float32"], default=None,
                       help="the kernel's dtype (default: --dtype's; float32: mixed precision, the XLA head "
                            "casting it for its GEMM)")
-    head.add_argument("--chunk-size", type=int, nargs="+", default=[None],
+    head.add_argument("--chunk-size", type=POSITIVE, nargs="+", default=[None],
                       help="tokens per chunk of the fused head, one row each (default: the op's)")
     head.add_argument("--kernel-layout", choices=["hv", "vh"], default="hv",
                       help="the kernel as (H, V), or as a (V, H) table (Equinox's Linear weight, a tied embedding)")
     head.add_argument("--device-peak", action="store_true",
                       help="also each head's rise of the device's peak memory, one fresh process per head")
     emb = sub.add_parser("embed", help="embedding lookup + table gradient vs jnp.take, per id distribution")
-    emb.add_argument("--tokens", type=int, default=16384, help="tokens T (default 16384)")
-    emb.add_argument("--hidden", type=int, default=768, help="features H (default 768)")
-    emb.add_argument("--vocab", type=int, default=50304, help="vocabulary size V (default 50304)")
+    emb.add_argument("--tokens", type=POSITIVE, default=16384, help="tokens T (default 16384)")
+    emb.add_argument("--hidden", type=POSITIVE, default=768, help="features H (default 768)")
+    emb.add_argument("--vocab", type=POSITIVE, default=50304, help="vocabulary size V (default 50304)")
     emb.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    emb.add_argument("--block-tokens", type=int, nargs="+", default=[BLOCK_TOKENS],
+    emb.add_argument("--block-tokens", type=POSITIVE, nargs="+", default=[BLOCK_TOKENS],
                      help=f"tokens summed per block before the gradient's scatter, one row each (default {BLOCK_TOKENS})")
     comp = sub.add_parser("compile", help="compile seconds per kernel family and disk-cache load seconds (no GPU needed)")
-    comp.add_argument("--n", type=int, default=4096, help="feature size N (default 4096)")
-    comp.add_argument("--k", type=int, default=4096, help="GEMM inner size K (default 4096)")
+    comp.add_argument("--n", type=GEMM_SIZE, default=4096,
+                      help="feature size N, also the GEMM's output width: a multiple of 8 (default 4096)")
+    comp.add_argument("--k", type=GEMM_SIZE, default=4096, help="GEMM inner size K, a multiple of 8 (default 4096)")
+    # the usage shows the suites as {reduce,...}: a missing one is named so, not by the dest "suite"
+    sub.metavar = "{" + ",".join(sub.choices) + "}"
     args = parser.parse_args(argv)
     baseline = None
     if getattr(args, "json", None) is not None and not os.path.isdir(os.path.dirname(args.json) or "."):

@@ -562,7 +562,8 @@ def autotune(name: str, shapes: Sequence[Sequence[int]], dtypes: Sequence = ("bf
     :func:`cutelayers.tuning.user_table_path`). Returns one :class:`SweepResult` per case.
 
     ``runner`` defaults to :class:`DeviceRunner`, which raises :class:`NoGpuError` without a
-    Hopper GPU. See the module docstring for the rules.
+    Hopper GPU. A table that cannot be written is a ValueError before the sweep. See the module
+    docstring for the rules.
     """
     todo = cases(name, shapes, dtypes, param_dtype)  # argument errors before anything runs
     path = Path(output) if output is not None else tuning.user_table_path()
@@ -571,14 +572,27 @@ def autotune(name: str, shapes: Sequence[Sequence[int]], dtypes: Sequence = ("bf
                          "CUTELAYERS_TUNING_FILE")
     if runner is None:
         runner = DeviceRunner()
+    # before the sweep, which takes minutes: adding nothing creates the table, or rewrites it
+    # unchanged, and fails where the sweep's winners could not be written
+    _write_table(path, [])
+    if isinstance(runner, DeviceRunner):
         runner.prepare(todo)
     results = [sweep(c, runner, min_gain=min_gain, log=log) for c in todo]
     log(format_table(results))
     entries = [table_entry(r, runner.device_kind) for r in results if r.winner is not None]
     if entries:
-        tuning.write_entries(path, entries)
+        _write_table(path, entries)
     log(f"wrote {len(entries)} tuned config(s) for {runner.device_kind!r} to {path}")
     return results
+
+
+def _write_table(path: Path, entries: list[dict]) -> None:
+    """:func:`cutelayers.tuning.write_entries`, its OSError (a folder that cannot be made or written
+    in) a ValueError naming the table."""
+    try:
+        tuning.write_entries(path, entries)
+    except OSError as e:
+        raise ValueError(f"autotune: cannot write the tuned-config table {path}: {e}") from None
 
 
 # --- command line --------------------------------------------------------------------------------
@@ -588,6 +602,16 @@ def _parse_shape(text: str) -> tuple[int, ...]:
         return tuple(int(d) for d in text.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"shape {text!r} is not sizes joined by 'x' (e.g. 32768x4096)") from None
+
+
+def _min_gain(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number; got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1) (0.02: 2%); got {text}")
+    return value
 
 
 def main(argv=None) -> int:
@@ -603,7 +627,7 @@ def main(argv=None) -> int:
                         help="the norm ops' scale and bias dtype (default: x's; float32 is what Flax's modules train with)")
     parser.add_argument("--output", type=Path, help="tuned-config table to add the winners to "
                         "(default: $CUTELAYERS_TUNING_FILE or ~/.cache/cutelayers/tuned_configs.json)")
-    parser.add_argument("--min-gain", type=float, default=MIN_GAIN,
+    parser.add_argument("--min-gain", type=_min_gain, default=MIN_GAIN,
                         help=f"keep the heuristic config unless a candidate is this much faster (default {MIN_GAIN})")
     parser.add_argument("--dry-run", action="store_true", help="list the candidate configs per shape; no GPU needed")
     args = parser.parse_args(argv)
