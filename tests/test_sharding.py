@@ -471,13 +471,51 @@ def test_feature_axis_sharding_is_an_error_that_names_the_argument(rng):
 
 @pytest.mark.parametrize("axis_type", AXIS_TYPES)
 def test_sharded_parameter_is_an_error_that_names_it(axis_type, rng):
-    mesh = make_mesh((4,), ("data",), axis_type)
+    # over an axis the rows do not use (over theirs it is gathered: the fsdp tests below)
+    mesh = make_mesh((2, 2), ("data", "model"), axis_type)
     x = jax.device_put(_x(rng, jnp.float32, 96), NamedSharding(mesh, ROWS))
-    scale = jax.device_put(random(rng, (96,), jnp.float32), NamedSharding(mesh, P("data")))
+    scale = jax.device_put(random(rng, (96,), jnp.float32), NamedSharding(mesh, P("model")))
     error = ValueError if axis_type == "Explicit" else jax.errors.JaxRuntimeError  # traced vs compiled
-    with pytest.raises(error, match=r"rms_norm_fwd: argument 'scale' is sharded over mesh axes \('data',\).*"
+    with pytest.raises(error, match=r"rms_norm_fwd: argument 'scale' is sharded over mesh axes \('model',\).*"
                                     r"Every device needs all of it: replicate it"):
         jax.jit(cl.ops.rms_norm)(x, scale)
+
+
+FSDP_ROWS = P(("data", "fsdp"))  # the batch over both axes, as training.sharding splits it
+
+
+def _fsdp_mlp(activation):
+    def loss(x, w1, w2):
+        return cl.ops.mlp(x, w1, None, w2, None, activation=activation).astype(jnp.float32).sum()
+
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu", "geglu"])
+def test_fsdp_parameters_are_gathered_and_match_one_device(activation, rng):
+    """Weights sharded over the axes that shard the batch (fsdp) are gathered for the call, also
+    where the kernel needs the dim whole (a gated fc1's gate and value columns; a norm's scale):
+    those raised at compile time."""
+    mesh = make_mesh((2, 2), ("data", "fsdp"))
+    width = 2 * 64 if activation.endswith("glu") else 64  # a gated kernel's hidden width: a multiple of 64
+    args = (_x(rng, jnp.bfloat16, 64), random(rng, (64, width), jnp.bfloat16) / 8,
+            random(rng, (64, 64), jnp.bfloat16) / 6)
+    f = jax.jit(_fsdp_mlp(activation))
+    assert_trees_match(f(*put(mesh, args, (FSDP_ROWS, P(None, "fsdp"), P("fsdp", None)))), f(*args),
+                       tol_dtype=jnp.bfloat16)
+    x, scale = _x(rng, jnp.float32, 64), random(rng, (64,), jnp.float32)
+    norm = jax.jit(jax.grad(lambda x, s: cl.ops.rms_norm(x, s).sum(), argnums=(0, 1)))
+    assert_trees_match(norm(*put(mesh, (x, scale), (FSDP_ROWS, P("fsdp")))), norm(x, scale), tol_dtype=jnp.float32)
+
+
+@pytest.mark.cute
+def test_fsdp_gated_mlp_cuda_program_runs_kernels_per_device(rng, tmp_path):
+    mesh = make_mesh((2, 2), ("data", "fsdp"))
+    specs = (FSDP_ROWS, P(None, "fsdp"), P("fsdp", None))
+    avals = tuple(jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, s))
+                  for shape, s in zip(((BATCH, SEQ, 64), (64, 2 * 64), (64, 64)), specs))
+    dims = kernel_row_counts(partitioned_cuda_hlo(_fsdp_mlp("swiglu"), avals, tmp_path))
+    assert BATCH * SEQ // 4 in dims and BATCH * SEQ not in dims, dims  # each device its rows
 
 
 def test_uneven_row_sharding_is_an_error(rng):

@@ -433,6 +433,8 @@ def test_help_documents_every_flag(capsys):
      "argument --mesh: --batch-size 6 is not a multiple of 4, the batch shards of --mesh data=2,fsdp=2"),
     (["--mesh", "tensor=3"], ("argument --mesh: tensor=3 must divide the tiny config's n_heads=4, d_mlp=256, "
                               "vocab_size=256")),
+    (["--config", "llama", "--mesh", "tensor=2"], ("argument --mesh: tensor=2: the llama config's MLP is gated "
+                                                   "(swiglu), and tensor parallel cannot split fc1's gate and value")),
     (["--mesh", "data=2,model=2"], ("argument --mesh: expected AXIS=N[,AXIS=N...] with AXIS one of data, "
                                     "fsdp, tensor; got 'data=2,model=2'")),
     (["--mesh", "data=two"], "argument --mesh: data: size must be an integer; got 'two'"),

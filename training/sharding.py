@@ -88,6 +88,11 @@ def model_errors(shape: dict[str, int], config: GPTConfig) -> list[str]:
 
 def tensor_error(shape: dict[str, int], config: GPTConfig, config_name: str) -> str | None:
     """Why the ``config_name`` preset cannot be split over ``shape``'s tensor axis, or None."""
+    if shape["tensor"] > 1 and config.fc1_features != config.d_mlp:
+        # fc1 holds the gate and value halves side by side: a contiguous split of its columns
+        # would give one device gates and another their values, which the gated kernel pairs
+        return (f"tensor={shape['tensor']}: the {config_name} config's MLP is gated ({config.activation}), and "
+                "tensor parallel cannot split fc1's gate and value halves yet; use data and fsdp")
     if unsplittable := model_errors(shape, config):
         return (f"tensor={shape['tensor']} must divide the {config_name} config's {', '.join(unsplittable)} "
                 f"(the heads, MLP width and vocabulary it splits)")

@@ -8,7 +8,7 @@ one chunk's logits (chunk × V) exist at a time, never the (tokens, V) array.
 
 The chunks are strided: the tokens, viewed as (rows, chunks) -- a free reshape -- go to chunk
 ``token % chunks``; the loops read chunk ``c`` of h as column ``c`` of that view and write dh's in
-place the same way. Under ``jax.jit`` with row-sharded tokens (batch / sequence ``NamedSharding``)
+place the same way. Under ``jax.jit`` with row-sharded tokens (a batch-axis ``NamedSharding``)
 the sharding then lands on the rows, within every chunk, and each device runs every chunk on its
 own tokens; contiguous chunks would put it on the scanned axis, and XLA would gather the tokens to
 loop over them. That needs the rows to split evenly over the devices: the chunk count must divide

@@ -23,7 +23,9 @@ the whole dim: an operand sharded there is an error that names it; results are r
 
 Mesh axes are given out first come, first served in operand order, so when two factors ask for
 the same mesh axis the activations (always the first operand) keep it and the weight is
-resharded. A sharded dim must divide evenly over its mesh axes (padding rows would enter sums).
+resharded -- also where the weight's dim is one the kernel needs whole (fsdp: a parameter sharded
+over the axes that shard the batch is gathered for the call). A sharded dim must divide evenly over
+its mesh axes (padding rows would enter sums).
 """
 
 from __future__ import annotations
@@ -130,6 +132,8 @@ def plan(family: KernelFamily, avals, shardings: Sequence) -> Plan:
             devices = math.prod(sharding.mesh.shape[a] for a in axes)
             if factor is None and devices == 1:
                 continue  # size-1 axes split nothing: the dim is whole on every device anyway
+            if factor is None and i > 0 and set(axes) <= taken:
+                continue  # a parameter sharded over the activations' axes (fsdp): gathered whole
             if factor is None:
                 raise ValueError(
                     f"{family.name}: argument {name!r} is sharded over mesh axes {axes} along dim {d} "
