@@ -248,6 +248,15 @@ def test_the_demo_takes_help_without_running(capsys):
     assert done.value.code == 2
 
 
+def test_the_demo_names_a_backend_variable_that_names_no_backend(monkeypatch):
+    monkeypatch.setenv("CUTELAYERS_BACKEND", "nope")
+    done = subprocess.run([sys.executable, "-m", "cutelayers"], capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "CUTELAYERS_BACKEND='nope' is not a backend; allowed: auto, cute, reference" in done.stderr
+    assert "platform:" not in done.stdout  # nothing ran
+
+
 @pytest.mark.parametrize("argv,message", [
     (["compile", "--n", "0"], ("argument --n: must be a positive multiple of 8 (fused_linear's CuTe GEMM takes K "
                                "and N multiples of 8); got 0")),
