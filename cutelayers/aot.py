@@ -45,8 +45,8 @@ from cutelayers.runtime.primitive import (
 __all__ = ["deserialize", "export", "kernel_targets", "serialize"]
 
 BUNDLE_FORMAT = 1
-_TARGET = re.compile(r"custom_call @(cutelayers_\w+)")
 _TARGET_NAME = re.compile(r"cutelayers_\w+")
+_TARGET = re.compile(rf"custom_call @({_TARGET_NAME.pattern})")
 # Versions the object files depend on at load time (cutelayers and jax do not enter the code).
 _ABI_LIBRARIES = ("nvidia-cutlass-dsl", "apache-tvm-ffi")
 

@@ -195,8 +195,8 @@ def reached_code(launcher) -> tuple[tuple[str, ...], str]:
                 fileless.append(marshal.dumps(fn.__code__))
         cells = [c.cell_contents for c in fn.__closure__ or () if c.cell_contents is not None]
         for obj in [fn.__globals__[n] for n in _names(fn.__code__) if n in fn.__globals__] + cells:
-            if inspect.ismodule(obj) and _is_user_code(obj, home) and _file_of(obj):
-                files[_file_of(obj)] = None
+            if inspect.ismodule(obj) and _is_user_code(obj, home) and (module_file := _file_of(obj)):
+                files[module_file] = None
             elif inspect.isfunction(obj) and _is_user_code(inspect.unwrap(obj), home):
                 todo.append(obj)
     return tuple(sorted(files)), hashlib.sha256(b"".join(fileless)).hexdigest() if fileless else ""
@@ -217,13 +217,18 @@ def _tensor_params(launcher, constexpr: Mapping[str, Any]) -> tuple[int, int] | 
     return sum(p.default is p.empty for p in positional), len(positional)
 
 
+def _is_count(value) -> bool:
+    """Whether ``value`` is an integer >= 0 (a dim or a leaf index; not a bool)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 0
+
+
 def _dims(where: str, shape) -> tuple:
     """``shape`` as a tuple of dims: ints >= 0, or ``jax.export`` symbolic dims."""
     dims = []
     for d in shape:
         if jax.export.is_symbolic_dim(d):
             dims.append(d)
-        elif isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0:
+        elif _is_count(d):
             dims.append(int(d))
         else:
             raise ValueError(f"cute_call: {where} has shape {tuple(shape)}; dims must be integers >= 0 "
@@ -238,7 +243,7 @@ def _check_aliases(aliases) -> tuple[tuple[int, int], ...]:
         raise TypeError(f"cute_call: input_output_aliases={aliases!r}; expected a dict {{input leaf index: "
                         "output leaf index}}")
     for i, o in aliases.items():
-        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0 for v in (i, o)):
+        if not (_is_count(i) and _is_count(o)):
             raise ValueError(f"cute_call: input_output_aliases {i!r}: {o!r}; indices must be integers >= 0 "
                              "(leaf positions among the inputs and among out_shape's leaves)")
     outputs = [int(o) for o in aliases.values()]
