@@ -172,10 +172,12 @@ def test_mean_gradient_is_not_scaled_in_a_pass_of_its_own(ignore_index):
 
 
 @pytest.mark.parametrize("layout", ["hv", "vh"])
-@pytest.mark.parametrize("reduction,z_loss", [("mean", 0.0), ("sum", 1e-2), ("none", 1e-2)])
-def test_exp_path_with_rows_out_of_its_range(reduction, z_loss, layout, rng):
-    # bf16 heads (either kernel layout) without bias, smoothing or soft cap take the exp path (P =
-    # exp(logits), module docstring). Rows it cannot hold -- logits past its clamp (scaled h), a
+@pytest.mark.parametrize("reduction,z_loss,smoothing", [("mean", 0.0, 0.0), ("sum", 1e-2, 0.0), ("none", 1e-2, 0.0),
+                                                       ("mean", 1e-2, 0.1), ("none", 0.0, 0.2)])
+def test_exp_path_with_rows_out_of_its_range(reduction, z_loss, smoothing, layout, rng):
+    # bf16 heads (either kernel layout) without bias or soft cap take the exp path (P =
+    # exp(logits), module docstring), label smoothing's mean logit from the kernel's column sums
+    # (rank-one terms of the gradients). Rows it cannot hold -- logits past its clamp (scaled h), a
     # label whose exp underflows, an ignored such row -- take the exp GEMM's second passes (their
     # max logit as the shift); with the reference lowering here, the same decomposition as on the
     # GPU
@@ -190,7 +192,8 @@ def test_exp_path_with_rows_out_of_its_range(reduction, z_loss, layout, rng):
     logits = f32_logits(h, kernel, None)
     labels = labels.at[0, 5].set(3).at[0, 20].set(ignore_index).at[2, 9].set(jnp.argmin(logits[2, 9]))
     assert jnp.max(jnp.abs(logits[0, 5])) > 200 and jnp.min(logits[2, 9]) < -70
-    ours, ref = head_call({"z_loss": z_loss, "kernel_layout": layout}, labels, ignore_index, reduction, chunk=64)
+    options = {"z_loss": z_loss, "label_smoothing": smoothing, "kernel_layout": layout}
+    ours, ref = head_call(options, labels, ignore_index, reduction, chunk=64)
     if reduction == "none":  # the per-token losses, fixed rows included, then a weighted sum's gradients
         assert_close(jax.jit(ours)(h, kernel, None), ref(h.astype(F32), kernel.astype(F32), None), jnp.bfloat16)
         weights = jnp.asarray(rng.uniform(0.5, 1.5, lead), F32)
@@ -200,6 +203,21 @@ def test_exp_path_with_rows_out_of_its_range(reduction, z_loss, layout, rng):
     # and the ordinary rows alone: no row is flagged
     keep = jnp.ones(lead, bool).at[0, 5].set(False).at[0, 20].set(False).at[2, 9].set(False)
     check_value_and_grads(ours, ref, (jnp.where(keep[..., None], h, 0.1), kernel), None)
+
+
+@pytest.mark.parametrize("layout,vocab", [("hv", 253), ("vh", 253), ("hv", 256), ("vh", 256)])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_exp_path_label_smoothing(layout, vocab, reduction, rng):
+    """Label smoothing on the exp path: its mean logit is h . (the kernel's column sums) / V and
+    its gradient's uniform part -a w / V per class is rank-one -- (column sums) in dh, sum_t of h
+    in every column of dkernel -- over the V classes alone where V is padded (253 -> 256). The
+    operands share a column component and a row component, so both rank-one terms are a large
+    part of the gradients (each alone off fails this), and a = 0.5."""
+    h, kernel, _, labels = head_operands(rng, (2, 150), 64, vocab, jnp.bfloat16, ignore_index=-100)
+    h = (h.astype(F32) + random(rng, (64,), F32)).astype(jnp.bfloat16)
+    kernel = (kernel.astype(F32) + 0.5 * random(rng, (64, 1), F32)).astype(jnp.bfloat16)
+    ours, ref = odd_vocabulary_head(layout, False, reduction, labels, smoothing=0.5)
+    check_value_and_grads(ours, ref, (h, kernel))
 
 
 def test_exp_path_with_most_rows_out_of_its_range(rng):
@@ -329,16 +347,18 @@ def test_return_lse(rng):
     np.testing.assert_allclose(g, jax.grad(head)(h))
 
 
-def odd_vocabulary_head(layout, with_bias, reduction, labels, z_loss=1e-3):
+def odd_vocabulary_head(layout, with_bias, reduction, labels, z_loss=1e-3, smoothing=0.0):
     """(ours, reference) of a head whose kernel is given (H, V) and read in ``layout``, ignoring
     label -100, as a weighted sum where ``reduction`` is "none"."""
+    options = {"z_loss": z_loss, "label_smoothing": smoothing}
+
     def ours(h, kernel, *bias):
         return linear_cross_entropy(h, kernel if layout == "hv" else kernel.T, labels, bias=bias[0] if bias else None,
-                                    ignore_index=-100, reduction=reduction, z_loss=z_loss, chunk_size=128,
-                                    kernel_layout=layout)
+                                    ignore_index=-100, reduction=reduction, chunk_size=128, kernel_layout=layout,
+                                    **options)
 
     def ref(h, kernel, *bias):
-        return reference_loss(f32_logits(h, kernel, bias[0] if bias else None), labels, -100, reduction, z_loss=z_loss)
+        return reference_loss(f32_logits(h, kernel, bias[0] if bias else None), labels, -100, reduction, **options)
 
     if reduction == "none":
         weights = jnp.linspace(0.5, 1.5, labels.size, dtype=F32).reshape(labels.shape)
@@ -355,18 +375,20 @@ def far_below_zero(h, kernel, tokens):
     return flat.at[jnp.asarray(tokens), 0].set(-100.0).reshape(h.shape), kernel
 
 
-@pytest.mark.parametrize("layout,with_bias,vocab", [("hv", False, 253), ("vh", False, 253), ("hv", True, 253),
-                                                    ("vh", True, 253), ("hv", False, 200), ("vh", True, 200)])
+@pytest.mark.parametrize("layout,with_bias,vocab,smoothing", [
+    ("hv", False, 253, 0.0), ("vh", False, 253, 0.0), ("hv", True, 253, 0.0), ("vh", True, 253, 0.0),
+    ("hv", False, 200, 0.0), ("vh", True, 200, 0.0), ("hv", False, 253, 0.1), ("vh", False, 200, 0.1)])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_odd_vocabulary_through_the_kernel_path(layout, with_bias, vocab, reduction, rng):
+def test_odd_vocabulary_through_the_kernel_path(layout, with_bias, vocab, smoothing, reduction, rng):
     """V not a multiple of 64 -- of 8 (the kernels' TMA alignment) or not -- runs the kernel path
     on a vocabulary padded to one, its padding left out by the exp path's GEMMs (no bias; rows far
-    below zero too) or masked by a -inf bias: loss and gradients of the head as given, in their
-    shapes (on the CPU the kernels' reference lowering runs, chunk by chunk)."""
+    below zero too; label smoothing's mean over the V classes alone) or masked by a -inf bias:
+    loss and gradients of the head as given, in their shapes (on the CPU the kernels' reference
+    lowering runs, chunk by chunk)."""
     h, kernel, bias, labels = head_operands(rng, (2, 150), 64, vocab, jnp.bfloat16, ignore_index=-100)
     if not with_bias:  # the exp path (bf16 logits about -100 would be 0.25 apart on the other)
         h, kernel = far_below_zero(h, kernel, [1, 200])
-    ours, ref = odd_vocabulary_head(layout, with_bias, reduction, labels)
+    ours, ref = odd_vocabulary_head(layout, with_bias, reduction, labels, smoothing=smoothing)
     check_value_and_grads(ours, ref, (h, kernel, bias) if with_bias else (h, kernel))
 
 
@@ -386,9 +408,11 @@ def test_odd_vocabulary_padding_is_no_class(rng):
 @pytest.mark.parametrize("vocab", [50257, 50280])
 def test_odd_vocabulary_lowers_to_the_kernels_for_cuda(vocab):
     """V = 50257 (GPT-2's) or 50280 (a multiple of 8, not of 64): the head's GEMMs on the padded
-    50304 columns -- the exp path's, which leave the padding out, or with a bias the
-    cross-entropy path's and its kernel; label smoothing keeps the vocabulary unpadded: XLA's
-    GEMMs at 50257 (its mean over the classes would count the padding), the kernels at 50280."""
+    50304 columns -- the exp path's, which leave the padding out (label smoothing too: its mean
+    over the classes is a rank-one term of the kernel's columns), or with a bias the
+    cross-entropy path's and its kernel; label smoothing with a bias keeps the vocabulary
+    unpadded: XLA's GEMMs at 50257 (its mean over the classes would count the -inf padding), the
+    kernels at 50280."""
     tokens, hidden = 4096, 128
     S = jax.ShapeDtypeStruct
     avals = (S((tokens, hidden), jnp.bfloat16), S((hidden, vocab), jnp.bfloat16), S((tokens,), jnp.int32))
@@ -399,17 +423,20 @@ def test_odd_vocabulary_lowers_to_the_kernels_for_cuda(vocab):
 
     with cl.use_backend("auto"):
         plain = lower_cuda(jax.value_and_grad(loss, (0, 1)), *avals)
-        calls = collections.Counter(kernel_targets(plain))
-        # one chunk: the exp GEMM and its two passes over rows out of range, dh and dkernel
-        assert calls == {"linear_fwd": 1, "linear_exp_fix": 2, "linear_dkernel": 1, "linear_dx": 1}, calls
+        smoothed = lower_cuda(jax.value_and_grad(functools.partial(loss, smoothing=0.1), (0, 1)), *avals)
+        for hlo in (plain, smoothed):
+            calls = collections.Counter(kernel_targets(hlo))
+            # one chunk: the exp GEMM and its two passes over rows out of range, dh and dkernel
+            assert calls == {"linear_fwd": 1, "linear_exp_fix": 2, "linear_dkernel": 1, "linear_dx": 1}, calls
         biased = lower_cuda(jax.value_and_grad(loss, (0, 1, 3)), *avals, S((vocab,), jnp.bfloat16))
         assert collections.Counter(kernel_targets(biased)) == {"linear_fwd": 1, "cross_entropy_with_grad": 1,
                                                                "linear_dkernel": 1, "linear_dx": 1}
-        for hlo in (plain, biased):  # every kernel reads and writes the padded width
+        for hlo in (plain, smoothed, biased):  # every kernel reads and writes the padded width
             calls = [line for line in hlo.splitlines() if "stablehlo.custom_call @cutelayers_" in line]
             assert all("50304" in line and str(vocab) not in line for line in calls), calls
-        smoothed = lower_cuda(jax.value_and_grad(functools.partial(loss, smoothing=0.1), (0, 1)), *avals)
-        gemms = [t for t in kernel_targets(smoothed) if t.startswith("linear_")]
+        smoothed_biased = lower_cuda(jax.value_and_grad(functools.partial(loss, smoothing=0.1), (0, 1, 3)),
+                                     *avals, S((vocab,), jnp.bfloat16))
+        gemms = [t for t in kernel_targets(smoothed_biased) if t.startswith("linear_")]
         assert bool(gemms) == (vocab % 8 == 0)  # XLA's GEMMs at 50257
 
 
@@ -428,6 +455,21 @@ def test_odd_vocabulary_kernel_path_gpu(layout, with_bias, reduction, vocab, rng
         h, kernel = far_below_zero(h, kernel, [5, 400, 998])
     ours, ref = odd_vocabulary_head(layout, with_bias, reduction, labels)
     check_value_and_grads(ours, ref, (h, kernel, bias) if with_bias else (h, kernel), on_kernels=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,vocab", [("hv", 1001), ("vh", 1000)])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_exp_path_label_smoothing_gpu(layout, vocab, reduction, rng):
+    """Label smoothing on the exp path's kernels (its mean logit and the gradients' rank-one terms
+    from the kernel's column sums), at a vocabulary padded to 1024 and one not, with z-loss and
+    rows far below zero (the second pass): loss and every gradient vs a float32 reference."""
+    h, kernel, _, labels = head_operands(rng, (3, 333), 256, vocab, jnp.bfloat16, ignore_index=-100)
+    h, kernel = far_below_zero(h, kernel, [5, 400, 998])
+    ours, ref = odd_vocabulary_head(layout, False, reduction, labels, smoothing=0.1)
+    with cl.use_backend("cute"):
+        assert "linear_exp_fix" in kernel_targets(lower_cuda(jax.grad(ours, (0, 1)), h, kernel))
+    check_value_and_grads(ours, ref, (h, kernel), on_kernels=True)
 
 
 @pytest.mark.gpu

@@ -351,6 +351,12 @@ CLASS_SHARDED = {
         lambda h, w, labels: cl.ops.linear_cross_entropy(h, w, labels, ignore_index=-1, chunk_size=8),
         lambda r, d: (_x(r, d, 32), random(r, (32, 64), d) / 6, _labels(r, 64)),
         (ROWS, P(None, "model"), ROWS), (0, 1), jnp.bfloat16),
+    # with label smoothing: the kernel's column sums (its mean logit's) summed over the devices' columns
+    "linear_cross_entropy_exp_path_smoothed": (
+        lambda h, w, labels: cl.ops.linear_cross_entropy(h, w, labels, ignore_index=-1, chunk_size=8,
+                                                         label_smoothing=0.3),
+        lambda r, d: (_x(r, d, 32), random(r, (32, 64), d) / 6 + random(r, (32, 1), d) / 3, _labels(r, 64)),
+        (ROWS, P(None, "model"), ROWS), (0, 1), jnp.bfloat16),
     # and with rows out of its range (logits past its clamp, and a row's all far below 0): their
     # second passes find each row's max logit and its label's over the devices' columns
     "linear_cross_entropy_exp_path_out_of_range": (

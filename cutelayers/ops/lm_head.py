@@ -35,16 +35,22 @@ is transposed.
   its second pass: :class:`cutelayers.ops.softmax.CrossEntropyWithGrad`), dz over the logits'
   buffer. Saved: dh (tokens, H) in h's dtype, dkernel and dbias in float32. Without
   differentiation only the forward GEMM and the cross-entropy forward kernel run.
-* The **exp path** -- bfloat16, a kernel (either layout) without bias, label smoothing or soft
-  cap; every reduction -- has no cross-entropy pass: the logits GEMM's epilogue stores ``P = exp(z)`` (bf16,
+* The **exp path** -- bfloat16, a kernel (either layout) without bias or soft cap; every
+  reduction -- has no cross-entropy pass: the logits GEMM's epilogue stores ``P = exp(z)`` (bf16,
   whose exponent range is float32's: no shift is needed for logits within about +-60) and its
   float32 row sums S (:func:`cutelayers.ops.linear.exp_logits`). Then lse = log S, the label's
   logit is log P[y], and ``dz = s (P - c onehot)`` with ``s = w (1 + 2 z_loss lse) / S`` and
   ``c = S / (1 + 2 z_loss lse)``: one in-place scatter-add of ``-c`` into each row's label entry,
   dh = s * (P @ kernelᵀ), dkernel += (s * h)ᵀ @ P -- the same two GEMMs, each logit exp'd once
-  (a (V, H) table: the logits GEMM reads it as stored, as the dh GEMM does). A vocabulary
-  padded for the kernels (:func:`_pad_vocabulary`) stays on it: its GEMMs count only the vocabulary's
-  columns (``exp_columns``), the padding's P is 0.
+  (a (V, H) table: the logits GEMM reads it as stored, as the dh GEMM does). Label smoothing a
+  over V classes subtracts a times the row's mean logit, ``h . k / V`` with ``k`` the kernel's
+  column sums (a pass over the kernel), from the loss, and puts ``-(1 - a) S / (1 + 2
+  z_loss lse)`` into the label's entry; its gradient's uniform part ``u = -w a / V`` in every
+  class is rank-one: ``dh += u k`` in the pass that scales dh, and ``dkernel += sum_t u_t h_t``
+  in every column, summed over the chunks and added once (a pass over the float32 dkernel). A
+  vocabulary padded for the kernels (:func:`_pad_vocabulary`) stays on it: its GEMMs count only
+  the vocabulary's columns (``exp_columns``), the padding's P is 0 and its kernel columns are
+  zero.
   A row whose S leaves [e^-60, e^60] or whose label's P underflows (logits past the epilogue's
   clamp at 80, or a label beyond ~69 nats) is flagged, and two more launches of the exp GEMM,
   each running only the tiles that hold a flagged row (:func:`cutelayers.ops.linear.exp_logits_fix`),
@@ -183,10 +189,9 @@ def _zeros_of_type(a, dtype=None):
 
 
 def _takes_exp_path(use_kernels: bool, options: tuple[float, float, float], has_bias: bool, dtype) -> bool:
-    """Whether a call runs the exp path (module docstring): the kernels, no label smoothing or
-    soft cap, no bias, and bfloat16 (float16's exponents stop at e^11)."""
-    smoothing, _, soft_cap = options
-    return use_kernels and smoothing == 0.0 and soft_cap == 0.0 and not has_bias and dtype == jnp.bfloat16
+    """Whether a call runs the exp path (module docstring): the kernels, no soft cap, no bias, and
+    bfloat16 (float16's exponents stop at e^11)."""
+    return use_kernels and options[2] == 0.0 and not has_bias and dtype == jnp.bfloat16
 
 
 @functools.cache
@@ -207,7 +212,7 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
     """
     # a chunk's logits die in the cross-entropy gradient kernels: dz takes their buffer
     ce_forward, ce_backward, ce_with_grad = cross_entropy_kernels(ignore_index, *options, in_place=True)
-    z_loss = options[1]
+    smoothing, z_loss = options[:2]
     plain_gemm, input_grad = forward_fn("none", False, use_kernels), input_grad_fn(use_kernels)
     weight_grad = weight_grad_fn(use_kernels, f32_out=True)
     # A (V, H) kernel (a tied embedding table) swaps the roles of the forward and dx GEMMs and
@@ -228,18 +233,24 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
         running = () if dkernel is None else (dkernel[None],)
         return weight_grad(*(a[None] for a in operands), *running)[0]
 
-    def add_chunk_grads(grads, h, kernel, bias, c, dz, h_c=None, row_scale=None):
+    def add_chunk_grads(grads, h, kernel, bias, c, dz, h_c=None, row_scale=None, uniform=None):
         """Adds chunk ``c``'s gradients, given its logits' gradient ``dz``, to (dh, dkernel, dbias):
         for ``grads`` None (the first chunk) they start them. ``h_c``: the chunk's rows of h, if
         not read from h here. ``row_scale`` (R,) float32: the gradient is diag(row_scale) dz (the
         exp path's P), so dh_c is scaled after its GEMM and h_c before dkernel's; a row of scale 0
-        adds nothing (its dz may not be finite)."""
+        adds nothing (its dz may not be finite). ``uniform``: (u (R,), the kernel's column sums
+        (H,)), both float32, for a gradient that also holds u_t in every column of row t (label
+        smoothing on the exp path): dh_t gains u_t times the column sums here; the kernel's
+        gradient gains sum_t u_t h_t in every column, which the caller adds once."""
         dh, dkernel, dbias = grads or (_zeros_of_type(h), None, None)
         h_c = _chunk(h, c) if h_c is None else h_c
         dh_c = chunk_input_grad(dz, kernel)
         if row_scale is not None:
             kept = (row_scale != 0.0)[:, None]
-            dh_c = jnp.where(kept, dh_c.astype(F32) * row_scale[:, None], 0.0).astype(h.dtype)
+            dh_c = jnp.where(kept, dh_c.astype(F32) * row_scale[:, None], 0.0)
+            if uniform is not None:
+                dh_c += uniform[0][:, None] * uniform[1]
+            dh_c = dh_c.astype(h.dtype)
             h_c = (h_c.astype(F32) * row_scale[:, None]).astype(h.dtype)
         # dh_c written in place into its column: stacking (C, R, H) would need a transpose
         dh = jax.lax.dynamic_update_index_in_dim(dh, dh_c, c, axis=1)
@@ -331,9 +342,19 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
         (grads, total), lse = scan_chunks(step, jnp.arange(h.shape[1]))
         return (total, lse), grads
 
-    def exp_chunk(h_c, y_c, kernel) -> ExpChunk:
+    def column_sums(kernel):
+        """The kernel's columns (a (V, H) table's rows) summed, (H,) float32, for label smoothing:
+        h_t . sums is the sum of row t's logits, and the smoothing's rank-one terms (module
+        docstring) read it; a padded vocabulary's columns are zero. None without smoothing."""
+        return jnp.sum(kernel.astype(F32), axis=0 if vocab_major else 1) if smoothing else None
+
+    def classes(kernel) -> int:
+        return exp_columns or kernel.shape[0 if vocab_major else 1]
+
+    def exp_chunk(h_c, y_c, kernel, sums_of_columns=None) -> ExpChunk:
         """One chunk's exp GEMM (P and its row sums S), its two passes over the rows out of the
-        exponential's range, and what the exp path reads of them (module docstring)."""
+        exponential's range, and what the exp path reads of them (module docstring);
+        ``sums_of_columns``: :func:`column_sums` of the kernel, with label smoothing."""
         valid = jnp.ones(y_c.shape, bool) if ignore_index is None else y_c != ignore_index
         p, sums = exp_logits(h_c, kernel, kernel_nk=vocab_major, columns=exp_columns)
         s = jnp.sum(sums, axis=-1)
@@ -360,13 +381,18 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
         lse = shift + jnp.log(s)
         z_y = jnp.where(out, jnp.max(at_label, axis=-1), jnp.log(jnp.where(out, 1.0, p_y)))
         counted, unknown = valid & known, valid & ~known
-        loss = jnp.where(unknown, jnp.nan, jnp.where(counted, lse - z_y + z_loss * lse**2, 0.0))
+        loss = lse - (1.0 - smoothing) * z_y + z_loss * lse**2
+        if smoothing:  # minus a times the mean logit, h_t . (column sums) / V: no pass over P
+            loss -= smoothing / classes(kernel) * jnp.sum(h_c.astype(F32) * sums_of_columns, axis=-1)
+        loss = jnp.where(unknown, jnp.nan, jnp.where(counted, loss, 0.0))
         return ExpChunk(p, rows, y_safe, s, lse, loss, counted, unknown)
 
     def exp_forward(h, labels, kernel):
         """forward's exp path: per chunk the exp GEMM's row sums give lse and the loss."""
+        sums_of_columns = column_sums(kernel)
+
         def step(_, c):
-            chunk = exp_chunk(_chunk(h, c), _chunk(labels, c), kernel)
+            chunk = exp_chunk(_chunk(h, c), _chunk(labels, c), kernel, sums_of_columns)
             return None, (chunk.lse, chunk.loss)
 
         _, (lse, loss) = jax.lax.scan(step, None, jnp.arange(h.shape[1]))
@@ -374,26 +400,38 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
 
     def exp_total_fwd(h, labels, kernel, weights):
         """total_fwd's exp path (module docstring): per chunk one GEMM gives P = exp(z - shift)
-        and its row sums S; dz = s (P - c onehot) with s = w (1 + 2 z_loss lse) / S, c = S / (1 +
-        2 z_loss lse), so the label's entry of P takes -c in place and the dh / dkernel GEMMs read
-        P (dh scaled after, h scaled before)."""
+        and its row sums S; dz = s (P - c onehot) + u with s = w (1 + 2 z_loss lse) / S, c = (1 -
+        a) S / (1 + 2 z_loss lse) and, with label smoothing a, u = -w a / V in every column, so
+        the label's entry of P takes -c in place and the dh / dkernel GEMMs read P (dh scaled
+        after, h scaled before); u's rank-one terms are added beside them."""
+        sums_of_columns = column_sums(kernel)
+
         def step(carry, c):
-            grads, total = carry or (None, None)
+            grads, total, smoothed = carry or (None, None, None)
             h_c, y_c = _chunk(h, c), _chunk(labels, c)
             if grads is not None:  # this chunk's P only once the last one's GEMMs have read theirs
                 h_c, grads = jax.lax.optimization_barrier((h_c, grads))
-            chunk = exp_chunk(h_c, y_c, kernel)
+            chunk = exp_chunk(h_c, y_c, kernel, sums_of_columns)
             p, rows = chunk.p, chunk.rows
             factor = 1.0 + 2.0 * z_loss * chunk.lse
             w_c = jnp.where(chunk.counted, _chunk(weights, c), 0.0)
             # a label outside the vocabulary: NaN gradients, as its loss
             scale = jnp.where(chunk.unknown, jnp.nan, w_c * factor / chunk.s)
-            p = p.at[rows, chunk.y_safe].add(jnp.where(chunk.counted, -chunk.s / factor, 0.0).astype(p.dtype))
-            grads = add_chunk_grads(grads, h, kernel, None, c, p, h_c=h_c, row_scale=scale)
+            label_entry = jnp.where(chunk.counted, -(1.0 - smoothing) * chunk.s / factor, 0.0)
+            p = p.at[rows, chunk.y_safe].add(label_entry.astype(p.dtype))
+            uniform = None
+            if smoothing:
+                u = -smoothing / classes(kernel) * w_c
+                uniform = (u, sums_of_columns)
+                chunk_smoothed = jnp.sum(u[:, None] * h_c.astype(F32), axis=0)
+                smoothed = chunk_smoothed if smoothed is None else smoothed + chunk_smoothed
+            grads = add_chunk_grads(grads, h, kernel, None, c, p, h_c=h_c, row_scale=scale, uniform=uniform)
             chunk_total = jnp.sum(chunk.loss * _chunk(weights, c))
-            return (grads, chunk_total if total is None else total + chunk_total), chunk.lse
+            return (grads, chunk_total if total is None else total + chunk_total, smoothed), chunk.lse
 
-        ((dh, dkernel, _), total), lse = scan_chunks(step, jnp.arange(h.shape[1]))
+        ((dh, dkernel, _), total, smoothed), lse = scan_chunks(step, jnp.arange(h.shape[1]))
+        if smoothing:  # sum_t u_t h_t in every column (a (V, H) table's every row), once for all chunks
+            dkernel = dkernel + (smoothed[None, :] if vocab_major else smoothed[:, None])
         return (total, lse), (dh, dkernel, None)
 
     def total_bwd(grads, cotangents_out):
@@ -412,8 +450,9 @@ def _pad_vocabulary(kernel, bias, labels, ignore_index, vocab_major: bool, vocab
     autodiff slices the padding off the kernel's and the bias's gradients. (A (V, H) table with a
     bias is read transposed: one copy, beside the one its padding makes.) Labels in
     [V, V + vocab_pad) stay outside the vocabulary: NaN losses, as any such label. Not for label
-    smoothing (a mean over the classes) or soft-capping (tanh caps -inf): those run unpadded, on
-    XLA's GEMMs where V is not a multiple of 8. Returns (kernel, bias, labels)."""
+    smoothing off the exp path (a mean over the classes would count the -inf) or soft-capping
+    (tanh caps -inf): those run unpadded, on XLA's GEMMs where V is not a multiple of 8. Returns
+    (kernel, bias, labels)."""
     vocab = kernel.shape[0] if vocab_major else kernel.shape[1]
     kernel = jnp.pad(kernel, ((0, vocab_pad), (0, 0)) if vocab_major else ((0, 0), (0, vocab_pad)))
     if mask_by_bias:
@@ -492,18 +531,22 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
         loss = jnp.zeros(lead if reduction == "none" else (), F32)
         return (loss, jnp.zeros(lead, F32)) if return_lse else loss
     smoothing, _, soft_cap = options
-    vocab_pad = -vocab % PADDED_VOCAB_MULTIPLE if smoothing == 0.0 and soft_cap == 0.0 else 0
+    # The padding is left out by the exp path's GEMMs, else by a -inf bias, which a smoothing sum
+    # over the classes or a soft cap would count (_pad_vocabulary)
+    exp_eligible = _takes_exp_path(True, options, bias is not None, h.dtype)  # where the kernels run
+    paddable = exp_eligible or (smoothing == 0.0 and soft_cap == 0.0)
+    vocab_pad = -vocab % PADDED_VOCAB_MULTIPLE if paddable else 0
     use_kernels, why = kernels_apply(h.dtype, hidden, vocab + vocab_pad)
     if not use_kernels:
         if vocab % ALIGN_ELEMENTS and not vocab_pad:
-            why += " (an odd vocabulary is padded for them only without label smoothing or soft-capping)"
+            why += (" (an odd vocabulary is padded for them only without soft-capping, and with label smoothing "
+                    "only on the exp path: bfloat16, no bias)")
         _backend.fall_back(op, why)
     exp_columns = 0
     if use_kernels and vocab_pad:
-        exp_path = _takes_exp_path(use_kernels, options, bias is not None, h.dtype)
-        exp_columns = vocab if exp_path else 0
+        exp_columns = vocab if exp_eligible else 0
         kernel, bias, labels = _pad_vocabulary(kernel, bias, labels, ignore_index, vocab_major, vocab_pad,
-                                               mask_by_bias=not exp_path)
+                                               mask_by_bias=not exp_eligible)
         vocab += vocab_pad
     n_chunks, rows = chunk_layout(lead, vocab, chunk_size)
     pad = n_chunks * rows - tokens
