@@ -180,6 +180,42 @@ def test_megatron_mlp_matches_one_device(platform, rng):
     assert any(rows * 64 in sizes for _, sizes in found), found
 
 
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_megatron_gated_mlp_matches_one_device(layout, platform, rng):
+    """A SwiGLU block split Megatron-style, w1 (its gate and value halves side by side) and b1
+    in contiguous blocks of their 2 H columns -- one device's gates, another's values --, w2
+    over its input: each device computes its part of both halves (XLA moves w1's columns
+    there once a step, an all-to-all of the weight), so the hidden activations stay split, and
+    the only collective of the (rows, .) activations is the all-reduce of fc2's (rows, 64)
+    partial products -- none of the (rows, 128) hidden, nor of its (rows, 256) pre-activation."""
+    mesh = parallel_mesh(platform)
+    dtype = platform.dtype(jnp.float16)
+    w1, w2 = random(rng, (64, 256), dtype) / 8, random(rng, (128, 64), dtype) / 12
+    specs = (ROWS, P(None, "model"), P("model"), P("model", None), REPLICATED, ROWS)
+    if layout == "nk":
+        w1, w2 = w1.T, w2.T
+        specs = (ROWS, P("model", None), P("model"), P(None, "model"), REPLICATED, ROWS)
+    args = platform.one_device((_x(rng, dtype, 64), w1, random(rng, (256,), dtype), w2, random(rng, (64,), dtype),
+                                _x(rng, dtype, 64)))
+
+    def block(x, w1, b1, w2, b2, residual):
+        return cl.ops.mlp(x, w1, b1, w2, b2, activation="swiglu", residual=residual, kernel_layout=layout)
+
+    cotangent = np.asarray(rng.standard_normal((BATCH, SEQ, 64)), np.float32)
+    ref = STEP(block, args, tuple(range(6)), cotangent)
+    sharded = put(mesh, args, specs)
+    compiled = STEP.lower(block, sharded, tuple(range(6)), cotangent).compile()
+    assert_step_matches(compiled(sharded, cotangent), ref, dtype)
+    found = collectives(compiled.as_text())
+    rows = BATCH * SEQ // mesh.shape["data"]
+    moved = {n for kind, sizes in found if kind != "all-reduce" for n in sizes}  # gathers, all-to-alls ...
+    summed = {n for kind, sizes in found if kind == "all-reduce" for n in sizes}
+    assert not {rows * 64, rows * 128, rows * 256} & moved, found  # no activation's share moves
+    assert not {rows * 128, rows * 256} & summed and rows * 64 in summed, found
+    if platform.name == "gpu":
+        assert KERNEL_CALL in compiled.as_text()
+
+
 def test_mlp_with_its_output_split_matches_one_device(platform, rng):
     """fc2 column-parallel (w2, b2 split over the output width), fc1 replicated: the dh GEMM's
     contraction (that width) is split, so each device's dz1 is a partial sum, all-reduced -- and

@@ -11,7 +11,10 @@ The mesh has three axes, each of size 1 unless ``--mesh`` names it:
 * ``tensor`` -- Megatron-style tensor parallel: the column-parallel layers (qkv, the MLP's first
   layer, the LM head) are sharded along their output axis (biases too), the row-parallel ones
   (attn_out, the MLP's second layer) along their input axis, the token embedding along the vocabulary; norms, the position
-  embedding and the residual stream are replicated.
+  embedding and the residual stream are replicated. A gated MLP's first layer (SwiGLU: its gate
+  and value halves side by side) is stored split in contiguous blocks as any other; its op
+  computes each device's part of both halves, XLA moving the weight's columns there once a step
+  (an all-to-all of the weight, not of activations: ``cutelayers.runtime.family.Halves``).
 
 :func:`spec_for` is the one rule table: a parameter's sharding follows from its key path and
 shape, the same for the three frameworks (a linear layer's ``kernel`` is (in, out) in Flax,
@@ -88,11 +91,6 @@ def model_errors(shape: dict[str, int], config: GPTConfig) -> list[str]:
 
 def tensor_error(shape: dict[str, int], config: GPTConfig, config_name: str) -> str | None:
     """Why the ``config_name`` preset cannot be split over ``shape``'s tensor axis, or None."""
-    if shape["tensor"] > 1 and config.fc1_features != config.d_mlp:
-        # fc1 holds the gate and value halves side by side: a contiguous split of its columns
-        # would give one device gates and another their values, which the gated kernel pairs
-        return (f"tensor={shape['tensor']}: the {config_name} config's MLP is gated ({config.activation}), and "
-                "tensor parallel cannot split fc1's gate and value halves yet; use data and fsdp")
     if unsplittable := model_errors(shape, config):
         return (f"tensor={shape['tensor']} must divide the {config_name} config's {', '.join(unsplittable)} "
                 f"(the heads, MLP width and vocabulary it splits)")

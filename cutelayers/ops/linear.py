@@ -81,7 +81,7 @@ from cutelayers.kernels.hopper import concrete_dim
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import check_float_array
 from cutelayers.ops._zeros import zeros_after
-from cutelayers.runtime.family import ShardingRule, TunableFamily
+from cutelayers.runtime.family import Halves, ShardingRule, TunableFamily
 from cutelayers.runtime.sharding import kernel_call, run_kernel, sum_partials, vary_like
 from cutelayers.tuning import resolve
 
@@ -310,8 +310,19 @@ class GemmFamily(TunableFamily):
     def config_from_fields(self, fields: dict):
         return GemmConfig(**fields)
 
+    halves: str | None = None
+    """A factor whose every dim holds a gated layer's gate and value halves (its dx and weight
+    gradient over the 2 H columns: :class:`~cutelayers.runtime.family.Halves`), or None. The
+    same kernel either way: not part of :meth:`identity`."""
+
+    def identity(self):
+        return dataclasses.replace(self, halves=None) if self.halves else self
+
     def sharding_rule(self, avals) -> ShardingRule:
         operands, results = self.factors()
+        if self.halves:
+            operands, results = (tuple(tuple(Halves(f) if f == self.halves else f for f in dims) for dims in group)
+                                 for group in (operands, results))
         if self.fixup:  # each device's scratch is its own, whole
             operands, results = operands + ((None,),), results + ((None, None), (None,))
         rule = ShardingRule(operands, results)
@@ -341,6 +352,9 @@ class GemmFamily(TunableFamily):
         """This GEMM on one device's operands; the jnp reference where sharding left K or N per
         device no multiple of 8 (TMA alignment)."""
         use_kernels, why = kernels_apply(operands[0].dtype, *self.layer_dims(operands))
+        if use_kernels and self.gated and self.gated_width(operands) % GATED_BLOCK:  # a share of each half
+            why = f"each half's {self.gated_width(operands)} columns on a shard are not a multiple of {GATED_BLOCK}"
+            use_kernels = False
         if not use_kernels:
             _backend.fall_back(f"{self.name} on a shard", why)
             return tuple(self.reference(*operands))
@@ -474,11 +488,14 @@ class LinearForward(ForwardGemm):
                 + ("rows",) * (1 + self.store_preact + self.exp_row_sums))
 
     def factors(self):
-        # K sharded: row-parallel (partial sums); N sharded: column-parallel. A gated layer's rows
-        # only: its activation pairs columns 2H apart and needs the whole contraction.
+        # K sharded: row-parallel (partial sums); N sharded: column-parallel. A gated layer's N
+        # (2H) as halves (a device's share of gates and of values: its columns of the output),
+        # its contraction whole: the activation pairs gates with values of whole sums.
         if self.gated:
-            rows = (None, "rows", None)
-            return ((rows, (None, None, None)) + ((None,),) * self.has_bias), (rows,) * (1 + self.store_preact)
+            halves = Halves("n")
+            weight = (None, halves, None) if self.kernel_nk else (None, None, halves)
+            operands = ((None, "rows", None), weight) + ((halves,),) * self.has_bias
+            return operands, ((None, "rows", "n"),) + ((None, "rows", halves),) * self.store_preact
         rows_n = (None, "rows", "n")
         operands = (((None, "rows", "k"), self.kernel_factor()) + (("n",),) * self.has_bias
                     + (rows_n,) * self.has_residual)
@@ -709,6 +726,7 @@ class LinearInputGrad(GemmFamily):
     kernel_nk: bool = False
     stream_k: bool = False
     gated: bool = False
+    halves: str | None = None  # "n": the contraction is a gated layer's halves (GemmFamily.halves)
 
     name = "linear_dx"
 
@@ -750,12 +768,11 @@ class LinearInputGrad(GemmFamily):
     def factors(self):
         # N is the contraction: with a column-parallel kernel each device's dx is a partial sum.
         # The activation derivative scales each partial alike, so it applies before the psum. A
-        # gated layer's K (its hidden width, both halves in dx) is not sharded.
-        k = None if self.gated else "k"
-        weight = tuple(k if f == "k" else f for f in self.kernel_factor())
+        # gated layer's pre-activation and dx hold both halves of its hidden width K.
+        k = Halves("k") if self.gated else "k"
         second = self.through_activation
-        operands = ((None, "rows", "n"), weight) + ((None, "rows", k),) * second
-        return operands + ((None, "rows", k),) * self.stream_k, ((None, "rows", k),) * (1 + second)
+        operands = ((None, "rows", "n"), self.kernel_factor()) + ((None, "rows", k),) * second
+        return operands + ((None, "rows", k),) * self.stream_k, ((None, "rows", k),) + ((None, "rows", "k"),) * second
 
     def second_result_whole_over(self):
         return "n" if self.through_activation else None  # act(preact) does not involve the contraction
@@ -814,6 +831,7 @@ class LinearWeightGrad(GemmFamily):
     stream_k: bool = False
     operand_sums: str | None = None
     f32_out: bool = False
+    halves: str | None = None  # "k" / "n": x's / dz's columns are a gated layer's halves (GemmFamily.halves)
     contracts_rows = True
 
     name = "linear_dkernel"
@@ -1088,12 +1106,12 @@ def _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kerne
     return tuple(o.reshape(*lead, w) for o, w in zip(outs, widths))
 
 
-def _input_grad_rows(dz, kernel, preact, grad_of, use_kernels, precision, kernel_nk):
+def _input_grad_rows(dz, kernel, preact, grad_of, use_kernels, precision, kernel_nk, halves=False):
     """dx (..., K) = dz (..., N) @ kernelᵀ, kernel (K, N), or (N, K) if ``kernel_nk``. With
     ``preact`` (..., K) (``grad_of`` an activation) the pair (dx * act'(preact), act(preact)):
     the activation's gradient and its output, both from one GEMM epilogue. A gated ``grad_of``:
     preact and dx (..., 2K) -- the gradient of both halves from the product (..., K) -- and the
-    output act(gate) * value (..., K)."""
+    output act(gate) * value (..., K). ``halves``: N is a gated layer's gate and value halves."""
     lead, k = dz.shape[:-1], kernel.shape[1 if kernel_nk else 0]
     act, gated = kernel_activation(grad_of)
     widths = (2 * k if gated else k, k)[:1 + (preact is not None)]
@@ -1111,7 +1129,8 @@ def _input_grad_rows(dz, kernel, preact, grad_of, use_kernels, precision, kernel
         stream_k = preact is None and stream_k_pays(m, k, n)
         operands = ((rows, kernel[None]) + (() if preact is None else (as_rows(preact),))
                     + ((_row_zeros(rows, k),) if stream_k else ()))
-        family = LinearInputGrad(act, kernel_nk=kernel_nk, stream_k=stream_k, gated=gated)
+        family = LinearInputGrad(act, kernel_nk=kernel_nk, stream_k=stream_k, gated=gated,
+                                 halves="n" if halves else None)
         outs = tuple(o.astype(dz.dtype).reshape(*lead, w)
                      for o, w in zip(kernel_call(resolve(family, operands), *operands), widths))
     return outs if preact is not None else outs[0]
@@ -1146,7 +1165,7 @@ def _row_zeros(rows, k):
 
 
 def _weight_grad_batched(x, dz, accumulator, use_kernels, precision, sums=None, f32_out=False,
-                         result_dtype=None):
+                         result_dtype=None, halves=None):
     """dkernel (L, K, N) from x (L, ..., K), dz (L, ..., N): one launch, L the kernel's batch, in
     ``result_dtype`` (default: x's dtype, float32 with ``f32_out``).
     ``f32_out``: the kernel stores float32 (a running sum's start, read next by a kernel). A float32
@@ -1156,7 +1175,8 @@ def _weight_grad_batched(x, dz, accumulator, use_kernels, precision, sums=None, 
     weight, where a float32 store would cost 2 more to write and 2 more to each reader.
     With a float32 (L, K, N) ``accumulator`` (else None): ``accumulator + dkernel`` in float32,
     the kernel adding into it as it stores (no pass of its own). With ``sums`` "a" / "b": the pair
-    (dkernel, the float32 sums of x (L, K) / dz (L, N) over the rows), summed by the same kernel."""
+    (dkernel, the float32 sums of x (L, K) / dz (L, N) over the rows), summed by the same kernel.
+    ``halves`` "k" / "n": x's / dz's columns are a gated layer's halves (:attr:`GemmFamily.halves`)."""
     x = x.reshape(x.shape[0], -1, x.shape[-1])
     dz = dz.reshape(dz.shape[0], -1, dz.shape[-1])
     summed = x if sums == "a" else dz
@@ -1176,14 +1196,15 @@ def _weight_grad_batched(x, dz, accumulator, use_kernels, precision, sums=None, 
         stream_k, accumulate, tail = weight_grad_schedule(dz, k, n, rows, batch, (batch, k, n))
     operands = (x, dz, *sums_in, *tail)
     family = LinearWeightGrad(accumulate=accumulate, stream_k=stream_k, operand_sums=sums,
-                              f32_out=f32_out and not accumulate)
+                              f32_out=f32_out and not accumulate, halves=halves)
     out = kernel_call(resolve(family, operands), *operands)
     dw = out[0] if running else out[0].astype(out_dtype)
     return dw if sums is None else (dw, out[1])
 
 
 @functools.cache
-def input_grad_fn(use_kernels: bool, precision=None, grad_of: str = "none", kernel_nk: bool = False):
+def input_grad_fn(use_kernels: bool, precision=None, grad_of: str = "none", kernel_nk: bool = False,
+                  halves: bool = False):
     """``dx = input_grad(dz, kernel)``: dz (..., N) @ kernel (K, N)ᵀ -> (..., K) in dz's dtype
     (kernel (N, K) if ``kernel_nk``), vmappable (batch dims of dz fold into rows). Shared with
     :mod:`cutelayers.ops.lm_head`.
@@ -1191,17 +1212,17 @@ def input_grad_fn(use_kernels: bool, precision=None, grad_of: str = "none", kern
     With ``grad_of`` an activation: ``input_grad(dz, kernel, preact)`` multiplies the product by
     act'(preact) in the GEMM's epilogue and returns the pair (that, act(preact)) -- the
     activation's output, written by the same epilogue (:mod:`cutelayers.ops.mlp`'s hidden
-    layer)."""
+    layer). ``halves``: N holds a gated layer's gate and value halves (its dx)."""
 
     def input_grad(dz, kernel, *preact):
-        return _input_grad_rows(dz, kernel, *preact or (None,), grad_of, use_kernels, precision, kernel_nk)
+        return _input_grad_rows(dz, kernel, *preact or (None,), grad_of, use_kernels, precision, kernel_nk, halves)
 
     return fold_batch(input_grad, shared=(1,))
 
 
 @functools.cache
 def weight_grad_fn(use_kernels: bool, precision=None, sums: str | None = None, f32_out: bool = False,
-                   result_dtype=None):
+                   result_dtype=None, halves: str | None = None):
     """``weight_grad(x, dz [, accumulator])``: dkernel (L, K, N) of batch-leading (L, ..., K) x and
     (L, ..., N) dz in ``result_dtype`` (default: x's dtype, float32 with ``f32_out``: the kernel
     stores float32; see :func:`_weight_grad_batched`), or ``accumulator + dkernel`` for a
@@ -1209,11 +1230,12 @@ def weight_grad_fn(use_kernels: bool, precision=None, sums: str | None = None, f
     mode), so per-example dkernel is still one launch. Shared with :mod:`cutelayers.ops.lm_head`.
 
     ``sums`` "a" / "b": the pair (dkernel, float32 sums of x (L, K) / dz (L, N) over the rows) --
-    a bias gradient from the same kernel (see :class:`LinearWeightGrad`)."""
+    a bias gradient from the same kernel (see :class:`LinearWeightGrad`). ``halves``: see
+    :func:`_weight_grad_batched`."""
 
     def weight_grad(x, dz, *accumulator):
         return _weight_grad_batched(x, dz, *accumulator or (None,), use_kernels, precision, sums, f32_out,
-                                    result_dtype)
+                                    result_dtype, halves)
 
     def batched(*operands):
         # Each example's dkernel sums over its own rows: the batch joins L, not the rows.
@@ -1271,18 +1293,20 @@ def _linear_fn(activation: str, has_residual: bool, use_kernels: bool, precision
 
 
 def weight_and_bias_grads(x, dz, kernel_nk: bool, has_bias: bool, use_kernels: bool, precision,
-                          f32_params: bool):
+                          f32_params: bool, halves: bool = False):
     """(dkernel, dbias) of x (..., K) and dz (..., N): dkernel as the kernel is stored, xᵀ @ dz
     (K, N), or dzᵀ @ x (N, K) for ``kernel_nk`` -- the same GEMM with its operands swapped, so no
     transpose; dbias (None without a bias) the column sums of dz, from the same GEMM (dz is its
     B, or its A when swapped). Both in x's dtype, or float32 for ``f32_params`` (dbias and a
-    stream-K float32 sum as they are; see :func:`_weight_grad_batched`)."""
+    stream-K float32 sum as they are; see :func:`_weight_grad_batched`). ``halves``: dz's columns
+    are a gated layer's gate and value halves."""
     a, b = (dz, x) if kernel_nk else (x, dz)
     dtype = jnp.float32 if f32_params else x.dtype
+    split = ("k" if kernel_nk else "n") if halves else None  # dz's factor in the GEMM
     if not has_bias:
-        return weight_grad_fn(use_kernels, precision, result_dtype=dtype)(a[None], b[None])[0], None
+        return weight_grad_fn(use_kernels, precision, result_dtype=dtype, halves=split)(a[None], b[None])[0], None
     dkernel, sums = weight_grad_fn(use_kernels, precision, "a" if kernel_nk else "b",
-                                   result_dtype=dtype)(a[None], b[None])
+                                   result_dtype=dtype, halves=split)(a[None], b[None])
     return dkernel[0], sums[0].astype(dtype)
 
 

@@ -69,8 +69,11 @@ def _mlp_fn(activation: str, has_residual: bool, use_kernels: bool, precision, k
     fc1 = forward_fn(activation, False, use_kernels, precision, kernel_nk)
     fc1_saving = forward_fn(activation, needs_preact, use_kernels, precision, kernel_nk)
     fc2 = forward_fn("none", False, use_kernels, precision, kernel_nk)
+    gated = is_gated(activation)
     hidden_grad = input_grad_fn(use_kernels, precision, activation, kernel_nk)
     input_grad = input_grad_fn(use_kernels, precision, kernel_nk=kernel_nk)
+    # over fc1's kernel, whose columns are a gated layer's gate and value halves
+    fc1_input_grad = input_grad_fn(use_kernels, precision, kernel_nk=kernel_nk, halves=gated)
 
     @jax.custom_vjp
     def mlp(x, w1, b1, w2, b2, residual):
@@ -89,8 +92,9 @@ def _mlp_fn(activation: str, has_residual: bool, use_kernels: bool, precision, k
         x, w1, saved, w2, b1, b2 = res
         dz1, h = hidden_grad(dy, w2, saved) if needs_preact else (input_grad(dy, w2), saved)
         dw2, db2 = weight_and_bias_grads(h, dy, kernel_nk, b2 is not None, use_kernels, precision, f32_params)
-        dx = input_grad(dz1, w1)
-        dw1, db1 = weight_and_bias_grads(x, dz1, kernel_nk, b1 is not None, use_kernels, precision, f32_params)
+        dx = fc1_input_grad(dz1, w1)
+        dw1, db1 = weight_and_bias_grads(x, dz1, kernel_nk, b1 is not None, use_kernels, precision, f32_params,
+                                         halves=gated)
         return dx, dw1, db1, dw2, db2, dy if has_residual else None
 
     mlp.defvjp(fwd, bwd)

@@ -50,8 +50,25 @@ class Aval(Protocol):
         """The array's dtype."""
 
 
-Factors = tuple[str | None, ...]  # per dim: a factor name, or None (the kernel needs it whole)
+@dataclasses.dataclass(frozen=True)
+class Halves:
+    """The factor of a dim of 2 H elements that holds two halves side by side -- a gated layer's
+    gate and value columns -- and may be sharded along H: a device's share is its part of each
+    half, [gate_d | value_d], which the kernel reads as a gated layer of its own. On a mesh the
+    runtime views the dim as (2, H), the 2 whole and H named ``factor`` (a contiguous block of the
+    2 H would give one device gates and another their values)."""
+
+    factor: str
+
+
+Factor = str | Halves | None
+Factors = tuple[Factor, ...]  # per dim: a factor name, two halves of one, or None (the kernel needs it whole)
 Dims = tuple[tuple[str, Any], ...]  # a tuned-table key's dims: (name, value) pairs
+
+
+def factor_name(factor: Factor) -> str | None:
+    """The name a dim's factor shards it by: its own, a :class:`Halves`' factor, or None."""
+    return factor.factor if isinstance(factor, Halves) else factor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +80,7 @@ class ShardingRule:
       a name its operands have is a sum over that dim (einsum's rule: a GEMM's K, the rows of a
       weight gradient), so each device's partial result is psum'd over the mesh axes that shard it.
     * ``None``: the kernel needs the whole dim (the feature axis a norm or softmax reduces over).
+    * a :class:`Halves`: a dim of two halves side by side, sharded along the halves' length.
 
     ``per_shard(ctx, *operands) -> results``, if given, replaces the default per-device program
     (the kernel, then a psum of each result over the sharded factors it lacks); ``ctx`` is the
@@ -75,8 +93,8 @@ class ShardingRule:
 
     def summed_factors(self, result: int) -> frozenset[str]:
         """Named factors of the operands that result ``result`` lacks: it is a sum over them."""
-        named = {f for dims in self.operands for f in dims if f is not None}
-        return frozenset(named - set(self.results[result]))
+        named = {factor_name(f) for dims in self.operands for f in dims} - {None}
+        return frozenset(named - {factor_name(f) for f in self.results[result]})
 
 
 class KernelFamily(abc.ABC):

@@ -26,6 +26,12 @@ the same mesh axis the activations (always the first operand) keep it and the we
 resharded -- also where the weight's dim is one the kernel needs whole (fsdp: a parameter sharded
 over the axes that shard the batch is gathered for the call). A sharded dim must divide evenly over
 its mesh axes (padding rows would enter sums).
+
+A dim whose factor is :class:`~cutelayers.runtime.family.Halves` -- a gated layer's gate and value
+columns side by side -- is viewed as (2, H) around the call (:func:`split_halves`): the rule names
+H, so each device holds its part of both halves, and the per-device program joins the view back
+to the (2 H / devices) columns the kernel reads. Where such an array arrives sharded another way (a
+weight split in contiguous blocks of its 2 H), XLA reshards it to that view.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, 
 from jax.sharding import NamedSharding, PartitionSpec
 
 from cutelayers.runtime._jax_compat import DynamicJaxprTracer, Tracer
-from cutelayers.runtime.family import KernelFamily, ShardingRule
+from cutelayers.runtime.family import Halves, KernelFamily, ShardingRule
 from cutelayers.runtime.primitive import kernel_call_p
 
 
@@ -60,6 +66,41 @@ class ShardContext:
         axes = tuple(a for f in sorted(factors) for a in self.axes.get(f, ()))
         value = value.astype(jnp.promote_types(value.dtype, jnp.float32))
         return jax.lax.psum(value, axes) if axes else value
+
+
+def _halves_at(dims) -> list[int]:
+    return [d for d, f in enumerate(dims) if isinstance(f, Halves)]
+
+
+def split_halves(a, dims):
+    """``a`` with each :class:`Halves` dim of ``dims`` (its factors) viewed as (2, H)."""
+    for d in reversed(_halves_at(dims)):
+        a = a.reshape(*a.shape[:d], 2, a.shape[d] // 2, *a.shape[d + 1:])
+    return a
+
+
+def join_halves(a, dims):
+    """The inverse of :func:`split_halves`: each (2, H) view of a :class:`Halves` dim as 2 H."""
+    for d in _halves_at(dims):  # left to right: the dims before d are joined already
+        a = a.reshape(*a.shape[:d], a.shape[d] * a.shape[d + 1], *a.shape[d + 2:])
+    return a
+
+
+def _split_shape(shape, dims) -> tuple[int, ...]:
+    return tuple(g for n, f in zip(shape, dims) for g in ((2, n // 2) if isinstance(f, Halves) else (n,)))
+
+
+def _has_halves(rule: ShardingRule) -> bool:
+    return any(_halves_at(dims) for dims in (*rule.operands, *rule.results))
+
+
+def _split_rule(rule: ShardingRule) -> ShardingRule:
+    """The rule of the arrays as :func:`split_halves` views them: a Halves dim's (2, H) as (None,
+    its factor)."""
+    def split(dims):
+        return tuple(g for f in dims for g in ((None, f.factor) if isinstance(f, Halves) else (f,)))
+
+    return dataclasses.replace(rule, operands=tuple(map(split, rule.operands)), results=tuple(map(split, rule.results)))
 
 
 def rule_for(family: KernelFamily, avals) -> ShardingRule:
@@ -104,8 +145,8 @@ def _dim_axes(family, i, sharding, ndim) -> tuple[tuple[str, ...], ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """How one kernel call runs on a mesh: operand and result shardings, and which mesh axes
-    shard each factor."""
+    """How one kernel call runs on a mesh: the family's rule, the shardings of the operands and
+    results as the call sees them (Halves dims split), and which mesh axes shard each factor."""
 
     rule: ShardingRule
     operand_specs: tuple[PartitionSpec, ...]
@@ -119,13 +160,23 @@ def plan(family: KernelFamily, avals, shardings: Sequence) -> Plan:
     Raises ``ValueError`` naming the argument when an operand is sharded along a dim the kernel
     needs whole, or along a dim that does not divide evenly over its mesh axes.
     """
-    rule = rule_for(family, avals)
+    full_rule = rule_for(family, avals)
+    # the arrays as the call sees them: Halves dims split (module docstring)
+    rule = _split_rule(full_rule)
+    avals = [jax.ShapeDtypeStruct(_split_shape(a.shape, dims), a.dtype) for a, dims in zip(avals, full_rule.operands)]
     axes_of: dict[str, tuple[str, ...]] = {}  # size-1 axes included: they stay in the specs
     # those of them that split the dim: the per-device program sums over (and branches on) only these
     split: dict[str, tuple[str, ...]] = {}
     taken: set[str] = set()
     for i, (dims, aval, sharding) in enumerate(zip(rule.operands, avals, shardings)):
-        for d, (factor, axes) in enumerate(zip(dims, _dim_axes(family, i, sharding, len(aval.shape)))):
+        dim_axes = list(_dim_axes(family, i, sharding, len(aval.shape)))
+        for n, d in enumerate(_halves_at(full_rule.operands[i])):
+            # Its halves' 2 sharded (a contiguous split of the 2 H: one device's gates, another's
+            # values): those axes split H instead, each device then holding its part of both
+            # halves (XLA reshards the operand to that)
+            at = d + n
+            dim_axes[at + 1], dim_axes[at] = dim_axes[at] + dim_axes[at + 1], ()
+        for d, (factor, axes) in enumerate(zip(dims, dim_axes)):
             if not axes:
                 continue
             name = _argument_name(family, i)
@@ -160,7 +211,7 @@ def plan(family: KernelFamily, avals, shardings: Sequence) -> Plan:
 
         return PartitionSpec(*(entry(f) for f in dims))
 
-    return Plan(rule, tuple(spec(d) for d in rule.operands), tuple(spec(d) for d in rule.results),
+    return Plan(full_rule, tuple(spec(d) for d in rule.operands), tuple(spec(d) for d in rule.results),
                 ShardContext(split))
 
 
@@ -191,8 +242,24 @@ def sum_partials(rule: ShardingRule, ctx: ShardContext, results) -> tuple[jax.Ar
 
 def per_shard_program(family: KernelFamily, p: Plan) -> Callable:
     if p.rule.per_shard is not None:
-        return functools.partial(p.rule.per_shard, p.context)
-    return lambda *operands: sum_partials(p.rule, p.context, run_kernel(family, *operands))
+        program = functools.partial(p.rule.per_shard, p.context)
+    else:
+        def program(*operands):
+            return sum_partials(p.rule, p.context, run_kernel(family, *operands))
+    return _joining_halves(p.rule, program)
+
+
+def _joining_halves(rule: ShardingRule, program: Callable) -> Callable:
+    """``program`` of the kernel's operands and results taking and giving them with their Halves
+    dims split (a device's [gate_d | value_d] columns, joined, are what the kernel reads)."""
+    if not _has_halves(rule):
+        return program
+
+    def joined(*operands):
+        results = program(*(join_halves(a, dims) for a, dims in zip(operands, rule.operands)))
+        return tuple(split_halves(r, dims) for r, dims in zip(results, rule.results))
+
+    return joined
 
 
 # --- custom_partitioning -------------------------------------------------------------------------
@@ -200,7 +267,7 @@ def per_shard_program(family: KernelFamily, p: Plan) -> Callable:
 def _sdy_rule(family, avals, mesh, operand_types, result_types) -> SdyShardingRule:
     """Shardy's view of the rule. Whole dims get a factor of their own, marked need-replication,
     so shardings never propagate through them from one array to another."""
-    rule = rule_for(family, avals)
+    rule = _split_rule(rule_for(family, avals))
     whole: list[str] = []
 
     def mapping(tag, dims):
@@ -235,8 +302,7 @@ def _infer_result_shardings(family, avals, mesh, arg_shapes, result_shape):
 
 
 def _global_call(family, avals, *arrays):
-    del avals  # static: the rule callbacks read it
-    return run_kernel(family, *arrays)
+    return _joining_halves(rule_for(family, avals), functools.partial(run_kernel, family))(*arrays)
 
 
 _partitioned_call = custom_partitioning(_global_call, static_argnums=(0, 1))
@@ -319,7 +385,11 @@ def kernel_call(family: KernelFamily, *arrays) -> tuple[jax.Array, ...]:
     if not staged or _inside_shard_map():
         return run_kernel(family, *arrays)
     avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
+    rule = rule_for(family, avals)
+    arrays = [split_halves(a, dims) for a, dims in zip(arrays, rule.operands)]
     shardings = _explicit_shardings(arrays)
     if shardings is not None:
-        return _explicit_call(family, avals, arrays, shardings)
-    return tuple(_partitioned_call(family, avals, *arrays))
+        results = _explicit_call(family, avals, arrays, shardings)
+    else:
+        results = _partitioned_call(family, avals, *arrays)
+    return tuple(join_halves(r, dims) for r, dims in zip(results, rule.results))
