@@ -48,6 +48,7 @@ from cutelayers.ops.linear import (
     kernels_apply,
     resolve_activation,
 )
+from cutelayers.runtime.family import Halves
 from cutelayers.runtime.sharding import kernel_call
 
 ACTS = list(ACTIVATION_FUNCTIONS)  # "none" first, then every fused activation
@@ -1131,7 +1132,8 @@ def check_families(cases):
 
 def test_gated_forward_family():
     # y (1, M, H) from a (K, 2H) kernel, z (1, M, 2H); tiles of 128 columns (64 of each half) only;
-    # its own tuning key; rows sharded, never the columns or the contraction
+    # its own tuning key; rows sharded, the 2H columns as halves (each device its share of both:
+    # its columns of y), never the contraction
     S = jax.ShapeDtypeStruct
     x, w, b = S((1, 300, 768), jnp.bfloat16), S((1, 768, 6144), jnp.bfloat16), S((6144,), jnp.bfloat16)
     family = LinearForward("silu", True, False, True, gated=True)
@@ -1148,8 +1150,10 @@ def test_gated_forward_family():
     assert family.default_config(decode).tile_n >= 128
     assert ("gated", True) in family.tuning_key((x, w, b))[1]
     assert ("gated", True) not in LinearForward("silu", True, False, True).tuning_key((x, w, b))[1]
-    operands, results = family.factors()
-    assert not {"k", "n"} & {f for dims in (*operands, *results) for f in dims}
+    halves = Halves("n")
+    assert family.factors() == (((None, "rows", None), (None, None, halves), (halves,)),
+                                ((None, "rows", "n"), (None, "rows", halves)))
+    assert dataclasses.replace(family, kernel_nk=True).factors()[0][1] == (None, halves, None)
     (y, z) = family.reference(*(jnp.ones(a.shape, jnp.float32) for a in (x, w, b)))
     assert y.shape == (1, 300, 3072) and z.shape == (1, 300, 6144)
 
@@ -1170,7 +1174,7 @@ def test_gated_forward_every_config_gpu(rng):
 
 def test_gated_input_grad_family():
     # dz1 (1, M, 2H) = both halves' gradients from dh = dy @ w2ᵀ (1, M, H) and z1 (1, M, 2H); tiles of
-    # whole 64-column blocks (tile_n dividing H); H not sharded
+    # whole 64-column blocks (tile_n dividing H); H sharded as halves in z1 and dz1
     S = jax.ShapeDtypeStruct
     dy, w2, z1 = S((1, 300, 768), jnp.bfloat16), S((1, 3072, 768), jnp.bfloat16), S((1, 300, 6144), jnp.bfloat16)
     family = LinearInputGrad("silu", gated=True)
@@ -1180,8 +1184,9 @@ def test_gated_input_grad_family():
     assert {c.tile_n for c in family.config_space(odd)} == {64}
     assert family.default_config(odd).tile_n == 64
     assert ("gated", True) in family.tuning_key((dy, w2, z1))[1]
-    operands, results = family.factors()
-    assert "k" not in {f for dims in (*operands, *results) for f in dims}
+    halves = Halves("k")
+    assert family.factors() == (((None, "rows", "n"), (None, "k", "n"), (None, "rows", halves)),
+                                ((None, "rows", halves), (None, "rows", "k")))
     with pytest.raises(ValueError, match="gated takes the gate's activation"):
         LinearInputGrad(gated=True)
     dz1, h = family.reference(*(jnp.ones(a.shape, jnp.float32) for a in (dy, w2, z1)))
