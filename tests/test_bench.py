@@ -32,8 +32,9 @@ def test_help_lists_every_family():
     ["lm_head", "--tokens", "64", "--hidden", "64", "--vocab", "256", "--dtype", "float32", "--chunk-size", "32"],
     ["lm_head", "--tokens", "64", "--hidden", "64", "--vocab", "256", "--param-dtype", "float32"],
     ["lm_head", "--tokens", "64", "--hidden", "64", "--vocab", "256", "--kernel-layout", "vh", "--device-peak"],
+    ["lm_head", "--tokens", "64", "--hidden", "64", "--vocab", "250", "--label-smoothing", "0.1"],
 ], ids=["reduce", "norms", "softmax", "gemm", "gemm-float32-params", "lm_head", "lm_head-float32-params",
-        "lm_head-vh-device-peak"])
+        "lm_head-vh-device-peak", "lm_head-smoothed"])
 def test_gpu_families_need_a_gpu(argv, capsys):
     assert main(argv) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
@@ -265,6 +266,8 @@ def test_the_demo_names_a_backend_variable_that_names_no_backend(monkeypatch):
     (["compile", "--k", "ten"], "argument --k: must be an integer; got 'ten'"),
     (["reduce", "--rows", "0"], "argument --rows: must be a positive integer; got 0"),
     (["embed", "--block-tokens", "-1"], "argument --block-tokens: must be a positive integer; got -1"),
+    (["lm_head", "--label-smoothing", "1"], "argument --label-smoothing: label_smoothing must be in [0, 1); got 1.0"),
+    (["lm_head", "--label-smoothing", "a"], "argument --label-smoothing: must be a number; got 'a'"),
     ([], "the following arguments are required: {reduce,norms,softmax,gemm,lm_head,embed,compile}"),
 ])
 def test_sizes_and_the_suite_are_checked_as_usage_errors(argv, message, capsys):

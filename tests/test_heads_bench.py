@@ -3,9 +3,16 @@ and its rows on a GPU; its subcommand is tested with the others in test_bench.py
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from cutelayers.bench.lm_head import bench_lm_head, device_peak_bytes, head_memory
+from cutelayers.bench.lm_head import (
+    bench_lm_head,
+    compile_head,
+    device_peak_bytes,
+    head_memory,
+    head_operands,
+)
 
 F32 = jnp.float32
 
@@ -49,6 +56,23 @@ def test_float32_params_head_keeps_no_float32_gradient_scratch():
     plain = head_memory(t, h, v, jnp.bfloat16, chunk_size=64)
     assert mixed["fused"]["outputs"] == mixed["xla"]["outputs"] >= h * v * 4
     assert mixed["fused"]["temp"] <= plain["fused"]["temp"] - h * v
+
+
+def test_label_smoothing_reaches_both_heads():
+    # --label-smoothing: the fused head (here the exp path's reference lowering, at a vocabulary
+    # padded for it) and XLA's (optax against smoothed one-hot targets) give the same loss and
+    # kernel gradient, and the smoothing moves that gradient by about a of itself
+    operands = head_operands(256, 64, 1000, jnp.bfloat16, param_dtype=F32)
+    grads = {}
+    for head in ("fused", "xla"):
+        for a in (0.0, 0.2):
+            loss, (_, dkernel) = compile_head(head, operands, 64, "hv", a)(*operands)
+            grads[head, a] = (float(loss), np.asarray(dkernel))
+    for a in (0.0, 0.2):
+        assert grads["fused", a][0] == pytest.approx(grads["xla", a][0], rel=1e-2)
+        np.testing.assert_allclose(grads["fused", a][1], grads["xla", a][1], atol=2e-2 * np.abs(grads["xla", a][1]).max())
+    moved = np.linalg.norm(grads["xla", 0.2][1] - grads["xla", 0.0][1]) / np.linalg.norm(grads["xla", 0.0][1])
+    assert 0.1 < moved < 0.4, moved
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's case: a device without statistics")

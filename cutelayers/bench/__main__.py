@@ -31,6 +31,7 @@ from cutelayers.bench.reduce import bench_reduce
 from cutelayers.bench.softmax import bench_softmax
 from cutelayers.bench.timing import load_baseline, measured_bandwidth, print_table, save_rows
 from cutelayers.ops.embed import BLOCK_TOKENS
+from cutelayers.ops.softmax import check_loss_options
 
 
 def print_records(rows: list[dict]) -> None:
@@ -56,6 +57,18 @@ def _size(multiple: int = 1, why: str = ""):
         return value
 
     return parse
+
+
+def _label_smoothing(text: str) -> float:
+    """argparse type: a label smoothing, checked as ``linear_cross_entropy`` checks it ([0, 1))."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number; got {text!r}") from None
+    try:
+        return check_loss_options("--label-smoothing", value, 0.0, None)[0]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--label-smoothing: ")) from None
 
 
 POSITIVE = _size()
@@ -120,6 +133,8 @@ def main(argv=None) -> int:
                       help="tokens per chunk of the fused head, one row each (default: the op's)")
     head.add_argument("--kernel-layout", choices=["hv", "vh"], default="hv",
                       help="the kernel as (H, V), or as a (V, H) table (Equinox's Linear weight, a tied embedding)")
+    head.add_argument("--label-smoothing", type=_label_smoothing, default=0.0, metavar="A",
+                      help="both heads' loss against smoothed labels (1 - A) onehot + A / V (default 0)")
     head.add_argument("--device-peak", action="store_true",
                       help="also each head's rise of the device's peak memory, one fresh process per head")
     emb = sub.add_parser("embed", help="embedding lookup + table gradient vs jnp.take, per id distribution")
@@ -185,7 +200,7 @@ def main(argv=None) -> int:
         print(f"# device: {jax.devices()[0].device_kind}")
         print_records(bench_lm_head(args.tokens, args.hidden, args.vocab, jnp.dtype(args.dtype), args.chunk_size,
                                     args.param_dtype and jnp.dtype(args.param_dtype), args.kernel_layout,
-                                    args.device_peak))
+                                    args.device_peak, args.label_smoothing))
     elif args.suite == "embed":
         print_records(bench_embed(args.tokens, args.hidden, args.vocab, jnp.dtype(args.dtype), measured_bandwidth(),
                                   args.block_tokens))

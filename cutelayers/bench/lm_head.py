@@ -6,7 +6,9 @@ Loss and gradients (h and kernel) of a language-model head, two ways, in the sam
 * ``fused``: :func:`cutelayers.ops.linear_cross_entropy`, chunked over tokens, never holding the
   (T, V) logits;
 * ``xla``: the usual unfused head, ``(h @ kernel)`` in h's dtype, cast to float32 logits,
-  ``optax.softmax_cross_entropy_with_integer_labels``, mean.
+  ``optax.softmax_cross_entropy_with_integer_labels``, mean -- with ``label_smoothing`` a > 0,
+  ``optax.softmax_cross_entropy`` against ``optax.smooth_labels`` of the one-hot labels (and the
+  fused head's ``label_smoothing=a``).
 
 The kernel is in h's dtype, or in ``param_dtype`` (float32: mixed precision, as a Flax head with
 ``param_dtype=float32`` holds it): the XLA head then casts it to h's dtype for its GEMM, as Flax's
@@ -44,19 +46,23 @@ GB = 1e9
 HEADS = ("fused", "xla")
 
 
-def xla_head_loss(h, kernel, labels, kernel_layout: str = "hv"):
+def xla_head_loss(h, kernel, labels, kernel_layout: str = "hv", label_smoothing: float = 0.0):
     """The unfused head: all (T, V) logits at once, computed in h's dtype."""
     kernel = kernel.astype(h.dtype)
     logits = (h @ (kernel.T if kernel_layout == "vh" else kernel)).astype(F32)
+    if label_smoothing:
+        targets = optax.smooth_labels(jax.nn.one_hot(labels, logits.shape[-1]), label_smoothing)
+        return jnp.mean(optax.softmax_cross_entropy(logits, targets))
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels))
 
 
-def loss_and_grads(head: str, chunk_size: int | None = None, kernel_layout: str = "hv"):
+def loss_and_grads(head: str, chunk_size: int | None = None, kernel_layout: str = "hv", label_smoothing: float = 0.0):
     """Jitted ``(h, kernel, labels) -> (loss, (dh, dkernel))`` of one of :data:`HEADS`."""
     if head == "fused":
-        loss = partial(cl.ops.linear_cross_entropy, chunk_size=chunk_size, kernel_layout=kernel_layout)
+        loss = partial(cl.ops.linear_cross_entropy, chunk_size=chunk_size, kernel_layout=kernel_layout,
+                       label_smoothing=label_smoothing)
     else:
-        loss = partial(xla_head_loss, kernel_layout=kernel_layout)
+        loss = partial(xla_head_loss, kernel_layout=kernel_layout, label_smoothing=label_smoothing)
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
 
@@ -73,10 +79,11 @@ def head_specs(t: int, h: int, v: int, dtype, param_dtype=None,
             jax.ShapeDtypeStruct((t,), jnp.int32))
 
 
-def compile_head(head: str, args, chunk_size: int | None = None, kernel_layout: str = "hv"):
+def compile_head(head: str, args, chunk_size: int | None = None, kernel_layout: str = "hv",
+                 label_smoothing: float = 0.0):
     """One head's value_and_grad compiled for ``args`` (arrays or ShapeDtypeStructs), lowered
     under the current cutelayers backend for the default device."""
-    return loss_and_grads(head, chunk_size, kernel_layout).lower(*args).compile()
+    return loss_and_grads(head, chunk_size, kernel_layout, label_smoothing).lower(*args).compile()
 
 
 def memory_stats(compiled) -> dict[str, int]:
@@ -103,7 +110,7 @@ def head_operands(t: int, h: int, v: int, dtype, seed: int = 0, param_dtype=None
 
 
 def device_peak_bytes(head: str, t: int, h: int, v: int, dtype, chunk_size: int | None = None,
-                      param_dtype=None, kernel_layout: str = "hv",
+                      param_dtype=None, kernel_layout: str = "hv", label_smoothing: float = 0.0,
                       timeout: float = 600.0) -> tuple[int, bool] | None:
     """``(bytes, exact)``: how far one call of a head's value_and_grad raises the device's
     ``peak_bytes_in_use`` above the bytes in use before it (its operands): its temporaries and
@@ -113,7 +120,8 @@ def device_peak_bytes(head: str, t: int, h: int, v: int, dtype, chunk_size: int 
     ``exact`` is False and the bytes are an upper bound. None where the device keeps no statistics
     (CPU)."""
     job = {"head": head, "t": t, "h": h, "v": v, "dtype": jnp.dtype(dtype).name, "chunk_size": chunk_size,
-           "param_dtype": param_dtype and jnp.dtype(param_dtype).name, "kernel_layout": kernel_layout}
+           "param_dtype": param_dtype and jnp.dtype(param_dtype).name, "kernel_layout": kernel_layout,
+           "label_smoothing": label_smoothing}
     env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_autotune_level=0".strip()}
     proc = subprocess.run([sys.executable, "-m", "cutelayers.bench.lm_head", json.dumps(job)], env=env,
                           capture_output=True, text=True, timeout=timeout, check=False)
@@ -135,7 +143,7 @@ def _measure_peak(job: dict) -> dict:
     kernel = jnp.asarray((rng.standard_normal(kernel_shape(h, v, layout), np.float32) / np.sqrt(h)).astype(param_dtype))
     labels = jnp.asarray(rng.integers(0, v, t, np.int32))
     with cl.use_backend("cute"):
-        fn = compile_head(job["head"], (hidden, kernel, labels), job["chunk_size"], layout)
+        fn = compile_head(job["head"], (hidden, kernel, labels), job["chunk_size"], layout, job["label_smoothing"])
     jax.block_until_ready((hidden, kernel, labels))
     stats = device.memory_stats()
     before, in_use = stats["peak_bytes_in_use"], stats["bytes_in_use"]
@@ -145,18 +153,18 @@ def _measure_peak(job: dict) -> dict:
 
 
 def bench_lm_head(t: int, h: int, v: int, dtype, chunk_sizes=(None,), param_dtype=None,
-                  kernel_layout: str = "hv", device_peak: bool = False) -> list[dict]:
+                  kernel_layout: str = "hv", device_peak: bool = False, label_smoothing: float = 0.0) -> list[dict]:
     """One row per head -- the fused head at each of ``chunk_sizes`` (None: the op's default),
     then XLA's: loss, ms per forward+backward (device time, and wall time per call), temp GB and arguments+outputs GB, and the ratios of
     both times and of temp memory to the XLA head's, the kernel in ``param_dtype`` (default: ``dtype``),
     (H, V) or, for ``kernel_layout`` "vh", (V, H). Runs the kernels (backend "cute"). With
     ``device_peak``: also each head's temporary memory by the device's counter -- its rise of the
     peak over its operands (:func:`device_peak_bytes`) less its outputs -- and its ratio to the
-    XLA head's."""
+    XLA head's. Both heads' loss with ``label_smoothing`` (module docstring)."""
     operands = head_operands(t, h, v, dtype, param_dtype=param_dtype, kernel_layout=kernel_layout)
     heads = [("fused", chunk) for chunk in chunk_sizes] + [("xla", None)]
     with cl.use_backend("cute"):  # chosen at lowering: the executables keep it
-        compiled = [compile_head(head, operands, chunk, kernel_layout) for head, chunk in heads]
+        compiled = [compile_head(head, operands, chunk, kernel_layout, label_smoothing) for head, chunk in heads]
     memory = [memory_stats(fn) for fn in compiled]
     losses = [float(fn(*operands)[0]) for fn in compiled]
     times = [time_fn(fn, *operands) for fn in compiled]
@@ -166,13 +174,15 @@ def bench_lm_head(t: int, h: int, v: int, dtype, chunk_sizes=(None,), param_dtyp
     for (head, chunk), mem, loss, seconds, wall in zip(heads, memory, losses, times, walls):
         rows.append({"head": head, "chunk": "default" if chunk is None and head == "fused" else chunk or "-",
                          "t": t, "h": h, "v": v, "layout": kernel_layout, "dtype": jnp.dtype(dtype).name,
-                         "params": jnp.dtype(param_dtype or dtype).name, "loss": f"{loss:.4f}",
+                         "params": jnp.dtype(param_dtype or dtype).name, "smoothing": label_smoothing,
+                         "loss": f"{loss:.4f}",
                          "ms": f"{seconds * 1e3:.2f}", "temp_gb": f"{mem['temp'] / GB:.3f}",
                          "args_out_gb": f"{(mem['arguments'] + mem['outputs']) / GB:.3f}",
                          "time_vs_xla": f"{seconds / xla_time:.2f}", "wall_ms": f"{wall * 1e3:.2f}",
                          "wall_vs_xla": f"{wall / xla_wall:.2f}", "temp_vs_xla": f"{mem['temp'] / xla_temp:.3f}"})
     if device_peak:
-        peaks = [device_peak_bytes(head, t, h, v, dtype, chunk, param_dtype, kernel_layout) for head, chunk in heads]
+        peaks = [device_peak_bytes(head, t, h, v, dtype, chunk, param_dtype, kernel_layout, label_smoothing)
+                 for head, chunk in heads]
         temps = [None if peak is None else (peak[0] - mem["outputs"], peak[1]) for peak, mem in zip(peaks, memory)]
         for row, temp in zip(rows, temps):  # "<=": an upper bound (device_peak_bytes)
             row["peak_temp_gb"] = "-" if temp is None else ("" if temp[1] else "<=") + f"{temp[0] / GB:.3f}"
