@@ -499,9 +499,9 @@ def _fsdp_mlp(activation):
 
 @pytest.mark.parametrize("activation", ["gelu", "swiglu", "geglu"])
 def test_fsdp_parameters_are_gathered_and_match_one_device(activation, rng):
-    """Weights sharded over the axes that shard the batch (fsdp) are gathered for the call, also
-    where the kernel needs the dim whole (a gated fc1's gate and value columns; a norm's scale):
-    those raised at compile time."""
+    """Weights sharded over the axes that shard the batch (fsdp) are gathered for the call: a
+    gated fc1's gate and value columns (whose halves' factor the rows' axes cannot take too) and,
+    where the kernel needs the dim whole, a norm's scale -- both raised at compile time before."""
     mesh = make_mesh((2, 2), ("data", "fsdp"))
     width = 2 * 64 if activation.endswith("glu") else 64  # a gated kernel's hidden width: a multiple of 64
     args = (_x(rng, jnp.bfloat16, 64), random(rng, (64, width), jnp.bfloat16) / 8,

@@ -352,8 +352,7 @@ class GemmFamily(TunableFamily):
         """This GEMM on one device's operands; the jnp reference where sharding left K or N per
         device no multiple of 8 (TMA alignment)."""
         use_kernels, why = kernels_apply(operands[0].dtype, *self.layer_dims(operands))
-        if use_kernels and self.gated and self.gated_width(operands) % GATED_BLOCK:  # a share of each half
-            why = f"each half's {self.gated_width(operands)} columns on a shard are not a multiple of {GATED_BLOCK}"
+        if use_kernels and self.gated and (why := gated_width_fault(self.gated_width(operands))):  # a share of each half
             use_kernels = False
         if not use_kernels:
             _backend.fall_back(f"{self.name} on a shard", why)
@@ -1421,12 +1420,18 @@ def choose_kernels(op: str, usable: bool, why: str, x, f32_params: bool) -> bool
     return True
 
 
+def gated_width_fault(h: int) -> str:
+    """Why the gated kernel cannot take halves of H columns each ("" if it can): its tiles hold
+    whole ``GATED_BLOCK``-column blocks of each half."""
+    return f"the hidden width {h} is not a multiple of {GATED_BLOCK}" if h % GATED_BLOCK else ""
+
+
 def gated_kernels_apply(x_dtype, k: int, h: int) -> tuple[bool, str]:
-    """:func:`kernels_apply` for a gated layer K -> (gate, value) of H each, whose kernel tiles
-    hold whole ``GATED_BLOCK``-column blocks of each half."""
+    """:func:`kernels_apply` for a gated layer K -> (gate, value) of H each
+    (:func:`gated_width_fault`)."""
     usable, why = kernels_apply(x_dtype, k, h)
-    if usable and h % GATED_BLOCK:
-        return False, f"the hidden width {h} is not a multiple of {GATED_BLOCK}"
+    if usable and (fault := gated_width_fault(h)):
+        return False, fault
     return usable, why
 
 
