@@ -30,12 +30,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import HOPPER_GPUS
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from numerics import assert_trees_match, random
 from test_sharding import (
     AXIS_TYPES,
     BATCH,
     CASES,
+    KERNEL_CASES,
     PARALLEL,
     REPLICATED,
     ROWS,
@@ -111,6 +113,41 @@ def test_sharded_jit_matches_one_device(case, axis_type, platform, rng):
     if axis_type == "Auto":  # the partitioned program: per-device kernels, parameter-sized all-reduces
         assert_no_activation_collectives(hlo, parameter_elements(case, args))
     assert (KERNEL_CALL in hlo) == (platform.name == "gpu" and case.kernels)
+
+
+# The LM head's tokens are chunked (strided chunks of the flattened tokens): a sharded sequence
+# axis is gathered there, as the README says.
+SEQUENCE_CASES = [c for c in KERNEL_CASES if not c.name.startswith("linear_cross_entropy")]
+
+
+@pytest.mark.parametrize("case", SEQUENCE_CASES, ids=lambda c: c.name)
+def test_sequence_sharded_jit_matches_one_device(case, platform, rng):
+    """The sequence axis sharded as well as the batch (a (data, seq) mesh; on two GPUs (1, 2)):
+    the ops flatten (batch, sequence) into rows, which no sharding of the rows can express, so
+    the kernel calls see the two dims as they were (runtime/sharding.py's ``Views``). Each
+    device runs the kernels on its (batch part x sequence part) rows: results and gradients match
+    one device, stay sharded over both axes, and no activation is gathered."""
+    mesh = platform.mesh((len(platform.devices) // 2, 2), ("data", "seq"))
+    dtype = platform.dtype(case.dtype)
+    args = platform.one_device(case.make_args(rng, dtype))
+    specs = tuple(P("data", "seq") if r else REPLICATED for r in case.row_wise)
+    cotangent = random_cotangent(rng, case, args)
+    ref_out, ref = jax.jit(case.fn)(*args), STEP(case.fn, args, case.wrt, cotangent)
+
+    sharded = put(mesh, args, specs)
+    out = jax.jit(case.fn)(*sharded)
+    compiled = STEP.lower(case.fn, sharded, case.wrt, cotangent).compile()
+    got = compiled(sharded, cotangent)
+    assert_trees_match(out, ref_out, tol_dtype=dtype)
+    assert_step_matches(got, ref, dtype)
+    both = NamedSharding(mesh, P("data", "seq"))
+    assert out.sharding.is_equivalent_to(both, out.ndim), out.sharding
+    for i, g in zip(case.wrt, got[1]):
+        if case.row_wise[i]:
+            assert g.sharding.is_equivalent_to(both, g.ndim), (i, g.sharding)
+    hlo = compiled.as_text()
+    assert_no_activation_collectives(hlo, parameter_elements(case, args))
+    assert (KERNEL_CALL in hlo) == (platform.name == "gpu")
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

@@ -290,16 +290,17 @@ def symbolic_width(family: TunableFamily, operands) -> bool:
     return True
 
 
-def call_kernel(family: TunableFamily, *operands: jax.Array) -> tuple[jax.Array, ...]:
+def call_kernel(family: TunableFamily, *operands: jax.Array, lead=()) -> tuple[jax.Array, ...]:
     """``family``, its config chosen for these operands, called on them; the first operand is
     (rows, ...), and zero rows skip the launch. Rows of a symbolic width take the reference
-    (:func:`symbolic_width`)."""
+    (:func:`symbolic_width`). ``lead``: the dims flattened into the rows (see
+    :func:`~cutelayers.runtime.sharding.kernel_call`)."""
     if symbolic_width(family, operands):
         return tuple(family.reference(*operands))
     family = resolve(family, operands)
     if operands[0].shape[0] == 0:
         return tuple(jnp.zeros(o.shape, o.dtype) for o in family.out_avals(operands))
-    return kernel_call(family, *operands)
+    return kernel_call(family, *operands, lead=lead)
 
 
 def call_on_rows(family: RowKernelFamily, *row_args: jax.Array) -> tuple[jax.Array, ...]:
@@ -310,4 +311,4 @@ def call_on_rows(family: RowKernelFamily, *row_args: jax.Array) -> tuple[jax.Arr
     """
     lead = row_args[0].shape[:-1]
     rows = tuple(a.reshape(-1, *a.shape[len(lead):]) for a in row_args)
-    return tuple(o.reshape(*lead, *o.shape[1:]) for o in call_kernel(family, *rows))
+    return tuple(o.reshape(*lead, *o.shape[1:]) for o in call_kernel(family, *rows, lead=lead))

@@ -1001,7 +1001,8 @@ def _exp_logits_fn(kernel_nk: bool, columns: int):
         operands = [as_rows(x), kernel[None]]
         family = LinearForward("none", False, False, False, kernel_nk=kernel_nk, exp_row_sums=True,
                                exp_columns=columns)
-        return tuple(from_rows(r, x.shape[:-1]) for r in kernel_call(resolve(family, operands), *operands))
+        results = kernel_call(resolve(family, operands), *operands, lead=x.shape[:-1])
+        return tuple(from_rows(r, x.shape[:-1]) for r in results)
 
     return fold_batch(exp_rows, shared=(1,))
 
@@ -1035,7 +1036,8 @@ def _exp_logits_fix_fn(kernel_nk: bool, columns: int):
 
         operands = [as_rows(x), kernel[None], as_rows(e), per_row(flags, jnp.int32), per_row(labels, jnp.int32),
                     per_row(shift, jnp.float32)]
-        results = kernel_call(resolve(ExpLogitsFix(kernel_nk=kernel_nk, exp_columns=columns), operands), *operands)
+        family = resolve(ExpLogitsFix(kernel_nk=kernel_nk, exp_columns=columns), operands)
+        results = kernel_call(family, *operands, lead=lead)
         return tuple(from_rows(r, lead) for r in results)
 
     return fold_batch(fix_rows, shared=(1,))
@@ -1090,7 +1092,7 @@ def _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kerne
         # stored), into float32 zeros; the epilogue is one XLA pass over the (rows, N) sum.
         operands = (rows, kernel[None], _row_zeros(rows, n))
         (product,) = kernel_call(resolve(LinearInputGrad(kernel_nk=not kernel_nk, stream_k=True), operands),
-                                 *operands)
+                                 *operands, lead=lead)
         y, z = apply_epilogue(product[0], bias, None if residual is None else residual.reshape(m, -1),
                               activation, x.dtype)
         return tuple(o.reshape(*lead, w) for o, w in zip((y, z), widths))
@@ -1101,7 +1103,7 @@ def _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kerne
         operands.append(as_rows(residual))
     family = LinearForward(act, bias is not None, residual is not None, store_preact, kernel_nk=kernel_nk,
                            gated=gated)
-    outs = kernel_call(resolve(family, operands), *operands)
+    outs = kernel_call(resolve(family, operands), *operands, lead=lead)
     return tuple(o.reshape(*lead, w) for o, w in zip(outs, widths))
 
 
@@ -1131,7 +1133,7 @@ def _input_grad_rows(dz, kernel, preact, grad_of, use_kernels, precision, kernel
         family = LinearInputGrad(act, kernel_nk=kernel_nk, stream_k=stream_k, gated=gated,
                                  halves="n" if halves else None)
         outs = tuple(o.astype(dz.dtype).reshape(*lead, w)
-                     for o, w in zip(kernel_call(resolve(family, operands), *operands), widths))
+                     for o, w in zip(kernel_call(resolve(family, operands), *operands, lead=lead), widths))
     return outs if preact is not None else outs[0]
 
 
@@ -1176,6 +1178,7 @@ def _weight_grad_batched(x, dz, accumulator, use_kernels, precision, sums=None, 
     the kernel adding into it as it stores (no pass of its own). With ``sums`` "a" / "b": the pair
     (dkernel, the float32 sums of x (L, K) / dz (L, N) over the rows), summed by the same kernel.
     ``halves`` "k" / "n": x's / dz's columns are a gated layer's halves (:attr:`GemmFamily.halves`)."""
+    lead = x.shape[1:-1]
     x = x.reshape(x.shape[0], -1, x.shape[-1])
     dz = dz.reshape(dz.shape[0], -1, dz.shape[-1])
     summed = x if sums == "a" else dz
@@ -1196,7 +1199,7 @@ def _weight_grad_batched(x, dz, accumulator, use_kernels, precision, sums=None, 
     operands = (x, dz, *sums_in, *tail)
     family = LinearWeightGrad(accumulate=accumulate, stream_k=stream_k, operand_sums=sums,
                               f32_out=f32_out and not accumulate, halves=halves)
-    out = kernel_call(resolve(family, operands), *operands)
+    out = kernel_call(resolve(family, operands), *operands, lead=lead)
     dw = out[0] if running else out[0].astype(out_dtype)
     return dw if sums is None else (dw, out[1])
 

@@ -477,7 +477,7 @@ def _forward_core(center: bool, has_residual: bool, has_scale: bool, has_bias: b
     def forward(*args):
         x = args[0]
         operands = (*(a.reshape(-1, x.shape[-1]) for a in args[:rows]), *args[rows:])
-        outs = call_kernel(family, *operands)
+        outs = call_kernel(family, *operands, lead=x.shape[:-1])
         return (tuple(o.reshape(x.shape) for o in outs[:rows])
                 + tuple(o.reshape(x.shape[:-1]) for o in outs[rows:]))
 
@@ -506,7 +506,7 @@ def _backward_core(center: bool, has_residual: bool, has_scale: bool, has_bias: 
             dx = dx_only(*args)
             _, dscale, dbias = backward_reference(x, dy, mean, rstd, None)
             return (dx,) + (dscale,) * has_scale + (dbias,) * has_bias
-        dx, *partials = call_kernel(family, *rows)
+        dx, *partials = call_kernel(family, *rows, lead=x.shape[:-1])
         return (dx.reshape(x.shape), *family.param_grads(x.shape[-1], *partials))
 
     def per_example(*args):
@@ -531,7 +531,8 @@ def _dx_core(center: bool, has_residual: bool, has_scale: bool):
     family = NormBackward(center, has_scale, False, False, has_residual)
 
     def dx(*args):
-        return call_kernel(family, *_backward_args(args, center, has_residual))[0].reshape(args[0].shape)
+        operands = _backward_args(args, center, has_residual)
+        return call_kernel(family, *operands, lead=args[0].shape[:-1])[0].reshape(args[0].shape)
 
     def per_example(*args):
         return _backward_of_args(args, center, has_residual, has_scale)[0]

@@ -331,7 +331,7 @@ def _forward_rows(x, kernel, bias, parts, use_kernels, precision, kernel_nk):
     if bias is not None:
         operands.append(bias.reshape(parts, -1))
     family = resolve(SplitForward(parts, bias is not None, kernel_nk=kernel_nk), operands)
-    return tuple(y.reshape(*lead, n // parts) for y in kernel_call(family, *operands))
+    return tuple(y.reshape(*lead, n // parts) for y in kernel_call(family, *operands, lead=lead))
 
 
 def _input_grad_rows(dys, kernel, parts, use_kernels, precision, kernel_nk):
@@ -343,7 +343,7 @@ def _input_grad_rows(dys, kernel, parts, use_kernels, precision, kernel_nk):
     if rows[0].shape[1] == 0:
         return jnp.zeros((*lead, k), dys[0].dtype)
     operands = (*rows, as_planes(kernel, parts, kernel_nk))
-    (dx,) = kernel_call(resolve(SplitInputGrad(parts, kernel_nk=kernel_nk), operands), *operands)
+    (dx,) = kernel_call(resolve(SplitInputGrad(parts, kernel_nk=kernel_nk), operands), *operands, lead=lead)
     return dx.reshape(*lead, k)
 
 
@@ -370,7 +370,7 @@ def _weight_grad_rows(x, dys, kernel_shape, bias_dtype, parts, use_kernels, prec
     operands += tail
     family = resolve(SplitWeightGrad(parts, kernel_nk=kernel_nk, stream_k=stream_k, with_sums=with_sums,
                                      accumulate=into_zeros), operands)
-    dkernel, *sums = kernel_call(family, *operands)
+    dkernel, *sums = kernel_call(family, *operands, lead=x.shape[:-1])
     dbias = sums[0].reshape(-1).astype(bias_dtype) if with_sums else None
     return dkernel.astype(out_dtype).reshape(kernel_shape), dbias
 

@@ -27,11 +27,18 @@ resharded -- also where the weight's dim is one the kernel needs whole (fsdp: a 
 over the axes that shard the batch is gathered for the call). A sharded dim must divide evenly over
 its mesh axes (padding rows would enter sums).
 
-A dim whose factor is :class:`~cutelayers.runtime.family.Halves` -- a gated layer's gate and value
-columns side by side -- is viewed as (2, H) around the call (:func:`split_halves`): the rule names
-H, so each device holds its part of both halves, and the per-device program joins the view back
-to the (2 H / devices) columns the kernel reads. Where such an array arrives sharded another way (a
-weight split in contiguous blocks of its 2 H), XLA reshards it to that view.
+Two kinds of dim are *viewed* as several around the call (:class:`Views`), and the per-device
+program joins each view back to the one dim the kernel reads:
+
+* a dim whose factor is :class:`~cutelayers.runtime.family.Halves` -- a gated layer's gate and
+  value columns side by side -- as (2, H): the rule names H, so each device holds its part of both
+  halves. Where such an array arrives sharded another way (a weight split in contiguous blocks of
+  its 2 H), XLA reshards it to that view.
+* the rows (the factor ``"rows"``), as the leading dims the op flattened into them (``lead`` of
+  :func:`kernel_call`: (batch, sequence) ...), each its own factor: a sharded sequence axis, which
+  no sharding of the flattened rows can express, stays sharded (no gather), and each device's
+  kernel runs on its (batch part x sequence part) rows. Results summed over the rows are summed
+  over every axis that shards one of those dims.
 """
 
 from __future__ import annotations
@@ -68,39 +75,57 @@ class ShardContext:
         return jax.lax.psum(value, axes) if axes else value
 
 
-def _halves_at(dims) -> list[int]:
-    return [d for d, f in enumerate(dims) if isinstance(f, Halves)]
+ROWS = "rows"
+"""The factor of the rows: the dim an op flattens its row-wise arrays' leading dims into."""
 
 
-def split_halves(a, dims):
-    """``a`` with each :class:`Halves` dim of ``dims`` (its factors) viewed as (2, H)."""
-    for d in reversed(_halves_at(dims)):
-        a = a.reshape(*a.shape[:d], 2, a.shape[d] // 2, *a.shape[d + 1:])
-    return a
+@dataclasses.dataclass(frozen=True)
+class Views:
+    """The dims of a call's arrays that are viewed as several around the kernel (module
+    docstring): Halves dims as (2, H); with ``lead`` of two dims or more, the rows as ``lead``."""
 
+    lead: tuple[int, ...] = ()
 
-def join_halves(a, dims):
-    """The inverse of :func:`split_halves`: each (2, H) view of a :class:`Halves` dim as 2 H."""
-    for d in _halves_at(dims):  # left to right: the dims before d are joined already
-        a = a.reshape(*a.shape[:d], a.shape[d] * a.shape[d + 1], *a.shape[d + 2:])
-    return a
+    def of(self, factor) -> tuple | None:
+        """The factors of a dim's view, or None where the dim is not viewed."""
+        if isinstance(factor, Halves):
+            return None, factor.factor
+        if factor == ROWS and len(self.lead) > 1:
+            return (ROWS,) + tuple(f"{ROWS}_{i}" for i in range(1, len(self.lead)))
+        return None
 
+    def any_in(self, rule: ShardingRule) -> bool:
+        return any(self.of(f) for dims in (*rule.operands, *rule.results) for f in dims)
 
-def _split_shape(shape, dims) -> tuple[int, ...]:
-    return tuple(g for n, f in zip(shape, dims) for g in ((2, n // 2) if isinstance(f, Halves) else (n,)))
+    def rule(self, rule: ShardingRule) -> ShardingRule:
+        """The rule of the arrays as :meth:`split` views them."""
+        def viewed(dims):
+            return tuple(g for f in dims for g in (self.of(f) or (f,)))
 
+        return dataclasses.replace(rule, operands=tuple(map(viewed, rule.operands)),
+                                   results=tuple(map(viewed, rule.results)))
 
-def _has_halves(rule: ShardingRule) -> bool:
-    return any(_halves_at(dims) for dims in (*rule.operands, *rule.results))
+    def _sizes(self, n: int, factor, lead) -> tuple[int, ...]:
+        return (2, n // 2) if isinstance(factor, Halves) else tuple(lead)
 
+    def shape(self, shape, dims) -> tuple[int, ...]:
+        return tuple(g for n, f in zip(shape, dims) for g in (self._sizes(n, f, self.lead) if self.of(f) else (n,)))
 
-def _split_rule(rule: ShardingRule) -> ShardingRule:
-    """The rule of the arrays as :func:`split_halves` views them: a Halves dim's (2, H) as (None,
-    its factor)."""
-    def split(dims):
-        return tuple(g for f in dims for g in ((None, f.factor) if isinstance(f, Halves) else (f,)))
+    def split(self, a, dims, lead=None):
+        """``a`` with each viewed dim of ``dims`` (its factors) as its view; ``lead``: the rows'
+        view (default: :attr:`lead`; a device's part of it in the per-device program)."""
+        for d in reversed(range(len(dims))):
+            if self.of(dims[d]):
+                sizes = self._sizes(a.shape[d], dims[d], self.lead if lead is None else lead)
+                a = a.reshape(*a.shape[:d], *sizes, *a.shape[d + 1:])
+        return a
 
-    return dataclasses.replace(rule, operands=tuple(map(split, rule.operands)), results=tuple(map(split, rule.results)))
+    def join(self, a, dims):
+        """The inverse of :meth:`split`: each viewed dim's view as one dim."""
+        for at, f in enumerate(dims):  # left to right: the dims before ``at`` are joined already
+            if view := self.of(f):
+                a = a.reshape(*a.shape[:at], math.prod(a.shape[at:at + len(view)]), *a.shape[at + len(view):])
+        return a
 
 
 def rule_for(family: KernelFamily, avals) -> ShardingRule:
@@ -146,36 +171,44 @@ def _dim_axes(family, i, sharding, ndim) -> tuple[tuple[str, ...], ...]:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """How one kernel call runs on a mesh: the family's rule, the shardings of the operands and
-    results as the call sees them (Halves dims split), and which mesh axes shard each factor."""
+    results as the call sees them (viewed: :class:`Views`), which mesh axes shard each factor (the
+    rows' view's dims merged into ``"rows"``), and a device's part of the rows' view."""
 
     rule: ShardingRule
+    views: Views
     operand_specs: tuple[PartitionSpec, ...]
     result_specs: tuple[PartitionSpec, ...]
     context: ShardContext
+    local_lead: tuple[int, ...]
 
 
-def plan(family: KernelFamily, avals, shardings: Sequence) -> Plan:
-    """The per-device sharding of a call on ``avals`` whose operands come with ``shardings``.
+def plan(family: KernelFamily, avals, shardings: Sequence, views: Views = Views()) -> Plan:
+    """The per-device sharding of a call on ``avals`` (as the kernel sees them) whose operands,
+    viewed by ``views``, come with ``shardings``.
 
     Raises ``ValueError`` naming the argument when an operand is sharded along a dim the kernel
     needs whole, or along a dim that does not divide evenly over its mesh axes.
     """
     full_rule = rule_for(family, avals)
-    # the arrays as the call sees them: Halves dims split (module docstring)
-    rule = _split_rule(full_rule)
-    avals = [jax.ShapeDtypeStruct(_split_shape(a.shape, dims), a.dtype) for a, dims in zip(avals, full_rule.operands)]
+    rule = views.rule(full_rule)  # the arrays as the call sees them (module docstring)
+    avals = [jax.ShapeDtypeStruct(views.shape(a.shape, dims), a.dtype) for a, dims in zip(avals, full_rule.operands)]
     axes_of: dict[str, tuple[str, ...]] = {}  # size-1 axes included: they stay in the specs
     # those of them that split the dim: the per-device program sums over (and branches on) only these
     split: dict[str, tuple[str, ...]] = {}
     taken: set[str] = set()
+    mesh_shape: Mapping[str, int] = {}
     for i, (dims, aval, sharding) in enumerate(zip(rule.operands, avals, shardings)):
         dim_axes = list(_dim_axes(family, i, sharding, len(aval.shape)))
-        for n, d in enumerate(_halves_at(full_rule.operands[i])):
-            # Its halves' 2 sharded (a contiguous split of the 2 H: one device's gates, another's
-            # values): those axes split H instead, each device then holding its part of both
-            # halves (XLA reshards the operand to that)
-            at = d + n
-            dim_axes[at + 1], dim_axes[at] = dim_axes[at] + dim_axes[at + 1], ()
+        if isinstance(sharding, NamedSharding):
+            mesh_shape = sharding.mesh.shape
+        at = 0
+        for f in full_rule.operands[i]:
+            if isinstance(f, Halves):
+                # Its halves' 2 sharded (a contiguous split of the 2 H: one device's gates,
+                # another's values): those axes split H instead, each device then holding its part
+                # of both halves (XLA reshards the operand to that)
+                dim_axes[at + 1], dim_axes[at] = dim_axes[at] + dim_axes[at + 1], ()
+            at += len(views.of(f) or (f,))
         for d, (factor, axes) in enumerate(zip(dims, dim_axes)):
             if not axes:
                 continue
@@ -211,8 +244,14 @@ def plan(family: KernelFamily, avals, shardings: Sequence) -> Plan:
 
         return PartitionSpec(*(entry(f) for f in dims))
 
-    return Plan(full_rule, tuple(spec(d) for d in rule.operands), tuple(spec(d) for d in rule.results),
-                ShardContext(split))
+    # The rows' view: a device runs its part of each of its dims, and sums over all their axes
+    row_factors = views.of(ROWS) or (ROWS,)
+    local_lead = tuple(n // math.prod(mesh_shape[a] for a in axes_of.get(f, ()))
+                       for n, f in zip(views.lead, row_factors))
+    if row_axes := tuple(a for f in row_factors for a in split.pop(f, ())):
+        split[ROWS] = row_axes
+    return Plan(full_rule, views, tuple(spec(d) for d in rule.operands), tuple(spec(d) for d in rule.results),
+                ShardContext(split), local_lead)
 
 
 def _sharding_hint(rule: ShardingRule, i: int) -> str:
@@ -220,7 +259,7 @@ def _sharding_hint(rule: ShardingRule, i: int) -> str:
     fix = "(jax.sharding.reshard or jax.lax.with_sharding_constraint)"
     if not named:
         return f"Every device needs all of it: replicate it {fix}"
-    if [rule.operands[i][d] for d in named] == ["rows"]:
+    if all(str(rule.operands[i][d]).startswith(ROWS) for d in named):
         return (f"Shard only its rows (the leading axes of the op's input, e.g. batch or sequence) "
                 f"and replicate the rest {fix}")
     return f"Shard only dims {named} of that view and replicate the rest {fix}"
@@ -246,28 +285,28 @@ def per_shard_program(family: KernelFamily, p: Plan) -> Callable:
     else:
         def program(*operands):
             return sum_partials(p.rule, p.context, run_kernel(family, *operands))
-    return _joining_halves(p.rule, program)
+    return _joining_views(p.rule, p.views, p.local_lead, program)
 
 
-def _joining_halves(rule: ShardingRule, program: Callable) -> Callable:
-    """``program`` of the kernel's operands and results taking and giving them with their Halves
-    dims split (a device's [gate_d | value_d] columns, joined, are what the kernel reads)."""
-    if not _has_halves(rule):
+def _joining_views(rule: ShardingRule, views: Views, lead, program: Callable) -> Callable:
+    """``program`` of the kernel's operands and results taking and giving them viewed (a
+    device's [gate_d | value_d] columns, its rows of ``lead``, joined, are what the kernel reads)."""
+    if not views.any_in(rule):
         return program
 
     def joined(*operands):
-        results = program(*(join_halves(a, dims) for a, dims in zip(operands, rule.operands)))
-        return tuple(split_halves(r, dims) for r, dims in zip(results, rule.results))
+        results = program(*(views.join(a, dims) for a, dims in zip(operands, rule.operands)))
+        return tuple(views.split(r, dims, lead) for r, dims in zip(results, rule.results))
 
     return joined
 
 
 # --- custom_partitioning -------------------------------------------------------------------------
 
-def _sdy_rule(family, avals, mesh, operand_types, result_types) -> SdyShardingRule:
+def _sdy_rule(family, avals, views, mesh, operand_types, result_types) -> SdyShardingRule:
     """Shardy's view of the rule. Whole dims get a factor of their own, marked need-replication,
     so shardings never propagate through them from one array to another."""
-    rule = _split_rule(rule_for(family, avals))
+    rule = views.rule(rule_for(family, avals))
     whole: list[str] = []
 
     def mapping(tag, dims):
@@ -289,23 +328,23 @@ def _sdy_rule(family, avals, mesh, operand_types, result_types) -> SdyShardingRu
                            need_replication_factors=tuple(whole))
 
 
-def _partition(family, avals, mesh, arg_shapes, result_shape):
-    p = plan(family, avals, [a.sharding for a in arg_shapes])
+def _partition(family, avals, views, mesh, arg_shapes, result_shape):
+    p = plan(family, avals, [a.sharding for a in arg_shapes], views)
     named = lambda specs: tuple(NamedSharding(mesh, s) for s in specs)
     return mesh, per_shard_program(family, p), named(p.result_specs), named(p.operand_specs)
 
 
-def _infer_result_shardings(family, avals, mesh, arg_shapes, result_shape):
+def _infer_result_shardings(family, avals, views, mesh, arg_shapes, result_shape):
     # Only the GSPMD partitioner (jax_use_shardy_partitioner=False) asks this.
-    p = plan(family, avals, [a.sharding for a in arg_shapes])
+    p = plan(family, avals, [a.sharding for a in arg_shapes], views)
     return tuple(NamedSharding(mesh, s) for s in p.result_specs)
 
 
-def _global_call(family, avals, *arrays):
-    return _joining_halves(rule_for(family, avals), functools.partial(run_kernel, family))(*arrays)
+def _global_call(family, avals, views, *arrays):
+    return _joining_views(rule_for(family, avals), views, views.lead, functools.partial(run_kernel, family))(*arrays)
 
 
-_partitioned_call = custom_partitioning(_global_call, static_argnums=(0, 1))
+_partitioned_call = custom_partitioning(_global_call, static_argnums=(0, 1, 2))
 _partitioned_call.def_partition(_partition, infer_sharding_from_operands=_infer_result_shardings,
                                 sharding_rule=_sdy_rule)
 
@@ -349,7 +388,7 @@ def _explicit_axes(mesh) -> set[str]:
     return {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit}
 
 
-def _explicit_call(family, avals, arrays, shardings):
+def _explicit_call(family, avals, views, arrays, shardings):
     """Explicit sharding is known while tracing: run the per-device program in ``jax.shard_map``
     over the mesh's explicit axes, with the plan's specs (operands resharded to them first).
 
@@ -358,7 +397,7 @@ def _explicit_call(family, avals, arrays, shardings):
     on a sharded operand dim (a row-parallel weight gradient's bias sums, of dz, replicated over
     the kernel's K axis, while the kernel call's results vary like x), nor over an axis of size 1
     (never psum'd); the per-device program psums every partial sum itself."""
-    p = plan(family, avals, shardings)
+    p = plan(family, avals, shardings, views)
     mesh = next(s.mesh for s in shardings if isinstance(s, NamedSharding) and not s.mesh.empty)
     operands = [jax.sharding.reshard(a, NamedSharding(mesh, spec))
                 for a, spec in zip(arrays, p.operand_specs)]
@@ -367,7 +406,7 @@ def _explicit_call(family, avals, arrays, shardings):
     return tuple(program(*operands))
 
 
-def kernel_call(family: KernelFamily, *arrays) -> tuple[jax.Array, ...]:
+def kernel_call(family: KernelFamily, *arrays, lead: tuple[int, ...] = ()) -> tuple[jax.Array, ...]:
     """Call ``family``'s kernel on ``arrays``; returns the tuple of results. Where arrays are
     sharded, each device runs it on its shard per the family's rule:
 
@@ -379,6 +418,10 @@ def kernel_call(family: KernelFamily, *arrays) -> tuple[jax.Array, ...]:
     * otherwise traced (``jax.jit`` with ``Auto`` axes, or one device): through
       ``custom_partitioning``, whose rule XLA applies when it partitions the program (one device
       inlines it).
+
+    ``lead``: the leading dims the op flattened into the rows (its input's shape but the features),
+    which the sharding rules see as they were (:class:`Views`): a sharded sequence axis stays
+    sharded. Ignored unless every rows dim of the call is their product (a chunk of the rows).
     """
     tracers = [a for a in arrays if isinstance(a, Tracer)]
     staged = tracers and all(isinstance(t, DynamicJaxprTracer) for t in tracers)
@@ -386,10 +429,19 @@ def kernel_call(family: KernelFamily, *arrays) -> tuple[jax.Array, ...]:
         return run_kernel(family, *arrays)
     avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
     rule = rule_for(family, avals)
-    arrays = [split_halves(a, dims) for a, dims in zip(arrays, rule.operands)]
+    views = Views(_row_view(rule, avals, family.out_avals(avals), lead))
+    arrays = [views.split(a, dims) for a, dims in zip(arrays, rule.operands)]
     shardings = _explicit_shardings(arrays)
     if shardings is not None:
-        results = _explicit_call(family, avals, arrays, shardings)
+        results = _explicit_call(family, avals, views, arrays, shardings)
     else:
-        results = _partitioned_call(family, avals, *arrays)
-    return tuple(join_halves(r, dims) for r, dims in zip(results, rule.results))
+        results = _partitioned_call(family, avals, views, *arrays)
+    return tuple(views.join(r, dims) for r, dims in zip(results, rule.results))
+
+
+def _row_view(rule: ShardingRule, avals, out_avals, lead) -> tuple[int, ...]:
+    """``lead`` if every rows dim of the call holds its product of rows, else () (no rows view)."""
+    lead = tuple(lead)
+    rows = [a.shape[d] for a, dims in zip((*avals, *out_avals), (*rule.operands, *rule.results))
+            for d, f in enumerate(dims) if f == ROWS]
+    return lead if len(lead) > 1 and rows and all(n == math.prod(lead) for n in rows) else ()
