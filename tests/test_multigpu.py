@@ -217,21 +217,24 @@ def test_megatron_mlp_matches_one_device(platform, rng):
     assert any(rows * 64 in sizes for _, sizes in found), found
 
 
+@pytest.mark.parametrize("rows_spec", [ROWS, P(None, "data")], ids=["batch", "sequence"])
 @pytest.mark.parametrize("layout", ["kn", "nk"])
-def test_megatron_gated_mlp_matches_one_device(layout, platform, rng):
+def test_megatron_gated_mlp_matches_one_device(layout, rows_spec, platform, rng):
     """A SwiGLU block split Megatron-style, w1 (its gate and value halves side by side) and b1
     in contiguous blocks of their 2 H columns -- one device's gates, another's values --, w2
     over its input: each device computes its part of both halves (XLA moves w1's columns
     there once a step, an all-to-all of the weight), so the hidden activations stay split, and
     the only collective of the (rows, .) activations is the all-reduce of fc2's (rows, 64)
-    partial products -- none of the (rows, 128) hidden, nor of its (rows, 256) pre-activation."""
+    partial products -- none of the (rows, 128) hidden, nor of its (rows, 256) pre-activation.
+    With the rows split along the sequence instead of the batch, the same: the kernels see both
+    views at once, the rows' (batch, sequence) and the halves' (2, H)."""
     mesh = parallel_mesh(platform)
     dtype = platform.dtype(jnp.float16)
     w1, w2 = random(rng, (64, 256), dtype) / 8, random(rng, (128, 64), dtype) / 12
-    specs = (ROWS, P(None, "model"), P("model"), P("model", None), REPLICATED, ROWS)
+    specs = (rows_spec, P(None, "model"), P("model"), P("model", None), REPLICATED, rows_spec)
     if layout == "nk":
         w1, w2 = w1.T, w2.T
-        specs = (ROWS, P("model", None), P("model"), P(None, "model"), REPLICATED, ROWS)
+        specs = (rows_spec, P("model", None), P("model"), P(None, "model"), REPLICATED, rows_spec)
     args = platform.one_device((_x(rng, dtype, 64), w1, random(rng, (256,), dtype), w2, random(rng, (64,), dtype),
                                 _x(rng, dtype, 64)))
 
