@@ -294,6 +294,23 @@ def test_row_sharded_cuda_program_runs_kernels_per_device(case, rng, tmp_path):
     assert_no_activation_collectives(hlo, parameter_elements(case, args))
 
 
+@pytest.mark.cute
+@pytest.mark.parametrize("case", [c for c in KERNEL_CASES if c.name in ("layer_norm", "softmax_cross_entropy", "mlp",
+                                                                       "split_linear")], ids=lambda c: c.name)
+def test_sequence_sharded_cuda_program_runs_kernels_per_device(case, rng, tmp_path):
+    """The rows sharded over both the batch and the sequence (a (data, seq) mesh): each kernel
+    sees its device's (2 x 3)-row share, the per-device program gathers nothing."""
+    mesh = make_mesh((2, 2), ("data", "seq"))
+    args = case.make_args(rng, jnp.bfloat16)
+    avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P("data", "seq") if r else P()))
+                  for a, r in zip(args, case.row_wise))
+    cotangent = random_cotangent(rng, case, args)
+    hlo = partitioned_cuda_hlo(lambda *a: loss_and_grads(case.fn, a, case.wrt, cotangent), avals, tmp_path)
+    dims = kernel_row_counts(hlo)
+    assert BATCH * SEQ // 4 in dims and not {BATCH * SEQ, BATCH * SEQ // 2} & dims, dims
+    assert_no_activation_collectives(hlo, parameter_elements(case, args))
+
+
 # --- column- and row-parallel fused_linear ------------------------------------------------------
 
 PARALLEL = {
