@@ -95,6 +95,7 @@ class Views:
         return None
 
     def any_in(self, rule: ShardingRule) -> bool:
+        """Whether any dim of the rule's arrays is viewed."""
         return any(self.of(f) for dims in (*rule.operands, *rule.results) for f in dims)
 
     def rule(self, rule: ShardingRule) -> ShardingRule:
@@ -105,7 +106,9 @@ class Views:
         return dataclasses.replace(rule, operands=tuple(map(viewed, rule.operands)),
                                    results=tuple(map(viewed, rule.results)))
 
-    def _sizes(self, n: int, factor, lead) -> tuple[int, ...]:
+    @staticmethod
+    def _sizes(n: int, factor, lead) -> tuple[int, ...]:
+        """The sizes of a viewed dim of ``n`` elements: (2, n / 2) for Halves, else the rows' ``lead``."""
         return (2, n // 2) if isinstance(factor, Halves) else tuple(lead)
 
     def shape(self, shape, dims) -> tuple[int, ...]:
