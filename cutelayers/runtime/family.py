@@ -61,6 +61,10 @@ class Halves:
     factor: str
 
 
+ROWS = "rows"
+"""The factor of the rows: the dim an op flattens its row-wise arrays' leading dims into (the
+default rule's name for it; the runtime sees it as those dims again, ``sharding.Views``)."""
+
 Factor = str | Halves | None
 Factors = tuple[Factor, ...]  # per dim: a factor name, two halves of one, or None (the kernel needs it whole)
 Dims = tuple[tuple[str, Any], ...]  # a tuned-table key's dims: (name, value) pairs
@@ -182,7 +186,7 @@ class KernelFamily(abc.ABC):
         shardable = m is not None and all(row_wise(len(avals) + j, o) for j, o in enumerate(out_avals))
 
         def factors(position, aval) -> Factors:
-            lead = "rows" if shardable and row_wise(position, aval) else None
+            lead = ROWS if shardable and row_wise(position, aval) else None
             return (lead,) + (None,) * (len(aval.shape) - 1) if aval.shape else ()
 
         dims = [factors(i, a) for i, a in enumerate(every)]

@@ -54,7 +54,7 @@ from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, 
 from jax.sharding import NamedSharding, PartitionSpec
 
 from cutelayers.runtime._jax_compat import DynamicJaxprTracer, Tracer
-from cutelayers.runtime.family import Halves, KernelFamily, ShardingRule
+from cutelayers.runtime.family import ROWS, Halves, KernelFamily, ShardingRule
 from cutelayers.runtime.primitive import kernel_call_p
 
 
@@ -73,10 +73,6 @@ class ShardContext:
         axes = tuple(a for f in sorted(factors) for a in self.axes.get(f, ()))
         value = value.astype(jnp.promote_types(value.dtype, jnp.float32))
         return jax.lax.psum(value, axes) if axes else value
-
-
-ROWS = "rows"
-"""The factor of the rows: the dim an op flattens its row-wise arrays' leading dims into."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +221,7 @@ def plan(family: KernelFamily, avals, shardings: Sequence, views: Views = Views(
                 raise ValueError(
                     f"{family.name}: argument {name!r} is sharded over mesh axes {axes} along dim {d} "
                     f"of the kernel's {tuple(aval.shape)} view of it, a dim the kernel needs whole on "
-                    f"every device. {_sharding_hint(rule, i)}, or call the op inside jax.shard_map "
+                    f"every device. {_sharding_hint(rule, i, views)}, or call the op inside jax.shard_map "
                     "and combine the shards yourself.")
             if factor in axes_of or taken & set(axes):
                 continue  # already decided by an earlier operand: this one is resharded to match
@@ -257,12 +253,12 @@ def plan(family: KernelFamily, avals, shardings: Sequence, views: Views = Views(
                 ShardContext(split), local_lead)
 
 
-def _sharding_hint(rule: ShardingRule, i: int) -> str:
+def _sharding_hint(rule: ShardingRule, i: int, views: Views) -> str:
     named = [d for d, f in enumerate(rule.operands[i]) if f is not None]
     fix = "(jax.sharding.reshard or jax.lax.with_sharding_constraint)"
     if not named:
         return f"Every device needs all of it: replicate it {fix}"
-    if all(str(rule.operands[i][d]).startswith(ROWS) for d in named):
+    if {rule.operands[i][d] for d in named} <= set(views.of(ROWS) or (ROWS,)):
         return (f"Shard only its rows (the leading axes of the op's input, e.g. batch or sequence) "
                 f"and replicate the rest {fix}")
     return f"Shard only dims {named} of that view and replicate the rest {fix}"
