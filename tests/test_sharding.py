@@ -576,3 +576,20 @@ def test_feature_axis_sharding_in_explicit_mode_fails_while_tracing(rng):
     with pytest.raises(ValueError, match=r"reduce_sum: argument 'x' is sharded over mesh axes \('model',\) "
                                          r"along dim 2"):
         jax.jit(cl.ops.reduce_sum).trace(x)
+
+
+def test_rows_view_takes_axis_sizes_from_the_operand_sharding_them():
+    """Under Explicit axes a parameter made outside the mesh context (a model's scale from its
+    init) has the empty mesh in its type: each device's part of the rows' view comes from x's
+    mesh, whichever operand comes last (a KeyError before)."""
+    from cutelayers.ops.norm import NormForward
+    from cutelayers.runtime.sharding import Views, plan
+
+    mesh = make_mesh((2, 2), ("data", "seq"))
+    family = NormForward(center=False, has_scale=True, has_bias=False, epsilon=1e-6, out_dtype="float32")
+    avals = (jax.ShapeDtypeStruct((BATCH * SEQ, 64), jnp.float32), jax.ShapeDtypeStruct((64,), jnp.float32))
+    shardings = (NamedSharding(mesh, P("data", "seq", None)),
+                 NamedSharding(jax.sharding.get_abstract_mesh(), P()))
+    p = plan(family, avals, shardings, Views((BATCH, SEQ)))
+    assert p.local_lead == (BATCH // 2, SEQ // 2)
+    assert p.operand_specs == (P("data", "seq", None), P(None))

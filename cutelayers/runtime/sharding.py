@@ -195,11 +195,10 @@ def plan(family: KernelFamily, avals, shardings: Sequence, views: Views = Views(
     # those of them that split the dim: the per-device program sums over (and branches on) only these
     split: dict[str, tuple[str, ...]] = {}
     taken: set[str] = set()
-    mesh_shape: Mapping[str, int] = {}
+    axis_size: dict[str, int] = {}  # of the axes taken, from their own operand's mesh (a
+    # parameter made outside the mesh context has an empty one)
     for i, (dims, aval, sharding) in enumerate(zip(rule.operands, avals, shardings)):
         dim_axes = list(_dim_axes(family, i, sharding, len(aval.shape)))
-        if isinstance(sharding, NamedSharding):
-            mesh_shape = sharding.mesh.shape
         at = 0
         for f in full_rule.operands[i]:
             if isinstance(f, Halves):
@@ -232,6 +231,7 @@ def plan(family: KernelFamily, avals, shardings: Sequence, views: Views = Views(
                     "which does not divide evenly. Make that dim a multiple of the device count "
                     "(e.g. the batch size), or replicate it.")
             axes_of[factor] = axes
+            axis_size.update((a, sharding.mesh.shape[a]) for a in axes)
             if kept := tuple(a for a in axes if sharding.mesh.shape[a] > 1):
                 split[factor] = kept
             taken.update(axes)
@@ -245,7 +245,7 @@ def plan(family: KernelFamily, avals, shardings: Sequence, views: Views = Views(
 
     # The rows' view: a device runs its part of each of its dims, and sums over all their axes
     row_factors = views.of(ROWS) or (ROWS,)
-    local_lead = tuple(n // math.prod(mesh_shape[a] for a in axes_of.get(f, ()))
+    local_lead = tuple(n // math.prod(axis_size[a] for a in axes_of.get(f, ()))
                        for n, f in zip(views.lead, row_factors))
     if row_axes := tuple(a for f in row_factors for a in split.pop(f, ())):
         split[ROWS] = row_axes
