@@ -37,11 +37,11 @@ from test_sharding import (
     AXIS_TYPES,
     BATCH,
     CASES,
-    KERNEL_CASES,
     PARALLEL,
     REPLICATED,
     ROWS,
     SEQ,
+    SEQUENCE_CASES,
     _linear,
     _x,
     assert_no_activation_collectives,
@@ -114,10 +114,6 @@ def test_sharded_jit_matches_one_device(case, axis_type, platform, rng):
         assert_no_activation_collectives(hlo, parameter_elements(case, args))
     assert (KERNEL_CALL in hlo) == (platform.name == "gpu" and case.kernels)
 
-
-# The LM head's tokens are chunked (strided chunks of the flattened tokens): a sharded sequence
-# axis is gathered there, as the README says.
-SEQUENCE_CASES = [c for c in KERNEL_CASES if not c.name.startswith("linear_cross_entropy")]
 
 
 @pytest.mark.parametrize("case", SEQUENCE_CASES, ids=lambda c: c.name)

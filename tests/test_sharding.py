@@ -145,6 +145,11 @@ CASES = [
          (True, False), (1,), kernels=False),
 ]
 KERNEL_CASES = [c for c in CASES if c.kernels]
+# With the sequence sharded too: the LM head's chunk count must divide each device's part of a
+# row's tokens (its rows keep the (batch, sequence / chunks) axes: ops/lm_head.py), so its chunked
+# case here is 3 chunks of 16 (a row's 6 tokens as 2 x 3: a sequence device's row each)
+SEQUENCE_CASES = [c for c in KERNEL_CASES if c.name != "linear_cross_entropy_chunked"] + [
+    _lm_head_case("linear_cross_entropy_sequence_chunks", chunk_size=16)]
 
 
 def loss_and_grads(fn, args, wrt, cotangent):
@@ -226,14 +231,18 @@ def test_lm_head_chunk_count_divides_a_batch_rows_tokens(axis_type, rng):
 
 
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "exp_path"])
-@pytest.mark.parametrize("mode", ["shard_map", *AXIS_TYPES])
+@pytest.mark.parametrize("mode", ["shard_map", *AXIS_TYPES, "sequence"])
 def test_lm_head_total_sharded_matches_one_device(mode, with_bias, rng):
     """A mean / sum LM head computes its gradients in the forward, carrying the total over the
     chunks: per shard in shard_map (a sum, summed over the shards with psum) and under sharded jit
-    (a mean), its value and gradients are one device's -- with a bias (the cross-entropy pass) and
-    without (the exp path, its second passes included: one token's logits out of its range)."""
+    (a mean; "sequence": the tokens over a (data, seq) mesh, each row's 6 as 2 x 3 chunks), its
+    value and gradients are one device's -- with a bias (the cross-entropy pass) and without (the
+    exp path, its second passes included: one token's logits out of its range)."""
     reduction = "sum" if mode == "shard_map" else "mean"
-    mesh = make_mesh((4,), ("data",), "Auto" if mode == "shard_map" else mode)
+    if mode == "sequence":
+        mesh, rows = make_mesh((2, 2), ("data", "seq")), P("data", "seq")
+    else:
+        mesh, rows = make_mesh((4,), ("data",), "Auto" if mode == "shard_map" else mode), ROWS
     dtype = jnp.float16 if with_bias else jnp.bfloat16  # the exp path takes bfloat16
     h, w, b, labels = (_x(rng, dtype, 32), random(rng, (32, 64), dtype) / 6, random(rng, (64,), dtype),
                        _labels(rng, 64))
@@ -242,14 +251,14 @@ def test_lm_head_total_sharded_matches_one_device(mode, with_bias, rng):
 
     def head(h, w, b, labels):
         return cl.ops.linear_cross_entropy(h, w, labels, bias=b if with_bias else None, ignore_index=-1,
-                                           reduction=reduction, chunk_size=8)
+                                           reduction=reduction, chunk_size=16 if mode == "sequence" else 8)
 
     if mode == "shard_map":
         per_shard = jax.shard_map(lambda *a: jax.lax.psum(head(*a), "data"), mesh=mesh,
                                   in_specs=(ROWS, REPLICATED, REPLICATED, ROWS), out_specs=REPLICATED)
         loss, args = per_shard, (h, w, b, labels)
     else:
-        loss, args = head, put(mesh, (h, w, b, labels), (ROWS, REPLICATED, REPLICATED, ROWS))
+        loss, args = head, put(mesh, (h, w, b, labels), (rows, REPLICATED, REPLICATED, rows))
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
     value, grads = step(*args)
     ref_value, ref_grads = jax.jit(jax.value_and_grad(head, argnums=(0, 1, 2)))(h, w, b, labels)
@@ -295,11 +304,13 @@ def test_row_sharded_cuda_program_runs_kernels_per_device(case, rng, tmp_path):
 
 
 @pytest.mark.cute
-@pytest.mark.parametrize("case", [c for c in KERNEL_CASES if c.name in ("layer_norm", "softmax_cross_entropy", "mlp",
-                                                                       "split_linear")], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [c for c in SEQUENCE_CASES if c.name in (
+    "layer_norm", "softmax_cross_entropy", "mlp", "split_linear", "linear_cross_entropy",
+    "linear_cross_entropy_sequence_chunks")], ids=lambda c: c.name)
 def test_sequence_sharded_cuda_program_runs_kernels_per_device(case, rng, tmp_path):
     """The rows sharded over both the batch and the sequence (a (data, seq) mesh): each kernel
-    sees its device's (2 x 3)-row share, the per-device program gathers nothing."""
+    sees its device's (2 x 3)-row share (of a chunk's, if chunked), the per-device program gathers
+    nothing."""
     mesh = make_mesh((2, 2), ("data", "seq"))
     args = case.make_args(rng, jnp.bfloat16)
     avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P("data", "seq") if r else P()))
@@ -307,7 +318,8 @@ def test_sequence_sharded_cuda_program_runs_kernels_per_device(case, rng, tmp_pa
     cotangent = random_cotangent(rng, case, args)
     hlo = partitioned_cuda_hlo(lambda *a: loss_and_grads(case.fn, a, case.wrt, cotangent), avals, tmp_path)
     dims = kernel_row_counts(hlo)
-    assert BATCH * SEQ // 4 in dims and not {BATCH * SEQ, BATCH * SEQ // 2} & dims, dims
+    rows = case.kernel_rows  # a chunk's, if chunked
+    assert rows // 4 in dims and not {rows, rows // 2} & dims, dims
     assert_no_activation_collectives(hlo, parameter_elements(case, args))
 
 

@@ -15,7 +15,10 @@ loop over them. That needs the rows to split evenly over the devices: the chunk 
 each device's token count (:func:`chunk_layout` picks such counts where it can; chunks smaller
 than the device count never can). A chunk then spans the devices, each computing rows / devices
 of it. Reading column ``c`` copies one chunk, as slicing a contiguous chunk does: neither h nor dh
-is transposed.
+is transposed. Where the chunk count divides the last leading axis (the sequence) the rows keep
+the leading axes: (batch, sequence) tokens are viewed as (batch, sequence / chunks, chunks), so a
+sequence axis sharded too stays sharded (each kernel call sees the rows as those axes:
+:class:`cutelayers.runtime.sharding.Views`); flattened, no sharding of the rows could express it.
 
 * ``reduction="none"``: forward, per chunk, ``z = h_c @ kernel + bias`` (the fused GEMM), then
   the cross-entropy forward kernel gives the per-token ``lse`` and loss. Saved for the backward: h,
@@ -135,13 +138,12 @@ PADDED_VOCAB_MULTIPLE = 64
 
 
 class ExpChunk(NamedTuple):
-    """One chunk on the exp path (:func:`_chunked_fns`): P = exp(logits - shift) (rows, V) in
-    bf16, the row indices, each row's label (0 where it is not one of the vocabulary), S, lse =
-    shift + log S and the loss (float32, rows), which rows count (``counted``: not ignored, their
-    label in the vocabulary) and which have a label outside it (``unknown``)."""
+    """One chunk on the exp path (:func:`_chunked_fns`): P = exp(logits - shift) (*rows, V) in
+    bf16, each row's label (0 where it is not one of the vocabulary), S, lse = shift + log S and
+    the loss (float32, rows), which rows count (``counted``: not ignored, their label in the
+    vocabulary) and which have a label outside it (``unknown``)."""
 
     p: jax.Array
-    rows: jax.Array
     y_safe: jax.Array
     s: jax.Array
     lse: jax.Array
@@ -175,9 +177,30 @@ def chunk_layout(lead: tuple[int, ...], vocab: int, chunk_size: int | None) -> t
     return n_chunks, -(-tokens // n_chunks)
 
 
-def _chunk(a, c):
-    """Chunk ``c`` of a token-major (rows, chunks, ...) array: (rows, ...)."""
-    return jax.lax.dynamic_index_in_dim(a, c, axis=1, keepdims=False)
+def strided_rows(lead: tuple[int, ...], n_chunks: int, rows: int) -> tuple[int, ...]:
+    """The rows' shape of the strided layout (module docstring) of tokens of shape ``lead`` in
+    ``n_chunks`` chunks of ``rows``: the leading axes, the last divided by the chunk count, where
+    it divides that axis; else ``(rows,)`` (one flat axis, padded)."""
+    if len(lead) > 1 and concrete_dim(lead[-1]) is not None and lead[-1] % n_chunks == 0:
+        return (*lead[:-1], lead[-1] // n_chunks)
+    return (rows,)
+
+
+def _chunk(a, c, row_rank: int):
+    """Chunk ``c`` of a token-major (*rows, chunks, ...) array with ``row_rank`` row axes: (*rows, ...)."""
+    return jax.lax.dynamic_index_in_dim(a, c, axis=row_rank, keepdims=False)
+
+
+def _chunk_major(a):
+    """The scan's (chunks, *rows) stack of a per-row result as the strided (*rows, chunks)."""
+    return jnp.moveaxis(a, 0, -1)
+
+
+def _at_labels(y):
+    """The index of each row's entry ``y`` in a (*rows, V) array (gather or in-place update)."""
+    # jnp.indices(sparse=True), but for a symbolic row count too (jax.export)
+    return (*(jax.lax.broadcasted_iota(jnp.int32, tuple(n if i == d else 1 for i, n in enumerate(y.shape)), d)
+              for d in range(y.ndim)), y)
 
 
 def _zeros_of_type(a, dtype=None):
@@ -196,18 +219,19 @@ def _takes_exp_path(use_kernels: bool, options: tuple[float, float, float], has_
 
 @functools.cache
 def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major: bool, use_kernels: bool,
-                 f32_params: bool, exp_columns: int = 0):
-    """``(losses, weighted_total)`` over h (R, C, H), labels (R, C) in the strided layout (chunk
-    ``c`` is column ``c``), kernel (H, V) -- (V, H) if ``vocab_major`` --, bias (V,) | None, in h's
+                 f32_params: bool, exp_columns: int = 0, row_rank: int = 1):
+    """``(losses, weighted_total)`` over h (*R, C, H), labels (*R, C) in the strided layout (chunk
+    ``c`` is column ``c``; R the ``row_rank`` row axes of :func:`strided_rows`), kernel (H, V) --
+    (V, H) if ``vocab_major`` --, bias (V,) | None, in h's
     dtype or, with ``f32_params``, float32 (cast for the GEMMs; their gradients are the float32
     sums themselves, no cast); the cross-entropy ``options`` (smoothing, z_loss, soft_cap) of
     :func:`check_loss_options`; ``exp_columns`` (0: all V) the vocabulary's columns of a kernel
     padded for the exp path (:func:`_pad_vocabulary`), which counts no others:
 
-    * ``losses(h, labels, kernel, bias)``: (per-token losses, lse), each (R, C) float32; the
+    * ``losses(h, labels, kernel, bias)``: (per-token losses (*R, C), lse (C, *R)) float32; the
       backward recomputes each chunk's logits;
     * ``weighted_total(h, labels, kernel, bias, weights)``: (``sum(weights * losses)``, lse)
-      for constant (R, C) float32 weights; its forward computes the gradients too (module
+      for constant (*R, C) float32 weights; its forward computes the gradients too (module
       docstring). The lse output has no gradient (its cotangent is dropped).
     """
     # a chunk's logits die in the cross-entropy gradient kernels: dz takes their buffer
@@ -217,11 +241,16 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
     weight_grad = weight_grad_fn(use_kernels, f32_out=True)
     # A (V, H) kernel (a tied embedding table) swaps the roles of the forward and dx GEMMs and
     # of dkernel's operands; every GEMM reads the table as stored.
+    row_axes = tuple(range(row_rank))
+    chunk = functools.partial(_chunk, row_rank=row_rank)
+
+    def n_chunks(h) -> int:
+        return h.shape[row_rank]
 
     def chunk_logits(h, kernel, bias, c):
         if vocab_major:  # never with a bias (linear_cross_entropy)
-            return input_grad(_chunk(h, c), kernel)  # h_c @ tableᵀ
-        return fused_linear(_chunk(h, c), kernel, bias)  # the bias in the GEMM's epilogue
+            return input_grad(chunk(h, c), kernel)  # h_c @ tableᵀ
+        return fused_linear(chunk(h, c), kernel, bias)  # the bias in the GEMM's epilogue
 
     def chunk_input_grad(dz, kernel):
         return plain_gemm(dz, kernel, None, None)[0] if vocab_major else input_grad(dz, kernel)
@@ -236,27 +265,27 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
     def add_chunk_grads(grads, h, kernel, bias, c, dz, h_c=None, row_scale=None, uniform=None):
         """Adds chunk ``c``'s gradients, given its logits' gradient ``dz``, to (dh, dkernel, dbias):
         for ``grads`` None (the first chunk) they start them. ``h_c``: the chunk's rows of h, if
-        not read from h here. ``row_scale`` (R,) float32: the gradient is diag(row_scale) dz (the
+        not read from h here. ``row_scale`` (*R,) float32: the gradient is diag(row_scale) dz (the
         exp path's P), so dh_c is scaled after its GEMM and h_c before dkernel's; a row of scale 0
-        adds nothing (its dz may not be finite). ``uniform``: (u (R,), the kernel's column sums
+        adds nothing (its dz may not be finite). ``uniform``: (u (*R,), the kernel's column sums
         (H,)), both float32, for a gradient that also holds u_t in every column of row t (label
         smoothing on the exp path): dh_t gains u_t times the column sums here; the kernel's
         gradient gains sum_t u_t h_t in every column, which the caller adds once."""
         dh, dkernel, dbias = grads or (_zeros_of_type(h), None, None)
-        h_c = _chunk(h, c) if h_c is None else h_c
+        h_c = chunk(h, c) if h_c is None else h_c
         dh_c = chunk_input_grad(dz, kernel)
         if row_scale is not None:
-            kept = (row_scale != 0.0)[:, None]
-            dh_c = jnp.where(kept, dh_c.astype(F32) * row_scale[:, None], 0.0)
+            kept = (row_scale != 0.0)[..., None]
+            dh_c = jnp.where(kept, dh_c.astype(F32) * row_scale[..., None], 0.0)
             if uniform is not None:
-                dh_c += uniform[0][:, None] * uniform[1]
+                dh_c += uniform[0][..., None] * uniform[1]
             dh_c = dh_c.astype(h.dtype)
-            h_c = (h_c.astype(F32) * row_scale[:, None]).astype(h.dtype)
+            h_c = (h_c.astype(F32) * row_scale[..., None]).astype(h.dtype)
         # dh_c written in place into its column: stacking (C, R, H) would need a transpose
-        dh = jax.lax.dynamic_update_index_in_dim(dh, dh_c, c, axis=1)
+        dh = jax.lax.dynamic_update_index_in_dim(dh, dh_c, c, axis=row_rank)
         dkernel = add_kernel_grad(dkernel, h_c, dz)
         if bias is not None:
-            chunk_dbias = jnp.sum(dz.astype(F32), axis=0)
+            chunk_dbias = jnp.sum(dz.astype(F32), axis=row_axes)
             dbias = chunk_dbias if dbias is None else dbias + chunk_dbias
         return dh, dkernel, dbias
 
@@ -288,10 +317,10 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
             return exp_forward(h, labels, kernel)
 
         def step(_, c):
-            return None, ce_forward(chunk_logits(h, kernel, bias, c), _chunk(labels, c))
+            return None, ce_forward(chunk_logits(h, kernel, bias, c), chunk(labels, c))
 
-        _, (lse, loss) = jax.lax.scan(step, None, jnp.arange(h.shape[1]))
-        return lse, loss.T  # lse stays chunk-major (C, R): the backward scans over it
+        _, (lse, loss) = jax.lax.scan(step, None, jnp.arange(n_chunks(h)))
+        return lse, _chunk_major(loss)  # lse stays chunk-major (C, *R): the backward scans over it
 
     @jax.custom_vjp
     def losses(h, labels, kernel, bias):
@@ -310,12 +339,12 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
         if takes_exp_path(h, bias):  # the weighted total's gradients, the cotangents its weights
             return cotangents(exp_total_fwd(h, labels, kernel, dloss)[1])
 
-        def step(grads, chunk):
-            c, lse_c = chunk
-            dz = ce_backward(chunk_logits(h, kernel, bias, c), _chunk(labels, c), lse_c, _chunk(dloss, c))
+        def step(grads, xs):
+            c, lse_c = xs
+            dz = ce_backward(chunk_logits(h, kernel, bias, c), chunk(labels, c), lse_c, chunk(dloss, c))
             return add_chunk_grads(grads, h, kernel, bias, c, dz), ()
 
-        grads, _ = scan_chunks(step, (jnp.arange(h.shape[1]), lse))
+        grads, _ = scan_chunks(step, (jnp.arange(n_chunks(h)), lse))
         return cotangents(grads)
 
     losses.defvjp(losses_fwd, losses_bwd)
@@ -332,14 +361,14 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
 
         def step(carry, c):
             grads, total = carry or (None, None)
-            w_c = _chunk(weights, c)
+            w_c = chunk(weights, c)
             # lse, loss and dz in one pass over the chunk's logits: the weights are the dloss
-            lse_c, loss_c, dz = ce_with_grad(chunk_logits(h, kernel, bias, c), _chunk(labels, c), w_c)
+            lse_c, loss_c, dz = ce_with_grad(chunk_logits(h, kernel, bias, c), chunk(labels, c), w_c)
             grads = add_chunk_grads(grads, h, kernel, bias, c, dz)
             chunk_total = jnp.sum(loss_c * w_c)  # varies as the weights do inside shard_map
             return (grads, chunk_total if total is None else total + chunk_total), lse_c
 
-        (grads, total), lse = scan_chunks(step, jnp.arange(h.shape[1]))
+        (grads, total), lse = scan_chunks(step, jnp.arange(n_chunks(h)))
         return (total, lse), grads
 
     def column_sums(kernel):
@@ -358,7 +387,6 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
         valid = jnp.ones(y_c.shape, bool) if ignore_index is None else y_c != ignore_index
         p, sums = exp_logits(h_c, kernel, kernel_nk=vocab_major, columns=exp_columns)
         s = jnp.sum(sums, axis=-1)
-        rows = jnp.arange(y_c.shape[0])
         # a label outside the vocabulary makes its token's loss and gradients NaN
         known = valid & (y_c >= 0) & (y_c < p.shape[-1])
         y_safe = jnp.where(known, y_c, 0)
@@ -366,7 +394,7 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
         # GEMM wrote it, so the second pass and the scatter-add into the label entries
         # (exp_total_fwd) update P in place. Without it XLA may fuse this gather into a consumer
         # after an update and keep a copy of P: a second chunk of scratch (tests/test_heads_bench.py).
-        p_y = p[rows, y_safe].astype(F32)
+        p_y = p[_at_labels(y_safe)].astype(F32)
         p, p_y = jax.lax.optimization_barrier((p, p_y))
         out = ~((s >= math.exp(-EXP_RANGE)) & (s <= math.exp(EXP_RANGE)) & (~known | (p_y >= LABEL_EXP_MIN)))
         # The rows out of range, again: a pass that finds each one's max logit and its label's
@@ -385,18 +413,18 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
         if smoothing:  # minus a times the mean logit, h_t . (column sums) / V: no pass over P
             loss -= smoothing / classes(kernel) * jnp.sum(h_c.astype(F32) * sums_of_columns, axis=-1)
         loss = jnp.where(unknown, jnp.nan, jnp.where(counted, loss, 0.0))
-        return ExpChunk(p, rows, y_safe, s, lse, loss, counted, unknown)
+        return ExpChunk(p, y_safe, s, lse, loss, counted, unknown)
 
     def exp_forward(h, labels, kernel):
         """forward's exp path: per chunk the exp GEMM's row sums give lse and the loss."""
         sums_of_columns = column_sums(kernel)
 
         def step(_, c):
-            chunk = exp_chunk(_chunk(h, c), _chunk(labels, c), kernel, sums_of_columns)
-            return None, (chunk.lse, chunk.loss)
+            part = exp_chunk(chunk(h, c), chunk(labels, c), kernel, sums_of_columns)
+            return None, (part.lse, part.loss)
 
-        _, (lse, loss) = jax.lax.scan(step, None, jnp.arange(h.shape[1]))
-        return lse, loss.T
+        _, (lse, loss) = jax.lax.scan(step, None, jnp.arange(n_chunks(h)))
+        return lse, _chunk_major(loss)
 
     def exp_total_fwd(h, labels, kernel, weights):
         """total_fwd's exp path (module docstring): per chunk one GEMM gives P = exp(z - shift)
@@ -408,28 +436,27 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
 
         def step(carry, c):
             grads, total, smoothed = carry or (None, None, None)
-            h_c, y_c = _chunk(h, c), _chunk(labels, c)
+            h_c, y_c = chunk(h, c), chunk(labels, c)
             if grads is not None:  # this chunk's P only once the last one's GEMMs have read theirs
                 h_c, grads = jax.lax.optimization_barrier((h_c, grads))
-            chunk = exp_chunk(h_c, y_c, kernel, sums_of_columns)
-            p, rows = chunk.p, chunk.rows
-            factor = 1.0 + 2.0 * z_loss * chunk.lse
-            w_c = jnp.where(chunk.counted, _chunk(weights, c), 0.0)
+            part = exp_chunk(h_c, y_c, kernel, sums_of_columns)
+            factor = 1.0 + 2.0 * z_loss * part.lse
+            w_c = jnp.where(part.counted, chunk(weights, c), 0.0)
             # a label outside the vocabulary: NaN gradients, as its loss
-            scale = jnp.where(chunk.unknown, jnp.nan, w_c * factor / chunk.s)
-            label_entry = jnp.where(chunk.counted, -(1.0 - smoothing) * chunk.s / factor, 0.0)
-            p = p.at[rows, chunk.y_safe].add(label_entry.astype(p.dtype))
+            scale = jnp.where(part.unknown, jnp.nan, w_c * factor / part.s)
+            label_entry = jnp.where(part.counted, -(1.0 - smoothing) * part.s / factor, 0.0)
+            p = part.p.at[_at_labels(part.y_safe)].add(label_entry.astype(part.p.dtype))
             uniform = None
             if smoothing:
                 u = -smoothing / classes(kernel) * w_c
                 uniform = (u, sums_of_columns)
-                chunk_smoothed = jnp.sum(u[:, None] * h_c.astype(F32), axis=0)
+                chunk_smoothed = jnp.sum(u[..., None] * h_c.astype(F32), axis=row_axes)
                 smoothed = chunk_smoothed if smoothed is None else smoothed + chunk_smoothed
             grads = add_chunk_grads(grads, h, kernel, None, c, p, h_c=h_c, row_scale=scale, uniform=uniform)
-            chunk_total = jnp.sum(chunk.loss * _chunk(weights, c))
-            return (grads, chunk_total if total is None else total + chunk_total, smoothed), chunk.lse
+            chunk_total = jnp.sum(part.loss * chunk(weights, c))
+            return (grads, chunk_total if total is None else total + chunk_total, smoothed), part.lse
 
-        ((dh, dkernel, _), total, smoothed), lse = scan_chunks(step, jnp.arange(h.shape[1]))
+        ((dh, dkernel, _), total, smoothed), lse = scan_chunks(step, jnp.arange(n_chunks(h)))
         if smoothing:  # sum_t u_t h_t in every column (a (V, H) table's every row), once for all chunks
             dkernel = dkernel + (smoothed[None, :] if vocab_major else smoothed[:, None])
         return (total, lse), (dh, dkernel, None)
@@ -550,17 +577,26 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
         vocab += vocab_pad
     n_chunks, rows = chunk_layout(lead, vocab, chunk_size)
     pad = n_chunks * rows - tokens
-    # strided chunks (module docstring): token t is row t // n_chunks of chunk t % n_chunks.
-    # Padded tokens: zero inputs, an in-range label; their per-token losses are dropped (zero
-    # cotangents) and their weight in a total is 0, so they contribute nothing to the gradients.
-    h_strided = jnp.pad(h.reshape(tokens, hidden), ((0, pad), (0, 0))).reshape(rows, n_chunks, hidden)
-    labels_strided = jnp.pad(labels.reshape(tokens), (0, pad)).reshape(rows, n_chunks)
+    row_shape = strided_rows(lead, n_chunks, rows)
+
+    def strided(a):
+        """(*lead, ...) as the strided layout (*row_shape, n_chunks, ...) (module docstring: token
+        t is row t // n_chunks of chunk t % n_chunks). Padded tokens are zeros: zero inputs, an
+        in-range label; their per-token losses are dropped (zero cotangents) and their weight in a
+        total is 0, so they contribute nothing to the gradients."""
+        features = a.shape[len(lead):]
+        if pad:
+            a = jnp.pad(a.reshape(tokens, *features), ((0, pad),) + ((0, 0),) * len(features))
+        return a.reshape(*row_shape, n_chunks, *features)
+
+    h_strided, labels_strided = strided(h), strided(labels)
     if vocab_major and bias is not None:
         kernel, vocab_major = kernel.T, False  # see kernel_layout above
     kernel, bias = vary_like(h, kernel, bias)  # shared by every shard inside shard_map
-    per_token, weighted_total = _chunked_fns(ignore_index, options, vocab_major, use_kernels, f32_params, exp_columns)
+    per_token, weighted_total = _chunked_fns(ignore_index, options, vocab_major, use_kernels, f32_params, exp_columns,
+                                             len(row_shape))
 
-    def per_token_order(a):  # (R, C) strided -> the tokens' leading shape
+    def per_token_order(a):  # (*R, C) strided -> the tokens' leading shape
         return a.reshape(-1)[:tokens].reshape(lead)
 
     if reduction == "none":
@@ -575,8 +611,8 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
         if reduction == "mean":
             counted = tokens if ignore_index is None else jnp.sum(labels != ignore_index)
             weight = 1.0 / jnp.maximum(counted, 1).astype(F32)
-        weights = jnp.pad(_zeros_of_type(labels.reshape(tokens), F32) + weight, (0, pad)).reshape(rows, n_chunks)
+        weights = strided(_zeros_of_type(labels, F32) + weight)
         loss, lse = weighted_total(h_strided, labels_strided, kernel, bias, weights)
     if not return_lse:
         return loss
-    return loss, jax.lax.stop_gradient(per_token_order(lse.T))  # lse is chunk-major (C, R)
+    return loss, jax.lax.stop_gradient(per_token_order(_chunk_major(lse)))  # lse is chunk-major (C, *R)
