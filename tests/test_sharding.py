@@ -605,3 +605,20 @@ def test_rows_view_takes_axis_sizes_from_the_operand_sharding_them():
     p = plan(family, avals, shardings, Views((BATCH, SEQ)))
     assert p.local_lead == (BATCH // 2, SEQ // 2)
     assert p.operand_specs == (P("data", "seq", None), P(None))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_lm_head_explicit_sharded_sequence_matches_one_device(dtype, rng):
+    """Under Explicit axes jax types every intermediate's sharding, and the kernels' results come
+    back through its reshapes in a flattened layout: the head keeps its rows flat there (a
+    (batch, sequence) strided layout would not type-check against them) and still matches one
+    device."""
+    mesh = make_mesh((2, 2), ("data", "seq"), "Explicit")
+    case = _lm_head_case("linear_cross_entropy", chunk_size=16)
+    args = case.make_args(rng, dtype)
+    cotangent = jnp.asarray(rng.standard_normal((BATCH, SEQ)), jnp.float32)
+    ref = jax.jit(loss_and_grads, static_argnums=(0, 2))(case.fn, args, case.wrt, cotangent)
+    sharded = put(mesh, args, tuple(P("data", "seq") if r else REPLICATED for r in case.row_wise))
+    with jax.set_mesh(mesh):
+        got = jax.jit(loss_and_grads, static_argnums=(0, 2))(case.fn, sharded, case.wrt, cotangent)
+    assert_step_matches(got, ref, dtype)

@@ -111,7 +111,7 @@ from cutelayers.ops.softmax import (
     check_loss_options,
     cross_entropy_kernels,
 )
-from cutelayers.runtime.sharding import vary_like
+from cutelayers.runtime.sharding import explicitly_sharded, vary_like
 
 F32 = jnp.float32
 # The default chunk: CHUNK_ROWS tokens, fewer where their float32-equivalent logits would pass
@@ -577,7 +577,9 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
         vocab += vocab_pad
     n_chunks, rows = chunk_layout(lead, vocab, chunk_size)
     pad = n_chunks * rows - tokens
-    row_shape = strided_rows(lead, n_chunks, rows)
+    # Under Explicit axes the rows stay flat, as the kernels' and the references' results come
+    # back from jax's reshapes: its types refuse to mix (batch, sequence) with a flattened layout
+    row_shape = (rows,) if explicitly_sharded(h, labels) else strided_rows(lead, n_chunks, rows)
 
     def strided(a):
         """(*lead, ...) as the strided layout (*row_shape, n_chunks, ...) (module docstring: token
@@ -585,7 +587,7 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
         in-range label; their per-token losses are dropped (zero cotangents) and their weight in a
         total is 0, so they contribute nothing to the gradients."""
         features = a.shape[len(lead):]
-        if pad:
+        if len(row_shape) == 1:  # through the flat tokens: jax's Explicit types take a merge, then a split
             a = jnp.pad(a.reshape(tokens, *features), ((0, pad),) + ((0, 0),) * len(features))
         return a.reshape(*row_shape, n_chunks, *features)
 

@@ -383,6 +383,12 @@ def _explicit_shardings(arrays) -> list | None:
     return None
 
 
+def explicitly_sharded(*arrays) -> bool:
+    """Whether any of ``arrays``' types is sharded over an ``Explicit`` mesh axis: jax then
+    checks every intermediate's sharding while tracing, as it does the ops' reshapes."""
+    return _explicit_shardings(arrays) is not None
+
+
 def _explicit_axes(mesh) -> set[str]:
     return {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit}
 
