@@ -115,7 +115,6 @@ def test_sharded_jit_matches_one_device(case, axis_type, platform, rng):
     assert (KERNEL_CALL in hlo) == (platform.name == "gpu" and case.kernels)
 
 
-
 @pytest.mark.parametrize("case", SEQUENCE_CASES, ids=lambda c: c.name)
 def test_sequence_sharded_jit_matches_one_device(case, platform, rng):
     """The sequence axis sharded as well as the batch (a (data, seq) mesh; on two GPUs (1, 2)):
@@ -126,7 +125,7 @@ def test_sequence_sharded_jit_matches_one_device(case, platform, rng):
     mesh = platform.mesh((len(platform.devices) // 2, 2), ("data", "seq"))
     dtype = platform.dtype(case.dtype)
     args = platform.one_device(case.make_args(rng, dtype))
-    specs = tuple(P("data", "seq") if r else REPLICATED for r in case.row_wise)
+    specs = case.specs(P("data", "seq"))
     cotangent = random_cotangent(rng, case, args)
     ref_out, ref = jax.jit(case.fn)(*args), STEP(case.fn, args, case.wrt, cotangent)
 

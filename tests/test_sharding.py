@@ -69,8 +69,9 @@ class Case:
     kernels: bool = True  # whether the op calls CuTe kernels (masked_mean_pool is jnp)
     kernel_rows: int = BATCH * SEQ  # rows each kernel call takes, unsharded (a chunk's, if chunked)
 
-    def specs(self):
-        return tuple(ROWS if r else REPLICATED for r in self.row_wise)
+    def specs(self, rows=ROWS):
+        """Each argument's spec: ``rows`` for the row-wise ones, replicated for the rest."""
+        return tuple(rows if r else REPLICATED for r in self.row_wise)
 
 
 def _x(rng, dtype, n=64):
@@ -313,8 +314,8 @@ def test_sequence_sharded_cuda_program_runs_kernels_per_device(case, rng, tmp_pa
     nothing."""
     mesh = make_mesh((2, 2), ("data", "seq"))
     args = case.make_args(rng, jnp.bfloat16)
-    avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P("data", "seq") if r else P()))
-                  for a, r in zip(args, case.row_wise))
+    avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s))
+                  for a, s in zip(args, case.specs(P("data", "seq"))))
     cotangent = random_cotangent(rng, case, args)
     hlo = partitioned_cuda_hlo(lambda *a: loss_and_grads(case.fn, a, case.wrt, cotangent), avals, tmp_path)
     dims = kernel_row_counts(hlo)
@@ -618,7 +619,7 @@ def test_lm_head_explicit_sharded_sequence_matches_one_device(dtype, rng):
     args = case.make_args(rng, dtype)
     cotangent = jnp.asarray(rng.standard_normal((BATCH, SEQ)), jnp.float32)
     ref = jax.jit(loss_and_grads, static_argnums=(0, 2))(case.fn, args, case.wrt, cotangent)
-    sharded = put(mesh, args, tuple(P("data", "seq") if r else REPLICATED for r in case.row_wise))
+    sharded = put(mesh, args, case.specs(P("data", "seq")))
     with jax.set_mesh(mesh):
         got = jax.jit(loss_and_grads, static_argnums=(0, 2))(case.fn, sharded, case.wrt, cotangent)
     assert_step_matches(got, ref, dtype)
