@@ -151,6 +151,11 @@ KERNEL_CASES = [c for c in CASES if c.kernels]
 # case here is 3 chunks of 16 (a row's 6 tokens as 2 x 3: a sequence device's row each)
 SEQUENCE_CASES = [c for c in KERNEL_CASES if c.name != "linear_cross_entropy_chunked"] + [
     _lm_head_case("linear_cross_entropy_sequence_chunks", chunk_size=16)]
+# The ops that keep a sharded sequence over ``Explicit`` mesh axes (their kernel calls take the
+# rows unflattened); the GEMM ops still flatten it at the program's level (README, Multi-GPU)
+EXPLICIT_SEQUENCE_OPS = {"reduce_sum", "reduce_mean", "reduce_max", "layer_norm", "rms_norm", "rms_norm_no_scale",
+                         "add_layer_norm", "add_rms_norm", "softmax", "log_softmax", "logsumexp",
+                         "softmax_cross_entropy"}
 
 
 def loss_and_grads(fn, args, wrt, cotangent):

@@ -26,7 +26,7 @@ from cutelayers.kernels.reduction_config import (
 )
 from cutelayers.runtime.family import TunableFamily
 from cutelayers.runtime.placement import check_arrays
-from cutelayers.runtime.sharding import kernel_call
+from cutelayers.runtime.sharding import kernel_avals, kernel_call, rows_as_lead
 from cutelayers.runtime.tensors import FLOAT_DTYPES
 from cutelayers.tuning import dtype_names, resolve
 
@@ -279,36 +279,49 @@ def normalize_axis(op: str, axis, ndim: int) -> int:
     return axis % ndim
 
 
-def symbolic_width(family: TunableFamily, operands) -> bool:
-    """Whether the rows of ``operands[0]`` (rows, ...) have a symbolic width (``jax.export``'s
+def symbolic_width(family: TunableFamily, avals) -> bool:
+    """Whether the rows of ``avals[0]`` (rows, ...) have a symbolic width (``jax.export``'s
     shape polymorphism), which no config can be chosen for: then the call takes the reference,
     after the backend's one fallback line."""
-    width = operands[0].shape[1:]
+    width = avals[0].shape[1:]
     if all(concrete_dim(d) is not None for d in width):
         return False
     _backend.fall_back(family.name, f"its rows are {width} wide, symbolic; the kernels' configs need a number")
     return True
 
 
-def call_kernel(family: TunableFamily, *operands: jax.Array, lead=()) -> tuple[jax.Array, ...]:
+def call_kernel(family: TunableFamily, *operands: jax.Array, lead=(), rows_at=()) -> tuple[jax.Array, ...]:
     """``family``, its config chosen for these operands, called on them; the first operand is
     (rows, ...), and zero rows skip the launch. Rows of a symbolic width take the reference
-    (:func:`symbolic_width`). ``lead``: the dims flattened into the rows (see
+    (:func:`symbolic_width`). ``lead``: the dims flattened into the rows; ``rows_at``: the
+    operands given with their rows as ``lead`` instead, as the results then come (see
     :func:`~cutelayers.runtime.sharding.kernel_call`)."""
-    if symbolic_width(family, operands):
-        return tuple(family.reference(*operands))
-    family = resolve(family, operands)
-    if operands[0].shape[0] == 0:
-        return tuple(jnp.zeros(o.shape, o.dtype) for o in family.out_avals(operands))
-    return kernel_call(family, *operands, lead=lead)
+    avals = kernel_avals(operands, lead, rows_at)
+    given = any(d is not None for d in rows_at) and len(lead) > 1
+    if symbolic_width(family, avals):
+        results = family.reference(*(a.reshape(v.shape) for a, v in zip(operands, avals)))
+    elif avals[0].shape[0] == 0:
+        results = [jnp.zeros(o.shape, o.dtype) for o in resolve(family, avals).out_avals(avals)]
+    else:
+        return kernel_call(resolve(family, avals), *operands, lead=lead, rows_at=rows_at)
+    return rows_as_lead(family, avals, results, lead) if given else tuple(results)
+
+
+def rows_of(lead, *row_args: jax.Array) -> tuple[list, tuple[int, ...]]:
+    """Row-wise arrays (``lead``, then each its own trailing dims) as a kernel call's operands,
+    and :func:`call_kernel`'s ``rows_at`` for them: flattened to (rows, ...) where ``lead`` is
+    one dim or none; else as they are, their rows given at dim 0 -- each device flattens its own
+    part."""
+    if len(lead) > 1:
+        return list(row_args), (0,) * len(row_args)
+    return [a.reshape(-1, *a.shape[len(lead):]) for a in row_args], ()
 
 
 def call_on_rows(family: RowKernelFamily, *row_args: jax.Array) -> tuple[jax.Array, ...]:
-    """Run ``family`` on row-wise arrays viewed as (rows, ...), then restore the leading shape.
-
-    The first argument's leading dims (all but the last) are the rows; every argument has those
-    leading dims plus its own trailing ones (x (..., N), labels (...)), and so has every result.
-    """
+    """Run ``family`` on row-wise arrays: the first argument's leading dims (all but the last) are
+    the rows; every argument has those leading dims plus its own trailing ones (x (..., N), labels
+    (...)), and so has every result."""
     lead = row_args[0].shape[:-1]
-    rows = tuple(a.reshape(-1, *a.shape[len(lead):]) for a in row_args)
-    return tuple(o.reshape(*lead, *o.shape[1:]) for o in call_kernel(family, *rows, lead=lead))
+    operands, given = rows_of(lead, *row_args)
+    return tuple(o.reshape(*lead, *o.shape[len(lead) if given else 1:])
+                 for o in call_kernel(family, *operands, lead=lead, rows_at=given))

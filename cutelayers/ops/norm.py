@@ -45,10 +45,11 @@ from cutelayers.ops._rowwise import (
     check_dtype,
     check_float_array,
     check_number,
+    rows_of,
     symbolic_width,
 )
 from cutelayers.runtime.family import ShardingRule
-from cutelayers.runtime.sharding import run_kernel, vary_like
+from cutelayers.runtime.sharding import kernel_avals, run_kernel, vary_like
 from cutelayers.tuning import resolve
 
 
@@ -451,13 +452,12 @@ def backward_reference(x, dy, mean, rstd, scale, dsummed=None):
 # --- kernel calls on (rows, N) views ------------------------------------------------------------
 
 def _backward_args(args, center: bool, has_residual: bool):
-    """(x, dy, [dsummed], [mean], rstd, [scale]) with x, dy, dsummed as (rows, N) and statistics
-    as (rows, 1)."""
-    n = args[0].shape[-1]
+    """(x, dy, [dsummed], [mean], rstd, [scale]) as the kernel's operands, x, dy, dsummed as rows
+    of N and the statistics as rows of 1 (:func:`rows_of`), and the call's ``rows_at``."""
     rows = 2 + has_residual
     stats = rows + 1 + center
-    return ([a.reshape(-1, n) for a in args[:rows]] + [a.reshape(-1, 1) for a in args[rows:stats]]
-            + list(args[stats:]))
+    operands, given = rows_of(args[0].shape[:-1], *args[:rows], *(a[..., None] for a in args[rows:stats]))
+    return operands + list(args[stats:]), given
 
 
 def _backward_of_args(args, center: bool, has_residual: bool, has_scale: bool):
@@ -476,8 +476,8 @@ def _forward_core(center: bool, has_residual: bool, has_scale: bool, has_bias: b
 
     def forward(*args):
         x = args[0]
-        operands = (*(a.reshape(-1, x.shape[-1]) for a in args[:rows]), *args[rows:])
-        outs = call_kernel(family, *operands, lead=x.shape[:-1])
+        operands, given = rows_of(x.shape[:-1], *args[:rows])
+        outs = call_kernel(family, *operands, *args[rows:], lead=x.shape[:-1], rows_at=given)
         return (tuple(o.reshape(x.shape) for o in outs[:rows])
                 + tuple(o.reshape(x.shape[:-1]) for o in outs[rows:]))
 
@@ -492,7 +492,8 @@ def _backward_core(center: bool, has_residual: bool, has_scale: bool, has_bias: 
 
     def backward(*args):
         x, dy, dsummed, mean, rstd, scale = _split_backward(args, center, has_residual, has_scale)
-        rows = _backward_args(args, center, has_residual)
+        operands, given = _backward_args(args, center, has_residual)
+        rows = kernel_avals(operands, x.shape[:-1], given)
         family = NormBackward(center, has_scale, has_scale, has_bias, has_residual)
         if symbolic_width(family, rows):
             dx, dscale, dbias = backward_reference(x, dy, mean, rstd, scale, dsummed)
@@ -506,7 +507,7 @@ def _backward_core(center: bool, has_residual: bool, has_scale: bool, has_bias: 
             dx = dx_only(*args)
             _, dscale, dbias = backward_reference(x, dy, mean, rstd, None)
             return (dx,) + (dscale,) * has_scale + (dbias,) * has_bias
-        dx, *partials = call_kernel(family, *rows, lead=x.shape[:-1])
+        dx, *partials = call_kernel(family, *operands, lead=x.shape[:-1], rows_at=given)
         return (dx.reshape(x.shape), *family.param_grads(x.shape[-1], *partials))
 
     def per_example(*args):
@@ -531,8 +532,8 @@ def _dx_core(center: bool, has_residual: bool, has_scale: bool):
     family = NormBackward(center, has_scale, False, False, has_residual)
 
     def dx(*args):
-        operands = _backward_args(args, center, has_residual)
-        return call_kernel(family, *operands, lead=args[0].shape[:-1])[0].reshape(args[0].shape)
+        operands, given = _backward_args(args, center, has_residual)
+        return call_kernel(family, *operands, lead=args[0].shape[:-1], rows_at=given)[0].reshape(args[0].shape)
 
     def per_example(*args):
         return _backward_of_args(args, center, has_residual, has_scale)[0]

@@ -38,7 +38,9 @@ program joins each view back to the one dim the kernel reads:
   :func:`kernel_call`: (batch, sequence) ...), each its own factor: a sharded sequence axis, which
   no sharding of the flattened rows can express, stays sharded (no gather), and each device's
   kernel runs on its (batch part x sequence part) rows. Results summed over the rows are summed
-  over every axis that shards one of those dims.
+  over every axis that shards one of those dims. An op may give the rows unflattened
+  (:func:`kernel_call`'s ``rows_at``): no reshape of a sharded array happens at the program's
+  level then, which over ``Explicit`` axes jax would type (or refuse) itself.
 """
 
 from __future__ import annotations
@@ -110,21 +112,35 @@ class Views:
     def shape(self, shape, dims) -> tuple[int, ...]:
         return tuple(g for n, f in zip(shape, dims) for g in (self._sizes(n, f, self.lead) if self.of(f) else (n,)))
 
-    def split(self, a, dims, lead=None):
+    def split(self, a, dims, lead=None, rows: bool = True):
         """``a`` with each viewed dim of ``dims`` (its factors) as its view; ``lead``: the rows'
-        view (default: :attr:`lead`; a device's part of it in the per-device program)."""
+        view (default: :attr:`lead`; a device's part of it in the per-device program).
+        ``rows=False``: ``a`` holds its rows as that view already (:func:`kernel_call`'s
+        ``rows_at``), so only its other viewed dims are split."""
+        lead = self.lead if lead is None else lead
         for d in reversed(range(len(dims))):
-            if self.of(dims[d]):
-                sizes = self._sizes(a.shape[d], dims[d], self.lead if lead is None else lead)
-                a = a.reshape(*a.shape[:d], *sizes, *a.shape[d + 1:])
+            if self.of(dims[d]) and (rows or dims[d] != ROWS):
+                at = d if rows else self._position(dims, d, len(lead))
+                sizes = self._sizes(a.shape[at], dims[d], lead)
+                a = a.reshape(*a.shape[:at], *sizes, *a.shape[at + 1:])
         return a
 
-    def join(self, a, dims):
-        """The inverse of :meth:`split`: each viewed dim's view as one dim."""
-        for at, f in enumerate(dims):  # left to right: the dims before ``at`` are joined already
-            if view := self.of(f):
+    def join(self, a, dims, rows: bool = True):
+        """The inverse of :meth:`split`: each viewed dim's view as one dim (``rows=False``: all
+        but the rows', which stay viewed)."""
+        at = 0  # where dim d of ``dims`` starts in ``a``: the dims before it are joined already
+        for f in dims:
+            view = self.of(f)
+            if view and (rows or f != ROWS):
                 a = a.reshape(*a.shape[:at], math.prod(a.shape[at:at + len(view)]), *a.shape[at + len(view):])
+            at += len(view) if view and not rows and f == ROWS else 1
         return a
+
+    @staticmethod
+    def _position(dims, d, width) -> int:
+        """Where dim ``d`` of ``dims`` starts in an array holding its rows dims as a view of
+        ``width`` dims and every other dim as one."""
+        return d + sum(width - 1 for f in dims[:d] if f == ROWS)
 
 
 def rule_for(family: KernelFamily, avals) -> ShardingRule:
@@ -411,7 +427,8 @@ def _explicit_call(family, avals, views, arrays, shardings):
     return tuple(program(*operands))
 
 
-def kernel_call(family: KernelFamily, *arrays, lead: tuple[int, ...] = ()) -> tuple[jax.Array, ...]:
+def kernel_call(family: KernelFamily, *arrays, lead: tuple[int, ...] = (),
+                rows_at: Sequence[int | None] = ()) -> tuple[jax.Array, ...]:
     """Call ``family``'s kernel on ``arrays``; returns the tuple of results. Where arrays are
     sharded, each device runs it on its shard per the family's rule:
 
@@ -427,21 +444,61 @@ def kernel_call(family: KernelFamily, *arrays, lead: tuple[int, ...] = ()) -> tu
     ``lead``: the leading dims the op flattened into the rows (its input's shape but the features),
     which the sharding rules see as they were (:class:`Views`): a sharded sequence axis stays
     sharded. Ignored unless every rows dim of the call is their product (a chunk of the rows).
+
+    ``rows_at``: per operand, the dim where the op gives its rows as ``lead``'s dims, not
+    flattened (the kernel's rows dim; None, or the operands after the last given: as the kernel
+    reads them). Each device then flattens its own part, and every result's rows dim comes back as
+    ``lead``'s dims too: no reshape of a sharded array at the program's level, which under
+    ``Explicit`` mesh axes jax refuses, or types in a layout other than the operands' (a (data,
+    seq) sharding of (batch, sequence) rows).
     """
+    at = _rows_at(arrays, lead, rows_at)
+    given = any(d is not None for d in at)
     tracers = [a for a in arrays if isinstance(a, Tracer)]
     staged = tracers and all(isinstance(t, DynamicJaxprTracer) for t in tracers)
-    if not staged or _inside_shard_map():
+    direct = not staged or _inside_shard_map()
+    if direct and not given:
         return run_kernel(family, *arrays)
-    avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
+    avals = kernel_avals(arrays, lead, at)
     rule = rule_for(family, avals)
     views = Views(_row_view(rule, avals, family.out_avals(avals), lead))
-    arrays = [views.split(a, dims) for a, dims in zip(arrays, rule.operands)]
-    shardings = _explicit_shardings(arrays)
-    if shardings is not None:
+    if given and not views.lead:
+        raise AssertionError(f"{family.name}: operands given as rows of {tuple(lead)}, but not every rows dim "
+                             "of the call holds their product")
+    arrays = [views.split(a, dims, rows=d is None) for a, d, dims in zip(arrays, at, rule.operands)]
+    shardings = None if direct else _explicit_shardings(arrays)
+    if direct:  # a device's own rows: joined for the kernel here
+        results = _global_call(family, avals, views, *arrays)
+    elif shardings is not None:
         results = _explicit_call(family, avals, views, arrays, shardings)
     else:
         results = _partitioned_call(family, avals, views, *arrays)
-    return tuple(views.join(r, dims) for r, dims in zip(results, rule.results))
+    return tuple(views.join(r, dims, rows=not given) for r, dims in zip(results, rule.results))
+
+
+def _rows_at(arrays, lead, rows_at) -> tuple[int | None, ...]:
+    """:func:`kernel_call`'s ``rows_at``, one per operand; none given where ``lead`` is one dim or
+    none (the rows are flat already)."""
+    at = tuple(rows_at)[:len(arrays)] if len(lead) > 1 else ()
+    return at + (None,) * (len(arrays) - len(at))
+
+
+def kernel_avals(arrays, lead: tuple[int, ...] = (), rows_at: Sequence[int | None] = ()) -> tuple:
+    """The operands of :func:`kernel_call` as the kernel reads them: each given as rows (its
+    ``rows_at``) with ``lead``'s dims as one."""
+    width = len(lead)
+
+    def flat(shape, d):
+        return tuple(shape) if d is None else (*shape[:d], math.prod(shape[d:d + width]), *shape[d + width:])
+
+    return tuple(jax.ShapeDtypeStruct(flat(a.shape, d), a.dtype) for a, d in zip(arrays, _rows_at(arrays, lead, rows_at)))
+
+
+def rows_as_lead(family: KernelFamily, avals, results, lead: tuple[int, ...]) -> tuple[jax.Array, ...]:
+    """``results`` of the kernel on ``avals`` (flat rows, e.g. the reference's) with each rows
+    dim as ``lead``'s dims, as :func:`kernel_call` gives them for operands given as rows."""
+    views = Views(tuple(lead))
+    return tuple(views.split(r, dims) for r, dims in zip(results, rule_for(family, avals).results))
 
 
 def _row_view(rule: ShardingRule, avals, out_avals, lead) -> tuple[int, ...]:
