@@ -37,7 +37,6 @@ from test_sharding import (
     AXIS_TYPES,
     BATCH,
     CASES,
-    EXPLICIT_SEQUENCE_OPS,
     PARALLEL,
     REPLICATED,
     ROWS,
@@ -126,8 +125,6 @@ def test_sequence_sharded_jit_matches_one_device(case, axis_type, platform, rng)
     one device, stay sharded over both axes, and no activation is gathered. Over ``Explicit``
     axes, where jax types every reshape's sharding, the row ops give the kernel calls their rows
     unflattened (``rows_at``): each device flattens its own."""
-    if axis_type == "Explicit" and case.name not in EXPLICIT_SEQUENCE_OPS:
-        pytest.skip(f"{case.name} flattens a sharded sequence at the program's level (README, Multi-GPU)")
     mesh = platform.mesh((len(platform.devices) // 2, 2), ("data", "seq"), axis_type)
     dtype = platform.dtype(case.dtype)
     args = platform.one_device(case.make_args(rng, dtype))

@@ -40,12 +40,7 @@ REPLICATED = P()
 BATCH, SEQ = 8, 6  # 48 rows: 12 per device on four devices
 FORBIDDEN = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter")
 
-AXIS_TYPES = [
-    "Auto",
-    pytest.param("Explicit", marks=pytest.mark.skipif(
-        jax.__version_info__ < (0, 11),
-        reason="jax 0.10's explicit-sharding reshape rules refuse the ops' (rows, features) views")),
-]
+AXIS_TYPES = ["Auto", "Explicit"]
 
 
 def make_mesh(shape, names, axis_type="Auto"):
@@ -615,10 +610,10 @@ def test_rows_view_takes_axis_sizes_from_the_operand_sharding_them():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
 def test_lm_head_explicit_sharded_sequence_matches_one_device(dtype, rng):
-    """Under Explicit axes jax types every intermediate's sharding, and the kernels' results come
-    back through its reshapes in a flattened layout: the head keeps its rows flat there (a
-    (batch, sequence) strided layout would not type-check against them) and still matches one
-    device."""
+    """Under Explicit axes jax types every intermediate's sharding: the head's strided rows keep
+    (batch, sequence / chunks), its kernel calls take them unflattened, its label gather and
+    in-place update say their sharding, and it matches one device (a ShardingTypeError on jax 0.10
+    before)."""
     mesh = make_mesh((2, 2), ("data", "seq"), "Explicit")
     case = _lm_head_case("linear_cross_entropy", chunk_size=16)
     args = case.make_args(rng, dtype)

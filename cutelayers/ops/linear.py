@@ -82,7 +82,7 @@ from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import check_float_array
 from cutelayers.ops._zeros import zeros_after
 from cutelayers.runtime.family import Halves, ShardingRule, TunableFamily
-from cutelayers.runtime.sharding import kernel_call, run_kernel, sum_partials, vary_like
+from cutelayers.runtime.sharding import kernel_avals, kernel_call, run_kernel, sum_partials, vary_like
 from cutelayers.tuning import resolve
 
 # Activation names and their fp32 jnp definitions (the kernel epilogue implements the same
@@ -914,9 +914,9 @@ def _matmul(a, b, precision=None):
 
 
 def _weight_grad_einsum(x, dz, precision=None, dtype=None):
-    """dkernel (L, K, N) = x (L, M, K)ᵀ @ dz (L, M, N), accumulated in fp32, in ``dtype`` (default
-    x's)."""
-    return jnp.einsum("lmk,lmn->lkn", x, dz, precision=precision, preferred_element_type=jnp.float32,
+    """dkernel (L, K, N) = x (L, ..., K)ᵀ @ dz (L, ..., N) over every row, accumulated in fp32, in
+    ``dtype`` (default x's)."""
+    return jnp.einsum("l...k,l...n->lkn", x, dz, precision=precision, preferred_element_type=jnp.float32,
                       out_sharding=_summed_rows_sharding(x, dz)).astype(dtype or x.dtype)
 
 
@@ -928,8 +928,11 @@ def column_sum(d, dtype):
 def _summed_rows_sharding(x, dz):
     """The (L, K, N) sharding of the sum over rows when the operands' types shard the rows
     (``Explicit`` mesh axes, data parallel): einsum refuses to guess it. None otherwise."""
-    (l, rows_x, k), (_, rows_dz, n) = (jax.typeof(a).sharding.spec for a in (x, dz))
-    if rows_x is None and rows_dz is None:
+    def spec(a):
+        return tuple(jax.typeof(a).sharding.spec) + (None,) * (a.ndim - len(jax.typeof(a).sharding.spec))
+
+    (l, *rows_x, k), (_, *rows_dz, n) = spec(x), spec(dz)
+    if all(axes is None for axes in (*rows_x, *rows_dz)):
         return None
     return NamedSharding(jax.typeof(x).sharding.mesh, PartitionSpec(l, k, n))
 
@@ -998,10 +1001,10 @@ def exp_logits(x, kernel, kernel_nk: bool = False, columns: int = 0):
 @functools.cache
 def _exp_logits_fn(kernel_nk: bool, columns: int):
     def exp_rows(x, kernel):
-        operands = [as_rows(x), kernel[None]]
+        operands = [kernel_rows(x), kernel[None]]
         family = LinearForward("none", False, False, False, kernel_nk=kernel_nk, exp_row_sums=True,
                                exp_columns=columns)
-        results = kernel_call(resolve(family, operands), *operands, lead=x.shape[:-1])
+        results = call_gemm(family, operands, (True, False), x.shape[:-1])
         return tuple(from_rows(r, x.shape[:-1]) for r in results)
 
     return fold_batch(exp_rows, shared=(1,))
@@ -1032,25 +1035,45 @@ def _exp_logits_fix_fn(kernel_nk: bool, columns: int):
         lead = x.shape[:-1]
 
         def per_row(a, dtype):
-            return a.astype(dtype).reshape(1, -1, 1)
+            return kernel_rows(a.astype(dtype)[..., None])
 
-        operands = [as_rows(x), kernel[None], as_rows(e), per_row(flags, jnp.int32), per_row(labels, jnp.int32),
-                    per_row(shift, jnp.float32)]
-        family = resolve(ExpLogitsFix(kernel_nk=kernel_nk, exp_columns=columns), operands)
-        results = kernel_call(family, *operands, lead=lead)
+        operands = [kernel_rows(x), kernel[None], kernel_rows(e), per_row(flags, jnp.int32),
+                    per_row(labels, jnp.int32), per_row(shift, jnp.float32)]
+        family = ExpLogitsFix(kernel_nk=kernel_nk, exp_columns=columns)
+        results = call_gemm(family, operands, (True, False, True, True, True, True), lead)
         return tuple(from_rows(r, lead) for r in results)
 
     return fold_batch(fix_rows, shared=(1,))
 
 
-def as_rows(a):
-    """(..., F) as the kernels' (1, rows, F)."""
-    return a.reshape(1, -1, a.shape[-1])
+ROWS_AT = 1
+"""Where a GEMM kernel's row operands (1, rows, F) hold their rows."""
+
+
+def kernel_rows(a):
+    """A row-wise (..., F) operand of a GEMM kernel call: (1, rows, F) where its rows are one
+    leading dim or none, else (1, ..., F), its rows given unflattened at :data:`ROWS_AT`
+    (:func:`~cutelayers.runtime.sharding.kernel_call`'s ``rows_at``: each device flattens its own
+    part of a sharded sequence)."""
+    return a[None] if a.ndim > 2 else a.reshape(1, -1, a.shape[-1])
+
+
+def rows_at(*row_wise: bool) -> tuple:
+    """``kernel_call``'s ``rows_at`` for GEMM operands, those ``row_wise`` from :func:`kernel_rows`."""
+    return tuple(ROWS_AT if r else None for r in row_wise)
+
+
+def call_gemm(family, operands, row_wise, lead) -> tuple:
+    """``family``, its config chosen for ``operands`` as the kernel reads them, called on them: the
+    ``row_wise`` ones from :func:`kernel_rows`, x's ``lead`` the rows; the results' rows as given
+    (:func:`from_rows` reads them either way)."""
+    at = rows_at(*row_wise)
+    return kernel_call(resolve(family, kernel_avals(operands, lead, at)), *operands, lead=lead, rows_at=at)
 
 
 def from_rows(a, lead):
-    """A kernel's (1, rows, F) result as (*lead, F)."""
-    return a.reshape(*lead, a.shape[-1])
+    """A kernel's (1, rows, F) result -- or (1, *lead, F), its rows given -- as (*lead, F)."""
+    return a[0].reshape(*lead, a.shape[-1])
 
 
 def preact_grad(z, dy, activation: str):
@@ -1081,8 +1104,8 @@ def _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kerne
     if not use_kernels:
         y, z = forward_reference(x, as_kn(kernel, kernel_nk), bias, residual, activation, precision)
         return (y, z) if store_preact else (y,)
-    rows = as_rows(x)
-    m = rows.shape[1]
+    rows = kernel_rows(x)
+    m = math.prod(lead)
     widths = (n // 2 if gated else n, n)[:1 + store_preact]
     if m == 0:
         return tuple(jnp.zeros((*lead, w), x.dtype) for w in widths)
@@ -1091,20 +1114,22 @@ def _forward_rows(x, kernel, bias, residual, activation, store_preact, use_kerne
         # gradient's GEMM reading the kernel in the other layout (dz @ kernelᵀ with kernelᵀ as
         # stored), into float32 zeros; the epilogue is one XLA pass over the (rows, N) sum.
         operands = (rows, kernel[None], _row_zeros(rows, n))
-        (product,) = kernel_call(resolve(LinearInputGrad(kernel_nk=not kernel_nk, stream_k=True), operands),
-                                 *operands, lead=lead)
-        y, z = apply_epilogue(product[0], bias, None if residual is None else residual.reshape(m, -1),
+        (product,) = call_gemm(LinearInputGrad(kernel_nk=not kernel_nk, stream_k=True), operands,
+                               (True, False, True), lead)
+        product = from_rows(product, lead)
+        y, z = apply_epilogue(product, bias, None if residual is None else residual.reshape(product.shape),
                               activation, x.dtype)
-        return tuple(o.reshape(*lead, w) for o, w in zip((y, z), widths))
+        return (y, z)[:len(widths)]
     operands = [rows, kernel[None]]
     if bias is not None:
         operands.append(bias)
     if residual is not None:
-        operands.append(as_rows(residual))
+        operands.append(kernel_rows(residual))
     family = LinearForward(act, bias is not None, residual is not None, store_preact, kernel_nk=kernel_nk,
                            gated=gated)
-    outs = kernel_call(resolve(family, operands), *operands, lead=lead)
-    return tuple(o.reshape(*lead, w) for o, w in zip(outs, widths))
+    outs = call_gemm(family, operands, (True, False) + (False,) * (bias is not None) + (True,) * (residual is not None),
+                     lead)
+    return tuple(from_rows(o, lead) for o in outs)
 
 
 def _input_grad_rows(dz, kernel, preact, grad_of, use_kernels, precision, kernel_nk, halves=False):
@@ -1121,19 +1146,19 @@ def _input_grad_rows(dz, kernel, preact, grad_of, use_kernels, precision, kernel
         if preact is None:
             return product.astype(dz.dtype)
         return hidden_grad_reference(preact, product, grad_of, dz.dtype)
-    rows = as_rows(dz)
-    (_, m, n) = rows.shape
+    rows = kernel_rows(dz)
+    m, n = math.prod(lead), dz.shape[-1]
     if m == 0:
         outs = tuple(jnp.zeros((*lead, w), dz.dtype) for w in widths)
     else:
         # Too few output tiles to fill the GPU over a long contraction: stream-K, into zeros.
         stream_k = preact is None and stream_k_pays(m, k, n)
-        operands = ((rows, kernel[None]) + (() if preact is None else (as_rows(preact),))
+        operands = ((rows, kernel[None]) + (() if preact is None else (kernel_rows(preact),))
                     + ((_row_zeros(rows, k),) if stream_k else ()))
         family = LinearInputGrad(act, kernel_nk=kernel_nk, stream_k=stream_k, gated=gated,
                                  halves="n" if halves else None)
-        outs = tuple(o.astype(dz.dtype).reshape(*lead, w)
-                     for o, w in zip(kernel_call(resolve(family, operands), *operands, lead=lead), widths))
+        outs = tuple(from_rows(o.astype(dz.dtype), lead)
+                     for o in call_gemm(family, operands, (True, False, True, True)[:len(operands)], lead))
     return outs if preact is not None else outs[0]
 
 
@@ -1158,11 +1183,13 @@ def weight_grad_schedule(anchor, m: int, n: int, rows: int, batch: int, out_shap
 
 
 def _row_zeros(rows, k):
-    """float32 zeros (1, M, k) for rows (1, M, N), sharded like them over ``Explicit`` mesh axes."""
+    """float32 zeros (1, ..., k) for rows (1, ..., N) (:func:`kernel_rows`), sharded like them over
+    ``Explicit`` mesh axes."""
     sharding = jax.typeof(rows).sharding
-    explicit = None if all(axis is None for axis in sharding.spec) else NamedSharding(
-        sharding.mesh, PartitionSpec(*sharding.spec[:2], None))
-    return zeros_after(rows, (1, rows.shape[1], k), out_sharding=explicit)
+    spec = tuple(sharding.spec) + (None,) * (rows.ndim - len(sharding.spec))
+    explicit = None if all(axis is None for axis in spec) else NamedSharding(
+        sharding.mesh, PartitionSpec(*spec[:-1], None))
+    return zeros_after(rows, (*rows.shape[:-1], k), out_sharding=explicit)
 
 
 def _weight_grad_batched(x, dz, accumulator, use_kernels, precision, sums=None, f32_out=False,
@@ -1179,17 +1206,19 @@ def _weight_grad_batched(x, dz, accumulator, use_kernels, precision, sums=None, 
     (dkernel, the float32 sums of x (L, K) / dz (L, N) over the rows), summed by the same kernel.
     ``halves`` "k" / "n": x's / dz's columns are a gated layer's halves (:attr:`GemmFamily.halves`)."""
     lead = x.shape[1:-1]
-    x = x.reshape(x.shape[0], -1, x.shape[-1])
-    dz = dz.reshape(dz.shape[0], -1, dz.shape[-1])
+    if len(lead) < 2:  # else their rows stay unflattened (rows_at)
+        x = x.reshape(x.shape[0], -1, x.shape[-1])
+        dz = dz.reshape(dz.shape[0], -1, dz.shape[-1])
     summed = x if sums == "a" else dz
     out_dtype = result_dtype or (jnp.float32 if f32_out else x.dtype)
-    if not use_kernels or x.shape[1] == 0:
+    batch, k, rows, n = x.shape[0], x.shape[-1], math.prod(lead), dz.shape[-1]
+    if not use_kernels or rows == 0:
         if accumulator is None:
             dw = _weight_grad_einsum(x, dz, precision, dtype=out_dtype)
         else:
             dw = accumulator + _weight_grad_einsum(x, dz, precision, dtype=jnp.float32)
-        return dw if sums is None else (dw, jnp.sum(summed.astype(jnp.float32), axis=1))
-    (batch, rows, k), n = x.shape, dz.shape[-1]
+        row_dims = tuple(range(1, x.ndim - 1))
+        return dw if sums is None else (dw, jnp.sum(summed.astype(jnp.float32), axis=row_dims))
     sums_in = () if sums is None else (zeros_after(summed, (batch, summed.shape[-1])),)
     running = accumulator is not None
     if running:  # stream-K's partial tiles, if any, are added into the running sum too
@@ -1199,7 +1228,7 @@ def _weight_grad_batched(x, dz, accumulator, use_kernels, precision, sums=None, 
     operands = (x, dz, *sums_in, *tail)
     family = LinearWeightGrad(accumulate=accumulate, stream_k=stream_k, operand_sums=sums,
                               f32_out=f32_out and not accumulate, halves=halves)
-    out = kernel_call(resolve(family, operands), *operands, lead=lead)
+    out = call_gemm(family, operands, (True, True), lead)
     dw = out[0] if running else out[0].astype(out_dtype)
     return dw if sums is None else (dw, out[1])
 

@@ -203,6 +203,12 @@ def _at_labels(y):
               for d in range(y.ndim)), y)
 
 
+def _explicit_sharding(a):
+    """``a``'s sharding where its type shards it over ``Explicit`` mesh axes (a gather's result
+    there, which jax does not infer), else None."""
+    return jax.typeof(a).sharding if explicitly_sharded(a) else None
+
+
 def _zeros_of_type(a, dtype=None):
     """Zeros with ``a``'s type: its shape, its sharding over ``Explicit`` mesh axes (which
     ``jnp.zeros_like`` drops unless a mesh is set with ``jax.set_mesh``; jax's scan makes its
@@ -394,7 +400,7 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
         # GEMM wrote it, so the second pass and the scatter-add into the label entries
         # (exp_total_fwd) update P in place. Without it XLA may fuse this gather into a consumer
         # after an update and keep a copy of P: a second chunk of scratch (tests/test_heads_bench.py).
-        p_y = p[_at_labels(y_safe)].astype(F32)
+        p_y = p.at[_at_labels(y_safe)].get(out_sharding=_explicit_sharding(y_safe)).astype(F32)
         p, p_y = jax.lax.optimization_barrier((p, p_y))
         out = ~((s >= math.exp(-EXP_RANGE)) & (s <= math.exp(EXP_RANGE)) & (~known | (p_y >= LABEL_EXP_MIN)))
         # The rows out of range, again: a pass that finds each one's max logit and its label's
@@ -445,7 +451,8 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
             # a label outside the vocabulary: NaN gradients, as its loss
             scale = jnp.where(part.unknown, jnp.nan, w_c * factor / part.s)
             label_entry = jnp.where(part.counted, -(1.0 - smoothing) * part.s / factor, 0.0)
-            p = part.p.at[_at_labels(part.y_safe)].add(label_entry.astype(part.p.dtype))
+            p = part.p.at[_at_labels(part.y_safe)].add(label_entry.astype(part.p.dtype),
+                                                       out_sharding=_explicit_sharding(part.p))
             uniform = None
             if smoothing:
                 u = -smoothing / classes(kernel) * w_c
@@ -577,9 +584,7 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
         vocab += vocab_pad
     n_chunks, rows = chunk_layout(lead, vocab, chunk_size)
     pad = n_chunks * rows - tokens
-    # Under Explicit axes the rows stay flat, as the kernels' and the references' results come
-    # back from jax's reshapes: its types refuse to mix (batch, sequence) with a flattened layout
-    row_shape = (rows,) if explicitly_sharded(h, labels) else strided_rows(lead, n_chunks, rows)
+    row_shape = strided_rows(lead, n_chunks, rows)
 
     def strided(a):
         """(*lead, ...) as the strided layout (*row_shape, n_chunks, ...) (module docstring: token
@@ -599,6 +604,8 @@ def linear_cross_entropy(h, kernel, labels, *, bias=None, ignore_index: int | No
                                              len(row_shape))
 
     def per_token_order(a):  # (*R, C) strided -> the tokens' leading shape
+        if len(row_shape) > 1:  # (*lead[:-1], S / C, C): no padding, the sequence's parts merged
+            return a.reshape(lead)
         return a.reshape(-1)[:tokens].reshape(lead)
 
     if reduction == "none":

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -39,20 +40,21 @@ from cutelayers.ops.linear import (
     _matmul,
     _weight_grad_einsum,
     as_kn,
-    as_rows,
+    call_gemm,
     check_kernel_layout,
     check_linear_operands,
     choose_kernels,
     column_sum,
     compute_params,
     forward_reference,
+    from_rows,
     fused_linear,
     hashable_precision,
+    kernel_rows,
     kernels_apply,
     weight_grad_schedule,
 )
-from cutelayers.runtime.sharding import kernel_call, vary_like
-from cutelayers.tuning import resolve
+from cutelayers.runtime.sharding import vary_like
 
 # The kernel operand as planes: (K, N) -> (K, P, d), or (N, K) -> (P, d, K) (``kernel_layout="nk"``)
 _PLANES_AS_N_K = {False: (2, 0, 1), True: (1, 2, 0)}  # -> (d, K, P): the forward's B, planes in L
@@ -314,7 +316,7 @@ def _weight_grad_kn(x, dys, precision, dtype):
     """xᵀ @ [dy_0 ... dy_{P-1}] (K, N) over all rows, accumulated in float32, in ``dtype``
     (:mod:`cutelayers.ops.linear`'s weight gradient on the parts side by side)."""
     dy = jnp.concatenate(dys, axis=-1)
-    return _weight_grad_einsum(as_rows(x), as_rows(dy), precision, dtype)[0]
+    return _weight_grad_einsum(x[None], dy[None], precision, dtype)[0]
 
 
 # --- kernel calls on (rows, features) arrays -------------------------------------------------------
@@ -324,14 +326,13 @@ def _forward_rows(x, kernel, bias, parts, use_kernels, precision, kernel_nk):
     if not use_kernels:
         y = forward_reference(x, as_kn(kernel, kernel_nk), bias, None, "none", precision)[0]
         return tuple(jnp.split(y, parts, axis=-1))
-    rows = as_rows(x)
-    if rows.shape[1] == 0:
+    if math.prod(lead) == 0:
         return (jnp.zeros((*lead, n // parts), x.dtype),) * parts
-    operands = [rows, as_planes(kernel, parts, kernel_nk)]
+    operands = [kernel_rows(x), as_planes(kernel, parts, kernel_nk)]
     if bias is not None:
         operands.append(bias.reshape(parts, -1))
-    family = resolve(SplitForward(parts, bias is not None, kernel_nk=kernel_nk), operands)
-    return tuple(y.reshape(*lead, n // parts) for y in kernel_call(family, *operands, lead=lead))
+    family = SplitForward(parts, bias is not None, kernel_nk=kernel_nk)
+    return tuple(from_rows(y, lead) for y in call_gemm(family, operands, (True,), lead))
 
 
 def _input_grad_rows(dys, kernel, parts, use_kernels, precision, kernel_nk):
@@ -339,12 +340,11 @@ def _input_grad_rows(dys, kernel, parts, use_kernels, precision, kernel_nk):
     if not use_kernels:
         dy = jnp.concatenate(dys, axis=-1)
         return _matmul(dy, as_kn(kernel, kernel_nk).T, precision).astype(dy.dtype)
-    rows = [as_rows(dy) for dy in dys]
-    if rows[0].shape[1] == 0:
+    if math.prod(lead) == 0:
         return jnp.zeros((*lead, k), dys[0].dtype)
-    operands = (*rows, as_planes(kernel, parts, kernel_nk))
-    (dx,) = kernel_call(resolve(SplitInputGrad(parts, kernel_nk=kernel_nk), operands), *operands, lead=lead)
-    return dx.reshape(*lead, k)
+    operands = (*(kernel_rows(dy) for dy in dys), as_planes(kernel, parts, kernel_nk))
+    (dx,) = call_gemm(SplitInputGrad(parts, kernel_nk=kernel_nk), operands, (True,) * parts, lead)
+    return from_rows(dx, lead)
 
 
 def _weight_grad_rows(x, dys, kernel_shape, bias_dtype, parts, use_kernels, precision, kernel_nk, f32_grad):
@@ -357,9 +357,10 @@ def _weight_grad_rows(x, dys, kernel_shape, bias_dtype, parts, use_kernels, prec
         dkernel = _weight_grad_kn(x, dys, precision, out_dtype)
         dbias = None if bias_dtype is None else jnp.concatenate([column_sum(dy, bias_dtype) for dy in dys])
         return dkernel.T if kernel_nk else dkernel, dbias
-    rows = as_rows(x)
-    dy_rows = tuple(as_rows(dy) for dy in dys)
-    (m, k), d = rows.shape[1:], dy_rows[0].shape[2]
+    lead = x.shape[:-1]
+    rows = kernel_rows(x)
+    dy_rows = tuple(kernel_rows(dy) for dy in dys)
+    m, k, d = math.prod(lead), x.shape[-1], dys[0].shape[-1]
     out_mn = (d, k) if kernel_nk else (k, d)
     stream_k, into_zeros, tail = weight_grad_schedule(dy_rows[0], *out_mn, m, parts,
                                                       (parts, d, k) if kernel_nk else (k, parts, d))
@@ -368,9 +369,9 @@ def _weight_grad_rows(x, dys, kernel_shape, bias_dtype, parts, use_kernels, prec
     if with_sums:
         operands += (zeros_after(dy_rows[0], (parts, d)),)
     operands += tail
-    family = resolve(SplitWeightGrad(parts, kernel_nk=kernel_nk, stream_k=stream_k, with_sums=with_sums,
-                                     accumulate=into_zeros), operands)
-    dkernel, *sums = kernel_call(family, *operands, lead=x.shape[:-1])
+    family = SplitWeightGrad(parts, kernel_nk=kernel_nk, stream_k=stream_k, with_sums=with_sums,
+                             accumulate=into_zeros)
+    dkernel, *sums = call_gemm(family, operands, (True,) * (parts + 1), lead)
     dbias = sums[0].reshape(-1).astype(bias_dtype) if with_sums else None
     return dkernel.astype(out_dtype).reshape(kernel_shape), dbias
 
