@@ -215,9 +215,10 @@ def test_megatron_mlp_matches_one_device(platform, rng):
     assert any(rows * 64 in sizes for _, sizes in found), found
 
 
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
 @pytest.mark.parametrize("rows_spec", [ROWS, P(None, "data")], ids=["batch", "sequence"])
 @pytest.mark.parametrize("layout", ["kn", "nk"])
-def test_megatron_gated_mlp_matches_one_device(layout, rows_spec, platform, rng):
+def test_megatron_gated_mlp_matches_one_device(layout, rows_spec, axis_type, platform, rng):
     """A SwiGLU block split Megatron-style, w1 (its gate and value halves side by side) and b1
     in contiguous blocks of their 2 H columns -- one device's gates, another's values --, w2
     over its input: each device computes its part of both halves (XLA moves w1's columns
@@ -225,8 +226,10 @@ def test_megatron_gated_mlp_matches_one_device(layout, rows_spec, platform, rng)
     the only collective of the (rows, .) activations is the all-reduce of fc2's (rows, 64)
     partial products -- none of the (rows, 128) hidden, nor of its (rows, 256) pre-activation.
     With the rows split along the sequence instead of the batch, the same: the kernels see both
-    views at once, the rows' (batch, sequence) and the halves' (2, H)."""
-    mesh = parallel_mesh(platform)
+    views at once, the rows' (batch, sequence) and the halves' (2, H). Over Explicit axes, whose
+    types have no sharding of the 2 H dim for a device's [gates | values], the call is refused
+    with an error that names the argument (README, Multi-GPU)."""
+    mesh = parallel_mesh(platform, axis_type)
     dtype = platform.dtype(jnp.float16)
     w1, w2 = random(rng, (64, 256), dtype) / 8, random(rng, (128, 64), dtype) / 12
     specs = (rows_spec, P(None, "model"), P("model"), P("model", None), REPLICATED, rows_spec)
@@ -240,8 +243,12 @@ def test_megatron_gated_mlp_matches_one_device(layout, rows_spec, platform, rng)
         return cl.ops.mlp(x, w1, b1, w2, b2, activation="swiglu", residual=residual, kernel_layout=layout)
 
     cotangent = np.asarray(rng.standard_normal((BATCH, SEQ, 64)), np.float32)
-    ref = STEP(block, args, tuple(range(6)), cotangent)
     sharded = put(mesh, args, specs)
+    if axis_type == "Explicit":  # no sharding of w1's 2 H columns is each device's [gates | values]
+        with pytest.raises(ValueError, match="argument 'kernel' holds a gated layer's gate and value halves"):
+            STEP.lower(block, sharded, tuple(range(6)), cotangent)
+        return
+    ref = STEP(block, args, tuple(range(6)), cotangent)
     compiled = STEP.lower(block, sharded, tuple(range(6)), cotangent).compile()
     assert_step_matches(compiled(sharded, cotangent), ref, dtype)
     found = collectives(compiled.as_text())

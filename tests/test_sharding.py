@@ -144,8 +144,15 @@ KERNEL_CASES = [c for c in CASES if c.kernels]
 # With the sequence sharded too: the LM head's chunk count must divide each device's part of a
 # row's tokens (its rows keep the (batch, sequence / chunks) axes: ops/lm_head.py), so its chunked
 # case here is 3 chunks of 16 (a row's 6 tokens as 2 x 3: a sequence device's row each)
+# A SwiGLU block too: its gate and value halves are viewed as (2, H) around the kernel calls
+# beside the rows' (batch, sequence), which over Explicit axes come to them unflattened.
 SEQUENCE_CASES = [c for c in KERNEL_CASES if c.name != "linear_cross_entropy_chunked"] + [
-    _lm_head_case("linear_cross_entropy_sequence_chunks", chunk_size=16)]
+    _lm_head_case("linear_cross_entropy_sequence_chunks", chunk_size=16),
+    Case("mlp_swiglu",
+         lambda x, w1, b1, w2, b2: cl.ops.mlp(x, w1, b1, w2, b2, activation="swiglu"),
+         lambda r, d: (_x(r, d, 32), random(r, (32, 128), d) / 6, random(r, (128,), d), random(r, (64, 32), d) / 8,
+                       random(r, (32,), d)),
+         (True, False, False, False, False), (0, 1, 2, 3, 4), jnp.float16)]
 # The ops that keep a sharded sequence over ``Explicit`` mesh axes (their kernel calls take the
 # rows unflattened); the GEMM ops still flatten it at the program's level (README, Multi-GPU)
 EXPLICIT_SEQUENCE_OPS = {"reduce_sum", "reduce_mean", "reduce_max", "layer_norm", "rms_norm", "rms_norm_no_scale",
@@ -307,7 +314,7 @@ def test_row_sharded_cuda_program_runs_kernels_per_device(case, rng, tmp_path):
 @pytest.mark.cute
 @pytest.mark.parametrize("case", [c for c in SEQUENCE_CASES if c.name in (
     "layer_norm", "softmax_cross_entropy", "mlp", "split_linear", "linear_cross_entropy",
-    "linear_cross_entropy_sequence_chunks")], ids=lambda c: c.name)
+    "linear_cross_entropy_sequence_chunks", "mlp_swiglu")], ids=lambda c: c.name)
 def test_sequence_sharded_cuda_program_runs_kernels_per_device(case, rng, tmp_path):
     """The rows sharded over both the batch and the sequence (a (data, seq) mesh): each kernel
     sees its device's (2 x 3)-row share (of a chunk's, if chunked), the per-device program gathers

@@ -419,12 +419,29 @@ def _explicit_call(family, avals, views, arrays, shardings):
     the kernel's K axis, while the kernel call's results vary like x), nor over an axis of size 1
     (never psum'd); the per-device program psums every partial sum itself."""
     p = plan(family, avals, shardings, views)
+    _check_halves_whole(family, p)
     mesh = next(s.mesh for s in shardings if isinstance(s, NamedSharding) and not s.mesh.empty)
     operands = [jax.sharding.reshard(a, NamedSharding(mesh, spec))
                 for a, spec in zip(arrays, p.operand_specs)]
     program = jax.shard_map(per_shard_program(family, p), mesh=mesh, in_specs=p.operand_specs,
                             out_specs=p.result_specs, axis_names=_explicit_axes(mesh), check_vma=False)
     return tuple(program(*operands))
+
+
+def _check_halves_whole(family: KernelFamily, p: Plan) -> None:
+    """Over ``Explicit`` axes a :class:`Halves` dim must not be split: a device's [gate_d |
+    value_d] share of it has no ``PartitionSpec`` of the 2 H dim, so the program could not hold
+    such a result (jax refuses the reshape) without gathering it."""
+    for i, dims in enumerate(p.rule.operands):
+        for f in dims:
+            if isinstance(f, Halves) and p.context.sharded(f.factor):
+                raise ValueError(
+                    f"{family.name}: argument {_argument_name(family, i)!r} holds a gated layer's gate and value "
+                    f"halves side by side and is sharded along them over Explicit mesh axes "
+                    f"{p.context.axes[f.factor]}: each device would hold its part of both halves, which no "
+                    "sharding of the 2 H dim expresses. Replicate the gated layer's 2 H dim (and the "
+                    "width it is contracted with), or use Auto mesh axes or jax.shard_map for a "
+                    "tensor-parallel gated layer.")
 
 
 def kernel_call(family: KernelFamily, *arrays, lead: tuple[int, ...] = (),
