@@ -159,6 +159,30 @@ def test_shard_map_matches_one_device(case, platform, rng):
     assert_step_matches(STEP(per_shard, put(mesh, args, case.specs()), case.wrt, cotangent), ref, dtype)
 
 
+@pytest.mark.parametrize("case", [c for c in SEQUENCE_CASES if c.name in (
+    "layer_norm", "softmax_cross_entropy", "fused_linear", "mlp_swiglu", "linear_cross_entropy")],
+    ids=lambda c: c.name)
+def test_vmap_over_explicitly_sharded_dims_matches_one_device(case, platform, rng):
+    """The Equinox style over a (data, seq) mesh of Explicit axes: the op vmapped over the batch
+    (sharded over data) and the sequence (over seq), applied per token. Inside the vmaps a token's
+    value is sharded over neither, so each kernel call maps only over the axes left; the batching
+    rule folds both dims back into its rows."""
+    mesh = platform.mesh((len(platform.devices) // 2, 2), ("data", "seq"), "Explicit")
+    dtype = platform.dtype(case.dtype)
+    args = platform.one_device(case.make_args(rng, dtype))
+    axes = tuple(0 if r else None for r in case.row_wise)
+    per_token = jax.vmap(jax.vmap(case.fn, in_axes=axes), in_axes=axes)
+    cotangent = random_cotangent(rng, case, args)
+    ref = STEP(case.fn, args, case.wrt, cotangent)
+    sharded = put(mesh, args, case.specs(P("data", "seq")))
+    got = STEP(per_token, sharded, case.wrt, cotangent)
+    assert_step_matches(got, ref, dtype)
+    both = NamedSharding(mesh, P("data", "seq"))
+    for i, g in zip(case.wrt, got[1]):
+        if case.row_wise[i]:
+            assert g.sharding.is_equivalent_to(both, g.ndim), (i, g.sharding)
+
+
 def parallel_mesh(platform, axis_type="Auto"):
     """("data", "model") with two devices on the model axis."""
     return platform.mesh((len(platform.devices) // 2, 2), ("data", "model"), axis_type)

@@ -12,9 +12,12 @@ runs. Every name below also exists, with the signature used here, in the jax 0.1
 # public defines one that is part of the jit cache key (include_in_jit_key) and the trace context.
 from jax._src.config import enum_state
 
-# isinstance checks for "is this value traced?" (a jax.Array check is true for tracers too). No
-# public alias outside the legacy jax.core.
-from jax._src.core import Tracer
+# Tracer: isinstance checks for "is this value traced?" (a jax.Array check is true for tracers
+# too). No public alias outside the legacy jax.core.
+# get_axis_env: its explicit_mesh_axis_names, the mesh axes a jax.vmap over an Explicit-sharded dim
+# takes out of those jax.shard_map may map over (shard_map's own check reads it). No public alias;
+# jax.sharding.get_abstract_mesh() still lists those axes.
+from jax._src.core import Tracer, get_axis_env
 
 # The eager impl of a primitive that has only lowerings: compile the one primitive with XLA and
 # cache the executable. jax.extend.core offers Primitive, not this impl.
@@ -29,4 +32,5 @@ from jax._src.interpreters.partial_eval import DynamicJaxprTracer
 # jax.interpreters.mlir; jax.extend.mlir has none.
 from jax._src.sharding_impls import ShardingContext, SPMDAxisContext
 
-__all__ = ["DynamicJaxprTracer", "SPMDAxisContext", "ShardingContext", "Tracer", "apply_primitive", "enum_state"]
+__all__ = ["DynamicJaxprTracer", "SPMDAxisContext", "ShardingContext", "Tracer", "apply_primitive", "enum_state",
+           "get_axis_env"]

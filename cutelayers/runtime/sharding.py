@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from cutelayers.runtime._jax_compat import DynamicJaxprTracer, Tracer
+from cutelayers.runtime._jax_compat import DynamicJaxprTracer, Tracer, get_axis_env
 from cutelayers.runtime.family import ROWS, Halves, KernelFamily, ShardingRule
 from cutelayers.runtime.primitive import kernel_call_p
 
@@ -423,8 +423,11 @@ def _explicit_call(family, avals, views, arrays, shardings):
     mesh = next(s.mesh for s in shardings if isinstance(s, NamedSharding) and not s.mesh.empty)
     operands = [jax.sharding.reshard(a, NamedSharding(mesh, spec))
                 for a, spec in zip(arrays, p.operand_specs)]
+    # Inside jax.vmap of an array sharded along the mapped dim, shard_map may not map over that
+    # dim's mesh axes (a per-example value is not sharded over them): it maps over the others
+    names = _explicit_axes(mesh) - get_axis_env().explicit_mesh_axis_names
     program = jax.shard_map(per_shard_program(family, p), mesh=mesh, in_specs=p.operand_specs,
-                            out_specs=p.result_specs, axis_names=_explicit_axes(mesh), check_vma=False)
+                            out_specs=p.result_specs, axis_names=names, check_vma=False)
     return tuple(program(*operands))
 
 
