@@ -163,10 +163,12 @@ def test_a_symbolic_token_count_exports_the_head_and_the_embedding_gradient(dtyp
             assert_close(got, want, dtype)
 
 
-def test_a_symbolic_row_width_exports_the_row_ops_reference(rng):
+@pytest.mark.parametrize("lead", [(4,), (2, 2)], ids=["rows", "batch_seq"])
+def test_a_symbolic_row_width_exports_the_row_ops_reference(lead, rng):
     # no row kernel config can be chosen for a symbolic width: the norms, losses and reductions
     # take their reference (one fallback line each), for CUDA too, with the direct call's values;
-    # backend 'cute' refuses it naming why
+    # backend 'cute' refuses it naming why. (batch, seq) rows: the kernel calls take them
+    # unflattened, and the reference's results come back in that shape.
     width = jax.export.symbolic_shape("width")[0]
 
     def row_ops(x, labels):
@@ -174,11 +176,12 @@ def test_a_symbolic_row_width_exports_the_row_ops_reference(rng):
         loss, ce_grad = jax.value_and_grad(lambda x: cl.ops.softmax_cross_entropy(x, labels).mean())(x)
         return norm_grad, loss, ce_grad, cl.ops.reduce_max(x), cl.ops.rms_norm(x)
 
-    specs = (jax.ShapeDtypeStruct((4, width), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.int32))
+    specs = (jax.ShapeDtypeStruct((*lead, width), jnp.float32), jax.ShapeDtypeStruct(lead, jnp.int32))
     exported = cl.aot.export(row_ops, *specs, platforms=("cuda", "cpu"))
     assert not cl.aot.kernel_targets(str(exported.mlir_module()))
     for n in (1, 9, 700):
-        args = (jnp.asarray(rng.standard_normal((4, n)), jnp.float32), jnp.asarray(rng.integers(0, n, 4), jnp.int32))
+        args = (jnp.asarray(rng.standard_normal((*lead, n)), jnp.float32),
+                jnp.asarray(rng.integers(0, n, lead), jnp.int32))
         for got, want in zip(exported.call(*args), jax.jit(row_ops)(*args), strict=True):
             assert got.shape == want.shape
             assert_close(got, want, jnp.float32)

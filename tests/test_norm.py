@@ -274,9 +274,10 @@ def test_per_example_params_under_vmap(op, rng):
 
 
 def test_empty_rows_and_output_dtype(rng):
-    assert layer_norm(jnp.ones((0, 5))).shape == (0, 5)
-    g = jax.grad(lambda s: jnp.sum(layer_norm(jnp.ones((0, 5)), s)))(jnp.ones(5))
-    np.testing.assert_array_equal(g, 0.0)
+    for lead in ((0,), (2, 0)):  # (2, 0): rows given to the kernel call as (batch, sequence)
+        assert layer_norm(jnp.ones((*lead, 5))).shape == (*lead, 5)
+        g = jax.grad(lambda s, lead=lead: jnp.sum(layer_norm(jnp.ones((*lead, 5)), s)))(jnp.ones(5))
+        np.testing.assert_array_equal(g, 0.0)
     x = random(rng, (4, 16), jnp.bfloat16)
     assert layer_norm(x).dtype == jnp.bfloat16
     assert rms_norm(x, dtype=jnp.float32).dtype == jnp.float32

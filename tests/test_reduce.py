@@ -95,6 +95,7 @@ def test_vmap_jit_grad_compositions(op, rng):
 
 def test_empty_rows_and_nonfinite():
     assert cl.ops.reduce_sum(jnp.ones((0, 5))).shape == (0,)
+    assert cl.ops.reduce_sum(jnp.ones((2, 0, 5))).shape == (2, 0)
     x = jnp.array([[1.0, jnp.nan, 2.0], [1.0, jnp.inf, 2.0], [-jnp.inf, -jnp.inf, -1.0]])
     out = cl.ops.reduce_max(x)
     assert np.isnan(out[0]) and out[1] == np.inf and out[2] == -1.0

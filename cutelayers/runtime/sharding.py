@@ -517,8 +517,11 @@ def kernel_avals(arrays, lead: tuple[int, ...] = (), rows_at: Sequence[int | Non
 def rows_as_lead(family: KernelFamily, avals, results, lead: tuple[int, ...]) -> tuple[jax.Array, ...]:
     """``results`` of the kernel on ``avals`` (flat rows, e.g. the reference's) with each rows
     dim as ``lead``'s dims, as :func:`kernel_call` gives them for operands given as rows."""
-    views = Views(tuple(lead))
-    return tuple(views.split(r, dims) for r, dims in zip(results, rule_for(family, avals).results))
+    def as_lead(r, dims):
+        d = dims.index(ROWS) if ROWS in dims else None
+        return r if d is None else r.reshape(*r.shape[:d], *lead, *r.shape[d + 1:])
+
+    return tuple(as_lead(r, dims) for r, dims in zip(results, rule_for(family, avals).results))
 
 
 def _row_view(rule: ShardingRule, avals, out_avals, lead) -> tuple[int, ...]:
