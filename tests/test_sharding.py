@@ -404,13 +404,14 @@ CLASS_SHARDED = {
 }
 
 
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
 @pytest.mark.parametrize("name", CLASS_SHARDED)
-def test_class_sharded_cross_entropy_matches_one_device(name, rng):
+def test_class_sharded_cross_entropy_matches_one_device(name, axis_type, rng):
     """Logits sharded along the classes (vocabulary parallel): each device reduces its slice, the
     rows' lse and the label's logit are combined across the "model" axis, values and gradients
     are one device's, and nothing is gathered but (rows,) statistics."""
     fn, make_args, specs, wrt, dtype = CLASS_SHARDED[name]
-    mesh = make_mesh((2, 2), ("data", "model"))
+    mesh = make_mesh((2, 2), ("data", "model"), axis_type)
     args = make_args(rng, dtype)
     cotangent = random_cotangent(rng, Case(name, fn, make_args, (), wrt), args)
     step = jax.jit(loss_and_grads, static_argnums=(0, 2))
