@@ -535,12 +535,13 @@ def _fsdp_mlp(activation):
     return jax.value_and_grad(loss, argnums=(0, 1, 2))
 
 
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
 @pytest.mark.parametrize("activation", ["gelu", "swiglu", "geglu"])
-def test_fsdp_parameters_are_gathered_and_match_one_device(activation, rng):
+def test_fsdp_parameters_are_gathered_and_match_one_device(activation, axis_type, rng):
     """Weights sharded over the axes that shard the batch (fsdp) are gathered for the call: a
     gated fc1's gate and value columns (whose halves' factor the rows' axes cannot take too) and,
     where the kernel needs the dim whole, a norm's scale -- both raised at compile time before."""
-    mesh = make_mesh((2, 2), ("data", "fsdp"))
+    mesh = make_mesh((2, 2), ("data", "fsdp"), axis_type)
     width = 2 * 64 if activation.endswith("glu") else 64  # a gated kernel's hidden width: a multiple of 64
     args = (_x(rng, jnp.bfloat16, 64), random(rng, (64, width), jnp.bfloat16) / 8,
             random(rng, (64, 64), jnp.bfloat16) / 6)
@@ -550,6 +551,36 @@ def test_fsdp_parameters_are_gathered_and_match_one_device(activation, rng):
     x, scale = _x(rng, jnp.float32, 64), random(rng, (64,), jnp.float32)
     norm = jax.jit(jax.grad(lambda x, s: cl.ops.rms_norm(x, s).sum(), argnums=(0, 1)))
     assert_trees_match(norm(*put(mesh, (x, scale), (FSDP_ROWS, P("fsdp")))), norm(x, scale), tol_dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+@pytest.mark.parametrize("path", ["exp_path", "bias"])
+def test_fsdp_head_and_embedding_match_one_device(path, axis_type, rng):
+    """An fsdp-sharded LM head kernel (and bias) and embedding table are gathered for the calls;
+    their gradients come back in the parameters' shardings -- over Explicit axes the custom_vjp's
+    types demand it (a type error before)."""
+    mesh = make_mesh((2, 2), ("data", "fsdp"), axis_type)
+    dtype = jnp.bfloat16 if path == "exp_path" else jnp.float16
+    h, labels = _x(rng, dtype, 32), _labels(rng, 64)
+    ids = jnp.asarray(rng.integers(0, 40, (BATCH, SEQ)), jnp.int32)
+    args = (h, random(rng, (32, 64), dtype) / 6, random(rng, (64,), dtype), random(rng, (40, 32), dtype), labels, ids)
+    bias = path == "bias"
+
+    def loss(h, w, b, table, labels, ids):
+        x = h + cl.ops.embed(table, ids)
+        return cl.ops.linear_cross_entropy(x, w, labels, bias=b if bias else None, ignore_index=-1)
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+    specs = (FSDP_ROWS, P("fsdp", None), P("fsdp"), P("fsdp", None), FSDP_ROWS, FSDP_ROWS)
+    sharded = put(mesh, args, specs)
+    with jax.set_mesh(mesh):
+        value, grads = step(*sharded)
+    ref_value, ref_grads = step(*args)
+    assert_close(value, ref_value, dtype)
+    assert_trees_match(grads[:2 + bias] + grads[3:], ref_grads[:2 + bias] + ref_grads[3:], tol_dtype=dtype)
+    if axis_type == "Explicit":  # (under Auto axes XLA lays the results out as it likes)
+        for g, spec in zip(grads[1:], specs[1:4]):
+            assert g.sharding.is_equivalent_to(NamedSharding(mesh, spec), g.ndim), (g.sharding, spec)
 
 
 @pytest.mark.cute

@@ -35,7 +35,7 @@ from cutelayers.kernels.hopper import concrete_dim
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import as_int32, check_dtype, check_float_array
 from cutelayers.ops._zeros import zeros_after
-from cutelayers.runtime.sharding import vary_like
+from cutelayers.runtime.sharding import typed_like, vary_like
 
 F32 = jnp.float32
 BLOCK_TOKENS = 128  # tokens summed per block before the scatter (fastest of 128-1024 on an H100)
@@ -144,10 +144,12 @@ def _embed_fn(num_embeddings: int, table_dtype, dtype, mode: str):
         # ids' spec, the features whole
         rows_sharding = _explicit_sharding(ids, lambda spec: jax.sharding.PartitionSpec(*spec, None))
         rows = table.at[ids].get(mode="fill", fill_value=jnp.nan, out_sharding=rows_sharding)
-        return rows.astype(dtype), ids
+        return rows.astype(dtype), (ids, table)  # the table as given, alive anyway: its type
 
-    def lookup_bwd(ids, dy):
-        return _folded_table_grad(num_embeddings)(dy, ids).astype(table_dtype), None
+    def lookup_bwd(res, dy):
+        ids, table = res
+        (dtable,) = typed_like((table,), (_folded_table_grad(num_embeddings)(dy, ids).astype(table_dtype),))
+        return dtable, None
 
     lookup.defvjp(lookup_fwd, lookup_bwd)
     return fold_batch(lookup, shared=(0,), per_example=lookup)

@@ -82,7 +82,14 @@ from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import check_float_array
 from cutelayers.ops._zeros import zeros_after
 from cutelayers.runtime.family import Halves, ShardingRule, TunableFamily
-from cutelayers.runtime.sharding import kernel_avals, kernel_call, run_kernel, sum_partials, vary_like
+from cutelayers.runtime.sharding import (
+    kernel_avals,
+    kernel_call,
+    run_kernel,
+    sum_partials,
+    typed_like,
+    vary_like,
+)
 from cutelayers.tuning import resolve
 
 # Activation names and their fp32 jnp definitions (the kernel epilogue implements the same
@@ -1317,7 +1324,7 @@ def _linear_fn(activation: str, has_residual: bool, use_kernels: bool, precision
         dx = input_grad(dz, kernel)
         dkernel, dbias = weight_and_bias_grads(x, dz, kernel_nk, bias is not None, use_kernels, precision,
                                                f32_params)
-        return dx, dkernel, dbias, dy if has_residual else None
+        return dx, *typed_like((kernel, bias), (dkernel, dbias)), dy if has_residual else None
 
     linear.defvjp(fwd, bwd)
     return fold_batch(linear, shared=(1, 2), per_example=linear)

@@ -111,7 +111,7 @@ from cutelayers.ops.softmax import (
     check_loss_options,
     cross_entropy_kernels,
 )
-from cutelayers.runtime.sharding import explicitly_sharded, vary_like
+from cutelayers.runtime.sharding import explicitly_sharded, typed_like, vary_like
 
 F32 = jnp.float32
 # The default chunk: CHUNK_ROWS tokens, fewer where their float32-equivalent logits would pass
@@ -304,16 +304,18 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
         carry, ys = jax.lax.scan(step, carry, jax.tree.map(lambda a: a[1:], xs))
         return carry, jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), y, ys)
 
-    def cotangents(grads, scale=None):
-        """(dh, dlabels, dkernel, dbias) in the primals' dtypes (the parameters': h's, or float32),
-        times ``scale`` (in float32)."""
+    def cotangents(grads, params, scale=None):
+        """(dh, dlabels, dkernel, dbias) in the primals' dtypes (the parameters': h's, or float32)
+        and, over Explicit axes, the parameters' shardings (``params``: kernel, bias), times
+        ``scale`` (in float32)."""
         dh, dkernel, dbias = grads
         param_dtype = F32 if f32_params else dh.dtype
         if scale is not None:
             dh = (dh.astype(F32) * scale).astype(dh.dtype)
             dkernel = dkernel * scale
             dbias = None if dbias is None else dbias * scale
-        return dh, None, dkernel.astype(param_dtype), None if dbias is None else dbias.astype(param_dtype)
+        dparams = (dkernel.astype(param_dtype), None if dbias is None else dbias.astype(param_dtype))
+        return dh, None, *typed_like(params, dparams)
 
     def takes_exp_path(h, bias) -> bool:
         return _takes_exp_path(use_kernels, options, bias is not None, h.dtype)
@@ -343,7 +345,7 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
         kernel, bias = compute_params(h, kernel, bias)
         dloss = cotangents_out[0].astype(F32)  # lse's is dropped (the op stops its gradient)
         if takes_exp_path(h, bias):  # the weighted total's gradients, the cotangents its weights
-            return cotangents(exp_total_fwd(h, labels, kernel, dloss)[1])
+            return cotangents(exp_total_fwd(h, labels, kernel, dloss)[1], (kernel, bias))
 
         def step(grads, xs):
             c, lse_c = xs
@@ -351,7 +353,7 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
             return add_chunk_grads(grads, h, kernel, bias, c, dz), ()
 
         grads, _ = scan_chunks(step, (jnp.arange(n_chunks(h)), lse))
-        return cotangents(grads)
+        return cotangents(grads, (kernel, bias))
 
     losses.defvjp(losses_fwd, losses_bwd)
 
@@ -361,9 +363,11 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
         return jnp.sum(loss * weights), lse
 
     def total_fwd(h, labels, kernel, bias, weights):
+        params = (kernel, bias)  # as given, alive anyway: their types for the cotangents'
         kernel, bias = compute_params(h, kernel, bias)
         if takes_exp_path(h, bias):
-            return exp_total_fwd(h, labels, kernel, weights)
+            out, grads = exp_total_fwd(h, labels, kernel, weights)
+            return out, (grads, params)
 
         def step(carry, c):
             grads, total = carry or (None, None)
@@ -375,7 +379,7 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
             return (grads, chunk_total if total is None else total + chunk_total), lse_c
 
         (grads, total), lse = scan_chunks(step, jnp.arange(n_chunks(h)))
-        return (total, lse), grads
+        return (total, lse), (grads, params)
 
     def column_sums(kernel):
         """The kernel's columns (a (V, H) table's rows) summed, (H,) float32, for label smoothing:
@@ -468,8 +472,9 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
             dkernel = dkernel + (smoothed[None, :] if vocab_major else smoothed[:, None])
         return (total, lse), (dh, dkernel, None)
 
-    def total_bwd(grads, cotangents_out):
-        return *cotangents(grads, scale=cotangents_out[0]), None
+    def total_bwd(res, cotangents_out):
+        grads, params = res
+        return *cotangents(grads, params, scale=cotangents_out[0]), None
 
     weighted_total.defvjp(total_fwd, total_bwd)
     return losses, weighted_total

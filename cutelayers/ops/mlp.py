@@ -57,7 +57,7 @@ from cutelayers.ops.linear import (
     resolve_activation,
     weight_and_bias_grads,
 )
-from cutelayers.runtime.sharding import vary_like
+from cutelayers.runtime.sharding import typed_like, vary_like
 
 
 @functools.cache
@@ -95,7 +95,7 @@ def _mlp_fn(activation: str, has_residual: bool, use_kernels: bool, precision, k
         dx = fc1_input_grad(dz1, w1)
         dw1, db1 = weight_and_bias_grads(x, dz1, kernel_nk, b1 is not None, use_kernels, precision, f32_params,
                                          halves=gated)
-        return dx, dw1, db1, dw2, db2, dy if has_residual else None
+        return dx, *typed_like((w1, b1, w2, b2), (dw1, db1, dw2, db2)), dy if has_residual else None
 
     mlp.defvjp(fwd, bwd)
     return fold_batch(mlp, shared=(1, 2, 3, 4), per_example=mlp)

@@ -49,7 +49,7 @@ from cutelayers.ops._rowwise import (
     symbolic_width,
 )
 from cutelayers.runtime.family import ShardingRule
-from cutelayers.runtime.sharding import kernel_avals, run_kernel, vary_like
+from cutelayers.runtime.sharding import kernel_avals, run_kernel, typed_like, vary_like
 from cutelayers.tuning import resolve
 
 
@@ -568,7 +568,7 @@ def _norm_fn(center: bool, has_residual: bool, has_scale: bool, has_bias: bool, 
         grads = cotangents if has_residual else (cotangents,)  # dy, [dsummed]
         dx, *dparams = backward(source, *grads, *stats, *((scale,) if has_scale else ()))
         # x and the residual get the same gradient, each in its dtype.
-        dparams = tuple(d.astype(p.dtype) for d, p in zip(dparams, params))
+        dparams = typed_like(params, tuple(d.astype(p.dtype) for d, p in zip(dparams, params)))
         return (dx.astype(x_dtype),) + (dx,) * has_residual + dparams
 
     norm.defvjp(fwd, bwd)

@@ -54,7 +54,7 @@ from cutelayers.ops.linear import (
     kernels_apply,
     weight_grad_schedule,
 )
-from cutelayers.runtime.sharding import vary_like
+from cutelayers.runtime.sharding import typed_like, vary_like
 
 # The kernel operand as planes: (K, N) -> (K, P, d), or (N, K) -> (P, d, K) (``kernel_layout="nk"``)
 _PLANES_AS_N_K = {False: (2, 0, 1), True: (1, 2, 0)}  # -> (d, K, P): the forward's B, planes in L
@@ -409,7 +409,7 @@ def _split_fn(parts: int, use_kernels: bool, precision, kernel_nk: bool, f32_par
         # per-example kernels (vmap of grad) come here batched: each example its own sum over rows
         bias_dtype = None if bias is None else (jnp.float32 if f32_params else x.dtype)
         dkernel, dbias = _per_example_weight_grad(weight_grad, x, dys, kernel.shape, bias_dtype)
-        return dx, dkernel, dbias
+        return dx, *typed_like((kernel, bias), (dkernel, dbias))
 
     split.defvjp(fwd, bwd)
     return fold_batch(split, shared=(1, 2), per_example=split)

@@ -405,6 +405,17 @@ def explicitly_sharded(*arrays) -> bool:
     return _explicit_shardings(arrays) is not None
 
 
+def typed_like(primals, cotangents) -> tuple:
+    """``cotangents`` (None passes through), each resharded to its primal's sharding where that
+    is over ``Explicit`` mesh axes: a custom_vjp's backward must give its primals' types, and a
+    parameter that the kernel call gathered whole (fsdp) gets its gradient whole on every device."""
+    def like(p, c):
+        return c if c is None or p is None or not explicitly_sharded(p) else jax.sharding.reshard(
+            c, jax.typeof(p).sharding)
+
+    return tuple(like(p, c) for p, c in zip(primals, cotangents, strict=True))
+
+
 def _explicit_axes(mesh) -> set[str]:
     return {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit}
 
