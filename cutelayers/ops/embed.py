@@ -96,12 +96,13 @@ def table_grad(dy: jax.Array, ids: jax.Array, num_embeddings: int, block_tokens:
     sums = jnp.einsum("rnij,rnjh->rnih", gather, dy, preferred_element_type=F32)
     if sums.shape[-1] != h:
         sums = sums[..., :h] + sums[..., h:2 * h] + sums[..., 2 * h:]
-    targets = jnp.where(first, ids, num_embeddings).reshape(-1)
-    # Under Explicit mesh axes the row-sharded sums go into a replicated table: JAX types that
-    # scatter only when told its result's sharding (its zeros must carry the mesh, too).
+    targets = jnp.where(first, ids, num_embeddings)  # (rows, blocks, i): not flattened, which
+    # under Explicit mesh axes jax refuses for a sharded dim past the first (a vmap's batch).
+    # The row-sharded sums go into a replicated table: JAX types that scatter only when told its
+    # result's sharding (its zeros must carry the mesh, too).
     replicated = _explicit_sharding(sums, lambda spec: jax.sharding.PartitionSpec())
     zeros = zeros_after(sums, (num_embeddings, h), out_sharding=replicated)
-    return zeros.at[targets].add(sums.reshape(-1, h), mode="drop", out_sharding=replicated)
+    return zeros.at[targets].add(sums, mode="drop", out_sharding=replicated)
 
 
 def _explicit_sharding(x, spec_from):
