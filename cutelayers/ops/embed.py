@@ -35,7 +35,7 @@ from cutelayers.kernels.hopper import concrete_dim
 from cutelayers.ops._batching import fold_batch
 from cutelayers.ops._rowwise import as_int32, check_dtype, check_float_array
 from cutelayers.ops._zeros import zeros_after
-from cutelayers.runtime.sharding import typed_like, vary_like
+from cutelayers.runtime.sharding import explicit_sharding, typed_like, vary_like
 
 F32 = jnp.float32
 BLOCK_TOKENS = 128  # tokens summed per block before the scatter (fastest of 128-1024 on an H100)
@@ -100,21 +100,9 @@ def table_grad(dy: jax.Array, ids: jax.Array, num_embeddings: int, block_tokens:
     # under Explicit mesh axes jax refuses for a sharded dim past the first (a vmap's batch).
     # The row-sharded sums go into a replicated table: JAX types that scatter only when told its
     # result's sharding (its zeros must carry the mesh, too).
-    replicated = _explicit_sharding(sums, lambda spec: jax.sharding.PartitionSpec())
+    replicated = explicit_sharding(sums, lambda spec: jax.sharding.PartitionSpec())
     zeros = zeros_after(sums, (num_embeddings, h), out_sharding=replicated)
     return zeros.at[targets].add(sums, mode="drop", out_sharding=replicated)
-
-
-def _explicit_sharding(x, spec_from):
-    """Where x's type is sharded (``Explicit`` mesh axes), the sharding ``spec_from(x's spec)`` on
-    x's own (abstract) mesh -- for a result JAX cannot infer; None elsewhere (``Auto`` axes, inside
-    ``jax.shard_map``, one device). Built from x's sharding because jax >= 0.11 takes a bare
-    PartitionSpec only inside ``jax.set_mesh``."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    spec = getattr(sharding, "spec", None)
-    if spec is None or all(axis is None for axis in spec):
-        return None
-    return sharding.update(spec=spec_from(spec))
 
 
 @functools.cache
@@ -143,9 +131,9 @@ def _embed_fn(num_embeddings: int, table_dtype, dtype, mode: str):
     def lookup_fwd(table, ids):
         ids = _normalized(ids, num_embeddings, mode)
         # ids' spec, the features whole
-        rows_sharding = _explicit_sharding(ids, lambda spec: jax.sharding.PartitionSpec(*spec, None))
+        rows_sharding = explicit_sharding(ids, lambda spec: jax.sharding.PartitionSpec(*spec, None))
         rows = table.at[ids].get(mode="fill", fill_value=jnp.nan, out_sharding=rows_sharding)
-        return rows.astype(dtype), (ids, table)  # the table as given, alive anyway: its type
+        return rows.astype(dtype), (ids, table)  # the backward reads the table's type alone
 
     def lookup_bwd(res, dy):
         ids, table = res

@@ -83,6 +83,7 @@ from cutelayers.ops._rowwise import check_float_array
 from cutelayers.ops._zeros import zeros_after
 from cutelayers.runtime.family import Halves, ShardingRule, TunableFamily
 from cutelayers.runtime.sharding import (
+    explicit_sharding,
     kernel_avals,
     kernel_call,
     run_kernel,
@@ -1192,10 +1193,7 @@ def weight_grad_schedule(anchor, m: int, n: int, rows: int, batch: int, out_shap
 def _row_zeros(rows, k):
     """float32 zeros (1, ..., k) for rows (1, ..., N) (:func:`kernel_rows`), sharded like them over
     ``Explicit`` mesh axes."""
-    sharding = jax.typeof(rows).sharding
-    spec = tuple(sharding.spec) + (None,) * (rows.ndim - len(sharding.spec))
-    explicit = None if all(axis is None for axis in spec) else NamedSharding(
-        sharding.mesh, PartitionSpec(*spec[:-1], None))
+    explicit = explicit_sharding(rows, lambda spec: PartitionSpec(*spec[:-1], None))
     return zeros_after(rows, (*rows.shape[:-1], k), out_sharding=explicit)
 
 

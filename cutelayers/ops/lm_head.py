@@ -111,7 +111,7 @@ from cutelayers.ops.softmax import (
     check_loss_options,
     cross_entropy_kernels,
 )
-from cutelayers.runtime.sharding import explicitly_sharded, typed_like, vary_like
+from cutelayers.runtime.sharding import explicit_sharding, typed_like, vary_like
 
 F32 = jnp.float32
 # The default chunk: CHUNK_ROWS tokens, fewer where their float32-equivalent logits would pass
@@ -201,12 +201,6 @@ def _at_labels(y):
     # jnp.indices(sparse=True), but for a symbolic row count too (jax.export)
     return (*(jax.lax.broadcasted_iota(jnp.int32, tuple(n if i == d else 1 for i, n in enumerate(y.shape)), d)
               for d in range(y.ndim)), y)
-
-
-def _explicit_sharding(a):
-    """``a``'s sharding where its type shards it over ``Explicit`` mesh axes (a gather's result
-    there, which jax does not infer), else None."""
-    return jax.typeof(a).sharding if explicitly_sharded(a) else None
 
 
 def _zeros_of_type(a, dtype=None):
@@ -363,7 +357,7 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
         return jnp.sum(loss * weights), lse
 
     def total_fwd(h, labels, kernel, bias, weights):
-        params = (kernel, bias)  # as given, alive anyway: their types for the cotangents'
+        params = (kernel, bias)  # as passed: the backward reads their types alone (the cotangents')
         kernel, bias = compute_params(h, kernel, bias)
         if takes_exp_path(h, bias):
             out, grads = exp_total_fwd(h, labels, kernel, weights)
@@ -404,7 +398,7 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
         # GEMM wrote it, so the second pass and the scatter-add into the label entries
         # (exp_total_fwd) update P in place. Without it XLA may fuse this gather into a consumer
         # after an update and keep a copy of P: a second chunk of scratch (tests/test_heads_bench.py).
-        p_y = p.at[_at_labels(y_safe)].get(out_sharding=_explicit_sharding(y_safe)).astype(F32)
+        p_y = p.at[_at_labels(y_safe)].get(out_sharding=explicit_sharding(y_safe)).astype(F32)
         p, p_y = jax.lax.optimization_barrier((p, p_y))
         out = ~((s >= math.exp(-EXP_RANGE)) & (s <= math.exp(EXP_RANGE)) & (~known | (p_y >= LABEL_EXP_MIN)))
         # The rows out of range, again: a pass that finds each one's max logit and its label's
@@ -456,7 +450,7 @@ def _chunked_fns(ignore_index, options: tuple[float, float, float], vocab_major:
             scale = jnp.where(part.unknown, jnp.nan, w_c * factor / part.s)
             label_entry = jnp.where(part.counted, -(1.0 - smoothing) * part.s / factor, 0.0)
             p = part.p.at[_at_labels(part.y_safe)].add(label_entry.astype(part.p.dtype),
-                                                       out_sharding=_explicit_sharding(part.p))
+                                                       out_sharding=explicit_sharding(part.p))
             uniform = None
             if smoothing:
                 u = -smoothing / classes(kernel) * w_c

@@ -405,6 +405,19 @@ def explicitly_sharded(*arrays) -> bool:
     return _explicit_shardings(arrays) is not None
 
 
+def explicit_sharding(x, spec_from=lambda spec: spec):
+    """Where ``x``'s type is sharded over ``Explicit`` mesh axes, the sharding ``spec_from(x's
+    spec)`` (one entry per dim of x) on x's own (abstract) mesh -- for a result jax does not infer
+    (a gather's, a scatter's, zeros made beside x); None elsewhere (``Auto`` axes, inside
+    ``jax.shard_map``, one device). Built from x's sharding because jax >= 0.11 takes a bare
+    PartitionSpec only inside ``jax.set_mesh``."""
+    if not explicitly_sharded(x):
+        return None
+    sharding = jax.typeof(x).sharding
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    return sharding.update(spec=spec_from(PartitionSpec(*spec)))
+
+
 def typed_like(primals, cotangents) -> tuple:
     """``cotangents`` (None passes through), each resharded to its primal's sharding where that
     is over ``Explicit`` mesh axes: a custom_vjp's backward must give its primals' types, and a
